@@ -1,0 +1,151 @@
+"""Per-request block tables over the shared BlockPool, with automatic prefix caching."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from iterserve.core.block_pool import BlockPool, hash_block
+from iterserve.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Hands out blocks so that a request's block table always covers the tokens it has
+    computed plus those scheduled this step. Full blocks are registered in the prefix cache
+    as soon as they are scheduled (their KV is written by the step that computes them, before
+    any attention in the same layer reads it)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def _ensure_hashes(self, req: Request, num_full_blocks: int) -> None:
+        hashes, bs, toks = req.block_hashes, self.block_size, req.all_token_ids
+        for i in range(len(hashes), num_full_blocks):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block(parent, toks[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of ``req`` (whole blocks), never covering its last token,
+        which is always recomputed so the step yields logits to sample from."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        self._ensure_hashes(req, max_blocks)
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            h = req.block_hashes[i]
+            bid = self.pool.lookup(parent, h, req.all_token_ids[i * bs : (i + 1) * bs])
+            if bid is None:
+                break
+            hits.append(bid)
+            parent = h
+        return hits, len(hits) * bs
+
+    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        return self._num_new_blocks(req, num_new_tokens, computed_blocks) is not None
+
+    def _num_new_blocks(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int | None:
+        blocks = self.req_blocks.get(req.request_id, ())
+        total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        need = max(0, self.blocks_for(total) - len(blocks) - len(computed_blocks))
+        # Cached hits that are currently free leave the free queue when touched.
+        reclaimed = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reclaimed:
+            return None
+        return need
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Grows ``req``'s block table to cover its computed tokens, ``computed_blocks``
+        (prefix hits, when admitting) and ``num_new_tokens``. False, changing nothing, if the
+        pool is short."""
+        need = self._num_new_blocks(req, num_new_tokens, computed_blocks)
+        if need is None:
+            return False
+        rid = req.request_id
+        blocks = self.req_blocks.setdefault(rid, [])
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+        if need:
+            blocks.extend(self.pool.allocate(need))
+        if self.enable_prefix_caching:
+            total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+            self._register_full_blocks(req, blocks, total // self.block_size)
+        return True
+
+    def _register_full_blocks(self, req: Request, blocks: list[int], num_full: int) -> None:
+        rid, bs = req.request_id, self.block_size
+        start = self._num_registered.get(rid, 0)
+        if num_full <= start:
+            return
+        self._ensure_hashes(req, num_full)
+        hashes = req.block_hashes
+        for i in range(start, num_full):
+            parent = hashes[i - 1] if i else None
+            self.pool.cache(blocks[i], parent, hashes[i], req.all_token_ids[i * bs : (i + 1) * bs])
+        self._num_registered[rid] = num_full
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, None)
+        self._num_registered.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+        self._num_registered = {rid: 0 for rid in self.req_blocks}
+
+    def check_integrity(self, requests: Iterable[Request] = ()) -> None:
+        """Asserts the accounting: each block's ref count equals the number of block tables
+        holding it, free + used == total, and each listed request's table covers exactly its
+        computed tokens (call between steps)."""
+        self.pool.check_integrity()
+        refs = [0] * self.pool.num_blocks
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                refs[b] += 1
+        for blk in self.pool.blocks:
+            if blk.ref_cnt != refs[blk.block_id]:
+                raise AssertionError(
+                    f"block {blk.block_id}: ref_cnt {blk.ref_cnt} but held by {refs[blk.block_id]} tables"
+                )
+        used = sum(1 for r in refs if r > 0)
+        if used + self.pool.num_free_blocks != self.pool.num_blocks:
+            raise AssertionError(f"used {used} + free {self.pool.num_free_blocks} != {self.pool.num_blocks}")
+        for req in requests:
+            n = len(self.req_blocks.get(req.request_id, ()))
+            if n != self.blocks_for(req.num_computed_tokens):
+                raise AssertionError(
+                    f"{req.request_id}: {n} blocks for {req.num_computed_tokens} computed tokens"
+                )

@@ -1,0 +1,132 @@
+"""A request as the scheduler sees it: its tokens and how many of them are computed."""
+
+from __future__ import annotations
+
+import enum
+
+from iterserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed
+    FINISHED = "finished"
+
+    @property
+    def is_finished(self) -> bool:
+        return self is RequestStatus.FINISHED
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class Request:
+    """Prompt plus generated tokens and the counter ``num_computed_tokens``.
+
+    Prefill, chunked prefill, decode, resume after preemption and prefix hits are all the
+    same thing to the scheduler: bring ``num_computed_tokens`` up to ``num_tokens``.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "all_token_ids",
+        "params",
+        "arrival_time",
+        "priority",
+        "max_tokens",
+        "eos_token_ids",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "status",
+        "finish_reason",
+        "stop_reason",
+        "error",
+        "num_preemptions",
+        "block_hashes",
+        "arrival_seq",
+        "admit_seq",
+        "first_scheduled_time",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        arrival_seq: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit tokens at first admission; -1: not yet
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # chained hashes of full blocks, grown lazily
+        self.arrival_seq = arrival_seq  # tie-breaker: order of add_request
+        self.admit_seq = -1  # order of (re)admission into the running set
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, token_id: int, max_model_len: int) -> bool:
+        """Sets finish_reason if ``token_id`` (just appended) ends the request."""
+        p = self.params
+        n_out = self.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                self.finish_reason = FinishReason.STOP
+                return True
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                self.finish_reason = FinishReason.STOP
+                self.stop_reason = token_id
+                return True
+        if n_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = FinishReason.LENGTH
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

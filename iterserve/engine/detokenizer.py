@@ -1,0 +1,67 @@
+"""Incremental detokenization with stop strings.
+
+Decoding one token alone breaks multi-byte characters and word-boundary spaces, so each
+step decodes a short window (a few tokens of context before the unread ones) and keeps the
+part past the context. Text that could still turn out to be the start of a stop string is
+held back from streaming until it is known not to be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_CONTEXT = 5  # tokens of left context; enough for byte-level BPE and SentencePiece spaces
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop)
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self._ids = list(prompt_token_ids[-_CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.text = ""
+        self._emitted = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
+
+    def add_token(self, token_id: int) -> str | None:
+        """Adds one generated token; returns the stop string if the text now contains one
+        (the text is then cut just before it)."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        full_text = self._decode(self._ids[self._prefix :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return None  # an incomplete character: wait for more bytes
+        old_len = len(self.text)
+        self.text += full_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        if len(self._ids) > 4 * _CONTEXT:  # keep the window short
+            drop = self._prefix - _CONTEXT if self._prefix > _CONTEXT else 0
+            if drop > 0:
+                del self._ids[:drop]
+                self._prefix -= drop
+                self._read -= drop
+        for s in self.stop:
+            idx = self.text.find(s, max(0, old_len - len(s) + 1))
+            if idx >= 0:
+                self.text = self.text[:idx]
+                return s
+        return None
+
+    def take_new_text(self, finished: bool) -> str:
+        """Text not yet handed out, minus what might still become a stop string."""
+        end = len(self.text) if finished or not self.stop else max(self._emitted, len(self.text) - self._holdback)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta

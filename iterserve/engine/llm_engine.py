@@ -1,0 +1,442 @@
+"""LLMEngine: schedule -> execute -> update, one iteration per ``step()``.
+
+Synchronous and single-threaded. The async server wraps it (iterserve/engine/async_engine.py)
+and only ever calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+import torch
+
+from iterserve.config import EngineArgs
+from iterserve.core.kv_cache_manager import KVCacheManager
+from iterserve.core.request import FinishReason, Request
+from iterserve.core.scheduler import Scheduler, SchedulerOutput
+from iterserve.engine.detokenizer import IncrementalDetokenizer
+from iterserve.model.runner import BatchItem
+from iterserve.model.sampler import SampleRow, TokenLogprobs, sample
+from iterserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
+from iterserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Seq:
+    """Engine-side state of one generated sequence (one of a request's ``n``)."""
+
+    req: Request
+    parent: _Parent
+    index: int
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    new_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    seqs: list[_Seq] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
+        from iterserve.engine.tokenizer import load_tokenizer
+        from iterserve.model.builtin import resolve_model
+        from iterserve.model.runner import ModelRunner
+
+        self.args = args.replace(**kwargs) if args is not None else EngineArgs(**kwargs)
+        a = self.args
+        if a.num_threads:
+            torch.set_num_threads(a.num_threads)
+        self.model_name = a.model
+        self.model_path = resolve_model(a.model)
+        cache_config = a.cache_config()
+        self.runner = ModelRunner(
+            self.model_path,
+            dtype=a.dtype,
+            cache_config=cache_config,
+            max_model_len=a.max_model_len,
+            seed=a.seed,
+            num_threads=a.num_threads,
+        )
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.max_model_len: int = self.runner.max_model_len
+        self.vocab_size: int = self.runner.vocab_size
+        eos = list(self.runner.eos_token_ids)
+        if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos = [int(self.tokenizer.eos_token_id)]
+        self.eos_token_ids = frozenset(eos)
+        self.kv = KVCacheManager(self.runner.num_kv_blocks, self.runner.block_size, cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(a.scheduler_config(self.max_model_len), self.kv)
+        self._seqs: dict[str, _Seq] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced between steps
+        self._torch_gen = torch.Generator().manual_seed(a.seed)
+        torch.manual_seed(a.seed)
+        self.healthy = True
+        self.last_error: str | None = None
+        self.last_step_stats: StepStats | None = None
+        self._step_file: IO[str] | None = None
+        self._counters: Counter[str] = Counter()
+        self._finished_by_reason: Counter[str] = Counter()
+        self.tokens_per_step: list[tuple[int, int]] = []
+        self.max_kv_usage = 0.0
+        if a.record_steps:
+            self.record_steps(a.record_steps)
+
+    # ---- requests -------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; send at least one character or token")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string or a list of integer token ids")
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queues a request. Raises ValueError (changing nothing) for bad input."""
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("prompt is empty after tokenization; send at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the model's context length (max_model_len) is "
+                f"{self.max_model_len}, which must also leave room for at least one generated "
+                "token; shorten the prompt"
+            )
+        needed = self.kv.blocks_for(len(ids) + 1)
+        if needed > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens and needs {needed} KV-cache blocks but the pool "
+                f"holds {self.kv.num_blocks}; raise kv_cache_memory / num_kv_blocks or shorten the prompt"
+            )
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        now = time.monotonic()
+        parent = _Parent(
+            request_id,
+            text,
+            ids,
+            RequestMetrics(arrival_time=arrival_time if arrival_time is not None else now, num_prompt_tokens=len(ids)),
+        )
+        for i in range(params.n):
+            sid = request_id if params.n == 1 else f"{request_id}#{i}"
+            gen = None
+            if params.seed is not None and not params.greedy:
+                gen = torch.Generator().manual_seed(params.seed + i)
+            req = Request(sid, ids, params, max_tokens, self.eos_token_ids, parent.metrics.arrival_time, priority)
+            seq = _Seq(
+                req,
+                parent,
+                i,
+                gen,
+                IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop or ()),
+                [] if params.logprobs is not None else None,
+                0.0 if params.logprobs is not None else None,
+            )
+            parent.seqs.append(seq)
+        for seq in parent.seqs:
+            self.scheduler.add_request(seq.req)
+            self._seqs[seq.req.request_id] = seq
+        self._parents[request_id] = parent
+
+    def abort_request(self, request_id: str) -> None:
+        """Ends a request now and frees its KV blocks; it produces no further output."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for seq in parent.seqs:
+            if not seq.finished:
+                self.scheduler.finish_request(seq.req.request_id, FinishReason.ABORT)
+                seq.finished = True
+            self._seqs.pop(seq.req.request_id, None)
+        self._finished_by_reason["abort"] += 1
+        parent.metrics.finished_time = time.monotonic()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or bool(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def kv_usage(self) -> float:
+        return self.kv.usage
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.monotonic()
+        sched = self.scheduler.schedule()
+        t1 = time.monotonic()
+        touched: dict[str, _Parent] = {}
+        for req in sched.failed:
+            self._end_seq(req, touched, t1)
+        for req in sched.new_requests:
+            m = self._seqs[req.request_id].parent.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = t1
+            m.num_cached_prompt_tokens = max(m.num_cached_prompt_tokens, req.num_cached_tokens)
+        for req in sched.preempted:
+            self._seqs[req.request_id].parent.metrics.num_preemptions += 1
+
+        stats = StepStats(step=self._counters["steps"], start_time=t0, schedule_s=t1 - t0)
+        t2 = t3 = t1
+        if not sched.is_empty:
+            try:
+                items, sample_reqs = self._batch_items(sched)
+                logits = self.runner.execute(items)
+                t2 = time.monotonic()
+                tokens, lps = sample(logits, [self._sample_row(r) for r in sample_reqs]) if sample_reqs else ([], [])
+            except Exception as exc:  # the model step failed: fail every in-flight request
+                return self._fail_all(exc, touched)
+            t3 = time.monotonic()
+            sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+            lp_by_id = {r.request_id: lp for r, lp in zip(sample_reqs, lps) if lp is not None}
+            finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+            for rid, tok in sampled.items():
+                self._on_token(self._seqs[rid], tok, lp_by_id.get(rid), rid in finished, touched, t3)
+            self._counters["steps"] += 1
+        outputs = self._pending + [self._make_output(p) for p in touched.values()]
+        self._pending = []
+        t4 = time.monotonic()
+
+        if not sched.is_empty:
+            self._record(stats, sched, t0, t1, t2, t3, t4, len(outputs))
+        return outputs
+
+    def _batch_items(self, sched: SchedulerOutput) -> tuple[list[BatchItem], list[Request]]:
+        items = []
+        sample_reqs = []
+        for req, n in zip(sched.requests, sched.num_tokens):
+            start = req.num_computed_tokens
+            need_logits = start + n == req.num_tokens
+            items.append(
+                BatchItem(
+                    req.request_id,
+                    req.all_token_ids[start : start + n],
+                    start,
+                    self.kv.block_table(req.request_id),
+                    need_logits,
+                )
+            )
+            if need_logits:
+                sample_reqs.append(req)
+        return items, sample_reqs
+
+    def _sample_row(self, req: Request) -> SampleRow:
+        seq = self._seqs[req.request_id]
+        return SampleRow(req.params, seq.generator, req.prompt_token_ids, req.output_token_ids, self.eos_token_ids)
+
+    def _on_token(
+        self,
+        seq: _Seq,
+        tok: int,
+        lp: TokenLogprobs | None,
+        finished: bool,
+        touched: dict[str, _Parent],
+        now: float,
+    ) -> None:
+        req, parent = seq.req, seq.parent
+        m = parent.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.token_times.append(now)
+        m.num_generated_tokens += 1
+        seq.new_ids.append(tok)
+        if lp is not None and seq.logprobs is not None:
+            sampled_id, sampled_lp, rank, top = lp
+            entry = {sampled_id: Logprob(sampled_lp, rank, self._decode_one(sampled_id))}
+            for r, (tid, val) in enumerate(top, 1):
+                entry.setdefault(tid, Logprob(val, r, self._decode_one(tid)))
+            seq.logprobs.append(entry)
+            seq.new_logprobs.append(entry)
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sampled_lp
+        try:
+            # A token that ended the request (EOS, stop token) adds no text.
+            ended_by_token = finished and req.finish_reason is FinishReason.STOP
+            hit = None if ended_by_token else seq.detok.add_token(tok)
+        except Exception as exc:  # one request's processing failed: fail it alone
+            logger.exception("detokenization failed for %s", req.request_id)
+            self.scheduler.finish_request(req.request_id, FinishReason.ERROR, error=f"detokenization failed: {exc}")
+            parent.error = f"detokenization failed: {exc}"
+            finished = True
+            req.finish_reason = FinishReason.ERROR
+            hit = None
+        if hit is not None and not finished:
+            self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=hit)
+            finished = True
+        if finished:
+            self._end_seq(req, touched, now)
+        touched[parent.request_id] = parent
+
+    def _decode_one(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    def _end_seq(self, req: Request, touched: dict[str, _Parent], now: float) -> None:
+        seq = self._seqs.pop(req.request_id)
+        seq.finished = True
+        parent = seq.parent
+        if req.error:
+            parent.error = req.error
+        touched[parent.request_id] = parent
+        if parent.finished:
+            parent.metrics.finished_time = now
+            self._parents.pop(parent.request_id, None)
+            reason = req.finish_reason.value if req.finish_reason else "stop"
+            self._finished_by_reason[reason] += 1
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        comps = []
+        for s in parent.seqs:
+            r = s.req
+            fr = r.finish_reason.value if (s.finished and r.finish_reason) else None
+            comps.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=s.detok.text,
+                    token_ids=r.output_token_ids,
+                    new_token_ids=s.new_ids,
+                    new_text=s.detok.take_new_text(s.finished),
+                    cumulative_logprob=s.cumulative_logprob,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    new_logprobs=s.new_logprobs if s.logprobs is not None else None,
+                    finish_reason=fr,
+                    stop_reason=r.stop_reason,
+                )
+            )
+            s.new_ids = []
+            s.new_logprobs = []
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=comps,
+            finished=parent.finished,
+            metrics=parent.metrics,
+            error=parent.error,
+        )
+
+    def _fail_all(self, exc: BaseException, touched: dict[str, _Parent]) -> list[RequestOutput]:
+        msg = f"model step failed: {type(exc).__name__}: {exc}"
+        logger.exception("model step failed; failing %d in-flight requests", len(self._seqs))
+        self.healthy = False
+        self.last_error = msg
+        now = time.monotonic()
+        for rid in list(self._seqs):
+            req = self.scheduler.finish_request(rid, FinishReason.ERROR, error=msg) or self._seqs[rid].req
+            req.finish_reason = FinishReason.ERROR
+            req.error = msg
+            self._end_seq(req, touched, now)
+        # KV contents of this step are suspect: forget cached prefixes and clear the buffers.
+        self.kv.reset_prefix_cache()
+        try:
+            self.runner.reset_kv_cache()
+        except Exception:  # pragma: no cover - best effort
+            logger.exception("KV cache reset failed")
+        outputs = self._pending + [self._make_output(p) for p in touched.values()]
+        self._pending = []
+        return outputs
+
+    # ---- stats ----------------------------------------------------------------------------
+    def _record(
+        self, stats: StepStats, sched: SchedulerOutput, t0: float, t1: float, t2: float, t3: float, t4: float, n_out: int
+    ) -> None:
+        stats.duration_s = t4 - t0
+        stats.forward_s = t2 - t1
+        stats.sample_s = t3 - t2
+        stats.output_s = t4 - t3
+        stats.num_prefill_tokens = sched.num_prefill_tokens
+        stats.num_decode_tokens = sched.num_decode_tokens
+        stats.num_scheduled_seqs = len(sched.requests)
+        stats.num_running = self.scheduler.num_running
+        stats.num_waiting = self.scheduler.num_waiting
+        stats.kv_blocks_used = self.kv.num_used_blocks
+        stats.kv_blocks_total = self.kv.num_blocks
+        stats.num_preemptions = len(sched.preempted)
+        stats.prefix_hit_tokens = sched.prefix_hit_tokens
+        stats.num_finished = n_out
+        self.last_step_stats = stats
+        self.tokens_per_step.append((sched.num_prefill_tokens, sched.num_decode_tokens))
+        self._counters["prompt_tokens"] += sched.num_prefill_tokens
+        self._counters["generation_tokens"] += sched.num_decode_tokens
+        self.max_kv_usage = max(self.max_kv_usage, stats.kv_usage)
+        if self._step_file is not None:
+            stats.scheduled = [
+                (r.request_id, n, p) for r, n, p in zip(sched.requests, sched.num_tokens, sched.is_prefill)
+            ]
+            self._step_file.write(json.dumps(asdict(stats)) + "\n")
+
+    def record_steps(self, path: str | None) -> None:
+        """Writes every following step's StepStats as one JSON line to ``path`` (None: stop)."""
+        if self._step_file is not None:
+            self._step_file.close()
+            self._step_file = None
+        if path:
+            self._step_file = open(path, "w", buffering=1 << 16)  # noqa: SIM115
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "num_steps": self._counters["steps"],
+            "num_prefill_tokens": self._counters["prompt_tokens"],
+            "num_decode_tokens": self._counters["generation_tokens"],
+            "tokens_per_step": list(self.tokens_per_step),
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_query_tokens": s.prefix_query_tokens,
+            "prefix_cache_hit_tokens": s.prefix_hit_tokens,
+            "prefix_cache_hit_rate": s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_used": self.kv.num_used_blocks,
+            "kv_usage": self.kv.usage,
+            "max_kv_usage": self.max_kv_usage,
+            "finished_by_reason": dict(self._finished_by_reason),
+            "healthy": self.healthy,
+        }
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        live = {sid for sid, seq in self._seqs.items() if not seq.finished}
+        if live != set(self.scheduler.requests):
+            raise AssertionError(f"engine sequences {live} != scheduler requests {set(self.scheduler.requests)}")

@@ -1,0 +1,119 @@
+"""What the engine hands back: per-request outputs, per-request metrics, per-step stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` sequences of a request. ``text`` and ``token_ids`` are cumulative;
+    ``new_token_ids`` / ``new_text`` are what this step added (for streaming)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    cumulative_logprob: float | None = None
+    # One dict per generated token: {token_id: Logprob} with the sampled token and the top-n.
+    logprobs: list[dict[int, Logprob]] | None = None
+    new_logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Times are ``time.monotonic()`` seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None  # set when the request failed (finish_reason "error")
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_prompt_tokens
+
+
+@dataclass
+class StepStats:
+    """One engine step, recorded for metrics, benchmarks, plots and the simulator.
+
+    ``scheduled`` lists (request_id, num_tokens, is_prefill) for every sequence in the step.
+    Times are ``time.monotonic()`` seconds.
+    """
+
+    step: int
+    start_time: float
+    duration_s: float = 0.0
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    output_s: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_scheduled_seqs: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    num_finished: int = 0
+    scheduled: list[tuple[str, int, bool]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0

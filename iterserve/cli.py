@@ -1,0 +1,69 @@
+"""The ``iterserve`` command: one entry point, one module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+# subcommand -> (module with main(argv) -> int, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("iterserve.server.cli", "OpenAI-compatible HTTP server"),
+    "bench": ("iterserve.bench.cli", "benchmarks: serve (online client), offline, sweep, compare"),
+    "plot": ("iterserve.bench.plot", "pictures from benchmark results: curves, cdf, timeline"),
+    "simulate": ("iterserve.sim.cli", "simulate serving with the real scheduler and a cost model"),
+    "profile": ("iterserve.sim.profile", "measure step times on this machine and fit a cost profile"),
+}
+
+
+def generate_main(argv: list[str]) -> int:
+    from iterserve import LLM, SamplingParams
+    from iterserve.config import EngineArgs
+
+    p = argparse.ArgumentParser(prog="iterserve generate", description="Generate text offline.")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    EngineArgs.add_cli_args(p)
+    ns = p.parse_args(argv)
+    args = EngineArgs.from_cli_args(ns)
+    prompts = ns.prompt or ["Hello, my name is", "The capital of France is", "Continuous batching"]
+    params = SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.sampling_seed
+    )
+    llm = LLM(**vars(args))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    for o in outs:
+        c = o.outputs[0]
+        print(f"--- {o.prompt!r} -> ({len(c.token_ids)} tokens, {c.finish_reason})\n{c.text!r}")
+    st = llm.stats()
+    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"{len(outs)} requests, {ntok} tokens in {dt:.2f}s, {st['num_steps']} steps, "
+          f"{st['num_preemptions']} preemptions, prefix-cache hit rate {st['prefix_cache_hit_rate']:.0%}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = ["generate", *SUBCOMMANDS]
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in names:
+        print("usage: iterserve {" + ",".join(names) + "} ...\n")
+        print(f"  {'generate':9s} generate text offline with the in-process engine")
+        for name, (_, help_) in SUBCOMMANDS.items():
+            print(f"  {name:9s} {help_}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "generate":
+        return generate_main(rest)
+    module = importlib.import_module(SUBCOMMANDS[cmd][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,430 @@
+"""Workloads: lists of ``RequestSpec`` (prompt token ids, output length, arrival time).
+
+Sources: ``random`` (lengths from flags), ``sharegpt`` (lengths only), and replay of the
+``azure-code``, ``azure-conv`` and ``mooncake`` traces. The traces carry token counts, not
+text, so prompts are random token ids; for Mooncake, equal ``hash_ids`` (ids of 512-token
+blocks) map to equal token blocks, so requests that share hash ids share a prompt prefix.
+
+Arrival times are seconds from the start of the run: the trace's own times (scaled by
+``time_scale``), or Poisson / gamma arrivals at ``request_rate`` (``inf``: all at once).
+
+No torch and no HTTP here: the simulator reuses this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+DATASETS = ("random", "sharegpt", "azure-code", "azure-conv", "mooncake")
+TRACE_FILES = {
+    "azure-code": "AzureLLMInferenceTrace_code.csv",
+    "azure-conv": "AzureLLMInferenceTrace_conv.csv",
+    "sharegpt": "sharegpt_lengths_llama2.csv",
+    "mooncake": "mooncake_synthetic_trace.jsonl",
+}
+TIMED_DATASETS = ("azure-code", "azure-conv", "mooncake")
+MOONCAKE_BLOCK_TOKENS = 512
+LONG_PROMPT_MODES = ("clip", "skip")
+
+# iterserve/bench/datasets.py -> the repository root is two folders up from the package.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class RequestSpec:
+    """One request of a workload. ``arrival_time`` is seconds after the start of the run."""
+
+    prompt_token_ids: list[int]
+    output_len: int
+    arrival_time: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class TraceRow:
+    """One row of a trace file: lengths, and for timed traces the arrival (s from row 0)."""
+
+    input_len: int
+    output_len: int
+    arrival_time: float | None = None
+    hash_ids: list[int] | None = None
+
+
+# ---- trace files ------------------------------------------------------------------------
+
+
+def traces_dir() -> Path:
+    """``$ITERSERVE_TRACES_DIR``, else ``<repo root>/../shared/traces``."""
+    env = os.environ.get("ITERSERVE_TRACES_DIR")
+    if env:
+        return Path(env)
+    return REPO_ROOT.parent / "shared" / "traces"
+
+
+def trace_path(dataset: str, dataset_path: str | Path | None = None) -> Path:
+    """The file to read for ``dataset``; ``dataset_path`` (same format) overrides it."""
+    if dataset not in TRACE_FILES:
+        raise ValueError(f"dataset {dataset!r} has no trace file; trace datasets: {sorted(TRACE_FILES)}")
+    path = Path(dataset_path) if dataset_path else traces_dir() / TRACE_FILES[dataset]
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"trace file for dataset {dataset!r} not found at {path}; pass --dataset-path FILE "
+            f"or set ITERSERVE_TRACES_DIR to the folder holding {TRACE_FILES[dataset]}"
+        )
+    return path
+
+
+def load_azure(path: str | Path) -> list[TraceRow]:
+    """Azure LLM inference trace: ``TIMESTAMP,ContextTokens,GeneratedTokens``; arrival times
+    are seconds after the first row (rows are returned sorted by time)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return []
+    stamps = [datetime.fromisoformat(r["TIMESTAMP"].strip()) for r in rows]
+    t0 = min(stamps)
+    out = [
+        TraceRow(
+            input_len=int(r["ContextTokens"]),
+            output_len=int(r["GeneratedTokens"]),
+            arrival_time=(ts - t0).total_seconds(),
+        )
+        for r, ts in zip(rows, stamps)
+    ]
+    out.sort(key=lambda row: row.arrival_time or 0.0)
+    return out
+
+
+def load_sharegpt(path: str | Path) -> list[TraceRow]:
+    """ShareGPT lengths: ``num_prefill_tokens,num_decode_tokens,...``; no arrival times."""
+    with open(path, newline="") as f:
+        return [
+            TraceRow(input_len=int(r["num_prefill_tokens"]), output_len=int(r["num_decode_tokens"]))
+            for r in csv.DictReader(f)
+        ]
+
+
+def load_mooncake(path: str | Path) -> list[TraceRow]:
+    """Mooncake JSON lines: ``timestamp`` (ms), ``input_length``, ``output_length``,
+    ``hash_ids`` (ids of 512-token blocks)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            out.append(
+                TraceRow(
+                    input_len=int(r["input_length"]),
+                    output_len=int(r["output_length"]),
+                    arrival_time=float(r["timestamp"]) / 1000.0,
+                    hash_ids=[int(h) for h in r["hash_ids"]],
+                )
+            )
+    out.sort(key=lambda row: row.arrival_time or 0.0)
+    return out
+
+
+def load_trace(dataset: str, dataset_path: str | Path | None = None) -> list[TraceRow]:
+    path = trace_path(dataset, dataset_path)
+    if dataset == "sharegpt":
+        return load_sharegpt(path)
+    if dataset == "mooncake":
+        return load_mooncake(path)
+    return load_azure(path)
+
+
+# ---- workload construction --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """Everything that defines a workload; the bench CLIs derive their flags from it."""
+
+    dataset: str = "random"
+    num_prompts: int = 100
+    seed: int = 0
+    dataset_path: str | None = None
+    random_input_len: int = 256
+    random_output_len: int = 64
+    random_range_ratio: float = 0.0
+    # None: the trace's own arrival times for timed traces, all at once otherwise.
+    request_rate: float | None = None
+    burstiness: float = 1.0
+    time_scale: float = 1.0
+    length_scale: float = 1.0
+    long_prompts: str = "clip"
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if self.random_input_len < 1 or self.random_output_len < 1:
+            raise ValueError("random_input_len and random_output_len must be >= 1")
+        if not 0.0 <= self.random_range_ratio < 1.0:
+            raise ValueError(f"random_range_ratio must be in [0, 1), got {self.random_range_ratio}")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be > 0 (1 = Poisson), got {self.burstiness}")
+        if not self.time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        if not self.length_scale > 0:
+            raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
+        if self.long_prompts not in LONG_PROMPT_MODES:
+            raise ValueError(f"long_prompts must be one of {LONG_PROMPT_MODES}, got {self.long_prompts!r}")
+
+    @property
+    def arrivals(self) -> str:
+        """How arrival times are made: 'trace', 'poisson', 'gamma' or 'all-at-once'."""
+        if self.request_rate is None:
+            return "trace" if self.dataset in TIMED_DATASETS else "all-at-once"
+        if math.isinf(self.request_rate):
+            return "all-at-once"
+        return "poisson" if self.burstiness == 1.0 else "gamma"
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, **defaults: object) -> None:
+        """One flag per field; ``defaults`` overrides field defaults for this command."""
+        helps = {
+            "dataset": "workload: random lengths, ShareGPT lengths, or replay of a trace",
+            "num_prompts": "number of requests",
+            "dataset_path": "read the dataset from this file (same format as the shared trace)",
+            "random_input_len": "random dataset: mean prompt length (tokens)",
+            "random_output_len": "random dataset: mean output length (tokens)",
+            "random_range_ratio": "random dataset: lengths uniform in [L*(1-r), L*(1+r)]",
+            "request_rate": "requests/s with Poisson (or gamma) arrivals; 'inf' = all at once; "
+            "default: the trace's own arrival times, or all at once for untimed datasets",
+            "burstiness": "gamma shape of inter-arrival times (1 = Poisson, <1 burstier)",
+            "time_scale": "multiply trace arrival times by this (2 = half the rate)",
+            "length_scale": "multiply prompt and output lengths by this (fit a small model)",
+            "long_prompts": "requests longer than the context: clip them, or skip them",
+        }
+        base = cls()
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = defaults.get(f.name, getattr(base, f.name))
+            kw: dict[str, object] = {"dest": f.name, "default": default, "help": helps.get(f.name)}
+            if f.name == "dataset":
+                kw["choices"] = DATASETS
+            elif f.name == "long_prompts":
+                kw["choices"] = LONG_PROMPT_MODES
+            elif f.name == "dataset_path":
+                kw["type"] = str
+            elif f.name == "request_rate":
+                kw["type"] = float
+            else:
+                kw["type"] = type(getattr(base, f.name))
+            parser.add_argument(flag, **kw)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace, **overrides: object) -> WorkloadConfig:
+        kwargs = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+        kwargs.update(overrides)
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+@dataclass
+class LengthReport:
+    """What happened to requests that did not fit the context."""
+
+    mode: str
+    max_model_len: int
+    length_scale: float = 1.0
+    rows_read: int = 0
+    clipped: int = 0
+    skipped: int = 0
+    clipped_ids: list[int] = field(default_factory=list)
+
+    def describe(self) -> str:
+        scale = f" (lengths scaled by {self.length_scale:g})" if self.length_scale != 1.0 else ""
+        if self.mode == "skip":
+            return (
+                f"long prompts: skip - {self.skipped} of {self.rows_read} rows read needed more than "
+                f"max_model_len={self.max_model_len} tokens (prompt + output) and were skipped{scale}"
+            )
+        return (
+            f"long prompts: clip - {self.clipped} of {self.rows_read} requests were clipped to "
+            f"max_model_len={self.max_model_len} tokens (prompt + output){scale}"
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "mode": self.mode,
+            "max_model_len": self.max_model_len,
+            "length_scale": self.length_scale,
+            "rows_read": self.rows_read,
+            "clipped": self.clipped,
+            "skipped": self.skipped,
+        }
+
+
+def fit_lengths(input_len: int, output_len: int, max_model_len: int) -> tuple[int, int]:
+    """Clip (prompt, output) so that prompt + output <= max_model_len: the output keeps its
+    length when it can (at most max_model_len - 1), the prompt takes what is left."""
+    if input_len + output_len <= max_model_len:
+        return input_len, output_len
+    output_len = min(output_len, max_model_len - 1)
+    return min(input_len, max_model_len - output_len), output_len
+
+
+def scale_length(n: int, factor: float) -> int:
+    return max(1, round(n * factor))
+
+
+def token_id_range(vocab_size: int) -> tuple[int, int]:
+    """Prompt ids are drawn from [low, vocab_size): the lowest ids are often special tokens."""
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    return min(100, vocab_size // 4), vocab_size
+
+
+def synth_arrivals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
+    """Arrival times (s) of ``n`` requests at ``rate`` req/s: gamma-distributed gaps with shape
+    ``burstiness`` and mean 1/rate (burstiness 1 = Poisson); the first request at 0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if n else np.zeros(0)
+    return [float(a) for a in arrivals]
+
+
+class _MooncakePrompts:
+    """Equal hash ids -> equal token blocks, so shared hash-id prefixes give shared prompts."""
+
+    def __init__(self, seed: int, low: int, high: int, block_tokens: int) -> None:
+        self.seed, self.low, self.high, self.block_tokens = seed, low, high, block_tokens
+        self._blocks: dict[int, list[int]] = {}
+
+    def block(self, hash_id: int) -> list[int]:
+        ids = self._blocks.get(hash_id)
+        if ids is None:
+            rng = np.random.default_rng([self.seed, 1, hash_id])
+            ids = rng.integers(self.low, self.high, size=self.block_tokens).tolist()
+            self._blocks[hash_id] = ids
+        return ids
+
+    def prompt(self, hash_ids: list[int], length: int, rng: np.random.Generator) -> list[int]:
+        ids: list[int] = []
+        for h in hash_ids:
+            if len(ids) >= length:
+                break
+            ids.extend(self.block(h))
+        if len(ids) < length:  # rounding of scaled lengths: pad with request-private tokens
+            ids.extend(rng.integers(self.low, self.high, size=length - len(ids)).tolist())
+        return ids[:length]
+
+
+def _candidate_rows(cfg: WorkloadConfig, rng: np.random.Generator) -> list[TraceRow]:
+    """Rows to draw requests from, in the order they are taken."""
+    if cfg.dataset == "random":
+        n = cfg.num_prompts
+
+        def lengths(mean: int) -> np.ndarray:
+            lo = max(1, round(mean * (1 - cfg.random_range_ratio)))
+            hi = max(lo, round(mean * (1 + cfg.random_range_ratio)))
+            return rng.integers(lo, hi + 1, size=n)
+
+        ins, outs = lengths(cfg.random_input_len), lengths(cfg.random_output_len)
+        return [TraceRow(int(i), int(o)) for i, o in zip(ins, outs)]
+    rows = load_trace(cfg.dataset, cfg.dataset_path)
+    if cfg.dataset == "sharegpt":
+        # A random sample (seeded), like vLLM's ShareGPT workload; timed traces are replayed
+        # from their first row so that the arrival pattern is the trace's own.
+        rows = [rows[i] for i in rng.permutation(len(rows))]
+    return rows
+
+
+def build_workload(
+    cfg: WorkloadConfig, *, vocab_size: int, max_model_len: int
+) -> tuple[list[RequestSpec], LengthReport]:
+    """The requests of ``cfg`` (sorted by arrival time) and a report of clipped/skipped ones.
+
+    Lengths are scaled by ``cfg.length_scale`` first, then fitted to ``max_model_len``
+    (prompt + output): ``clip`` shortens them (see ``fit_lengths``), ``skip`` drops the row
+    and takes the next one. Prompts are random ids in ``token_id_range(vocab_size)``.
+    """
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    rng = np.random.default_rng([cfg.seed, 0])
+    low, high = token_id_range(vocab_size)
+    report = LengthReport(mode=cfg.long_prompts, max_model_len=max_model_len, length_scale=cfg.length_scale)
+    mooncake = _MooncakePrompts(
+        cfg.seed, low, high, scale_length(MOONCAKE_BLOCK_TOKENS, cfg.length_scale)
+    )
+
+    taken: list[tuple[TraceRow, int, int]] = []
+    for row in _candidate_rows(cfg, rng):
+        if len(taken) == cfg.num_prompts:
+            break
+        report.rows_read += 1
+        scale = cfg.length_scale if cfg.dataset != "random" else 1.0
+        in_len, out_len = scale_length(row.input_len, scale), scale_length(row.output_len, scale)
+        if in_len + out_len > max_model_len:
+            if cfg.long_prompts == "skip":
+                report.skipped += 1
+                continue
+            report.clipped += 1
+            report.clipped_ids.append(len(taken))
+            in_len, out_len = fit_lengths(in_len, out_len, max_model_len)
+        taken.append((row, in_len, out_len))
+    if len(taken) < cfg.num_prompts:
+        raise ValueError(
+            f"dataset {cfg.dataset!r} gave only {len(taken)} usable requests of the "
+            f"{cfg.num_prompts} asked for ({report.describe()})"
+        )
+
+    if cfg.arrivals == "trace":
+        t0 = taken[0][0].arrival_time or 0.0
+        arrivals = [((row.arrival_time or 0.0) - t0) * cfg.time_scale for row, _, _ in taken]
+    else:
+        rate = math.inf if cfg.request_rate is None else cfg.request_rate
+        arrivals = synth_arrivals(len(taken), rate, cfg.burstiness, np.random.default_rng([cfg.seed, 2]))
+
+    specs = []
+    for (row, in_len, out_len), arrival in zip(taken, arrivals):
+        if row.hash_ids is not None:
+            prompt = mooncake.prompt(row.hash_ids, in_len, rng)
+        else:
+            prompt = rng.integers(low, high, size=in_len).tolist()
+        specs.append(RequestSpec(prompt_token_ids=prompt, output_len=out_len, arrival_time=arrival))
+    specs.sort(key=lambda s: s.arrival_time)
+    return specs, report
+
+
+def auto_length_scale(dataset: str, max_model_len: int, dataset_path: str | None = None) -> float:
+    """A length scale that brings the dataset's p99 prompt + output length within the context
+    (1.0 when it already fits). Used by ``bench offline`` / ``bench sweep`` by default."""
+    if dataset == "random":
+        return 1.0
+    rows = load_trace(dataset, dataset_path)
+    totals = np.array([r.input_len + r.output_len for r in rows])
+    p99 = float(np.percentile(totals, 99))
+    return min(1.0, max_model_len / p99)
+
+
+def describe_workload(specs: list[RequestSpec]) -> dict[str, float]:
+    """Mean/max lengths and the span of arrival times, for reports and result files."""
+    ins = np.array([s.prompt_len for s in specs])
+    outs = np.array([s.output_len for s in specs])
+    return {
+        "num_requests": len(specs),
+        "mean_input_len": float(ins.mean()) if len(specs) else 0.0,
+        "max_input_len": int(ins.max()) if len(specs) else 0,
+        "mean_output_len": float(outs.mean()) if len(specs) else 0.0,
+        "max_output_len": int(outs.max()) if len(specs) else 0,
+        "arrival_span_s": float(specs[-1].arrival_time - specs[0].arrival_time) if specs else 0.0,
+    }

@@ -1,0 +1,95 @@
+"""The result file every bench command writes and every plot reads.
+
+    {"format": "iterserve-bench/1", "kind": "serve" | "offline" | "sweep" | ...,
+     "created": ISO time, "config": {...}, "workload": {...},
+     "runs": [{"label", "policy", "request_rate", "summary", "requests": [RequestTiming...],
+               "steps", "steps_file", ...}, ...]}
+
+``request_rate`` is a number, the string ``"inf"`` (all at once) or ``null`` (trace times).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from iterserve.bench.metrics import RequestTiming
+
+FORMAT = "iterserve-bench/1"
+
+
+def json_safe(x: Any) -> Any:
+    """Replace inf/nan (not valid JSON) by "inf"/"-inf"/None, recursively."""
+    if isinstance(x, float):
+        if math.isnan(x):
+            return None
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return x
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def rate_value(rate: Any) -> float | None:
+    """A run's ``request_rate`` as a float (inf for "inf"), or None for trace arrivals."""
+    if rate is None:
+        return None
+    return float(rate)
+
+
+def make_run(
+    label: str,
+    summary: dict[str, Any],
+    timings: list[RequestTiming],
+    *,
+    policy: str | None = None,
+    request_rate: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    run = {
+        "label": label,
+        "policy": policy,
+        "request_rate": request_rate,
+        "summary": summary,
+        "requests": [t.to_dict() for t in timings],
+    }
+    run.update(extra)
+    return run
+
+
+def write_result(
+    path: str | Path,
+    kind: str,
+    runs: list[dict[str, Any]],
+    config: dict[str, Any] | None = None,
+    workload: dict[str, Any] | None = None,
+) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "format": FORMAT,
+        "kind": kind,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": config or {},
+        "workload": workload or {},
+        "runs": runs,
+    }
+    path.write_text(json.dumps(json_safe(doc), indent=1) + "\n")
+    return path
+
+
+def read_result(path: str | Path) -> dict[str, Any]:
+    doc = json.loads(Path(path).read_text())
+    if not isinstance(doc, dict) or "runs" not in doc:
+        raise ValueError(f"{path} is not an iterserve bench result (no 'runs'); write one with --result-file")
+    return doc
+
+
+def run_timings(run: dict[str, Any]) -> list[RequestTiming]:
+    return [RequestTiming.from_dict(d) for d in run.get("requests", [])]

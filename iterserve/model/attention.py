@@ -1,0 +1,150 @@
+"""Paged attention on CPU over a flattened (ragged) batch.
+
+The KV cache of one layer is two tensors of shape [num_blocks * block_size, num_kv_heads,
+head_dim]; token at position p of a sequence lives at slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+The runner orders a step's rows decode-first:
+
+    rows:  [ d0 d1 ... d(D-1) | chunk0 (n0 rows) | chunk1 (n1 rows) | ... ]
+             one token each       prefill chunks (or any item with > 1 token)
+
+so all decodes run as ONE batched SDPA over their contexts gathered into a padded
+[D, max_blocks * block_size] window (a key-padding mask hides the tail), and each prefill chunk
+runs one SDPA with a causal mask shifted by its start position. ``AttentionMetadata`` holds every
+index and mask for that; it is built once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of the chunk in the flattened batch
+    end: int  # one past its last row
+    ctx_len: int  # keys visible to the chunk's last token = start_pos + (end - start)
+    # Blocks holding positions [0, ctx_len); None when the chunk starts at position 0, so its own
+    # fresh K/V are the whole context and nothing needs gathering from the cache.
+    block_ids: torch.Tensor | None
+    mask: torch.Tensor | None  # [n, ctx_len] bool, True = attend; None = plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    num_decodes: int  # rows [0, num_decodes) are single-token items
+    decode_block_ids: torch.Tensor | None  # [D, max_blocks] int64, padded with block 0
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk]
+
+
+@dataclass
+class StepItem:
+    """The part of a BatchItem that attention needs (rows already laid out decode-first)."""
+
+    num_tokens: int
+    start_pos: int
+    block_table: Sequence[int]
+
+
+def build_attention_metadata(
+    items: Sequence[StepItem], num_decodes: int, block_size: int, sliding_window: int | None
+) -> AttentionMetadata:
+    """``items[:num_decodes]`` have one token each; the rest follow in row order."""
+    slots: list[int] = []
+    for it in items:
+        bt, p0 = it.block_table, it.start_pos
+        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(p0, p0 + it.num_tokens))
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+
+    decode_block_ids = decode_mask = None
+    if num_decodes:
+        decodes = items[:num_decodes]
+        nblocks = [it.start_pos // block_size + 1 for it in decodes]
+        max_blocks = max(nblocks)
+        flat: list[int] = []
+        for it, nb in zip(decodes, nblocks):
+            flat.extend(it.block_table[:nb])
+            flat.extend([0] * (max_blocks - nb))  # padding keys, masked out below
+        decode_block_ids = torch.tensor(flat, dtype=torch.int64).view(num_decodes, max_blocks)
+        key_pos = torch.arange(max_blocks * block_size)
+        q_pos = torch.tensor([it.start_pos for it in decodes], dtype=torch.int64)[:, None]
+        mask = key_pos <= q_pos
+        if sliding_window is not None:
+            mask &= key_pos > q_pos - sliding_window
+        decode_mask = mask.view(num_decodes, 1, 1, -1)
+
+    prefills: list[PrefillChunk] = []
+    row = num_decodes
+    for it in items[num_decodes:]:
+        n, p0 = it.num_tokens, it.start_pos
+        ctx = p0 + n
+        block_ids = None
+        if p0 > 0:
+            block_ids = torch.tensor(it.block_table[: (ctx - 1) // block_size + 1], dtype=torch.int64)
+        chunk_mask = None
+        if p0 > 0 or (sliding_window is not None and n > sliding_window):
+            q_pos = torch.arange(p0, ctx)[:, None]
+            key_pos = torch.arange(ctx)
+            chunk_mask = key_pos <= q_pos
+            if sliding_window is not None:
+                chunk_mask &= key_pos > q_pos - sliding_window
+        prefills.append(PrefillChunk(row, row + n, ctx, block_ids, chunk_mask))
+        row += n
+    return AttentionMetadata(slot_mapping, num_decodes, decode_block_ids, decode_mask, prefills)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_size: int,
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KvH, D] (post-RoPE) -> attention output [T, H * D].
+
+    Writes every new K/V of the step before reading, so sequences sharing prefix blocks within
+    one step see each other's writes.
+    """
+    T, H, hd = q.shape
+    kvh = k.shape[1]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_blocks = k_cache.view(-1, block_size, kvh, hd)
+    v_blocks = v_cache.view(-1, block_size, kvh, hd)
+
+    outs: list[torch.Tensor] = []
+    D = meta.num_decodes
+    if D:
+        assert meta.decode_block_ids is not None
+        # GQA without repeating K/V: the G query heads of one KV head become G query rows.
+        qd = q[:D].reshape(D, kvh, H // kvh, hd)
+        kd = k_blocks[meta.decode_block_ids].view(D, -1, kvh, hd).transpose(1, 2)
+        vd = v_blocks[meta.decode_block_ids].view(D, -1, kvh, hd).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        outs.append(out.reshape(D, H * hd))
+    for c in meta.prefills:
+        qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        if c.block_ids is None:
+            kc, vc = k[c.start : c.end], v[c.start : c.end]
+        else:
+            kc = k_blocks[c.block_ids].view(-1, kvh, hd)[: c.ctx_len]
+            vc = v_blocks[c.block_ids].view(-1, kvh, hd)[: c.ctx_len]
+        out = F.scaled_dot_product_attention(
+            qc,
+            kc.transpose(0, 1).unsqueeze(0),
+            vc.transpose(0, 1).unsqueeze(0),
+            attn_mask=c.mask,
+            is_causal=c.mask is None,
+            enable_gqa=kvh != H,
+        )
+        outs.append(out[0].transpose(0, 1).reshape(c.end - c.start, H * hd))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,0 +1,152 @@
+"""One decoder for the Llama / Mistral / Qwen2 / Qwen3 families, over a flattened batch.
+
+Every linear layer runs on [total_tokens, hidden] at once; only attention looks at sequence
+boundaries (through ``AttentionMetadata``). Per layer the projections are fused (q|k|v into
+one matrix, gate|up into one) so a decode step issues few, larger GEMMs: on CPU, per-op
+dispatch overhead is a real share of a small-batch step.
+
+Numerics follow transformers: RMSNorm normalises in float32 and rounds before the weight
+multiply; RoPE cos/sin come from float32 ``position * inv_freq``, then the dtype cast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iterserve.model.attention import AttentionMetadata, paged_attention
+from iterserve.model.model_config import ModelConfig, RopeConfig
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        # Long wavelengths (beyond the pretraining context / low_freq_factor) are slowed by
+        # `factor`, short ones kept, and the band between blends the two smoothly.
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryTable:
+    """cos/sin for every position up to max_positions, gathered once per step by position."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int, dtype: torch.dtype):
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * rope_inv_freq(head_dim, rope)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = head_dim // 2
+        sin = emb.sin()
+        # rotate_half(x) * sin == flip_halves(x) * [-sin_lo, sin_hi]: saves a neg and a cat per call.
+        sin[:, :half] = -sin[:, :half]
+        self.cos = emb.cos().to(dtype)
+        self.sin_signed = sin.to(dtype)
+        self.half = half
+
+    def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [T, 1, hd]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, hd]."""
+    T, n, hd = x.shape
+    flipped = x.reshape(T, n, 2, hd // 2).flip(2).view(T, n, hd)
+    return x * cos + flipped * sin_signed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # Low precision: round the normalised value before the weight multiply, as transformers does.
+    return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = _param(h, dtype=dtype)
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.qkv_bias else None
+        # Qwen3 per-head RMSNorm of q and k: one [H + KvH, hd] weight so it is one multiply.
+        self.qk_norm = _param(cfg.num_heads + cfg.num_kv_heads, hd, dtype=dtype) if cfg.qk_norm else None
+        self.o_proj = _param(h, self.q_size, dtype=dtype)
+        self.o_bias = _param(h, dtype=dtype) if cfg.o_bias else None
+        self.post_norm = _param(h, dtype=dtype)
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, h, dtype=dtype)
+        self.gate_up_bias = _param(2 * cfg.intermediate_size, dtype=dtype) if cfg.mlp_bias else None
+        self.down_proj = _param(h, cfg.intermediate_size, dtype=dtype)
+        self.down_bias = _param(h, dtype=dtype) if cfg.mlp_bias else None
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:
+        T = h.shape[0]
+        nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(rms_norm(h, self.input_norm, self.eps), self.qkv_proj, self.qkv_bias)
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, nq + nkv, hd)
+        if self.qk_norm is not None:
+            qk = F.rms_norm(qk, (hd,), None, self.eps) * self.qk_norm
+        qk = apply_rope(qk, cos, sin)  # q and k rotated together: one set of ops for both
+        v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, hd)
+        attn = paged_attention(qk[:, :nq], qk[:, nq:], v, k_cache, v_cache, meta, block_size)
+        h = h + F.linear(attn, self.o_proj, self.o_bias)
+
+        gate_up = F.linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_proj, self.gate_up_bias)
+        act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        return h + F.linear(act, self.down_proj, self.down_bias)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype)
+        # Tied: the LM head IS the embedding (one tensor, counted once).
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Returns float32 logits for ``logit_rows`` only (the final norm is per row, so skipping
+        the other rows before it changes nothing)."""
+        h = F.embedding(input_ids, self.embed_tokens)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, meta, k_cache, v_cache, block_size)
+        h = rms_norm(h[logit_rows], self.norm, self.cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

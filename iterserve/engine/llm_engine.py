@@ -264,7 +264,7 @@ class LLMEngine:
 
     def _sample_row(self, req: Request) -> SampleRow:
         seq = self._seqs[req.request_id]
-        return SampleRow(req.params, seq.generator, req.prompt_token_ids, req.output_token_ids, self.eos_token_ids)
+        return SampleRow(req.params, seq.generator, req)
 
     def _on_token(
         self,

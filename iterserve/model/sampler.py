@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from iterserve.core.request import Request
 from iterserve.sampling_params import SamplingParams
 
 # (token_id, logprob, rank) of the sampled token, then the top-n as (token_id, logprob).
@@ -21,13 +22,28 @@ TokenLogprobs = tuple[int, float, int, list[tuple[int, float]]]
 
 @dataclass
 class SampleRow:
-    """What the sampler needs to know about one sequence."""
+    """What the sampler needs to know about one sequence. Token lists are read only when
+    penalties or min_tokens ask for them (no per-step copies on the common path)."""
 
     params: SamplingParams
     generator: torch.Generator | None
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    eos_token_ids: frozenset[int]
+    request: Request
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.request.output_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.request.eos_token_ids
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], idx: Sequence[int]) -> None:
@@ -54,7 +70,7 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
     vocab = logits.shape[-1]
     for i, r in enumerate(rows):
         p = r.params
-        if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+        if p.min_tokens and r.num_output_tokens < p.min_tokens:
             ids = [t for t in (*r.eos_token_ids, *(p.stop_token_ids or ())) if t < vocab]
             if ids:
                 logits[i, ids] = float("-inf")

@@ -1,0 +1,255 @@
+"""Model side against transformers: every family, through the paged cache, in mixed batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from iterserve.config import CacheConfig
+from iterserve.model.builtin import make_test_checkpoint, resolve_model
+from iterserve.model.model_config import ModelConfig
+from iterserve.model.runner import BatchItem, ModelRunner
+
+BLOCK = 4
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # wavelengths of head_dim 16 straddle all 3 bands
+}
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-rope-scaling": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "llama-sharded": ("llama", {"max_shard_size": "40KB"}),
+    "mistral-sliding-window": ("mistral", {"sliding_window": 6}),
+    "qwen2-bias": ("qwen2", {}),
+    "qwen3-qknorm-headdim": ("qwen3", {"head_dim": 32, "num_key_value_heads": 1, "tie_word_embeddings": True}),
+}
+
+
+class Case:
+    def __init__(self, path: str):
+        import transformers
+
+        self.path = path
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.vocab = ModelConfig.from_pretrained(path).vocab_size
+
+    def ref(self, ids: list[int]) -> torch.Tensor:
+        """transformers' logits at every position."""
+        with torch.no_grad():
+            return self.hf(torch.tensor([ids])).logits[0]
+
+    def runner(self, **kw: Any) -> ModelRunner:
+        kw.setdefault("cache_config", CacheConfig(block_size=BLOCK, num_kv_blocks=96))
+        return ModelRunner(self.path, **kw)
+
+
+@pytest.fixture(scope="session")
+def case(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
+    built: dict[str, Case] = {}
+
+    def get(name: str) -> Case:
+        if name not in built:
+            arch, overrides = CASES[name]
+            path = str(tmp_path_factory.mktemp(name))
+            make_test_checkpoint(path, arch, seed=len(built), **overrides)
+            built[name] = Case(path)
+        return built[name]
+
+    return get
+
+
+def prompt(n: int, seed: int, vocab: int = 2048) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, vocab) for _ in range(n)]
+
+
+def close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-4) -> None:
+    assert a.shape == b.shape
+    err = (a - b).abs().max().item()
+    assert err < atol, f"max abs diff {err}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_full_prompt_matches_transformers(case: Callable[[str], Case], name: str) -> None:
+    c = case(name)
+    ids = prompt(21, seed=1)
+    out = c.runner().execute([BatchItem("a", ids, 0, [5, 0, 7, 2, 9, 11], True)])
+    assert out.dtype == torch.float32 and out.shape == (1, c.vocab)
+    close(out[0], c.ref(ids)[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_chunked_prefill_through_paged_cache(case: Callable[[str], Case], name: str) -> None:
+    c = case(name)
+    ids = prompt(23, seed=2)
+    ref = c.ref(ids)
+    runner = c.runner()
+    table = [41, 3, 77, 12, 60, 8]  # non-contiguous, out of order
+    pos = 0
+    for n in (3, 5, 1, 6, 1, 7):  # chunk ends land mid-block and on block edges
+        out = runner.execute([BatchItem("a", ids[pos : pos + n], pos, table, True)])
+        pos += n
+        close(out[0], ref[pos - 1])
+    assert pos == len(ids)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-sliding-window", "qwen3-qknorm-headdim"])
+def test_mixed_batch_equals_each_alone(case: Callable[[str], Case], name: str) -> None:
+    c = case(name)
+    runner = c.runner()
+    prompts = [prompt(n, seed=10 + i) for i, n in enumerate((19, 23, 9, 14, 6))]
+    tables = [[1, 2, 3, 4, 5, 6], [20, 7, 30, 8, 40, 9], [50, 11, 51], [60, 13, 61, 14], [70, 71]]
+    # Earlier steps: sequence 1 has its first 12 tokens cached; 2..4 all but their last token.
+    runner.execute(
+        [BatchItem("s1", prompts[1][:12], 0, tables[1], False)]
+        + [BatchItem(f"s{i}", prompts[i][:-1], 0, tables[i], False) for i in (2, 3, 4)]
+    )
+    items = [
+        BatchItem("d3", prompts[3][-1:], len(prompts[3]) - 1, tables[3], True),
+        BatchItem("p0", prompts[0][:10], 0, tables[0], True),  # first chunk of a prompt
+        BatchItem("d2", prompts[2][-1:], len(prompts[2]) - 1, tables[2], True),
+        BatchItem("p1", prompts[1][12:], 12, tables[1], True),  # second chunk
+        BatchItem("d4", prompts[4][-1:], len(prompts[4]) - 1, tables[4], False),
+    ]
+    out = runner.execute(items)
+    assert out.shape == (4, c.vocab)  # rows follow item order, need_logits items only
+    close(out[0], c.ref(prompts[3])[-1])
+    close(out[1], c.ref(prompts[0])[9])
+    close(out[2], c.ref(prompts[2])[-1])
+    close(out[3], c.ref(prompts[1])[-1])
+    # The non-logits decode still wrote its KV: its next decode must be right.
+    nxt = prompts[4] + [7]
+    out = runner.execute([BatchItem("d4", [7], len(prompts[4]), tables[4], True)])
+    close(out[0], c.ref(nxt)[-1])
+
+
+def test_shared_prefix_blocks_written_in_same_step(case: Callable[[str], Case]) -> None:
+    """A reads B's prefix blocks that B fills in this very step (writes precede reads)."""
+    c = case("llama")
+    ids = prompt(14, seed=3)
+    shared = [9, 4]  # positions 0..7
+    out = c.runner().execute(
+        [
+            BatchItem("b", ids[:8], 0, shared, False),
+            BatchItem("a", ids[8:], 8, shared + [15, 6], True),
+        ]
+    )
+    close(out[0], c.ref(ids)[-1])
+
+
+def test_no_logits_and_empty_steps(case: Callable[[str], Case]) -> None:
+    c = case("llama")
+    runner = c.runner()
+    assert runner.execute([]).shape == (0, c.vocab)
+    assert runner.execute([BatchItem("a", [5, 6], 0, [0], False)]).shape == (0, c.vocab)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_is_close(case: Callable[[str], Case], dtype: str) -> None:
+    c = case("qwen3-qknorm-headdim")
+    ids = prompt(20, seed=4)
+    ref = c.ref(ids)
+    runner = c.runner(dtype=dtype)
+    runner.execute([BatchItem("a", ids[:13], 0, [3, 1, 4, 8, 5], False)])
+    out = runner.execute([BatchItem("a", ids[13:], 13, [3, 1, 4, 8, 5], True)])
+    assert out.dtype == torch.float32
+    cos = torch.nn.functional.cosine_similarity(out[0], ref[-1], dim=0).item()
+    assert cos > 0.999, cos
+    close(out[0], ref[-1], atol=0.1 * ref[-1].abs().max().item())
+
+
+def test_runner_attributes_and_kv_sizing(case: Callable[[str], Case]) -> None:
+    c = case("llama")
+    runner = c.runner(max_model_len=100_000, cache_config=CacheConfig(block_size=8, kv_cache_memory=1 << 20))
+    cfg = ModelConfig.from_pretrained(c.path)
+    assert runner.kv_bytes_per_block == 2 * cfg.num_layers * 8 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert runner.num_kv_blocks == (1 << 20) // runner.kv_bytes_per_block
+    assert runner.max_model_len == cfg.max_position_embeddings  # capped by the checkpoint
+    assert runner.num_params == sum(p.numel() for p in c.hf.parameters()) == cfg.num_params
+    assert runner.eos_token_ids == [2, 4] and runner.num_layers == 2
+    assert runner.hf_config["architectures"] == ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match="holds no KV block"):
+        c.runner(cache_config=CacheConfig(kv_cache_memory=1000))
+    with pytest.raises(ValueError, match="block_table"):
+        runner.execute([BatchItem("a", list(range(5, 14)), 0, [0], True)])
+    with pytest.raises(ValueError, match="max_model_len"):
+        c.runner(max_model_len=8).execute([BatchItem("a", list(range(5, 14)), 0, [0, 1, 2], True)])
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+def test_unsupported_architecture(tmp_path: Any) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        ModelConfig.from_pretrained(str(tmp_path))
+
+
+def test_missing_files(case: Callable[[str], Case], tmp_path: Any) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model(str(tmp_path))
+    with open(os.path.join(case("llama").path, "config.json")) as f:
+        (tmp_path / "config.json").write_text(f.read())
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        ModelRunner(str(tmp_path))
+
+
+def test_missing_tensor(case: Callable[[str], Case], tmp_path: Any) -> None:
+    src = case("llama").path
+    for f in ("config.json", "generation_config.json"):
+        with open(os.path.join(src, f)) as fh:
+            (tmp_path / f).write_text(fh.read())
+    state = load_file(os.path.join(src, "model.safetensors"))
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.k_proj.weight"):
+        ModelRunner(str(tmp_path))
+
+
+# ---- built-ins -----------------------------------------------------------------------------
+
+
+def test_builtin_tiny_random_is_deterministic(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path / "a"))
+    p1 = resolve_model("tiny-random")
+    assert resolve_model("tiny-random") == p1 and p1.endswith("tiny-random-v1")
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path / "b"))
+    p2 = resolve_model("tiny-random")
+    w1, w2 = load_file(os.path.join(p1, "model.safetensors")), load_file(os.path.join(p2, "model.safetensors"))
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+
+    tok = AutoTokenizer.from_pretrained(p1)
+    cfg = ModelConfig.from_pretrained(p1)
+    assert len(tok) == cfg.vocab_size and tok.eos_token_id in cfg.eos_token_ids
+    text = "The quick brown fox jumps over the lazy dog. Ünïcode 🙂 too!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert len(tok.encode(" the water", add_special_tokens=False)) == 2  # common words: one token
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>assistant\n")
+
+    runner = ModelRunner("tiny-random", cache_config=CacheConfig(num_kv_blocks=8))
+    assert runner.model_path == p2  # built-in names resolve inside the runner too
+    greedy = [runner.execute([BatchItem(str(i), ids[:k], 0, [0, 1, 2, 3], True)])[0].argmax().item() for i, k in enumerate((3, 5, 8))]
+    assert len(set(greedy)) > 1  # weights are not trivially flat
+
+
+def test_unknown_builtin() -> None:
+    with pytest.raises(ValueError, match="tiny-random.*local"):
+        resolve_model("no-such-model")

@@ -103,6 +103,7 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     return logits
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Picks one token per row of ``logits`` (float32 [len(rows), vocab]); may modify it."""
     params = [r.params for r in rows]

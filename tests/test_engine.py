@@ -1,0 +1,258 @@
+"""The correctness oracle: greedy outputs equal transformers' ``generate`` on the same
+random-weight checkpoint, whatever the batching (alone, 24+ concurrent, tiny token budget
+forcing chunked prefill, tiny KV pool forcing preemption, shared prefixes hitting the cache).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from iterserve import LLM, SamplingParams
+from iterserve.model.builtin import make_test_checkpoint
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+MAX_TOKENS = 12
+
+
+def _hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    # ignore_eos on our side: EOS may be generated and generation goes on, so HF must not
+    # stop at (or, via min_new_tokens, suppress) any EOS id.
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(y[0, len(ids) :].tolist())
+    return outs
+
+
+def _prompts(seed: int, n: int, vocab: int, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    arch = request.param
+    path = make_test_checkpoint(str(tmp_path_factory.mktemp(arch)), arch=arch)
+    import json
+
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    prompts = _prompts(1, 24, vocab) + _prompts(2, 6, vocab, shared_prefix=40)
+    ref = _hf_greedy(path, prompts, MAX_TOKENS)
+    return {"arch": arch, "path": path, "prompts": prompts, "ref": ref}
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+CONFIGS = {
+    "default": {},
+    "tiny_budget_chunked": {"max_num_batched_tokens": 8, "max_num_seqs": 16},
+    "tiny_pool_preemption": {"block_size": 4, "num_kv_blocks": 48, "max_num_batched_tokens": 64},
+    "no_prefix_cache_static": {"enable_prefix_caching": False, "policy": "static", "max_num_seqs": 8},
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_matches_transformers(arch_case: dict[str, Any], config: str) -> None:
+    llm = LLM(arch_case["path"], dtype="float32", seed=0, **CONFIGS[config])
+    outs = llm.generate(arch_case["prompts"], GREEDY)
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, (g, r) in enumerate(zip(got, arch_case["ref"])):
+        assert g == r, f"{arch_case['arch']}/{config}: prompt {i} differs"
+    st = llm.stats()
+    assert st["kv_blocks_used"] == 0 and st["num_running"] == 0
+    llm.engine.check_integrity()
+    if config == "tiny_budget_chunked":
+        assert max(p + d for p, d in st["tokens_per_step"]) <= 8
+        assert any(0 < p for p, d in st["tokens_per_step"] if d > 0), "prefill chunks ran beside decodes"
+    if config == "tiny_pool_preemption":
+        assert st["num_preemptions"] > 0
+    if config == "default":
+        assert st["prefix_cache_hit_tokens"] > 0  # the 6 prompts sharing 40 tokens
+        assert any(o.metrics.num_cached_prompt_tokens >= 32 for o in outs)
+
+
+def test_single_request_alone(arch_case: dict[str, Any]) -> None:
+    llm = LLM(arch_case["path"], dtype="float32")
+    out = llm.generate(arch_case["prompts"][0], GREEDY)[0]
+    assert out.outputs[0].token_ids == arch_case["ref"][0]
+    assert out.outputs[0].finish_reason == "length"
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time  # type: ignore[operator]
+
+
+# ---- everything below uses the built-in tiny-random model ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny-random", dtype="float32", seed=0)
+
+
+def test_seeded_sampling_same_alone_and_in_batch(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate("Hello there", p)[0].outputs[0].token_ids
+    others = SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True)
+    batch = llm.generate(["noise one", "Hello there", "more noise here"], [others, p, others])
+    assert batch[1].outputs[0].token_ids == alone
+    again = llm.generate("Hello there", p)[0].outputs[0].token_ids
+    assert again == alone
+    other_seed = llm.generate("Hello there", SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_sequences_share_prompt_blocks(llm: LLM) -> None:
+    prompt = list(range(10, 90))  # 80 tokens = 5 full blocks
+    before = llm.stats()["prefix_cache_hit_tokens"]
+    out = llm.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # The 2nd and 3rd sequences reuse the first one's prompt blocks.
+    assert llm.stats()["prefix_cache_hit_tokens"] - before >= 2 * 64
+
+
+def test_stop_string_cut_from_text(llm: LLM) -> None:
+    base = llm.generate("The quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    text = base.outputs[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[: text.index(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
+    base = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    tok = base.token_ids[3]
+    first = base.token_ids.index(tok)
+    out = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[tok], ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == base.token_ids[: first + 1] and out.finish_reason == "stop" and out.stop_reason == tok
+    # min_tokens forbids the stop token until enough tokens were generated.
+    out2 = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, min_tokens=first + 2, temperature=0.0, stop_token_ids=[tok], ignore_eos=True))[0].outputs[0]
+    assert tok not in out2.token_ids[: first + 2]
+
+
+def test_logprobs_match_log_softmax(llm: LLM) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = llm.generate([3, 4, 5, 6], SamplingParams(max_tokens=3, temperature=0.0, logprobs=4, ignore_eos=True))[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 3
+    hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([[3, 4, 5, 6]])).logits[0, -1].log_softmax(-1)
+    first = out.logprobs[0]
+    tok = out.token_ids[0]
+    assert first[tok].rank == 1
+    assert abs(first[tok].logprob - float(ref[tok])) < 1e-4
+    top = ref.topk(4)
+    assert set(first) == set(top.indices.tolist())
+    assert out.cumulative_logprob is not None and out.cumulative_logprob <= 0
+
+
+def test_penalties_change_greedy_output(llm: LLM) -> None:
+    p = [5, 6, 7, 8]
+    plain = llm.generate(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+    pen = llm.generate(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=2.0, repetition_penalty=1.8))[0].outputs[0].token_ids
+    assert len(set(pen)) >= len(set(plain))
+    assert pen != plain or len(set(plain)) == len(plain)
+
+
+def test_errors_are_clear(llm: LLM) -> None:
+    too_long = [5] * (llm.engine.max_model_len + 5)
+    with pytest.raises(ValueError, match=rf"{len(too_long)} tokens.*{llm.engine.max_model_len}"):
+        llm.generate([too_long], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        llm.engine.add_request("e", [], SamplingParams())
+    with pytest.raises(ValueError, match=r"token ids must be in \[0,"):
+        llm.generate([[10**9]], SamplingParams(max_tokens=4))
+    for kwargs, field in [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)  # type: ignore[arg-type]
+    # The engine is still fine after bad input.
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate("ok", SamplingParams(max_tokens=2))[0].finished
+
+
+def test_prompt_that_can_never_fit_the_pool_is_rejected() -> None:
+    small = LLM("tiny-random", block_size=4, num_kv_blocks=4)
+    with pytest.raises(ValueError, match="KV-cache blocks"):
+        small.generate([list(range(3, 40))], SamplingParams(max_tokens=2))
+    # One that fits as a prompt but outgrows the pool while alone ends with an error, not a hang.
+    out = small.generate([list(range(3, 12))], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "error" and out.error and "pool" in out.error
+    assert small.stats()["kv_blocks_used"] == 0
+
+
+def test_abort_frees_kv_at_once(llm: LLM) -> None:
+    eng = llm.engine
+    eng.add_request("to-abort", "some prompt text", SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    assert eng.kv_usage() > 0
+    eng.abort_request("to-abort")
+    assert eng.kv_usage() == 0 and not eng.has_unfinished_requests()
+    eng.check_integrity()
+
+
+def test_model_failure_fails_in_flight_requests_and_engine_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM("tiny-random")
+    eng = llm.engine
+    eng.add_request("a", "hello", SamplingParams(max_tokens=5, ignore_eos=True))
+    eng.add_request("b", "world", SamplingParams(max_tokens=5, ignore_eos=True))
+
+    def boom(items: Any) -> Any:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(eng.runner, "execute", boom)
+    outs = eng.step()
+    assert {o.request_id for o in outs} == {"a", "b"}
+    assert all(o.finished and o.outputs[0].finish_reason == "error" and "injected" in (o.error or "") for o in outs)
+    assert not eng.healthy and not eng.has_unfinished_requests() and eng.kv_usage() == 0
+    monkeypatch.undo()
+    assert llm.generate("again", SamplingParams(max_tokens=3))[0].outputs[0].finish_reason in ("length", "stop")
+
+
+def test_step_stats_recorded(tmp_path: Path) -> None:
+    import json
+
+    path = tmp_path / "steps.jsonl"
+    llm = LLM("tiny-random", record_steps=str(path), max_num_batched_tokens=16)
+    llm.generate(["a b c d e f g h i j k l m n o p q r s t", "x y"], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.engine.record_steps(None)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == llm.stats()["num_steps"]
+    assert all(r["num_prefill_tokens"] + r["num_decode_tokens"] <= 16 for r in rows)
+    assert sum(r["num_decode_tokens"] for r in rows) + 2 == 8  # first token of each comes from prefill
+    assert all(r["scheduled"] for r in rows)

@@ -197,8 +197,10 @@ class WorkloadConfig:
         return "poisson" if self.burstiness == 1.0 else "gamma"
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, **defaults: object) -> None:
-        """One flag per field; ``defaults`` overrides field defaults for this command."""
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), **defaults: object
+    ) -> None:
+        """One flag per field except ``skip``; ``defaults`` overrides field defaults."""
         helps = {
             "dataset": "workload: random lengths, ShareGPT lengths, or replay of a trace",
             "num_prompts": "number of requests",
@@ -210,11 +212,14 @@ class WorkloadConfig:
             "default: the trace's own arrival times, or all at once for untimed datasets",
             "burstiness": "gamma shape of inter-arrival times (1 = Poisson, <1 burstier)",
             "time_scale": "multiply trace arrival times by this (2 = half the rate)",
-            "length_scale": "multiply prompt and output lengths by this (fit a small model)",
+            "length_scale": "multiply trace prompt and output lengths by this (fit a small model)",
+            "seed": "seed of the workload (lengths, prompt tokens, arrival times)",
             "long_prompts": "requests longer than the context: clip them, or skip them",
         }
         base = cls()
         for f in fields(cls):
+            if f.name in skip:
+                continue
             flag = "--" + f.name.replace("_", "-")
             default = defaults.get(f.name, getattr(base, f.name))
             kw: dict[str, object] = {"dest": f.name, "default": default, "help": helps.get(f.name)}

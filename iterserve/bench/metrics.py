@@ -22,7 +22,7 @@ import numpy as np
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
-PERCENTILES = (50, 90, 99)
+PERCENTILES = (90, 99)
 
 
 @dataclass

@@ -1,0 +1,363 @@
+"""``iterserve bench {serve,offline,sweep}``.
+
+    serve    online load generator for any OpenAI-compatible server (HTTP, streaming)
+    offline  one workload, all requests at once, through each scheduling policy in-process
+    sweep    request rates from light load to overload, per policy, in-process
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from iterserve.bench.datasets import (
+    LengthReport,
+    RequestSpec,
+    WorkloadConfig,
+    auto_length_scale,
+    build_workload,
+    describe_workload,
+)
+from iterserve.bench.metrics import RequestTiming, format_summary, parse_goodput, summarize
+from iterserve.bench.results import make_run, write_result
+
+DEFAULT_SERVE_MAX_MODEL_LEN = 2048
+# Prompt ids are drawn below this when the model's vocabulary is unknown: every real model
+# has at least this many tokens, and token identity does not change the cost of a request.
+SAFE_VOCAB_SIZE = 2048
+
+
+def _console() -> Any:
+    """Rich console for tables; wide when stdout is a file or pipe (no terminal to fit)."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def progress_bar(total: int, description: str, enabled: bool) -> Iterator[Callable[[RequestTiming], None]]:
+    """A rich progress bar (on stderr) advanced once per finished request."""
+    if not enabled:
+        yield lambda t: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    failed = 0
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn(),
+        console=Console(stderr=True),
+    ) as prog:
+        task = prog.add_task(description, total=total, failed=0)
+
+        def advance(t: RequestTiming) -> None:
+            nonlocal failed
+            failed += 0 if t.success else 1
+            prog.update(task, advance=1, failed=failed)
+
+        yield advance
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--goodput", nargs="+", metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 (names: ttft, tpot, e2el)")
+    p.add_argument("--result-file", help="write the summary and every request's timings to this JSON file")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="show a progress bar")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """EngineArgs flags (model, dtype, max-num-seqs, ...); --policy is replaced by --policies
+    and --record-steps names a folder (one JSONL file of StepStats per run)."""
+    from iterserve.config import EngineArgs
+
+    g = p.add_argument_group("engine (EngineArgs)")
+    EngineArgs.add_cli_args(g)  # type: ignore[arg-type]
+    p.set_defaults(model="bench-134m", dtype="bfloat16")
+    for action in g._group_actions:
+        if action.dest == "policy":
+            action.help = argparse.SUPPRESS
+        elif action.dest == "record_steps":
+            action.metavar = "DIR"
+            action.help = "write each run's per-step stats (JSON lines) into this folder"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iterserve bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="online load generator for an OpenAI-compatible server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (with or without /v1)")
+    s.add_argument("--model", help="model name to request (default: the first one the server lists)")
+    s.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    s.add_argument("--max-model-len", type=int,
+                   help=f"context for clipping/skipping long requests (default: the server's, else {DEFAULT_SERVE_MAX_MODEL_LEN})")
+    s.add_argument("--vocab-size", type=int,
+                   help=f"draw prompt ids below this (default: the tokenizer's, else {SAFE_VOCAB_SIZE})")
+    s.add_argument("--tokenizer", help="tokenizer folder (or built-in model name) for --prompt-format text")
+    s.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                   help="send token-id lists (exact lengths) or text decoded from them")
+    s.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
+    s.add_argument("--label", help="name of this run in the result file and plots (default: the model)")
+    WorkloadConfig.add_cli_args(s)
+    _add_common(s)
+    s.set_defaults(func=cmd_serve)
+
+    o = sub.add_parser("offline", help="the same workload through each policy, in-process, all at once")
+    o.add_argument("--policies", default="static,continuous,continuous-nochunk",
+                   help="comma-separated: static, continuous, continuous-nochunk")
+    WorkloadConfig.add_cli_args(o, skip=("seed", "request_rate", "burstiness", "time_scale"),
+                                dataset="sharegpt", num_prompts=128, length_scale=None)
+    _add_engine_args(o)
+    _add_common(o)
+    o.set_defaults(func=cmd_offline)
+
+    w = sub.add_parser("sweep", help="request rates from light load to overload, per policy, in-process")
+    w.add_argument("--policies", default="static,continuous", help="comma-separated policy variants")
+    w.add_argument("--request-rates", default="auto",
+                   help="comma-separated req/s (inf allowed), or 'auto': fractions "
+                   "0.25,0.5,0.75,1,1.5 of the capacity measured with all requests at once, plus inf")
+    WorkloadConfig.add_cli_args(w, skip=("seed", "request_rate", "time_scale"),
+                                dataset="sharegpt", num_prompts=64, length_scale=None)
+    _add_engine_args(w)
+    _add_common(w)
+    w.set_defaults(func=cmd_sweep)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return int(ns.func(ns))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        _err(f"error: {e}")
+        return 2
+
+
+# ---- serve ------------------------------------------------------------------------------
+
+
+def _local_model_folder(name: str | None) -> str | None:
+    """A folder for a built-in model name or an existing checkpoint folder, else None."""
+    if not name:
+        return None
+    if os.path.isdir(name):
+        return name
+    from iterserve.model.builtin import BUILTINS, resolve_model
+
+    return resolve_model(name) if name in BUILTINS else None
+
+
+def _load_tokenizer(name: str) -> Any:
+    from iterserve.engine.tokenizer import load_tokenizer
+
+    folder = _local_model_folder(name)
+    if folder is None:
+        raise ValueError(f"--tokenizer {name!r} is neither a folder nor a built-in model name")
+    return load_tokenizer(folder)
+
+
+def _vocab_size_of(folder: str) -> int | None:
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            v = json.load(f).get("vocab_size")
+        return int(v) if v else None
+    except (OSError, ValueError):
+        return None
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from iterserve.bench.client import fetch_models, run_serve
+
+    slos = parse_goodput(ns.goodput)
+    cfg = WorkloadConfig.from_cli_args(ns)
+    served: list[dict[str, Any]] = []
+    try:
+        served = fetch_models(ns.base_url)
+    except Exception as e:  # noqa: BLE001 - optional information; the run itself will report errors
+        _err(f"note: GET /v1/models failed ({type(e).__name__}: {e}); using flag values")
+    model = ns.model or (served[0]["id"] if served else None)
+    if not model:
+        raise ValueError("--model is required when the server does not list its models")
+    max_len = ns.max_model_len
+    if max_len is None:
+        max_len = next((int(m["max_model_len"]) for m in served
+                        if m.get("id") == model and m.get("max_model_len")), None)
+    max_len = max_len or DEFAULT_SERVE_MAX_MODEL_LEN
+
+    tokenizer = _load_tokenizer(ns.tokenizer or model) if ns.prompt_format == "text" else None
+    vocab = ns.vocab_size
+    if vocab is None and tokenizer is not None:
+        vocab = len(tokenizer)
+    if vocab is None:
+        folder = ns.tokenizer or (model if os.path.isdir(model) else None)
+        vocab = _vocab_size_of(folder) if folder else None
+    vocab = vocab or SAFE_VOCAB_SIZE
+
+    specs, report = build_workload(cfg, vocab_size=vocab, max_model_len=max_len)
+    prompts: list[list[int] | str] | None = None
+    if tokenizer is not None:
+        prompts = [tokenizer.decode(s.prompt_token_ids) for s in specs]
+        # Report what the server will see: text re-tokenizes to about the same length.
+        specs = [dataclasses.replace(s, prompt_token_ids=list(tokenizer.encode(p, add_special_tokens=False)))
+                 for s, p in zip(specs, prompts)]
+    _err(f"workload: {cfg.dataset}, {len(specs)} requests, arrivals {cfg.arrivals}; {report.describe()}")
+    with progress_bar(len(specs), f"bench serve {model}", ns.progress) as on_done:
+        res = run_serve(specs, base_url=ns.base_url, model=model, prompts=prompts,
+                        max_concurrency=ns.max_concurrency, request_timeout_s=ns.request_timeout,
+                        on_done=on_done)
+    summary = summarize(res.timings, res.duration_s, slos)
+    summary["max_concurrency"] = ns.max_concurrency
+    print(format_summary(summary))
+    if ns.result_file:
+        run = make_run(ns.label or model, summary, res.timings, request_rate=cfg.request_rate,
+                       base_url=ns.base_url, model=model)
+        path = write_result(ns.result_file, "serve", [run], config=_config(ns),
+                            workload=_workload_info(cfg, specs, report, vocab))
+        _err(f"wrote {path}")
+    return 0 if summary["completed"] else 1
+
+
+# ---- offline and sweep ------------------------------------------------------------------
+
+
+def _config(ns: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(ns).items() if k != "func"}
+
+
+def _workload_info(cfg: WorkloadConfig, specs: list[RequestSpec], report: LengthReport, vocab: int) -> dict[str, Any]:
+    return {"config": dataclasses.asdict(cfg), "vocab_size": vocab, "arrivals": cfg.arrivals,
+            "lengths": report.to_dict(), "length_note": report.describe(), **describe_workload(specs)}
+
+
+class _Workloads:
+    """Builds the workload once the engine tells its vocabulary and context; resolves the
+    automatic length scale; remembers what it built for the result file."""
+
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.ns = ns
+        self.info: dict[str, Any] = {}
+
+    def build(self, vocab: int, max_model_len: int, rate: float | None = None) -> list[RequestSpec]:
+        ns = self.ns
+        scale = ns.length_scale
+        if scale is None:
+            scale = auto_length_scale(ns.dataset, max_model_len, ns.dataset_path)
+        cfg = WorkloadConfig.from_cli_args(ns, length_scale=scale, request_rate=rate)
+        specs, report = build_workload(cfg, vocab_size=vocab, max_model_len=max_model_len)
+        if not self.info:
+            _err(f"workload: {cfg.dataset}, {len(specs)} requests, length scale {scale:.3g}, "
+                 f"max_model_len {max_model_len}; {report.describe()}")
+            self.info = _workload_info(cfg, specs, report, vocab)
+        return specs
+
+
+def _base_engine_args(ns: argparse.Namespace) -> Any:
+    from iterserve.config import EngineArgs
+
+    return EngineArgs.from_cli_args(ns, record_steps=None)
+
+
+def _s(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "n/a" if v is None else f"{v * scale:.{digits}f}"
+
+
+def print_offline_table(runs: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    base = runs[0]["summary"].get("output_throughput") or 0.0
+    t = Table(title="bench offline: the same requests, all at once, through each policy")
+    for col in ("policy", "ok/failed", "output tok/s", "vs " + runs[0]["label"], "steps",
+                "mean latency s", "p99 latency s", "mean TTFT s", "duration s"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for r in runs:
+        s = r["summary"]
+        tput = s.get("output_throughput") or 0.0
+        t.add_row(r["label"], f"{s['completed']}/{s['failed']}", _s(tput, digits=1),
+                  f"{tput / base:.2f}x" if base else "n/a", str(s.get("num_steps")),
+                  _s(s["mean_e2el_ms"], 1e-3), _s(s["p99_e2el_ms"], 1e-3), _s(s["mean_ttft_ms"], 1e-3),
+                  _s(s["duration_s"]))
+    _console().print(t)
+
+
+def cmd_offline(ns: argparse.Namespace) -> int:
+    from iterserve.bench.offline import RunOptions, parse_policies, run_offline
+
+    policies = parse_policies(ns.policies)
+    slos = parse_goodput(ns.goodput)
+    work = _Workloads(ns)
+    runs: list[dict[str, Any]] = []
+
+    def build(vocab: int, max_len: int) -> list[RequestSpec]:
+        return work.build(vocab, max_len, math.inf)
+
+    for variant in policies:  # one variant at a time so each gets its own progress bar
+        with progress_bar(ns.num_prompts, f"offline {variant}", ns.progress) as on_done:
+            opts = RunOptions(goodput_slos=slos, record_steps_dir=ns.record_steps, on_done=on_done)
+            runs += run_offline(_base_engine_args(ns), [variant], build, opts)
+    print_offline_table(runs)
+    if ns.result_file:
+        _err(f"wrote {write_result(ns.result_file, 'offline', runs, _config(ns), work.info)}")
+    return 0 if all(r["summary"]["completed"] for r in runs) else 1
+
+
+def print_sweep_table(runs: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    t = Table(title="bench sweep")
+    for col in ("policy", "rate req/s", "achieved req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
+                "TPOT p50 ms", "TPOT p99 ms", "failed"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for r in runs:
+        s, rate = r["summary"], r["request_rate"]
+        t.add_row(r["label"], "inf" if rate is None or math.isinf(rate) else f"{rate:.3g}",
+                  _s(s["request_throughput"]), _s(s["output_throughput"], digits=1),
+                  _s(s["median_ttft_ms"], digits=0), _s(s["p99_ttft_ms"], digits=0),
+                  _s(s["median_tpot_ms"], digits=1), _s(s["p99_tpot_ms"], digits=1), str(s["failed"]))
+    _console().print(t)
+
+
+def cmd_sweep(ns: argparse.Namespace) -> int:
+    from iterserve.bench.offline import RunOptions, parse_policies
+    from iterserve.bench.sweep import parse_rates, run_sweep
+
+    policies = parse_policies(ns.policies)
+    rates = parse_rates(ns.request_rates)
+    slos = parse_goodput(ns.goodput)
+    work = _Workloads(ns)
+    opts = RunOptions(goodput_slos=slos, record_steps_dir=ns.record_steps)
+    bar: dict[str, Any] = {}
+
+    def on_run(policy: str, rate: float, n: int) -> None:
+        if "cm" in bar:
+            bar["cm"].__exit__(None, None, None)
+        bar["cm"] = progress_bar(n, f"sweep {policy} @ {rate:.3g} req/s", ns.progress)
+        opts.on_done = bar["cm"].__enter__()
+
+    try:
+        runs, used = run_sweep(_base_engine_args(ns), policies, rates, work.build, opts, on_run)
+    finally:
+        if "cm" in bar:
+            bar["cm"].__exit__(None, None, None)
+    print_sweep_table(runs)
+    if ns.result_file:
+        config = _config(ns) | {"request_rates_used": used}
+        _err(f"wrote {write_result(ns.result_file, 'sweep', runs, config, work.info)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""In-process comparisons of scheduling policies on one workload (``bench offline``), and
+the engine set-up shared with ``bench sweep``.
+
+Policy variants: ``static`` (request-level batching), ``continuous`` (iteration-level, with
+chunked prefill) and ``continuous-nochunk`` (iteration-level, each prompt prefilled in one
+step: ``enable_chunked_prefill=False``, ``max_num_batched_tokens >= max_model_len``).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from iterserve.bench.datasets import RequestSpec
+from iterserve.bench.metrics import RequestTiming, summarize
+from iterserve.bench.replay import ReplayResult, replay, warmup
+from iterserve.bench.results import make_run
+from iterserve.config import EngineArgs
+
+POLICY_VARIANTS = ("static", "continuous", "continuous-nochunk")
+DEFAULT_POLICIES = POLICY_VARIANTS
+
+
+def parse_policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICY_VARIANTS]
+    if bad or not names:
+        raise ValueError(f"--policies takes a comma-separated list of {POLICY_VARIANTS}, got {text!r}")
+    return names
+
+
+def variant_args(variant: str, base: EngineArgs, max_model_len: int | None) -> EngineArgs:
+    """EngineArgs of a policy variant; ``max_model_len`` (None: the model's) is needed by
+    ``continuous-nochunk``, whose token budget must hold a whole prompt."""
+    if variant == "static":
+        return base.replace(policy="static", record_steps=None)
+    if variant == "continuous":
+        return base.replace(policy="continuous", record_steps=None)
+    if variant == "continuous-nochunk":
+        if max_model_len is None:
+            raise ValueError("continuous-nochunk needs max_model_len to size its token budget")
+        return base.replace(
+            policy="continuous",
+            enable_chunked_prefill=False,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max(base.max_num_batched_tokens, max_model_len),
+            record_steps=None,
+        )
+    raise ValueError(f"policy variant must be one of {POLICY_VARIANTS}, got {variant!r}")
+
+
+def make_engine(args: EngineArgs) -> Any:
+    from iterserve.engine import LLMEngine  # torch is imported only when an engine is built
+
+    return LLMEngine(args)
+
+
+def engine_vocab_size(engine: Any) -> int:
+    v = getattr(engine, "vocab_size", None)
+    return int(v) if v else len(engine.tokenizer)
+
+
+def reset_prefix_cache(engine: Any) -> None:
+    """Forget cached prefixes between runs on one engine, so a repeated workload is not served
+    from the cache of the previous run."""
+    kv = getattr(engine, "kv", None)
+    if kv is not None and hasattr(kv, "reset_prefix_cache"):
+        kv.reset_prefix_cache()
+
+
+@dataclass
+class RunOptions:
+    goodput_slos: dict[str, float] | None = None
+    record_steps_dir: str | None = None
+    on_done: Callable[[RequestTiming], None] | None = None
+
+
+def run_on_engine(
+    engine: Any, specs: list[RequestSpec], label: str, opts: RunOptions, *,
+    policy: str, request_rate: float | None, steps_name: str,
+) -> dict[str, Any]:
+    """One replay on a warm engine -> one run record of the result file."""
+    steps_file = None
+    if opts.record_steps_dir:
+        Path(opts.record_steps_dir).mkdir(parents=True, exist_ok=True)
+        steps_file = str(Path(opts.record_steps_dir) / f"{steps_name}.jsonl")
+        engine.record_steps(steps_file)
+    reset_prefix_cache(engine)
+    try:
+        res: ReplayResult = replay(engine, specs, on_done=opts.on_done)
+    finally:
+        if steps_file:
+            engine.record_steps(None)
+    summary = summarize(res.timings, res.duration_s, opts.goodput_slos)
+    summary["num_steps"] = res.num_steps
+    return make_run(
+        label, summary, res.timings, policy=policy, request_rate=request_rate,
+        engine_args=asdict(engine.args) if hasattr(engine, "args") else {},
+        engine_stats=res.engine_stats, steps_file=steps_file, clock_start=res.start_time,
+    )
+
+
+def run_offline(
+    base: EngineArgs,
+    policies: list[str],
+    build_specs: Callable[[int, int], list[RequestSpec]],
+    opts: RunOptions,
+    on_engine: Callable[[str, Any], None] | None = None,
+) -> list[dict[str, Any]]:
+    """All requests at once through each policy variant, each on a fresh, warmed-up engine.
+
+    ``build_specs(vocab_size, max_model_len)`` makes the workload once the first engine tells
+    the model's vocabulary and context; every variant then gets the same requests.
+    """
+    runs = []
+    specs: list[RequestSpec] | None = None
+    max_model_len = base.max_model_len
+    for variant in policies:
+        if max_model_len is None and variant == "continuous-nochunk":
+            # Its token budget depends on the context: learn it from a plain engine first.
+            probe = make_engine(variant_args("continuous", base, None))
+            max_model_len = int(probe.max_model_len)
+            del probe
+        engine = make_engine(variant_args(variant, base, max_model_len))
+        max_model_len = max_model_len or int(engine.max_model_len)
+        if specs is None:
+            specs = build_specs(engine_vocab_size(engine), max_model_len)
+        if on_engine is not None:
+            on_engine(variant, engine)
+        warmup(engine)
+        runs.append(run_on_engine(engine, specs, variant, opts, policy=variant,
+                                  request_rate=math.inf, steps_name=f"offline_{variant}"))
+        del engine
+        gc.collect()
+    return runs

@@ -1,0 +1,157 @@
+"""Arrival-time replay over an in-process engine: the online benchmark without HTTP.
+
+Each request is added when its arrival time comes; ``step()`` runs in between; the driver
+sleeps when the engine is idle and the next arrival is in the future. Tokens are timed when
+``step()`` hands them back, as a streaming client would see them. TTFT and E2E latency count
+from the request's *scheduled* arrival: a request that arrives during a step waits for that
+step to end, exactly as it would at a server.
+
+The engine is anything with ``add_request(request_id, prompt_token_ids, params,
+arrival_time=...)``, ``step() -> list[RequestOutput]`` and ``has_unfinished_requests()``; the
+clock and sleep are injectable, so a simulated engine with a virtual clock can use this driver.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from iterserve.bench.datasets import RequestSpec
+from iterserve.bench.metrics import RequestTiming
+from iterserve.outputs import RequestOutput
+from iterserve.sampling_params import SamplingParams
+
+
+class ReplayEngine(Protocol):
+    def add_request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, arrival_time: float | None = ...
+    ) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+
+@dataclass
+class ReplayResult:
+    timings: list[RequestTiming]  # in workload order
+    duration_s: float  # start of the run to the last completion
+    num_steps: int  # engine steps that ran a batch
+    start_time: float  # clock() at the start (time.monotonic by default), to align step records
+    engine_stats: dict[str, Any] = field(default_factory=dict)
+
+
+def bench_params(output_len: int) -> SamplingParams:
+    """Exactly ``output_len`` tokens (ignore_eos), greedy, as ``bench serve`` asks a server."""
+    return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+
+
+def _engine_steps(engine: Any) -> int | None:
+    stats = getattr(engine, "stats", None)
+    if stats is None:
+        return None
+    s = stats()
+    v = s.get("num_steps", s.get("steps"))
+    return int(v) if v is not None else None
+
+
+def replay(
+    engine: ReplayEngine,
+    specs: list[RequestSpec],
+    *,
+    request_id_prefix: str = "req-",
+    on_done: Callable[[RequestTiming], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> ReplayResult:
+    """Replay ``specs`` (arrival times in seconds from now) through ``engine`` to completion.
+
+    Requests the engine rejects (``ValueError`` from ``add_request``) and requests that end
+    with an error are failures in the returned timings, never dropped.
+    """
+    steps_before = _engine_steps(engine)
+    timings = [
+        RequestTiming(request_id=f"{request_id_prefix}{i}", prompt_len=s.prompt_len,
+                      output_len=s.output_len, arrival_time=s.arrival_time)
+        for i, s in enumerate(specs)
+    ]
+    pending = deque(sorted(range(len(specs)), key=lambda i: specs[i].arrival_time))
+    live: dict[str, RequestTiming] = {}
+    last_chunk: dict[str, float] = {}
+    steps = 0
+
+    def finish(t: RequestTiming) -> None:
+        live.pop(t.request_id, None)
+        if on_done is not None:
+            on_done(t)
+
+    start = clock()
+    end = 0.0
+    while pending or live:
+        now = clock() - start
+        while pending and specs[pending[0]].arrival_time <= now:
+            i = pending.popleft()
+            t, spec = timings[i], specs[i]
+            t.send_time = now
+            try:
+                engine.add_request(t.request_id, spec.prompt_token_ids, bench_params(spec.output_len),
+                                   arrival_time=start + spec.arrival_time)
+            except ValueError as e:
+                t.error = f"rejected: {e}"
+                end = now
+                finish(t)
+                continue
+            live[t.request_id] = t
+        if not live:
+            if pending:
+                sleep(max(0.0, specs[pending[0]].arrival_time - (clock() - start)))
+            continue
+        if not engine.has_unfinished_requests():  # would otherwise spin forever
+            for t in list(live.values()):
+                t.error = "the engine dropped the request without finishing it"
+                finish(t)
+            continue
+        outputs = engine.step()
+        steps += 1
+        now = clock() - start
+        for out in outputs:
+            rt = live.get(out.request_id)
+            if rt is None:
+                continue
+            comp = out.outputs[0]
+            if comp.new_token_ids:
+                if rt.ttft is None:
+                    rt.ttft = now - rt.arrival_time
+                else:
+                    rt.itl.append(now - last_chunk[rt.request_id])
+                last_chunk[rt.request_id] = now
+                rt.output_tokens += len(comp.new_token_ids)
+            if out.finished:
+                rt.finish_reason = comp.finish_reason
+                if out.error or comp.finish_reason in ("error", "abort"):
+                    rt.error = out.error or f"finish_reason {comp.finish_reason!r}"
+                elif rt.ttft is None:
+                    rt.error = "finished without any token"
+                else:
+                    rt.success = True
+                    rt.latency = last_chunk[rt.request_id] - rt.arrival_time
+                end = now
+                finish(rt)
+    steps_after = _engine_steps(engine)
+    num_steps = steps_after - steps_before if steps_before is not None and steps_after is not None else steps
+    stats: dict[str, Any] = {}
+    if hasattr(engine, "stats"):
+        stats = {k: v for k, v in engine.stats().items() if k != "tokens_per_step"}
+    return ReplayResult(timings=timings, duration_s=end, num_steps=num_steps, start_time=start,
+                        engine_stats=stats)
+
+
+def warmup(engine: ReplayEngine, prompt_len: int = 64, output_len: int = 4) -> None:
+    """One short request through prefill and decode, so lazy initialisation is not timed."""
+    rid = f"warmup-{time.monotonic_ns()}"
+    engine.add_request(rid, [100 + i % 50 for i in range(prompt_len)], bench_params(output_len))
+    while engine.has_unfinished_requests():
+        engine.step()

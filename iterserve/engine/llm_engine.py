@@ -15,7 +15,7 @@ from typing import IO, Any
 
 import torch
 
-from iterserve.config import EngineArgs
+from iterserve.config import CacheConfig, EngineArgs
 from iterserve.core.kv_cache_manager import KVCacheManager
 from iterserve.core.request import FinishReason, Request
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
@@ -70,7 +70,7 @@ class LLMEngine:
             torch.set_num_threads(a.num_threads)
         self.model_name = a.model
         self.model_path = resolve_model(a.model)
-        cache_config = a.cache_config()
+        cache_config = self._size_kv_pool(a)
         self.runner = ModelRunner(
             self.model_path,
             dtype=a.dtype,
@@ -103,6 +103,25 @@ class LLMEngine:
         self.max_kv_usage = 0.0
         if a.record_steps:
             self.record_steps(a.record_steps)
+
+    def _size_kv_pool(self, a: EngineArgs) -> CacheConfig:
+        """Blocks from kv_cache_memory, but never more than every sequence at full length
+        could use at once (x2 to leave room for cached prefixes): a 2 GiB budget for a tiny
+        model would otherwise mean hundreds of thousands of blocks to track."""
+        import dataclasses
+
+        from iterserve.model.model_config import ModelConfig
+
+        cc = a.cache_config()
+        if cc.num_kv_blocks is not None:
+            return cc
+        cfg = ModelConfig.from_pretrained(self.model_path)
+        elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
+        per_block = 2 * cfg.num_layers * cc.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        max_len = min(a.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        cap = 2 * a.max_num_seqs * -(-max_len // cc.block_size)
+        blocks = min(cc.kv_cache_memory // per_block, cap)
+        return dataclasses.replace(cc, num_kv_blocks=blocks) if blocks >= 1 else cc
 
     # ---- requests -------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -1,0 +1,769 @@
+"""AsyncEngine: an asyncio front for the single-threaded, synchronous ``LLMEngine``.
+
+Threading model
+---------------
+* ONE background thread (the *engine thread*) owns the ``LLMEngine``: it is the only thread
+  that ever calls ``add_request``, ``abort_request``, ``step`` or reads engine state.
+* The event-loop thread talks to it through a thread-safe command queue (add / abort / stop)
+  that the engine thread drains before every step, and wakes it with a ``threading.Event``.
+  When no request is live the engine thread sleeps on that event (no busy loop).
+* Outputs go back to per-request ``asyncio.Queue`` objects: one
+  ``loop.call_soon_threadsafe`` per engine step delivers the whole step's batch.
+* ``add_request`` is validated *by the engine thread*: the caller awaits an acknowledgement
+  (or the ``ValueError`` the engine raised), so the HTTP layer can answer 400 before it
+  starts a response, without ever touching scheduler state from the event loop.
+
+Failure model
+-------------
+* A request whose own processing fails (engine output with ``error`` set) fails only that
+  stream: iterating it raises :class:`RequestFailedError`.
+* A model-step failure is reported by the engine as an error output for every in-flight
+  request plus ``engine.healthy = False``; the streams raise :class:`RequestFailedError`
+  and :attr:`AsyncEngine.healthy` turns False.
+* An exception that escapes ``engine.step()`` itself (an engine bug) is handled the same
+  way here: every live request fails, is aborted in the engine, and health turns False.
+  If the engine still reports unfinished work after that, it is declared dead and new
+  requests are refused (:class:`EngineDeadError`) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from iterserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
+
+if TYPE_CHECKING:
+    from iterserve.config import EngineArgs
+    from iterserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------
+class AsyncEngineError(Exception):
+    """Base class of the errors :class:`AsyncEngine` raises to its callers."""
+
+
+class QueueFullError(AsyncEngineError):
+    """Admission control refused the request (``max_queued_requests`` / ``max_queued_tokens``)."""
+
+
+class EngineShuttingDownError(AsyncEngineError):
+    """The engine is draining for shutdown and takes no new requests."""
+
+
+class EngineDeadError(AsyncEngineError):
+    """The engine thread is gone or the engine cannot make progress any more."""
+
+
+class RequestFailedError(AsyncEngineError):
+    """The request failed inside the engine (its own processing, or the model step)."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.message = message
+
+
+# --------------------------------------------------------------------------------------
+# Observers (metrics) and snapshots
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state published by the engine thread (read freely from any thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    engine_healthy: bool = True
+    last_error: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    time: float = 0.0
+
+
+class EngineObserver(Protocol):
+    """Receives engine events, called ON THE ENGINE THREAD (keep it cheap and thread-safe)."""
+
+    def on_step(self, stats: StepStats | None, snapshot: EngineSnapshot) -> None: ...
+
+    def on_request_output(self, output: RequestOutput, first: bool) -> None: ...
+
+    def on_request_finished(
+        self, request_id: str, reason: str, output: RequestOutput | None
+    ) -> None: ...
+
+
+# --------------------------------------------------------------------------------------
+# Internal messages
+# --------------------------------------------------------------------------------------
+class _Accepted:
+    pass
+
+
+@dataclass
+class _Failed:
+    message: str
+    exc: BaseException | None = None  # re-raised as-is when set (validation errors)
+
+
+class _Aborted:
+    pass
+
+
+_ACCEPTED = _Accepted()
+_ABORTED = _Aborted()
+
+_Item = RequestOutput | _Accepted | _Failed | _Aborted
+
+
+@dataclass
+class _AddCmd:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    stream: RequestStream
+
+
+@dataclass
+class _AbortCmd:
+    request_id: str
+    notify: bool  # post a final "abort" output to the stream (graceful shutdown)
+
+
+class _StopCmd:
+    pass
+
+
+@dataclass
+class _EngineSide:
+    """What the engine thread keeps per live request."""
+
+    stream: RequestStream
+    num_outputs: int = 0
+    last: RequestOutput | None = None
+
+
+# --------------------------------------------------------------------------------------
+# RequestStream
+# --------------------------------------------------------------------------------------
+class RequestStream:
+    """Async iterator over one request's ``RequestOutput``s (incremental; last one finished).
+
+    Raises :class:`RequestFailedError` when the request fails. Closing it (``aclose``) or
+    cancelling a pending ``__anext__`` before the request finished aborts the request.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+    ) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.finished = False
+        self.last_output: RequestOutput | None = None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self.queue.get()
+        except asyncio.CancelledError:
+            self._abort()
+            raise
+        if isinstance(item, RequestOutput):
+            if item.finished:
+                self._done()
+            if item.error is not None or any(c.finish_reason == "error" for c in item.outputs):
+                self._done()
+                raise RequestFailedError(self.request_id, item.error or "request failed")
+            self.last_output = item
+            return item
+        if isinstance(item, _Failed):
+            self._done()
+            if item.exc is not None:
+                raise item.exc
+            raise RequestFailedError(self.request_id, item.message)
+        if isinstance(item, _Aborted):
+            self._done()
+            out = _aborted_output(self)
+            self.last_output = out
+            return out
+        # A stray acknowledgement (only expected by AsyncEngine.add_request): skip it.
+        return await self.__anext__()
+
+    async def aclose(self) -> None:
+        self._abort()
+
+    def _abort(self) -> None:
+        if not self.finished:
+            self._done()
+            self._engine.abort(self.request_id)
+
+    def _done(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine._active.pop(self.request_id, None)
+
+
+def _aborted_output(stream: RequestStream) -> RequestOutput:
+    """The final output of a request that the server aborted (graceful shutdown)."""
+    last = stream.last_output
+    if last is None:
+        n = stream.params.n
+        prompt_ids = list(stream.prompt) if isinstance(stream.prompt, list) else []
+        return RequestOutput(
+            request_id=stream.request_id,
+            prompt=stream.prompt if isinstance(stream.prompt, str) else None,
+            prompt_token_ids=prompt_ids,
+            outputs=[
+                CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
+                for i in range(n)
+            ],
+            finished=True,
+            metrics=RequestMetrics(arrival_time=time.monotonic()),
+        )
+    outs = [
+        replace(
+            c,
+            new_token_ids=[],
+            new_text="",
+            new_logprobs=[] if c.new_logprobs is not None else None,
+            finish_reason=c.finish_reason or "abort",
+        )
+        for c in last.outputs
+    ]
+    return replace(last, outputs=outs, finished=True)
+
+
+# --------------------------------------------------------------------------------------
+# AsyncEngine
+# --------------------------------------------------------------------------------------
+class AsyncEngine:
+    """Runs an ``LLMEngine`` in one background thread and serves asyncio callers.
+
+    ``engine`` is anything following the LLMEngine contract (notes/engine_api.md).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        max_queued_requests: int | None = None,
+        max_queued_tokens: int | None = None,
+        observers: Sequence[EngineObserver] = (),
+        idle_wait_s: float = 1.0,
+    ) -> None:
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        if max_queued_tokens is not None and max_queued_tokens < 1:
+            raise ValueError(f"max_queued_tokens must be >= 1, got {max_queued_tokens}")
+        self.engine = engine
+        self.model_name: str = str(getattr(engine, "model_name", "model"))
+        self.max_model_len: int = int(getattr(engine, "max_model_len", 0))
+        # The engine thread uses engine.tokenizer; the event loop gets its own copy so the
+        # two threads never share one (HF fast tokenizers are not safe to share).
+        self.tokenizer = _private_copy(getattr(engine, "tokenizer", None))
+        self.max_queued_requests = max_queued_requests
+        self.max_queued_tokens = max_queued_tokens
+        self.observers: list[EngineObserver] = list(observers)
+        self.idle_wait_s = idle_wait_s
+
+        self._cmds: collections.deque[_AddCmd | _AbortCmd | _StopCmd] = collections.deque()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count()
+
+        # Loop-thread state.
+        self._active: dict[str, RequestStream] = {}
+        self._accepting = True
+
+        # Admission control: requests admitted but not yet scheduled by the engine.
+        self._adm_lock = threading.Lock()
+        self._pending_adds: set[str] = set()
+        self._queued_tok: dict[str, int] = {}
+        self._queued_tokens = 0
+
+        # Published by the engine thread.
+        self.snapshot = EngineSnapshot(time=time.monotonic())
+        self._last_stats: StepStats | None = None
+        self._step_error: str | None = None
+        self._dead: str | None = None
+        self.num_steps = 0
+
+    # ---- construction --------------------------------------------------------------
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncEngine:
+        from iterserve.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine(args), **kwargs)
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Starts the engine thread; outputs are delivered on ``loop`` (default: running)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._publish_snapshot()
+        self._thread = threading.Thread(target=self._thread_main, name="iterserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Refuses new requests, aborts the live ones (their streams end with 'abort') and
+        stops the engine thread (waiting at most ``timeout`` seconds for it)."""
+        self._accepting = False
+        self.abort_all()
+        self._post(_StopCmd())
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            await asyncio.to_thread(thread.join, timeout)
+            if thread.is_alive():
+                logger.warning("engine thread did not stop within %.1fs (a step is still running)", timeout)
+
+    # ---- health / state ------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.health_error is None
+
+    @property
+    def health_error(self) -> str | None:
+        """Why the engine is unhealthy, or None when it is healthy."""
+        if self._dead is not None:
+            return f"engine is dead: {self._dead}"
+        if self._thread is not None and not self._thread.is_alive():
+            return "engine thread is not running"
+        if self._step_error is not None:
+            return f"model step failed: {self._step_error}"
+        snap = self.snapshot
+        if not snap.engine_healthy:
+            return f"model step failed: {snap.last_error or 'unknown error'}"
+        return None
+
+    @property
+    def num_active(self) -> int:
+        """Requests with a live stream (loop thread's view)."""
+        return len(self._active)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for the engine to schedule them (what --max-queued-requests caps)."""
+        return len(self._pending_adds) + self.snapshot.num_waiting
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    # ---- requests (event-loop thread) ---------------------------------------------------
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        *,
+        num_prompt_tokens: int | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Submits a request and waits until the engine accepted it.
+
+        Raises ``ValueError`` (invalid request: the engine's message), QueueFullError,
+        EngineShuttingDownError or EngineDeadError. ``num_prompt_tokens`` (if known) feeds
+        ``max_queued_tokens``; it defaults to ``len(prompt)`` for token-id prompts and to a
+        tokenization of the string otherwise (only when that limit is set).
+        """
+        if self._thread is None:
+            raise EngineDeadError("engine is not started")
+        if not self._accepting:
+            raise EngineShuttingDownError("server is shutting down")
+        dead = self._dead or (None if self._thread.is_alive() else "engine thread is not running")
+        if dead is not None:
+            raise EngineDeadError(dead)
+        if request_id in self._active:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if num_prompt_tokens is None:
+            if isinstance(prompt, list):
+                num_prompt_tokens = len(prompt)
+            elif self.max_queued_tokens is not None and self.tokenizer is not None:
+                num_prompt_tokens = len(self.tokenizer.encode(prompt))
+            else:
+                num_prompt_tokens = 0
+        self._admit(request_id, num_prompt_tokens)
+
+        stream = RequestStream(self, request_id, prompt, params)
+        self._active[request_id] = stream
+        self._post(
+            _AddCmd(
+                request_id=request_id,
+                prompt=prompt,
+                params=params,
+                priority=priority,
+                arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                stream=stream,
+            )
+        )
+        thread = self._thread
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(stream.queue.get(), timeout=1.0)
+                    break
+                except TimeoutError:
+                    if not thread.is_alive() and stream.queue.empty():
+                        stream._done()
+                        raise EngineDeadError(self._dead or "engine thread is not running") from None
+        except asyncio.CancelledError:
+            stream._abort()
+            raise
+        if isinstance(item, _Accepted):
+            return stream
+        # Anything else means "not accepted".
+        stream._done()
+        if isinstance(item, _Failed):
+            if item.exc is not None:
+                raise item.exc
+            raise RequestFailedError(request_id, item.message)
+        raise RequestFailedError(request_id, "request was not accepted")
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's incremental outputs; closing/cancelling it aborts the request."""
+        stream = await self.add_request(request_id, prompt, params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_id: str, *, notify: bool = False) -> None:
+        """Aborts a request (no-op if unknown or finished); its KV blocks are freed at once.
+
+        With ``notify`` its stream ends with a final output whose finish_reason is 'abort'.
+        """
+        stream = self._active.get(request_id)
+        if stream is not None and not notify:
+            stream._done()
+        self._post(_AbortCmd(request_id, notify))
+
+    def abort_all(self) -> int:
+        """Aborts every live request; their streams end with finish_reason 'abort'."""
+        ids = list(self._active)
+        for rid in ids:
+            self.abort(rid, notify=True)
+        return len(ids)
+
+    # ---- admission control (any thread) -------------------------------------------------
+    # Queued requests = adds not yet handed to the engine + the engine's own waiting queue
+    # (as of the latest drain/step). Queued tokens = prompt tokens of admitted requests that
+    # have not produced their first token yet.
+    def _admit(self, request_id: str, num_tokens: int) -> None:
+        with self._adm_lock:
+            queued = len(self._pending_adds) + self.snapshot.num_waiting
+            if self.max_queued_requests is not None and queued >= self.max_queued_requests:
+                raise QueueFullError(
+                    f"too many queued requests ({queued} waiting, "
+                    f"--max-queued-requests {self.max_queued_requests}); retry later"
+                )
+            if (
+                self.max_queued_tokens is not None
+                and self._queued_tok
+                and self._queued_tokens + num_tokens > self.max_queued_tokens
+            ):
+                raise QueueFullError(
+                    f"too many queued prompt tokens ({self._queued_tokens} waiting + {num_tokens} "
+                    f"> --max-queued-tokens {self.max_queued_tokens}); retry later"
+                )
+            self._pending_adds.add(request_id)
+            self._queued_tok[request_id] = num_tokens
+            self._queued_tokens += num_tokens
+
+    def _added(self, request_ids: list[str]) -> None:
+        """The engine took these adds (call after publishing a snapshot that counts them)."""
+        with self._adm_lock:
+            self._pending_adds.difference_update(request_ids)
+
+    def _release(self, request_id: str) -> None:
+        """The request produced its first token, ended, or was never added."""
+        with self._adm_lock:
+            self._pending_adds.discard(request_id)
+            n = self._queued_tok.pop(request_id, None)
+            if n is not None:
+                self._queued_tokens -= n
+
+    # ---- command queue -----------------------------------------------------------------
+    def _post(self, cmd: _AddCmd | _AbortCmd | _StopCmd) -> None:
+        self._cmds.append(cmd)  # deque.append is atomic
+        self._wake.set()
+
+    # ---- engine thread ---------------------------------------------------------------
+    def _thread_main(self) -> None:
+        streams: dict[str, _EngineSide] = {}
+        try:
+            self._run(streams)
+        except BaseException as e:  # noqa: BLE001 - the thread must never die silently
+            self._dead = f"engine thread crashed: {type(e).__name__}: {e}"
+            logger.error("engine thread crashed\n%s", traceback.format_exc())
+            self._fail_all(streams, self._dead)
+        finally:
+            # Refuse whatever is still queued (add_request also re-checks the thread).
+            reason = self._dead or "engine stopped"
+            while self._cmds:
+                cmd = self._cmds.popleft()
+                if isinstance(cmd, _AddCmd):
+                    self._release(cmd.request_id)
+                    self._deliver([(cmd.stream, _Failed(reason, EngineDeadError(reason)))])
+            self._fail_all(streams, reason)
+
+    def _run(self, streams: dict[str, _EngineSide]) -> None:
+        engine = self.engine
+        consecutive_failures = 0
+        while True:
+            self._wake.clear()
+            if self._drain(streams):
+                return
+            if not engine.has_unfinished_requests():
+                self._publish_snapshot()
+                self._wake.wait(self.idle_wait_s)
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001
+                consecutive_failures += 1
+                self._on_step_exception(streams, e)
+                if consecutive_failures >= 3 and engine.has_unfinished_requests():
+                    self._dead = f"engine.step() keeps failing: {type(e).__name__}: {e}"
+                    logger.error("%s; refusing new requests", self._dead)
+                    return
+                continue
+            consecutive_failures = 0
+            self.num_steps += 1
+            self._dispatch(streams, outputs)
+
+    def _drain(self, streams: dict[str, _EngineSide]) -> bool:
+        """Applies queued commands in order; True when asked to stop."""
+        engine = self.engine
+        batch: list[tuple[RequestStream, _Item]] = []
+        added: list[str] = []
+        stop = False
+        changed = False
+        while self._cmds:
+            cmd = self._cmds.popleft()
+            if isinstance(cmd, _StopCmd):
+                stop = True
+            elif isinstance(cmd, _AddCmd):
+                if stop or self._dead is not None:
+                    self._release(cmd.request_id)
+                    batch.append((cmd.stream, _Failed("engine stopped", EngineDeadError("engine stopped"))))
+                    continue
+                try:
+                    engine.add_request(
+                        cmd.request_id,
+                        cmd.prompt,
+                        cmd.params,
+                        arrival_time=cmd.arrival_time,
+                        priority=cmd.priority,
+                    )
+                except ValueError as e:
+                    self._release(cmd.request_id)
+                    batch.append((cmd.stream, _Failed(str(e), ValueError(str(e)))))
+                except Exception as e:  # noqa: BLE001 - one bad request must not kill the loop
+                    self._release(cmd.request_id)
+                    logger.exception("add_request(%s) failed", cmd.request_id)
+                    batch.append((cmd.stream, _Failed(f"{type(e).__name__}: {e}")))
+                else:
+                    streams[cmd.request_id] = _EngineSide(cmd.stream)
+                    batch.append((cmd.stream, _ACCEPTED))
+                    added.append(cmd.request_id)
+                    changed = True
+            elif isinstance(cmd, _AbortCmd):
+                side = streams.pop(cmd.request_id, None)
+                self._release(cmd.request_id)
+                if side is None:
+                    continue
+                try:
+                    engine.abort_request(cmd.request_id)
+                except Exception:  # noqa: BLE001
+                    logger.exception("abort_request(%s) failed", cmd.request_id)
+                changed = True
+                self._notify_finished(cmd.request_id, "abort", side.last)
+                if cmd.notify:
+                    batch.append((side.stream, _ABORTED))
+        if changed:
+            self._publish_snapshot()
+        self._added(added)
+        self._deliver(batch)
+        batch = []
+        if stop:
+            # Abort whatever is left so the engine frees it, and end the streams.
+            for rid, side in list(streams.items()):
+                try:
+                    engine.abort_request(rid)
+                except Exception:  # noqa: BLE001
+                    logger.exception("abort_request(%s) failed", rid)
+                self._release(rid)
+                self._notify_finished(rid, "abort", side.last)
+                batch.append((side.stream, _ABORTED))
+            streams.clear()
+            self._deliver(batch)
+        return stop
+
+    def _dispatch(self, streams: dict[str, _EngineSide], outputs: list[RequestOutput]) -> None:
+        stats: StepStats | None = getattr(self.engine, "last_step_stats", None)
+        if stats is not None and stats is self._last_stats:
+            stats = None  # the step scheduled nothing (the engine keeps the previous stats)
+        else:
+            self._last_stats = stats
+        snap = self._publish_snapshot()
+        for obs in self.observers:
+            try:
+                obs.on_step(stats, snap)
+            except Exception:  # noqa: BLE001
+                logger.exception("observer.on_step failed")
+        batch: list[tuple[RequestStream, _Item]] = []
+        for out in outputs:
+            side = streams.get(out.request_id)
+            if side is None:
+                continue  # aborted meanwhile
+            self._release(out.request_id)
+            first = side.num_outputs == 0
+            side.num_outputs += 1
+            side.last = out
+            for obs in self.observers:
+                try:
+                    obs.on_request_output(out, first)
+                except Exception:  # noqa: BLE001
+                    logger.exception("observer.on_request_output failed")
+            failed = out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
+            if out.finished or failed:
+                del streams[out.request_id]
+                self._notify_finished(out.request_id, "error" if failed else _reason(out), out)
+                if failed and out.error is not None:
+                    logger.warning("request %s failed: %s", out.request_id, out.error)
+            batch.append((side.stream, out))
+        self._deliver(batch)
+
+    def _on_step_exception(self, streams: dict[str, _EngineSide], e: Exception) -> None:
+        msg = f"model step failed: {type(e).__name__}: {e}"
+        logger.error("engine.step() raised; failing %d in-flight request(s)\n%s", len(streams), traceback.format_exc())
+        self._step_error = f"{type(e).__name__}: {e}"
+        for rid in list(streams):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort_request(%s) failed after a step failure", rid)
+        self._fail_all(streams, msg)
+        self._publish_snapshot()
+
+    def _fail_all(self, streams: dict[str, _EngineSide], msg: str) -> None:
+        batch: list[tuple[RequestStream, _Item]] = []
+        for rid, side in list(streams.items()):
+            self._release(rid)
+            self._notify_finished(rid, "error", side.last)
+            batch.append((side.stream, _Failed(msg)))
+        streams.clear()
+        self._deliver(batch)
+
+    def _notify_finished(self, rid: str, reason: str, out: RequestOutput | None) -> None:
+        for obs in self.observers:
+            try:
+                obs.on_request_finished(rid, reason, out)
+            except Exception:  # noqa: BLE001
+                logger.exception("observer.on_request_finished failed")
+
+    def _publish_snapshot(self) -> EngineSnapshot:
+        engine = self.engine
+        try:
+            stats = engine.stats() if hasattr(engine, "stats") else {}
+        except Exception:  # noqa: BLE001
+            stats = {}
+        snap = EngineSnapshot(
+            num_running=int(getattr(engine, "num_running", 0)),
+            num_waiting=int(getattr(engine, "num_waiting", 0)),
+            kv_usage=float(engine.kv_usage()) if hasattr(engine, "kv_usage") else 0.0,
+            engine_healthy=bool(getattr(engine, "healthy", True)),
+            last_error=getattr(engine, "last_error", None),
+            stats=dict(stats) if isinstance(stats, dict) else {},
+            time=time.monotonic(),
+        )
+        self.snapshot = snap
+        return snap
+
+    def _deliver(self, batch: list[tuple[RequestStream, _Item]]) -> None:
+        if not batch:
+            return
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # loop closed between the check and the call
+            pass
+
+
+def _put_all(batch: list[tuple[RequestStream, _Item]]) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
+
+
+def _reason(out: RequestOutput) -> str:
+    reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
+    if not reasons:
+        return "stop"
+    # For n > 1 report the "worst" one: error > abort > length > stop.
+    for r in ("error", "abort", "length"):
+        if r in reasons:
+            return r
+    return reasons[0]
+
+
+def _private_copy(tokenizer: Any) -> Any:
+    if tokenizer is None:
+        return None
+    import copy
+
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001
+        logger.warning("could not copy the tokenizer; the server shares the engine's")
+        return tokenizer
+

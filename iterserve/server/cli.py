@@ -1,0 +1,151 @@
+"""``iterserve serve``: the OpenAI-compatible HTTP server.
+
+    iterserve serve --model tiny-random --port 8000 [--api-key KEY] [engine flags]
+    python -m iterserve.server.cli --model PATH ...
+
+SIGTERM / SIGINT: stop accepting (the listening socket closes, new POSTs on open
+connections get 503), let in-flight requests finish for up to ``--shutdown-timeout``
+seconds, then abort the rest (their streams end with finish_reason "abort"), stop the
+engine thread and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+from iterserve.config import EngineArgs
+
+logger = logging.getLogger("iterserve.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="iterserve serve",
+        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics, ...).",
+    )
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("ITERSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ITERSERVE_API_KEY)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the --model value)")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 503 + Retry-After when this many requests already wait to be scheduled")
+    g.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="answer 503 when queued (not yet started) prompts hold this many tokens")
+    g.add_argument("--retry-after", type=int, default=1, help="seconds in the Retry-After header of 503s")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    g.add_argument("--max-request-body-bytes", type=int, default=10 * 1024 * 1024,
+                   help="larger request bodies get 413")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--disable-access-log", action="store_true")
+    EngineArgs.add_cli_args(p)
+    return p
+
+
+def _make_server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server plus our drain step on the first SIGTERM/SIGINT."""
+
+        def __init__(self, config: uvicorn.Config, app: Any, engine: Any, shutdown_timeout: float) -> None:
+            super().__init__(config)
+            self._app = app
+            self._engine = engine
+            self._shutdown_timeout = shutdown_timeout
+            self._loop: asyncio.AbstractEventLoop | None = None
+            self._draining = False
+
+        async def serve(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self._draining:
+                self._draining = True
+                self._app.state.draining = True
+                self._engine.stop_accepting()
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._start_deadline)
+            super().handle_exit(sig, frame)
+
+        def _start_deadline(self) -> None:
+            n = self._engine.num_active
+            logger.info("shutting down: %d request(s) in flight; aborting any left after %.1fs",
+                        n, self._shutdown_timeout)
+            assert self._loop is not None
+            self._loop.call_later(self._shutdown_timeout, self._deadline)
+
+        def _deadline(self) -> None:
+            n = self._engine.abort_all()
+            if n:
+                logger.warning("shutdown timeout: aborted %d in-flight request(s)", n)
+
+    return Server
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args = EngineArgs.from_cli_args(ns)
+    except ValueError as e:
+        print(f"iterserve serve: {e}", file=sys.stderr)
+        return 2
+    if ns.shutdown_timeout < 0:
+        print("iterserve serve: --shutdown-timeout must be >= 0", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from iterserve.engine.async_engine import AsyncEngine
+    from iterserve.engine.llm_engine import LLMEngine
+    from iterserve.server.app import create_app
+
+    try:
+        llm_engine = LLMEngine(args)
+        engine = AsyncEngine(llm_engine, max_queued_requests=ns.max_queued_requests, max_queued_tokens=ns.max_queued_tokens)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"iterserve serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
+        return 2
+    app = create_app(
+        engine,
+        served_model_names=ns.served_model_name,
+        api_key=ns.api_key,
+        max_body_bytes=ns.max_request_body_bytes,
+        retry_after_s=ns.retry_after,
+        shutdown_timeout=ns.shutdown_timeout,
+    )
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        access_log=not ns.disable_access_log,
+        timeout_graceful_shutdown=int(ns.shutdown_timeout + 3),
+        lifespan="on",
+    )
+    server = _make_server_class()(config, app, engine, ns.shutdown_timeout)
+    # uvicorn re-raises the signal it caught once it has shut down gracefully; with these
+    # (restored) handlers that is a no-op, so a SIGTERM'd server exits with status 0.
+    if sys.platform != "win32":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda s, f: None)
+    logger.info("serving %s on http://%s:%d (max_model_len %d)", app.state.serving.model_name, ns.host, ns.port,
+                engine.max_model_len)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,613 @@
+"""The OpenAI endpoints' logic: request -> SamplingParams -> engine streams -> wire format."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from iterserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineShuttingDownError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
+from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
+from iterserve.sampling_params import SamplingParams
+from iterserve.server.errors import APIError, bad_request, dumps, error_body
+from iterserve.server.metrics import ServerMetrics
+from iterserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingExtras,
+)
+
+logger = logging.getLogger(__name__)
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+_SP_FIELD = re.compile(r"^(\w+) ")
+_SP_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A pydantic error as a 400 naming the first offending field."""
+    errs = e.errors(include_url=False)
+    parts = []
+    for err in errs[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body",))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    loc0 = errs[0].get("loc", ()) if errs else ()
+    param = ".".join(str(x) for x in loc0 if isinstance(x, str)) or None
+    more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
+    return bad_request("invalid request: " + "; ".join(parts) + more, param=param, code="invalid_value")
+
+
+class Serving:
+    """Holds what the handlers share: the engine, names, metrics."""
+
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], metrics: ServerMetrics, retry_after_s: int = 1) -> None:
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.metrics = metrics
+        self.retry_after_s = retry_after_s
+        self.created = int(time.time())
+        self._tok_cache: dict[int, str] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # ---- shared helpers --------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. Served models: {', '.join(self.served_model_names)}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def sampling_params(self, req: SamplingExtras, max_tokens: int | None, logprobs: int | None, logprobs_param: str) -> SamplingParams:
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter")
+        extra = req.model_extra or {}
+        if extra.get("include_stop_str_in_output"):
+            raise bad_request("include_stop_str_in_output is not supported by this server", param="include_stop_str_in_output", code="unsupported_parameter")
+        if extra:
+            logger.debug("ignoring unknown request fields: %s", sorted(extra))
+        kwargs: dict[str, Any] = dict(
+            n=req.n,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            m = _SP_FIELD.match(msg)
+            param = m.group(1) if m and m.group(1) in _SP_FIELDS else None
+            if param == "logprobs":
+                param = logprobs_param
+            elif param == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+                param = "max_completion_tokens"
+            if param == "logprobs" and logprobs_param != "logprobs":
+                msg = msg.replace("logprobs", logprobs_param, 1)
+            raise bad_request(msg, param=param, code="invalid_value") from None
+
+    async def add_streams(
+        self, prefix: str, prompts: list[str | list[int]], params: SamplingParams, priority: int
+    ) -> list[RequestStream]:
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                rid = base if len(prompts) == 1 else f"{base}-{i}"
+                streams.append(await self.engine.add_request(rid, p, params, priority))
+        except Exception as e:
+            for s in streams:
+                await s.aclose()
+            raise self._admission_error(e) from None
+        except BaseException:
+            for s in streams:
+                await s.aclose()
+            raise
+        return streams
+
+    def _admission_error(self, e: Exception) -> Exception:
+        retry = {"Retry-After": str(self.retry_after_s)}
+        if isinstance(e, ValueError):
+            msg = str(e)
+            return bad_request(msg, param="prompt" if "prompt" in msg else None, code="invalid_value")
+        if isinstance(e, QueueFullError):
+            self.metrics.rejected("queue_full")
+            return APIError(503, f"server overloaded: {e}", code="queue_full", headers=retry)
+        if isinstance(e, EngineShuttingDownError):
+            self.metrics.rejected("shutting_down")
+            return APIError(503, "server is shutting down; retry on another replica", code="shutting_down", headers=retry)
+        if isinstance(e, EngineDeadError):
+            self.metrics.rejected("engine_dead")
+            return APIError(503, f"engine unavailable: {e}", code="engine_unavailable", headers=retry)
+        if isinstance(e, RequestFailedError):
+            return APIError(500, e.message, code="request_failed")
+        return e
+
+    def token_str(self, tid: int, lp: Logprob | None, as_ids: bool) -> str:
+        if as_ids:
+            return f"token_id:{tid}"
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        s = self._tok_cache.get(tid)
+        if s is None:
+            s = str(self.tokenizer.decode([tid])) if self.tokenizer is not None else str(tid)
+            if len(self._tok_cache) < 100_000:
+                self._tok_cache[tid] = s
+        return s
+
+    # ---- /v1/completions -------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest) -> Any:
+        self.check_model(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of is not supported (only best_of == n)", param="best_of", code="unsupported_parameter")
+        prompts = _completion_prompts(req.prompt)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, "logprobs")
+        streams = await self.add_streams("cmpl", prompts, params, req.priority)
+        fmt = _CompletionFormat(self, req, params, prompts)
+        return await self._respond(streams, fmt, bool(req.stream))
+
+    # ---- /v1/chat/completions -------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest) -> Any:
+        self.check_model(req.model)
+        if req.tools:
+            raise bad_request("tools / function calling is not supported by this server", param="tools", code="unsupported_parameter")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than text is not supported", param="response_format", code="unsupported_parameter")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, max_tokens, logprobs, "top_logprobs")
+        ids = self.render_chat(
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
+            kwargs=req.chat_template_kwargs,
+        )
+        streams = await self.add_streams("chatcmpl", [ids], params, req.priority)
+        fmt = _ChatFormat(self, req, params)
+        return await self._respond(streams, fmt, bool(req.stream))
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template: str | None,
+        kwargs: dict[str, Any] | None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise APIError(500, "the server has no tokenizer", code="no_tokenizer")
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise bad_request(
+                f"model `{self.model_name}` has no chat template (its tokenizer config defines no "
+                "chat_template), so /v1/chat/completions cannot format messages; use /v1/completions "
+                "with a plain prompt, or pass chat_template in the request",
+                param="messages",
+                code="no_chat_template",
+            )
+        if not messages:
+            raise bad_request("messages must not be empty", param="messages")
+        if add_generation_prompt and continue_final_message:
+            raise bad_request("add_generation_prompt and continue_final_message cannot both be true", param="continue_final_message")
+        conv = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
+        try:
+            text = tok.apply_chat_template(
+                conv,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                **(kwargs or {}),
+            )
+        except Exception as e:  # noqa: BLE001 - jinja errors are the client's template/messages
+            raise bad_request(f"chat template failed to render the messages: {type(e).__name__}: {e}", param="messages") from None
+        ids = list(tok.encode(text, add_special_tokens=add_special_tokens))
+        if not ids:
+            raise bad_request("the rendered chat prompt is empty", param="messages")
+        return ids
+
+    # ---- responses ----------------------------------------------------------------------------
+    async def _respond(self, streams: list[RequestStream], fmt: _Format, stream: bool) -> Any:
+        merged = merge_streams(streams)
+        if not stream:
+            finals: dict[int, RequestOutput] = {}
+            try:
+                async for i, out in merged:
+                    finals[i] = out
+            except RequestFailedError as e:
+                raise APIError(500, f"request failed: {e.message}", code="request_failed") from None
+            finally:
+                await merged.aclose()
+            return fmt.full_response([finals[i] for i in range(len(streams))])
+        # Wait for the first output before answering, so a failure of the first step is a
+        # real HTTP 500 rather than an error event inside a 200 stream.
+        try:
+            first = await merged.__anext__()
+        except RequestFailedError as e:
+            await merged.aclose()
+            raise APIError(500, f"request failed: {e.message}", code="request_failed") from None
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await merged.aclose()
+            raise
+        return sse_stream(fmt, first, merged)
+
+
+# --------------------------------------------------------------------------------------------
+# Streams
+# --------------------------------------------------------------------------------------------
+async def merge_streams(streams: list[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Interleaves several request streams as (stream index, output); closing it aborts all."""
+    if len(streams) == 1:
+        s = streams[0]
+        try:
+            async for out in s:
+                yield 0, out
+        finally:
+            await s.aclose()
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait((i, None, e))
+            return
+        q.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item, err = await q.get()
+            if err is not None:
+                raise err
+            if item is None:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+async def sse_stream(fmt: _Format, first: tuple[int, RequestOutput] | None, rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    try:
+        for chunk in fmt.start_chunks():
+            yield f"data: {dumps(chunk)}\n\n"
+        if first is not None:
+            for chunk in fmt.chunks(*first):
+                yield f"data: {dumps(chunk)}\n\n"
+        async for i, out in rest:
+            for chunk in fmt.chunks(i, out):
+                yield f"data: {dumps(chunk)}\n\n"
+        usage = fmt.final_usage_chunk()
+        if usage is not None:
+            yield f"data: {dumps(usage)}\n\n"
+    except RequestFailedError as e:
+        yield f"data: {dumps(error_body(f'request failed: {e.message}', 'server_error', None, 'request_failed'))}\n\n"
+    except Exception as e:  # noqa: BLE001 - a bug here must end this stream only, visibly
+        logger.exception("streaming response failed")
+        yield f"data: {dumps(error_body(f'internal error: {type(e).__name__}: {e}', 'server_error', None, 'internal_error'))}\n\n"
+    finally:
+        aclose: Callable[[], Any] | None = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    yield "data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Wire formats
+# --------------------------------------------------------------------------------------------
+class _Format:
+    """Turns engine outputs into one endpoint's response objects."""
+
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, serving: Serving, req: SamplingExtras, params: SamplingParams, id_prefix: str, num_prompts: int) -> None:
+        self.s = serving
+        self.req = req
+        self.params = params
+        self.n = params.n
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = req.model or serving.model_name
+        self.num_prompts = num_prompts
+        self.as_ids = req.return_tokens_as_token_ids
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.finished: set[int] = set()
+        so = req.stream_options
+        self.include_usage = bool(so and so.include_usage)
+        self.continuous_usage = bool(so and so.include_usage and so.continuous_usage_stats)
+
+    def usage(self) -> dict[str, int]:
+        p = sum(self.prompt_tokens.values())
+        c = sum(self.completion_tokens.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def _track(self, pidx: int, out: RequestOutput) -> None:
+        self.prompt_tokens[pidx] = len(out.prompt_token_ids)
+        for c in out.outputs:
+            self.completion_tokens[pidx * self.n + c.index] = len(c.token_ids)
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunks(self, pidx: int, out: RequestOutput) -> list[dict[str, Any]]:
+        self._track(pidx, out)
+        result = []
+        for c in out.outputs:
+            idx = pidx * self.n + c.index
+            newly_finished = c.finish_reason is not None and idx not in self.finished
+            if not (c.new_token_ids or c.new_text or newly_finished):
+                continue
+            if newly_finished:
+                self.finished.add(idx)
+            chunk = self._base(self.object_chunk)
+            chunk["choices"] = [self.chunk_choice(idx, pidx, out, c, newly_finished)]
+            if self.include_usage:
+                chunk["usage"] = self.usage() if self.continuous_usage else None
+            result.append(chunk)
+        return result
+
+    def final_usage_chunk(self) -> dict[str, Any] | None:
+        if not self.include_usage:
+            return None
+        chunk = self._base(self.object_chunk)
+        chunk["choices"] = []
+        chunk["usage"] = self.usage()
+        return chunk
+
+    def full_response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for pidx, out in enumerate(finals):
+            self._track(pidx, out)
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                choices.append(self.full_choice(pidx * self.n + c.index, pidx, out, c))
+        resp = self._base(self.object_full)
+        resp["choices"] = choices
+        resp["usage"] = self.usage()
+        return resp
+
+    def chunk_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def full_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def _lp_value(lp: Logprob | None) -> float:
+    if lp is None:
+        return _MIN_LOGPROB
+    v = float(lp.logprob)
+    return v if v > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def _stop_reason(c: CompletionOutput) -> int | str | None:
+    return c.stop_reason if c.finish_reason is not None else None
+
+
+class _CompletionFormat(_Format):
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def __init__(self, serving: Serving, req: CompletionRequest, params: SamplingParams, prompts: list[str | list[int]]) -> None:
+        super().__init__(serving, req, params, "cmpl", len(prompts))
+        self.creq = req
+        self.prompts = prompts
+        self.text_offset: dict[int, int] = {}
+        self.echoed: set[int] = set()
+        self.sent_prompt_ids: set[int] = set()
+
+    def _prompt_text(self, pidx: int, out: RequestOutput) -> str:
+        p = self.prompts[pidx]
+        if isinstance(p, str):
+            return p
+        return str(self.s.tokenizer.decode(p)) if self.s.tokenizer is not None else ""
+
+    def _logprobs(self, idx: int, token_ids: list[int], lps: list[dict[int, Logprob]] | None, offset: int) -> dict[str, Any] | None:
+        if self.params.logprobs is None or lps is None:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(token_ids, lps):
+            lp = entry.get(tid)
+            s = self.s.token_str(tid, lp, self.as_ids)
+            tokens.append(s)
+            token_lps.append(_lp_value(lp))
+            top: dict[str, float] = {}
+            for t, v in sorted(entry.items(), key=lambda kv: kv[1].rank or 0):
+                top.setdefault(self.s.token_str(t, v, self.as_ids), _lp_value(v))
+            tops.append(top if self.params.logprobs else None)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chunk_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool) -> dict[str, Any]:
+        text = c.new_text
+        if self.creq.echo and idx not in self.echoed:
+            self.echoed.add(idx)
+            text = self._prompt_text(pidx, out) + text
+        off = self.text_offset.get(idx, 0)
+        choice: dict[str, Any] = {
+            "index": idx,
+            "text": text,
+            "logprobs": self._logprobs(idx, c.new_token_ids, c.new_logprobs, off),
+            "finish_reason": c.finish_reason if finished else None,
+            "stop_reason": _stop_reason(c) if finished else None,
+        }
+        self.text_offset[idx] = off + len(text)
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(c.new_token_ids)
+            if idx not in self.sent_prompt_ids:
+                self.sent_prompt_ids.add(idx)
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        return choice
+
+    def full_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        prefix = self._prompt_text(pidx, out) if self.creq.echo else ""
+        choice: dict[str, Any] = {
+            "index": idx,
+            "text": prefix + c.text,
+            "logprobs": self._logprobs(idx, c.token_ids, c.logprobs, len(prefix)),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        return choice
+
+
+class _ChatFormat(_Format):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def __init__(self, serving: Serving, req: ChatCompletionRequest, params: SamplingParams) -> None:
+        super().__init__(serving, req, params, "chatcmpl", 1)
+        self.top_n = req.top_logprobs or 0
+
+    def _logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]] | None) -> dict[str, Any] | None:
+        if self.params.logprobs is None or lps is None:
+            return None
+        content = []
+        for tid, entry in zip(token_ids, lps):
+            lp = entry.get(tid)
+            s = self.s.token_str(tid, lp, self.as_ids)
+            top = []
+            if self.top_n:
+                ranked = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= self.top_n), key=lambda kv: kv[1].rank or 0)
+                for t, v in ranked:
+                    ts = self.s.token_str(t, v, self.as_ids)
+                    top.append({"token": ts, "logprob": _lp_value(v), "bytes": list(ts.encode("utf-8"))})
+            content.append({"token": s, "logprob": _lp_value(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": top})
+        return {"content": content, "refusal": None}
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        chunks = []
+        for i in range(self.n):
+            chunk = self._base(self.object_chunk)
+            chunk["choices"] = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            if self.include_usage:
+                chunk["usage"] = self.usage() if self.continuous_usage else None
+            chunks.append(chunk)
+        return chunks
+
+    def chunk_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": c.new_text} if (c.new_text or not finished) else {}
+        choice: dict[str, Any] = {
+            "index": idx,
+            "delta": delta,
+            "logprobs": self._logprobs(c.new_token_ids, c.new_logprobs),
+            "finish_reason": c.finish_reason if finished else None,
+            "stop_reason": _stop_reason(c) if finished else None,
+        }
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(c.new_token_ids)
+        return choice
+
+    def full_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": idx,
+            "message": {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []},
+            "logprobs": self._logprobs(c.token_ids, c.logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        return choice
+
+
+# --------------------------------------------------------------------------------------------
+# Request parsing helpers
+# --------------------------------------------------------------------------------------------
+def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [str(p) for p in prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [[int(t) for t in prompt]]  # type: ignore[arg-type]
+    if all(isinstance(p, list) for p in prompt):
+        out: list[str | list[int]] = []
+        for p in prompt:
+            assert isinstance(p, list)
+            if not p:
+                raise bad_request("prompt must not contain an empty token list", param="prompt")
+            out.append([int(t) for t in p])
+        return out
+    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", param="prompt")
+
+
+def _message_text(m: ChatMessage, i: int) -> str:
+    c = m.content
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    parts = []
+    for part in c:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"messages[{i}].content: only text content parts are supported, got type {part.get('type')!r}",
+                param=f"messages.{i}.content",
+                code="unsupported_content",
+            )
+        parts.append(part["text"])
+    return "\n".join(parts)

@@ -1,0 +1,235 @@
+"""A small, deterministic stand-in for ``LLMEngine`` (the contract in notes/engine_api.md),
+with knobs to inject faults. Test-only."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from iterserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
+from iterserve.sampling_params import SamplingParams
+
+OFFSET = 3  # ids 0..2 are pad, bos, eos; byte b is id b + 3
+EOS = 2
+
+
+class FakeTokenizer:
+    """Byte-level: one token per UTF-8 byte."""
+
+    eos_token_id = EOS
+
+    def __init__(self, chat_template: str | None = "fake") -> None:
+        self.chat_template = chat_template
+
+    def __len__(self) -> int:
+        return 256 + OFFSET
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [b + OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - OFFSET for i in ids if i >= OFFSET).decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.decode([i]) if i >= OFFSET else f"<{i}>" for i in ids]
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        tokenize: bool = False,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        if (chat_template or self.chat_template) is None:
+            raise ValueError("no chat template")
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in conversation)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: str | None
+    ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    out: list[list[int]] = field(default_factory=list)
+    finish: list[str | None] = field(default_factory=list)
+
+
+class FakeEngine:
+    """Every scheduled request gains one token per step: a lowercase letter derived from
+    the prompt and position (so outputs are reproducible)."""
+
+    def __init__(
+        self,
+        *,
+        max_model_len: int = 128,
+        max_num_seqs: int = 8,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        step_delay: float = 0.0,
+        chat_template: str | None = "fake",
+    ) -> None:
+        self.tokenizer = FakeTokenizer(chat_template)
+        self.model_name = "fake-model"
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.step_delay = step_delay
+        self.healthy = True
+        self.last_error: str | None = None
+        self.last_step_stats: StepStats | None = None
+        self.reqs: dict[str, _Req] = {}
+        self.aborted: list[str] = []
+        self.steps = 0
+        # fault / timing knobs (set from the test thread)
+        self.paused = threading.Event()
+        self.raise_in_step = 0  # next N steps raise (an engine bug escaping step())
+        self.fail_model_step = 0  # next N steps fail the model forward (contract path)
+        self.fail_prompts_containing: str | None = None  # such requests fail alone
+
+    # ---- contract --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        if request_id in self.reqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not 0 <= t < len(self.tokenizer)]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {len(self.tokenizer)}); got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}")
+        now = time.monotonic()
+        r = _Req(request_id, text, ids, params, RequestMetrics(arrival_time=arrival_time or now, num_prompt_tokens=len(ids)))
+        r.out = [[] for _ in range(params.n)]
+        r.finish = [None] * params.n
+        self.reqs[request_id] = r
+
+    def abort_request(self, request_id: str) -> None:
+        if self.reqs.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    @property
+    def num_running(self) -> int:
+        return min(len(self.reqs), self.max_num_seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return max(0, len(self.reqs) - self.max_num_seqs)
+
+    def kv_usage(self) -> float:
+        used = 0
+        for r in list(self.reqs.values())[: self.max_num_seqs]:
+            used += -(-(len(r.ids) + max(len(o) for o in r.out)) // self.block_size)
+        return min(1.0, used / self.num_blocks)
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_steps": self.steps, "num_preemptions": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0}
+
+    def step(self) -> list[RequestOutput]:
+        if self.paused.is_set():
+            time.sleep(0.005)
+            return []
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        if self.raise_in_step > 0:
+            self.raise_in_step -= 1
+            raise RuntimeError("injected engine bug")
+        running = list(self.reqs.values())[: self.max_num_seqs]
+        now = time.monotonic()
+        if self.fail_model_step > 0:
+            self.fail_model_step -= 1
+            self.healthy = False
+            self.last_error = "model step failed: RuntimeError: injected forward failure"
+            outs = []
+            for r in list(self.reqs.values()):
+                r.finish = ["error"] * len(r.finish)
+                outs.append(self._output(r, [[] for _ in r.out], error=self.last_error))
+                del self.reqs[r.rid]
+            return outs
+        self.steps += 1
+        outs = []
+        ntok = 0
+        for r in running:
+            if r.metrics.first_scheduled_time is None:
+                r.metrics.first_scheduled_time = now
+            if self.fail_prompts_containing and self.fail_prompts_containing in self.tokenizer.decode(r.ids):
+                r.finish = ["error"] * len(r.finish)
+                outs.append(self._output(r, [[] for _ in r.out], error="injected per-request failure"))
+                del self.reqs[r.rid]
+                continue
+            new: list[list[int]] = []
+            for i, toks in enumerate(r.out):
+                if r.finish[i] is not None:
+                    new.append([])
+                    continue
+                pos = len(toks)
+                tok = OFFSET + 97 + (sum(r.ids) + 7 * pos + 3 * i) % 26
+                toks.append(tok)
+                ntok += 1
+                new.append([tok])
+                limit = r.params.max_tokens or (self.max_model_len - len(r.ids))
+                text = self.tokenizer.decode(toks)
+                if any(s in text for s in (r.params.stop or [])):
+                    r.finish[i] = "stop"
+                elif tok in (r.params.stop_token_ids or []):
+                    r.finish[i] = "stop"
+                elif len(toks) >= limit or len(r.ids) + len(toks) >= self.max_model_len:
+                    r.finish[i] = "length"
+            if r.metrics.first_token_time is None:
+                r.metrics.first_token_time = now
+            r.metrics.last_token_time = now
+            r.metrics.token_times.append(now)
+            r.metrics.num_generated_tokens += sum(len(x) for x in new)
+            if all(f is not None for f in r.finish):
+                r.metrics.finished_time = now
+                del self.reqs[r.rid]
+            outs.append(self._output(r, new))
+        self.last_step_stats = StepStats(step=self.steps, start_time=now, num_decode_tokens=ntok,
+                                         num_scheduled_seqs=len(running), num_running=self.num_running,
+                                         num_waiting=self.num_waiting)
+        return outs
+
+    def _output(self, r: _Req, new: list[list[int]], error: str | None = None) -> RequestOutput:
+        comps = []
+        for i, toks in enumerate(r.out):
+            lps = None
+            new_lps = None
+            if r.params.logprobs is not None:
+                lps = [self._lp(t, r.params.logprobs) for t in toks]
+                new_lps = lps[len(toks) - len(new[i]):] if new[i] else []
+            comps.append(
+                CompletionOutput(
+                    index=i,
+                    text=self.tokenizer.decode(toks),
+                    token_ids=list(toks),
+                    new_token_ids=list(new[i]),
+                    new_text=self.tokenizer.decode(new[i]),
+                    logprobs=lps,
+                    new_logprobs=new_lps,
+                    finish_reason=r.finish[i],
+                )
+            )
+        return RequestOutput(r.rid, r.prompt, list(r.ids), comps, all(f is not None for f in r.finish), r.metrics, error)
+
+    def _lp(self, tok: int, n: int) -> dict[int, Logprob]:
+        d = {tok: Logprob(-0.5, 1, self.tokenizer.decode([tok]))}
+        for k in range(1, n):
+            alt = OFFSET + 97 + (tok - OFFSET - 97 + k) % 26
+            d.setdefault(alt, Logprob(-1.0 - k, k + 1, self.tokenizer.decode([alt])))
+        return d

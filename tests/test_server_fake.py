@@ -1,0 +1,275 @@
+"""Server and AsyncEngine behaviour against a deterministic fake engine (fault injection,
+admission control, disconnects). A real uvicorn server on 127.0.0.1 in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from iterserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineShuttingDownError,
+    RequestFailedError,
+)
+from iterserve.sampling_params import SamplingParams
+from iterserve.server.app import create_app
+from tests.server_helpers.fake_engine import FakeEngine
+from tests.server_helpers.servers import ThreadServer, metric_values, parse_sse
+
+
+def serve(fake: FakeEngine, **kwargs: object) -> tuple[AsyncEngine, ThreadServer]:
+    engine_kw = {k: kwargs.pop(k) for k in ("max_queued_requests", "max_queued_tokens") if k in kwargs}
+    engine = AsyncEngine(fake, **engine_kw)  # type: ignore[arg-type]
+    return engine, ThreadServer(create_app(engine, **kwargs))  # type: ignore[arg-type]
+
+
+def wait_for(cond, timeout: float = 5.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+# ---- AsyncEngine on its own -------------------------------------------------------------------
+def test_async_engine_streams_validates_and_aborts_on_close() -> None:
+    fake = FakeEngine(step_delay=0.002)
+    engine = AsyncEngine(fake)
+
+    async def main() -> None:
+        engine.start()
+        params = SamplingParams(max_tokens=5, temperature=0)
+        outs = [o async for o in engine.generate("a", "hello", params)]
+        assert outs[-1].finished and len(outs) == 5
+        assert "".join(o.outputs[0].new_text for o in outs) == outs[-1].outputs[0].text
+        # Validation errors of add_request reach the caller as the engine's ValueError.
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.add_request("b", "x" * 500, params)
+        with pytest.raises(ValueError, match="empty"):
+            await engine.add_request("c", "", params)
+        # Closing the generator early aborts the request in the engine.
+        gen = engine.generate("d", "hello", SamplingParams(max_tokens=100))
+        async for _ in gen:
+            break
+        await gen.aclose()
+        for _ in range(200):
+            if "d" in fake.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert "d" in fake.aborted
+        # Cancelling a consumer task aborts too.
+        async def consume() -> None:
+            async for _ in engine.generate("e", "hello", SamplingParams(max_tokens=100)):
+                pass
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if "e" in fake.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert "e" in fake.aborted
+        assert engine.num_active == 0
+        await engine.shutdown()
+        with pytest.raises(EngineShuttingDownError):
+            await engine.add_request("f", "hello", params)
+
+    asyncio.run(main())
+
+
+def test_engine_thread_crash_is_reported_not_hung() -> None:
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+
+    def boom() -> bool:
+        raise SystemError("engine state corrupted")
+
+    async def main() -> None:
+        engine.start()
+        fake.has_unfinished_requests = boom  # type: ignore[method-assign]
+        with pytest.raises(RequestFailedError, match="crashed"):
+            async for _ in engine.generate("a", "hello", SamplingParams(max_tokens=3)):
+                pass
+        await asyncio.sleep(0.05)
+        assert not engine.healthy and "crashed" in (engine.health_error or "")
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("b", "hello", SamplingParams())
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+# ---- HTTP: failures ---------------------------------------------------------------------------
+def test_step_exception_fails_inflight_with_500_and_health_turns_unhealthy() -> None:
+    fake = FakeEngine(step_delay=0.005)
+    engine, server = serve(fake)
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        assert c.get("/health").status_code == 200
+        fake.raise_in_step = 1
+        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5})
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert "injected engine bug" in err["message"] and err["type"] == "server_error"
+        h = c.get("/health")
+        assert h.status_code == 503 and "model step failed" in h.json()["error"]["message"]
+        # The server keeps serving (health stays red so an orchestrator can restart it).
+        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        assert metric_values(c.get("/metrics").text)["iterserve:engine_healthy"] == 0.0
+
+
+def test_model_step_failure_mid_stream_reaches_client_as_error() -> None:
+    fake = FakeEngine(step_delay=0.01)
+    engine, server = serve(fake)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with server:
+        stream = client.completions.create(model="fake-model", prompt="hello", max_tokens=200, stream=True)
+        got = []
+        with pytest.raises(openai.APIError, match="injected forward failure"):
+            for chunk in stream:
+                got.append(chunk.choices[0].text)
+                if len(got) == 3:
+                    fake.fail_model_step = 1
+        assert len(got) >= 3
+        assert httpx.get(server.url + "/health").status_code == 503
+        # Failure before the first token: a real HTTP 500 even for a streaming request.
+        fake.fail_model_step = 1
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model="fake-model", prompt="hello", max_tokens=5, stream=True)
+        assert client.completions.create(model="fake-model", prompt="hi", max_tokens=2).choices[0].text
+
+
+def test_one_request_failing_does_not_affect_others() -> None:
+    fake = FakeEngine(step_delay=0.005)
+    fake.fail_prompts_containing = "POISON"
+    engine, server = serve(fake)
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            return list(await asyncio.gather(
+                c.post("/v1/completions", json={"prompt": "POISON pill", "max_tokens": 8}),
+                c.post("/v1/completions", json={"prompt": "healthy", "max_tokens": 8}),
+                c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "fine"}], "max_tokens": 8}),
+            ))
+
+    with server:
+        bad, ok1, ok2 = asyncio.run(main())
+        assert bad.status_code == 500 and "per-request failure" in bad.json()["error"]["message"]
+        assert ok1.status_code == 200 and ok1.json()["choices"][0]["finish_reason"] == "length"
+        assert ok2.status_code == 200 and len(ok2.json()["choices"][0]["message"]["content"]) == 8
+        assert httpx.get(server.url + "/health").status_code == 200
+        m = metric_values(httpx.get(server.url + "/metrics").text)
+        assert m['iterserve:request_success_total{finished_reason="error"}'] == 1
+
+
+# ---- HTTP: admission, disconnects -----------------------------------------------------------------
+def test_queue_limit_rejects_with_503_and_accepted_requests_complete() -> None:
+    fake = FakeEngine(max_num_seqs=1)
+    fake.paused.set()
+    engine, server = serve(fake, max_queued_requests=2)
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+            tasks = []
+            for i in range(6):
+                tasks.append(asyncio.create_task(c.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 4})))
+                await asyncio.sleep(0.15)  # let the engine thread take each one in turn
+            fake.paused.clear()
+            return list(await asyncio.gather(*tasks))
+
+    with server:
+        rs = asyncio.run(main())
+        codes = [r.status_code for r in rs]
+        # 1 running + 2 queued accepted; the rest refused at once.
+        assert codes == [200, 200, 200, 503, 503, 503], codes
+        for r in rs[3:]:
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
+        for r in rs[:3]:
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+        m = metric_values(httpx.get(server.url + "/metrics").text)
+        assert m['iterserve:num_requests_rejected_total{reason="queue_full"}'] == 3
+
+
+def test_client_disconnect_aborts_streaming_and_non_streaming_requests() -> None:
+    fake = FakeEngine(step_delay=0.01, max_model_len=4096)
+    engine, server = serve(fake)
+    with server:
+        # Streaming: read a few events, then hang up.
+        with httpx.Client(base_url=server.url, timeout=10) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 2000, "stream": True}) as r:
+                assert r.status_code == 200
+                n = 0
+                for line in r.iter_lines():
+                    n += line.startswith("data: ")
+                    if n == 3:
+                        break
+        wait_for(lambda: len(fake.aborted) == 1 and not fake.reqs, what="streaming abort")
+        # Non-streaming: the client times out and closes the connection.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2000}, timeout=0.3)
+        wait_for(lambda: len(fake.aborted) == 2 and not fake.reqs, what="non-streaming abort")
+        wait_for(lambda: engine.num_active == 0, what="no live streams")
+        m = metric_values(httpx.get(server.url + "/metrics").text)
+        assert m["iterserve:kv_cache_usage_perc"] == 0.0
+        assert m['iterserve:request_success_total{finished_reason="abort"}'] == 2
+
+
+# ---- HTTP: protocol details on the fake -------------------------------------------------------------
+def test_chat_without_template_is_a_clear_400_and_api_key_guards_v1() -> None:
+    fake = FakeEngine(chat_template=None)
+    engine, server = serve(fake, api_key="sekret")
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        auth = {"Authorization": "Bearer sekret"}
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, headers=auth)
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "no_chat_template"
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            r = c.post("/v1/completions", json={"prompt": "hi"}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert c.get("/v1/models", headers=headers).status_code == 401
+        assert c.get("/v1/models", headers=auth).json()["data"][0]["id"] == "fake-model"
+        assert c.get("/health").status_code == 200  # not under /v1
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth)
+        assert r.status_code == 200
+
+
+def test_n_batch_prompts_echo_and_sse_shape() -> None:
+    fake = FakeEngine()
+    engine, server = serve(fake)
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        r = c.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "echo": True})
+        body = r.json()
+        assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3]
+        assert body["choices"][0]["text"].startswith("ab") and body["choices"][2]["text"].startswith("cd")
+        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+        r = c.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "stream": True,
+                                             "stream_options": {"include_usage": True}})
+        events = parse_sse(r.text)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 12
+        texts: dict[int, str] = {}
+        finishes: dict[int, str] = {}
+        for e in events[:-2]:
+            for ch in e["choices"]:
+                texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+                if ch["finish_reason"]:
+                    assert ch["index"] not in finishes
+                    finishes[ch["index"]] = ch["finish_reason"]
+        assert finishes == {0: "length", 1: "length", 2: "length", 3: "length"}
+        assert [texts[i] for i in range(4)] == [ch["text"][2:] for ch in body["choices"]]
+        # logprobs with token ids as strings
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                                  "logprobs": True, "top_logprobs": 2,
+                                                  "return_tokens_as_token_ids": True})
+        lp = r.json()["choices"][0]["logprobs"]["content"]
+        assert len(lp) == 2 and lp[0]["token"].startswith("token_id:") and len(lp[0]["top_logprobs"]) == 2
+        # SSE error events are well-formed JSON
+        assert json.loads(json.dumps(events[0]))

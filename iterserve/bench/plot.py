@@ -1,0 +1,382 @@
+"""``iterserve plot {curves,cdf,timeline} INPUT... --out FILE.png`` (matplotlib, Agg).
+
+    curves    p50/p99 TTFT and TPOT against achieved throughput, one line per policy, from
+              sweep result files
+    cdf       latency CDFs (TTFT, TPOT, E2E) per run, from result files
+    timeline  the batch timeline of runs: which requests ran in each step (prefill / decode),
+              tokens per step, KV-cache usage and queue length; from step records (JSON lines
+              of StepStats written by ``engine.record_steps`` / ``--record-steps DIR``) or from
+              result files whose runs name their step records (then request arrivals show too)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from iterserve.bench.results import rate_value, read_result, run_timings  # noqa: E402
+
+PREFILL_COLOR = "#e6550d"
+DECODE_COLOR = "#3182bd"
+WAIT_COLOR = "#bdbdbd"
+
+
+def _save(fig: Figure, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def _rate_text(rate: float | None) -> str:
+    if rate is None:
+        return "trace"
+    return "inf" if math.isinf(rate) else f"{rate:.3g}"
+
+
+def _all_runs(paths: list[str]) -> list[dict[str, Any]]:
+    runs = []
+    for p in paths:
+        doc = read_result(p)
+        for r in doc["runs"]:
+            r = dict(r)
+            r["_file"] = p
+            r["_rate"] = rate_value(r.get("request_rate"))
+            runs.append(r)
+    return runs
+
+
+# ---- curves -----------------------------------------------------------------------------
+
+
+def plot_curves(paths: list[str], out: str, x: str = "throughput") -> None:
+    """Two panels (TTFT, TPOT): p50 solid and p99 dashed against achieved output throughput
+    (or the offered request rate), one colour per policy, one marker per sweep point."""
+    by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in _all_runs(paths):
+        by_label[r["label"]].append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, runs) in enumerate(sorted(by_label.items())):
+        if x == "rate":
+            runs = [r for r in runs if r["_rate"] is not None and not math.isinf(r["_rate"])]
+            runs.sort(key=lambda r: r["_rate"])
+            xs = [r["_rate"] for r in runs]
+        else:
+            runs.sort(key=lambda r: (r["summary"].get("output_throughput") or 0.0))
+            xs = [r["summary"].get("output_throughput") or 0.0 for r in runs]
+        color = colors[i % len(colors)]
+        for ax, metric in zip(axes, ("ttft", "tpot")):
+            for pct, style in (("median", "-"), ("p99", "--")):
+                ys = [r["summary"].get(f"{pct}_{metric}_ms") for r in runs]
+                pts = [(a, b) for a, b in zip(xs, ys) if b is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", color=color, ms=4,
+                            label=f"{label} {'p50' if pct == 'median' else 'p99'}")
+    for ax, metric in zip(axes, ("TTFT", "TPOT")):
+        ax.set_xlabel("achieved output throughput (tokens/s)" if x != "rate" else "offered request rate (req/s)")
+        ax.set_ylabel(f"{metric} (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_title(f"{metric}: p50 (solid), p99 (dashed)")
+        ax.legend(fontsize=8)
+    fig.suptitle("Latency vs throughput across the request-rate sweep")
+    _save(fig, out)
+
+
+# ---- cdf --------------------------------------------------------------------------------
+
+
+def _pick_cdf_runs(runs: list[dict[str, Any]], rate: float | None) -> list[dict[str, Any]]:
+    """``rate`` given: the runs at that rate. Otherwise every run of a label that has one
+    run, and for labels with several (a sweep) the run at the highest finite rate."""
+    if rate is not None:
+        picked = [r for r in runs if r["_rate"] is not None and math.isclose(r["_rate"], rate, rel_tol=1e-3)]
+        if not picked:
+            have = sorted({_rate_text(r["_rate"]) for r in runs})
+            raise ValueError(f"no run at rate {rate}; the inputs have rates {have}")
+        return picked
+    by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        by_label[r["label"]].append(r)
+    picked = []
+    for group in by_label.values():
+        if len(group) == 1:
+            picked.append(group[0])
+            continue
+        finite = [r for r in group if r["_rate"] is not None and not math.isinf(r["_rate"])]
+        picked.append(max(finite, key=lambda r: r["_rate"]) if finite else group[0])
+    return picked
+
+
+def plot_cdf(paths: list[str], out: str, rate: float | None = None, log_x: bool = False) -> None:
+    runs = _pick_cdf_runs(_all_runs(paths), rate)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for r in runs:
+        ok = [t for t in run_timings(r) if t.success]
+        values = {
+            "TTFT": [t.ttft for t in ok if t.ttft is not None],
+            "TPOT": [v for t in ok if (v := t.tpot) is not None],
+            "E2E latency": [t.latency for t in ok if t.latency is not None],
+        }
+        label = r["label"] if len({x["_rate"] for x in runs}) == 1 else f"{r['label']} @ {_rate_text(r['_rate'])}"
+        for ax, vals in zip(axes, values.values()):
+            if not vals:
+                continue
+            ms = np.sort(np.asarray(vals, dtype=float) * 1000.0)
+            ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=label)
+    rates = sorted({_rate_text(r["_rate"]) for r in runs})
+    for ax, name in zip(axes, ("TTFT", "TPOT", "E2E latency")):
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.01)
+        if log_x:
+            ax.set_xscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Latency CDFs (request rate: {', '.join(rates)} req/s)")
+    _save(fig, out)
+
+
+# ---- timeline ---------------------------------------------------------------------------
+
+
+@dataclass
+class Timeline:
+    """One run's steps, times relative to ``t0`` (the run start, else the first step)."""
+
+    label: str
+    steps: list[dict[str, Any]]
+    t0: float
+    arrivals: dict[str, float] = field(default_factory=dict)  # request id -> arrival (s after t0)
+
+    @property
+    def end(self) -> float:
+        last = self.steps[-1]
+        return last["start_time"] + last["duration_s"] - self.t0
+
+
+def read_steps(path: str | Path) -> list[dict[str, Any]]:
+    steps = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                steps.append(json.loads(line))
+    if not steps:
+        raise ValueError(f"{path} holds no step records")
+    if "scheduled" not in steps[0]:
+        raise ValueError(f"{path}: step records have no 'scheduled' field; record them with engine.record_steps")
+    return steps
+
+
+def load_timelines(paths: list[str], labels: list[str] | None = None) -> list[Timeline]:
+    """Step-record files (.jsonl) give one timeline each; result files (.json) give one per
+    run that names a ``steps_file`` (with request arrivals, from the run's timings)."""
+    out: list[Timeline] = []
+    for p in paths:
+        if p.endswith(".jsonl"):
+            steps = read_steps(p)
+            out.append(Timeline(Path(p).stem, steps, steps[0]["start_time"]))
+            continue
+        doc = read_result(p)
+        found = False
+        for run in doc["runs"]:
+            sf = run.get("steps_file")
+            if not sf:
+                continue
+            sp = Path(sf)
+            if not sp.is_file():
+                sp = Path(p).parent / Path(sf).name
+            steps = read_steps(sp)
+            t0 = run.get("clock_start") or steps[0]["start_time"]
+            arrivals = {t["request_id"]: t["arrival_time"] for t in run.get("requests", [])}
+            label = run["label"] + (f" @ {_rate_text(rate_value(run.get('request_rate')))} req/s"
+                                    if doc.get("kind") == "sweep" else "")
+            out.append(Timeline(label, steps, t0, arrivals))
+            found = True
+        if not found:
+            raise ValueError(f"{p}: no run names a steps_file; run the benchmark with --record-steps DIR")
+    if labels:
+        if len(labels) != len(out):
+            raise ValueError(f"--labels gave {len(labels)} names for {len(out)} timelines")
+        for tl, name in zip(out, labels):
+            tl.label = name
+    return out
+
+
+def _segments(tl: Timeline) -> tuple[list[str], dict[str, dict[bool, list[tuple[float, float]]]]]:
+    """Request order (by first schedule) and, per request, (start, width) bars for prefill
+    (True) and decode (False); consecutive steps of the same kind merge into one bar."""
+    order: list[str] = []
+    segs: dict[str, dict[bool, list[tuple[float, float]]]] = {}
+    last: dict[str, tuple[int, bool]] = {}
+    for s in tl.steps:
+        start, dur = s["start_time"] - tl.t0, s["duration_s"]
+        for rid, _n, is_prefill in s["scheduled"]:
+            kinds = segs.get(rid)
+            if kinds is None:
+                kinds = segs[rid] = {True: [], False: []}
+                order.append(rid)
+            bars = kinds[bool(is_prefill)]
+            prev = last.get(rid)
+            if prev == (s["step"] - 1, bool(is_prefill)) and bars:
+                b0, _ = bars[-1]
+                bars[-1] = (b0, start + dur - b0)
+            else:
+                bars.append((start, dur))
+            last[rid] = (s["step"], bool(is_prefill))
+    return order, segs
+
+
+def _stairs(tl: Timeline, key: str, fn: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """(edges, values) of a per-step quantity. A step holds its value until the next step
+    starts, except after a step that left the engine empty (nothing running or waiting):
+    then the gap until the next step is idle and shows as zero."""
+    edges: list[float] = []
+    vals: list[float] = []
+    for i, s in enumerate(tl.steps):
+        start = s["start_time"] - tl.t0
+        end = start + s["duration_s"]
+        if i + 1 < len(tl.steps):
+            nxt = tl.steps[i + 1]["start_time"] - tl.t0
+            if s.get("num_running", 1) or s.get("num_waiting", 0):
+                end = max(end, nxt)
+        if edges and start > edges[-1] + 1e-9:
+            vals.append(0.0)
+            edges.append(start)
+        if not edges:
+            edges.append(start)
+        vals.append(float(fn(s) if fn else s[key]))
+        edges.append(end)
+    return np.asarray(edges), np.asarray(vals)
+
+
+def plot_timeline(paths: list[str], out: str, labels: list[str] | None = None,
+                  max_requests: int | None = None) -> None:
+    """One column per run, sharing the time axis: (1) a Gantt chart, one row per request
+    (grey: waiting since arrival, orange: prefill, blue: decode); (2) prefill and decode
+    tokens per step with the batch size; (3) KV-cache usage and queue length."""
+    tls = load_timelines(paths, labels)
+    ncol = len(tls)
+    fig, axes = plt.subplots(3, ncol, figsize=(6.5 * ncol, 9), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1.2, 1.2]})
+    twins: list[list[Any]] = [[], []]  # right-hand axes of the token and KV panels
+    for c, tl in enumerate(tls):
+        gantt, tok_ax, kv_ax = axes[0][c], axes[1][c], axes[2][c]
+        order, segs = _segments(tl)
+        if max_requests:
+            order = order[:max_requests]
+        for y, rid in enumerate(order):
+            first = min(b[0] for kind in segs[rid].values() for b in kind)
+            arrival = tl.arrivals.get(rid)
+            if arrival is not None and first > arrival:
+                gantt.plot([arrival, first], [y, y], color=WAIT_COLOR, lw=0.8, solid_capstyle="butt")
+            gantt.broken_barh(segs[rid][True], (y - 0.4, 0.8), color=PREFILL_COLOR, lw=0)
+            gantt.broken_barh(segs[rid][False], (y - 0.4, 0.8), color=DECODE_COLOR, lw=0)
+        gantt.set_ylim(len(order) - 0.5, -0.5)
+        gantt.set_ylabel("request (by first step)")
+        n_steps = len(tl.steps)
+        gantt.set_title(f"{tl.label}: {n_steps} steps, {len(segs)} requests, {tl.end:.1f} s")
+
+        e, pre = _stairs(tl, "num_prefill_tokens")
+        _, dec = _stairs(tl, "num_decode_tokens")
+        tok_ax.stairs(pre + dec, e, fill=True, color=PREFILL_COLOR, label="prefill tokens")
+        tok_ax.stairs(dec, e, fill=True, color=DECODE_COLOR, label="decode tokens")
+        tok_ax.set_yscale("symlog", linthresh=64)  # decode steps (a few tokens) stay visible
+        tok_ax.set_ylabel("tokens / step")
+        seq_ax = tok_ax.twinx()
+        _, seqs = _stairs(tl, "num_scheduled_seqs")
+        seq_ax.stairs(seqs, e, color="black", lw=0.9, label="sequences in batch")
+        seq_ax.set_ylabel("batch size")
+        seq_ax.set_ylim(bottom=0)
+        twins[0].append(seq_ax)
+
+        _, kv = _stairs(tl, "kv_blocks_used", lambda s: 100.0 * s["kv_blocks_used"] / s["kv_blocks_total"]
+                        if s.get("kv_blocks_total") else 0.0)
+        kv_ax.stairs(kv, e, fill=True, color="#74c476", label="KV cache used (%)")
+        kv_ax.set_ylabel("KV cache used (%)")
+        kv_ax.set_ylim(bottom=0)
+        q_ax = kv_ax.twinx()
+        _, wait = _stairs(tl, "num_waiting")
+        q_ax.stairs(wait, e, color="#756bb1", lw=1.2, label="waiting requests")
+        q_ax.set_ylabel("queue length")
+        q_ax.set_ylim(bottom=0)
+        twins[1].append(q_ax)
+        kv_ax.set_xlabel("time since start (s)")
+        if c == 0:
+            handles = [plt.Rectangle((0, 0), 1, 1, color=col) for col in (WAIT_COLOR, PREFILL_COLOR, DECODE_COLOR)]
+            gantt.legend(handles, ["waiting", "prefill", "decode"], loc="lower right", fontsize=8)
+            for ax_pair in ((tok_ax, seq_ax), (kv_ax, q_ax)):
+                h1, l1 = ax_pair[0].get_legend_handles_labels()
+                h2, l2 = ax_pair[1].get_legend_handles_labels()
+                ax_pair[0].legend(h1 + h2, l1 + l2, loc="upper right", fontsize=7)
+    # Same y ranges across columns, so heights compare at a glance.
+    for group in (list(axes[1]), list(axes[2]), *twins):
+        top = max(ax.get_ylim()[1] for ax in group)
+        for ax in group:
+            ax.set_ylim(0, top)
+    for ax in axes[1]:
+        ax.set_yticks([t for t in (0, 10, 100, 1000, 10000) if t <= ax.get_ylim()[1]])
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    fig.suptitle("Batch timeline: which requests ran in each step")
+    fig.tight_layout()
+    _save(fig, out)
+
+
+# ---- CLI --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iterserve plot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="kind", required=True)
+    c = sub.add_parser("curves", help="p50/p99 TTFT and TPOT vs throughput per policy (sweep results)")
+    c.add_argument("inputs", nargs="+", metavar="RESULT.json")
+    c.add_argument("--x", choices=("throughput", "rate"), default="throughput",
+                   help="x axis: achieved output tokens/s, or offered request rate")
+    d = sub.add_parser("cdf", help="latency CDFs per run")
+    d.add_argument("inputs", nargs="+", metavar="RESULT.json")
+    d.add_argument("--rate", type=float, help="use the runs at this request rate (default: each "
+                   "label's only run, or its highest finite rate)")
+    d.add_argument("--log-x", action="store_true")
+    t = sub.add_parser("timeline", help="batch timeline from step records, side by side")
+    t.add_argument("inputs", nargs="+", metavar="STEPS.jsonl|RESULT.json")
+    t.add_argument("--labels", help="comma-separated column titles")
+    t.add_argument("--max-requests", type=int, help="show only the first N requests in the Gantt chart")
+    for p in (c, d, t):
+        p.add_argument("--out", required=True, metavar="FILE.png")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        if ns.kind == "curves":
+            plot_curves(ns.inputs, ns.out, ns.x)
+        elif ns.kind == "cdf":
+            plot_cdf(ns.inputs, ns.out, ns.rate, ns.log_x)
+        else:
+            labels = [x.strip() for x in ns.labels.split(",")] if ns.labels else None
+            plot_timeline(ns.inputs, ns.out, labels, ns.max_requests)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The replay driver's timing arithmetic (fake engine, virtual clock), metric summaries, and
+the offline / sweep commands and plots end to end on the tiny-random model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from iterserve.bench import cli, plot
+from iterserve.bench.datasets import RequestSpec
+from iterserve.bench.metrics import RequestTiming, meets_slos, parse_goodput, summarize
+from iterserve.bench.replay import replay
+from iterserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from iterserve.sampling_params import SamplingParams
+
+STEP_S = 0.01
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, dt: float) -> None:
+        self.t += dt
+
+
+class FakeEngine:
+    """Every step takes STEP_S of virtual time and gives each live request one token."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+        self.live: dict[str, list[int]] = {}  # id -> [tokens wanted, tokens made]
+        self.steps = 0
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if len(prompt) > 100:
+            raise ValueError("prompt too long")
+        assert params.ignore_eos and params.max_tokens is not None
+        self.live[request_id] = [params.max_tokens, 0]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[RequestOutput]:
+        self.clock.t += STEP_S
+        self.steps += 1
+        outs = []
+        for rid, st in list(self.live.items()):
+            st[1] += 1
+            done = st[1] == st[0]
+            if done:
+                del self.live[rid]
+            comp = CompletionOutput(0, "", [7] * st[1], new_token_ids=[7],
+                                    finish_reason="length" if done else None)
+            outs.append(RequestOutput(rid, None, [1], [comp], done, RequestMetrics(arrival_time=0.0)))
+        return outs
+
+    def stats(self) -> dict[str, int]:
+        return {"num_steps": self.steps}
+
+
+def test_replay_timings_on_a_virtual_clock() -> None:
+    clock = VirtualClock()
+    specs = [
+        RequestSpec([1] * 5, output_len=3, arrival_time=0.0),
+        RequestSpec([1] * 5, output_len=2, arrival_time=0.015),  # arrives during step 2
+        RequestSpec([1] * 500, output_len=2, arrival_time=0.02),  # rejected by the engine
+        RequestSpec([1] * 5, output_len=1, arrival_time=1.0),  # after an idle gap
+    ]
+    done: list[RequestTiming] = []
+    res = replay(FakeEngine(clock), specs, clock=clock, sleep=clock.sleep, on_done=done.append)
+    a, b, rejected, c = res.timings
+    assert a.success and a.ttft == pytest.approx(0.01) and a.itl == pytest.approx([0.01, 0.01])
+    assert a.latency == pytest.approx(0.03) and a.output_tokens == 3 and a.tpot == pytest.approx(0.01)
+    # b is added after step 2 ends (t=0.02); its TTFT counts from its arrival at 0.015.
+    assert b.send_time == pytest.approx(0.02)
+    assert b.ttft == pytest.approx(0.015) and b.latency == pytest.approx(0.025)
+    assert not rejected.success and rejected.error == "rejected: prompt too long"
+    assert c.ttft == pytest.approx(0.01) and c.latency == pytest.approx(0.01) and c.tpot is None
+    assert res.duration_s == pytest.approx(1.01)
+    assert res.num_steps == 5 and len(done) == 4
+
+    s = summarize(res.timings, res.duration_s, parse_goodput(["ttft:12", "e2el:40"]))
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (3, 1, 6)
+    assert s["errors"] == {"rejected: prompt too long": 1}
+    assert s["good_completed"] == 2  # b misses ttft:12
+    assert s["request_goodput"] == pytest.approx(2 / 1.01)
+    assert s["output_throughput"] == pytest.approx(6 / 1.01)
+    assert s["mean_ttft_ms"] == pytest.approx((10 + 15 + 10) / 3)
+    assert s["mean_tpot_ms"] == pytest.approx(10.0)  # a and b; c has one token
+    assert s["p99_itl_ms"] == pytest.approx(10.0) and s["median_e2el_ms"] == pytest.approx(25.0)
+
+
+def test_goodput_rules() -> None:
+    one_token = RequestTiming("x", 5, 1, success=True, ttft=0.2, latency=0.2, output_tokens=1)
+    assert meets_slos(one_token, {"tpot": 0.0})  # TPOT of a one-token request counts as 0
+    assert not meets_slos(one_token, {"ttft": 199.0})
+    assert not meets_slos(RequestTiming("y", 5, 1), {"ttft": 1e9})  # failures are never good
+    with pytest.raises(ValueError, match="NAME:MS"):
+        parse_goodput(["latency:5"])
+    empty = summarize([RequestTiming("z", 5, 1, error="boom")], 1.0)
+    assert empty["failed"] == 1 and empty["mean_ttft_ms"] is None  # no made-up zeros
+
+
+def test_timeline_plot_from_synthetic_steps(tmp_path: Path) -> None:
+    f = tmp_path / "steps.jsonl"
+    rows = []
+    t = 50.0
+    for i in range(6):
+        sched = [["a", 8 if i == 0 else 1, i == 0]] + ([["b", 1, False]] if 2 <= i <= 4 else [])
+        if i == 1:
+            sched.append(["b", 8, True])
+        rows.append({"step": i, "start_time": t, "duration_s": 0.01, "num_prefill_tokens": 8 if i < 2 else 0,
+                     "num_decode_tokens": len(sched) - (1 if i < 2 else 0), "num_scheduled_seqs": len(sched),
+                     "num_running": 2, "num_waiting": 0, "kv_blocks_used": 2, "kv_blocks_total": 10,
+                     "scheduled": sched})
+        t += 0.012
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    order, segs = plot._segments(plot.load_timelines([str(f)])[0])
+    assert order == ["a", "b"]
+    assert len(segs["a"][True]) == 1 and len(segs["a"][False]) == 1  # consecutive steps merged
+    assert segs["a"][False][0][1] == pytest.approx(4 * 0.012 + 0.01)
+    out = tmp_path / "tl.png"
+    assert plot.main(["timeline", str(f), str(f), "--labels", "x,y", "--out", str(out)]) == 0
+    assert out.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_offline_and_sweep_commands_and_plots(tmp_path: Path) -> None:
+    """A recorded run of the real engine (tiny-random), its result file, and every plot."""
+    common = ["--model", "tiny-random", "--dtype", "float32", "--num-prompts", "6", "--dataset", "random",
+              "--random-input-len", "24", "--random-output-len", "6", "--random-range-ratio", "0.5",
+              "--max-num-batched-tokens", "64", "--no-progress"]
+    off = tmp_path / "offline.json"
+    rc = cli.main(["offline", *common, "--policies", "static,continuous,continuous-nochunk",
+                   "--result-file", str(off), "--record-steps", str(tmp_path / "steps")])
+    assert rc == 0
+    doc = json.loads(off.read_text())
+    assert doc["kind"] == "offline" and [r["label"] for r in doc["runs"]] == [
+        "static", "continuous", "continuous-nochunk"]
+    for run in doc["runs"]:
+        s = run["summary"]
+        assert s["completed"] == 6 and s["failed"] == 0 and s["output_len_mismatch"] == 0
+        assert s["num_steps"] > 0 and len(run["requests"]) == 6 and run["request_rate"] == "inf"
+        assert Path(run["steps_file"]).is_file()
+    nochunk = doc["runs"][2]["engine_args"]
+    assert nochunk["enable_chunked_prefill"] is False and nochunk["max_num_batched_tokens"] >= 2048
+
+    sw = tmp_path / "sweep.json"
+    assert cli.main(["sweep", *common, "--policies", "continuous", "--request-rates", "20,inf",
+                     "--result-file", str(sw), "--goodput", "ttft:60000"]) == 0
+    runs = json.loads(sw.read_text())["runs"]
+    assert [r["request_rate"] for r in runs] == [20.0, "inf"]
+    assert all(r["summary"]["good_completed"] == 6 for r in runs)
+
+    for args in (["timeline", str(off)], ["timeline", str(tmp_path / "steps" / "offline_static.jsonl")],
+                 ["cdf", str(off)], ["cdf", str(sw), "--rate", "20"], ["curves", str(sw)]):
+        out = tmp_path / f"{args[0]}.png"
+        assert plot.main([*args, "--out", str(out)]) == 0, args
+        assert out.stat().st_size > 10_000
+    assert not math.isnan(runs[0]["summary"]["mean_ttft_ms"])

@@ -179,6 +179,24 @@ def _vocab_size_of(folder: str) -> int | None:
         return None
 
 
+def text_prompts(tokenizer: Any, specs: list[RequestSpec]) -> tuple[list[RequestSpec], list[str]]:
+    """Text prompts for ``--prompt-format text``: each id maps (deterministically, so shared
+    prefixes stay shared) onto a token that decodes to text which encodes back to itself, then
+    the prompt is decoded. The returned specs hold the re-encoded ids, i.e. the lengths the
+    server will see (BPE merges across token boundaries can change them slightly)."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    pool = [
+        i for i in range(len(tokenizer))
+        if i not in special and list(tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False)) == [i]
+    ]
+    if not pool:
+        raise ValueError("the tokenizer has no token that round-trips through text; use --prompt-format ids")
+    texts = [tokenizer.decode([pool[t % len(pool)] for t in s.prompt_token_ids]) for s in specs]
+    specs = [dataclasses.replace(s, prompt_token_ids=list(tokenizer.encode(t, add_special_tokens=False)))
+             for s, t in zip(specs, texts)]
+    return specs, texts
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     from iterserve.bench.client import fetch_models, run_serve
 
@@ -210,10 +228,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     specs, report = build_workload(cfg, vocab_size=vocab, max_model_len=max_len)
     prompts: list[list[int] | str] | None = None
     if tokenizer is not None:
-        prompts = [tokenizer.decode(s.prompt_token_ids) for s in specs]
-        # Report what the server will see: text re-tokenizes to about the same length.
-        specs = [dataclasses.replace(s, prompt_token_ids=list(tokenizer.encode(p, add_special_tokens=False)))
-                 for s, p in zip(specs, prompts)]
+        specs, texts = text_prompts(tokenizer, specs)
+        prompts = list(texts)
     _err(f"workload: {cfg.dataset}, {len(specs)} requests, arrivals {cfg.arrivals}; {report.describe()}")
     with progress_bar(len(specs), f"bench serve {model}", ns.progress) as on_done:
         res = run_serve(specs, base_url=ns.base_url, model=model, prompts=prompts,

@@ -222,7 +222,10 @@ class WorkloadConfig:
                 continue
             flag = "--" + f.name.replace("_", "-")
             default = defaults.get(f.name, getattr(base, f.name))
-            kw: dict[str, object] = {"dest": f.name, "default": default, "help": helps.get(f.name)}
+            help_ = helps.get(f.name, "")
+            if f.name == "length_scale" and default is None:
+                help_ += " (default: fit the dataset's p99 prompt + output length into the context)"
+            kw: dict[str, object] = {"dest": f.name, "default": default, "help": help_}
             if f.name == "dataset":
                 kw["choices"] = DATASETS
             elif f.name == "long_prompts":

@@ -291,3 +291,17 @@ def test_property_random_workloads(
         # FCFS: first admissions happen in arrival order (nobody overtakes, nobody starves).
         order = [r.request_id for r in sorted(reqs, key=lambda r: r.arrival_seq)]
         assert admitted_order == [rid for rid in order if rid in admitted_order]
+
+
+def test_static_forms_its_whole_batch_even_when_prefill_exceeds_one_step() -> None:
+    s = make_sched(policy="static", max_num_seqs=4, max_num_batched_tokens=8)
+    for i in range(6):
+        s.add_request(make_req(f"r{i}", 6, 3, seed=i))
+    out = s.schedule()
+    assert len(out.new_requests) == 4 and out.total_tokens == 8
+    s.update_from_output(out, {})
+    s.check_integrity()
+    steps, done = run_all(s)
+    # r4 and r5 only start once the whole first batch has finished.
+    first_batch_end = max(done[f"r{i}"] for i in range(4))
+    assert min(done["r4"], done["r5"]) > first_batch_end

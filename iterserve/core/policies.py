@@ -79,6 +79,9 @@ class Policy:
     """Continuous batching, first come first served (the default)."""
 
     name = "continuous"
+    # Admit requests even when this step's token budget is spent (their prefill then runs
+    # in later steps). Static batching forms its whole batch at once this way.
+    admit_beyond_budget = False
 
     def make_waiting_queue(self) -> WaitingQueue:
         return WaitingQueue()
@@ -100,6 +103,7 @@ class StaticPolicy(Policy):
     runs until its longest member ends. Same engine and kernels, only this differs."""
 
     name = "static"
+    admit_beyond_budget = True
 
     def can_admit(self, num_running: int) -> bool:
         return num_running == 0

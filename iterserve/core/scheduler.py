@@ -151,7 +151,8 @@ class Scheduler:
             budget -= num_new
 
         if not out.preempted and self.policy.can_admit(len(self.running)):
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            beyond = self.policy.admit_beyond_budget
+            while self.waiting and (budget > 0 or beyond) and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.peek()
                 if self.kv.blocks_for(req.num_tokens + 1) > self.kv.num_blocks:
                     self.waiting.pop()
@@ -160,7 +161,9 @@ class Scheduler:
                 hits, num_hit = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit
                 if num_new > budget and not chunked:
-                    break
+                    if not beyond:
+                        break
+                    num_new = 0
                 num_new = min(num_new, budget)
                 if not self.kv.allocate_slots(req, num_new, hits):
                     break
@@ -175,8 +178,9 @@ class Scheduler:
                 req.admit_seq = next(self._admissions)
                 self.running.append(req)
                 out.new_requests.append(req)
-                self._add_to_output(out, req, num_new)
-                budget -= num_new
+                if num_new:
+                    self._add_to_output(out, req, num_new)
+                    budget -= num_new
         return out
 
     def _add_to_output(self, out: SchedulerOutput, req: Request, num_new: int) -> None:

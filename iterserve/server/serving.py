@@ -38,16 +38,30 @@ _SP_FIELD = re.compile(r"^(\w+) ")
 _SP_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple", "set", "bytes", "any"}
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as a request field path, without union-member tags."""
+    parts = []
+    for x in loc:
+        if isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or "-" in x or x[:1].isupper()):
+            break  # 'prompt' -> 'str' / 'list[int]' ...: the rest names a union branch
+        parts.append(str(x))
+    return ".".join(parts)
+
+
 def validation_error(e: ValidationError) -> APIError:
     """A pydantic error as a 400 naming the first offending field."""
-    errs = e.errors(include_url=False)
+    groups: dict[str, list[str]] = {}
+    for err in e.errors(include_url=False):
+        groups.setdefault(_field_path(tuple(err.get("loc", ()))), []).append(str(err.get("msg")))
     parts = []
-    for err in errs[:3]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body",))
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    loc0 = errs[0].get("loc", ()) if errs else ()
-    param = ".".join(str(x) for x in loc0 if isinstance(x, str)) or None
-    more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
+    for path, msgs in list(groups.items())[:3]:
+        msg = msgs[0] if len(msgs) == 1 else f"{msgs[0]} (nor any of the {len(msgs) - 1} other accepted forms)"
+        parts.append(f"{path}: {msg}" if path else msg)
+    more = f" (and {len(groups) - 3} more)" if len(groups) > 3 else ""
+    param = next(iter(groups), "") or None
     return bad_request("invalid request: " + "; ".join(parts) + more, param=param, code="invalid_value")
 
 

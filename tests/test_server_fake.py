@@ -198,6 +198,26 @@ def test_queue_limit_rejects_with_503_and_accepted_requests_complete() -> None:
         assert m['iterserve:num_requests_rejected_total{reason="queue_full"}'] == 3
 
 
+def test_queued_token_limit_rejects_big_backlogs() -> None:
+    fake = FakeEngine(max_num_seqs=1)
+    fake.paused.set()
+    engine, server = serve(fake, max_queued_tokens=10)
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+            tasks = []
+            # 8 tokens each (byte-level fake tokenizer): the second one would exceed 10 queued.
+            for i in range(3):
+                tasks.append(asyncio.create_task(c.post("/v1/completions", json={"prompt": f"prompt {i}", "max_tokens": 2})))
+                await asyncio.sleep(0.15)
+            fake.paused.clear()
+            return list(await asyncio.gather(*tasks))
+
+    with server:
+        codes = [r.status_code for r in asyncio.run(main())]
+        assert codes == [200, 503, 503], codes
+
+
 def test_client_disconnect_aborts_streaming_and_non_streaming_requests() -> None:
     fake = FakeEngine(step_delay=0.01, max_model_len=4096)
     engine, server = serve(fake)

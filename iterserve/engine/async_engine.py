@@ -274,9 +274,10 @@ class AsyncEngine:
         max_queued_tokens: int | None = None,
         observers: Sequence[EngineObserver] = (),
         idle_wait_s: float = 1.0,
+        stats_interval_s: float = 0.5,
     ) -> None:
-        if max_queued_requests is not None and max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
         if max_queued_tokens is not None and max_queued_tokens < 1:
             raise ValueError(f"max_queued_tokens must be >= 1, got {max_queued_tokens}")
         self.engine = engine
@@ -289,6 +290,11 @@ class AsyncEngine:
         self.max_queued_tokens = max_queued_tokens
         self.observers: list[EngineObserver] = list(observers)
         self.idle_wait_s = idle_wait_s
+        # engine.stats() is not free (it copies per-step history): refresh it at most this
+        # often while busy, and always when the engine goes idle.
+        self.stats_interval_s = stats_interval_s
+        self._stats: dict[str, Any] = {}
+        self._stats_time = float("-inf")
 
         self._cmds: collections.deque[_AddCmd | _AbortCmd | _StopCmd] = collections.deque()
         self._wake = threading.Event()
@@ -326,7 +332,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = loop or asyncio.get_running_loop()
-        self._publish_snapshot()
+        self._publish_snapshot(full_stats=True)
         self._thread = threading.Thread(target=self._thread_main, name="iterserve-engine", daemon=True)
         self._thread.start()
 
@@ -557,14 +563,23 @@ class AsyncEngine:
     def _run(self, streams: dict[str, _EngineSide]) -> None:
         engine = self.engine
         consecutive_failures = 0
+        busy = False
         while True:
             self._wake.clear()
             if self._drain(streams):
                 return
             if not engine.has_unfinished_requests():
-                self._publish_snapshot()
+                snap = self._publish_snapshot(full_stats=busy)
+                if busy:  # just went idle: let observers see the final counters
+                    busy = False
+                    for obs in self.observers:
+                        try:
+                            obs.on_step(None, snap)
+                        except Exception:  # noqa: BLE001
+                            logger.exception("observer.on_step failed")
                 self._wake.wait(self.idle_wait_s)
                 continue
+            busy = True
             try:
                 outputs = engine.step()
             except Exception as e:  # noqa: BLE001
@@ -710,20 +725,24 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001
                 logger.exception("observer.on_request_finished failed")
 
-    def _publish_snapshot(self) -> EngineSnapshot:
+    def _publish_snapshot(self, full_stats: bool = False) -> EngineSnapshot:
         engine = self.engine
-        try:
-            stats = engine.stats() if hasattr(engine, "stats") else {}
-        except Exception:  # noqa: BLE001
-            stats = {}
+        now = time.monotonic()
+        if full_stats or now - self._stats_time >= self.stats_interval_s:
+            try:
+                stats = engine.stats() if hasattr(engine, "stats") else {}
+                self._stats = dict(stats) if isinstance(stats, dict) else {}
+            except Exception:  # noqa: BLE001
+                logger.exception("engine.stats() failed")
+            self._stats_time = now
         snap = EngineSnapshot(
             num_running=int(getattr(engine, "num_running", 0)),
             num_waiting=int(getattr(engine, "num_waiting", 0)),
             kv_usage=float(engine.kv_usage()) if hasattr(engine, "kv_usage") else 0.0,
             engine_healthy=bool(getattr(engine, "healthy", True)),
             last_error=getattr(engine, "last_error", None),
-            stats=dict(stats) if isinstance(stats, dict) else {},
-            time=time.monotonic(),
+            stats=self._stats,
+            time=now,
         )
         self.snapshot = snap
         return snap

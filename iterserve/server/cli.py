@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 + Retry-After when this many requests already wait to be scheduled")
     g.add_argument("--max-queued-tokens", type=int, default=None,
-                   help="answer 503 when queued (not yet started) prompts hold this many tokens")
+                   help="answer 503 + Retry-After when admitted requests that have no first token yet "
+                        "hold this many prompt tokens")
     g.add_argument("--retry-after", type=int, default=1, help="seconds in the Retry-After header of 503s")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
@@ -102,8 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"iterserve serve: {e}", file=sys.stderr)
         return 2
+    problems = []
     if ns.shutdown_timeout < 0:
-        print("iterserve serve: --shutdown-timeout must be >= 0", file=sys.stderr)
+        problems.append("--shutdown-timeout must be >= 0")
+    if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
+        problems.append("--max-queued-requests must be >= 1")
+    if ns.max_queued_tokens is not None and ns.max_queued_tokens < 1:
+        problems.append("--max-queued-tokens must be >= 1")
+    if ns.max_request_body_bytes < 1:
+        problems.append("--max-request-body-bytes must be >= 1")
+    if problems:
+        print("iterserve serve: " + "; ".join(problems), file=sys.stderr)
         return 2
 
     import uvicorn

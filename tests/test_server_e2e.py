@@ -12,8 +12,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-
-from tests.server_helpers.servers import ServerProcess, ThreadServer, metric_values, parse_sse
+from server_helpers.servers import ServerProcess, ThreadServer, metric_values, parse_sse
 
 API_KEY = "sk-iterserve-test"
 MODEL = "tiny-random"

@@ -10,6 +10,8 @@ import time
 import httpx
 import openai
 import pytest
+from server_helpers.fake_engine import FakeEngine
+from server_helpers.servers import ThreadServer, metric_values, parse_sse
 
 from iterserve.engine.async_engine import (
     AsyncEngine,
@@ -19,8 +21,6 @@ from iterserve.engine.async_engine import (
 )
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.app import create_app
-from tests.server_helpers.fake_engine import FakeEngine
-from tests.server_helpers.servers import ThreadServer, metric_values, parse_sse
 
 
 def serve(fake: FakeEngine, **kwargs: object) -> tuple[AsyncEngine, ThreadServer]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -26,6 +26,8 @@ from iterserve.outputs import CompletionOutput, Logprob, RequestMetrics, Request
 from iterserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+TOKENS_PER_STEP_HISTORY = 100_000
 
 
 @dataclass
@@ -99,7 +101,8 @@ class LLMEngine:
         self._step_file: IO[str] | None = None
         self._counters: Counter[str] = Counter()
         self._finished_by_reason: Counter[str] = Counter()
-        self.tokens_per_step: list[tuple[int, int]] = []
+        # (prefill, decode) tokens of the latest steps; bounded so a long-lived server stays flat.
+        self.tokens_per_step: deque[tuple[int, int]] = deque(maxlen=TOKENS_PER_STEP_HISTORY)
         self.max_kv_usage = 0.0
         if a.record_steps:
             self.record_steps(a.record_steps)
@@ -433,13 +436,15 @@ class LLMEngine:
         if path:
             self._step_file = open(path, "w", buffering=1 << 16)  # noqa: SIM115
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, per_step: bool = True) -> dict[str, Any]:
+        """Cumulative counters; ``per_step`` adds ``tokens_per_step`` (the latest
+        TOKENS_PER_STEP_HISTORY steps as (prefill, decode) pairs)."""
         s = self.scheduler
         return {
             "num_steps": self._counters["steps"],
             "num_prefill_tokens": self._counters["prompt_tokens"],
             "num_decode_tokens": self._counters["generation_tokens"],
-            "tokens_per_step": list(self.tokens_per_step),
+            "tokens_per_step": list(self.tokens_per_step) if per_step else [],
             "num_preemptions": s.num_preemptions,
             "prefix_cache_query_tokens": s.prefix_query_tokens,
             "prefix_cache_hit_tokens": s.prefix_hit_tokens,

@@ -148,7 +148,9 @@ class ModelRunner:
         with torch.inference_mode():
             pos = torch.tensor(positions, dtype=torch.int64)
             cos, sin = self.rope.gather(pos)
-            meta = build_attention_metadata(step_items, num_decodes, bs, self.model_config.sliding_window)
+            meta = build_attention_metadata(
+                step_items, num_decodes, bs, self.model_config.sliding_window, self.dtype
+            )
             return self.model(
                 torch.tensor(ids, dtype=torch.int64),
                 cos,

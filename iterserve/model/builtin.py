@@ -318,6 +318,7 @@ def resolve_model(name_or_path: str) -> str:
     tmp = tempfile.mkdtemp(prefix=f".{name_or_path}-", dir=models_dir)
     try:
         _BUILDERS[name_or_path](tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a cache may be shared
         os.rename(tmp, final)
     except OSError:
         if not os.path.isfile(os.path.join(final, "config.json")):

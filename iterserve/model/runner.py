@@ -13,6 +13,11 @@ CONTRACT (the engine relies on exactly this):
     runner.model_path      # str: folder holding config.json, weights and tokenizer files
     logits = runner.execute(items)   # float32 [num items with need_logits, vocab_size]
 
+    Also: runner.reset_kv_cache() (zero fill after a failed step), runner.kv_bytes_per_block,
+    runner.num_layers, runner.num_params, runner.hf_config (config.json as a dict) and
+    runner.model_config (the parsed ``ModelConfig``). A built-in name (``tiny-random``) is
+    accepted as model_path and resolved to its folder.
+
 Each ``BatchItem`` asks to compute the KV of ``token_ids`` at positions
 ``start_pos .. start_pos + len(token_ids) - 1`` for one sequence, whose earlier positions
 are already in the cache at the slots its ``block_table`` names (slot of position p:

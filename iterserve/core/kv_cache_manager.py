@@ -76,11 +76,17 @@ class KVCacheManager:
         return self._num_new_blocks(req, num_new_tokens, computed_blocks) is not None
 
     def _num_new_blocks(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int | None:
-        blocks = self.req_blocks.get(req.request_id, ())
         total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        need = max(0, self.blocks_for(total) - len(blocks) - len(computed_blocks))
+        return self._blocks_needed(req, total, computed_blocks)
+
+    def _blocks_needed(self, req: Request, total: int, computed_blocks: Sequence[int]) -> int | None:
+        """New blocks for a table covering ``total`` tokens, or None if the pool is short."""
+        held = len(self.req_blocks.get(req.request_id, ())) + len(computed_blocks)
+        need = -(-total // self.block_size) - held
+        if need <= 0:
+            return 0  # free >= reclaimed always holds, so no room check is needed
         # Cached hits that are currently free leave the free queue when touched.
-        reclaimed = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        reclaimed = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0) if computed_blocks else 0
         if need > self.pool.num_free_blocks - reclaimed:
             return None
         return need
@@ -89,19 +95,29 @@ class KVCacheManager:
         """Grows ``req``'s block table to cover its computed tokens, ``computed_blocks``
         (prefix hits, when admitting) and ``num_new_tokens``. False, changing nothing, if the
         pool is short."""
-        need = self._num_new_blocks(req, num_new_tokens, computed_blocks)
-        if need is None:
-            return False
+        # Called for every scheduled request every step: the common decode case (no new
+        # block, no newly full block) returns after a few integer operations.
+        bs = self.block_size
+        total = req.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
         rid = req.request_id
-        blocks = self.req_blocks.setdefault(rid, [])
+        blocks = self.req_blocks.get(rid)
+        if blocks is not None and not computed_blocks and -(-total // bs) <= len(blocks):
+            need: int | None = 0  # the table already covers the new tokens
+        else:
+            need = self._blocks_needed(req, total, computed_blocks)
+            if need is None:
+                return False
+            if blocks is None:
+                blocks = self.req_blocks[rid] = []
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
         if need:
             blocks.extend(self.pool.allocate(need))
         if self.enable_prefix_caching:
-            total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-            self._register_full_blocks(req, blocks, total // self.block_size)
+            num_full = total // bs
+            if num_full > self._num_registered.get(rid, 0):
+                self._register_full_blocks(req, blocks, num_full)
         return True
 
     def _register_full_blocks(self, req: Request, blocks: list[int], num_full: int) -> None:

@@ -111,7 +111,9 @@ class Request:
     def check_stop(self, token_id: int, max_model_len: int) -> bool:
         """Sets finish_reason if ``token_id`` (just appended) ends the request."""
         p = self.params
-        n_out = self.num_output_tokens
+        # Runs for every request every step: lengths directly, not through the properties.
+        num_tokens = len(self.all_token_ids)
+        n_out = num_tokens - len(self.prompt_token_ids)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token_id in self.eos_token_ids:
                 self.finish_reason = FinishReason.STOP
@@ -120,7 +122,7 @@ class Request:
                 self.finish_reason = FinishReason.STOP
                 self.stop_reason = token_id
                 return True
-        if n_out >= self.max_tokens or self.num_tokens >= max_model_len:
+        if n_out >= self.max_tokens or num_tokens >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
             return True
         return False

@@ -124,18 +124,22 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
 
+        running = RequestStatus.RUNNING
+        allocate = self.kv.allocate_slots
         # Decode-first: a long prefill admitted earlier never delays the running decodes.
-        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.admit_seq))
+        # (This loop runs for every running request every step, so it reads token counts as
+        # list lengths rather than through Request's properties.)
+        order = sorted(self.running, key=lambda r: (len(r.all_token_ids) - r.num_computed_tokens > 1, r.admit_seq))
         for i, req in enumerate(order):
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # preempted earlier in this loop
-            num_new = req.num_tokens - req.num_computed_tokens
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
             if num_new > budget and not chunked:
                 continue
             num_new = min(num_new, budget)
-            while not self.kv.allocate_slots(req, num_new):
+            while not allocate(req, num_new):
                 candidates = [r for r in order[i:] if r.status is RequestStatus.RUNNING]
                 victim = self.policy.pick_victim(candidates)
                 if victim is req and len(self.running) == 1:
@@ -186,7 +190,8 @@ class Scheduler:
     def _add_to_output(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         # A decode is one new token right after a sampled one; anything else computes
         # prompt (or recomputes preempted) tokens.
-        decode = num_new == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
+        n = len(req.all_token_ids)
+        decode = num_new == 1 and n > len(req.prompt_token_ids) and req.num_computed_tokens == n - 1
         out.requests.append(req)
         out.num_tokens.append(num_new)
         out.is_prefill.append(not decode)
@@ -217,14 +222,15 @@ class Scheduler:
         EOS, a stop token, max_tokens or the context length. Returns those ended."""
         finished = []
         max_len = self.config.max_model_len
+        running = RequestStatus.RUNNING
         for req, n in zip(out.requests, out.num_tokens):
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # finished (e.g. aborted) since scheduling
             req.num_computed_tokens += n
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue
-            req.append_output_token(tok)
+            req.all_token_ids.append(tok)
             if req.check_stop(tok, max_len):
                 self.running.remove(req)
                 self._release(req)

@@ -1,0 +1,352 @@
+"""``iterserve simulate``: serving simulated with the engine's own scheduler and a cost model.
+
+    iterserve simulate --workload azure-conv --model llama-3-8b --hardware h100-sxm
+    iterserve simulate --workload sharegpt --request-rate 4 --model qwen2.5-7b --hardware a100-80g \\
+                       --policy static,continuous,continuous-nochunk
+    iterserve simulate --workload azure-code --model llama-3-70b --hardware h100-sxm --tp 4 \\
+                       --replicas 2 --router least-loaded --find-max-rate --slo ttft_p99:2000,tpot_p99:100
+    iterserve simulate --workload random --hardware cpu:cpu_profile.json --request-rate 2
+
+Prints the same summary as ``iterserve bench`` and writes the same result file
+(``--result-file``), plus simulated busy time, KV usage over time and preemptions;
+``--record-steps`` writes every step with the fields of the engine's ``StepStats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from iterserve.bench.datasets import (
+    DATASETS,
+    RequestSpec,
+    WorkloadConfig,
+    build_workload,
+    describe_workload,
+    load_trace,
+)
+from iterserve.bench.metrics import format_summary, parse_goodput, summarize
+from iterserve.bench.offline import POLICY_VARIANTS, variant_args
+from iterserve.bench.results import make_run, write_result
+from iterserve.config import POLICIES, EngineArgs
+from iterserve.sim.capacity import CapacityResult, Probe, find_max_rate, mean_rate, parse_slos
+from iterserve.sim.deployment import Deployment, build_deployment, parse_efficiency
+from iterserve.sim.hardware import HARDWARE
+from iterserve.sim.models import MODEL_TABLE
+from iterserve.sim.simulator import ROUTERS, SimConfig, SimResult, Simulator
+
+POLICY_NAMES = tuple(dict.fromkeys((*POLICY_VARIANTS, *POLICIES)))
+DEFAULT_RANDOM_PROMPTS = 1000
+KV_SERIES_POINTS = 1000
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="iterserve simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    w = p.add_argument_group("workload (the same generators as iterserve bench)")
+    w.add_argument("--workload", default="azure-conv",
+                   help=f"one of {', '.join(DATASETS)}, or a trace FILE (Azure CSV, ShareGPT-lengths CSV "
+                   "or Mooncake JSONL)")
+    WorkloadConfig.add_cli_args(w, skip=("dataset", "dataset_path"), num_prompts=None)  # type: ignore[arg-type]
+    for a in w._group_actions:
+        if a.dest == "num_prompts":
+            a.help = f"number of requests (default: the whole trace; {DEFAULT_RANDOM_PROMPTS} for random)"
+
+    d = p.add_argument_group("deployment")
+    d.add_argument("--model", help=f"one of {', '.join(sorted(MODEL_TABLE))}, or a config.json (or its folder); "
+                   "default with cpu:PROFILE: the profiled model")
+    d.add_argument("--hardware", default="h100-sxm",
+                   help=f"one of {', '.join(sorted(HARDWARE))}, or cpu:PROFILE.json from `iterserve profile`")
+    d.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
+    d.add_argument("--replicas", type=int, default=1, help="independent engine replicas")
+    d.add_argument("--router", choices=ROUTERS, default="round-robin",
+                   help="how arriving requests are spread over replicas (least-loaded: fewest unfinished)")
+    d.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="weights and KV cache (default: bfloat16 on GPUs, the profile's on cpu:)")
+    d.add_argument("--efficiency", nargs="+", metavar="NAME=VALUE",
+                   help="override cost-model efficiency factors, e.g. gemm=0.7 mem=0.85 step_s=0.002")
+
+    e = p.add_argument_group("engine (EngineArgs)")
+    base = EngineArgs()
+    e.add_argument("--policy", default="continuous",
+                   help=f"comma-separated, each run on the same workload: {', '.join(POLICY_NAMES)}")
+    e.add_argument("--max-num-seqs", type=int, default=base.max_num_seqs)
+    e.add_argument("--max-num-batched-tokens", type=int, default=base.max_num_batched_tokens)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--block-size", type=int, default=base.block_size)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
+    kv = e.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-memory", help="KV-cache bytes per GPU (per engine on cpu:), e.g. 40GiB")
+    kv.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="fraction of GPU memory for weights + activations + KV cache (GPUs)")
+    kv.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks per replica")
+
+    c = p.add_argument_group("capacity search")
+    c.add_argument("--find-max-rate", action="store_true",
+                   help="binary-search the highest request-rate scale meeting --slo, per policy")
+    c.add_argument("--slo", help="e.g. ttft_p99:500,tpot_p99:50 (milliseconds; stats p50..p99, median, mean)")
+    c.add_argument("--tolerance", type=float, default=0.02, help="relative width at which the search stops")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, as in iterserve bench")
+    o.add_argument("--result-file", help="write summaries and every request's timings (bench result format)")
+    o.add_argument("--record-steps", metavar="PATH.jsonl",
+                   help="write every simulated step (StepStats fields); one file per policy and replica")
+    return p
+
+
+# ---- workload ------------------------------------------------------------------------------
+
+
+def workload_config(ns: argparse.Namespace) -> WorkloadConfig:
+    """The bench WorkloadConfig for ``--workload`` (a dataset name or a trace file)."""
+    name, path = ns.workload, None
+    if name not in DATASETS:
+        path = name
+        name = trace_kind(path)
+    num = ns.num_prompts
+    if num is None:
+        num = DEFAULT_RANDOM_PROMPTS if name == "random" else len(load_trace(name, path))
+    return WorkloadConfig.from_cli_args(ns, dataset=name, dataset_path=path, num_prompts=num)
+
+
+def trace_kind(path: str) -> str:
+    """Which reader a trace file needs, from its header."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--workload {path!r} is neither a dataset ({', '.join(DATASETS)}) nor a file")
+    if p.suffix == ".jsonl":
+        return "mooncake"
+    with open(p, newline="") as f:
+        header = next(csv.reader(f), [])
+    if "TIMESTAMP" in header and "ContextTokens" in header:
+        return "azure-conv"
+    if "num_prefill_tokens" in header:
+        return "sharegpt"
+    raise ValueError(f"{path}: unknown trace format (header {header[:4]}); expected Azure "
+                     "(TIMESTAMP,ContextTokens,GeneratedTokens), ShareGPT lengths or Mooncake JSONL")
+
+
+# ---- runs ----------------------------------------------------------------------------------
+
+
+def engine_args(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+                      enable_chunked_prefill=ns.enable_chunked_prefill, block_size=ns.block_size,
+                      enable_prefix_caching=ns.enable_prefix_caching)
+
+
+def sim_config(policy: str, base: EngineArgs, dep: Deployment, replicas: int, router: str) -> SimConfig:
+    if policy in POLICY_VARIANTS:
+        args = variant_args(policy, base, dep.max_model_len)
+    elif policy in POLICIES:
+        args = base.replace(policy=policy)
+    else:
+        raise ValueError(f"--policy takes a comma-separated list of {POLICY_NAMES}, got {policy!r}")
+    return SimConfig(scheduler=args.scheduler_config(dep.max_model_len), num_kv_blocks=dep.num_kv_blocks,
+                     block_size=dep.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                     replicas=replicas, router=router)
+
+
+def kv_series(res: SimResult, points: int = KV_SERIES_POINTS) -> dict[str, list[float]]:
+    """KV usage (fraction of blocks, max over replicas' latest steps) over simulated time,
+    sampled at up to ``points`` evenly spaced times."""
+    end = res.duration_s or max((log.start_time[-1] for log in res.steps if len(log)), default=0.0)
+    if end <= 0:
+        return {"time_s": [], "usage": []}
+    times = [end * i / (points - 1) for i in range(points)]
+    usage = [0.0] * points
+    for log in res.steps:
+        used, total = log.ints["kv_blocks_used"], log.kv_blocks_total
+        j = 0
+        for k, t in enumerate(times):
+            while j + 1 < len(log) and log.start_time[j + 1] <= t:
+                j += 1
+            if len(log) and log.start_time[j] <= t:
+                usage[k] = max(usage[k], used[j] / total)
+    return {"time_s": times, "usage": usage}
+
+
+def sim_extras(res: SimResult, wall_s: float, dep: Deployment, replicas: int) -> dict[str, Any]:
+    busy = sum(res.busy_s)
+    gpus = replicas * dep.tp
+    used = [u for log in res.steps for u in log.ints["kv_blocks_used"]]
+    return {
+        "simulated": True,
+        "wall_s": wall_s,
+        "num_steps": res.num_steps,
+        "busy_s_per_replica": res.busy_s,
+        "busy_s": busy,
+        "gpu_seconds": busy * dep.tp,
+        "num_gpus": gpus,
+        "utilization": busy / (replicas * res.duration_s) if res.duration_s else None,
+        "num_preemptions": res.stats.get("num_preemptions", 0),
+        "mean_kv_usage": (sum(used) / len(used) / dep.num_kv_blocks) if used else 0.0,
+        "max_kv_usage": res.stats.get("max_kv_usage", 0.0),
+        "prefix_cache_hit_rate": res.stats.get("prefix_cache_hit_rate", 0.0),
+        "kv_usage_over_time": kv_series(res),
+    }
+
+
+def steps_path(base: str | None, policy: str, many: bool) -> str | None:
+    if not base:
+        return None
+    if not many:
+        return base
+    stem, dot, ext = base.rpartition(".")
+    return f"{stem}.{policy}.{ext}" if dot else f"{base}.{policy}"
+
+
+def print_extra(summary: dict[str, Any]) -> None:
+    x = summary["sim"]
+    util = x["utilization"]
+    print(f"{'Simulated steps:':<40}{x['num_steps']:>12}")
+    print(f"{'Busy time per replica (s):':<40}{x['busy_s'] / max(1, len(x['busy_s_per_replica'])):>12.2f}")
+    print(f"{'Utilization (busy / duration):':<40}{'n/a' if util is None else f'{util:.1%}':>12}")
+    print(f"{'Preemptions:':<40}{x['num_preemptions']:>12}")
+    print(f"{'KV usage mean / max:':<40}{x['mean_kv_usage']:>6.1%} /{x['max_kv_usage']:>5.1%}")
+    print(f"{'Simulation wall time (s):':<40}{x['wall_s']:>12.2f}")
+    print("=" * 52)
+
+
+def print_table(runs: list[tuple[str, dict[str, Any]]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="iterserve simulate")
+    for col in ("policy", "ok/failed", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+                "TPOT p99 ms", "E2E p50 s", "util", "preempt", "max KV", "wall s"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+
+    def f(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
+        return "n/a" if v is None else f"{v * scale:.{digits}f}"
+
+    for label, s in runs:
+        x = s["sim"]
+        t.add_row(label, f"{s['completed']}/{s['failed']}", f(s["request_throughput"], digits=2),
+                  f(s["output_throughput"]), f(s["median_ttft_ms"]), f(s["p99_ttft_ms"]), f(s["median_tpot_ms"]),
+                  f(s["p99_tpot_ms"]), f(s["median_e2el_ms"], 1e-3, 2),
+                  "n/a" if x["utilization"] is None else f"{x['utilization']:.0%}", str(x["num_preemptions"]),
+                  f"{x['max_kv_usage']:.0%}", f(x["wall_s"]))
+    Console(width=None if sys.stdout.isatty() else 160).print(t)
+
+
+def print_capacity(rows: list[tuple[str, CapacityResult]], slos_text: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"highest request rate meeting {slos_text}")
+    for col in ("policy", "max req/s", "rate scale", "TTFT p99 ms", "TPOT p99 ms", "output tok/s", "probes",
+                "wall s"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for policy, res in rows:
+        b = res.best
+        s = b.summary if b else {}
+
+        def f(k: str, digits: int = 1, s: dict[str, Any] = s) -> str:
+            v = s.get(k)
+            return "n/a" if v is None else f"{v:.{digits}f}"
+
+        t.add_row(policy, f"{res.max_rate:.3g}", f"{res.max_scale:.3g}", f("p99_ttft_ms"), f("p99_tpot_ms"),
+                  f("output_throughput"), str(len(res.probes)), f"{sum(p.wall_s for p in res.probes):.1f}")
+    Console(width=None if sys.stdout.isatty() else 160).print(t)
+
+
+def cmd_simulate(ns: argparse.Namespace) -> int:
+    policies = [x.strip() for x in ns.policy.split(",") if x.strip()]
+    for pol in policies:
+        if pol not in POLICY_NAMES:
+            raise ValueError(f"--policy takes a comma-separated list of {POLICY_NAMES}, got {pol!r}")
+    if ns.find_max_rate and not ns.slo:
+        raise ValueError("--find-max-rate needs --slo, e.g. --slo ttft_p99:500,tpot_p99:50")
+    slos = parse_slos(ns.slo) if ns.find_max_rate else []
+    goodput = parse_goodput(ns.goodput)
+    dep = build_deployment(
+        model=ns.model, hardware=ns.hardware, tp=ns.tp, dtype=ns.dtype, block_size=ns.block_size,
+        num_kv_blocks=ns.num_kv_blocks, kv_cache_memory=ns.kv_cache_memory,
+        gpu_memory_utilization=ns.gpu_memory_utilization, max_model_len=ns.max_model_len,
+        max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
+        efficiency=parse_efficiency(ns.efficiency))
+    cfg = workload_config(ns)
+    t0 = time.perf_counter()
+    specs, report = build_workload(cfg, vocab_size=dep.model.vocab_size, max_model_len=dep.max_model_len)
+    info = {"config": dataclasses.asdict(cfg), "arrivals": cfg.arrivals, "lengths": report.to_dict(),
+            "length_note": report.describe(), **describe_workload(specs)}
+    _err(f"deployment: {dep.describe()}" + (f", {ns.replicas} replicas ({ns.router})" if ns.replicas > 1 else ""))
+    _err(f"workload: {cfg.dataset}, {len(specs)} requests, arrivals {cfg.arrivals} "
+         f"(mean {mean_rate(specs):.3g} req/s), built in {time.perf_counter() - t0:.1f} s; {report.describe()}")
+    base = engine_args(ns)
+    config = {k: v for k, v in vars(ns).items() if k != "func"} | {"deployment": dep.to_dict()}
+
+    if ns.find_max_rate:
+        rows = []
+        runs = []
+        for pol in policies:
+            sc = sim_config(pol, base, dep, ns.replicas, ns.router)
+
+            def run(s: list[RequestSpec], stop: Any, sc: SimConfig = sc) -> SimResult:
+                return Simulator(sc, dep.cost).run(s, stop=stop)
+
+            def on_probe(p: Probe, pol: str = pol) -> None:
+                _err(f"  {pol}: scale {p.scale:.4g} ({p.rate:.3g} req/s): {'meets' if p.ok else 'misses'} the SLOs"
+                     f"{' (stopped early)' if p.stopped_early else ''}  [{p.wall_s:.1f} s]")
+
+            cap = find_max_rate(specs, run, slos, tolerance=ns.tolerance, on_probe=on_probe)
+            rows.append((pol, cap))
+            b = cap.best
+            runs.append(make_run(pol, b.summary if b else {}, [], policy=pol, request_rate=cap.max_rate,
+                                 capacity={"max_rate": cap.max_rate, "max_scale": cap.max_scale,
+                                           "slos": ns.slo,
+                                           "probes": [{"scale": p.scale, "rate": p.rate, "ok": p.ok,
+                                                       "stopped_early": p.stopped_early, "wall_s": p.wall_s,
+                                                       "summary": p.summary} for p in cap.probes]}))
+        print_capacity(rows, ns.slo)
+        if ns.result_file:
+            _err(f"wrote {write_result(ns.result_file, 'simulate-capacity', runs, config, info)}")
+        return 0
+
+    results: list[tuple[str, dict[str, Any], SimResult, str | None]] = []
+    for pol in policies:
+        sc = sim_config(pol, base, dep, ns.replicas, ns.router)
+        sp = steps_path(ns.record_steps, pol, len(policies) > 1)
+        t1 = time.perf_counter()
+        res = Simulator(sc, dep.cost, record_steps=sp).run(specs)
+        wall = time.perf_counter() - t1
+        summary = summarize(res.timings, res.duration_s, goodput)
+        summary["num_steps"] = res.num_steps
+        summary["sim"] = sim_extras(res, wall, dep, ns.replicas)
+        results.append((pol, summary, res, sp))
+        if len(policies) == 1:
+            print(format_summary(summary, title=f"Simulation: {pol}"))
+            print_extra(summary)
+    if len(policies) > 1:
+        print_table([(pol, summary) for pol, summary, _, _ in results])
+    if ns.result_file:
+        runs = [make_run(pol, summary, res.timings, policy=pol, request_rate=cfg.request_rate, steps_file=sp,
+                         clock_start=0.0, engine_stats=res.stats)
+                for pol, summary, res, sp in results]
+        _err(f"wrote {write_result(ns.result_file, 'simulate', runs, config, info)}")
+    return 0 if all(summary["completed"] for _, summary, _, _ in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return cmd_simulate(ns)
+    except (ValueError, FileNotFoundError) as e:
+        _err(f"error: {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,6 +33,7 @@ from iterserve.bench.results import rate_value, read_result, run_timings  # noqa
 PREFILL_COLOR = "#e6550d"
 DECODE_COLOR = "#3182bd"
 WAIT_COLOR = "#bdbdbd"
+IDLE_COLOR = "#fb6a4a"
 
 
 def _save(fig: Figure, out: str) -> None:
@@ -163,6 +164,7 @@ class Timeline:
     steps: list[dict[str, Any]]
     t0: float
     arrivals: dict[str, float] = field(default_factory=dict)  # request id -> arrival (s after t0)
+    max_num_seqs: int | None = None  # batch slots; None: the largest batch seen
 
     @property
     def end(self) -> float:
@@ -206,7 +208,8 @@ def load_timelines(paths: list[str], labels: list[str] | None = None) -> list[Ti
             arrivals = {t["request_id"]: t["arrival_time"] for t in run.get("requests", [])}
             label = run["label"] + (f" @ {_rate_text(rate_value(run.get('request_rate')))} req/s"
                                     if doc.get("kind") == "sweep" else "")
-            out.append(Timeline(label, steps, t0, arrivals))
+            slots = (run.get("engine_args") or {}).get("max_num_seqs")
+            out.append(Timeline(label, steps, t0, arrivals, slots))
             found = True
         if not found:
             raise ValueError(f"{p}: no run names a steps_file; run the benchmark with --record-steps DIR")
@@ -269,7 +272,8 @@ def plot_timeline(paths: list[str], out: str, labels: list[str] | None = None,
                   max_requests: int | None = None) -> None:
     """One column per run, sharing the time axis: (1) a Gantt chart, one row per request
     (grey: waiting since arrival, orange: prefill, blue: decode); (2) prefill and decode
-    tokens per step with the batch size; (3) KV-cache usage and queue length."""
+    tokens per step, running requests, and idle batch slots while requests wait (red);
+    (3) KV-cache usage and queue length."""
     tls = load_timelines(paths, labels)
     ncol = len(tls)
     fig, axes = plt.subplots(3, ncol, figsize=(6.5 * ncol, 9), sharex=True, squeeze=False,
@@ -294,14 +298,21 @@ def plot_timeline(paths: list[str], out: str, labels: list[str] | None = None,
 
         e, pre = _stairs(tl, "num_prefill_tokens")
         _, dec = _stairs(tl, "num_decode_tokens")
-        tok_ax.stairs(pre + dec, e, fill=True, color=PREFILL_COLOR, label="prefill tokens")
-        tok_ax.stairs(dec, e, fill=True, color=DECODE_COLOR, label="decode tokens")
+        tok_ax.stairs(pre + dec, e, fill=True, color=PREFILL_COLOR)
+        tok_ax.stairs(dec, e, fill=True, color=DECODE_COLOR)
         tok_ax.set_yscale("symlog", linthresh=64)  # decode steps (a few tokens) stay visible
         tok_ax.set_ylabel("tokens / step")
         seq_ax = tok_ax.twinx()
-        _, seqs = _stairs(tl, "num_scheduled_seqs")
-        seq_ax.stairs(seqs, e, color="black", lw=0.9, label="sequences in batch")
-        seq_ax.set_ylabel("batch size")
+        _, running = _stairs(tl, "num_running")
+        _, waiting = _stairs(tl, "num_waiting")
+        slots = tl.max_num_seqs or int(max(s["num_scheduled_seqs"] for s in tl.steps))
+        # Idle slots: batch slots left empty while requests wait (static batching's waste).
+        idle = np.where(waiting > 0, np.maximum(slots - running, 0), 0)
+        seq_ax.stairs(running + idle, e, baseline=running, fill=True, color=IDLE_COLOR, alpha=0.5,
+                      label="idle slots while requests wait")
+        seq_ax.stairs(running, e, color="black", lw=0.9, label="running requests")
+        seq_ax.axhline(slots, color="black", lw=0.6, ls=":")
+        seq_ax.set_ylabel(f"running (of {slots} slots)")
         seq_ax.set_ylim(bottom=0)
         twins[0].append(seq_ax)
 
@@ -311,19 +322,22 @@ def plot_timeline(paths: list[str], out: str, labels: list[str] | None = None,
         kv_ax.set_ylabel("KV cache used (%)")
         kv_ax.set_ylim(bottom=0)
         q_ax = kv_ax.twinx()
-        _, wait = _stairs(tl, "num_waiting")
-        q_ax.stairs(wait, e, color="#756bb1", lw=1.2, label="waiting requests")
+        q_ax.stairs(waiting, e, color="#756bb1", lw=1.2, label="waiting requests")
         q_ax.set_ylabel("queue length")
         q_ax.set_ylim(bottom=0)
         twins[1].append(q_ax)
         kv_ax.set_xlabel("time since start (s)")
-        if c == 0:
-            handles = [plt.Rectangle((0, 0), 1, 1, color=col) for col in (WAIT_COLOR, PREFILL_COLOR, DECODE_COLOR)]
-            gantt.legend(handles, ["waiting", "prefill", "decode"], loc="lower right", fontsize=8)
-            for ax_pair in ((tok_ax, seq_ax), (kv_ax, q_ax)):
-                h1, l1 = ax_pair[0].get_legend_handles_labels()
-                h2, l2 = ax_pair[1].get_legend_handles_labels()
-                ax_pair[0].legend(h1 + h2, l1 + l2, loc="upper right", fontsize=7)
+        if c == 0:  # one legend for the whole figure, below it, covering no data
+            handles = [plt.Rectangle((0, 0), 1, 1, color=WAIT_COLOR)]
+            names = ["waiting since arrival (Gantt)"]
+            for ax in (gantt, tok_ax, seq_ax, kv_ax, q_ax):
+                h, labels_ = ax.get_legend_handles_labels()
+                handles += h
+                names += labels_
+            handles[1:1] = [plt.Rectangle((0, 0), 1, 1, color=PREFILL_COLOR),
+                            plt.Rectangle((0, 0), 1, 1, color=DECODE_COLOR)]
+            names[1:1] = ["prefill", "decode"]
+            fig.legend(handles, names, loc="lower center", ncol=4, fontsize=8, frameon=False)
     # Same y ranges across columns, so heights compare at a glance.
     for group in (list(axes[1]), list(axes[2]), *twins):
         top = max(ax.get_ylim()[1] for ax in group)
@@ -333,7 +347,7 @@ def plot_timeline(paths: list[str], out: str, labels: list[str] | None = None,
         ax.set_yticks([t for t in (0, 10, 100, 1000, 10000) if t <= ax.get_ylim()[1]])
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     fig.suptitle("Batch timeline: which requests ran in each step")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     _save(fig, out)
 
 

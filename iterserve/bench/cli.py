@@ -221,7 +221,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if vocab is None and tokenizer is not None:
         vocab = len(tokenizer)
     if vocab is None:
-        folder = ns.tokenizer or (model if os.path.isdir(model) else None)
+        folder = _local_model_folder(ns.tokenizer) if ns.tokenizer else (model if os.path.isdir(model) else None)
         vocab = _vocab_size_of(folder) if folder else None
     vocab = vocab or SAFE_VOCAB_SIZE
 

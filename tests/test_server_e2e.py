@@ -246,6 +246,8 @@ def test_bad_inputs_get_their_status_and_message(main_server: ServerProcess) -> 
         check(post("/v1/completions", json={"prompt": [5, 999999]}), 400, contains=("999999",))
         check(post("/v1/completions", json={"prompt": [5 + i % 1000 for i in range(2100)]}), 400, param="prompt",
               contains=("2100", str(MAX_MODEL_LEN)))
+        check(post("/v1/completions", json={"prompt": [5] * 2000, "max_tokens": 100}), 400,
+              contains=("2100", str(MAX_MODEL_LEN), "2000 in the prompt", "100 in the completion"))
         check(post("/v1/completions", json={"prompt": "x" * 300_000}), 413)
         check(post("/v1/completions", json={"prompt": "hi", "stream": False, "stream_options": {"include_usage": True}}),
               400, param="stream_options")

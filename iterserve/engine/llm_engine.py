@@ -96,6 +96,9 @@ class LLMEngine:
         self._torch_gen = torch.Generator().manual_seed(a.seed)
         torch.manual_seed(a.seed)
         self.healthy = True
+        # Offline use caps max_tokens at the room left in the context; the OpenAI server sets
+        # this so an over-long request is a 400, as in OpenAI's and vLLM's servers.
+        self.reject_overlong_max_tokens = False
         self.last_error: str | None = None
         self.last_step_stats: StepStats | None = None
         self._step_file: IO[str] | None = None
@@ -168,6 +171,13 @@ class LLMEngine:
                 f"holds {self.kv.num_blocks}; raise kv_cache_memory / num_kv_blocks or shorten the prompt"
             )
         room = self.max_model_len - len(ids)
+        if self.reject_overlong_max_tokens and params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
+                "max_tokens."
+            )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = time.monotonic()
         parent = _Parent(

@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         llm_engine = LLMEngine(args)
+        llm_engine.reject_overlong_max_tokens = True  # a 400, as OpenAI and vLLM answer
         engine = AsyncEngine(llm_engine, max_queued_requests=ns.max_queued_requests, max_queued_tokens=ns.max_queued_tokens)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"iterserve serve: cannot load model {args.model!r}: {e}", file=sys.stderr)

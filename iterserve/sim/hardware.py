@@ -20,10 +20,11 @@ class Efficiency:
 
     Defaults and their sources:
     - ``gemm``: 0.75 of dense BF16 peak for large GEMMs. Vidur's H100 profile of Llama-2-7B
-      (microsoft/vidur ``data/profiling/compute/h100/meta-llama/Llama-2-7b-hf/mlp.csv``, 4096
-      tokens, TP1) gives 0.71 (qkv), 0.72 (o), 0.76 (gate/up), 0.85 (down) of 989 TFLOP/s.
-    - ``mem``: 0.80 of HBM peak for weight-streaming GEMMs at small batch (same profile, 1-8
-      tokens: the projections stream their weights at ~75-85% of 3.35 TB/s).
+      (microsoft/vidur ``data/profiling/compute/h100/meta-llama/Llama-2-7b-hf/mlp.csv``,
+      4096 tokens, TP1, medians) gives 0.71 (qkv), 0.72 (o), 0.76 (gate/up), 0.85 (down), 0.76
+      over the four, of 989 TFLOP/s.
+    - ``mem``: 0.78 of HBM peak for weight-streaming GEMMs at small batch (same profile, 1
+      token, TP1: qkv 0.79, o 0.63, gate/up 0.84, down 0.71, 0.78 over the four, of 3.35 TB/s).
     - ``attn_compute``: 0.50 of peak for prefill attention. FlashAttention-2 reaches 50-73% of
       A100 peak in the forward pass and ~35% of H100 peak; FlashAttention-3 reaches ~75% on
       H100 (Dao 2023; Shah et al. 2024). 0.5 sits between the two kernels vLLM uses.
@@ -31,8 +32,11 @@ class Efficiency:
       decode kernels lose some bandwidth to block-table indirection and short contexts.
     - ``net``: 0.70 of the per-direction NVLink bandwidth as all-reduce bus bandwidth
       (nccl-tests on NVLink systems report ~70-80% for large messages).
-    - ``net_latency_s``: 10 us per all-reduce (NCCL small-message latency on one NVLink node).
-    - ``kernel_s``: 3 us floor per kernel (launch + tail), so tiny ops never cost zero.
+    - ``net_latency_s``: 20 us per all-reduce: Vidur's H100 DGX all-reduce profile
+      (``data/profiling/network/h100_dgx/all_reduce.csv``, 8 GPUs) has 20-40 us medians for
+      messages below 1 MB, the size of a decode step's activations.
+    - ``kernel_s``: 3 us floor per kernel (launch + tail), so tiny ops never cost zero (the
+      same profile's smallest ops, RMSNorm and the residual add at 1 token, take 1-4 us).
     - ``step_s`` / ``per_seq_s``: CPU time per engine step and per scheduled sequence
       (schedule, input preparation, sampling bookkeeping, outputs). 1 ms + 20 us/seq; Vidur's
       A100 profile of vLLM (``data/profiling/a100/cpu_overheads.csv``) shows ~2 ms at batch 8
@@ -41,11 +45,11 @@ class Efficiency:
     """
 
     gemm: float = 0.75
-    mem: float = 0.80
+    mem: float = 0.78
     attn_compute: float = 0.50
     attn_mem: float = 0.70
     net: float = 0.70
-    net_latency_s: float = 10e-6
+    net_latency_s: float = 20e-6
     kernel_s: float = 3e-6
     step_s: float = 1.0e-3
     per_seq_s: float = 20e-6

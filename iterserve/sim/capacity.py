@@ -101,15 +101,15 @@ class EarlyStop:
             # Sorted ascending, p = v[k] + f (v[k+1] - v[k]) with k = floor(q (n - 1)): once
             # n - k values exceed the limit, v[k] does, and so does p.
             allowed = n - math.floor(q * (n - 1))
-            self.checks.append((s.metric, s.limit_ms / 1000.0, allowed))
+            self.checks.append((s.metric, s.limit_ms, allowed))
             self.over.append(0)
 
     def __call__(self, t: RequestTiming) -> bool:
         if not t.success:
             return True
-        for i, (metric, limit_s, allowed) in enumerate(self.checks):
+        for i, (metric, limit_ms, allowed) in enumerate(self.checks):
             v = t.ttft if metric == "ttft" else t.tpot if metric == "tpot" else t.latency
-            if v is not None and v > limit_s:
+            if v is not None and v * 1000.0 > limit_ms:  # in ms, as the summary compares
                 self.over[i] += 1
                 if self.over[i] >= allowed:
                     return True

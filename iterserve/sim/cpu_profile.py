@@ -6,6 +6,9 @@ function of what the step computes, fitted to measured ``LLMEngine.step()`` time
 Features (the work that the CPU engine does per step; see iterserve/model/attention.py):
 
     step            1                      Python per step: schedule, batch prep, sampling setup
+    multi_token     1 if > 1 token         matrix-matrix kernels: with one token the projections
+                                           run as matrix-vector products, which stream the
+                                           weights once; with more, the BLAS also packs them
     seqs            scheduled sequences    per-sequence bookkeeping (block tables, outputs)
     sampled         rows sampled           LM head row, sampler, detokenizer, output token
     tokens          tokens in the batch    projections, MLP, norms (compute-bound per token)
@@ -13,6 +16,9 @@ Features (the work that the CPU engine does per step; see iterserve/model/attent
     prefill_pairs   causal (q, k) pairs    prefill attention FLOPs
     prefill_cached  keys read from cache   chunks that start past 0 gather their cached KV
     decode_padded   decodes x max context  decodes attend over a window padded to the longest
+    decode_over     max(0, decode_padded - knot)   the same window once it outgrows a size at
+                                           which the CPU gets slower per key (allocator and
+                                           cache effects; the knot is fitted, see fit_profile)
 
 ``iterserve profile`` measures and fits; ``--hardware cpu:PROFILE.json`` simulates with it.
 """
@@ -29,13 +35,16 @@ import numpy as np
 from iterserve.sim.cost_model import StepShape
 
 FORMAT = "iterserve-cpu-profile/1"
-FEATURES = ("step", "seqs", "sampled", "tokens", "prefill_chunks", "prefill_pairs", "prefill_cached",
-            "decode_padded")
+FEATURES = ("step", "multi_token", "seqs", "sampled", "tokens", "prefill_chunks", "prefill_pairs",
+            "prefill_cached", "decode_padded", "decode_over")
+# Candidate knots (decode window, in key slots) tried by the fit; 0 means no knot.
+KNOTS = (0, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 
 
-def features(s: StepShape) -> tuple[float, ...]:
-    return (1.0, s.num_seqs, s.num_sampled, s.num_tokens, s.num_prefills, s.prefill_pairs,
-            s.prefill_cached_ctx, s.num_decodes * s.decode_ctx_max)
+def features(s: StepShape, knot: int = 0) -> tuple[float, ...]:
+    window = s.num_decodes * s.decode_ctx_max
+    return (1.0, float(s.num_tokens > 1), s.num_seqs, s.num_sampled, s.num_tokens, s.num_prefills,
+            s.prefill_pairs, s.prefill_cached_ctx, window, max(0, window - knot) if knot else 0)
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
@@ -72,6 +81,7 @@ class CpuProfile:
     block_size: int
     kv_bytes_per_block: int
     coefficients: dict[str, float]
+    decode_knot: int = 0
     fit: dict[str, Any] = field(default_factory=dict)
     points: list[dict[str, Any]] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
@@ -96,22 +106,27 @@ class CpuProfile:
         return cls(**known)
 
 
-def fit_profile(shapes: list[StepShape], times: list[float]) -> tuple[dict[str, float], dict[str, Any]]:
-    """Coefficients minimising the *relative* error (rows weighted by 1/time), non-negative,
-    and fit statistics (mean / max absolute percentage error over the points)."""
-    x = np.array([features(s) for s in shapes], dtype=float)
+def fit_profile(shapes: list[StepShape], times: list[float]) -> tuple[dict[str, float], int, dict[str, Any]]:
+    """Non-negative coefficients minimising the *relative* error (rows weighted by 1/time),
+    for the knot in ``KNOTS`` that fits best; returns (coefficients, knot, fit statistics:
+    mean / median / max absolute percentage error over the points)."""
     y = np.array(times, dtype=float)
     if len(y) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} measured steps to fit, got {len(y)}")
-    scale = np.abs(x).max(axis=0)
-    scale[scale == 0] = 1.0
     w = 1.0 / y
-    coef = nnls((x / scale) * w[:, None], y * w) / scale
-    pred = x @ coef
-    err = np.abs(pred - y) / y
-    stats = {"n_points": len(y), "mape": float(err.mean()), "max_ape": float(err.max()),
-             "median_ape": float(np.median(err))}
-    return dict(zip(FEATURES, (float(c) for c in coef))), stats
+    best: tuple[float, np.ndarray, int, np.ndarray] | None = None
+    for knot in KNOTS:
+        x = np.array([features(s, knot) for s in shapes], dtype=float)
+        scale = np.abs(x).max(axis=0)
+        scale[scale == 0] = 1.0
+        coef = nnls((x / scale) * w[:, None], y * w) / scale
+        err = np.abs(x @ coef - y) / y
+        if best is None or err.mean() < best[0] - 1e-9:
+            best = (float(err.mean()), coef, knot, err)
+    assert best is not None
+    mape, coef, knot, err = best
+    stats = {"n_points": len(y), "mape": mape, "max_ape": float(err.max()), "median_ape": float(np.median(err))}
+    return dict(zip(FEATURES, (float(c) for c in coef))), knot, stats
 
 
 class CpuProfileCostModel:
@@ -120,9 +135,12 @@ class CpuProfileCostModel:
     def __init__(self, profile: CpuProfile) -> None:
         self.profile = profile
         self._coef = tuple(profile.coefficients.get(f, 0.0) for f in FEATURES)
+        self._knot = profile.decode_knot
 
     def step_time(self, s: StepShape) -> float:
         c = self._coef
-        return (c[0] + c[1] * s.num_seqs + c[2] * s.num_sampled + c[3] * s.num_tokens
-                + c[4] * s.num_prefills + c[5] * s.prefill_pairs + c[6] * s.prefill_cached_ctx
-                + c[7] * s.num_decodes * s.decode_ctx_max)
+        window = s.num_decodes * s.decode_ctx_max
+        over = window - self._knot if self._knot and window > self._knot else 0
+        return (c[0] + (c[1] if s.num_tokens > 1 else 0.0) + c[2] * s.num_seqs + c[3] * s.num_sampled
+                + c[4] * s.num_tokens + c[5] * s.num_prefills + c[6] * s.prefill_pairs
+                + c[7] * s.prefill_cached_ctx + c[8] * window + c[9] * over)

@@ -24,7 +24,13 @@ import numpy as np
 
 from iterserve.config import EngineArgs
 from iterserve.sim.cost_model import StepShape, step_shape
-from iterserve.sim.cpu_profile import CpuProfile, CpuProfileCostModel, features, fit_profile
+from iterserve.sim.cpu_profile import (
+    FEATURES,
+    CpuProfile,
+    CpuProfileCostModel,
+    features,
+    fit_profile,
+)
 
 DEFAULT_PREFILL = "0,16,64,256"
 DEFAULT_DECODE = "0,1,4,16,32"
@@ -107,23 +113,22 @@ def measure(
                 engine.add_request(f"ctx-{uid}", p, bench_params(steps_per_cell + 8))
             while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
                 engine.step()
-            for pf in prefill:
-                for variant in ("fresh", "cached"):
-                    if (pf == 0 or not donors) and variant == "cached":
-                        continue
-                    if pf == 0 and d == 0:
-                        continue
-                    for _ in range(repeats):
-                        if pf:
-                            uid += 1
-                            prompt = tokens(pf) if variant == "fresh" else donors[0][:c] + tokens(pf)
-                            engine.add_request(f"pf-{uid}", prompt, bench_params(1))
-                        n0 = len(shapes)
-                        t0 = time.perf_counter()
-                        engine.step()
-                        dt = time.perf_counter() - t0
-                        if len(shapes) == n0 + 1:
-                            out.append(((pf, d, c, variant), shapes[-1], dt))
+            cells = [(pf, variant) for pf in prefill for variant in ("fresh", "cached")
+                     if not ((pf == 0 or not donors) and variant == "cached") and (pf or d)]
+            # Repeats go round the cells rather than one cell at a time, so that a burst of
+            # load from elsewhere on the machine spreads over cells instead of skewing one.
+            for _ in range(repeats):
+                for pf, variant in cells:
+                    if pf:
+                        uid += 1
+                        prompt = tokens(pf) if variant == "fresh" else donors[0][:c] + tokens(pf)
+                        engine.add_request(f"pf-{uid}", prompt, bench_params(1))
+                    n0 = len(shapes)
+                    t0 = time.perf_counter()
+                    engine.step()
+                    dt = time.perf_counter() - t0
+                    if len(shapes) == n0 + 1:
+                        out.append(((pf, d, c, variant), shapes[-1], dt))
             log(f"context {c:5d}  decodes {d:3d}: {len(out)} steps timed")
     return engine, out
 
@@ -153,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", default=DEFAULT_PREFILL, help="prefill chunk sizes (tokens)")
     p.add_argument("--decode", default=DEFAULT_DECODE, help="numbers of decoding requests")
     p.add_argument("--context", default=DEFAULT_CONTEXT, help="context lengths of the decoding requests")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per grid cell (the median is fitted)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per grid cell (the median is fitted)")
     p.add_argument("-o", "--output", default="cpu_profile.json", help="where to write the profile JSON")
     return p
 
@@ -167,7 +172,7 @@ def run_profile(ns: argparse.Namespace, log: Callable[[str], None]) -> CpuProfil
     t0 = time.perf_counter()
     engine, samples = measure(args, prefill, decode, context, ns.repeats, log)
     points = cell_medians(samples)
-    coef, stats = fit_profile([s for _, s, _ in points], [t for _, _, t in points])
+    coef, knot, stats = fit_profile([s for _, s, _ in points], [t for _, _, t in points])
     stats["wall_s"] = time.perf_counter() - t0
     stats["grid"] = {"prefill": prefill, "decode": decode, "context": context, "repeats": ns.repeats}
     from iterserve.sim.models import model_summary
@@ -180,6 +185,7 @@ def run_profile(ns: argparse.Namespace, log: Callable[[str], None]) -> CpuProfil
         block_size=ns.block_size,
         kv_bytes_per_block=int(engine.runner.kv_bytes_per_block),
         coefficients=coef,
+        decode_knot=knot,
         fit=stats,
         machine=machine,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -187,8 +193,7 @@ def run_profile(ns: argparse.Namespace, log: Callable[[str], None]) -> CpuProfil
     model = CpuProfileCostModel(prof)
     prof.points = [
         {"prefill": cell[0], "decodes": cell[1], "context": cell[2], "variant": cell[3],
-         "features": dict(zip(("step", "seqs", "sampled", "tokens", "prefill_chunks", "prefill_pairs",
-                               "prefill_cached", "decode_padded"), features(shape))),
+         "features": dict(zip(FEATURES, features(shape, knot))),
          "measured_s": t, "predicted_s": model.step_time(shape)}
         for cell, shape, t in points
     ]
@@ -213,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fit: mean abs error {f['mape']:.1%}, median {f['median_ape']:.1%}, max {f['max_ape']:.1%}")
     for name, c in prof.coefficients.items():
         print(f"  {name:15s} {c:.4g} s")
+    print(f"  decode knot     {prof.decode_knot} key slots")
     print(f"wrote {path}  (use: iterserve simulate --hardware cpu:{path} ...)")
     return 0
 

@@ -1,0 +1,338 @@
+"""Simulator: the cost model's arithmetic on hand-checked cases, determinism, routing,
+capacity search, the CPU-profile fit and the CLI (no torch needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from iterserve.bench.datasets import RequestSpec, WorkloadConfig, build_workload, synth_arrivals
+from iterserve.bench.metrics import RequestTiming, summarize
+from iterserve.config import SchedulerConfig
+from iterserve.core import Request
+from iterserve.core.scheduler import SchedulerOutput
+from iterserve.model.model_config import ModelConfig
+from iterserve.sampling_params import SamplingParams
+from iterserve.sim.capacity import EarlyStop, find_max_rate, meets, parse_slos, scaled
+from iterserve.sim.cli import main as simulate_main
+from iterserve.sim.cost_model import RooflineCostModel, StepShape, step_shape
+from iterserve.sim.cpu_profile import (
+    FEATURES,
+    CpuProfile,
+    CpuProfileCostModel,
+    features,
+    fit_profile,
+)
+from iterserve.sim.deployment import RESERVED_BYTES, build_deployment
+from iterserve.sim.hardware import HARDWARE, Efficiency, Hardware
+from iterserve.sim.models import MODEL_TABLE, load_model_config
+from iterserve.sim.simulator import SimConfig, SimResult, Simulator
+
+# ---- cost model arithmetic ----------------------------------------------------------------
+
+# Round numbers so every expected value below is worked out by hand.
+TOY = ModelConfig.from_dict(dict(
+    architectures=["LlamaForCausalLM"], hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=8, head_dim=128, intermediate_size=4096, vocab_size=32000,
+    max_position_embeddings=4096))
+IDEAL = Efficiency(gemm=1.0, mem=1.0, attn_compute=1.0, attn_mem=1.0, net=1.0, net_latency_s=0.0,
+                   kernel_s=0.0, step_s=0.0, per_seq_s=0.0)
+TOY_HW = Hardware("toy", peak_flops=100e12, mem_bw=1e12, mem_bytes=80e9, link_bw=100e9, efficiency=IDEAL)
+
+
+def test_gemm_is_memory_bound_for_one_token_and_compute_bound_for_many() -> None:
+    cm = RooflineCostModel(TOY, TOY_HW)
+    # 1 x 1024 @ 1024 x 1024: 2.1 MFLOP (21 ns) vs (1024*1024 weights + 2048 activations) * 2 B
+    # = 2,101,248 B at 1 TB/s = 2.101248 us.
+    assert cm._gemm(1, 1024, 1024) == pytest.approx(2.101248e-6)
+    # 4096 tokens: 2*4096*1024*1024 = 8.589934592 GFLOP at 100 TFLOP/s = 85.89934592 us, more
+    # than the (1,048,576 + 8,388,608) * 2 B = 18.874 us of memory traffic.
+    assert cm._gemm(4096, 1024, 1024) == pytest.approx(85.89934592e-6)
+
+
+def test_attention_decode_memory_bound_prefill_compute_bound() -> None:
+    cm = RooflineCostModel(TOY, TOY_HW)
+    # One decode at context 1000, per layer: K and V of 8 heads x 128 dims x 2 B x 1000 keys
+    # = 4,096,000 B, plus q in and out (2 x 1024 x 2 B) = 4,100,096 B -> 4.100096 us; the FLOPs
+    # (4 x 8 x 128 x 1000 = 4.1 MFLOP, 41 ns) hide under it. Two layers.
+    d = StepShape(num_tokens=1, num_seqs=1, num_decodes=1, decode_ctx_sum=1000, decode_ctx_max=1000)
+    assert cm.attention_time(d) == pytest.approx(2 * 4.100096e-6)
+    # A 1000-token prefill from position 0: 1000 * 1001 / 2 = 500,500 causal pairs x 4 x 8 x 128
+    # = 2.050048 GFLOP -> 20.50048 us per layer, above its 8.192 MB (8.192 us) of traffic.
+    p = StepShape(num_tokens=1000, num_seqs=1, num_prefills=1, prefill_tokens=1000, prefill_pairs=500_500,
+                  prefill_ctx_sum=1000)
+    assert cm.attention_time(p) == pytest.approx(2 * 20.50048e-6)
+
+
+def test_tensor_parallel_all_reduce_and_sharding() -> None:
+    tp = RooflineCostModel(TOY, TOY_HW, tp=2)
+    one = RooflineCostModel(TOY, TOY_HW, tp=1)
+    assert (tp.q_dim, tp.kv_dim, tp.inter, tp.vocab) == (512, 512, 2048, 16000)
+    # Ring all-reduce of 64 tokens x 1024 x 2 B = 131,072 B: 2 (N-1)/N = 1 pass at 100 GB/s.
+    assert tp._allreduce(131072) == pytest.approx(1.31072e-6)
+    assert one._allreduce(131072) == 0.0
+    # 1-token linear time: each rank streams half of every weight matrix, plus 2 all-reduces per layer.
+    assert tp.linear_time(1) < one.linear_time(1)
+
+
+def test_step_time_is_the_sum_of_its_parts_with_cpu_overhead() -> None:
+    hw = TOY_HW.with_efficiency(step_s=1e-3, per_seq_s=1e-5)
+    cm = RooflineCostModel(TOY, hw)
+    s = StepShape(num_tokens=9, num_seqs=9, num_sampled=9, num_decodes=9, decode_ctx_sum=900, decode_ctx_max=100)
+    parts = cm.breakdown(s)
+    assert parts["cpu"] == pytest.approx(1e-3 + 9e-5)
+    assert cm.step_time(s) == pytest.approx(sum(parts.values()))
+
+
+def test_llama3_8b_on_h100_matches_public_numbers() -> None:
+    cfg = load_model_config("llama-3-8b")
+    assert cfg.num_params == 8_030_261_248  # Meta-Llama-3-8B
+    cm = RooflineCostModel(cfg, HARDWARE["h100-sxm"])
+    assert cm.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # 128 KiB per token in bf16
+    # A batch-1 decode streams ~16 GB of weights at 80% of 3.35 TB/s (6.0 ms) + 1 ms CPU.
+    decode = StepShape(num_tokens=1, num_seqs=1, num_sampled=1, num_decodes=1, decode_ctx_sum=1000,
+                       decode_ctx_max=1000)
+    assert 6.5e-3 < cm.step_time(decode) < 8e-3
+    # A 2048-token prefill: 2 x 8.03e9 x 2048 FLOPs at 75% of 989 TFLOP/s is ~44 ms.
+    n = 2048
+    pre = StepShape(num_tokens=n, num_seqs=1, num_sampled=1, num_prefills=1, prefill_tokens=n,
+                    prefill_pairs=n * (n + 1) // 2, prefill_ctx_sum=n)
+    assert 40e-3 < cm.step_time(pre) < 55e-3
+
+
+def test_step_shape_reads_the_scheduler_output() -> None:
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    a = Request("a", list(range(10)), params, 4)  # prefill chunk of 6 at position 4 (not the end)
+    a.num_computed_tokens = 0
+    b = Request("b", list(range(5)), params, 4)  # decode: 5 prompt + 1 output, 5 computed
+    b.all_token_ids.append(7)
+    b.num_computed_tokens = 5
+    c = Request("c", list(range(8)), params, 4)  # last chunk of 3 starting at 5: sampled
+    c.num_computed_tokens = 5
+    out = SchedulerOutput(requests=[b, a, c], num_tokens=[1, 6, 3], is_prefill=[False, True, True])
+    sampled: list[Request] = []
+    s = step_shape(out, sampled)
+    assert (s.num_tokens, s.num_seqs, s.num_decodes, s.decode_ctx_sum, s.decode_ctx_max) == (10, 3, 1, 6, 6)
+    assert (s.num_prefills, s.prefill_tokens) == (2, 9)
+    assert s.prefill_pairs == (6 * 7 // 2) + (3 * 5 + 3 * 4 // 2)
+    assert (s.prefill_ctx_sum, s.prefill_cached_ctx) == (6 + 8, 5)
+    assert [r.request_id for r in sampled] == ["b", "c"] and s.num_sampled == 2
+
+
+def test_kv_pool_sized_like_vllm() -> None:
+    dep = build_deployment(model="llama-3-8b", hardware="h100-sxm", max_num_batched_tokens=512, max_num_seqs=64)
+    cm = dep.cost
+    assert isinstance(cm, RooflineCostModel)
+    free = 80e9 * 0.9 - 8_030_261_248 * 2 - cm.activation_bytes(512, 64) - RESERVED_BYTES
+    assert dep.num_kv_blocks == int(free // (131072 * 16))
+    assert dep.max_model_len == 8192
+    tp = build_deployment(model="llama-3-70b", hardware="h100-sxm", tp=4)
+    assert tp.num_kv_blocks > 0
+    with pytest.raises(ValueError, match="does not fit"):
+        build_deployment(model="llama-3-70b", hardware="h100-sxm", tp=1)
+    fixed = build_deployment(model="llama-3-8b", hardware="a100-80g", kv_cache_memory="2GiB")
+    assert fixed.num_kv_blocks == 2 * 1024**3 // (131072 * 16)
+
+
+def test_models_table_and_config_json(tmp_path: Path) -> None:
+    for name in MODEL_TABLE:
+        assert load_model_config(name).num_layers > 0
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_TABLE["qwen2.5-7b"][1]))
+    assert load_model_config(str(tmp_path)).num_params == 7_615_616_512
+    with pytest.raises(ValueError, match="neither a known model"):
+        load_model_config(str(tmp_path / "missing"))
+
+
+# ---- simulation ---------------------------------------------------------------------------
+
+
+def _specs(seed: int = 0, n: int = 200, rate: float = 20.0) -> list[RequestSpec]:
+    cfg = WorkloadConfig(dataset="random", num_prompts=n, random_input_len=400, random_output_len=100,
+                         random_range_ratio=0.9, request_rate=rate, seed=seed)
+    return build_workload(cfg, vocab_size=32000, max_model_len=4096)[0]
+
+
+def _sim(replicas: int = 1, router: str = "round-robin", num_kv_blocks: int = 2000, policy: str = "continuous") -> Simulator:
+    cm = RooflineCostModel(load_model_config("llama-3-8b"), HARDWARE["a100-80g"])
+    sc = SchedulerConfig(policy=policy, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=4096)
+    return Simulator(SimConfig(scheduler=sc, num_kv_blocks=num_kv_blocks, replicas=replicas, router=router), cm)
+
+
+def test_deterministic_under_a_seed(tmp_path: Path) -> None:
+    a = _sim(num_kv_blocks=300).run(_specs(seed=1))
+    b = _sim(num_kv_blocks=300).run(_specs(seed=1))
+    c = _sim(num_kv_blocks=300).run(_specs(seed=2))
+    assert [t.to_dict() for t in a.timings] == [t.to_dict() for t in b.timings]
+    assert list(a.steps[0].duration_s) == list(b.steps[0].duration_s)
+    assert a.stats == b.stats and a.stats["num_preemptions"] > 0  # a small pool preempts
+    assert [t.ttft for t in a.timings] != [t.ttft for t in c.timings]
+    assert all(t.success and t.output_tokens == t.output_len for t in a.timings)
+
+
+def test_token_timing_matches_step_records() -> None:
+    res = _sim().run(_specs(n=30))
+    log = res.steps[0]
+    ends = {round(s + d, 12) for s, d in zip(log.start_time, log.duration_s)}
+    for t in res.timings:
+        assert t.ttft is not None and t.latency is not None
+        assert round(t.arrival_time + t.ttft, 12) in ends  # tokens appear at step ends
+        assert t.latency == pytest.approx(t.ttft + sum(t.itl))
+    assert res.duration_s == pytest.approx(max(t.arrival_time + (t.latency or 0.0) for t in res.timings))
+    assert sum(res.busy_s) == pytest.approx(sum(log.duration_s))
+    assert sum(res.busy_s) <= res.duration_s
+
+
+def test_replicas_and_routers() -> None:
+    specs = _specs(n=300, rate=60.0)
+    one = _sim().run(specs)
+    rr = _sim(replicas=2).run(specs)
+    ll = _sim(replicas=2, router="least-loaded").run(specs)
+    for res in (rr, ll):
+        assert all(t.success for t in res.timings)
+        assert len(res.steps) == 2 and all(len(s) for s in res.steps)
+    p50 = [_summary(r)["median_e2el_ms"] for r in (one, rr, ll)]
+    assert p50[1] < p50[0] and p50[2] < p50[0]  # two replicas serve the same load faster
+    # round-robin alternates exactly: each replica gets every other request
+    rr_seqs = sum(int(x) for x in rr.steps[0].ints["num_prefill_tokens"])
+    assert rr_seqs == sum(s.prompt_len for s in specs[0::2])
+
+
+def _summary(res: SimResult) -> dict[str, Any]:
+    return summarize(res.timings, res.duration_s)
+
+
+def test_static_policy_waits_for_the_whole_batch() -> None:
+    specs = _specs(n=60, rate=5.0)
+    cont = _summary(_sim().run(specs))
+    stat = _summary(_sim(policy="static").run(specs))
+    assert stat["completed"] == cont["completed"] == 60
+    assert stat["median_ttft_ms"] > 2 * cont["median_ttft_ms"]
+
+
+# ---- capacity -----------------------------------------------------------------------------
+
+
+def test_parse_slos_and_meets() -> None:
+    slos = parse_slos("ttft_p99:500,tpot_median:50,e2el_mean:9000")
+    assert [s.key for s in slos] == ["p99_ttft_ms", "median_tpot_ms", "mean_e2el_ms"]
+    assert meets({"failed": 0, "completed": 3, "p99_ttft_ms": 400, "median_tpot_ms": 50, "mean_e2el_ms": 1}, slos)
+    assert not meets({"failed": 1, "completed": 3, "p99_ttft_ms": 1, "median_tpot_ms": 1, "mean_e2el_ms": 1}, slos)
+    assert not meets({"failed": 0, "completed": 3, "p99_ttft_ms": 501, "median_tpot_ms": 1, "mean_e2el_ms": 1}, slos)
+    for bad in ("ttft:500", "foo_p99:1", "ttft_p99:x", "ttft_p99:-1", ""):
+        with pytest.raises(ValueError):
+            parse_slos(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=300), st.floats(0.1, 9.9),
+       st.sampled_from([0.5, 0.9, 0.99]))
+def test_early_stop_only_when_the_percentile_is_certainly_missed(values: list[float], limit: float, q: float) -> None:
+    slo = parse_slos(f"ttft_p{int(q * 100)}:{limit * 1000}")
+    stop = EarlyStop(slo, len(values), len(values))
+    fired = False
+    for v in values:
+        fired = stop(RequestTiming("r", 1, 1, success=True, ttft=v)) or fired
+    if fired:  # the summary computes the percentile in milliseconds
+        assert np.percentile(np.asarray(values) * 1000.0, q * 100) > slo[0].limit_ms
+
+
+def test_find_max_rate_brackets_the_boundary() -> None:
+    specs = _specs(n=150, rate=10.0)
+
+    def run(s: list[RequestSpec], stop: object) -> object:
+        return _sim().run(s, stop=stop)  # type: ignore[arg-type]
+
+    slos = parse_slos("ttft_p90:300")
+    res = find_max_rate(specs, run, slos, tolerance=0.05)  # type: ignore[arg-type]
+    ok = [p for p in res.probes if p.ok]
+    bad = [p for p in res.probes if not p.ok]
+    assert ok and bad and res.best is not None
+    assert res.best.summary["p90_ttft_ms"] <= 300
+    assert min(p.scale for p in bad) / res.max_scale <= 1.05 + 1e-9
+    # The boundary is real: just above it the same workload misses the SLO.
+    above = _sim().run(scaled(specs, min(p.scale for p in bad)))
+    assert not meets(_summary(above), slos)
+
+
+# ---- CPU profile --------------------------------------------------------------------------
+
+
+def test_cpu_profile_fit_recovers_known_coefficients(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    truth = dict(zip(FEATURES, [2e-3, 4e-3, 5e-5, 1e-4, 3e-4, 1e-3, 2e-8, 1e-6, 4e-7, 9e-7]))
+    knot = 4096
+    shapes = []
+    for _ in range(80):
+        d, c, p = int(rng.integers(0, 40)), int(rng.integers(16, 900)), int(rng.integers(0, 300))
+        start = int(rng.integers(0, 2)) * c
+        shapes.append(StepShape(num_tokens=d + p, num_seqs=d + (p > 0), num_sampled=d + (p > 0),
+                                num_decodes=d, decode_ctx_sum=d * c, decode_ctx_max=c, num_prefills=int(p > 0),
+                                prefill_tokens=p, prefill_pairs=p * start + p * (p + 1) // 2,
+                                prefill_ctx_sum=(start + p) * (p > 0), prefill_cached_ctx=start * (p > 0)))
+    times = [sum(truth[f] * x for f, x in zip(FEATURES, features(s, knot))) for s in shapes]
+    coef, fitted_knot, stats = fit_profile(shapes, times)
+    assert fitted_knot == knot and stats["mape"] < 1e-6
+    prof = CpuProfile(model="tiny-random", model_config={}, dtype="float32", num_threads=1, block_size=16,
+                      kv_bytes_per_block=1, coefficients=coef, decode_knot=fitted_knot)
+    loaded = CpuProfile.load(prof.save(tmp_path / "p.json"))
+    cm = CpuProfileCostModel(loaded)
+    for s, t in zip(shapes, times):
+        assert cm.step_time(s) == pytest.approx(t, rel=1e-6)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not an iterserve CPU profile"):
+        CpuProfile.load(tmp_path / "bad.json")
+
+
+# ---- CLI ----------------------------------------------------------------------------------
+
+
+def test_cli_simulate_writes_bench_results_and_step_records(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, steps = tmp_path / "r.json", tmp_path / "steps.jsonl"
+    rc = simulate_main(["--workload", "random", "--num-prompts", "50", "--random-input-len", "300",
+                        "--request-rate", "8", "--model", "llama-3-8b", "--hardware", "h100-sxm",
+                        "--policy", "static,continuous", "--result-file", str(out), "--record-steps", str(steps)])
+    assert rc == 0
+    assert "static" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "simulate" and [r["label"] for r in doc["runs"]] == ["static", "continuous"]
+    run = doc["runs"][1]
+    assert run["summary"]["completed"] == 50 and len(run["requests"]) == 50
+    assert run["summary"]["sim"]["utilization"] > 0 and run["summary"]["sim"]["kv_usage_over_time"]["usage"]
+    recs = [json.loads(x) for x in Path(run["steps_file"]).read_text().splitlines()]
+    assert set(recs[0]) >= {"step", "start_time", "duration_s", "num_prefill_tokens", "num_decode_tokens",
+                            "kv_blocks_used", "scheduled"}
+    assert sum(r["num_decode_tokens"] for r in recs) == sum(t["output_tokens"] - 1 for t in run["requests"])
+
+
+def test_cli_find_max_rate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cap.json"
+    rc = simulate_main(["--workload", "random", "--num-prompts", "60", "--request-rate", "4", "--model",
+                        "llama-3-8b", "--hardware", "a100-80g", "--find-max-rate", "--slo",
+                        "ttft_p99:1000,tpot_p99:60", "--result-file", str(out), "--tolerance", "0.1"])
+    assert rc == 0
+    assert "highest request rate" in capsys.readouterr().out
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["capacity"]["max_rate"] > 0 and run["summary"]["p99_ttft_ms"] <= 1000
+
+
+def test_cli_errors_are_clear(capsys: pytest.CaptureFixture[str]) -> None:
+    assert simulate_main(["--workload", "random", "--model", "nope"]) == 2
+    assert "neither a known model" in capsys.readouterr().err
+    assert simulate_main(["--workload", "random", "--model", "llama-3-8b", "--hardware", "tpu"]) == 2
+    assert "--hardware must be one of" in capsys.readouterr().err
+    assert simulate_main(["--workload", "random", "--model", "llama-3-8b", "--find-max-rate"]) == 2
+    assert "needs --slo" in capsys.readouterr().err
+
+
+def test_scaled_poisson_equals_regenerated_rate() -> None:
+    """Scaling arrival times by 1/s is the same workload at s times the Poisson rate."""
+    a = synth_arrivals(50, 2.0, 1.0, np.random.default_rng([3, 2]))
+    b = synth_arrivals(50, 6.0, 1.0, np.random.default_rng([3, 2]))
+    specs = [RequestSpec([1], 1, t) for t in a]
+    assert [s.arrival_time for s in scaled(specs, 3.0)] == pytest.approx(b)

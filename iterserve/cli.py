@@ -18,8 +18,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def generate_main(argv: list[str]) -> int:
-    from iterserve import LLM, SamplingParams
     from iterserve.config import EngineArgs
+    from iterserve.engine import LLM
+    from iterserve.sampling_params import SamplingParams
 
     p = argparse.ArgumentParser(prog="iterserve generate", description="Generate text offline.")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")

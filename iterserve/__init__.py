@@ -1,8 +1,13 @@
 """iterserve: an LLM serving engine built around iteration-level (continuous) batching."""
 
+from typing import TYPE_CHECKING
+
 from iterserve.config import EngineArgs
 from iterserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from iterserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # imported lazily below at run time (torch is heavy)
+    from iterserve.engine import LLM, LLMEngine
 
 __version__ = "0.1.0"
 

@@ -196,6 +196,9 @@ def test_unsupported_architecture(tmp_path: Any) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         ModelConfig.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="lacks.*vocab_size"):
+        ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2,
+                               "num_hidden_layers": 1, "intermediate_size": 8})
 
 
 def test_missing_files(case: Callable[[str], Case], tmp_path: Any) -> None:

@@ -110,6 +110,10 @@ class ModelConfig:
                 f"supported: {sorted(ARCHITECTURES)}"
             )
         family = ARCHITECTURES[arch]
+        required = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+        absent = [k for k in required if k not in hf]
+        if absent:
+            raise ValueError(f"config.json for {arch} lacks {absent}")
         act = hf.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")

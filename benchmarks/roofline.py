@@ -1,0 +1,281 @@
+"""iterserve's decode step, overhead and prefill against this machine's roofline (and llama.cpp).
+
+    python benchmarks/roofline.py                       # decode B=1,8,32,128 + overhead @64 + prefill 2048
+    python benchmarks/roofline.py --batches 1,8 --no-llamacpp --no-prefill
+    python benchmarks/roofline.py --profile 32,64        # + torch.profiler of decode steps at B=32, 64
+
+Decode: B requests with ``--ctx``-token random prompts and ignore_eos go through the engine
+(``LLM("bench-134m", dtype="bfloat16")``); prefill steps are skipped and the median over
+``--steps`` steady decode steps of ``engine.last_step_stats`` (``duration_s``, ``forward_s``) is
+reported beside the roofline bound max(bytes / bandwidth, FLOPs / peak) computed from the
+bandwidth and FLOP/s this script measures, and beside ``llama-batched-bench`` (``-npp 128 -ntg 128``)
+on the same weights as a BF16 GGUF.
+
+The peak used for the bound is max(bf16, fp32) matmul FLOP/s measured here: on a CPU without
+native bf16 dot products (no AVX512-BF16/AMX) oneDNN emulates bf16 GEMMs far below fp32, and
+iterserve's ``linear`` then upcasts weights slice-wise and runs fp32 GEMMs, so fp32 is the
+attainable peak for bf16 weights.
+
+Overhead: the share of each decode step at ``--overhead-batch`` running requests spent outside
+``forward_s`` (schedule + sample + output handling; note ``forward_s`` includes the runner's input
+preparation, so this understates the non-model share).
+
+Prefill: one ``--prefill``-token prompt, (a) in a single step (max_num_batched_tokens = prompt) and
+(b) with the engine's default chunking, against 2 x params x tokens / peak + attention FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+from _machine import Machine, ModelShape, decode_step_bound, measure_machine, prefill_bound  # noqa: E402
+
+from iterserve.engine.llm import LLM  # noqa: E402
+from iterserve.sampling_params import SamplingParams  # noqa: E402
+
+
+@dataclass
+class DecodeResult:
+    batch: int
+    ctx: int
+    duration_ms: float
+    forward_ms: float
+    schedule_ms: float
+    sample_ms: float
+    output_ms: float
+    steps: int
+
+    @property
+    def overhead_share(self) -> float:
+        return (self.duration_ms - self.forward_ms) / self.duration_ms
+
+
+def make_llm(model: str, max_num_seqs: int, threads: int, **kw: Any) -> LLM:
+    return LLM(
+        model, dtype="bfloat16", max_num_seqs=max_num_seqs, num_threads=threads, seed=0, **kw
+    )
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, vocab - 10, length).tolist() for _ in range(n)]
+
+
+def measure_decode(
+    llm: LLM, batch: int, ctx: int, steps: int, warmup: int = 3, seed: int = 0, profile: Any = None
+) -> DecodeResult:
+    """Median per-step stats of ``steps`` decode-only steps of ``batch`` sequences at ~``ctx``."""
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=warmup + steps + 8, ignore_eos=True, temperature=0.0)
+    ids = [f"rf-{batch}-{seed}-{i}" for i in range(batch)]
+    for rid, p in zip(
+        ids, _prompts(batch, max(1, ctx - (warmup + steps) // 2), eng.vocab_size, seed)
+    ):
+        eng.add_request(rid, p, sp)
+    rows: list[tuple[float, float, float, float, float]] = []
+    seen_decode = 0
+    try:
+        while len(rows) < steps:
+            if profile is not None and seen_decode == warmup:
+                profile.start()
+            eng.step()
+            st = eng.last_step_stats
+            if st is None or st.num_prefill_tokens or st.num_decode_tokens != batch:
+                continue
+            seen_decode += 1
+            if seen_decode > warmup:
+                rows.append((st.duration_s, st.forward_s, st.schedule_s, st.sample_s, st.output_s))
+        if profile is not None:
+            profile.stop()
+    finally:
+        for rid in ids:
+            eng.abort_request(rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+    med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(5)]
+    return DecodeResult(batch, ctx, med[0], med[1], med[2], med[3], med[4], len(rows))
+
+
+def measure_prefill(
+    model: str, tokens: int, threads: int, chunk: int | None, repeats: int
+) -> list[float]:
+    """Seconds from adding a ``tokens`` prompt (max_tokens=1) to its single output token."""
+    llm = make_llm(
+        model, 4, threads, max_num_batched_tokens=chunk or tokens, max_model_len=max(2048, tokens + 16),
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    times = []
+    for i, p in enumerate(_prompts(repeats + 1, tokens, llm.engine.vocab_size, 100)):
+        t0 = time.perf_counter()
+        llm.generate([p], sp)
+        if i:  # the first is warm-up
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def profile_decode(llm: LLM, batch: int, ctx: int, steps: int, top: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
+    res = measure_decode(llm, batch, ctx, steps, seed=7, profile=prof)
+    # The profiler also records ops that run on intra-op worker threads, so sums over all events
+    # exceed wall time; the Python share is judged on the main (calling) thread only.
+    events = [e for e in prof.events() if e.cpu_parent is None]
+    by_thread: dict[int, float] = {}
+    for e in events:
+        by_thread[e.thread] = by_thread.get(e.thread, 0.0) + e.cpu_time_total
+    main_tid = max(by_thread, key=lambda t: by_thread[t])
+    in_ops_us = by_thread[main_tid]
+    wall_us = res.duration_ms * 1e3 * res.steps
+    self_by_op: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.thread == main_tid:
+            acc = self_by_op.setdefault(e.name, [0.0, 0.0])
+            acc[0] += e.self_cpu_time_total
+            acc[1] += 1
+    lines = [
+        f"profile: decode batch {batch} @ctx ~{ctx}, {res.steps} steps, median step {res.duration_ms:.2f} ms "
+        f"(forward {res.forward_ms:.2f}, schedule {res.schedule_ms:.2f}, sample {res.sample_ms:.2f}, output {res.output_ms:.2f})",
+        f"  main thread inside torch ops: {in_ops_us / res.steps / 1e3:.2f} ms/step = {in_ops_us / wall_us:.0%} of the "
+        f"step; outside any op (Python, interpreter, profiler): {max(0.0, 1 - in_ops_us / wall_us):.0%}",
+        f"  {'op (main thread, self time)':<42} {'ms/step':>9} {'share':>7} {'calls/step':>11}",
+    ]
+    for name, (us, n) in sorted(self_by_op.items(), key=lambda kv: kv[1][0], reverse=True)[:top]:
+        lines.append(
+            f"  {name[:42]:<42} {us / res.steps / 1e3:9.3f} {us / wall_us:7.1%} {n / res.steps:11.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="bench-134m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument(
+        "--ctx", type=int, default=128, help="context of the decode steps (prompt ~ctx)"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=15, help="decode steps measured per batch (median)"
+    )
+    ap.add_argument("--overhead-batch", type=int, default=64)
+    ap.add_argument(
+        "--prefill", type=int, default=2048, help="prompt tokens of the prefill test (0: skip)"
+    )
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--prefill-repeats", type=int, default=3)
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip llama-batched-bench")
+    ap.add_argument(
+        "--profile", default="", help="batches to profile with torch.profiler, e.g. 32,64"
+    )
+    ap.add_argument("--profile-top", type=int, default=15)
+    a = ap.parse_args(argv)
+
+    torch.set_num_threads(a.threads)
+    m: Machine = measure_machine(a.threads)
+    peak = max(m.bf16_gflops, m.fp32_gflops)
+    print(f"machine: {m.describe()}; peak used for bounds: {peak:.0f} GFLOP/s")
+    mc = Machine(m.threads, m.read_gbps, peak, m.fp32_gflops)  # bounds use the attainable peak
+
+    from iterserve.model.builtin import resolve_model
+
+    model_dir = resolve_model(a.model)
+    shape = ModelShape.from_config(model_dir)
+    print(
+        f"model: {a.model} bf16, matmul params {shape.matmul_params / 1e6:.1f}M "
+        f"(blocks {shape.layer_params / 1e6:.1f}M + lm_head {shape.head_params / 1e6:.1f}M), "
+        f"weight bytes/step {shape.step_weight_bytes / 1e6:.0f} MB"
+    )
+
+    batches = [int(b) for b in a.batches.split(",") if b]
+    llama_rows: dict[int, Any] = {}
+    llama_cmd = ""
+    if not a.no_llamacpp:
+        import llamacpp
+
+        gguf_path = llamacpp.export_gguf(model_dir)
+        try:
+            rows, llama_cmd = llamacpp.batched_bench(
+                gguf_path, batches, npp=a.ctx, ntg=a.ctx, threads=a.threads
+            )
+            llama_rows = {r.batch: r for r in rows}
+        except (RuntimeError, OSError) as exc:
+            print(f"llama-batched-bench failed: {exc}")
+
+    need = sorted(set(batches) | {a.overhead_batch} | {int(b) for b in a.profile.split(",") if b})
+    llm = make_llm(a.model, max(need), a.threads)
+    results: dict[int, DecodeResult] = {}
+    for b in need:
+        results[b] = measure_decode(llm, b, a.ctx, a.steps)
+
+    print(
+        f"\ndecode step, bench-134m bf16, ctx ~{a.ctx}, median of {a.steps} steps (engine StepStats)"
+    )
+    hdr = (
+        f"{'B':>4} {'iterserve ms':>12} {'forward ms':>10} {'tok/s':>8} {'bound ms':>9} {'mem ms':>7} "
+        f"{'comp ms':>8} {'x bound':>8} {'llama.cpp ms':>12} {'llama tok/s':>11} {'iters/llama':>11}"
+    )
+    print(hdr)
+    for b in batches:
+        r = results[b]
+        bound, mem, comp = decode_step_bound(mc, shape, b, a.ctx)
+        lr = llama_rows.get(b)
+        lms = (
+            f"{lr.decode_step_ms:12.2f} {lr.s_tg:11.0f} {lr.s_tg / (b / r.duration_ms * 1e3):11.2f}"
+            if lr
+            else f"{'-':>12} {'-':>11} {'-':>11}"
+        )
+        print(
+            f"{b:4d} {r.duration_ms:12.2f} {r.forward_ms:10.2f} {b / r.duration_ms * 1e3:8.0f} {bound * 1e3:9.2f} "
+            f"{mem * 1e3:7.2f} {comp * 1e3:8.2f} {r.duration_ms / (bound * 1e3):8.2f} {lms}"
+        )
+    if llama_cmd:
+        print(f"  llama.cpp: {llama_cmd}  (decode step = T_TG / ntg)")
+        for b, lr in sorted(llama_rows.items()):
+            print(f"    B={b}: S_PP {lr.s_pp:.0f} tok/s, S_TG {lr.s_tg:.0f} tok/s")
+
+    r = results[a.overhead_batch]
+    print(
+        f"\noverhead at {a.overhead_batch} running (decode-only steps): step {r.duration_ms:.2f} ms = forward(+input prep) "
+        f"{r.forward_ms:.2f} + schedule {r.schedule_ms:.2f} + sample {r.sample_ms:.2f} + output {r.output_ms:.2f}; "
+        f"outside forward: {r.overhead_share:.1%}"
+    )
+
+    if a.prefill and not a.no_prefill:
+        bound, mm, attn = prefill_bound(mc, shape, a.prefill)
+        print(
+            f"\nprefill {a.prefill} tokens: bound {bound * 1e3:.0f} ms (matmul {mm * 1e3:.0f} + attention {attn * 1e3:.0f}) = {a.prefill / bound:.0f} tok/s"
+        )
+        for label, chunk in (("one step", None), ("chunks of 512 (engine default)", 512)):
+            ts = measure_prefill(a.model, a.prefill, a.threads, chunk, a.prefill_repeats)
+            med = statistics.median(ts)
+            print(
+                f"  iterserve {label}: median {med * 1e3:.0f} ms over {len(ts)} = {a.prefill / med:.0f} tok/s, "
+                f"{med / bound:.2f}x the bound  (runs: {', '.join(f'{t * 1e3:.0f}' for t in ts)} ms)"
+            )
+        lr = llama_rows.get(1)
+        if lr:
+            print(
+                f"  llama.cpp prompt processing (batched-bench, {lr.pp} tokens, B=1): {lr.s_pp:.0f} tok/s"
+            )
+
+    for b in [int(x) for x in a.profile.split(",") if x]:
+        print()
+        print(profile_decode(llm, b, a.ctx, a.steps, a.profile_top))
+
+
+if __name__ == "__main__":
+    main()

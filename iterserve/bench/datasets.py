@@ -18,7 +18,7 @@ import csv
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
 
@@ -255,7 +255,6 @@ class LengthReport:
     rows_read: int = 0
     clipped: int = 0
     skipped: int = 0
-    clipped_ids: list[int] = field(default_factory=list)
 
     def describe(self) -> str:
         scale = f" (lengths scaled by {self.length_scale:g})" if self.length_scale != 1.0 else ""
@@ -386,7 +385,6 @@ def build_workload(
                 report.skipped += 1
                 continue
             report.clipped += 1
-            report.clipped_ids.append(len(taken))
             in_len, out_len = fit_lengths(in_len, out_len, max_model_len)
         taken.append((row, in_len, out_len))
     if len(taken) < cfg.num_prompts:

@@ -113,6 +113,7 @@ def replay(
             for t in list(live.values()):
                 t.error = "the engine dropped the request without finishing it"
                 finish(t)
+            end = clock() - start
             continue
         outputs = engine.step()
         steps += 1

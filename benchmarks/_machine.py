@@ -74,6 +74,14 @@ def measure_machine(threads: int | None = None, quick: bool = False) -> Machine:
     )
 
 
+def machine_for(spec: str | None, threads: int) -> Machine:
+    """``"GBPS,GFLOPS"`` -> a Machine with those numbers (bf16 = fp32 = GFLOPS); None -> probe."""
+    if not spec:
+        return measure_machine(threads)
+    gbps, gflops = (float(x) for x in spec.split(","))
+    return Machine(threads, gbps, gflops, gflops)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     hidden: int

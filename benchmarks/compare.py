@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _machine import Machine, ModelShape, measure_machine, workload_bound  # noqa: E402
+from _machine import Machine, ModelShape, machine_for, workload_bound  # noqa: E402
 
 Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
 
@@ -228,6 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-requests", default="32", help="comma list, e.g. 32,128")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--machine",
+        metavar="GBPS,GFLOPS",
+        help="use these read GB/s and peak GFLOP/s for the bound instead of probing (e.g. numbers "
+        "probed on a quiet machine: probes on a busy one inflate the bound)",
+    )
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument(
         "--sharegpt-path",
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(a.threads)
     model_dir = resolve_model(a.model)
     shape = ModelShape.from_config(model_dir)
-    m = measure_machine(a.threads)
+    m = machine_for(a.machine, a.threads)
     peak = max(m.bf16_gflops, m.fp32_gflops)
     mc = Machine(m.threads, m.read_gbps, peak, m.fp32_gflops)
     print(f"machine: {m.describe()}; peak used for the bound: {peak:.0f} GFLOP/s")

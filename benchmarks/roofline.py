@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from _machine import Machine, ModelShape, decode_step_bound, measure_machine, prefill_bound  # noqa: E402
+from _machine import Machine, ModelShape, decode_step_bound, machine_for, prefill_bound  # noqa: E402
 
 from iterserve.engine.llm import LLM  # noqa: E402
 from iterserve.sampling_params import SamplingParams  # noqa: E402
@@ -115,12 +115,12 @@ def measure_prefill(
         enable_prefix_caching=False,
     )  # fmt: skip
     sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    llm.generate(_prompts(1, 64, llm.engine.vocab_size, 99), sp)  # warm-up
     times = []
-    for i, p in enumerate(_prompts(repeats + 1, tokens, llm.engine.vocab_size, 100)):
+    for p in _prompts(repeats, tokens, llm.engine.vocab_size, 100):
         t0 = time.perf_counter()
         llm.generate([p], sp)
-        if i:  # the first is warm-up
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
     return times
 
 
@@ -164,6 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--model", default="bench-134m")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--machine",
+        metavar="GBPS,GFLOPS",
+        help="use these read GB/s and peak GFLOP/s for the bound instead of probing (e.g. numbers "
+        "probed on a quiet machine: probes on a busy one inflate the bound)",
+    )
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument(
         "--ctx", type=int, default=128, help="context of the decode steps (prompt ~ctx)"
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
 
     torch.set_num_threads(a.threads)
-    m: Machine = measure_machine(a.threads)
+    m: Machine = machine_for(a.machine, a.threads)
     peak = max(m.bf16_gflops, m.fp32_gflops)
     print(f"machine: {m.describe()}; peak used for bounds: {peak:.0f} GFLOP/s")
     mc = Machine(m.threads, m.read_gbps, peak, m.fp32_gflops)  # bounds use the attainable peak
@@ -215,11 +221,18 @@ def main(argv: list[str] | None = None) -> None:
         except (RuntimeError, OSError) as exc:
             print(f"llama-batched-bench failed: {exc}")
 
+    sys.stdout.flush()
     need = sorted(set(batches) | {a.overhead_batch} | {int(b) for b in a.profile.split(",") if b})
     llm = make_llm(a.model, max(need), a.threads)
     results: dict[int, DecodeResult] = {}
     for b in need:
         results[b] = measure_decode(llm, b, a.ctx, a.steps)
+        r = results[b]
+        print(
+            f"  measured B={b}: step {r.duration_ms:.2f} ms (forward {r.forward_ms:.2f}, schedule "
+            f"{r.schedule_ms:.2f}, sample {r.sample_ms:.2f}, output {r.output_ms:.2f})",
+            flush=True,
+        )
 
     print(
         f"\ndecode step, bench-134m bf16, ctx ~{a.ctx}, median of {a.steps} steps (engine StepStats)"
@@ -254,6 +267,10 @@ def main(argv: list[str] | None = None) -> None:
         f"outside forward: {r.overhead_share:.1%}"
     )
 
+    for b in [int(x) for x in a.profile.split(",") if x]:
+        print()
+        print(profile_decode(llm, b, a.ctx, a.steps, a.profile_top))
+
     if a.prefill and not a.no_prefill:
         bound, mm, attn = prefill_bound(mc, shape, a.prefill)
         print(
@@ -271,10 +288,6 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"  llama.cpp prompt processing (batched-bench, {lr.pp} tokens, B=1): {lr.s_pp:.0f} tok/s"
             )
-
-    for b in [int(x) for x in a.profile.split(",") if x]:
-        print()
-        print(profile_decode(llm, b, a.ctx, a.steps, a.profile_top))
 
 
 if __name__ == "__main__":

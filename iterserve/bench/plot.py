@@ -126,29 +126,35 @@ def _pick_cdf_runs(runs: list[dict[str, Any]], rate: float | None) -> list[dict[
 
 def plot_cdf(paths: list[str], out: str, rate: float | None = None, log_x: bool = False) -> None:
     runs = _pick_cdf_runs(_all_runs(paths), rate)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = ("TTFT", "TPOT", "E2E latency")
+    per_panel: list[list[tuple[str, np.ndarray]]] = [[], [], []]
     for r in runs:
         ok = [t for t in run_timings(r) if t.success]
-        values = {
-            "TTFT": [t.ttft for t in ok if t.ttft is not None],
-            "TPOT": [v for t in ok if (v := t.tpot) is not None],
-            "E2E latency": [t.latency for t in ok if t.latency is not None],
-        }
+        values = (
+            [t.ttft for t in ok if t.ttft is not None],
+            [v for t in ok if (v := t.tpot) is not None],
+            [t.latency for t in ok if t.latency is not None],
+        )
         label = r["label"] if len({x["_rate"] for x in runs}) == 1 else f"{r['label']} @ {_rate_text(r['_rate'])}"
-        for ax, vals in zip(axes, values.values()):
-            if not vals:
-                continue
-            ms = np.sort(np.asarray(vals, dtype=float) * 1000.0)
-            ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=label)
-    rates = sorted({_rate_text(r["_rate"]) for r in runs})
-    for ax, name in zip(axes, ("TTFT", "TPOT", "E2E latency")):
-        ax.set_xlabel(f"{name} (ms)")
+        for panel, vals in zip(per_panel, values):
+            if vals:
+                panel.append((label, np.sort(np.asarray(vals, dtype=float))))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, name, panel in zip(axes, names, per_panel):
+        # Milliseconds unless the values run to tens of seconds.
+        big = any(arr[-1] > 10.0 for _, arr in panel)
+        scale, unit = (1.0, "s") if big else (1000.0, "ms")
+        for label, arr in panel:
+            ax.step(arr * scale, np.arange(1, len(arr) + 1) / len(arr), where="post", label=label)
+        ax.set_xlabel(f"{name} ({unit})")
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.01)
         if log_x:
             ax.set_xscale("log")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if panel:
+            ax.legend(fontsize=8)
+    rates = sorted({_rate_text(r["_rate"]) for r in runs})
     fig.suptitle(f"Latency CDFs (request rate: {', '.join(rates)} req/s)")
     _save(fig, out)
 

@@ -78,7 +78,10 @@ def plot_curves(paths: list[str], out: str, x: str = "throughput") -> None:
             runs.sort(key=lambda r: r["_rate"])
             xs = [r["_rate"] for r in runs]
         else:
-            runs.sort(key=lambda r: (r["summary"].get("output_throughput") or 0.0))
+            # Points join in offered-rate order (inf last): the curve walks from light load to
+            # overload even where the achieved throughput stops growing or falls back.
+            runs.sort(key=lambda r: (math.inf if r["_rate"] is None else r["_rate"],
+                                     r["summary"].get("output_throughput") or 0.0))
             xs = [r["summary"].get("output_throughput") or 0.0 for r in runs]
         color = colors[i % len(colors)]
         for ax, metric in zip(axes, ("ttft", "tpot")):

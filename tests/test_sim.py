@@ -26,6 +26,7 @@ from iterserve.sim.cpu_profile import (
     FEATURES,
     CpuProfile,
     CpuProfileCostModel,
+    Knots,
     features,
     fit_profile,
 )
@@ -265,21 +266,22 @@ def test_find_max_rate_brackets_the_boundary() -> None:
 
 def test_cpu_profile_fit_recovers_known_coefficients(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
-    truth = dict(zip(FEATURES, [2e-3, 4e-3, 5e-5, 1e-4, 3e-4, 1e-3, 2e-8, 1e-6, 4e-7, 9e-7]))
-    knot = 4096
+    truth = dict(zip(FEATURES, [2e-3, 4e-3, 5e-5, 1e-4, 3e-4, 2e-4, 1e-3, 2e-8, 1e-6, 4e-7, 9e-7]))
+    knots = Knots(decode_knot=4096, gemm_min_tokens=4, token_knee=32)
     shapes = []
-    for _ in range(80):
-        d, c, p = int(rng.integers(0, 40)), int(rng.integers(16, 900)), int(rng.integers(0, 300))
+    for _ in range(120):
+        d, c, p = int(rng.integers(0, 40)), int(rng.integers(16, 900)), int(rng.choice([0, 1, 2, 3, 5, 20, 60, 300]))
         start = int(rng.integers(0, 2)) * c
         shapes.append(StepShape(num_tokens=d + p, num_seqs=d + (p > 0), num_sampled=d + (p > 0),
                                 num_decodes=d, decode_ctx_sum=d * c, decode_ctx_max=c, num_prefills=int(p > 0),
                                 prefill_tokens=p, prefill_pairs=p * start + p * (p + 1) // 2,
                                 prefill_ctx_sum=(start + p) * (p > 0), prefill_cached_ctx=start * (p > 0)))
-    times = [sum(truth[f] * x for f, x in zip(FEATURES, features(s, knot))) for s in shapes]
-    coef, fitted_knot, stats = fit_profile(shapes, times)
-    assert fitted_knot == knot and stats["mape"] < 1e-6
+    times = [sum(truth[f] * x for f, x in zip(FEATURES, features(s, knots))) for s in shapes]
+    fit = fit_profile(shapes, times)
+    assert fit.knots == knots and fit.stats["mape"] < 1e-6
     prof = CpuProfile(model="tiny-random", model_config={}, dtype="float32", num_threads=1, block_size=16,
-                      kv_bytes_per_block=1, coefficients=coef, decode_knot=fitted_knot)
+                      kv_bytes_per_block=1, coefficients=fit.coefficients, decode_knot=knots.decode_knot,
+                      gemm_min_tokens=knots.gemm_min_tokens, token_knee=knots.token_knee)
     loaded = CpuProfile.load(prof.save(tmp_path / "p.json"))
     cm = CpuProfileCostModel(loaded)
     for s, t in zip(shapes, times):

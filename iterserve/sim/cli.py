@@ -283,7 +283,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     info = {"config": dataclasses.asdict(cfg), "arrivals": cfg.arrivals, "lengths": report.to_dict(),
             "length_note": report.describe(), **describe_workload(specs)}
     _err(f"deployment: {dep.describe()}" + (f", {ns.replicas} replicas ({ns.router})" if ns.replicas > 1 else ""))
-    _err(f"workload: {cfg.dataset}, {len(specs)} requests, arrivals {cfg.arrivals} "
+    _err(f"workload: {ns.workload}, {len(specs)} requests, arrivals {cfg.arrivals} "
          f"(mean {mean_rate(specs):.3g} req/s), built in {time.perf_counter() - t0:.1f} s; {report.describe()}")
     base = engine_args(ns)
     config = {k: v for k, v in vars(ns).items() if k != "func"} | {"deployment": dep.to_dict()}

@@ -6,12 +6,16 @@ function of what the step computes, fitted to measured ``LLMEngine.step()`` time
 Features (the work that the CPU engine does per step; see iterserve/model/attention.py):
 
     step            1                      Python per step: schedule, batch prep, sampling setup
-    multi_token     1 if > 1 token         matrix-matrix kernels: with one token the projections
-                                           run as matrix-vector products, which stream the
-                                           weights once; with more, the BLAS also packs them
+    multi_token     1 if >= M tokens       matrix-matrix kernels: with few tokens the BLAS runs
+                                           the projections as matrix-vector-like kernels that
+                                           stream the weights once; from M tokens on (M is
+                                           fitted; 4 with MKL here) it also packs them
     seqs            scheduled sequences    per-sequence bookkeeping (block tables, outputs)
     sampled         rows sampled           LM head row, sampler, detokenizer, output token
-    tokens          tokens in the batch    projections, MLP, norms (compute-bound per token)
+    tokens          tokens in the batch    projections, MLP, norms, per token
+    tokens_over     max(0, tokens - K)     the same once compute-bound: below K tokens (fitted)
+                                           the projections are bound by streaming the weights,
+                                           so a few more rows cost almost nothing
     prefill_chunks  multi-token items      one attention call per chunk per layer
     prefill_pairs   causal (q, k) pairs    prefill attention FLOPs
     prefill_cached  keys read from cache   chunks that start past 0 gather their cached KV
@@ -35,16 +39,28 @@ import numpy as np
 from iterserve.sim.cost_model import StepShape
 
 FORMAT = "iterserve-cpu-profile/1"
-FEATURES = ("step", "multi_token", "seqs", "sampled", "tokens", "prefill_chunks", "prefill_pairs",
-            "prefill_cached", "decode_padded", "decode_over")
-# Candidate knots (decode window, in key slots) tried by the fit; 0 means no knot.
-KNOTS = (0, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+FEATURES = ("step", "multi_token", "seqs", "sampled", "tokens", "tokens_over", "prefill_chunks",
+            "prefill_pairs", "prefill_cached", "decode_padded", "decode_over")
+# Candidates tried by the fit: decode-window knots (key slots; 0 = none), matrix-matrix
+# thresholds (tokens) and compute-bound knees (tokens).
+KNOTS = (0, 2048, 4096, 8192, 16384)
+GEMM_MIN_TOKENS = (2, 3, 4, 5, 6, 8)
+TOKEN_KNEES = (8, 16, 32, 64, 128)
 
 
-def features(s: StepShape, knot: int = 0) -> tuple[float, ...]:
+@dataclass(frozen=True)
+class Knots:
+    decode_knot: int = 0
+    gemm_min_tokens: int = 2
+    token_knee: int = 0
+
+
+def features(s: StepShape, k: Knots = Knots()) -> tuple[float, ...]:  # noqa: B008 (frozen)
     window = s.num_decodes * s.decode_ctx_max
-    return (1.0, float(s.num_tokens > 1), s.num_seqs, s.num_sampled, s.num_tokens, s.num_prefills,
-            s.prefill_pairs, s.prefill_cached_ctx, window, max(0, window - knot) if knot else 0)
+    t = s.num_tokens
+    return (1.0, float(t >= k.gemm_min_tokens), s.num_seqs, s.num_sampled, t, max(0, t - k.token_knee),
+            s.num_prefills, s.prefill_pairs, s.prefill_cached_ctx, window,
+            max(0, window - k.decode_knot) if k.decode_knot else 0)
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
@@ -82,6 +98,9 @@ class CpuProfile:
     kv_bytes_per_block: int
     coefficients: dict[str, float]
     decode_knot: int = 0
+    gemm_min_tokens: int = 2
+    token_knee: int = 0
+    clock: str = "wall"  # what the times are: elapsed ("wall") or process CPU time ("cpu")
     fit: dict[str, Any] = field(default_factory=dict)
     points: list[dict[str, Any]] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
@@ -106,27 +125,37 @@ class CpuProfile:
         return cls(**known)
 
 
-def fit_profile(shapes: list[StepShape], times: list[float]) -> tuple[dict[str, float], int, dict[str, Any]]:
+@dataclass
+class Fit:
+    coefficients: dict[str, float]
+    knots: Knots
+    stats: dict[str, Any]
+
+
+def fit_profile(shapes: list[StepShape], times: list[float]) -> Fit:
     """Non-negative coefficients minimising the *relative* error (rows weighted by 1/time),
-    for the knot in ``KNOTS`` that fits best; returns (coefficients, knot, fit statistics:
-    mean / median / max absolute percentage error over the points)."""
+    for the combination of candidate knots that fits best, with fit statistics (mean /
+    median / max absolute percentage error over the points)."""
     y = np.array(times, dtype=float)
     if len(y) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} measured steps to fit, got {len(y)}")
     w = 1.0 / y
-    best: tuple[float, np.ndarray, int, np.ndarray] | None = None
+    best: tuple[float, np.ndarray, Knots, np.ndarray] | None = None
     for knot in KNOTS:
-        x = np.array([features(s, knot) for s in shapes], dtype=float)
-        scale = np.abs(x).max(axis=0)
-        scale[scale == 0] = 1.0
-        coef = nnls((x / scale) * w[:, None], y * w) / scale
-        err = np.abs(x @ coef - y) / y
-        if best is None or err.mean() < best[0] - 1e-9:
-            best = (float(err.mean()), coef, knot, err)
+        for gmin in GEMM_MIN_TOKENS:
+            for knee in TOKEN_KNEES:
+                k = Knots(knot, gmin, knee)
+                x = np.array([features(s, k) for s in shapes], dtype=float)
+                scale = np.abs(x).max(axis=0)
+                scale[scale == 0] = 1.0
+                coef = nnls((x / scale) * w[:, None], y * w) / scale
+                err = np.abs(x @ coef - y) / y
+                if best is None or err.mean() < best[0] - 1e-9:
+                    best = (float(err.mean()), coef, k, err)
     assert best is not None
-    mape, coef, knot, err = best
+    mape, coef, k, err = best
     stats = {"n_points": len(y), "mape": mape, "max_ape": float(err.max()), "median_ape": float(np.median(err))}
-    return dict(zip(FEATURES, (float(c) for c in coef))), knot, stats
+    return Fit(dict(zip(FEATURES, (float(c) for c in coef))), k, stats)
 
 
 class CpuProfileCostModel:
@@ -135,12 +164,7 @@ class CpuProfileCostModel:
     def __init__(self, profile: CpuProfile) -> None:
         self.profile = profile
         self._coef = tuple(profile.coefficients.get(f, 0.0) for f in FEATURES)
-        self._knot = profile.decode_knot
+        self._knots = Knots(profile.decode_knot, profile.gemm_min_tokens, profile.token_knee)
 
     def step_time(self, s: StepShape) -> float:
-        c = self._coef
-        window = s.num_decodes * s.decode_ctx_max
-        over = window - self._knot if self._knot and window > self._knot else 0
-        return (c[0] + (c[1] if s.num_tokens > 1 else 0.0) + c[2] * s.num_seqs + c[3] * s.num_sampled
-                + c[4] * s.num_tokens + c[5] * s.num_prefills + c[6] * s.prefill_pairs
-                + c[7] * s.prefill_cached_ctx + c[8] * window + c[9] * over)
+        return sum(c * x for c, x in zip(self._coef, features(s, self._knots)))

@@ -18,19 +18,25 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
 from iterserve.config import EngineArgs
+from iterserve.core.kv_cache_manager import KVCacheManager
 from iterserve.sim.cost_model import StepShape, step_shape
 from iterserve.sim.cpu_profile import (
-    FEATURES,
     CpuProfile,
     CpuProfileCostModel,
-    features,
     fit_profile,
 )
+
+# How a step is timed. ``wall``: elapsed time, what a user of this machine sees. ``cpu``: the
+# CPU time of this process, i.e. the step as it would run on a core of its own; on a machine
+# shared with other jobs (time-slicing), the wall time of the same step varies by tens of
+# percent within minutes while its CPU time does not. Profile and validate on the same clock.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 DEFAULT_PREFILL = "0,16,64,256"
 DEFAULT_DECODE = "0,1,4,16,32"
@@ -65,8 +71,11 @@ def measure(
     context: list[int],
     repeats: int,
     log: Callable[[str], None] = lambda s: None,
+    clock: str = "wall",
 ) -> tuple[Any, list[tuple[tuple[int, int, int, str], StepShape, float]]]:
-    """Times ``engine.step()`` over the grid; returns (engine, [(cell, shape, seconds)])."""
+    """Times ``engine.step()`` over the grid; returns (engine, [(cell, shape, seconds)]).
+    ``clock``: ``wall`` (elapsed time) or ``cpu`` (this process's CPU time, see CLOCKS)."""
+    timer = CLOCKS[clock]
     from iterserve.bench.replay import bench_params, warmup
     from iterserve.engine import LLMEngine
 
@@ -75,9 +84,14 @@ def measure(
     budget = max(prefill) + max(decode) + 1
     bs = args.block_size
     need_blocks = (max(decode) + 2) * (-(-(max_ctx + max(prefill)) // bs)) + 8
+    # The pool the engine would have (EngineArgs' KV size), not just what the grid needs:
+    # decode attention gathers blocks from all over it, and a larger pool reads slower.
     engine = LLMEngine(args.replace(max_num_batched_tokens=max(budget, args.max_num_batched_tokens),
-                                    max_num_seqs=max(decode) + 2, num_kv_blocks=need_blocks,
-                                    enable_prefix_caching=True, record_steps=None))
+                                    max_num_seqs=max(decode) + 2, enable_prefix_caching=True, record_steps=None))
+    if engine.kv.num_blocks < need_blocks:
+        engine = LLMEngine(args.replace(max_num_batched_tokens=max(budget, args.max_num_batched_tokens),
+                                        max_num_seqs=max(decode) + 2, num_kv_blocks=need_blocks,
+                                        enable_prefix_caching=True, record_steps=None))
     if max_ctx + max(prefill) > engine.max_model_len:
         raise ValueError(f"the grid needs contexts up to {max_ctx + max(prefill)} tokens but the model's "
                          f"max_model_len is {engine.max_model_len}; lower --context or --prefill")
@@ -105,6 +119,7 @@ def measure(
             for rid in list(sched.requests):
                 engine.abort_request(rid)
             engine.kv.reset_prefix_cache()
+            scatter_free_blocks(engine.kv, rng)
             donors = []
             for _ in range(d):
                 uid += 1
@@ -124,13 +139,24 @@ def measure(
                         prompt = tokens(pf) if variant == "fresh" else donors[0][:c] + tokens(pf)
                         engine.add_request(f"pf-{uid}", prompt, bench_params(1))
                     n0 = len(shapes)
-                    t0 = time.perf_counter()
+                    t0 = timer()
                     engine.step()
-                    dt = time.perf_counter() - t0
+                    dt = timer() - t0
                     if len(shapes) == n0 + 1:
                         out.append(((pf, d, c, variant), shapes[-1], dt))
             log(f"context {c:5d}  decodes {d:3d}: {len(out)} steps timed")
     return engine, out
+
+
+def scatter_free_blocks(kv: KVCacheManager, rng: np.random.Generator) -> None:
+    """Puts the free KV blocks in random order, as on a server that has been up for a while:
+    a fresh pool hands out consecutive blocks, whose gather is faster than that of the
+    scattered tables of a long run (up to 15% per decode step on bench-134m here). Uses only
+    the pool's public allocate/free, so nothing of the scheduler's state changes."""
+    pool = kv.pool
+    ids = pool.allocate(pool.num_free_blocks)
+    rng.shuffle(ids)
+    pool.free(ids)
 
 
 def cell_medians(samples: list[tuple[tuple[int, int, int, str], StepShape, float]]) -> list[tuple[tuple[int, int, int, str], StepShape, float]]:
@@ -159,7 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", default=DEFAULT_DECODE, help="numbers of decoding requests")
     p.add_argument("--context", default=DEFAULT_CONTEXT, help="context lengths of the decoding requests")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per grid cell (the median is fitted)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="time steps by elapsed time, or by this process's CPU time (stable on a shared machine)")
     p.add_argument("-o", "--output", default="cpu_profile.json", help="where to write the profile JSON")
+    p.add_argument("--refit", metavar="PROFILE.json",
+                   help="measure nothing: fit this profile's recorded steps again (after a cost-model change)")
     return p
 
 
@@ -170,9 +200,10 @@ def run_profile(ns: argparse.Namespace, log: Callable[[str], None]) -> CpuProfil
         raise ValueError(f"--repeats must be >= 1, got {ns.repeats}")
     machine = _machine()
     t0 = time.perf_counter()
-    engine, samples = measure(args, prefill, decode, context, ns.repeats, log)
+    engine, samples = measure(args, prefill, decode, context, ns.repeats, log, clock=ns.clock)
     points = cell_medians(samples)
-    coef, knot, stats = fit_profile([s for _, s, _ in points], [t for _, _, t in points])
+    fit = fit_profile([s for _, s, _ in points], [t for _, _, t in points])
+    stats = fit.stats
     stats["wall_s"] = time.perf_counter() - t0
     stats["grid"] = {"prefill": prefill, "decode": decode, "context": context, "repeats": ns.repeats}
     from iterserve.sim.models import model_summary
@@ -184,19 +215,38 @@ def run_profile(ns: argparse.Namespace, log: Callable[[str], None]) -> CpuProfil
         num_threads=ns.num_threads,
         block_size=ns.block_size,
         kv_bytes_per_block=int(engine.runner.kv_bytes_per_block),
-        coefficients=coef,
-        decode_knot=knot,
+        coefficients=fit.coefficients,
+        decode_knot=fit.knots.decode_knot,
+        gemm_min_tokens=fit.knots.gemm_min_tokens,
+        token_knee=fit.knots.token_knee,
+        clock=ns.clock,
         fit=stats,
         machine=machine,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
+    prof.points = [{"prefill": cell[0], "decodes": cell[1], "context": cell[2], "variant": cell[3],
+                    "shape": asdict(shape), "measured_s": t} for cell, shape, t in points]
+    _predict(prof)
+    return prof
+
+
+def _predict(prof: CpuProfile) -> None:
     model = CpuProfileCostModel(prof)
-    prof.points = [
-        {"prefill": cell[0], "decodes": cell[1], "context": cell[2], "variant": cell[3],
-         "features": dict(zip(FEATURES, features(shape, knot))),
-         "measured_s": t, "predicted_s": model.step_time(shape)}
-        for cell, shape, t in points
-    ]
+    for p in prof.points:
+        p["predicted_s"] = model.step_time(StepShape(**p["shape"]))
+
+
+def refit(path: str) -> CpuProfile:
+    """Fits an existing profile's measured points again with the current cost model."""
+    prof = CpuProfile.load(path)
+    if not prof.points or "shape" not in prof.points[0]:
+        raise ValueError(f"{path} holds no step shapes to refit; measure it again with `iterserve profile`")
+    fit = fit_profile([StepShape(**p["shape"]) for p in prof.points], [p["measured_s"] for p in prof.points])
+    prof.coefficients = fit.coefficients
+    prof.decode_knot, prof.gemm_min_tokens, prof.token_knee = (
+        fit.knots.decode_knot, fit.knots.gemm_min_tokens, fit.knots.token_knee)
+    prof.fit = {**prof.fit, **fit.stats}
+    _predict(prof)
     return prof
 
 
@@ -207,18 +257,19 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        prof = run_profile(ns, log)
+        prof = refit(ns.refit) if ns.refit else run_profile(ns, log)
     except (ValueError, FileNotFoundError) as e:
         log(f"error: {e}")
         return 2
     path = prof.save(ns.output)
     f = prof.fit
-    print(f"profiled {prof.model} ({prof.dtype}, threads {prof.num_threads or 'default'}) on "
+    print(f"profiled {prof.model} ({prof.dtype}, threads {prof.num_threads or 'default'}, {prof.clock} clock) on "
           f"{prof.machine.get('cpu')}: {f['n_points']} grid points in {f['wall_s']:.0f} s")
     print(f"fit: mean abs error {f['mape']:.1%}, median {f['median_ape']:.1%}, max {f['max_ape']:.1%}")
     for name, c in prof.coefficients.items():
         print(f"  {name:15s} {c:.4g} s")
-    print(f"  decode knot     {prof.decode_knot} key slots")
+    print(f"  knots: decode window {prof.decode_knot} keys, matrix-matrix from {prof.gemm_min_tokens} tokens, "
+          f"compute-bound from {prof.token_knee} tokens")
     print(f"wrote {path}  (use: iterserve simulate --hardware cpu:{path} ...)")
     return 0
 

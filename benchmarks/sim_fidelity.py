@@ -1,0 +1,277 @@
+"""Fidelity of the simulator on this machine: the real engine against ``iterserve simulate``
+with a CPU profile fitted here, on the same workloads.
+
+    python benchmarks/sim_fidelity.py --model bench-134m --num-threads 1 --repeats 3
+
+Each repeat first fits a CPU profile (``iterserve profile`` on a compact grid, about a
+minute), then replays each workload through the real engine (in-process arrival-time replay,
+``iterserve.bench.replay``) and through the simulator with that profile (``--hardware
+cpu:PROFILE``). Profile and runs are minutes apart, so they see the same machine: on a shared
+machine the speed of a memory-bound CPU step drifts by tens of percent within minutes, and a
+profile from an hour ago measures that drift, not the simulator. ``--profile PATH`` uses one
+profile for every repeat instead.
+
+The table shows, per workload and metric, the real value (median and range over repeats),
+the simulated one, and the error sim / real - 1 (median and range over repeats). The last
+row per workload is the profile's error on the real run's own steps (the sum of predicted
+against measured step times, step shapes taken from the scheduler's output), which separates
+the cost model's error from what queueing makes of it.
+
+Workloads:
+  trace    the first requests of the Azure conversation trace, lengths and time scaled to
+           this CPU (--trace-*)
+  poisson  ShareGPT lengths, Poisson arrivals at --load (default 0.85) times the capacity
+           the simulator predicts for all-at-once arrivals: a sweep point near saturation
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from iterserve.bench.datasets import RequestSpec, WorkloadConfig, build_workload
+from iterserve.bench.metrics import summarize
+from iterserve.bench.offline import make_engine, reset_prefix_cache
+from iterserve.bench.replay import replay, warmup
+from iterserve.config import EngineArgs
+from iterserve.sim.cost_model import StepShape, step_shape
+from iterserve.sim.cpu_profile import CpuProfile, CpuProfileCostModel
+from iterserve.sim.profile import CLOCKS, scatter_free_blocks
+from iterserve.sim.simulator import SimConfig, Simulator
+
+METRICS = (("median_ttft_ms", "median TTFT (ms)"), ("median_tpot_ms", "median TPOT (ms)"),
+           ("median_e2el_ms", "median E2E (ms)"), ("output_throughput", "throughput (tok/s)"))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bench-134m")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--profile", help="use this CPU profile for every repeat (default: fit one before each "
+                   "repeat on the --profile-* grid, so that profile and runs share the machine's conditions)")
+    p.add_argument("--profile-prefill", default="0,32,128")
+    p.add_argument("--profile-decode", default="0,1,2,3,4,8,16")
+    p.add_argument("--profile-context", default="64,384")
+    p.add_argument("--profile-repeats", type=int, default=3)
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="time the real runs and the profile by elapsed time, or by this process's CPU "
+                   "time (the engine on a core of its own; stable while other jobs share the machine)")
+    p.add_argument("--out-dir", default="sim_fidelity_out", help="the profiles go here")
+    p.add_argument("--allocator", choices=("pinned", "default"), default="pinned",
+                   help="pinned: run with glibc's mmap/trim thresholds fixed (PINNED_ALLOCATOR), so that "
+                   "a step's time does not depend on what the process allocated before")
+    p.add_argument("--repeats", type=int, default=3, help="real-engine runs per workload")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--workloads", default="trace,poisson")
+    p.add_argument("--trace", default="azure-conv")
+    p.add_argument("--trace-prompts", type=int, default=40)
+    p.add_argument("--trace-length-scale", type=float, default=0.1)
+    p.add_argument("--trace-time-scale", type=float, default=3.0)
+    p.add_argument("--poisson-dataset", default="sharegpt")
+    p.add_argument("--poisson-prompts", type=int, default=40)
+    p.add_argument("--poisson-length-scale", type=float, default=0.05)
+    p.add_argument("--load", type=float, default=0.85, help="Poisson rate as a fraction of predicted capacity")
+    p.add_argument("--result-file", help="write the table and every run's summary as JSON")
+    return p
+
+
+class CpuClock:
+    """A clock that runs only while this process computes (``time.process_time``) or waits for
+    the next arrival (``sleep`` adds the wait without sleeping): the engine as it would run
+    on a core of its own, whatever else the machine is doing."""
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+
+    def __call__(self) -> float:
+        return time.process_time() + self.waited
+
+    def sleep(self, dt: float) -> None:
+        self.waited += max(0.0, dt)
+
+
+def sim_run(prof: CpuProfile, args: EngineArgs, max_model_len: int, num_kv_blocks: int,
+            specs: list[RequestSpec]) -> dict[str, Any]:
+    cfg = SimConfig(scheduler=args.scheduler_config(max_model_len), num_kv_blocks=num_kv_blocks,
+                    block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+    res = Simulator(cfg, CpuProfileCostModel(prof)).run(specs)
+    s = summarize(res.timings, res.duration_s)
+    s["num_steps"] = res.num_steps
+    s["busy_s"] = sum(res.busy_s)
+    return s
+
+
+def fit_profile_here(ns: argparse.Namespace, path: str) -> CpuProfile:
+    """``iterserve profile`` on the compact --profile-* grid, in this process, now."""
+    from iterserve.sim.profile import build_parser as profile_parser
+    from iterserve.sim.profile import run_profile
+
+    pns = profile_parser().parse_args([
+        "--model", ns.model, "--dtype", ns.dtype, "--num-threads", str(ns.num_threads),
+        "--prefill", ns.profile_prefill, "--decode", ns.profile_decode, "--context", ns.profile_context,
+        "--repeats", str(ns.profile_repeats), "--clock", ns.clock, "-o", path])
+    prof = run_profile(pns, lambda msg: None)
+    prof.save(path)
+    gc.collect()
+    log(f"profile {path}: {prof.fit['n_points']} points in {prof.fit['wall_s']:.0f} s, fit error "
+        f"{prof.fit['mape']:.1%} (mean abs), load average {os.getloadavg()[0]:.1f}")
+    return prof
+
+
+# glibc serves allocations above a *dynamic* threshold with fresh mmap'd pages; the threshold
+# rises only after a chunk that size is freed. The runner's per-step temporaries (the decode
+# window's gathered K/V: tens of MB) therefore page-fault and zero memory on every step until
+# the threshold catches up, so the same batch costs up to 2x more early in a run or after a
+# new largest batch (measured: bench-134m, 16 decodes at context 512, 444-551 ms vs 248 ms).
+# Pinning the thresholds makes a step's time independent of the process's history.
+PINNED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024**2), "MALLOC_TRIM_THRESHOLD_": str(4 * 1024**3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.allocator == "pinned" and any(os.environ.get(k) != v for k, v in PINNED_ALLOCATOR.items()):
+        log("re-running with " + " ".join(f"{k}={v}" for k, v in PINNED_ALLOCATOR.items()))
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **PINNED_ALLOCATOR})
+    args = EngineArgs(model=ns.model, dtype=ns.dtype, num_threads=ns.num_threads,
+                      max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens)
+    fixed = CpuProfile.load(ns.profile) if ns.profile else None
+
+    def profile_for(r: int) -> CpuProfile:
+        if fixed is not None:
+            return fixed
+        return fit_profile_here(ns, str(Path(ns.out_dir) / f"cpu_profile.r{r}.json"))
+
+    Path(ns.out_dir).mkdir(parents=True, exist_ok=True)
+    prof = profile_for(0)
+    engine = make_engine(args)
+    warmup(engine)
+    max_len = int(engine.max_model_len)
+    vocab = int(engine.vocab_size)
+    blocks = int(engine.kv.num_blocks)
+
+    workloads: dict[str, list[RequestSpec]] = {}
+    names = [w.strip() for w in ns.workloads.split(",") if w.strip()]
+    if "trace" in names:
+        cfg = WorkloadConfig(dataset=ns.trace, num_prompts=ns.trace_prompts, length_scale=ns.trace_length_scale,
+                             time_scale=ns.trace_time_scale)
+        workloads["trace"] = build_workload(cfg, vocab_size=vocab, max_model_len=max_len)[0]
+    if "poisson" in names:
+        base = WorkloadConfig(dataset=ns.poisson_dataset, num_prompts=ns.poisson_prompts,
+                              length_scale=ns.poisson_length_scale, request_rate=math.inf)
+        burst = build_workload(base, vocab_size=vocab, max_model_len=max_len)[0]
+        capacity = sim_run(prof, args, max_len, blocks, burst)["request_throughput"]
+        rate = ns.load * capacity
+        log(f"poisson: predicted capacity {capacity:.3g} req/s (all at once); running at {rate:.3g} req/s")
+        cfg = WorkloadConfig(dataset=ns.poisson_dataset, num_prompts=ns.poisson_prompts,
+                             length_scale=ns.poisson_length_scale, request_rate=rate)
+        workloads["poisson"] = build_workload(cfg, vocab_size=vocab, max_model_len=max_len)[0]
+
+    # Every real step's shape (from the scheduler's own output) and duration, to tell the
+    # cost model's error on the very steps the engine ran from what queueing makes of it.
+    shapes: list[StepShape] = []
+    schedule = engine.scheduler.schedule
+
+    def capture() -> Any:
+        out = schedule()
+        if not out.is_empty:
+            shapes.append(step_shape(out))
+        return out
+
+    engine.scheduler.schedule = capture
+    timer = CLOCKS[ns.clock]
+    durations: list[float] = []
+    step = engine.step
+
+    def timed_step() -> Any:
+        n0 = len(shapes)
+        t0 = timer()
+        outs = step()
+        if len(shapes) > n0:
+            durations.append(timer() - t0)
+        return outs
+
+    engine.step = timed_step
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in workloads}
+    rng = np.random.default_rng(0)
+    for r in range(ns.repeats):
+        if r:
+            prof = profile_for(r)
+        cost = CpuProfileCostModel(prof)
+        for name, specs in workloads.items():
+            t0 = time.perf_counter()
+            shapes.clear()
+            durations.clear()
+            reset_prefix_cache(engine)
+            scatter_free_blocks(engine.kv, rng)  # as in the profile: a pool that has been in use
+            if ns.clock == "cpu":  # the replay's own clock: this process's CPU time, plus idle waits
+                cpu = CpuClock()
+                res = replay(engine, specs, clock=cpu, sleep=cpu.sleep)
+            else:
+                res = replay(engine, specs)
+            real = summarize(res.timings, res.duration_s)
+            real["num_steps"] = res.num_steps
+            sim = sim_run(prof, args, max_len, blocks, specs)
+            rec: dict[str, Any] = {"real": real, "sim": sim, "load_avg_1m": os.getloadavg()[0]}
+            if len(durations) == len(shapes):
+                rec["profile_error_on_real_steps"] = sum(cost.step_time(x) for x in shapes) / sum(durations) - 1
+            runs[name].append(rec)
+            log(f"{name} {r + 1}/{ns.repeats} ({time.perf_counter() - t0:.0f} s): "
+                + ", ".join(f"{label} {real[key]:.1f}/{sim[key]:.1f}" for key, label in METRICS
+                            if real.get(key) is not None and sim.get(key) is not None)
+                + " (real/sim)"
+                + (f"; profile on the real steps {rec['profile_error_on_real_steps']:+.1%}"
+                   if "profile_error_on_real_steps" in rec else ""))
+
+    rows = []
+    for name, recs in runs.items():
+        for key, label in (*METRICS, ("num_steps", "engine steps")):
+            pairs = [(x["real"][key], x["sim"][key]) for x in recs
+                     if x["real"].get(key) is not None and x["sim"].get(key) is not None]
+            if not pairs:
+                continue
+            real_v = [a for a, _ in pairs]
+            sim_v = [b for _, b in pairs]
+            errs = [b / a - 1 for a, b in pairs]
+            rows.append((name, label, statistics.median(real_v), min(real_v), max(real_v), statistics.median(sim_v),
+                         statistics.median(errs), min(errs), max(errs)))
+        steps_err = [x["profile_error_on_real_steps"] for x in recs if "profile_error_on_real_steps" in x]
+        if steps_err:
+            rows.append((name, "step time on real steps", math.nan, math.nan, math.nan, math.nan,
+                         statistics.median(steps_err), min(steps_err), max(steps_err)))
+
+    how = f"profile {ns.profile}" if fixed else "a profile fitted before each repeat"
+    print(f"\nfidelity: {ns.model} ({ns.dtype}, {ns.num_threads} thread(s)), {ns.clock} clock, {ns.allocator} "
+          f"allocator, {ns.repeats} repeats, {how}")
+    print("error = sim / real - 1 per repeat; the median (and range) over repeats")
+    print(f"{'workload':9s}{'metric':24s}{'real':>10s}{'real range':>20s}{'sim':>10s}{'error':>9s}{'error range':>18s}")
+    for name, label, med, lo, hi, simv, err, elo, ehi in rows:
+        real_txt = "" if math.isnan(med) else f"{med:10.1f}{f'{lo:.1f}..{hi:.1f}':>20s}{simv:10.1f}"
+        print(f"{name:9s}{label:24s}{real_txt:>40s}{err:+9.1%}{f'{elo:+.1%}..{ehi:+.1%}':>18s}")
+    if ns.result_file:
+        report = {"engine_args": asdict(args), "profile": ns.profile, "runs": runs,
+                  "table": [dict(zip(("workload", "metric", "real_median", "real_min", "real_max", "sim_median",
+                                      "error_median", "error_min", "error_max"), r)) for r in rows]}
+        Path(ns.result_file).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        log(f"wrote {ns.result_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

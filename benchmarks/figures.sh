@@ -35,8 +35,10 @@ python benchmarks/median_table.py "$OUT"/offline_[0-9]*.json
 python -m iterserve.bench.plot cdf "$OUT"/offline_1.json --out docs/img/offline_latency_cdf.png
 
 # 3. Rate sweep, light load to overload (smaller requests to keep it under half an hour).
+# Explicit rates: 'auto' scales them from one capacity run, which a busy shared box can skew.
 python -m iterserve.bench.cli sweep "${common[@]}" --dtype "$DTYPE" --length-scale 0.05 \
-  --num-prompts 32 --policies static,continuous --request-rates auto \
+  --num-prompts 32 --policies static,continuous --request-rates 0.25,0.5,1,1.5,2,3,inf \
   --goodput ttft:5000 tpot:500 --result-file "$OUT/sweep.json" --record-steps "$OUT/sweep_steps"
 python -m iterserve.bench.plot curves "$OUT/sweep.json" --out docs/img/sweep_latency_vs_throughput.png
-python -m iterserve.bench.plot cdf "$OUT/sweep.json" --out docs/img/sweep_latency_cdf.png
+python -m iterserve.bench.plot cdf "$OUT/sweep.json" --rate 1 --out docs/img/sweep_latency_cdf.png
+python -m iterserve.bench.plot timeline "$OUT/sweep.json" --rate 1 --out docs/img/timeline_sweep_rate1.png

@@ -34,6 +34,16 @@ PREFILL_COLOR = "#e6550d"
 DECODE_COLOR = "#3182bd"
 WAIT_COLOR = "#bdbdbd"
 IDLE_COLOR = "#fb6a4a"
+# The same policy gets the same colour in every picture.
+POLICY_COLORS = {"static": "#d95f02", "continuous": "#1f78b4", "continuous-nochunk": "#33a02c"}
+_OTHER_COLORS = ["#6a3d9a", "#e7298a", "#a6761d", "#666666", "#66a61e", "#e6ab02"]
+
+
+def label_color(label: str) -> str:
+    base = label.split(" @ ")[0]
+    if base in POLICY_COLORS:
+        return POLICY_COLORS[base]
+    return _OTHER_COLORS[sum(map(ord, base)) % len(_OTHER_COLORS)]
 
 
 def _save(fig: Figure, out: str) -> None:
@@ -71,8 +81,7 @@ def plot_curves(paths: list[str], out: str, x: str = "throughput") -> None:
     for r in _all_runs(paths):
         by_label[r["label"]].append(r)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (label, runs) in enumerate(sorted(by_label.items())):
+    for label, runs in sorted(by_label.items()):
         if x == "rate":
             runs = [r for r in runs if r["_rate"] is not None and not math.isinf(r["_rate"])]
             runs.sort(key=lambda r: r["_rate"])
@@ -83,7 +92,7 @@ def plot_curves(paths: list[str], out: str, x: str = "throughput") -> None:
             runs.sort(key=lambda r: (math.inf if r["_rate"] is None else r["_rate"],
                                      r["summary"].get("output_throughput") or 0.0))
             xs = [r["summary"].get("output_throughput") or 0.0 for r in runs]
-        color = colors[i % len(colors)]
+        color = label_color(label)
         for ax, metric in zip(axes, ("ttft", "tpot")):
             for pct, style in (("median", "-"), ("p99", "--")):
                 ys = [r["summary"].get(f"{pct}_{metric}_ms") for r in runs]
@@ -91,12 +100,17 @@ def plot_curves(paths: list[str], out: str, x: str = "throughput") -> None:
                 if pts:
                     ax.plot(*zip(*pts), style, marker="o", color=color, ms=4,
                             label=f"{label} {'p50' if pct == 'median' else 'p99'}")
+                # All-at-once runs (rate inf) get a star: the end of the sweep, not a rate.
+                inf_pts = [(a, b) for a, b, r in zip(xs, ys, runs)
+                           if b is not None and r["_rate"] is not None and math.isinf(r["_rate"])]
+                if inf_pts:
+                    ax.plot(*zip(*inf_pts), "*", color=color, ms=11)
     for ax, metric in zip(axes, ("TTFT", "TPOT")):
         ax.set_xlabel("achieved output throughput (tokens/s)" if x != "rate" else "offered request rate (req/s)")
         ax.set_ylabel(f"{metric} (ms)")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
-        ax.set_title(f"{metric}: p50 (solid), p99 (dashed)")
+        ax.set_title(f"{metric}: p50 (solid), p99 (dashed); star = all at once")
         ax.legend(fontsize=8)
     fig.suptitle("Latency vs throughput across the request-rate sweep")
     _save(fig, out)
@@ -142,13 +156,15 @@ def plot_cdf(paths: list[str], out: str, rate: float | None = None, log_x: bool 
         for panel, vals in zip(per_panel, values):
             if vals:
                 panel.append((label, np.sort(np.asarray(vals, dtype=float))))
+    one_run_per_label = len({r["label"] for r in runs}) == len(runs)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, name, panel in zip(axes, names, per_panel):
         # Milliseconds unless the values run to tens of seconds.
         big = any(arr[-1] > 10.0 for _, arr in panel)
         scale, unit = (1.0, "s") if big else (1000.0, "ms")
         for label, arr in panel:
-            ax.step(arr * scale, np.arange(1, len(arr) + 1) / len(arr), where="post", label=label)
+            ax.step(arr * scale, np.arange(1, len(arr) + 1) / len(arr), where="post", label=label,
+                    color=label_color(label) if one_run_per_label else None)
         ax.set_xlabel(f"{name} ({unit})")
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.01)
@@ -194,9 +210,10 @@ def read_steps(path: str | Path) -> list[dict[str, Any]]:
     return steps
 
 
-def load_timelines(paths: list[str], labels: list[str] | None = None) -> list[Timeline]:
+def load_timelines(paths: list[str], labels: list[str] | None = None, rate: float | None = None) -> list[Timeline]:
     """Step-record files (.jsonl) give one timeline each; result files (.json) give one per
-    run that names a ``steps_file`` (with request arrivals, from the run's timings)."""
+    run that names a ``steps_file`` (with request arrivals, from the run's timings), only the
+    runs at request rate ``rate`` when it is given."""
     out: list[Timeline] = []
     for p in paths:
         if p.endswith(".jsonl"):
@@ -207,7 +224,8 @@ def load_timelines(paths: list[str], labels: list[str] | None = None) -> list[Ti
         found = False
         for run in doc["runs"]:
             sf = run.get("steps_file")
-            if not sf:
+            run_rate = rate_value(run.get("request_rate"))
+            if not sf or (rate is not None and (run_rate is None or not math.isclose(run_rate, rate))):
                 continue
             sp = Path(sf)
             if not sp.is_file():
@@ -221,7 +239,8 @@ def load_timelines(paths: list[str], labels: list[str] | None = None) -> list[Ti
             out.append(Timeline(label, steps, t0, arrivals, slots))
             found = True
         if not found:
-            raise ValueError(f"{p}: no run names a steps_file; run the benchmark with --record-steps DIR")
+            at = f" at rate {rate}" if rate is not None else ""
+            raise ValueError(f"{p}: no run{at} names a steps_file; run the benchmark with --record-steps DIR")
     if labels:
         if len(labels) != len(out):
             raise ValueError(f"--labels gave {len(labels)} names for {len(out)} timelines")
@@ -278,12 +297,12 @@ def _stairs(tl: Timeline, key: str, fn: Any = None) -> tuple[np.ndarray, np.ndar
 
 
 def plot_timeline(paths: list[str], out: str, labels: list[str] | None = None,
-                  max_requests: int | None = None) -> None:
+                  max_requests: int | None = None, rate: float | None = None) -> None:
     """One column per run, sharing the time axis: (1) a Gantt chart, one row per request
     (grey: waiting since arrival, orange: prefill, blue: decode); (2) prefill and decode
     tokens per step, running requests, and idle batch slots while requests wait (red);
     (3) KV-cache usage and queue length."""
-    tls = load_timelines(paths, labels)
+    tls = load_timelines(paths, labels, rate)
     ncol = len(tls)
     fig, axes = plt.subplots(3, ncol, figsize=(6.5 * ncol, 9), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [3, 1.2, 1.2]})
@@ -380,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("inputs", nargs="+", metavar="STEPS.jsonl|RESULT.json")
     t.add_argument("--labels", help="comma-separated column titles")
     t.add_argument("--max-requests", type=int, help="show only the first N requests in the Gantt chart")
+    t.add_argument("--rate", type=float, help="from result files, only the runs at this request rate")
     for p in (c, d, t):
         p.add_argument("--out", required=True, metavar="FILE.png")
     return parser
@@ -394,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             plot_cdf(ns.inputs, ns.out, ns.rate, ns.log_x)
         else:
             labels = [x.strip() for x in ns.labels.split(",")] if ns.labels else None
-            plot_timeline(ns.inputs, ns.out, labels, ns.max_requests)
+            plot_timeline(ns.inputs, ns.out, labels, ns.max_requests, ns.rate)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

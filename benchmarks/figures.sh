@@ -42,3 +42,17 @@ python -m iterserve.bench.cli sweep "${common[@]}" --dtype "$DTYPE" --length-sca
 python -m iterserve.bench.plot curves "$OUT/sweep.json" --out docs/img/sweep_latency_vs_throughput.png
 python -m iterserve.bench.plot cdf "$OUT/sweep.json" --rate 1 --out docs/img/sweep_latency_cdf.png
 python -m iterserve.bench.plot timeline "$OUT/sweep.json" --rate 1 --out docs/img/timeline_sweep_rate1.png
+
+# 4. Over HTTP: the Azure conversation trace against `iterserve serve`, each policy, repeated.
+for i in $(seq 1 "$REPEATS"); do
+  for policy in continuous static; do
+    python -m iterserve.cli serve --model "$MODEL" --dtype "$DTYPE" --num-threads "$THREADS" \
+      --policy "$policy" --port 8125 --disable-access-log > "$OUT/server_$policy.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8125/v1/models > /dev/null && break; sleep 1; done
+    python -m iterserve.bench.cli serve --base-url http://127.0.0.1:8125 --dataset azure-conv \
+      --length-scale 0.05 --time-scale 0.25 --num-prompts 60 --goodput ttft:2000 tpot:500 \
+      --no-progress --label "$policy" --result-file "$OUT/serve_${policy}_$i.json"
+    kill "$server"; wait "$server" || true
+  done
+done

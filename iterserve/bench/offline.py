@@ -59,6 +59,19 @@ def make_engine(args: EngineArgs) -> Any:
     return LLMEngine(args)
 
 
+def make_variant_engine(variant: str, base: EngineArgs, max_model_len: int | None) -> tuple[Any, int]:
+    """A fresh engine for ``variant`` and the context length it runs with. Without a known
+    ``max_model_len``, ``continuous-nochunk`` (whose token budget must hold a whole prompt)
+    first learns the model's context from a plain engine."""
+    if max_model_len is None and variant == "continuous-nochunk":
+        probe = make_engine(variant_args("continuous", base, None))
+        max_model_len = int(probe.max_model_len)
+        del probe
+        gc.collect()
+    engine = make_engine(variant_args(variant, base, max_model_len))
+    return engine, max_model_len or int(engine.max_model_len)
+
+
 def engine_vocab_size(engine: Any) -> int:
     v = getattr(engine, "vocab_size", None)
     return int(v) if v else len(engine.tokenizer)
@@ -120,13 +133,7 @@ def run_offline(
     specs: list[RequestSpec] | None = None
     max_model_len = base.max_model_len
     for variant in policies:
-        if max_model_len is None and variant == "continuous-nochunk":
-            # Its token budget depends on the context: learn it from a plain engine first.
-            probe = make_engine(variant_args("continuous", base, None))
-            max_model_len = int(probe.max_model_len)
-            del probe
-        engine = make_engine(variant_args(variant, base, max_model_len))
-        max_model_len = max_model_len or int(engine.max_model_len)
+        engine, max_model_len = make_variant_engine(variant, base, max_model_len)
         if specs is None:
             specs = build_specs(engine_vocab_size(engine), max_model_len)
         if on_engine is not None:

@@ -17,9 +17,8 @@ from iterserve.bench.datasets import RequestSpec
 from iterserve.bench.offline import (
     RunOptions,
     engine_vocab_size,
-    make_engine,
+    make_variant_engine,
     run_on_engine,
-    variant_args,
 )
 from iterserve.bench.replay import warmup
 from iterserve.config import EngineArgs
@@ -65,12 +64,7 @@ def run_sweep(
     runs: list[dict[str, Any]] = []
     max_model_len = base.max_model_len
     for policy in order:
-        if max_model_len is None and policy == "continuous-nochunk":
-            probe = make_engine(variant_args("continuous", base, None))
-            max_model_len = int(probe.max_model_len)
-            del probe
-        engine = make_engine(variant_args(policy, base, max_model_len))
-        max_model_len = max_model_len or int(engine.max_model_len)
+        engine, max_model_len = make_variant_engine(policy, base, max_model_len)
         warmup(engine)
         policy_runs = _sweep_engine(engine, policy, rates, max_model_len, build_specs, opts, on_run)
         if rates is None:

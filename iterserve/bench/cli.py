@@ -14,7 +14,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from iterserve.bench.datasets import (
@@ -355,19 +355,13 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
     slos = parse_goodput(ns.goodput)
     work = _Workloads(ns)
     opts = RunOptions(goodput_slos=slos, record_steps_dir=ns.record_steps)
-    bar: dict[str, Any] = {}
+    with ExitStack() as bars:
 
-    def on_run(policy: str, rate: float, n: int) -> None:
-        if "cm" in bar:
-            bar["cm"].__exit__(None, None, None)
-        bar["cm"] = progress_bar(n, f"sweep {policy} @ {rate:.3g} req/s", ns.progress)
-        opts.on_done = bar["cm"].__enter__()
+        def on_run(policy: str, rate: float, n: int) -> None:  # a fresh progress bar per run
+            bars.close()
+            opts.on_done = bars.enter_context(progress_bar(n, f"sweep {policy} @ {rate:.3g} req/s", ns.progress))
 
-    try:
         runs, used = run_sweep(_base_engine_args(ns), policies, rates, work.build, opts, on_run)
-    finally:
-        if "cm" in bar:
-            bar["cm"].__exit__(None, None, None)
     print_sweep_table(runs)
     if ns.result_file:
         config = _config(ns) | {"request_rates_used": used}

@@ -315,15 +315,15 @@ def cmd_offline(ns: argparse.Namespace) -> int:
     policies = parse_policies(ns.policies)
     slos = parse_goodput(ns.goodput)
     work = _Workloads(ns)
-    runs: list[dict[str, Any]] = []
+    opts = RunOptions(goodput_slos=slos, record_steps_dir=ns.record_steps)
+    with ExitStack() as bars:
 
-    def build(vocab: int, max_len: int) -> list[RequestSpec]:
-        return work.build(vocab, max_len, math.inf)
+        def on_run(variant: str, n: int) -> None:  # a fresh progress bar per policy
+            bars.close()
+            opts.on_done = bars.enter_context(progress_bar(n, f"offline {variant}", ns.progress))
 
-    for variant in policies:  # one variant at a time so each gets its own progress bar
-        with progress_bar(ns.num_prompts, f"offline {variant}", ns.progress) as on_done:
-            opts = RunOptions(goodput_slos=slos, record_steps_dir=ns.record_steps, on_done=on_done)
-            runs += run_offline(_base_engine_args(ns), [variant], build, opts)
+        runs = run_offline(_base_engine_args(ns), policies,
+                           lambda vocab, max_len: work.build(vocab, max_len, math.inf), opts, on_run)
     print_offline_table(runs)
     if ns.result_file:
         _err(f"wrote {write_result(ns.result_file, 'offline', runs, _config(ns), work.info)}")

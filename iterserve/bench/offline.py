@@ -122,12 +122,13 @@ def run_offline(
     policies: list[str],
     build_specs: Callable[[int, int], list[RequestSpec]],
     opts: RunOptions,
-    on_engine: Callable[[str, Any], None] | None = None,
+    on_run: Callable[[str, int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """All requests at once through each policy variant, each on a fresh, warmed-up engine.
 
     ``build_specs(vocab_size, max_model_len)`` makes the workload once the first engine tells
     the model's vocabulary and context; every variant then gets the same requests.
+    ``on_run(variant, num_requests)`` is told before each run.
     """
     runs = []
     specs: list[RequestSpec] | None = None
@@ -136,9 +137,9 @@ def run_offline(
         engine, max_model_len = make_variant_engine(variant, base, max_model_len)
         if specs is None:
             specs = build_specs(engine_vocab_size(engine), max_model_len)
-        if on_engine is not None:
-            on_engine(variant, engine)
         warmup(engine)
+        if on_run is not None:
+            on_run(variant, len(specs))
         runs.append(run_on_engine(engine, specs, variant, opts, policy=variant,
                                   request_rate=math.inf, steps_name=f"offline_{variant}"))
         del engine

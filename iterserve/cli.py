@@ -10,7 +10,7 @@ import time
 # subcommand -> (module with main(argv) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("iterserve.server.cli", "OpenAI-compatible HTTP server"),
-    "bench": ("iterserve.bench.cli", "benchmarks: serve (online client), offline, sweep, compare"),
+    "bench": ("iterserve.bench.cli", "benchmarks: serve (online client), offline, sweep"),
     "plot": ("iterserve.bench.plot", "pictures from benchmark results: curves, cdf, timeline"),
     "simulate": ("iterserve.sim.cli", "simulate serving with the real scheduler and a cost model"),
     "profile": ("iterserve.sim.profile", "measure step times on this machine and fit a cost profile"),

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default="azure-conv")
     p.add_argument("--trace-prompts", type=int, default=40)
     p.add_argument("--trace-length-scale", type=float, default=0.1)
-    p.add_argument("--trace-time-scale", type=float, default=3.0)
+    p.add_argument("--trace-time-scale", type=float, default=2.0)
     p.add_argument("--poisson-dataset", default="sharegpt")
     p.add_argument("--poisson-prompts", type=int, default=40)
     p.add_argument("--poisson-length-scale", type=float, default=0.05)

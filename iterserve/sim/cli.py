@@ -34,7 +34,7 @@ from iterserve.bench.metrics import format_summary, parse_goodput, summarize
 from iterserve.bench.offline import POLICY_VARIANTS, variant_args
 from iterserve.bench.results import make_run, write_result
 from iterserve.config import POLICIES, EngineArgs
-from iterserve.sim.capacity import CapacityResult, Probe, find_max_rate, mean_rate, parse_slos
+from iterserve.sim.capacity import CapacityResult, Probe, Slo, find_max_rate, mean_rate, parse_slos
 from iterserve.sim.deployment import Deployment, build_deployment, parse_efficiency
 from iterserve.sim.hardware import HARDWARE
 from iterserve.sim.models import MODEL_TABLE
@@ -241,13 +241,14 @@ def print_table(runs: list[tuple[str, dict[str, Any]]]) -> None:
     Console(width=None if sys.stdout.isatty() else 160).print(t)
 
 
-def print_capacity(rows: list[tuple[str, CapacityResult]], slos_text: str) -> None:
+def print_capacity(rows: list[tuple[str, CapacityResult]], slos: list[Slo]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"highest request rate meeting {slos_text}")
-    for col in ("policy", "max req/s", "rate scale", "TTFT p99 ms", "TPOT p99 ms", "output tok/s", "probes",
-                "wall s"):
+    t = Table(title="highest request rate meeting " + ", ".join(str(s) for s in slos))
+    cols = ["policy", "max req/s", "rate scale", *(f"{s.metric} {s.stat} ms" for s in slos), "output tok/s",
+            "probes", "wall s"]
+    for col in cols:
         t.add_column(col, justify="left" if col == "policy" else "right")
     for policy, res in rows:
         b = res.best
@@ -257,7 +258,7 @@ def print_capacity(rows: list[tuple[str, CapacityResult]], slos_text: str) -> No
             v = s.get(k)
             return "n/a" if v is None else f"{v:.{digits}f}"
 
-        t.add_row(policy, f"{res.max_rate:.3g}", f"{res.max_scale:.3g}", f("p99_ttft_ms"), f("p99_tpot_ms"),
+        t.add_row(policy, f"{res.max_rate:.3g}", f"{res.max_scale:.3g}", *(f(x.key) for x in slos),
                   f("output_throughput"), str(len(res.probes)), f"{sum(p.wall_s for p in res.probes):.1f}")
     Console(width=None if sys.stdout.isatty() else 160).print(t)
 
@@ -310,7 +311,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                                            "probes": [{"scale": p.scale, "rate": p.rate, "ok": p.ok,
                                                        "stopped_early": p.stopped_early, "wall_s": p.wall_s,
                                                        "summary": p.summary} for p in cap.probes]}))
-        print_capacity(rows, ns.slo)
+        print_capacity(rows, slos)
         if ns.result_file:
             _err(f"wrote {write_result(ns.result_file, 'simulate-capacity', runs, config, info)}")
         return 0

@@ -39,8 +39,8 @@ from iterserve.sim.cpu_profile import (
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 DEFAULT_PREFILL = "0,16,64,256"
-DEFAULT_DECODE = "0,1,4,16,32"
-DEFAULT_CONTEXT = "32,256,768"
+DEFAULT_DECODE = "0,1,2,4,8,16,32"
+DEFAULT_CONTEXT = "32,256,512"
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", default=DEFAULT_PREFILL, help="prefill chunk sizes (tokens)")
     p.add_argument("--decode", default=DEFAULT_DECODE, help="numbers of decoding requests")
     p.add_argument("--context", default=DEFAULT_CONTEXT, help="context lengths of the decoding requests")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per grid cell (the median is fitted)")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per grid cell (the median is fitted)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="time steps by elapsed time, or by this process's CPU time (stable on a shared machine)")
     p.add_argument("-o", "--output", default="cpu_profile.json", help="where to write the profile JSON")

@@ -298,7 +298,9 @@ class Simulator:
             else:
                 break
 
-        for t in timings:  # anything still live never finished (only after an early stop)
+        # Requests still live when the events ran out never finished (the core could not
+        # schedule them); after an early stop they are left as they are.
+        for t in timings:
             if not t.success and t.error is None and not stopped:
                 t.error = "the simulated engine stopped without finishing the request"
         return SimResult(timings=timings, duration_s=end_time, steps=[r.log for r in reps],

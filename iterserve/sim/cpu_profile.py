@@ -100,6 +100,9 @@ class CpuProfile:
     decode_knot: int = 0
     gemm_min_tokens: int = 2
     token_knee: int = 0
+    # seconds added to steps of exactly this many tokens: the residual of decode-only steps of
+    # every batch size up to the largest profiled, which no smooth feature captures
+    token_correction: dict[str, float] = field(default_factory=dict)
     clock: str = "wall"  # what the times are: elapsed ("wall") or process CPU time ("cpu")
     fit: dict[str, Any] = field(default_factory=dict)
     points: list[dict[str, Any]] = field(default_factory=list)
@@ -165,6 +168,8 @@ class CpuProfileCostModel:
         self.profile = profile
         self._coef = tuple(profile.coefficients.get(f, 0.0) for f in FEATURES)
         self._knots = Knots(profile.decode_knot, profile.gemm_min_tokens, profile.token_knee)
+        self._correction = {int(k): v for k, v in profile.token_correction.items()}
 
     def step_time(self, s: StepShape) -> float:
-        return sum(c * x for c, x in zip(self._coef, features(s, self._knots)))
+        t = sum(c * x for c, x in zip(self._coef, features(s, self._knots)))
+        return t + self._correction.get(s.num_tokens, 0.0)

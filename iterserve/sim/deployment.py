@@ -43,6 +43,8 @@ class Deployment:
 
     def describe(self) -> str:
         hw = self.hardware_name + (f" x TP{self.tp}" if self.tp > 1 else "")
+        if self.profile is not None:
+            hw += f" ({self.profile.clock}-clock profile, fitted {self.profile.created})"
         tokens = self.num_kv_blocks * self.block_size
         return (f"{self.model_name} on {hw} ({self.dtype}): {self.num_kv_blocks} KV blocks of "
                 f"{self.block_size} tokens ({tokens:,} tokens) per replica, max_model_len {self.max_model_len}")

@@ -145,6 +145,32 @@ def measure(
                     if len(shapes) == n0 + 1:
                         out.append(((pf, d, c, variant), shapes[-1], dt))
             log(f"context {c:5d}  decodes {d:3d}: {len(out)} steps timed")
+
+    # Batch-size sweep: decode-only steps at every batch size from the largest decode count
+    # down to 1, at the smallest context. BLAS kernels are not smooth in the number of rows
+    # (12 rows cost more than 16 here); the fit keeps the residual per token count (see
+    # CpuProfile.token_correction).
+    c0 = min(context)
+    for rid in list(sched.requests):
+        engine.abort_request(rid)
+    engine.kv.reset_prefix_cache()
+    scatter_free_blocks(engine.kv, rng)
+    for _ in range(max(decode)):
+        uid += 1
+        engine.add_request(f"sweep-{uid}", tokens(c0), bench_params(max(decode) * repeats + 8))
+    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+        engine.step()
+    while sched.running:
+        d = len(sched.running)
+        for _ in range(repeats):
+            n0 = len(shapes)
+            t0 = timer()
+            engine.step()
+            dt = timer() - t0
+            if len(shapes) == n0 + 1:
+                out.append(((0, d, c0, "sweep"), shapes[-1], dt))
+        engine.abort_request(sched.running[-1].request_id)
+    log(f"batch-size sweep at context {c0}: {len(out)} steps timed")
     return engine, out
 
 
@@ -202,7 +228,8 @@ def run_profile(ns: argparse.Namespace, log: Callable[[str], None]) -> CpuProfil
     t0 = time.perf_counter()
     engine, samples = measure(args, prefill, decode, context, ns.repeats, log, clock=ns.clock)
     points = cell_medians(samples)
-    fit = fit_profile([s for _, s, _ in points], [t for _, _, t in points])
+    fit = fit_profile([s for cell, s, _ in points if cell[3] != "sweep"],
+                      [t for cell, _, t in points if cell[3] != "sweep"])
     stats = fit.stats
     stats["wall_s"] = time.perf_counter() - t0
     stats["grid"] = {"prefill": prefill, "decode": decode, "context": context, "repeats": ns.repeats}
@@ -226,14 +253,27 @@ def run_profile(ns: argparse.Namespace, log: Callable[[str], None]) -> CpuProfil
     )
     prof.points = [{"prefill": cell[0], "decodes": cell[1], "context": cell[2], "variant": cell[3],
                     "shape": asdict(shape), "measured_s": t} for cell, shape, t in points]
-    _predict(prof)
+    _correct_and_predict(prof)
     return prof
 
 
-def _predict(prof: CpuProfile) -> None:
+def _correct_and_predict(prof: CpuProfile) -> None:
+    """Sets the per-token-count correction from the sweep points' residuals, then every
+    point's prediction and the error statistics with the correction applied."""
+    prof.token_correction = {}
     model = CpuProfileCostModel(prof)
     for p in prof.points:
+        if p["variant"] == "sweep":
+            shape = StepShape(**p["shape"])
+            prof.token_correction[str(shape.num_tokens)] = p["measured_s"] - model.step_time(shape)
+    model = CpuProfileCostModel(prof)
+    errs = []
+    for p in prof.points:
         p["predicted_s"] = model.step_time(StepShape(**p["shape"]))
+        if p["variant"] != "sweep":
+            errs.append(abs(p["predicted_s"] / p["measured_s"] - 1))
+    if errs:
+        prof.fit["mape_corrected"] = float(np.mean(errs))
 
 
 def refit(path: str) -> CpuProfile:
@@ -241,12 +281,13 @@ def refit(path: str) -> CpuProfile:
     prof = CpuProfile.load(path)
     if not prof.points or "shape" not in prof.points[0]:
         raise ValueError(f"{path} holds no step shapes to refit; measure it again with `iterserve profile`")
-    fit = fit_profile([StepShape(**p["shape"]) for p in prof.points], [p["measured_s"] for p in prof.points])
+    grid = [p for p in prof.points if p.get("variant") != "sweep"]
+    fit = fit_profile([StepShape(**p["shape"]) for p in grid], [p["measured_s"] for p in grid])
     prof.coefficients = fit.coefficients
     prof.decode_knot, prof.gemm_min_tokens, prof.token_knee = (
         fit.knots.decode_knot, fit.knots.gemm_min_tokens, fit.knots.token_knee)
     prof.fit = {**prof.fit, **fit.stats}
-    _predict(prof)
+    _correct_and_predict(prof)
     return prof
 
 
@@ -265,7 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     f = prof.fit
     print(f"profiled {prof.model} ({prof.dtype}, threads {prof.num_threads or 'default'}, {prof.clock} clock) on "
           f"{prof.machine.get('cpu')}: {f['n_points']} grid points in {f['wall_s']:.0f} s")
-    print(f"fit: mean abs error {f['mape']:.1%}, median {f['median_ape']:.1%}, max {f['max_ape']:.1%}")
+    print(f"fit: mean abs error {f['mape']:.1%}, median {f['median_ape']:.1%}, max {f['max_ape']:.1%}"
+          + (f"; {f['mape_corrected']:.1%} with the batch-size correction" if "mape_corrected" in f else ""))
+    if prof.token_correction:
+        print("  batch-size correction (ms): " + ", ".join(
+            f"{k}:{v * 1e3:+.1f}" for k, v in sorted(prof.token_correction.items(), key=lambda kv: int(kv[0]))))
     for name, c in prof.coefficients.items():
         print(f"  {name:15s} {c:.4g} s")
     print(f"  knots: decode window {prof.decode_knot} keys, matrix-matrix from {prof.gemm_min_tokens} tokens, "

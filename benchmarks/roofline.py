@@ -76,7 +76,11 @@ def measure_decode(
 ) -> DecodeResult:
     """Median per-step stats of ``steps`` decode-only steps of ``batch`` sequences at ~``ctx``."""
     eng = llm.engine
-    sp = SamplingParams(max_tokens=warmup + steps + 8, ignore_eos=True, temperature=0.0)
+    # Requests admitted early decode while later ones still prefill (chunked by the token
+    # budget), so they must live long enough to all be decoding together for warmup + steps.
+    budget = eng.scheduler.config.max_num_batched_tokens
+    fill_steps = -(-batch * ctx // budget) + 1
+    sp = SamplingParams(max_tokens=warmup + steps + 8 + fill_steps, ignore_eos=True, temperature=0.0)
     ids = [f"rf-{batch}-{seed}-{i}" for i in range(batch)]
     for rid, p in zip(
         ids, _prompts(batch, max(1, ctx - (warmup + steps) // 2), eng.vocab_size, seed)
@@ -86,6 +90,8 @@ def measure_decode(
     seen_decode = 0
     try:
         while len(rows) < steps:
+            if not eng.has_unfinished_requests():
+                raise RuntimeError(f"B={batch}: requests ended before {steps} all-decode steps")
             if profile is not None and seen_decode == warmup:
                 profile.start()
             eng.step()

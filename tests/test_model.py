@@ -257,3 +257,63 @@ def test_builtin_tiny_random_is_deterministic(tmp_path: Any, monkeypatch: pytest
 def test_unknown_builtin() -> None:
     with pytest.raises(ValueError, match="tiny-random.*local"):
         resolve_model("no-such-model")
+
+
+@pytest.mark.parametrize("pack", ["0", "1"])
+def test_packed_and_plain_weights_match_transformers(
+    case: Callable[[str], Case], pack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both GEMM paths (prepacked f32 oneDNN weights, plain F.linear) give transformers' logits,
+    for a decode batch and a prefill, with a bias (qwen2) and without."""
+    from iterserve.model.llama import packing_available
+
+    monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", pack)
+    for name in ("llama", "qwen2-bias"):
+        c = case(name)
+        runner = c.runner()
+        assert runner.packed_weights == (pack == "1" and packing_available())
+        prompts = [prompt(9 + i, seed=40 + i) for i in range(10)]
+        tables = [[8 * i + j for j in range(5)] for i in range(10)]
+        runner.execute([BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts)])
+        out = runner.execute(
+            [BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True) for i, p in enumerate(prompts)]
+        )
+        for i, p in enumerate(prompts):
+            close(out[i], c.ref(p)[-1])
+
+
+def test_low_precision_paths_agree(case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 with packed f32 weights and with the sliced upcast: the same logits up to bf16
+    rounding of intermediate activations; the cache is f32 exactly where the CPU emulates bf16."""
+    from iterserve.model.cpu import needs_upcast
+
+    c = case("llama")
+    ids = prompt(20, seed=5)
+    outs = []
+    for pack in ("0", "1"):
+        monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", pack)
+        runner = c.runner(dtype="bfloat16")
+        assert runner.kv_caches[0][0].dtype == (torch.float32 if needs_upcast(torch.bfloat16) else torch.bfloat16)
+        runner.execute([BatchItem("a", ids[:-1], 0, [3, 1, 4, 8, 5], False)])
+        outs.append(runner.execute([BatchItem("a", ids[-1:], 19, [3, 1, 4, 8, 5], True)])[0])
+    ref = c.ref(ids)[-1]
+    for out in outs:
+        assert torch.nn.functional.cosine_similarity(out, ref, dim=0).item() > 0.999
+    assert torch.nn.functional.cosine_similarity(outs[0], outs[1], dim=0).item() > 0.9999
+
+
+def test_pack_weights_setting_is_checked(case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", "yes")
+    with pytest.raises(ValueError, match="ITERSERVE_PACK_WEIGHTS must be 0, 1 or auto"):
+        case("llama").runner()
+
+
+def test_allocator_is_tuned_on_glibc() -> None:
+    import platform
+
+    from iterserve.model.cpu import tune_allocator
+
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert tune_allocator() is True
+    else:
+        assert tune_allocator() in (True, False)

@@ -12,12 +12,14 @@ multiply; RoPE cos/sin come from float32 ``position * inv_freq``, then the dtype
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model.attention import AttentionMetadata, paged_attention
+from iterserve.model.cpu import needs_upcast
 from iterserve.model.model_config import ModelConfig, RopeConfig
 
 
@@ -66,25 +68,55 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + flipped * sin_signed
 
 
-def _has_native(dtype: torch.dtype) -> bool:
-    check = "_is_avx512_bf16_supported" if dtype == torch.bfloat16 else "_is_amx_fp16_supported"
-    return bool(getattr(torch.cpu, check, lambda: False)())
-
-
 # Without AVX512-BF16 / AMX (e.g. AVX-512 + VNNI only) oneDNN emulates low-precision GEMMs: fine
 # for a few rows (memory bound, half the bytes of f32) but 3-6x slower than f32 GEMM from ~8 rows
-# on. There we upcast the weight a slice at a time into a small f32 scratch that stays in cache,
-# so memory traffic stays that of the bf16 weight (a whole-matrix upcast writes and re-reads 2x
-# its size). Accumulation is f32 either way and the result is rounded back to the input dtype.
-# 1 thread, bench-134m shapes, 32 rows: gate_up 14.5 ms emulated -> 2.3 ms sliced;
-# lm_head 121 -> 35 ms; 1 row stays native (gate_up 0.5 ms vs 0.9 ms sliced).
+# on. Two ways round it, both accumulating in f32 and rounding the result to the input dtype:
+#
+# 1. Packed (the default, see ``DecoderModel.pack_weights``): each weight is converted ONCE to f32
+#    in oneDNN's blocked layout, and every call is one oneDNN inner product. Plain F.linear on an
+#    f32 weight repacks it on every call (MKL sgemm), which at decode batch sizes costs more than
+#    the arithmetic. bench-134m, 12 layers + LM head, 2 threads, cold weights, ms per forward
+#    (one microbenchmark run each; the packed row with cpu.tune_allocator applied):
+#        rows          1     8     32    64    128
+#        bf16        15.9  53.1  138   253   481   (oneDNN's emulated bf16)
+#        sliced      16.2  32.4  61.2  89.6  128   (2. below)
+#        f32 F.linear 15.0  41.1  49.9  74.7  118
+#        packed      16.5  21.5  37.9  57.8  (200 rows: 150, plain f32 184)
+#    Costs 2x the bf16 weight bytes in memory, so it is only done when that fits (see runner).
+# 2. Sliced (fallback): upcast the weight a slice at a time into a small f32 scratch that stays in
+#    cache, so memory stays that of the bf16 weight. Used from 8 rows when weights are not packed.
 UPCAST_MIN_ROWS = 8
 UPCAST_SLICE_ROWS = 512
-_UPCAST = {dt: not _has_native(dt) for dt in (torch.bfloat16, torch.float16)}
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    if x.dtype == torch.float32 or x.shape[0] < UPCAST_MIN_ROWS or not _UPCAST[x.dtype]:
+class PackedLinear:
+    """An f32 weight (and bias) prepacked for oneDNN's inner product; any number of rows."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        # The batch-size hint only picks the blocked layout; calls with any row count work.
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32)
+        self.bias = None if b is None else b.float().contiguous()
+        self.out_features = w.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x if x.dtype == torch.float32 else x.float()
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x32, self.weight, self.bias, "none", [], "")
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def packing_available() -> bool:
+    """oneDNN's packed inner product (an internal op of torch's CPU build) works here."""
+    try:
+        PackedLinear(torch.ones(2, 2), None)(torch.ones(1, 2))
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, packed: PackedLinear | None = None) -> torch.Tensor:
+    if packed is not None:
+        return packed(x)
+    if x.shape[0] < UPCAST_MIN_ROWS or not needs_upcast(x.dtype):
         return F.linear(x, w, b)
     x32 = x.float()
     n = w.shape[0]
@@ -128,6 +160,16 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * cfg.intermediate_size, dtype=dtype) if cfg.mlp_bias else None
         self.down_proj = _param(h, cfg.intermediate_size, dtype=dtype)
         self.down_bias = _param(h, dtype=dtype) if cfg.mlp_bias else None
+        self.packed: dict[str, PackedLinear] = {}
+
+    LINEARS = ("qkv", "o", "gate_up", "down")
+
+    def pack_weights(self) -> None:
+        """Packs every projection (see ``PackedLinear``) and frees the original weights."""
+        for name in self.LINEARS:
+            w, b = getattr(self, f"{name}_proj"), getattr(self, f"{name}_bias")
+            self.packed[name] = PackedLinear(w, b)
+            w.data = torch.empty(0, dtype=w.dtype)
 
     def forward(
         self,
@@ -141,18 +183,18 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         T = h.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(rms_norm(h, self.input_norm, self.eps), self.qkv_proj, self.qkv_bias)
+        qkv = linear(rms_norm(h, self.input_norm, self.eps), self.qkv_proj, self.qkv_bias, self.packed.get("qkv"))
         qk = qkv[:, : self.q_size + self.kv_size].view(T, nq + nkv, hd)
         if self.qk_norm is not None:
             qk = F.rms_norm(qk, (hd,), None, self.eps) * self.qk_norm
         qk = apply_rope(qk, cos, sin)  # q and k rotated together: one set of ops for both
         v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, hd)
         attn = paged_attention(qk[:, :nq], qk[:, nq:], v, k_cache, v_cache, meta, block_size)
-        h = h + linear(attn, self.o_proj, self.o_bias)
+        h = h + linear(attn, self.o_proj, self.o_bias, self.packed.get("o"))
 
-        gate_up = linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_proj, self.gate_up_bias)
+        gate_up = linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_proj, self.gate_up_bias, self.packed.get("gate_up"))
         act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return h + linear(act, self.down_proj, self.down_bias)
+        return h + linear(act, self.down_proj, self.down_bias, self.packed.get("down"))
 
 
 class DecoderModel(nn.Module):
@@ -164,6 +206,21 @@ class DecoderModel(nn.Module):
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         # Tied: the LM head IS the embedding (one tensor, counted once).
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.packed_lm_head: PackedLinear | None = None
+
+    def linear_weight_bytes(self) -> int:
+        """Elements of every GEMM weight (projections and LM head) times 4: their f32 size."""
+        n = sum(getattr(layer, f"{name}_proj").numel() for layer in self.layers for name in DecoderLayer.LINEARS)
+        return 4 * (n + self.lm_head.numel())
+
+    def pack_weights(self) -> None:
+        """Prepacks every GEMM weight as f32 (``PackedLinear``). The embedding table stays as it
+        is (it is gathered, not multiplied); an untied LM head is freed once packed."""
+        for layer in self.layers:
+            cast(DecoderLayer, layer).pack_weights()
+        self.packed_lm_head = PackedLinear(self.lm_head, None)
+        if not self.cfg.tie_word_embeddings:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
     def forward(
         self,
@@ -181,4 +238,4 @@ class DecoderModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, meta, k_cache, v_cache, block_size)
         h = rms_norm(h[logit_rows], self.norm, self.cfg.rms_norm_eps)
-        return linear(h, self.lm_head).float()
+        return linear(h, self.lm_head, None, self.packed_lm_head).float()

@@ -29,6 +29,8 @@ share prefix blocks within one step see each other's writes).
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +40,25 @@ import torch
 from iterserve.config import CacheConfig
 from iterserve.model.attention import StepItem, build_attention_metadata
 from iterserve.model.builtin import resolve_model
-from iterserve.model.llama import DecoderModel, RotaryTable
+from iterserve.model.cpu import needs_upcast, tune_allocator
+from iterserve.model.llama import DecoderModel, RotaryTable, packing_available
 from iterserve.model.loader import load_weights
 from iterserve.model.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,14 +102,23 @@ class ModelRunner:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
 
+        tune_allocator()
         with torch.inference_mode():
             self.model = DecoderModel(cfg, self.dtype)
             load_weights(self.model, self.model_path)
             self.rope = RotaryTable(cfg.head_dim, cfg.rope, self.max_model_len, self.dtype)
         self.num_params: int = sum(p.numel() for p in self.model.parameters())  # tied counted once
+        self.packed_weights: bool = self._should_pack()
+        if self.packed_weights:
+            with torch.inference_mode():
+                self.model.pack_weights()
 
         self.block_size: int = cache_config.block_size
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        # Where this CPU only emulates the model dtype, attention runs in f32 (attention.py), and
+        # the cache holds the same rounded values as f32: no upcast of the gathered window per
+        # layer per step, for 2x the bytes per token.
+        self.kv_dtype: torch.dtype = torch.float32 if needs_upcast(self.dtype) else self.dtype
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         self.kv_bytes_per_block: int = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
         self.num_kv_blocks: int = cache_config.num_kv_blocks or cache_config.kv_cache_memory // self.kv_bytes_per_block
         if self.num_kv_blocks < 1:
@@ -105,11 +132,31 @@ class ModelRunner:
         slots = self.num_kv_blocks * self.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
-                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype),
-                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype),
+                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.kv_dtype),
+                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.kv_dtype),
             )
             for _ in range(cfg.num_layers)
         ]
+
+    def _should_pack(self) -> bool:
+        """Prepack GEMM weights as f32 (``PackedLinear``) for f32 models, and for bf16/f16 ones
+        on CPUs that only emulate them when the f32 copy takes at most half the free memory.
+        ``ITERSERVE_PACK_WEIGHTS=0`` / ``=1`` forces it off / on."""
+        env = os.environ.get("ITERSERVE_PACK_WEIGHTS", "auto").strip().lower()
+        if env not in ("0", "1", "auto"):
+            raise ValueError(f"ITERSERVE_PACK_WEIGHTS must be 0, 1 or auto, got {env!r}")
+        if env == "0" or not packing_available():
+            return False
+        if env == "1" or self.dtype == torch.float32:
+            return True
+        if not needs_upcast(self.dtype):
+            return False
+        need = self.model.linear_weight_bytes()
+        free = _available_memory()
+        if free is not None and need > free // 2:
+            logger.info("not packing weights: their f32 copy (%d MB) exceeds half the free memory", need >> 20)
+            return False
+        return True
 
     def reset_kv_cache(self) -> None:
         """Zero every slot (after a failed step, whose partial writes must not leak)."""

@@ -82,7 +82,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 #        sliced      16.2  32.4  61.2  89.6  128   (2. below)
 #        f32 F.linear 15.0  41.1  49.9  74.7  118
 #        packed      16.5  21.5  37.9  57.8  (200 rows: 150, plain f32 184)
-#    Costs 2x the bf16 weight bytes in memory, so it is only done when that fits (see runner).
+#    The f32 copy costs 2x the bf16 weight bytes on top of the bf16 weights (kept for single rows,
+#    see ``linear``), so it is only made when that fits (see runner).
 # 2. Sliced (fallback): upcast the weight a slice at a time into a small f32 scratch that stays in
 #    cache, so memory stays that of the bf16 weight. Used from 8 rows when weights are not packed.
 UPCAST_MIN_ROWS = 8
@@ -114,7 +115,9 @@ def packing_available() -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, packed: PackedLinear | None = None) -> torch.Tensor:
-    if packed is not None:
+    # One row (a single decode) is bound by weight bytes: the original bf16 weight, where kept,
+    # moves half the bytes of the packed f32 copy (bench-134m at batch 1: 23 vs 26 ms a step).
+    if packed is not None and (x.shape[0] > 1 or w.numel() == 0):
         return packed(x)
     if x.shape[0] < UPCAST_MIN_ROWS or not needs_upcast(x.dtype):
         return F.linear(x, w, b)
@@ -164,12 +167,14 @@ class DecoderLayer(nn.Module):
 
     LINEARS = ("qkv", "o", "gate_up", "down")
 
-    def pack_weights(self) -> None:
-        """Packs every projection (see ``PackedLinear``) and frees the original weights."""
+    def pack_weights(self, keep_original: bool) -> None:
+        """Packs every projection (see ``PackedLinear``); frees the original weights unless
+        ``keep_original`` (then single-row calls use them)."""
         for name in self.LINEARS:
             w, b = getattr(self, f"{name}_proj"), getattr(self, f"{name}_bias")
             self.packed[name] = PackedLinear(w, b)
-            w.data = torch.empty(0, dtype=w.dtype)
+            if not keep_original:
+                w.data = torch.empty(0, dtype=w.dtype)
 
     def forward(
         self,
@@ -213,13 +218,14 @@ class DecoderModel(nn.Module):
         n = sum(getattr(layer, f"{name}_proj").numel() for layer in self.layers for name in DecoderLayer.LINEARS)
         return 4 * (n + self.lm_head.numel())
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, keep_original: bool = False) -> None:
         """Prepacks every GEMM weight as f32 (``PackedLinear``). The embedding table stays as it
-        is (it is gathered, not multiplied); an untied LM head is freed once packed."""
+        is (it is gathered, not multiplied); the other original weights are freed unless
+        ``keep_original``."""
         for layer in self.layers:
-            cast(DecoderLayer, layer).pack_weights()
+            cast(DecoderLayer, layer).pack_weights(keep_original)
         self.packed_lm_head = PackedLinear(self.lm_head, None)
-        if not self.cfg.tie_word_embeddings:
+        if not self.cfg.tie_word_embeddings and not keep_original:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
     def forward(

@@ -111,13 +111,10 @@ class ModelRunner:
         self.packed_weights: bool = self._should_pack()
         if self.packed_weights:
             with torch.inference_mode():
-                self.model.pack_weights()
+                self.model.pack_weights(keep_original=self.dtype != torch.float32)
 
         self.block_size: int = cache_config.block_size
-        # Where this CPU only emulates the model dtype, attention runs in f32 (attention.py), and
-        # the cache holds the same rounded values as f32: no upcast of the gathered window per
-        # layer per step, for 2x the bytes per token.
-        self.kv_dtype: torch.dtype = torch.float32 if needs_upcast(self.dtype) else self.dtype
+        self.kv_dtype: torch.dtype = self.dtype
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         self.kv_bytes_per_block: int = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
         self.num_kv_blocks: int = cache_config.num_kv_blocks or cache_config.kv_cache_memory // self.kv_bytes_per_block

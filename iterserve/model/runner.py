@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +135,19 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Runs the shapes that compile (decode attention, see attention.py) once, so the first
+        real steps do not pay for compiling: one decode alone (size 1 is specialised) and two
+        together (the dynamic-shape kernel). Leaves the cache zeroed, as it was."""
+        if not (needs_upcast(self.dtype) and self.num_kv_blocks >= 2):
+            return
+        t0 = time.perf_counter()
+        self.execute([BatchItem("warmup-0", [0], 0, [0], True)])
+        self.execute([BatchItem("warmup-0", [0], 0, [0], True), BatchItem("warmup-1", [0], self.block_size, [1, 1], True)])
+        self.reset_kv_cache()
+        logger.info("warm-up (compiling decode attention) took %.1f s", time.perf_counter() - t0)
 
     def _should_pack(self) -> bool:
         """Prepack GEMM weights as f32 (``PackedLinear``) for f32 models, and for bf16/f16 ones

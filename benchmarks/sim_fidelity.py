@@ -18,9 +18,9 @@ against measured step times, step shapes taken from the scheduler's output), whi
 the cost model's error from what queueing makes of it.
 
 Workloads:
-  trace    the first requests of the Azure conversation trace, lengths and time scaled to
-           this CPU (--trace-*)
-  poisson  ShareGPT lengths, Poisson arrivals at --load (default 0.85) times the capacity
+  trace    the first 100 requests of the Azure conversation trace, lengths and time scaled
+           to this CPU (--trace-*)
+  poisson  100 ShareGPT-length requests, Poisson arrivals at --load (default 0.85) times the capacity
            the simulator predicts for all-at-once arrivals: a sweep point near saturation
 """
 
@@ -51,7 +51,8 @@ from iterserve.sim.profile import CLOCKS, scatter_free_blocks
 from iterserve.sim.simulator import SimConfig, Simulator
 
 METRICS = (("median_ttft_ms", "median TTFT (ms)"), ("median_tpot_ms", "median TPOT (ms)"),
-           ("median_e2el_ms", "median E2E (ms)"), ("output_throughput", "throughput (tok/s)"))
+           ("median_e2el_ms", "median E2E (ms)"), ("mean_e2el_ms", "mean E2E (ms)"),
+           ("output_throughput", "throughput (tok/s)"))
 
 
 def log(msg: str) -> None:
@@ -81,11 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--workloads", default="trace,poisson")
     p.add_argument("--trace", default="azure-conv")
-    p.add_argument("--trace-prompts", type=int, default=40)
+    p.add_argument("--trace-prompts", type=int, default=100)
     p.add_argument("--trace-length-scale", type=float, default=0.1)
     p.add_argument("--trace-time-scale", type=float, default=2.0)
     p.add_argument("--poisson-dataset", default="sharegpt")
-    p.add_argument("--poisson-prompts", type=int, default=40)
+    p.add_argument("--poisson-prompts", type=int, default=100)
     p.add_argument("--poisson-length-scale", type=float, default=0.05)
     p.add_argument("--load", type=float, default=0.85, help="Poisson rate as a fraction of predicted capacity")
     p.add_argument("--result-file", help="write the table and every run's summary as JSON")

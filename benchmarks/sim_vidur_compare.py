@@ -5,7 +5,8 @@
 Vidur predicts a batch's time from operator times profiled on the GPU; iterserve's
 ``RooflineCostModel`` from datasheet peaks and efficiency factors. Vidur's public H100
 profile of Llama-2-7B's token-parallel operators is the one both can be checked on here
-(Vidur itself cannot run on this machine: see SIMULATOR.md). The medians below are copied
+(Vidur runs here only on hand-made profiles, ``benchmarks/vidur_e2e.py``; its own cannot be
+fetched: see SIMULATOR.md). The medians below are copied
 from microsoft/vidur ``data/profiling/compute/h100/meta-llama/Llama-2-7b-hf/mlp.csv`` at
 commit e26eb8f79fa9a6a7c38eac0f5291302402b20364 (columns ``time_stats.{attn_pre_proj,
 attn_post_proj,mlp_up_proj,mlp_down_proj}.median``, milliseconds per layer).

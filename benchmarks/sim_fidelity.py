@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poisson-length-scale", type=float, default=0.05)
     p.add_argument("--load", type=float, default=0.85, help="Poisson rate as a fraction of predicted capacity")
     p.add_argument("--result-file", help="write the table and every run's summary as JSON")
+    p.add_argument("--dump-steps", action="store_true",
+                   help="write every real step (shape, measured and predicted seconds) as JSON lines to "
+                        "OUT_DIR/steps.WORKLOAD.rREPEAT.jsonl, to see which steps the profile gets wrong")
     return p
 
 
@@ -232,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             rec: dict[str, Any] = {"real": real, "sim": sim, "load_avg_1m": os.getloadavg()[0]}
             if len(durations) == len(shapes):
                 rec["profile_error_on_real_steps"] = sum(cost.step_time(x) for x in shapes) / sum(durations) - 1
+                if ns.dump_steps:
+                    with open(Path(ns.out_dir) / f"steps.{name}.r{r}.jsonl", "w") as f:
+                        for x, d in zip(shapes, durations):
+                            f.write(json.dumps({**asdict(x), "measured_s": d, "predicted_s": cost.step_time(x)}) + "\n")
             runs[name].append(rec)
             log(f"{name} {r + 1}/{ns.repeats} ({time.perf_counter() - t0:.0f} s): "
                 + ", ".join(f"{label} {real[key]:.1f}/{sim[key]:.1f}" for key, label in METRICS

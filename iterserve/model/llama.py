@@ -97,7 +97,6 @@ class PackedLinear:
         # The batch-size hint only picks the blocked layout; calls with any row count work.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32)
         self.bias = None if b is None else b.float().contiguous()
-        self.out_features = w.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x if x.dtype == torch.float32 else x.float()

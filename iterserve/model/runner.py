@@ -115,8 +115,7 @@ class ModelRunner:
                 self.model.pack_weights(keep_original=self.dtype != torch.float32)
 
         self.block_size: int = cache_config.block_size
-        self.kv_dtype: torch.dtype = self.dtype
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        elem = torch.tensor([], dtype=self.dtype).element_size()
         self.kv_bytes_per_block: int = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
         self.num_kv_blocks: int = cache_config.num_kv_blocks or cache_config.kv_cache_memory // self.kv_bytes_per_block
         if self.num_kv_blocks < 1:
@@ -130,8 +129,8 @@ class ModelRunner:
         slots = self.num_kv_blocks * self.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
-                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.kv_dtype),
-                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.kv_dtype),
+                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype),
+                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype),
             )
             for _ in range(cfg.num_layers)
         ]

@@ -86,12 +86,11 @@ def measure(
     need_blocks = (max(decode) + 2) * (-(-(max_ctx + max(prefill)) // bs)) + 8
     # The pool the engine would have (EngineArgs' KV size), not just what the grid needs:
     # decode attention gathers blocks from all over it, and a larger pool reads slower.
-    engine = LLMEngine(args.replace(max_num_batched_tokens=max(budget, args.max_num_batched_tokens),
-                                    max_num_seqs=max(decode) + 2, enable_prefix_caching=True, record_steps=None))
+    grid_args = args.replace(max_num_batched_tokens=max(budget, args.max_num_batched_tokens),
+                             max_num_seqs=max(decode) + 2, enable_prefix_caching=True, record_steps=None)
+    engine = LLMEngine(grid_args)
     if engine.kv.num_blocks < need_blocks:
-        engine = LLMEngine(args.replace(max_num_batched_tokens=max(budget, args.max_num_batched_tokens),
-                                        max_num_seqs=max(decode) + 2, num_kv_blocks=need_blocks,
-                                        enable_prefix_caching=True, record_steps=None))
+        engine = LLMEngine(grid_args.replace(num_kv_blocks=need_blocks))
     if max_ctx + max(prefill) > engine.max_model_len:
         raise ValueError(f"the grid needs contexts up to {max_ctx + max(prefill)} tokens but the model's "
                          f"max_model_len is {engine.max_model_len}; lower --context or --prefill")
@@ -114,20 +113,35 @@ def measure(
     warmup(engine, prompt_len=min(64, max(prefill) or 64), output_len=4)
     out: list[tuple[tuple[int, int, int, str], StepShape, float]] = []
     uid = 0
+
+    def empty_engine() -> None:
+        for rid in list(sched.requests):
+            engine.abort_request(rid)
+        engine.kv.reset_prefix_cache()
+        scatter_free_blocks(engine.kv, rng)
+
+    def until_all_decoding() -> None:
+        while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+            engine.step()
+
+    def timed_step(cell: tuple[int, int, int, str]) -> None:
+        n0 = len(shapes)
+        t0 = timer()
+        engine.step()
+        dt = timer() - t0
+        if len(shapes) == n0 + 1:  # a step that scheduled nothing is not a point
+            out.append((cell, shapes[-1], dt))
+
     for c in context:
         for d in decode:
-            for rid in list(sched.requests):
-                engine.abort_request(rid)
-            engine.kv.reset_prefix_cache()
-            scatter_free_blocks(engine.kv, rng)
+            empty_engine()
             donors = []
             for _ in range(d):
                 uid += 1
                 p = tokens(c)
                 donors.append(p)
                 engine.add_request(f"ctx-{uid}", p, bench_params(steps_per_cell + 8))
-            while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
-                engine.step()
+            until_all_decoding()
             cells = [(pf, variant) for pf in prefill for variant in ("fresh", "cached")
                      if not ((pf == 0 or not donors) and variant == "cached") and (pf or d)]
             # Repeats go round the cells rather than one cell at a time, so that a burst of
@@ -138,12 +152,7 @@ def measure(
                         uid += 1
                         prompt = tokens(pf) if variant == "fresh" else donors[0][:c] + tokens(pf)
                         engine.add_request(f"pf-{uid}", prompt, bench_params(1))
-                    n0 = len(shapes)
-                    t0 = timer()
-                    engine.step()
-                    dt = timer() - t0
-                    if len(shapes) == n0 + 1:
-                        out.append(((pf, d, c, variant), shapes[-1], dt))
+                    timed_step((pf, d, c, variant))
             log(f"context {c:5d}  decodes {d:3d}: {len(out)} steps timed")
 
     # Batch-size sweep: decode-only steps at every batch size from the largest decode count
@@ -151,24 +160,15 @@ def measure(
     # (12 rows cost more than 16 here); the fit keeps the residual per token count (see
     # CpuProfile.token_correction).
     c0 = min(context)
-    for rid in list(sched.requests):
-        engine.abort_request(rid)
-    engine.kv.reset_prefix_cache()
-    scatter_free_blocks(engine.kv, rng)
+    empty_engine()
     for _ in range(max(decode)):
         uid += 1
         engine.add_request(f"sweep-{uid}", tokens(c0), bench_params(max(decode) * repeats + 8))
-    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
-        engine.step()
+    until_all_decoding()
     while sched.running:
         d = len(sched.running)
         for _ in range(repeats):
-            n0 = len(shapes)
-            t0 = timer()
-            engine.step()
-            dt = timer() - t0
-            if len(shapes) == n0 + 1:
-                out.append(((0, d, c0, "sweep"), shapes[-1], dt))
+            timed_step((0, d, c0, "sweep"))
         engine.abort_request(sched.running[-1].request_id)
     log(f"batch-size sweep at context {c0}: {len(out)} steps timed")
     return engine, out

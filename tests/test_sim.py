@@ -266,16 +266,20 @@ def test_find_max_rate_brackets_the_boundary() -> None:
 
 def test_cpu_profile_fit_recovers_known_coefficients(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
-    truth = dict(zip(FEATURES, [2e-3, 4e-3, 5e-5, 1e-4, 3e-4, 2e-4, 1e-3, 2e-8, 1e-6, 4e-7, 9e-7]))
+    truth = dict(zip(FEATURES, [2e-3, 4e-3, 5e-5, 1e-4, 3e-4, 2e-4, 1e-3, 2e-8, 1e-6, 6e-7, 4e-7, 9e-7], strict=True))
     knots = Knots(decode_knot=4096, gemm_min_tokens=4, token_knee=32)
     shapes = []
     for _ in range(120):
         d, c, p = int(rng.integers(0, 40)), int(rng.integers(16, 900)), int(rng.choice([0, 1, 2, 3, 5, 20, 60, 300]))
         start = int(rng.integers(0, 2)) * c
+        keys = d * c if d < 2 or rng.random() < 0.5 else c + int((d - 1) * c * rng.uniform(0.05, 1))  # mixed contexts
         shapes.append(StepShape(num_tokens=d + p, num_seqs=d + (p > 0), num_sampled=d + (p > 0),
-                                num_decodes=d, decode_ctx_sum=d * c, decode_ctx_max=c, num_prefills=int(p > 0),
+                                num_decodes=d, decode_ctx_sum=keys, decode_ctx_max=c, num_prefills=int(p > 0),
                                 prefill_tokens=p, prefill_pairs=p * start + p * (p + 1) // 2,
                                 prefill_ctx_sum=(start + p) * (p > 0), prefill_cached_ctx=start * (p > 0)))
+    # a few steps of 2 and 3 tokens, so that the matrix-matrix threshold (4) is identifiable
+    shapes += [StepShape(num_tokens=d, num_seqs=d, num_sampled=d, num_decodes=d, decode_ctx_sum=d * c, decode_ctx_max=c)
+               for d in (2, 3) for c in (40, 400)]
     times = [sum(truth[f] * x for f, x in zip(FEATURES, features(s, knots))) for s in shapes]
     fit = fit_profile(shapes, times)
     assert fit.knots == knots and fit.stats["mape"] < 1e-6

@@ -19,7 +19,11 @@ Features (the work that the CPU engine does per step; see iterserve/model/attent
     prefill_chunks  multi-token items      one attention call per chunk per layer
     prefill_pairs   causal (q, k) pairs    prefill attention FLOPs
     prefill_cached  keys read from cache   chunks that start past 0 gather their cached KV
+    decode_keys     keys the decodes read  each decode's own context (its cached K/V rows)
     decode_padded   decodes x max context  decodes attend over a window padded to the longest
+                                           context; the padding reads one block over and over
+                                           (cached), so it costs less per key than a real key,
+                                           which the profile's mixed-context cells separate
     decode_over     max(0, decode_padded - knot)   the same window once it outgrows a size at
                                            which the CPU gets slower per key (allocator and
                                            cache effects; the knot is fitted, see fit_profile)
@@ -40,7 +44,7 @@ from iterserve.sim.cost_model import StepShape
 
 FORMAT = "iterserve-cpu-profile/1"
 FEATURES = ("step", "multi_token", "seqs", "sampled", "tokens", "tokens_over", "prefill_chunks",
-            "prefill_pairs", "prefill_cached", "decode_padded", "decode_over")
+            "prefill_pairs", "prefill_cached", "decode_keys", "decode_padded", "decode_over")
 # Candidates tried by the fit: decode-window knots (key slots; 0 = none), matrix-matrix
 # thresholds (tokens) and compute-bound knees (tokens).
 KNOTS = (0, 2048, 4096, 8192, 16384)
@@ -59,7 +63,7 @@ def features(s: StepShape, k: Knots = Knots()) -> tuple[float, ...]:  # noqa: B0
     window = s.num_decodes * s.decode_ctx_max
     t = s.num_tokens
     return (1.0, float(t >= k.gemm_min_tokens), s.num_seqs, s.num_sampled, t, max(0, t - k.token_knee),
-            s.num_prefills, s.prefill_pairs, s.prefill_cached_ctx, window,
+            s.num_prefills, s.prefill_pairs, s.prefill_cached_ctx, s.decode_ctx_sum, window,
             max(0, window - k.decode_knot) if k.decode_knot else 0)
 
 

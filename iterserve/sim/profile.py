@@ -5,8 +5,9 @@ For each (decode requests D, context C) the engine first prefills D requests of 
 tokens (untimed); then, for each prefill size P, it times ``LLMEngine.step()`` on batches of
 D decodes plus one new P-token prompt: once starting at position 0, and once sharing the
 first C tokens with a running request, so that the chunk starts at C (a prefix-cache hit, as
-a chunked prefill continues). Each timed step's shape is taken from the scheduler's own
-output. The fit is in iterserve/sim/cpu_profile.py.
+a chunked prefill continues). Then decode-only steps whose requests have mixed contexts (half
+C, half the smallest context), and a batch-size sweep. Each timed step's shape is taken from
+the scheduler's own output. The fit is in iterserve/sim/cpu_profile.py.
 """
 
 from __future__ import annotations
@@ -155,11 +156,28 @@ def measure(
                     timed_step((pf, d, c, variant))
             log(f"context {c:5d}  decodes {d:3d}: {len(out)} steps timed")
 
+    # Mixed contexts: decode-only steps where half the requests have the longest context and
+    # half the shortest, so that the fit can tell the keys the decodes really read (their own
+    # contexts) from the padded window they are computed over (decodes x longest context);
+    # in the cells above the two are equal.
+    c0 = min(context)
+    for c in context:
+        for d in decode:
+            if c == c0 or d < 2:
+                continue
+            empty_engine()
+            for i in range(d):
+                uid += 1
+                engine.add_request(f"mix-{uid}", tokens(c if i % 2 == 0 else c0), bench_params(repeats + 8))
+            until_all_decoding()
+            for _ in range(repeats):
+                timed_step((0, d, c, "mixed"))
+            log(f"mixed contexts {c0}/{c:<5d} decodes {d:3d}: {len(out)} steps timed")
+
     # Batch-size sweep: decode-only steps at every batch size from the largest decode count
     # down to 1, at the smallest context. BLAS kernels are not smooth in the number of rows
     # (12 rows cost more than 16 here); the fit keeps the residual per token count (see
     # CpuProfile.token_correction).
-    c0 = min(context)
     empty_engine()
     for _ in range(max(decode)):
         uid += 1

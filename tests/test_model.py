@@ -283,59 +283,62 @@ def test_packed_and_plain_weights_match_transformers(
 
 
 def test_low_precision_paths_agree(case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 with packed f32 weights or the sliced upcast, with compiled decode attention or
-    gather + SDPA: the same logits up to bf16 rounding of intermediate activations."""
-    from iterserve.model import attention
-    from iterserve.model.cpu import needs_upcast
+    """bf16 with packed f32 weights or the sliced upcast, with iterserve's kernels (few-row bf16
+    GEMM, paged decode attention) or torch's: the same logits up to bf16 rounding of
+    intermediate activations. 9 decode rows (GEMMs past the kernel's 8 rows) and 5."""
+    from iterserve.model import kernels
 
     c = case("llama")
-    prompts = [prompt(12 + i, seed=50 + i) for i in range(9)]  # 9 decode rows: GEMMs past 8 rows
+    prompts = [prompt(12 + i, seed=50 + i) for i in range(9)]
     tables = [[6 * i + j for j in range(6)] for i in range(9)]
     outs = []
-    for pack, compile_ in (("0", "0"), ("1", "0"), ("1", "1")):
+    for pack, kern in (("0", "0"), ("1", "0"), ("1", "1"), ("0", "1")):
         monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", pack)
-        monkeypatch.setenv("ITERSERVE_COMPILE", compile_)
-        monkeypatch.setattr(attention, "_COMPILED", {})
+        monkeypatch.setenv("ITERSERVE_KERNELS", kern)
+        assert (kernels.load() is not None) == (kern == "1")
         runner = c.runner(dtype="bfloat16")
         assert runner.kv_caches[0][0].dtype == torch.bfloat16
         runner.execute([BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts)])
-        outs.append(runner.execute([BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True) for i, p in enumerate(prompts)]))
-        if compile_ == "1" and needs_upcast(torch.bfloat16):
-            assert attention._COMPILED["fn"] is not None  # compiled and ran, no fallback
+        nine = runner.execute([BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True) for i, p in enumerate(prompts)])
+        five = runner.execute([BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True) for i, p in enumerate(prompts[:5])])
+        outs.append(torch.cat([nine, five]))
     cos = torch.nn.functional.cosine_similarity
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts + prompts[:5]):
         ref = c.ref(p)[-1]
         for out in outs:
             assert cos(out[i], ref, dim=0).item() > 0.995  # bf16 against the f32 reference
-        assert cos(outs[0][i], outs[1][i], dim=0).item() > 0.9999
-        assert cos(outs[1][i], outs[2][i], dim=0).item() > 0.9999
+        for out in outs[1:]:
+            assert cos(outs[0][i], out[i], dim=0).item() > 0.9999
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_compiled_decode_attention_matches_sdpa(cache_dtype: torch.dtype) -> None:
-    """The fused kernel over the paged cache equals SDPA over the gathered window: GQA, padded
-    windows of different lengths, scattered blocks, a sliding-window mask."""
-    from iterserve.model import attention
+@pytest.mark.parametrize("hd", [16, 20])  # 20: the kernel's scalar path (head_dim not a multiple of 16)
+def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int) -> None:
+    """iterserve's paged decode kernel, fed by the step's metadata, equals SDPA over the gathered
+    padded window: GQA, contexts of different lengths, scattered blocks, a sliding window."""
+    from iterserve.model import attention, kernels
 
+    kern = kernels.load()
+    assert kern is not None, "the C++ kernels did not build (see the warning logged)"
     torch.manual_seed(0)
-    bs, kvh, G, hd, nblocks = 4, 2, 3, 16, 40
-    k_cache = torch.randn(nblocks * bs, kvh, hd).to(cache_dtype)
+    bs, kvh, G, nblocks = 4, 2, 3, 40
+    k_cache = torch.randn(nblocks * bs, kvh, hd).to(cache_dtype) * 2
     v_cache = torch.randn(nblocks * bs, kvh, hd).to(cache_dtype)
     positions = [0, 5, 13, 22]  # each decode's own position (its key is already written)
     items = [attention.StepItem(1, p, torch.randperm(nblocks)[:6].tolist()) for p in positions]
     for window in (None, 7):
         meta = attention.build_attention_metadata(items, len(items), bs, window, torch.float32)
         assert meta.decode_block_ids is not None and meta.decode_mask is not None
+        assert meta.decode_ctx_lens is not None and meta.decode_starts is not None
         D = len(items)
-        q = torch.randn(D, kvh, G, hd)
-        ids, mask = meta.decode_block_ids.view(D, -1), meta.decode_mask.view(D, -1)
-        fused = torch.compile(attention.decode_attention, dynamic=True)
-        out = fused(q, k_cache, v_cache, ids, mask, bs)
+        q = torch.randn(D, kvh * G, hd)
+        out = kern.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_ids.view(D, -1),
+                                          meta.decode_ctx_lens, meta.decode_starts, bs)
         kd = k_cache.view(-1, bs, kvh, hd).index_select(0, meta.decode_block_ids).float().view(D, -1, kvh, hd).transpose(1, 2)
         vd = v_cache.view(-1, bs, kvh, hd).index_select(0, meta.decode_block_ids).float().view(D, -1, kvh, hd).transpose(1, 2)
-        ref = torch.nn.functional.scaled_dot_product_attention(q, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-        close(out, ref, atol=1e-5)
-        close(attention.decode_attention(q, k_cache, v_cache, ids, mask, bs), ref, atol=1e-5)
+        ref = torch.nn.functional.scaled_dot_product_attention(q.view(D, kvh * G, 1, hd), kd, vd,
+                                                               attn_mask=meta.decode_mask, enable_gqa=True)
+        close(out, ref.view(D, kvh * G, hd), atol=1e-5)
 
 
 def test_pack_weights_setting_is_checked(case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,304 @@
+// CPU kernels for the two places where torch's own kernels leave most of this machine's memory
+// bandwidth unused (see docs/SPEED.md). Plain C ABI, called through ctypes by
+// iterserve/model/kernels.py, which compiles this file with the system C++ compiler on first
+// use (-O3 -march=native -fopenmp) and caches the library. Threads: OpenMP; torch's CPU build
+// ships libgomp.so.1 and loads it first, so these loops share torch's thread pool and its
+// torch.set_num_threads() setting.
+//
+// 1. gemm_bf16w: y[M, N] = x[M, K] . W[N, K]^T (+ bias) with a bf16 weight, for few rows M.
+//    On a CPU without AVX512-BF16, torch runs a bf16 GEMV through an emulation that streams
+//    the weight at ~14 GB/s; here each weight row is widened to f32 in registers (a bf16 is the
+//    top half of an f32) and multiplied against all M rows of x while it sits in L1, so the
+//    weight crosses the memory bus once per call in its 2-byte form.
+// 2. paged_decode_attention: one query token per sequence against its own context in the paged
+//    KV cache (bf16 or f32), with no padding to the longest context and no gathered copy:
+//    each (sequence, KV head) pair is one task that reads its K rows once, then its V rows once.
+//
+// Accumulation is f32 throughout; results are rounded to bf16 (nearest even) only on output.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace {
+
+inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+// Row r of a matrix stored as bf16 (is_f32 == 0) or f32 (is_f32 == 1), widened into dst[0:n].
+inline void load_row(const void* base, int is_f32, int64_t offset, int n, float* dst) {
+    if (is_f32) {
+        std::memcpy(dst, static_cast<const float*>(base) + offset, sizeof(float) * n);
+    } else {
+        const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+        for (int i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+    }
+}
+
+inline void store_row(void* base, int is_f32, int64_t offset, int n, const float* src) {
+    if (is_f32) {
+        std::memcpy(static_cast<float*>(base) + offset, src, sizeof(float) * n);
+    } else {
+        uint16_t* dst = static_cast<uint16_t*>(base) + offset;
+        for (int i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+    }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load_bf16x16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+inline float dot(const float* a, const float* b, int n) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        __m512 s = _mm512_setzero_ps();
+        for (int i = 0; i < n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
+        return _mm512_reduce_add_ps(s);
+    }
+#endif
+    float s = 0.f;
+    for (int i = 0; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+inline void axpy(float w, const float* x, float* y, int n) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        const __m512 wv = _mm512_set1_ps(w);
+        for (int i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+        return;
+    }
+#endif
+    for (int i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+#if defined(__AVX512F__)
+// exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial, times 2^n
+// with vscalefps (which also takes -inf to 0). Relative error ~2e-7.
+inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// x[0:n] = softmax(x[0:n]); x[n:ld] hold -inf (padding to a multiple of 16).
+inline void softmax_inplace(float* x, int64_t n, int64_t ld) {
+#if defined(__AVX512F__)
+    if (ld % 16 == 0) {
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int64_t i = 0; i < ld; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t i = 0; i < ld; i += 16) {
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), mx));
+            _mm512_storeu_ps(x + i, e);
+            s = _mm512_add_ps(s, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(s));
+        for (int64_t i = 0; i < ld; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
+        return;
+    }
+#endif
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::fmax(mx, x[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+        x[i] = std::exp(x[i] - mx);
+        sum += x[i];
+    }
+    for (int64_t i = 0; i < n; ++i) x[i] /= sum;
+}
+
+
+// Dot products of NB weight rows (bf16, row stride K) with MB rows of x (f32, row stride K):
+// acc[j * MB + i] = W[j] . x[i]. NB x MB accumulators; each widened weight vector feeds MB FMAs.
+template <int NB, int MB>
+void tile(const uint16_t* W, const float* x, int K, float* acc) {
+#if defined(__AVX512F__)
+    if (K % 16 == 0) {
+        __m512 a[NB][MB];
+        for (int j = 0; j < NB; ++j)
+            for (int i = 0; i < MB; ++i) a[j][i] = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) {
+            __m512 xv[MB];
+            for (int i = 0; i < MB; ++i) xv[i] = _mm512_loadu_ps(x + static_cast<int64_t>(i) * K + k);
+            for (int j = 0; j < NB; ++j) {
+                const __m512 w = load_bf16x16(W + static_cast<int64_t>(j) * K + k);
+                for (int i = 0; i < MB; ++i) a[j][i] = _mm512_fmadd_ps(w, xv[i], a[j][i]);
+            }
+        }
+        for (int j = 0; j < NB; ++j)
+            for (int i = 0; i < MB; ++i) acc[j * MB + i] = _mm512_reduce_add_ps(a[j][i]);
+        return;
+    }
+#endif
+    for (int j = 0; j < NB; ++j) {
+        const uint16_t* w = W + static_cast<int64_t>(j) * K;
+        for (int i = 0; i < MB; ++i) {
+            const float* xi = x + static_cast<int64_t>(i) * K;
+            float s = 0.f;
+            for (int k = 0; k < K; ++k) s += bf16_to_f32(w[k]) * xi[k];
+            acc[j * MB + i] = s;
+        }
+    }
+}
+
+constexpr int ROWS = 8;  // weight rows per task: they stay in L1/L2 while every row of x passes
+
+// The task's rows [n0, n0 + nrows) against rows [m0, m0 + MB) of x, written to y (+ bias).
+template <int MB>
+void task_rows(const uint16_t* W, const float* xf, const float* bias, void* y, int y_f32, int N, int K, int n0, int nrows, int m0) {
+    constexpr int NB = MB >= 8 ? 2 : (MB >= 4 ? 4 : 8);
+    float acc[NB * MB];
+    float out[MB][ROWS];
+    for (int j0 = 0; j0 < nrows; j0 += NB) {
+        const int nb = nrows - j0 < NB ? nrows - j0 : NB;
+        if (nb == NB) {
+            tile<NB, MB>(W + static_cast<int64_t>(n0 + j0) * K, xf + static_cast<int64_t>(m0) * K, K, acc);
+        } else {  // the last rows of the weight: one at a time
+            for (int j = 0; j < nb; ++j) tile<1, MB>(W + static_cast<int64_t>(n0 + j0 + j) * K, xf + static_cast<int64_t>(m0) * K, K, acc + j * MB);
+        }
+        for (int j = 0; j < nb; ++j)
+            for (int i = 0; i < MB; ++i) out[i][j0 + j] = acc[j * MB + i] + (bias ? bias[n0 + j0 + j] : 0.f);
+    }
+    for (int i = 0; i < MB; ++i) store_row(y, y_f32, static_cast<int64_t>(m0 + i) * N + n0, nrows, out[i]);
+}
+
+}  // namespace
+
+extern "C" {
+
+int iterserve_kernels_version() { return 1; }
+
+// y[M, N] = x[M, K] . W[N, K]^T + bias[N]. W bf16 row-major; x, y, bias in bf16 (x_f32 = 0)
+// or f32 (x_f32 = 1); bias may be null.
+void gemm_bf16w(const uint16_t* W, const void* x, void* y, const void* bias, int x_f32, int M, int N, int K) {
+    std::vector<float> xf(static_cast<size_t>(M) * K);
+    for (int i = 0; i < M; ++i) load_row(x, x_f32, static_cast<int64_t>(i) * K, K, xf.data() + static_cast<size_t>(i) * K);
+    std::vector<float> bf;
+    if (bias) {
+        bf.resize(N);
+        load_row(bias, x_f32, 0, N, bf.data());
+    }
+    const float* b = bias ? bf.data() : nullptr;
+    const int tasks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tasks; ++t) {
+        const int n0 = t * ROWS;
+        const int nrows = N - n0 < ROWS ? N - n0 : ROWS;
+        int m0 = 0;  // rows of x in blocks of 8, then 4, 2, 1
+        for (; M - m0 >= 8; m0 += 8) task_rows<8>(W, xf.data(), b, y, x_f32, N, K, n0, nrows, m0);
+        for (; M - m0 >= 4; m0 += 4) task_rows<4>(W, xf.data(), b, y, x_f32, N, K, n0, nrows, m0);
+        for (; M - m0 >= 2; m0 += 2) task_rows<2>(W, xf.data(), b, y, x_f32, N, K, n0, nrows, m0);
+        for (; M - m0 >= 1; m0 += 1) task_rows<1>(W, xf.data(), b, y, x_f32, N, K, n0, nrows, m0);
+    }
+}
+
+// Decode attention over the paged cache. q [D, H, hd] f32; k_cache/v_cache [slots, KvH, hd]
+// in bf16 (cache_f32 = 0) or f32; block_tables [D, max_blocks] int64 (slot = block * block_size
+// + offset); ctx_lens [D] (keys 0 .. ctx_len - 1 exist); starts [D] (first visible key: 0, or
+// past a sliding window); out [D, H, hd] f32. Query heads h * G .. h * G + G - 1 share KV head h.
+//
+// A task is one sequence and a range of its KV heads (the whole range unless there are too few
+// sequences to keep every thread busy): it walks the sequence's slots in order, and a slot's
+// heads are adjacent in memory, so the task reads its cache rows as contiguous runs instead of
+// one head's 128-byte piece every 1.5 KB. Pass 1 computes every score, then a vectorised softmax
+// per query head, then pass 2 accumulates the V rows.
+void paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int cache_f32,
+                            const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts,
+                            float* out, int D, int H, int KvH, int hd, int block_size, int max_blocks, float scale) {
+    const int G = H / KvH;
+    int threads = 1;
+#if defined(_OPENMP)
+    threads = omp_get_max_threads();
+#endif
+    // split the heads until there are at least 4 tasks per thread (or one head per task)
+    int splits = 1;
+    while (splits < KvH && D * splits < 4 * threads) splits *= 2;
+    if (splits > KvH) splits = KvH;
+    const int per = (KvH + splits - 1) / splits;
+    const int tasks = D * splits;
+#pragma omp parallel
+    {
+        std::vector<float> scores, row(static_cast<size_t>(hd)), acc;
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < tasks; ++t) {
+            const int d = t / splits;
+            const int h0 = (t % splits) * per;
+            const int h1 = h0 + per < KvH ? h0 + per : KvH;
+            if (h0 >= h1) continue;
+            const int nq = (h1 - h0) * G;  // query heads in this task
+            const int64_t begin = starts[d], end = ctx_lens[d];
+            const int64_t n = end - begin;
+            const float* qd = q + (static_cast<int64_t>(d) * H + static_cast<int64_t>(h0) * G) * hd;
+            float* od = out + (static_cast<int64_t>(d) * H + static_cast<int64_t>(h0) * G) * hd;
+            const int64_t* bt = block_tables + static_cast<int64_t>(d) * max_blocks;
+            if (n <= 0) {
+                std::memset(od, 0, sizeof(float) * nq * hd);
+                continue;
+            }
+            const int64_t ldn = (n + 15) & ~int64_t(15);  // scores[qh * ldn + p]
+            scores.assign(static_cast<size_t>(nq) * ldn, -INFINITY);
+            // Pass 1: scores[qh, p] = q_qh . k_p * scale.
+            for (int64_t p = begin; p < end; ++p) {
+                const int64_t slot = bt[p / block_size] * block_size + p % block_size;
+                for (int h = h0; h < h1; ++h) {
+                    load_row(k_cache, cache_f32, (slot * KvH + h) * hd, hd, row.data());
+                    for (int g = 0; g < G; ++g) {
+                        const int qh = (h - h0) * G + g;
+                        scores[qh * ldn + (p - begin)] = dot(qd + static_cast<int64_t>(qh) * hd, row.data(), hd) * scale;
+                    }
+                }
+            }
+            for (int qh = 0; qh < nq; ++qh) softmax_inplace(scores.data() + qh * ldn, n, ldn);
+            // Pass 2: out_qh = sum_p scores[qh, p] * v_p.
+            acc.assign(static_cast<size_t>(nq) * hd, 0.f);
+            for (int64_t p = begin; p < end; ++p) {
+                const int64_t slot = bt[p / block_size] * block_size + p % block_size;
+                for (int h = h0; h < h1; ++h) {
+                    load_row(v_cache, cache_f32, (slot * KvH + h) * hd, hd, row.data());
+                    for (int g = 0; g < G; ++g) {
+                        const int qh = (h - h0) * G + g;
+                        axpy(scores[qh * ldn + (p - begin)], row.data(), acc.data() + static_cast<int64_t>(qh) * hd, hd);
+                    }
+                }
+            }
+            std::memcpy(od, acc.data(), sizeof(float) * nq * hd);
+        }
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,144 @@
+"""iterserve's own CPU kernels (``csrc/cpu_kernels.cpp``): a few-row GEMM over bf16 weights and
+paged decode attention, built with the system C++ compiler on first use and called through
+ctypes.
+
+The library is compiled once per (source, compiler flags, CPU) into
+``$ITERSERVE_CACHE/kernels/`` (about two seconds) and loaded from there afterwards. Where there
+is no compiler, or it fails, ``load()`` returns None and the model uses torch's kernels; so does
+``ITERSERVE_KERNELS=0``. Results agree with torch's to f32 rounding (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from iterserve.model.builtin import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+def _cpu_id() -> str:
+    """The CPU model and flags: -march=native code is only valid on the CPU it was built for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return os.uname().machine
+
+
+def _setting() -> bool:
+    value = os.environ.get("ITERSERVE_KERNELS", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"ITERSERVE_KERNELS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def build(out_dir: str | Path | None = None) -> Path:
+    """Compiles the kernels (if not already cached) and returns the library's path. Raises
+    RuntimeError with the compiler's message when it cannot."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join((cxx, *FLAGS)).encode() + _cpu_id().encode()).hexdigest()[:16]
+    folder = Path(out_dir) if out_dir else Path(cache_dir()) / "kernels"
+    lib = folder / f"cpu_kernels-{key}.so"
+    if lib.exists():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        tmp_lib = Path(tmp) / lib.name
+        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp_lib)], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
+        os.replace(tmp_lib, lib)  # atomic: concurrent builders each install a complete file
+    return lib
+
+
+class Kernels:
+    """The loaded library, with typed wrappers."""
+
+    def __init__(self, path: Path) -> None:
+        # torch is imported first, so the library's libgomp.so.1 resolves to torch's copy.
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.gemm_bf16w.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+        self.lib.gemm_bf16w.restype = None
+        self.lib.paged_decode_attention.argtypes = [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]
+        self.lib.paged_decode_attention.restype = None
+        self.path = path
+
+    def gemm_bf16w(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, w, b)`` for a bf16 weight ``w`` [N, K]; x [M, K] bf16 or f32 (and b in
+        x's dtype); the result has x's dtype."""
+        if w.dtype != torch.bfloat16 or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
+            raise ValueError(f"gemm_bf16w takes a 2-D bf16/f32 x and a bf16 weight, got {x.dtype} {tuple(x.shape)} and {w.dtype}")
+        M, K = x.shape
+        N = w.shape[0]
+        if w.shape[1] != K or (b is not None and (b.dtype != x.dtype or b.numel() != N)):
+            raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w {tuple(w.shape)}, b {None if b is None else tuple(b.shape)}")
+        x = x.contiguous()
+        w = w.contiguous()
+        y = torch.empty(M, N, dtype=x.dtype)
+        self.lib.gemm_bf16w(w.data_ptr(), x.data_ptr(), y.data_ptr(), None if b is None else b.contiguous().data_ptr(),
+                            int(x.dtype == torch.float32), M, N, K)
+        return y
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        starts: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:
+        """q [D, H, hd] f32; caches [slots, KvH, hd] bf16 or f32; block_tables [D, max_blocks]
+        int64; ctx_lens / starts [D] int64 (keys starts[d] .. ctx_lens[d] - 1 are visible).
+        Returns [D, H, hd] f32."""
+        D, H, hd = q.shape
+        kvh = k_cache.shape[1]
+        if q.dtype != torch.float32 or k_cache.dtype not in (torch.bfloat16, torch.float32) or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"paged_decode_attention takes f32 q and bf16/f32 caches, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        if H % kvh or k_cache.shape[2] != hd or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("paged_decode_attention: head counts or head_dim do not match, or a cache is not contiguous")
+        for t in (block_tables, ctx_lens, starts):
+            if t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError("paged_decode_attention: block tables, lengths and starts must be contiguous int64")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self.lib.paged_decode_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.float32),
+            block_tables.data_ptr(), ctx_lens.data_ptr(), starts.data_ptr(), out.data_ptr(),
+            D, H, kvh, hd, block_size, block_tables.shape[1], float(hd**-0.5))
+        return out
+
+
+@functools.cache
+def _load_cached() -> Kernels | None:
+    try:
+        return Kernels(build())
+    except (RuntimeError, OSError) as exc:
+        logger.warning("iterserve's C++ kernels are unavailable (%s); using torch's kernels", exc)
+        return None
+
+
+def load() -> Kernels | None:
+    """The kernels, or None when ``ITERSERVE_KERNELS=0`` or they cannot be built here."""
+    return _load_cached() if _setting() else None

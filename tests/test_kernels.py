@@ -1,0 +1,67 @@
+"""iterserve's C++ CPU kernels (iterserve/model/kernels.py): the few-row bf16-weight GEMM
+against torch, the build's caching and errors, the on/off setting. The paged decode kernel is
+tested against SDPA in test_model.py, and end to end by every token-exact engine test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from iterserve.model import kernels
+
+
+def _kern() -> kernels.Kernels:
+    kern = kernels.load()
+    assert kern is not None, "the C++ kernels did not build (see the warning logged)"
+    return kern
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("K", [48, 40])  # 40: not a multiple of 16 (the scalar path)
+def test_gemm_matches_torch(x_dtype: torch.dtype, K: int) -> None:
+    kern = _kern()
+    torch.manual_seed(0)
+    for M in (1, 2, 3, 5, 8, 9, 17):
+        for N in (37, 64):  # 37: a last task with fewer weight rows, and odd tile remainders
+            x = torch.randn(M, K).to(x_dtype)
+            w = torch.randn(N, K).bfloat16()
+            b = torch.randn(N).to(x_dtype)
+            ref = F.linear(x.float(), w.float(), b.float())
+            for bias in (None, b):
+                y = kern.gemm_bf16w(x, w, bias)
+                assert y.dtype == x_dtype and y.shape == (M, N)
+                want = ref if bias is not None else ref - b.float()
+                if x_dtype == torch.float32:
+                    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
+                else:  # f32 accumulation, one rounding to bf16 at the end
+                    torch.testing.assert_close(y, want.bfloat16(), rtol=1e-2, atol=1e-2)
+                    assert (y.float() - want).abs().max().item() <= want.abs().max().item() * 2**-8
+
+
+def test_gemm_checks_its_inputs() -> None:
+    kern = _kern()
+    with pytest.raises(ValueError, match="bf16 weight"):
+        kern.gemm_bf16w(torch.ones(1, 4), torch.ones(3, 4))
+    with pytest.raises(ValueError, match="shapes do not match"):
+        kern.gemm_bf16w(torch.ones(1, 4), torch.ones(3, 5).bfloat16())
+
+
+def test_setting_is_checked_and_turns_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ITERSERVE_KERNELS", "0")
+    assert kernels.load() is None
+    monkeypatch.setenv("ITERSERVE_KERNELS", "yes")
+    with pytest.raises(ValueError, match="ITERSERVE_KERNELS must be 0 or 1"):
+        kernels.load()
+
+
+def test_build_is_cached_and_reports_compiler_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = kernels.build(tmp_path)
+    mtime = lib.stat().st_mtime_ns
+    assert kernels.build(tmp_path) == lib and lib.stat().st_mtime_ns == mtime  # not rebuilt
+    assert kernels.Kernels(lib).lib.iterserve_kernels_version() == 1
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(RuntimeError, match="failed to build"):
+        kernels.build(tmp_path / "other")

@@ -283,10 +283,11 @@ def test_packed_and_plain_weights_match_transformers(
 
 
 def test_low_precision_paths_agree(case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 with packed f32 weights or the sliced upcast, with iterserve's kernels (few-row bf16
+    """bf16 with packed f32 weights or the sliced upcast, with iterserve's kernels (bf16 panel
     GEMM, paged decode attention) or torch's: the same logits up to bf16 rounding of
-    intermediate activations. 9 decode rows (GEMMs past the kernel's 8 rows) and 5."""
+    intermediate activations. Prefill (~150 rows: packed f32 where packed) and decodes of 9 and 5."""
     from iterserve.model import kernels
+    from iterserve.model.cpu import needs_upcast
 
     c = case("llama")
     prompts = [prompt(12 + i, seed=50 + i) for i in range(9)]
@@ -298,6 +299,7 @@ def test_low_precision_paths_agree(case: Callable[[str], Case], monkeypatch: pyt
         assert (kernels.load() is not None) == (kern == "1")
         runner = c.runner(dtype="bfloat16")
         assert runner.kv_caches[0][0].dtype == torch.bfloat16
+        assert runner.panel_weights == (kern == "1" and needs_upcast(torch.bfloat16))
         runner.execute([BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts)])
         nine = runner.execute([BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True) for i, p in enumerate(prompts)])
         five = runner.execute([BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True) for i, p in enumerate(prompts[:5])])

@@ -1,5 +1,5 @@
-"""iterserve's own CPU kernels (``csrc/cpu_kernels.cpp``): a few-row GEMM over bf16 weights and
-paged decode attention, built with the system C++ compiler on first use and called through
+"""iterserve's own CPU kernels (``csrc/cpu_kernels.cpp``): a GEMM over bf16 weights laid out in
+panels and paged decode attention, built with the system C++ compiler on first use and called through
 ctypes.
 
 The library is compiled once per (source, compiler flags, CPU) into
@@ -77,26 +77,37 @@ class Kernels:
     def __init__(self, path: Path) -> None:
         # torch is imported first, so the library's libgomp.so.1 resolves to torch's copy.
         self.lib = ctypes.CDLL(str(path))
-        self.lib.gemm_bf16w.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
-        self.lib.gemm_bf16w.restype = None
+        self.lib.pack_bf16_panels.argtypes = [_P, _P, _I, _I]
+        self.lib.pack_bf16_panels.restype = None
+        self.lib.gemm_panels.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+        self.lib.gemm_panels.restype = None
         self.lib.paged_decode_attention.argtypes = [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]
         self.lib.paged_decode_attention.restype = None
         self.path = path
 
-    def gemm_bf16w(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, w, b)`` for a bf16 weight ``w`` [N, K]; x [M, K] bf16 or f32 (and b in
-        x's dtype); the result has x's dtype."""
-        if w.dtype != torch.bfloat16 or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
-            raise ValueError(f"gemm_bf16w takes a 2-D bf16/f32 x and a bf16 weight, got {x.dtype} {tuple(x.shape)} and {w.dtype}")
-        M, K = x.shape
-        N = w.shape[0]
-        if w.shape[1] != K or (b is not None and (b.dtype != x.dtype or b.numel() != N)):
-            raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w {tuple(w.shape)}, b {None if b is None else tuple(b.shape)}")
-        x = x.contiguous()
+    def pack_panels(self, w: torch.Tensor) -> torch.Tensor:
+        """A bf16 weight [N, K] laid out for ``gemm_panels``: [ceil(N / 32) * K * 32] bf16."""
+        if w.dtype != torch.bfloat16 or w.dim() != 2:
+            raise ValueError(f"pack_panels takes a 2-D bf16 weight, got {w.dtype} {tuple(w.shape)}")
+        N, K = w.shape
         w = w.contiguous()
+        out = torch.empty(-(-N // 32) * K * 32, dtype=torch.bfloat16)
+        self.lib.pack_bf16_panels(w.data_ptr(), out.data_ptr(), N, K)
+        return out
+
+    def gemm_panels(self, x: torch.Tensor, panels: torch.Tensor, N: int, b: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, w, b)`` with ``panels = pack_panels(w)`` and N = w.shape[0]; x [M, K] bf16
+        or f32 (b in x's dtype); the result has x's dtype."""
+        if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
+            raise ValueError(f"gemm_panels takes a 2-D bf16/f32 x, got {x.dtype} {tuple(x.shape)}")
+        M, K = x.shape
+        if panels.dtype != torch.bfloat16 or panels.numel() != -(-N // 32) * K * 32 or (b is not None and (b.dtype != x.dtype or b.numel() != N)):
+            raise ValueError(f"shapes do not match: x {tuple(x.shape)}, {panels.numel()} panel elements for N={N}, "
+                             f"b {None if b is None else tuple(b.shape)}")
+        x = x.contiguous()
         y = torch.empty(M, N, dtype=x.dtype)
-        self.lib.gemm_bf16w(w.data_ptr(), x.data_ptr(), y.data_ptr(), None if b is None else b.contiguous().data_ptr(),
-                            int(x.dtype == torch.float32), M, N, K)
+        self.lib.gemm_panels(panels.data_ptr(), x.data_ptr(), y.data_ptr(), None if b is None else b.contiguous().data_ptr(),
+                             int(x.dtype == torch.float32), M, N, K)
         return y
 
     def paged_decode_attention(

@@ -89,14 +89,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 #    cache, so memory stays that of the bf16 weight. Used from 8 rows when weights are not packed.
 UPCAST_MIN_ROWS = 8
 UPCAST_SLICE_ROWS = 512
-# 3. iterserve's kernel (``kernels.gemm_bf16w``), up to this many rows: the bf16 weight streamed
-#    once, widened to f32 in registers. Same layers, one call per weight, ms (2 threads, median
-#    of 20, weights partly cached so faster than in a forward):
-#        rows          1     2     4     8     12    16
-#        kernel      1.36  1.52  2.38  4.02  6.14  10.6
-#        packed      3.15  3.50  4.13  4.97  5.74  6.66
-#        bf16 torch  2.69  4.11  8.85  13.5
-KERNEL_MAX_ROWS = 8
+# 3. Panels (where iterserve's C++ kernels build, see kernels.py): each bf16 weight is laid out
+#    once in 32-column panels, and the kernel widens it to f32 in registers: 2 bytes per weight
+#    streamed, f32 FMAs. It replaces the original bf16 weights (same size). All 49 bench-134m
+#    GEMMs (12 layers + LM head, 219 MB of bf16), 2 threads, ms, median of 5:
+#        rows          1     2     4     8     16    32    64    128   256
+#        panels      9.8   11.1  13.4  16.3  22.8  34.8  60.4  114   241
+#        packed f32  17.7  18.7  20.2  23.7  29.3  41.8  63.1  112   206
+#    so panels serve up to PANEL_MAX_ROWS rows, and the packed f32 copy (where made) the rest.
+PANEL_MAX_ROWS = 64
 
 
 class PackedLinear:
@@ -122,15 +123,30 @@ def packing_available() -> bool:
         return False
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, packed: PackedLinear | None = None) -> torch.Tensor:
-    # A few rows (decodes) are bound by weight bytes: iterserve's kernel streams the bf16 weight
-    # once and widens it in registers (see kernels.py and the table above).
-    if x.shape[0] <= KERNEL_MAX_ROWS and w.dtype == torch.bfloat16 and w.numel() and needs_upcast(w.dtype):
-        kern = kernels.load()
-        if kern is not None:
-            return kern.gemm_bf16w(x, w, b)
-    # One row without the kernel: the original bf16 weight, where kept, moves half the bytes of
-    # the packed f32 copy (bench-134m at batch 1: 23 vs 26 ms a step).
+class PanelLinear:
+    """A bf16 weight (and bias) laid out for iterserve's panel GEMM; any number of rows."""
+
+    def __init__(self, kern: kernels.Kernels, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        self.kern = kern
+        self.panels = kern.pack_panels(w)
+        self.out_features = w.shape[0]
+        self.bias = None if b is None else b.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kern.gemm_panels(x, self.panels, self.out_features, self.bias)
+
+
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    packed: PackedLinear | None = None,
+    panels: PanelLinear | None = None,
+) -> torch.Tensor:
+    if panels is not None and (packed is None or x.shape[0] <= PANEL_MAX_ROWS):
+        return panels(x)
+    # One row is bound by weight bytes: the original bf16 weight, where kept, moves half the
+    # bytes of the packed f32 copy (bench-134m at batch 1: 23 vs 26 ms a step).
     if packed is not None and (x.shape[0] > 1 or w.numel() == 0):
         return packed(x)
     if x.shape[0] < UPCAST_MIN_ROWS or not needs_upcast(x.dtype):
@@ -178,8 +194,16 @@ class DecoderLayer(nn.Module):
         self.down_proj = _param(h, cfg.intermediate_size, dtype=dtype)
         self.down_bias = _param(h, dtype=dtype) if cfg.mlp_bias else None
         self.packed: dict[str, PackedLinear] = {}
+        self.panels: dict[str, PanelLinear] = {}
 
     LINEARS = ("qkv", "o", "gate_up", "down")
+
+    def pack_panels(self, kern: kernels.Kernels) -> None:
+        """Lays out every projection in panels (see ``PanelLinear``) and frees the originals."""
+        for name in self.LINEARS:
+            w, b = getattr(self, f"{name}_proj"), getattr(self, f"{name}_bias")
+            self.panels[name] = PanelLinear(kern, w, b)
+            w.data = torch.empty(0, dtype=w.dtype)
 
     def pack_weights(self, keep_original: bool) -> None:
         """Packs every projection (see ``PackedLinear``); frees the original weights unless
@@ -202,18 +226,18 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         T = h.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(rms_norm(h, self.input_norm, self.eps), self.qkv_proj, self.qkv_bias, self.packed.get("qkv"))
+        qkv = linear(rms_norm(h, self.input_norm, self.eps), self.qkv_proj, self.qkv_bias, self.packed.get("qkv"), self.panels.get("qkv"))
         qk = qkv[:, : self.q_size + self.kv_size].view(T, nq + nkv, hd)
         if self.qk_norm is not None:
             qk = F.rms_norm(qk, (hd,), None, self.eps) * self.qk_norm
         qk = apply_rope(qk, cos, sin)  # q and k rotated together: one set of ops for both
         v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, hd)
         attn = paged_attention(qk[:, :nq], qk[:, nq:], v, k_cache, v_cache, meta, block_size)
-        h = h + linear(attn, self.o_proj, self.o_bias, self.packed.get("o"))
+        h = h + linear(attn, self.o_proj, self.o_bias, self.packed.get("o"), self.panels.get("o"))
 
-        gate_up = linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_proj, self.gate_up_bias, self.packed.get("gate_up"))
+        gate_up = linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_proj, self.gate_up_bias, self.packed.get("gate_up"), self.panels.get("gate_up"))
         act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return h + linear(act, self.down_proj, self.down_bias, self.packed.get("down"))
+        return h + linear(act, self.down_proj, self.down_bias, self.packed.get("down"), self.panels.get("down"))
 
 
 class DecoderModel(nn.Module):
@@ -226,6 +250,7 @@ class DecoderModel(nn.Module):
         # Tied: the LM head IS the embedding (one tensor, counted once).
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.packed_lm_head: PackedLinear | None = None
+        self.panel_lm_head: PanelLinear | None = None
 
     def linear_weight_bytes(self) -> int:
         """Elements of every GEMM weight (projections and LM head) times 4: their f32 size."""
@@ -240,6 +265,15 @@ class DecoderModel(nn.Module):
             cast(DecoderLayer, layer).pack_weights(keep_original)
         self.packed_lm_head = PackedLinear(self.lm_head, None)
         if not self.cfg.tie_word_embeddings and not keep_original:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+
+    def pack_panels(self, kern: kernels.Kernels) -> None:
+        """Lays out every GEMM weight of a bf16 model in panels (``PanelLinear``) and frees the
+        originals (a tied LM head stays: it is the embedding table)."""
+        for layer in self.layers:
+            cast(DecoderLayer, layer).pack_panels(kern)
+        self.panel_lm_head = PanelLinear(kern, self.lm_head, None)
+        if not self.cfg.tie_word_embeddings:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
     def forward(
@@ -258,4 +292,4 @@ class DecoderModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, meta, k_cache, v_cache, block_size)
         h = rms_norm(h[logit_rows], self.norm, self.cfg.rms_norm_eps)
-        return linear(h, self.lm_head, None, self.packed_lm_head).float()
+        return linear(h, self.lm_head, None, self.packed_lm_head, self.panel_lm_head).float()

@@ -111,9 +111,15 @@ class ModelRunner:
             self.rope = RotaryTable(cfg.head_dim, cfg.rope, self.max_model_len, self.dtype)
         self.num_params: int = sum(p.numel() for p in self.model.parameters())  # tied counted once
         self.packed_weights: bool = self._should_pack()
-        if self.packed_weights:
-            with torch.inference_mode():
+        kern = kernels.load() if self.dtype == torch.bfloat16 and needs_upcast(self.dtype) else None
+        # bf16 on a CPU that emulates it: panels (llama.py) serve up to PANEL_MAX_ROWS rows and
+        # replace the bf16 originals; the packed f32 copy, where it fits, serves more rows.
+        self.panel_weights: bool = kern is not None
+        with torch.inference_mode():
+            if self.packed_weights:
                 self.model.pack_weights(keep_original=self.dtype != torch.float32)
+            if kern is not None:
+                self.model.pack_panels(kern)
 
         self.block_size: int = cache_config.block_size
         elem = torch.tensor([], dtype=self.dtype).element_size()

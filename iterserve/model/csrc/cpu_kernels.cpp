@@ -5,14 +5,13 @@
 // ships libgomp.so.1 and loads it first, so these loops share torch's thread pool and its
 // torch.set_num_threads() setting.
 //
-// 1. gemm_bf16w: y[M, N] = x[M, K] . W[N, K]^T (+ bias) with a bf16 weight, for few rows M.
-//    On a CPU without AVX512-BF16, torch runs a bf16 GEMV through an emulation that streams
-//    the weight at ~14 GB/s; here each weight row is widened to f32 in registers (a bf16 is the
-//    top half of an f32) and multiplied against all M rows of x while it sits in L1, so the
-//    weight crosses the memory bus once per call in its 2-byte form.
+// 1. gemm_panels: y[M, N] = x[M, K] . W[N, K]^T (+ bias) with a bf16 weight laid out once in
+//    panels (pack_bf16_panels). On a CPU without AVX512-BF16, torch runs bf16 GEMMs through an
+//    emulation (a GEMV streams the weight at ~14 GB/s, 8 rows reach ~20 GFLOP/s); here the
+//    weight is widened to f32 in registers (a bf16 is the top half of an f32), crosses the
+//    memory bus once per call in its 2-byte form, and feeds a register-tiled f32 FMA kernel.
 // 2. paged_decode_attention: one query token per sequence against its own context in the paged
-//    KV cache (bf16 or f32), with no padding to the longest context and no gathered copy:
-//    each (sequence, KV head) pair is one task that reads its K rows once, then its V rows once.
+//    KV cache (bf16 or f32), with no padding to the longest context and no gathered copy.
 //
 // Accumulation is f32 throughout; results are rounded to bf16 (nearest even) only on output.
 
@@ -64,12 +63,6 @@ inline void store_row(void* base, int is_f32, int64_t offset, int n, const float
     }
 }
 
-#if defined(__AVX512F__)
-inline __m512 load_bf16x16(const uint16_t* p) {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
 
 inline float dot(const float* a, const float* b, int n) {
 #if defined(__AVX512F__)
@@ -143,59 +136,100 @@ inline void softmax_inplace(float* x, int64_t n, int64_t ld) {
 }
 
 
-// Dot products of NB weight rows (bf16, row stride K) with MB rows of x (f32, row stride K):
-// acc[j * MB + i] = W[j] . x[i]. NB x MB accumulators; each widened weight vector feeds MB FMAs.
-template <int NB, int MB>
-void tile(const uint16_t* W, const float* x, int K, float* acc) {
+// ---- GEMM over bf16 weight panels --------------------------------------------------------
+// A panel holds 32 output columns (weight rows) for every k: 32 bf16 = one 64-byte line per k,
+// laid out so that 32-bit lane i holds column i in its low half and column i + 16 in its high
+// half. One load and two single-uop ops (shift, and) widen a line into two f32 vectors; every x
+// value is broadcast into FMAs against both. No horizontal sums; accumulators are per column.
+constexpr int PANEL = 32;
+
 #if defined(__AVX512F__)
-    if (K % 16 == 0) {
-        __m512 a[NB][MB];
-        for (int j = 0; j < NB; ++j)
-            for (int i = 0; i < MB; ++i) a[j][i] = _mm512_setzero_ps();
-        for (int k = 0; k < K; k += 16) {
-            __m512 xv[MB];
-            for (int i = 0; i < MB; ++i) xv[i] = _mm512_loadu_ps(x + static_cast<int64_t>(i) * K + k);
-            for (int j = 0; j < NB; ++j) {
-                const __m512 w = load_bf16x16(W + static_cast<int64_t>(j) * K + k);
-                for (int i = 0; i < MB; ++i) a[j][i] = _mm512_fmadd_ps(w, xv[i], a[j][i]);
-            }
+inline void store16(void* y, int y_f32, int64_t offset, __m512 v, int valid) {
+    if (valid >= 16) {
+        if (y_f32) {
+            _mm512_storeu_ps(static_cast<float*>(y) + offset, v);
+        } else {
+            __m512i u = _mm512_castps_si512(v);
+            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + offset), _mm512_cvtepi32_epi16(u));
         }
-        for (int j = 0; j < NB; ++j)
-            for (int i = 0; i < MB; ++i) acc[j * MB + i] = _mm512_reduce_add_ps(a[j][i]);
         return;
     }
-#endif
-    for (int j = 0; j < NB; ++j) {
-        const uint16_t* w = W + static_cast<int64_t>(j) * K;
+    if (valid <= 0) return;
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, v);
+    store_row(y, y_f32, offset, valid, tmp);
+}
+
+// Rows [m0, m0 + MB) of x against one panel; KU independent accumulator sets over k (for rows
+// few enough that one set would leave the FMA units waiting on their latency).
+template <int MB, int KU>
+void panel_rows(const uint16_t* P, const float* xf, const float* bias, void* y, int y_f32, int N, int K, int n0, int m0) {
+    __m512 acc[KU][MB][2];
+    for (int u = 0; u < KU; ++u)
+        for (int i = 0; i < MB; ++i) acc[u][i][0] = acc[u][i][1] = _mm512_setzero_ps();
+    const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    const float* x0 = xf + static_cast<int64_t>(m0) * K;
+    int k = 0;
+    for (; k + KU <= K; k += KU) {
+        for (int u = 0; u < KU; ++u) {
+            const __m512i v = _mm512_loadu_si512(P + static_cast<int64_t>(k + u) * PANEL);
+            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+            for (int i = 0; i < MB; ++i) {
+                const __m512 xb = _mm512_set1_ps(x0[static_cast<int64_t>(i) * K + k + u]);
+                acc[u][i][0] = _mm512_fmadd_ps(lo, xb, acc[u][i][0]);
+                acc[u][i][1] = _mm512_fmadd_ps(hi, xb, acc[u][i][1]);
+            }
+        }
+    }
+    for (; k < K; ++k) {
+        const __m512i v = _mm512_loadu_si512(P + static_cast<int64_t>(k) * PANEL);
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
         for (int i = 0; i < MB; ++i) {
-            const float* xi = x + static_cast<int64_t>(i) * K;
-            float s = 0.f;
-            for (int k = 0; k < K; ++k) s += bf16_to_f32(w[k]) * xi[k];
-            acc[j * MB + i] = s;
+            const __m512 xb = _mm512_set1_ps(x0[static_cast<int64_t>(i) * K + k]);
+            acc[0][i][0] = _mm512_fmadd_ps(lo, xb, acc[0][i][0]);
+            acc[0][i][1] = _mm512_fmadd_ps(hi, xb, acc[0][i][1]);
         }
     }
-}
-
-constexpr int ROWS = 8;  // weight rows per task: they stay in L1/L2 while every row of x passes
-
-// The task's rows [n0, n0 + nrows) against rows [m0, m0 + MB) of x, written to y (+ bias).
-template <int MB>
-void task_rows(const uint16_t* W, const float* xf, const float* bias, void* y, int y_f32, int N, int K, int n0, int nrows, int m0) {
-    constexpr int NB = MB >= 8 ? 2 : (MB >= 4 ? 4 : 8);
-    float acc[NB * MB];
-    float out[MB][ROWS];
-    for (int j0 = 0; j0 < nrows; j0 += NB) {
-        const int nb = nrows - j0 < NB ? nrows - j0 : NB;
-        if (nb == NB) {
-            tile<NB, MB>(W + static_cast<int64_t>(n0 + j0) * K, xf + static_cast<int64_t>(m0) * K, K, acc);
-        } else {  // the last rows of the weight: one at a time
-            for (int j = 0; j < nb; ++j) tile<1, MB>(W + static_cast<int64_t>(n0 + j0 + j) * K, xf + static_cast<int64_t>(m0) * K, K, acc + j * MB);
+    for (int u = 1; u < KU; ++u)
+        for (int i = 0; i < MB; ++i) {
+            acc[0][i][0] = _mm512_add_ps(acc[0][i][0], acc[u][i][0]);
+            acc[0][i][1] = _mm512_add_ps(acc[0][i][1], acc[u][i][1]);
         }
-        for (int j = 0; j < nb; ++j)
-            for (int i = 0; i < MB; ++i) out[i][j0 + j] = acc[j * MB + i] + (bias ? bias[n0 + j0 + j] : 0.f);
+    const int valid = N - n0;
+    for (int i = 0; i < MB; ++i) {
+        __m512 a = acc[0][i][0], b = acc[0][i][1];
+        if (bias) {
+            alignas(64) float bb[PANEL] = {0};
+            for (int j = 0; j < PANEL && j < valid; ++j) bb[j] = bias[n0 + j];
+            a = _mm512_add_ps(a, _mm512_load_ps(bb));
+            b = _mm512_add_ps(b, _mm512_load_ps(bb + 16));
+        }
+        const int64_t off = static_cast<int64_t>(m0 + i) * N + n0;
+        store16(y, y_f32, off, a, valid);
+        store16(y, y_f32, off + 16, b, valid - 16);
     }
-    for (int i = 0; i < MB; ++i) store_row(y, y_f32, static_cast<int64_t>(m0 + i) * N + n0, nrows, out[i]);
 }
+#else
+template <int MB, int KU>
+void panel_rows(const uint16_t* P, const float* xf, const float* bias, void* y, int y_f32, int N, int K, int n0, int m0) {
+    float out[MB][PANEL] = {};
+    for (int k = 0; k < K; ++k)
+        for (int j = 0; j < PANEL; ++j) {
+            const float w = bf16_to_f32(P[static_cast<int64_t>(k) * PANEL + 2 * (j % 16) + j / 16]);
+            for (int i = 0; i < MB; ++i) out[i][j] += w * xf[static_cast<int64_t>(m0 + i) * K + k];
+        }
+    const int valid = N - n0 < PANEL ? N - n0 : PANEL;
+    for (int i = 0; i < MB; ++i) {
+        if (bias)
+            for (int j = 0; j < valid; ++j) out[i][j] += bias[n0 + j];
+        store_row(y, y_f32, static_cast<int64_t>(m0 + i) * N + n0, valid, out[i]);
+    }
+}
+#endif
 
 }  // namespace
 
@@ -203,9 +237,25 @@ extern "C" {
 
 int iterserve_kernels_version() { return 1; }
 
-// y[M, N] = x[M, K] . W[N, K]^T + bias[N]. W bf16 row-major; x, y, bias in bf16 (x_f32 = 0)
-// or f32 (x_f32 = 1); bias may be null.
-void gemm_bf16w(const uint16_t* W, const void* x, void* y, const void* bias, int x_f32, int M, int N, int K) {
+// Lays out W [N, K] (bf16, row-major) as panels (see PANEL): P holds ceil(N / 32) * K * 32
+// bf16, columns past N zero.
+void pack_bf16_panels(const uint16_t* W, uint16_t* P, int N, int K) {
+    const int panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+        uint16_t* dst = P + static_cast<int64_t>(p) * K * PANEL;
+        for (int j = 0; j < PANEL; ++j) {
+            const int n = p * PANEL + j;
+            const int lane = 2 * (j % 16) + j / 16;  // low half: columns 0-15, high half: 16-31
+            for (int k = 0; k < K; ++k) dst[static_cast<int64_t>(k) * PANEL + lane] = n < N ? W[static_cast<int64_t>(n) * K + k] : 0;
+        }
+    }
+}
+
+// y[M, N] = x[M, K] . W^T + bias with W packed by pack_bf16_panels; x, y, bias bf16 (x_f32 = 0)
+// or f32 (x_f32 = 1); bias may be null. A task is one panel: its lines stay in L2 while all
+// rows of x pass, 8 at a time, then 4, 2, 1.
+void gemm_panels(const uint16_t* P, const void* x, void* y, const void* bias, int x_f32, int M, int N, int K) {
     std::vector<float> xf(static_cast<size_t>(M) * K);
     for (int i = 0; i < M; ++i) load_row(x, x_f32, static_cast<int64_t>(i) * K, K, xf.data() + static_cast<size_t>(i) * K);
     std::vector<float> bf;
@@ -214,16 +264,16 @@ void gemm_bf16w(const uint16_t* W, const void* x, void* y, const void* bias, int
         load_row(bias, x_f32, 0, N, bf.data());
     }
     const float* b = bias ? bf.data() : nullptr;
-    const int tasks = (N + ROWS - 1) / ROWS;
+    const int panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static)
-    for (int t = 0; t < tasks; ++t) {
-        const int n0 = t * ROWS;
-        const int nrows = N - n0 < ROWS ? N - n0 : ROWS;
-        int m0 = 0;  // rows of x in blocks of 8, then 4, 2, 1
-        for (; M - m0 >= 8; m0 += 8) task_rows<8>(W, xf.data(), b, y, x_f32, N, K, n0, nrows, m0);
-        for (; M - m0 >= 4; m0 += 4) task_rows<4>(W, xf.data(), b, y, x_f32, N, K, n0, nrows, m0);
-        for (; M - m0 >= 2; m0 += 2) task_rows<2>(W, xf.data(), b, y, x_f32, N, K, n0, nrows, m0);
-        for (; M - m0 >= 1; m0 += 1) task_rows<1>(W, xf.data(), b, y, x_f32, N, K, n0, nrows, m0);
+    for (int p = 0; p < panels; ++p) {
+        const uint16_t* Pp = P + static_cast<int64_t>(p) * K * PANEL;
+        const int n0 = p * PANEL;
+        int m0 = 0;
+        for (; M - m0 >= 8; m0 += 8) panel_rows<8, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+        for (; M - m0 >= 4; m0 += 4) panel_rows<4, 2>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+        for (; M - m0 >= 2; m0 += 2) panel_rows<2, 4>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+        for (; M - m0 >= 1; m0 += 1) panel_rows<1, 8>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
     }
 }
 

@@ -93,11 +93,11 @@ UPCAST_SLICE_ROWS = 512
 #    once in 32-column panels, and the kernel widens it to f32 in registers: 2 bytes per weight
 #    streamed, f32 FMAs. It replaces the original bf16 weights (same size). All 49 bench-134m
 #    GEMMs (12 layers + LM head, 219 MB of bf16), 2 threads, ms, median of 5:
-#        rows          1     2     4     8     16    32    64    128   256
-#        panels      9.8   11.1  13.4  16.3  22.8  34.8  60.4  114   241
-#        packed f32  17.7  18.7  20.2  23.7  29.3  41.8  63.1  112   206
+#        rows          1     2     4     8     16    32    64    128   256   512
+#        panels      8.4   8.7   9.3   11.5  17.2  29.1  54.2  106   210   428
+#        packed f32  17.8  18.7  21.1  23.4  29.5  41.3  64.2  111   201   399
 #    so panels serve up to PANEL_MAX_ROWS rows, and the packed f32 copy (where made) the rest.
-PANEL_MAX_ROWS = 64
+PANEL_MAX_ROWS = 128
 
 
 class PackedLinear:

@@ -141,8 +141,9 @@ def paged_attention(
     each decode reads only its own context, in place in the cache, and the softmax runs
     vectorised on every thread. bench-134m shapes (12 heads x 64), 2 threads, bf16 cache, ms
     per layer, kernel vs torch.compile of gather + upcast + softmax + reductions (the previous
-    path): 8 decodes x 128 keys 0.13 vs 0.31; 32 x 128: 0.54 vs 1.02; 128 x 128: 2.7 vs 5.4;
-    32 x 512: 2.7 vs 6.2. Without the kernels (``ITERSERVE_KERNELS=0``, no C++ compiler) the
+    path), the same call repeated (cache-warm): 8 decodes x 128 keys 0.13 vs 0.31; 32 x 128:
+    0.54 vs 1.02; 128 x 128: 2.7 vs 5.4; 32 x 512: 2.7 vs 6.2. Inside decode steps (cold, with
+    the kernel's prefetching): 32 x 128 0.75, 128 x 128 3.1. Without the kernels (``ITERSERVE_KERNELS=0``, no C++ compiler) the
     decodes' blocks are gathered into a window padded to the longest context and run as one
     SDPA under a key-padding mask.
 

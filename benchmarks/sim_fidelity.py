@@ -122,8 +122,9 @@ def sim_run(prof: CpuProfile, args: EngineArgs, max_model_len: int, num_kv_block
     return s
 
 
-def fit_profile_here(ns: argparse.Namespace, path: str) -> CpuProfile:
-    """``iterserve profile`` on the compact --profile-* grid, in this process, now."""
+def fit_profile_here(ns: argparse.Namespace, path: str, engine: Any) -> CpuProfile:
+    """``iterserve profile`` on the compact --profile-* grid, in this process, now, on the very
+    engine the workloads run on (see main)."""
     from iterserve.sim.profile import build_parser as profile_parser
     from iterserve.sim.profile import run_profile
 
@@ -131,7 +132,7 @@ def fit_profile_here(ns: argparse.Namespace, path: str) -> CpuProfile:
         "--model", ns.model, "--dtype", ns.dtype, "--num-threads", str(ns.num_threads),
         "--prefill", ns.profile_prefill, "--decode", ns.profile_decode, "--context", ns.profile_context,
         "--repeats", str(ns.profile_repeats), "--clock", ns.clock, "-o", path])
-    prof = run_profile(pns, lambda msg: None)
+    prof = run_profile(pns, lambda msg: None, engine=engine)
     prof.save(path)
     gc.collect()
     log(f"profile {path}: {prof.fit['n_points']} points in {prof.fit['wall_s']:.0f} s, fit error "
@@ -157,15 +158,21 @@ def main(argv: list[str] | None = None) -> int:
                       max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens)
     fixed = CpuProfile.load(ns.profile) if ns.profile else None
 
+    # The profile is measured on the same engine instance as the workloads (same weights, same
+    # KV pool), so that the only difference between a profile step and a workload step of the
+    # same shape is time. (Tried because profiles on a second engine missed the workload's steps
+    # by -6..+5% in some repeats; on the same engine they still miss by -2..+7%: the machine's
+    # speed drifts between minutes, see SIMULATOR.md.)
+    engine = make_engine(args)
+    warmup(engine)
+
     def profile_for(r: int) -> CpuProfile:
         if fixed is not None:
             return fixed
-        return fit_profile_here(ns, str(Path(ns.out_dir) / f"cpu_profile.r{r}.json"))
+        return fit_profile_here(ns, str(Path(ns.out_dir) / f"cpu_profile.r{r}.json"), engine)
 
     Path(ns.out_dir).mkdir(parents=True, exist_ok=True)
     prof = profile_for(0)
-    engine = make_engine(args)
-    warmup(engine)
     max_len = int(engine.max_model_len)
     vocab = int(engine.vocab_size)
     blocks = int(engine.kv.num_blocks)

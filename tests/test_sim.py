@@ -295,6 +295,28 @@ def test_cpu_profile_fit_recovers_known_coefficients(tmp_path: Path) -> None:
         CpuProfile.load(tmp_path / "bad.json")
 
 
+def test_profile_measures_the_grid_on_a_given_engine() -> None:
+    """``measure`` on an existing engine (as sim_fidelity does): every point's shape is what the
+    scheduler ran (here max_num_seqs 3 caps the 4-decode cells), the mixed-context cells mix
+    contexts, and the engine is left idle with its own scheduler back."""
+    from iterserve.config import EngineArgs
+    from iterserve.engine import LLMEngine
+    from iterserve.sim.profile import measure
+
+    args = EngineArgs(model="tiny-random", dtype="float32", max_num_seqs=3, num_threads=1)
+    engine = LLMEngine(args)
+    schedule = engine.scheduler.schedule
+    same, samples = measure(args, prefill=[0, 8], decode=[0, 2, 4], context=[8, 24], repeats=1, engine=engine)
+    assert same is engine and engine.scheduler.schedule == schedule
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert all(shape.num_seqs <= 3 and t > 0 for _, shape, t in samples)
+    # (a 4-decode cell with 3 slots ends with the 4th request alone: a mixed cell of one decode)
+    mixed = [shape for cell, shape, _ in samples if cell[3] == "mixed" and shape.num_decodes >= 2]
+    assert mixed and all(s.decode_ctx_sum < s.num_decodes * s.decode_ctx_max for s in mixed)
+    uniform = [shape for cell, shape, _ in samples if cell[3] == "fresh" and cell[0] == 0 and cell[1] == 2]
+    assert uniform and all(s.decode_ctx_sum == s.num_decodes * s.decode_ctx_max for s in uniform)
+
+
 # ---- CLI ----------------------------------------------------------------------------------
 
 

@@ -73,9 +73,13 @@ def measure(
     repeats: int,
     log: Callable[[str], None] = lambda s: None,
     clock: str = "wall",
+    engine: Any = None,
 ) -> tuple[Any, list[tuple[tuple[int, int, int, str], StepShape, float]]]:
     """Times ``engine.step()`` over the grid; returns (engine, [(cell, shape, seconds)]).
-    ``clock``: ``wall`` (elapsed time) or ``cpu`` (this process's CPU time, see CLOCKS)."""
+    ``clock``: ``wall`` (elapsed time) or ``cpu`` (this process's CPU time, see CLOCKS).
+    ``engine``: measure this (idle) engine instead of building one from ``args``; its requests
+    are aborted along the way. Cells that exceed its ``max_num_seqs`` or token budget are still
+    measured: each point's shape is what its scheduler actually ran."""
     timer = CLOCKS[clock]
     from iterserve.bench.replay import bench_params, warmup
     from iterserve.engine import LLMEngine
@@ -85,13 +89,16 @@ def measure(
     budget = max(prefill) + max(decode) + 1
     bs = args.block_size
     need_blocks = (max(decode) + 2) * (-(-(max_ctx + max(prefill)) // bs)) + 8
-    # The pool the engine would have (EngineArgs' KV size), not just what the grid needs:
-    # decode attention gathers blocks from all over it, and a larger pool reads slower.
-    grid_args = args.replace(max_num_batched_tokens=max(budget, args.max_num_batched_tokens),
-                             max_num_seqs=max(decode) + 2, enable_prefix_caching=True, record_steps=None)
-    engine = LLMEngine(grid_args)
-    if engine.kv.num_blocks < need_blocks:
-        engine = LLMEngine(grid_args.replace(num_kv_blocks=need_blocks))
+    if engine is None:
+        # The pool the engine would have (EngineArgs' KV size), not just what the grid needs:
+        # decode attention gathers blocks from all over it, and a larger pool reads slower.
+        grid_args = args.replace(max_num_batched_tokens=max(budget, args.max_num_batched_tokens),
+                                 max_num_seqs=max(decode) + 2, enable_prefix_caching=True, record_steps=None)
+        engine = LLMEngine(grid_args)
+        if engine.kv.num_blocks < need_blocks:
+            engine = LLMEngine(grid_args.replace(num_kv_blocks=need_blocks))
+    elif engine.kv.num_blocks < need_blocks:
+        raise ValueError(f"the grid needs {need_blocks} KV blocks, the engine has {engine.kv.num_blocks}")
     if max_ctx + max(prefill) > engine.max_model_len:
         raise ValueError(f"the grid needs contexts up to {max_ctx + max(prefill)} tokens but the model's "
                          f"max_model_len is {engine.max_model_len}; lower --context or --prefill")
@@ -105,6 +112,18 @@ def measure(
         return out
 
     sched.schedule = capture  # type: ignore[method-assign]  # shapes come from the scheduler's own decisions
+    try:
+        out = _measure_grid(engine, prefill, decode, context, repeats, log, timer, shapes, steps_per_cell,
+                            bench_params, warmup)
+    finally:
+        sched.schedule = schedule  # type: ignore[method-assign]
+    return engine, out
+
+
+def _measure_grid(engine: Any, prefill: list[int], decode: list[int], context: list[int], repeats: int,
+                  log: Callable[[str], None], timer: Callable[[], float], shapes: list[StepShape],
+                  steps_per_cell: int, bench_params: Any, warmup: Any) -> list[tuple[tuple[int, int, int, str], StepShape, float]]:
+    sched = engine.scheduler
     rng = np.random.default_rng(0)
     low, high = 100, min(engine.vocab_size, 30000)
 
@@ -189,7 +208,8 @@ def measure(
             timed_step((0, d, c0, "sweep"))
         engine.abort_request(sched.running[-1].request_id)
     log(f"batch-size sweep at context {c0}: {len(out)} steps timed")
-    return engine, out
+    empty_engine()
+    return out
 
 
 def scatter_free_blocks(kv: KVCacheManager, rng: np.random.Generator) -> None:
@@ -237,14 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_profile(ns: argparse.Namespace, log: Callable[[str], None]) -> CpuProfile:
+def run_profile(ns: argparse.Namespace, log: Callable[[str], None], engine: Any = None) -> CpuProfile:
+    """Measures the grid (on ``engine`` if given, see ``measure``) and fits a profile."""
     args = EngineArgs(model=ns.model, dtype=ns.dtype, num_threads=ns.num_threads, block_size=ns.block_size)
     prefill, decode, context = _ints(ns.prefill, "prefill"), _ints(ns.decode, "decode"), _ints(ns.context, "context")
     if ns.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {ns.repeats}")
     machine = _machine()
     t0 = time.perf_counter()
-    engine, samples = measure(args, prefill, decode, context, ns.repeats, log, clock=ns.clock)
+    engine, samples = measure(args, prefill, decode, context, ns.repeats, log, clock=ns.clock, engine=engine)
     points = cell_medians(samples)
     fit = fit_profile([s for cell, s, _ in points if cell[3] != "sweep"],
                       [t for cell, _, t in points if cell[3] != "sweep"])

@@ -70,3 +70,25 @@ def test_build_is_cached_and_reports_compiler_errors(tmp_path: Path, monkeypatch
     monkeypatch.setenv("CXX", "/bin/false")
     with pytest.raises(RuntimeError, match="failed to build"):
         kernels.build(tmp_path / "other")
+
+
+def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit() -> None:
+    """RMSNorm, SwiGLU and RoPE in one call each round exactly as the torch ops they replace
+    (llama.py), vector and scalar paths (widths multiple of 16 and not)."""
+    from iterserve.model.llama import apply_rope
+
+    kern = _kern()
+    torch.manual_seed(0)
+    for n in (768, 40):
+        x = (torch.randn(9, n) * 3).bfloat16()
+        w = torch.randn(n).bfloat16()
+        assert torch.equal(kern.rms_norm(x, w, 1e-6), F.rms_norm(x, (n,), None, 1e-6) * w)
+        gu = (torch.randn(9, 2 * n) * 3).bfloat16()
+        assert torch.equal(kern.silu_mul(gu), F.silu(gu[:, :n]) * gu[:, n:])
+    for hd in (64, 20):
+        qkv = (torch.randn(7, 5 * hd + 3) * 2).bfloat16()
+        x = qkv[:, : 4 * hd].view(7, 4, hd)  # a strided view, as in the layer
+        cos, sin = torch.randn(7, 1, hd).bfloat16(), torch.randn(7, 1, hd).bfloat16()
+        assert torch.equal(kern.rope(x, cos, sin), apply_rope(x, cos, sin))
+    with pytest.raises(ValueError, match="rms_norm takes bf16"):
+        kern.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)

@@ -81,6 +81,12 @@ class Kernels:
         self.lib.pack_bf16_panels.restype = None
         self.lib.gemm_panels.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
         self.lib.gemm_panels.restype = None
+        self.lib.rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float]
+        self.lib.rms_norm_bf16.restype = None
+        self.lib.silu_mul_bf16.argtypes = [_P, _P, _I, _I]
+        self.lib.silu_mul_bf16.restype = None
+        self.lib.rope_bf16.argtypes = [_P, ctypes.c_int64, _P, _P, _P, _I, _I, _I]
+        self.lib.rope_bf16.restype = None
         self.lib.paged_decode_attention.argtypes = [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]
         self.lib.paged_decode_attention.restype = None
         self.path = path
@@ -109,6 +115,37 @@ class Kernels:
         self.lib.gemm_panels(panels.data_ptr(), x.data_ptr(), y.data_ptr(), None if b is None else b.contiguous().data_ptr(),
                              int(x.dtype == torch.float32), M, N, K)
         return y
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """bf16 ``F.rms_norm(x, ..., eps) * w`` with transformers' roundings; x [T, n], w [n]."""
+        if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.shape != (x.shape[1],):
+            raise ValueError(f"rms_norm takes bf16 x [T, n] and w [n], got {x.dtype} {tuple(x.shape)}, {w.dtype} {tuple(w.shape)}")
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.lib.rms_norm_bf16(x.data_ptr(), w.contiguous().data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """bf16 ``F.silu(gate) * up`` for gate_up = [gate | up] [T, 2n]; returns [T, n]."""
+        if gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"silu_mul takes bf16 [T, 2n], got {gate_up.dtype} {tuple(gate_up.shape)}")
+        gate_up = gate_up.contiguous()
+        n = gate_up.shape[1] // 2
+        out = torch.empty(gate_up.shape[0], n, dtype=torch.bfloat16)
+        self.lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """bf16 ``x * cos + rotate_half(x) * sin_signed`` (llama.py's ``apply_rope``); x [T, n, hd]
+        with heads contiguous (a row stride is fine), cos / sin_signed [T, 1, hd]."""
+        T, n, hd = x.shape
+        if (x.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or sin_signed.dtype != torch.bfloat16 or hd % 2
+                or x.stride(2) != 1 or x.stride(1) != hd or cos.numel() != T * hd or sin_signed.numel() != T * hd):
+            raise ValueError(f"rope takes bf16 x [T, n, hd] (heads contiguous) and cos/sin [T, 1, hd], got {x.dtype} {tuple(x.shape)}")
+        cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+        out = torch.empty(T, n, hd, dtype=torch.bfloat16)
+        self.lib.rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr(), T, n, hd)
+        return out
 
     def paged_decode_attention(
         self,

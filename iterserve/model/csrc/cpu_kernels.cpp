@@ -107,6 +107,24 @@ inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+inline __m512 widen16(const uint16_t* p) {  // 16 bf16 -> f32
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512i bf16_bits(__m512 v) {  // round to nearest even, in the top 16 bits (finite values)
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+inline __m512 round_bf16(__m512 v) {  // f32 -> nearest bf16, as f32
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_bits(v), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void narrow16(uint16_t* p, __m512 v) {  // f32 -> 16 bf16 (nearest even)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+}
+#endif
+
 // x[0:n] = softmax(x[0:n]); x[n:ld] hold -inf (padding to a multiple of 16).
 inline void softmax_inplace(float* x, int64_t n, int64_t ld) {
 #if defined(__AVX512F__)
@@ -289,6 +307,91 @@ void gemm_panels(const uint16_t* P, const void* x, void* y, const void* bias, in
         for (; M - m0 >= 4; m0 += 4) panel_rows<4, 2>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
         for (; M - m0 >= 2; m0 += 2) panel_rows<2, 4>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
         for (; M - m0 >= 1; m0 += 1) panel_rows<1, 8>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+    }
+}
+
+// Llama's RMSNorm on bf16 rows, rounded as transformers rounds it: y = bf16(x * rsqrt(mean(x^2)
+// + eps)), out = bf16(y * w), with f32 arithmetic in between (as torch's bf16 ops).
+void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int rows, int n, float eps) {
+#pragma omp parallel for schedule(static) if (rows >= 4)
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t* xr = x + static_cast<int64_t>(r) * n;
+        uint16_t* o = out + static_cast<int64_t>(r) * n;
+        int i0 = 0;
+        float ss = 0.f;
+#if defined(__AVX512F__)
+        __m512 acc = _mm512_setzero_ps();
+        for (; i0 + 16 <= n; i0 += 16) {
+            const __m512 v = widen16(xr + i0);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        ss = _mm512_reduce_add_ps(acc);
+#endif
+        for (int i = i0; i < n; ++i) ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+        int i = 0;
+#if defined(__AVX512F__)
+        const __m512 iv = _mm512_set1_ps(inv);
+        for (; i + 16 <= n; i += 16) narrow16(o + i, _mm512_mul_ps(round_bf16(_mm512_mul_ps(widen16(xr + i), iv)), widen16(w + i)));
+#endif
+        for (; i < n; ++i) o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv)) * bf16_to_f32(w[i]));
+    }
+}
+
+// SwiGLU on bf16 rows [gate | up] of width 2 * n: out = bf16(bf16(silu(gate)) * up).
+void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n) {
+#pragma omp parallel for schedule(static) if (rows >= 4)
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t* g = gu + static_cast<int64_t>(r) * 2 * n;
+        const uint16_t* u = g + n;
+        uint16_t* o = out + static_cast<int64_t>(r) * n;
+        int i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 gv = widen16(g + i);
+            const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            narrow16(o + i, _mm512_mul_ps(round_bf16(sv), widen16(u + i)));
+        }
+#endif
+        for (; i < n; ++i) {
+            const float gv = bf16_to_f32(g[i]);
+            const float sv = bf16_to_f32(f32_to_bf16(gv / (1.f + std::exp(-gv))));
+            o[i] = f32_to_bf16(sv * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+// Rotary embedding on bf16 [T, n, hd] (rows of x row_stride apart, heads contiguous) with
+// per-token cos / sin_signed [T, hd] (sin_signed = -sin on the first half): out = bf16(bf16(x *
+// cos) + bf16(x_rotated_half * sin_signed)), the roundings of the three torch ops it replaces.
+void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int T, int n, int hd) {
+    const int half = hd / 2;
+#pragma omp parallel for schedule(static) if (T >= 4)
+    for (int t = 0; t < T; ++t) {
+        const uint16_t* c = cos + static_cast<int64_t>(t) * hd;
+        const uint16_t* sn = sin + static_cast<int64_t>(t) * hd;
+        for (int h = 0; h < n; ++h) {
+            const uint16_t* xh = x + static_cast<int64_t>(t) * row_stride + static_cast<int64_t>(h) * hd;
+            uint16_t* o = out + (static_cast<int64_t>(t) * n + h) * hd;
+            int i = 0;
+#if defined(__AVX512F__)
+            if (half % 16 == 0) {
+                for (; i < hd; i += 16) {
+                    const int j = i < half ? i + half : i - half;
+                    const __m512 a = round_bf16(_mm512_mul_ps(widen16(xh + i), widen16(c + i)));
+                    const __m512 b = round_bf16(_mm512_mul_ps(widen16(xh + j), widen16(sn + i)));
+                    narrow16(o + i, _mm512_add_ps(a, b));
+                }
+            }
+#endif
+            for (; i < hd; ++i) {
+                const int j = i < half ? i + half : i - half;
+                const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(xh[i]) * bf16_to_f32(c[i])));
+                const float b = bf16_to_f32(f32_to_bf16(bf16_to_f32(xh[j]) * bf16_to_f32(sn[i])));
+                o[i] = f32_to_bf16(a + b);
+            }
+        }
     }
 }
 

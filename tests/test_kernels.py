@@ -83,6 +83,10 @@ def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit() -> None:
         x = (torch.randn(9, n) * 3).bfloat16()
         w = torch.randn(n).bfloat16()
         assert torch.equal(kern.rms_norm(x, w, 1e-6), F.rms_norm(x, (n,), None, 1e-6) * w)
+        a = (torch.randn(9, n) * 3).bfloat16()
+        h = x + a
+        y = kern.rms_norm(x, w, 1e-6, add=a)  # x += a in place, then the norm
+        assert torch.equal(x, h) and torch.equal(y, F.rms_norm(h, (n,), None, 1e-6) * w)
         gu = (torch.randn(9, 2 * n) * 3).bfloat16()
         assert torch.equal(kern.silu_mul(gu), F.silu(gu[:, :n]) * gu[:, n:])
     for hd in (64, 20):
@@ -92,3 +96,15 @@ def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit() -> None:
         assert torch.equal(kern.rope(x, cos, sin), apply_rope(x, cos, sin))
     with pytest.raises(ValueError, match="rms_norm takes bf16"):
         kern.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)
+
+
+def test_argmax_equals_torch() -> None:
+    """First index on ties, a NaN counts as the largest, rows shorter than a vector."""
+    kern = _kern()
+    torch.manual_seed(0)
+    for x in (torch.randn(33, 32000), torch.randint(0, 5, (40, 37)).float(), torch.randn(3, 7)):
+        assert torch.equal(kern.argmax(x), x.argmax(-1))
+    x = torch.randn(5, 100)
+    x[1, 50] = x[2, 3] = x[2, 90] = x[4, 99] = float("nan")
+    x[3, :] = float("-inf")
+    assert torch.equal(kern.argmax(x), x.argmax(-1))

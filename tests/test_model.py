@@ -336,6 +336,14 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int) -> None:
         q = torch.randn(D, kvh * G, hd)
         out = kern.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_ids.view(D, -1),
                                           meta.decode_ctx_lens, meta.decode_starts, bs)
+        # bf16 queries with strided rows (as q sits in the layer's qk tensor): bf16 out
+        qk = torch.randn(D, kvh * G + 1, hd).bfloat16()
+        out16 = kern.paged_decode_attention(qk[:, : kvh * G], k_cache, v_cache, meta.decode_block_ids.view(D, -1),
+                                            meta.decode_ctx_lens, meta.decode_starts, bs)
+        assert out16.dtype == torch.bfloat16
+        ref16 = kern.paged_decode_attention(qk[:, : kvh * G].float(), k_cache, v_cache, meta.decode_block_ids.view(D, -1),
+                                            meta.decode_ctx_lens, meta.decode_starts, bs)
+        assert torch.equal(out16, ref16.bfloat16())
         kd = k_cache.view(-1, bs, kvh, hd).index_select(0, meta.decode_block_ids).float().view(D, -1, kvh, hd).transpose(1, 2)
         vd = v_cache.view(-1, bs, kvh, hd).index_select(0, meta.decode_block_ids).float().view(D, -1, kvh, hd).transpose(1, 2)
         ref = torch.nn.functional.scaled_dot_product_attention(q.view(D, kvh * G, 1, hd), kd, vd,

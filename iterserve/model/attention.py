@@ -167,7 +167,7 @@ def paged_attention(
         kern = kernels.load() if k_cache.dtype in (torch.float32, torch.bfloat16) else None
         if kern is not None:
             assert meta.decode_ctx_lens is not None and meta.decode_starts is not None
-            out = kern.paged_decode_attention(q[:D].float(), k_cache, v_cache, meta.decode_block_ids.view(D, -1),
+            out = kern.paged_decode_attention(q[:D], k_cache, v_cache, meta.decode_block_ids.view(D, -1),
                                               meta.decode_ctx_lens, meta.decode_starts, block_size)
         else:
             # GQA without repeating K/V: the G query heads of one KV head become G query rows.

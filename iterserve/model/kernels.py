@@ -81,13 +81,15 @@ class Kernels:
         self.lib.pack_bf16_panels.restype = None
         self.lib.gemm_panels.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
         self.lib.gemm_panels.restype = None
-        self.lib.rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float]
+        self.lib.rms_norm_bf16.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float]
         self.lib.rms_norm_bf16.restype = None
         self.lib.silu_mul_bf16.argtypes = [_P, _P, _I, _I]
         self.lib.silu_mul_bf16.restype = None
         self.lib.rope_bf16.argtypes = [_P, ctypes.c_int64, _P, _P, _P, _I, _I, _I]
         self.lib.rope_bf16.restype = None
-        self.lib.paged_decode_attention.argtypes = [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]
+        self.lib.argmax_f32.argtypes = [_P, _I, _I, _P]
+        self.lib.argmax_f32.restype = None
+        self.lib.paged_decode_attention.argtypes = [_P, ctypes.c_int64, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]
         self.lib.paged_decode_attention.restype = None
         self.path = path
 
@@ -116,13 +118,17 @@ class Kernels:
                              int(x.dtype == torch.float32), M, N, K)
         return y
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """bf16 ``F.rms_norm(x, ..., eps) * w`` with transformers' roundings; x [T, n], w [n]."""
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, add: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 ``F.rms_norm(x, ..., eps) * w`` with transformers' roundings; x [T, n], w [n].
+        With ``add`` ([T, n] bf16), first ``x += add`` in place (x must be contiguous then)."""
         if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.shape != (x.shape[1],):
             raise ValueError(f"rms_norm takes bf16 x [T, n] and w [n], got {x.dtype} {tuple(x.shape)}, {w.dtype} {tuple(w.shape)}")
+        if add is not None and (add.dtype != torch.bfloat16 or add.shape != x.shape or not x.is_contiguous()):
+            raise ValueError(f"rms_norm's add must be bf16 {tuple(x.shape)} and x contiguous, got {add.dtype} {tuple(add.shape)}")
         x = x.contiguous()
         out = torch.empty_like(x)
-        self.lib.rms_norm_bf16(x.data_ptr(), w.contiguous().data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        self.lib.rms_norm_bf16(x.data_ptr(), None if add is None else add.contiguous().data_ptr(), w.contiguous().data_ptr(),
+                               out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -147,6 +153,15 @@ class Kernels:
         self.lib.rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr(), T, n, hd)
         return out
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(-1)`` for f32 x [rows, n], n >= 1 (first index on ties, NaN largest)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] < 1:
+            raise ValueError(f"argmax takes f32 [rows, n >= 1], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.lib.argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out
+
     def paged_decode_attention(
         self,
         q: torch.Tensor,
@@ -157,24 +172,25 @@ class Kernels:
         starts: torch.Tensor,
         block_size: int,
     ) -> torch.Tensor:
-        """q [D, H, hd] f32; caches [slots, KvH, hd] bf16 or f32; block_tables [D, max_blocks]
-        int64; ctx_lens / starts [D] int64 (keys starts[d] .. ctx_lens[d] - 1 are visible).
-        Returns [D, H, hd] f32."""
+        """q [D, H, hd] bf16 or f32 (heads contiguous; rows may be strided); caches [slots, KvH,
+        hd] bf16 or f32; block_tables [D, max_blocks] int64; ctx_lens / starts [D] int64 (keys
+        starts[d] .. ctx_lens[d] - 1 are visible). Returns [D, H, hd] in q's dtype (f32 inside)."""
         D, H, hd = q.shape
         kvh = k_cache.shape[1]
-        if q.dtype != torch.float32 or k_cache.dtype not in (torch.bfloat16, torch.float32) or v_cache.dtype != k_cache.dtype:
-            raise ValueError(f"paged_decode_attention takes f32 q and bf16/f32 caches, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        if q.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype not in (torch.bfloat16, torch.float32) or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"paged_decode_attention takes bf16/f32 q and caches, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
         if H % kvh or k_cache.shape[2] != hd or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("paged_decode_attention: head counts or head_dim do not match, or a cache is not contiguous")
         for t in (block_tables, ctx_lens, starts):
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError("paged_decode_attention: block tables, lengths and starts must be contiguous int64")
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        if q.stride(2) != 1 or q.stride(1) != hd:
+            q = q.contiguous()
+        out = torch.empty(D, H, hd, dtype=q.dtype)
         self.lib.paged_decode_attention(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.float32),
-            block_tables.data_ptr(), ctx_lens.data_ptr(), starts.data_ptr(), out.data_ptr(),
-            D, H, kvh, hd, block_size, block_tables.shape[1], float(hd**-0.5))
+            q.data_ptr(), q.stride(0), int(q.dtype == torch.float32), k_cache.data_ptr(), v_cache.data_ptr(),
+            int(k_cache.dtype == torch.float32), block_tables.data_ptr(), ctx_lens.data_ptr(), starts.data_ptr(),
+            out.data_ptr(), D, H, kvh, hd, block_size, block_tables.shape[1], float(hd**-0.5))
         return out
 
 

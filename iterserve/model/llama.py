@@ -238,9 +238,13 @@ class DecoderLayer(nn.Module):
             qk = apply_rope(qk, cos, sin)  # q and k rotated together: one set of ops for both
         v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, hd)
         attn = paged_attention(qk[:, :nq], qk[:, nq:], v, k_cache, v_cache, meta, block_size)
-        h = h + linear(attn, self.o_proj, self.o_bias, self.packed.get("o"), self.panels.get("o"))
-
-        gate_up = linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_proj, self.gate_up_bias, self.packed.get("gate_up"), self.panels.get("gate_up"))
+        o = linear(attn, self.o_proj, self.o_bias, self.packed.get("o"), self.panels.get("o"))
+        if h.dtype == torch.bfloat16 and h.is_contiguous() and (kern := kernels.load()) is not None:
+            normed = kern.rms_norm(h, self.post_norm, self.eps, add=o)  # h += o in place, then the norm
+        else:
+            h = h + o
+            normed = rms_norm(h, self.post_norm, self.eps)
+        gate_up = linear(normed, self.gate_up_proj, self.gate_up_bias, self.packed.get("gate_up"), self.panels.get("gate_up"))
         if gate_up.dtype == torch.bfloat16 and (kern := kernels.load()) is not None:
             act = kern.silu_mul(gate_up)  # same roundings as the two torch ops below
         else:

@@ -290,44 +290,58 @@ void pack_bf16_panels(const uint16_t* W, uint16_t* P, int N, int K) {
 // rows of x pass, 8 at a time, then 4, 2, 1.
 void gemm_panels(const uint16_t* P, const void* x, void* y, const void* bias, int x_f32, int M, int N, int K) {
     std::vector<float> xf(static_cast<size_t>(M) * K);
-    for (int i = 0; i < M; ++i) load_row(x, x_f32, static_cast<int64_t>(i) * K, K, xf.data() + static_cast<size_t>(i) * K);
-    std::vector<float> bf;
-    if (bias) {
-        bf.resize(N);
-        load_row(bias, x_f32, 0, N, bf.data());
-    }
+    std::vector<float> bf(bias ? N : 0);
     const float* b = bias ? bf.data() : nullptr;
     const int panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static)
-    for (int p = 0; p < panels; ++p) {
-        const uint16_t* Pp = P + static_cast<int64_t>(p) * K * PANEL;
-        const int n0 = p * PANEL;
-        int m0 = 0;
-        for (; M - m0 >= 8; m0 += 8) panel_rows<8, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
-        for (; M - m0 >= 4; m0 += 4) panel_rows<4, 2>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
-        for (; M - m0 >= 2; m0 += 2) panel_rows<2, 4>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
-        for (; M - m0 >= 1; m0 += 1) panel_rows<1, 8>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+#pragma omp parallel
+    {
+        // widen x (and the bias) on every thread: single-threaded it cost ~0.7 ms a 32-row step
+#pragma omp for schedule(static)
+        for (int i = 0; i < M; ++i) load_row(x, x_f32, static_cast<int64_t>(i) * K, K, xf.data() + static_cast<size_t>(i) * K);
+        if (bias) {
+#pragma omp single
+            load_row(bias, x_f32, 0, N, bf.data());
+        }
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; ++p) {
+            const uint16_t* Pp = P + static_cast<int64_t>(p) * K * PANEL;
+            const int n0 = p * PANEL;
+            int m0 = 0;
+            for (; M - m0 >= 8; m0 += 8) panel_rows<8, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+            for (; M - m0 >= 4; m0 += 4) panel_rows<4, 2>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+            for (; M - m0 >= 2; m0 += 2) panel_rows<2, 4>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+            for (; M - m0 >= 1; m0 += 1) panel_rows<1, 8>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+        }
     }
 }
 
 // Llama's RMSNorm on bf16 rows, rounded as transformers rounds it: y = bf16(x * rsqrt(mean(x^2)
-// + eps)), out = bf16(y * w), with f32 arithmetic in between (as torch's bf16 ops).
-void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int rows, int n, float eps) {
+// + eps)), out = bf16(y * w), with f32 arithmetic in between (as torch's bf16 ops). With `add`,
+// first x = bf16(x + add) in place (the residual add before the norm).
+void rms_norm_bf16(uint16_t* x, const uint16_t* add, const uint16_t* w, uint16_t* out, int rows, int n, float eps) {
 #pragma omp parallel for schedule(static) if (rows >= 4)
     for (int r = 0; r < rows; ++r) {
-        const uint16_t* xr = x + static_cast<int64_t>(r) * n;
+        uint16_t* xr = x + static_cast<int64_t>(r) * n;
+        const uint16_t* ar = add ? add + static_cast<int64_t>(r) * n : nullptr;
         uint16_t* o = out + static_cast<int64_t>(r) * n;
         int i0 = 0;
         float ss = 0.f;
 #if defined(__AVX512F__)
         __m512 acc = _mm512_setzero_ps();
         for (; i0 + 16 <= n; i0 += 16) {
-            const __m512 v = widen16(xr + i0);
+            __m512 v = widen16(xr + i0);
+            if (ar) {
+                v = round_bf16(_mm512_add_ps(v, widen16(ar + i0)));
+                narrow16(xr + i0, v);
+            }
             acc = _mm512_fmadd_ps(v, v, acc);
         }
         ss = _mm512_reduce_add_ps(acc);
 #endif
-        for (int i = i0; i < n; ++i) ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
+        for (int i = i0; i < n; ++i) {
+            if (ar) xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(ar[i]));
+            ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
+        }
         const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
         int i = 0;
 #if defined(__AVX512F__)
@@ -395,19 +409,68 @@ void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const
     }
 }
 
-// Decode attention over the paged cache. q [D, H, hd] f32; k_cache/v_cache [slots, KvH, hd]
+// Index of each row's largest value, the first one on ties, a NaN counting as the largest (as
+// torch.argmax). x [rows, n] f32 contiguous.
+void argmax_f32(const float* x, int rows, int n, int64_t* out) {
+#pragma omp parallel for schedule(static) if (rows >= 4)
+    for (int r = 0; r < rows; ++r) {
+        const float* xr = x + static_cast<int64_t>(r) * n;
+        int64_t best = -1;
+        int i = 0;
+#if defined(__AVX512F__)
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        bool nan = false;
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(xr + i);
+            if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) { nan = true; break; }
+            m = _mm512_max_ps(m, v);
+        }
+        if (!nan) {
+            float mx = _mm512_reduce_max_ps(m);
+            for (int j = i; j < n; ++j) {
+                if (std::isnan(xr[j])) { nan = true; break; }
+                mx = std::fmax(mx, xr[j]);
+            }
+            if (!nan) {
+                const __m512 mv = _mm512_set1_ps(mx);
+                int j = 0;
+                for (; j + 16 <= n && best < 0; j += 16) {
+                    const __mmask16 k = _mm512_cmp_ps_mask(_mm512_loadu_ps(xr + j), mv, _CMP_EQ_OQ);
+                    if (k) best = j + __builtin_ctz(k);
+                }
+                for (; j < n && best < 0; ++j)
+                    if (xr[j] == mx) best = j;
+            }
+        }
+        if (best < 0) i = 0;  // a NaN somewhere (or no vector path): the scalar scan decides
+#endif
+        if (best < 0) {
+            float mx = xr[0];
+            best = 0;
+            for (int j = 1; j < n; ++j) {
+                if (std::isnan(mx)) break;
+                if (std::isnan(xr[j]) || xr[j] > mx) { mx = xr[j]; best = j; }
+            }
+        }
+        out[r] = best;
+    }
+}
+
+// Decode attention over the paged cache. q [D, H, hd] in bf16 (io_f32 = 0) or f32, rows
+// q_row_stride elements apart, heads contiguous; out [D, H, hd] contiguous, in q's dtype
+// (rounded once at the end); k_cache/v_cache [slots, KvH, hd]
 // in bf16 (cache_f32 = 0) or f32; block_tables [D, max_blocks] int64 (slot = block * block_size
 // + offset); ctx_lens [D] (keys 0 .. ctx_len - 1 exist); starts [D] (first visible key: 0, or
-// past a sliding window); out [D, H, hd] f32. Query heads h * G .. h * G + G - 1 share KV head h.
+// past a sliding window). Query heads h * G .. h * G + G - 1 share KV head h.
 //
 // A task is one sequence and a range of its KV heads (the whole range unless there are too few
 // sequences to keep every thread busy): it walks the sequence's slots in order, and a slot's
 // heads are adjacent in memory, so the task reads its cache rows as contiguous runs instead of
 // one head's 128-byte piece every 1.5 KB. Pass 1 computes every score, then a vectorised softmax
 // per query head, then pass 2 accumulates the V rows.
-void paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int cache_f32,
+void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
                             const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts,
-                            float* out, int D, int H, int KvH, int hd, int block_size, int max_blocks, float scale) {
+                            void* out, int D, int H, int KvH, int hd, int block_size, int max_blocks, float scale) {
     const int G = H / KvH;
     const int elem = cache_f32 ? 4 : 2;
     int threads = 1;
@@ -422,7 +485,7 @@ void paged_decode_attention(const float* q, const void* k_cache, const void* v_c
     const int tasks = D * splits;
 #pragma omp parallel
     {
-        std::vector<float> scores, row(static_cast<size_t>(hd)), acc;
+        std::vector<float> scores, row(static_cast<size_t>(hd)), acc, qbuf;
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tasks; ++t) {
             const int d = t / splits;
@@ -432,11 +495,14 @@ void paged_decode_attention(const float* q, const void* k_cache, const void* v_c
             const int nq = (h1 - h0) * G;  // query heads in this task
             const int64_t begin = starts[d], end = ctx_lens[d];
             const int64_t n = end - begin;
-            const float* qd = q + (static_cast<int64_t>(d) * H + static_cast<int64_t>(h0) * G) * hd;
-            float* od = out + (static_cast<int64_t>(d) * H + static_cast<int64_t>(h0) * G) * hd;
+            qbuf.resize(static_cast<size_t>(nq) * hd);
+            load_row(q, io_f32, static_cast<int64_t>(d) * q_row_stride + static_cast<int64_t>(h0) * G * hd, nq * hd, qbuf.data());
+            const float* qd = qbuf.data();
+            const int64_t od = (static_cast<int64_t>(d) * H + static_cast<int64_t>(h0) * G) * hd;  // out offset
             const int64_t* bt = block_tables + static_cast<int64_t>(d) * max_blocks;
             if (n <= 0) {
-                std::memset(od, 0, sizeof(float) * nq * hd);
+                acc.assign(static_cast<size_t>(nq) * hd, 0.f);
+                store_row(out, io_f32, od, nq * hd, acc.data());
                 continue;
             }
             const int64_t ldn = (n + 15) & ~int64_t(15);  // scores[qh * ldn + p]
@@ -467,7 +533,7 @@ void paged_decode_attention(const float* q, const void* k_cache, const void* v_c
                     }
                 }
             }
-            std::memcpy(od, acc.data(), sizeof(float) * nq * hd);
+            store_row(out, io_f32, od, nq * hd, acc.data());
         }
     }
 }

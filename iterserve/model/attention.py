@@ -131,8 +131,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     block_size: int,
+    kern: kernels.Kernels | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KvH, D] (post-RoPE) -> attention output [T, H * D].
+    """q [T, H, D], k/v [T, KvH, D] (post-RoPE) -> attention output [T, H * D]. ``kern``:
+    iterserve's kernels, for the decodes (f32 or bf16 caches).
 
     Writes every new K/V of the step before reading, so sequences sharing prefix blocks within
     one step see each other's writes.
@@ -164,7 +166,6 @@ def paged_attention(
     D = meta.num_decodes
     if D:
         assert meta.decode_block_ids is not None
-        kern = kernels.load() if k_cache.dtype in (torch.float32, torch.bfloat16) else None
         if kern is not None:
             assert meta.decode_ctx_lens is not None and meta.decode_starts is not None
             out = kern.paged_decode_attention(q[:D], k_cache, v_cache, meta.decode_block_ids.view(D, -1),

@@ -162,11 +162,13 @@ def linear(
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: kernels.Kernels | None = None) -> torch.Tensor:
+    """``fused``: iterserve's kernels for a bf16 model (one call instead of ~10 torch ops, the
+    same roundings)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and (kern := kernels.load()) is not None:
-        return kern.rms_norm(x, weight, eps)  # one call instead of ~10 torch ops; same roundings
+    if fused is not None:
+        return fused.rms_norm(x, weight, eps)
     # Low precision: round the normalised value before the weight multiply, as transformers does.
     return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
 
@@ -197,6 +199,10 @@ class DecoderLayer(nn.Module):
         self.down_bias = _param(h, dtype=dtype) if cfg.mlp_bias else None
         self.packed: dict[str, PackedLinear] = {}
         self.panels: dict[str, PanelLinear] = {}
+        # iterserve's kernels (see DecoderModel.use_kernels): decode attention for f32/bf16
+        # caches; the fused elementwise ops (RMSNorm, RoPE, SwiGLU) for bf16 models.
+        self.attn_kern: kernels.Kernels | None = None
+        self.fused: kernels.Kernels | None = None
 
     LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -228,25 +234,24 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         T = h.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(rms_norm(h, self.input_norm, self.eps), self.qkv_proj, self.qkv_bias, self.packed.get("qkv"), self.panels.get("qkv"))
+        fused = self.fused
+        qkv = linear(rms_norm(h, self.input_norm, self.eps, fused), self.qkv_proj, self.qkv_bias, self.packed.get("qkv"), self.panels.get("qkv"))
         qk = qkv[:, : self.q_size + self.kv_size].view(T, nq + nkv, hd)
         if self.qk_norm is not None:
             qk = F.rms_norm(qk, (hd,), None, self.eps) * self.qk_norm
-        if qk.dtype == torch.bfloat16 and (kern := kernels.load()) is not None:
-            qk = kern.rope(qk, cos, sin)  # one call, the same roundings as apply_rope's ops
-        else:
-            qk = apply_rope(qk, cos, sin)  # q and k rotated together: one set of ops for both
+        # q and k rotated together: one set of ops (or one fused call) for both
+        qk = fused.rope(qk, cos, sin) if fused is not None else apply_rope(qk, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, hd)
-        attn = paged_attention(qk[:, :nq], qk[:, nq:], v, k_cache, v_cache, meta, block_size)
+        attn = paged_attention(qk[:, :nq], qk[:, nq:], v, k_cache, v_cache, meta, block_size, self.attn_kern)
         o = linear(attn, self.o_proj, self.o_bias, self.packed.get("o"), self.panels.get("o"))
-        if h.dtype == torch.bfloat16 and h.is_contiguous() and (kern := kernels.load()) is not None:
-            normed = kern.rms_norm(h, self.post_norm, self.eps, add=o)  # h += o in place, then the norm
+        if fused is not None:
+            normed = fused.rms_norm(h, self.post_norm, self.eps, add=o)  # h += o in place, then the norm
         else:
             h = h + o
             normed = rms_norm(h, self.post_norm, self.eps)
         gate_up = linear(normed, self.gate_up_proj, self.gate_up_bias, self.packed.get("gate_up"), self.panels.get("gate_up"))
-        if gate_up.dtype == torch.bfloat16 and (kern := kernels.load()) is not None:
-            act = kern.silu_mul(gate_up)  # same roundings as the two torch ops below
+        if fused is not None:
+            act = fused.silu_mul(gate_up)  # same roundings as the two torch ops below
         else:
             act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
         return h + linear(act, self.down_proj, self.down_bias, self.packed.get("down"), self.panels.get("down"))
@@ -263,6 +268,17 @@ class DecoderModel(nn.Module):
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.packed_lm_head: PackedLinear | None = None
         self.panel_lm_head: PanelLinear | None = None
+        self.fused: kernels.Kernels | None = None
+
+    def use_kernels(self, kern: kernels.Kernels | None) -> None:
+        """Routes decode attention (f32/bf16 caches) and, for a bf16 model, the elementwise ops
+        through iterserve's kernels; decided once here, not per call."""
+        dtype = self.embed_tokens.dtype
+        self.fused = kern if dtype == torch.bfloat16 else None
+        for layer in self.layers:
+            layer = cast(DecoderLayer, layer)
+            layer.attn_kern = kern if dtype in (torch.float32, torch.bfloat16) else None
+            layer.fused = self.fused
 
     def linear_weight_bytes(self) -> int:
         """Elements of every GEMM weight (projections and LM head) times 4: their f32 size."""
@@ -303,5 +319,5 @@ class DecoderModel(nn.Module):
         h = F.embedding(input_ids, self.embed_tokens)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, meta, k_cache, v_cache, block_size)
-        h = rms_norm(h[logit_rows], self.norm, self.cfg.rms_norm_eps)
+        h = rms_norm(h[logit_rows], self.norm, self.cfg.rms_norm_eps, self.fused)
         return linear(h, self.lm_head, None, self.packed_lm_head, self.panel_lm_head).float()

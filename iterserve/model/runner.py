@@ -111,15 +111,22 @@ class ModelRunner:
             self.rope = RotaryTable(cfg.head_dim, cfg.rope, self.max_model_len, self.dtype)
         self.num_params: int = sum(p.numel() for p in self.model.parameters())  # tied counted once
         self.packed_weights: bool = self._should_pack()
-        kern = kernels.load() if self.dtype == torch.bfloat16 and needs_upcast(self.dtype) else None
+        # iterserve's C++ kernels, built the first time on this machine (a few seconds), loaded
+        # here rather than in the first step; None: torch's kernels (see kernels.py).
+        t0 = time.perf_counter()
+        kern = kernels.load()
+        if kern is not None:
+            logger.info("C++ kernels ready in %.1f s", time.perf_counter() - t0)
+        self.model.use_kernels(kern)
         # bf16 on a CPU that emulates it: panels (llama.py) serve up to PANEL_MAX_ROWS rows and
         # replace the bf16 originals; the packed f32 copy, where it fits, serves more rows.
-        self.panel_weights: bool = kern is not None
+        panel_kern = kern if self.dtype == torch.bfloat16 and needs_upcast(self.dtype) else None
+        self.panel_weights: bool = panel_kern is not None
         with torch.inference_mode():
             if self.packed_weights:
                 self.model.pack_weights(keep_original=self.dtype != torch.float32)
-            if kern is not None:
-                self.model.pack_panels(kern)
+            if panel_kern is not None:
+                self.model.pack_panels(panel_kern)
 
         self.block_size: int = cache_config.block_size
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -141,14 +148,6 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
-        self.warm_up()
-
-    def warm_up(self) -> None:
-        """Loads iterserve's C++ kernels at start-up (building them the first time on this
-        machine, a few seconds) instead of in the first step."""
-        t0 = time.perf_counter()
-        if kernels.load() is not None:
-            logger.info("C++ kernels ready in %.1f s", time.perf_counter() - t0)
 
     def _should_pack(self) -> bool:
         """Prepack GEMM weights as f32 (``PackedLinear``) for f32 models, and for bf16/f16 ones

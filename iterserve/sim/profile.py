@@ -81,7 +81,6 @@ def measure(
     are aborted along the way. Cells that exceed its ``max_num_seqs`` or token budget are still
     measured: each point's shape is what its scheduler actually ran."""
     timer = CLOCKS[clock]
-    from iterserve.bench.replay import bench_params, warmup
     from iterserve.engine import LLMEngine
 
     steps_per_cell = len(prefill) * repeats * 2 + 4
@@ -113,8 +112,7 @@ def measure(
 
     sched.schedule = capture  # type: ignore[method-assign]  # shapes come from the scheduler's own decisions
     try:
-        out = _measure_grid(engine, prefill, decode, context, repeats, log, timer, shapes, steps_per_cell,
-                            bench_params, warmup)
+        out = _measure_grid(engine, prefill, decode, context, repeats, log, timer, shapes, steps_per_cell)
     finally:
         sched.schedule = schedule  # type: ignore[method-assign]
     return engine, out
@@ -122,7 +120,9 @@ def measure(
 
 def _measure_grid(engine: Any, prefill: list[int], decode: list[int], context: list[int], repeats: int,
                   log: Callable[[str], None], timer: Callable[[], float], shapes: list[StepShape],
-                  steps_per_cell: int, bench_params: Any, warmup: Any) -> list[tuple[tuple[int, int, int, str], StepShape, float]]:
+                  steps_per_cell: int) -> list[tuple[tuple[int, int, int, str], StepShape, float]]:
+    from iterserve.bench.replay import bench_params, warmup
+
     sched = engine.scheduler
     rng = np.random.default_rng(0)
     low, high = 100, min(engine.vocab_size, 30000)

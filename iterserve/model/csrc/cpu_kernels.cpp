@@ -507,32 +507,28 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
             }
             const int64_t ldn = (n + 15) & ~int64_t(15);  // scores[qh * ldn + p]
             scores.assign(static_cast<size_t>(nq) * ldn, -INFINITY);
-            // Pass 1: scores[qh, p] = q_qh . k_p * scale.
-            for (int64_t p = begin; p < end; ++p) {
-                const int64_t slot = bt[p / block_size] * block_size + p % block_size;
-                if (p + AHEAD < end) prefetch_heads(k_cache, elem, bt, block_size, p + AHEAD, KvH, hd, h0, h1);
-                for (int h = h0; h < h1; ++h) {
-                    load_row(k_cache, cache_f32, (slot * KvH + h) * hd, hd, row.data());
-                    for (int g = 0; g < G; ++g) {
-                        const int qh = (h - h0) * G + g;
-                        scores[qh * ldn + (p - begin)] = dot(qd + static_cast<int64_t>(qh) * hd, row.data(), hd) * scale;
+            // Visits heads [h0, h1) of every position in [begin, end) in order, each row widened
+            // into `row`, the rows AHEAD positions on prefetched.
+            auto walk = [&](const void* cache, auto&& visit) {
+                for (int64_t p = begin; p < end; ++p) {
+                    const int64_t slot = bt[p / block_size] * block_size + p % block_size;
+                    if (p + AHEAD < end) prefetch_heads(cache, elem, bt, block_size, p + AHEAD, KvH, hd, h0, h1);
+                    for (int h = h0; h < h1; ++h) {
+                        load_row(cache, cache_f32, (slot * KvH + h) * hd, hd, row.data());
+                        for (int g = 0; g < G; ++g) visit(p - begin, (h - h0) * G + g);
                     }
                 }
-            }
+            };
+            // Pass 1: scores[qh, p] = q_qh . k_p * scale.
+            walk(k_cache, [&](int64_t i, int qh) {
+                scores[qh * ldn + i] = dot(qd + static_cast<int64_t>(qh) * hd, row.data(), hd) * scale;
+            });
             for (int qh = 0; qh < nq; ++qh) softmax_inplace(scores.data() + qh * ldn, n, ldn);
             // Pass 2: out_qh = sum_p scores[qh, p] * v_p.
             acc.assign(static_cast<size_t>(nq) * hd, 0.f);
-            for (int64_t p = begin; p < end; ++p) {
-                const int64_t slot = bt[p / block_size] * block_size + p % block_size;
-                if (p + AHEAD < end) prefetch_heads(v_cache, elem, bt, block_size, p + AHEAD, KvH, hd, h0, h1);
-                for (int h = h0; h < h1; ++h) {
-                    load_row(v_cache, cache_f32, (slot * KvH + h) * hd, hd, row.data());
-                    for (int g = 0; g < G; ++g) {
-                        const int qh = (h - h0) * G + g;
-                        axpy(scores[qh * ldn + (p - begin)], row.data(), acc.data() + static_cast<int64_t>(qh) * hd, hd);
-                    }
-                }
-            }
+            walk(v_cache, [&](int64_t i, int qh) {
+                axpy(scores[qh * ldn + i], row.data(), acc.data() + static_cast<int64_t>(qh) * hd, hd);
+            });
             store_row(out, io_f32, od, nq * hd, acc.data());
         }
     }

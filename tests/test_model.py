@@ -314,7 +314,8 @@ def test_low_precision_paths_agree(case: Callable[[str], Case], monkeypatch: pyt
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hd", [16, 20])  # 20: the kernel's scalar path (head_dim not a multiple of 16)
+# 20: the scalar path (head_dim not a multiple of 16); 64, 128: the bf16 cache's fast path
+@pytest.mark.parametrize("hd", [16, 20, 64, 128])
 def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int) -> None:
     """iterserve's paged decode kernel, fed by the step's metadata, equals SDPA over the gathered
     padded window: GQA, contexts of different lengths, scattered blocks, a sliding window."""
@@ -326,8 +327,8 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int) -> None:
     bs, kvh, G, nblocks = 4, 2, 3, 40
     k_cache = torch.randn(nblocks * bs, kvh, hd).to(cache_dtype) * 2
     v_cache = torch.randn(nblocks * bs, kvh, hd).to(cache_dtype)
-    positions = [0, 5, 13, 22]  # each decode's own position (its key is already written)
-    items = [attention.StepItem(1, p, torch.randperm(nblocks)[:6].tolist()) for p in positions]
+    positions = [0, 5, 13, 22, 15, 45]  # each decode's own position (its key is already written)
+    items = [attention.StepItem(1, p, torch.randperm(nblocks)[:12].tolist()) for p in positions]
     for window in (None, 7):
         meta = attention.build_attention_metadata(items, len(items), bs, window, torch.float32)
         assert meta.decode_block_ids is not None and meta.decode_mask is not None

@@ -92,12 +92,12 @@ UPCAST_SLICE_ROWS = 512
 # 3. Panels (where iterserve's C++ kernels build, see kernels.py): each bf16 weight is laid out
 #    once in 32-column panels, and the kernel widens it to f32 in registers: 2 bytes per weight
 #    streamed, f32 FMAs. It replaces the original bf16 weights (same size). All 49 bench-134m
-#    GEMMs (12 layers + LM head, 219 MB of bf16), 2 threads, ms, median of 5:
+#    GEMMs (12 layers + LM head, 219 MB of bf16), 2 threads, ms, median of 5 (14-row tiles):
 #        rows          1     2     4     8     16    32    64    128   256   512
-#        panels      8.4   8.7   9.3   11.5  17.2  29.1  54.2  106   210   428
-#        packed f32  17.8  18.7  21.1  23.4  29.5  41.3  64.2  111   201   399
+#        panels      8.5   9.5   9.5   10.1  14.7  26.7  50.3  100   197   401
+#        packed f32  17.9  18.9  20.2  23.5  28.7  42.9  63.7  111   206   398
 #    so panels serve up to PANEL_MAX_ROWS rows, and the packed f32 copy (where made) the rest.
-PANEL_MAX_ROWS = 128
+PANEL_MAX_ROWS = 256
 
 
 class PackedLinear:

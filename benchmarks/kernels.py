@@ -1,0 +1,114 @@
+"""Microbenchmarks of iterserve's C++ kernels on bench-134m shapes (docs/SPEED.md cites them).
+
+    python benchmarks/kernels.py gemm --rows 1,8,32,128,512    # all 49 GEMMs: panels vs packed f32
+    python benchmarks/kernels.py attention --batch 32 --ctx 136  # paged decode attention, one layer
+
+gemm: the 49 bf16 weights of a bench-134m forward (12 layers x q/k/v fused, o, gate/up fused,
+down, plus the LM head; 219 MB, more than the caches, so every call streams its weight), random
+values, run back to back; the median over --repeats of the whole set, for the panel kernel
+(``gemm_panels``) and for oneDNN's packed f32 inner product (``PackedLinear``).
+
+attention: --batch sequences of --ctx keys each, blocks scattered over a pool three times the
+size needed (random block tables), bf16 cache, 12 query heads of 64 over --kv-heads heads; ms
+per call (one layer), median over --repeats of the mean of 12 calls, and the bandwidth its K and
+V bytes imply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from iterserve.model import kernels
+from iterserve.model.cpu import tune_allocator
+from iterserve.model.llama import PackedLinear
+
+HIDDEN, INTER, LAYERS, HEADS, HEAD_DIM, VOCAB = 768, 2048, 12, 12, 64, 32000
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def bench_gemm(kern: kernels.Kernels, rows: list[int], repeats: int) -> None:
+    shapes = [(3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)]
+    ws = [torch.randn(*s).bfloat16() for s in shapes]
+    panels = [kern.pack_panels(w) for w in ws]
+    packed = [PackedLinear(w, None) for w in ws]
+    params = sum(w.numel() for w in ws)
+    print(f"49 GEMMs, {params / 1e6:.1f}M params, {2 * params / 1e6:.0f} MB bf16; ms per set (median of {repeats}), GFLOP/s")
+    print(f"{'rows':>5} {'panels ms':>10} {'GFLOP/s':>8} {'packed f32 ms':>14} {'GFLOP/s':>8}")
+    for m in rows:
+        xs = {k: torch.randn(m, k).bfloat16() for k in (HIDDEN, INTER)}
+
+        def run_panels(xs: dict[int, torch.Tensor] = xs) -> None:
+            for w, p in zip(ws, panels):
+                kern.gemm_panels(xs[w.shape[1]], p, w.shape[0])
+
+        def run_packed(xs: dict[int, torch.Tensor] = xs) -> None:
+            for w, f in zip(ws, packed):
+                f(xs[w.shape[1]])
+
+        t_pan = _median_ms(run_panels, repeats)
+        t_f32 = _median_ms(run_packed, repeats)
+        gflop = 2 * m * params / 1e9
+        print(f"{m:>5} {t_pan:>10.2f} {gflop / t_pan * 1e3:>8.0f} {t_f32:>14.2f} {gflop / t_f32 * 1e3:>8.0f}")
+
+
+def bench_attention(kern: kernels.Kernels, batch: int, ctx: int, kv_heads: int, block_size: int, repeats: int) -> None:
+    per_seq = -(-ctx // block_size)
+    nblocks = 3 * batch * per_seq
+    k_cache = torch.randn(nblocks * block_size, kv_heads, HEAD_DIM).bfloat16()
+    v_cache = torch.randn(nblocks * block_size, kv_heads, HEAD_DIM).bfloat16()
+    tables = torch.randperm(nblocks)[: batch * per_seq].view(batch, per_seq).contiguous()
+    lens = torch.full((batch,), ctx, dtype=torch.int64)
+    starts = torch.zeros(batch, dtype=torch.int64)
+    q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+
+    def twelve() -> None:
+        for _ in range(12):
+            kern.paged_decode_attention(q, k_cache, v_cache, tables, lens, starts, block_size)
+
+    ms = _median_ms(twelve, repeats) / 12
+    mb = batch * ctx * kv_heads * HEAD_DIM * 2 * 2 / 1e6
+    print(f"decode attention: {batch} x {ctx} keys, {HEADS} heads over {kv_heads}, bf16 cache: {ms:.3f} ms a layer "
+          f"(median of {repeats}), K+V {mb:.1f} MB -> {mb / ms:.1f} GB/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("gemm", "attention"))
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512", help="gemm: rows of x, comma-separated")
+    ap.add_argument("--batch", type=int, default=32, help="attention: sequences")
+    ap.add_argument("--ctx", type=int, default=136, help="attention: keys per sequence")
+    ap.add_argument("--kv-heads", type=int, default=HEADS, help="attention: KV heads (12 = bench-134m; 4 = GQA 3)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    kern = kernels.load()
+    if kern is None:
+        print("iterserve's C++ kernels did not build (see the warning above)", file=sys.stderr)
+        return 1
+    torch.set_num_threads(args.threads)
+    tune_allocator()
+    if args.what == "gemm":
+        bench_gemm(kern, [int(r) for r in args.rows.split(",")], args.repeats)
+    else:
+        bench_attention(kern, args.batch, args.ctx, args.kv_heads, args.block_size, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,15 @@ row per workload is the profile's error on the real run's own steps (the sum of 
 against measured step times, step shapes taken from the scheduler's output), which separates
 the cost model's error from what queueing makes of it.
 
+Calibration: even minutes apart, this machine's speed drifts by a few percent (the same
+profile cells re-measured differ 3-7%, uniformly), and near saturation queueing multiplies a
+few percent of step time into tens of percent of TTFT. So the benchmark also times a fixed set
+of reference steps (REFERENCE: a few decode batches and prefills, a second or two) right after
+each profile is fitted and right before and after each real run; the ratio of the run's
+reference time to the profile's is the machine's speed factor for that run, and the second
+table simulates with the profile scaled by it (``CpuProfile.scaled``). A simulator user does
+the same when the machine they plan for runs at a different speed from the one they profiled.
+
 Workloads:
   trace    the first 100 requests of the Azure conversation trace, lengths and time scaled
            to this CPU (--trace-*)
@@ -66,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--profile", help="use this CPU profile for every repeat (default: fit one before each "
                    "repeat on the --profile-* grid, so that profile and runs share the machine's conditions)")
-    p.add_argument("--profile-prefill", default="0,32,128")
+    p.add_argument("--profile-prefill", default="0,32,128,240",
+                   help="prefill chunk sizes of the profile grid; keep the largest near the token budget "
+                   "(--max-num-batched-tokens): the Poisson run's prefill chunks of 129-250 tokens were half its "
+                   "time, and profiles fitted up to 128 extrapolated them 0-14%% apart from one fit to the next")
     p.add_argument("--profile-decode", default="0,1,2,3,4,8,16")
     p.add_argument("--profile-context", default="64,384")
     p.add_argument("--profile-repeats", type=int, default=3)
@@ -122,6 +134,23 @@ def sim_run(prof: CpuProfile, args: EngineArgs, max_model_len: int, num_kv_block
     return s
 
 
+# Reference steps for the speed factor: the profile's own kind of cells (see iterserve.sim.profile
+# .measure), a small fixed grid: prefill 0 / 64 tokens beside 4 / 12 decodes at context 128, and
+# the batch-size sweep 12..1 that measure() adds.
+REFERENCE: dict[str, Any] = {"prefill": [0, 64], "decode": [4, 12], "context": [128], "repeats": 3}
+
+
+def reference_ratio(engine: Any, args: EngineArgs, prof: CpuProfile, clock: str) -> float:
+    """Measured / predicted time of the REFERENCE steps on ``engine`` now (left idle)."""
+    from iterserve.sim.profile import cell_medians, measure
+
+    _, samples = measure(args, REFERENCE["prefill"], REFERENCE["decode"], REFERENCE["context"],
+                         REFERENCE["repeats"], clock=clock, engine=engine)
+    points = cell_medians(samples)
+    cost = CpuProfileCostModel(prof)
+    return sum(t for _, _, t in points) / sum(cost.step_time(shape) for _, shape, _ in points)
+
+
 def fit_profile_here(ns: argparse.Namespace, path: str, engine: Any) -> CpuProfile:
     """``iterserve profile`` on the compact --profile-* grid, in this process, now, on the very
     engine the workloads run on (see main)."""
@@ -166,13 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(args)
     warmup(engine)
 
-    def profile_for(r: int) -> CpuProfile:
-        if fixed is not None:
-            return fixed
-        return fit_profile_here(ns, str(Path(ns.out_dir) / f"cpu_profile.r{r}.json"), engine)
+    def profile_for(r: int) -> tuple[CpuProfile, float]:
+        """The repeat's profile, and its REFERENCE ratio measured right after it was fitted."""
+        p = fixed if fixed is not None else fit_profile_here(ns, str(Path(ns.out_dir) / f"cpu_profile.r{r}.json"), engine)
+        return p, reference_ratio(engine, args, p, ns.clock)
 
     Path(ns.out_dir).mkdir(parents=True, exist_ok=True)
-    prof = profile_for(0)
+    prof, ref_prof = profile_for(0)
     max_len = int(engine.max_model_len)
     vocab = int(engine.vocab_size)
     blocks = int(engine.kv.num_blocks)
@@ -223,10 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     for r in range(ns.repeats):
         if r:
-            prof = profile_for(r)
+            prof, ref_prof = profile_for(r)
         cost = CpuProfileCostModel(prof)
         for name, specs in workloads.items():
             t0 = time.perf_counter()
+            ref_before = reference_ratio(engine, args, prof, ns.clock)
             shapes.clear()
             durations.clear()
             reset_prefix_cache(engine)
@@ -238,13 +268,23 @@ def main(argv: list[str] | None = None) -> int:
                 res = replay(engine, specs)
             real = summarize(res.timings, res.duration_s)
             real["num_steps"] = res.num_steps
+            # the run's own steps (the reference steps below go through the same hooks)
+            run_shapes, run_durations = list(shapes), list(durations)
+            steps_err = (sum(cost.step_time(x) for x in run_shapes) / sum(run_durations) - 1
+                         if len(run_durations) == len(run_shapes) else None)
+            ref_after = reference_ratio(engine, args, prof, ns.clock)
+            speed = (ref_before + ref_after) / 2 / ref_prof  # > 1: the machine is slower than when profiled
             sim = sim_run(prof, args, max_len, blocks, specs)
-            rec: dict[str, Any] = {"real": real, "sim": sim, "load_avg_1m": os.getloadavg()[0]}
-            if len(durations) == len(shapes):
-                rec["profile_error_on_real_steps"] = sum(cost.step_time(x) for x in shapes) / sum(durations) - 1
+            sim_cal = sim_run(prof.scaled(speed), args, max_len, blocks, specs)
+            rec: dict[str, Any] = {"real": real, "sim": sim, "sim_calibrated": sim_cal, "speed_factor": speed,
+                                   "reference_ratios": {"profile": ref_prof, "before": ref_before, "after": ref_after},
+                                   "load_avg_1m": os.getloadavg()[0]}
+            if steps_err is not None:
+                rec["profile_error_on_real_steps"] = steps_err
+                rec["calibrated_error_on_real_steps"] = (1 + steps_err) * speed - 1
                 if ns.dump_steps:
                     with open(Path(ns.out_dir) / f"steps.{name}.r{r}.jsonl", "w") as f:
-                        for x, d in zip(shapes, durations):
+                        for x, d in zip(run_shapes, run_durations):
                             f.write(json.dumps({**asdict(x), "measured_s": d, "predicted_s": cost.step_time(x)}) + "\n")
             runs[name].append(rec)
             log(f"{name} {r + 1}/{ns.repeats} ({time.perf_counter() - t0:.0f} s): "
@@ -252,37 +292,55 @@ def main(argv: list[str] | None = None) -> int:
                             if real.get(key) is not None and sim.get(key) is not None)
                 + " (real/sim)"
                 + (f"; profile on the real steps {rec['profile_error_on_real_steps']:+.1%}"
-                   if "profile_error_on_real_steps" in rec else ""))
+                   if "profile_error_on_real_steps" in rec else "")
+                + f"; speed factor {speed:.3f} (reference {ref_before / ref_prof:.3f} before, {ref_after / ref_prof:.3f} after)")
 
-    rows = []
-    for name, recs in runs.items():
-        for key, label in (*METRICS, ("num_steps", "engine steps")):
-            pairs = [(x["real"][key], x["sim"][key]) for x in recs
-                     if x["real"].get(key) is not None and x["sim"].get(key) is not None]
-            if not pairs:
-                continue
-            real_v = [a for a, _ in pairs]
-            sim_v = [b for _, b in pairs]
-            errs = [b / a - 1 for a, b in pairs]
-            rows.append((name, label, statistics.median(real_v), min(real_v), max(real_v), statistics.median(sim_v),
-                         statistics.median(errs), min(errs), max(errs)))
-        steps_err = [x["profile_error_on_real_steps"] for x in recs if "profile_error_on_real_steps" in x]
-        if steps_err:
-            rows.append((name, "step time on real steps", math.nan, math.nan, math.nan, math.nan,
-                         statistics.median(steps_err), min(steps_err), max(steps_err)))
+    def table(sim_key: str, steps_key: str) -> list[tuple[Any, ...]]:
+        rows: list[tuple[Any, ...]] = []
+        for name, recs in runs.items():
+            for key, label in (*METRICS, ("num_steps", "engine steps")):
+                pairs = [(x["real"][key], x[sim_key][key]) for x in recs
+                         if x["real"].get(key) is not None and x[sim_key].get(key) is not None]
+                if not pairs:
+                    continue
+                real_v = [a for a, _ in pairs]
+                sim_v = [b for _, b in pairs]
+                errs = [b / a - 1 for a, b in pairs]
+                rows.append((name, label, statistics.median(real_v), min(real_v), max(real_v), statistics.median(sim_v),
+                             statistics.median(errs), min(errs), max(errs)))
+            steps_err = [x[steps_key] for x in recs if steps_key in x]
+            if steps_err:
+                rows.append((name, "step time on real steps", math.nan, math.nan, math.nan, math.nan,
+                             statistics.median(steps_err), min(steps_err), max(steps_err)))
+            if sim_key == "sim_calibrated":
+                f = [x["speed_factor"] - 1 for x in recs]
+                rows.append((name, "speed factor - 1", math.nan, math.nan, math.nan, math.nan,
+                             statistics.median(f), min(f), max(f)))
+        return rows
+
+    def show(rows: list[tuple[Any, ...]]) -> None:
+        print(f"{'workload':9s}{'metric':24s}{'real':>10s}{'real range':>20s}{'sim':>10s}{'error':>9s}{'error range':>18s}")
+        for name, label, med, lo, hi, simv, err, elo, ehi in rows:
+            real_txt = "" if math.isnan(med) else f"{med:10.1f}{f'{lo:.1f}..{hi:.1f}':>20s}{simv:10.1f}"
+            print(f"{name:9s}{label:24s}{real_txt:>40s}{err:+9.1%}{f'{elo:+.1%}..{ehi:+.1%}':>18s}")
 
     how = f"profile {ns.profile}" if fixed else "a profile fitted before each repeat"
     print(f"\nfidelity: {ns.model} ({ns.dtype}, {ns.num_threads} thread(s)), {ns.clock} clock, {ns.allocator} "
           f"allocator, {ns.repeats} repeats, {how}")
     print("error = sim / real - 1 per repeat; the median (and range) over repeats")
-    print(f"{'workload':9s}{'metric':24s}{'real':>10s}{'real range':>20s}{'sim':>10s}{'error':>9s}{'error range':>18s}")
-    for name, label, med, lo, hi, simv, err, elo, ehi in rows:
-        real_txt = "" if math.isnan(med) else f"{med:10.1f}{f'{lo:.1f}..{hi:.1f}':>20s}{simv:10.1f}"
-        print(f"{name:9s}{label:24s}{real_txt:>40s}{err:+9.1%}{f'{elo:+.1%}..{ehi:+.1%}':>18s}")
+    print("\n(a) the profile as fitted")
+    rows = table("sim", "profile_error_on_real_steps")
+    show(rows)
+    print("\n(b) the profile scaled by the run's speed factor (reference steps before and after the run / "
+          "right after the profile was fitted)")
+    rows_cal = table("sim_calibrated", "calibrated_error_on_real_steps")
+    show(rows_cal)
     if ns.result_file:
         report = {"engine_args": asdict(args), "profile": ns.profile, "runs": runs,
                   "table": [dict(zip(("workload", "metric", "real_median", "real_min", "real_max", "sim_median",
-                                      "error_median", "error_min", "error_max"), r)) for r in rows]}
+                                      "error_median", "error_min", "error_max"), r)) for r in rows],
+                  "table_calibrated": [dict(zip(("workload", "metric", "real_median", "real_min", "real_max", "sim_median",
+                                                 "error_median", "error_min", "error_max"), r)) for r in rows_cal]}
         Path(ns.result_file).write_text(json.dumps(report, indent=1, default=str) + "\n")
         log(f"wrote {ns.result_file}")
     return 0

@@ -290,6 +290,15 @@ def test_cpu_profile_fit_recovers_known_coefficients(tmp_path: Path) -> None:
     cm = CpuProfileCostModel(loaded)
     for s, t in zip(shapes, times):
         assert cm.step_time(s) == pytest.approx(t, rel=1e-6)
+    # a profile scaled by a measured speed factor: every step time (correction included) scales
+    loaded.token_correction = {"2": 1e-3}
+    slow = CpuProfileCostModel(loaded.scaled(1.25))
+    for s in shapes:
+        assert slow.step_time(s) == pytest.approx(1.25 * CpuProfileCostModel(loaded).step_time(s), rel=1e-9)
+    assert loaded.coefficients == fit.coefficients  # the original is unchanged
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="positive number"):
+            loaded.scaled(bad)
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not an iterserve CPU profile"):
         CpuProfile.load(tmp_path / "bad.json")

@@ -34,7 +34,7 @@ Features (the work that the CPU engine does per step; see iterserve/model/attent
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,15 @@ class CpuProfile:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(asdict(self), indent=1) + "\n")
         return p
+
+    def scaled(self, factor: float) -> CpuProfile:
+        """This profile with every step time multiplied by ``factor``: the same machine measured
+        ``factor`` times slower now than when the profile was fitted (see benchmarks/sim_fidelity.py,
+        which measures the factor on a fixed set of reference steps)."""
+        if not factor > 0 or not np.isfinite(factor):
+            raise ValueError(f"a profile's scale factor must be a positive number, got {factor}")
+        return replace(self, coefficients={k: v * factor for k, v in self.coefficients.items()},
+                       token_correction={k: v * factor for k, v in self.token_correction.items()})
 
     @classmethod
     def load(cls, path: str | Path) -> CpuProfile:

@@ -21,11 +21,11 @@ def _kern() -> kernels.Kernels:
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("K", [48, 41])
 def test_panel_gemm_matches_torch(x_dtype: torch.dtype, K: int) -> None:
-    """Every row-block size (8, 4, 2, 1 and their mixes), N not a multiple of the 32-column
+    """Every row-block size (14, 8, 4, 2, 1 and their mixes), N not a multiple of the 32-column
     panel, K not a multiple of the k-unrolling, with and without bias."""
     kern = _kern()
     torch.manual_seed(0)
-    for M in (1, 2, 3, 5, 8, 9, 15, 17, 70):
+    for M in (1, 2, 3, 5, 8, 9, 14, 15, 17, 22, 32, 70):
         for N in (37, 64):
             x = torch.randn(M, K).to(x_dtype)
             w = torch.randn(N, K).bfloat16()

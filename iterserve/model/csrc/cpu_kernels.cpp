@@ -330,37 +330,46 @@ void decode_task_bf16(const float* qd, const uint16_t* k_cache, const uint16_t* 
             qs[(qh * NC + c) * 2 + 1] = _mm512_load_ps(o);
         }
     const int64_t row = static_cast<int64_t>(KvH) * hd;  // elements per slot
-    // Pass 1: scores[qh, p] = q_qh . k_p * scale.
-    SlotCursor cur(bt, block_size, begin), ahead(bt, block_size, begin);
-    for (int a = 0; a < AHEAD && begin + a < end; ++a) ahead.next();
-    for (int64_t p = begin; p < end; ++p) {
-        const int64_t i = p - begin;
-        if (p + AHEAD < end) {
-            const char* pf = reinterpret_cast<const char*>(k_cache + ahead.slot() * row + static_cast<int64_t>(h0) * hd);
-            for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) __builtin_prefetch(pf + off, 0, 3);
-            ahead.next();
-        }
-        const uint16_t* kr = k_cache + cur.slot() * row;
-        cur.next();
-        for (int h = h0; h < h1; ++h) {
-            __m512 lo[NC], hi[NC];
-            for (int c = 0; c < NC; ++c) {
-                const __m512i v = _mm512_loadu_si512(kr + h * hd + 32 * c);
-                lo[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                hi[c] = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+    // Visits heads [h0, h1) of every position in [begin, end) in order: visit(i, query head,
+    // even lanes, odd lanes) for each query head of a KV head, then done(i) after a position;
+    // the rows AHEAD positions on are prefetched.
+    auto walk = [&](const uint16_t* cache, auto&& visit, auto&& done) {
+        SlotCursor cur(bt, block_size, begin), ahead(bt, block_size, begin);
+        for (int a = 0; a < AHEAD && begin + a < end; ++a) ahead.next();
+        for (int64_t p = begin; p < end; ++p) {
+            if (p + AHEAD < end) {
+                const char* pf = reinterpret_cast<const char*>(cache + ahead.slot() * row + static_cast<int64_t>(h0) * hd);
+                for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) __builtin_prefetch(pf + off, 0, 3);
+                ahead.next();
             }
-            for (int g = 0; g < G; ++g) {
-                const int qh = (h - h0) * G + g;
-                const __m512* qq = qs + qh * NC * 2;
-                __m512 s0 = _mm512_mul_ps(lo[0], qq[0]), s1 = _mm512_mul_ps(hi[0], qq[1]);
-                for (int c = 1; c < NC; ++c) {
-                    s0 = _mm512_fmadd_ps(lo[c], qq[2 * c], s0);
-                    s1 = _mm512_fmadd_ps(hi[c], qq[2 * c + 1], s1);
+            const uint16_t* r = cache + cur.slot() * row;
+            cur.next();
+            for (int h = h0; h < h1; ++h) {
+                __m512 lo[NC], hi[NC];
+                for (int c = 0; c < NC; ++c) {
+                    const __m512i v = _mm512_loadu_si512(r + h * hd + 32 * c);
+                    lo[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                    hi[c] = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
                 }
-                part[qh * 16 + (i & 15)] = _mm512_add_ps(s0, s1);
+                for (int g = 0; g < G; ++g) visit(p - begin, (h - h0) * G + g, lo, hi);
             }
+            done(p - begin);
         }
-        if ((i & 15) == 15 || p + 1 == end) {
+    };
+    // Pass 1: scores[qh, p] = q_qh . k_p * scale.
+    walk(
+        k_cache,
+        [&](int64_t i, int qh, const __m512* lo, const __m512* hi) {
+            const __m512* qq = qs + qh * NC * 2;
+            __m512 s0 = _mm512_mul_ps(lo[0], qq[0]), s1 = _mm512_mul_ps(hi[0], qq[1]);
+            for (int c = 1; c < NC; ++c) {
+                s0 = _mm512_fmadd_ps(lo[c], qq[2 * c], s0);
+                s1 = _mm512_fmadd_ps(hi[c], qq[2 * c + 1], s1);
+            }
+            part[qh * 16 + (i & 15)] = _mm512_add_ps(s0, s1);
+        },
+        [&](int64_t i) {
+            if ((i & 15) != 15 && i + 1 != n) return;
             const int valid = static_cast<int>(i & 15) + 1;
             const __m512 sc = _mm512_set1_ps(scale);
             for (int qh = 0; qh < nq; ++qh) {
@@ -368,40 +377,21 @@ void decode_task_bf16(const float* qd, const uint16_t* k_cache, const uint16_t* 
                 _mm512_mask_storeu_ps(scores.data() + qh * ldn + (i & ~int64_t(15)), static_cast<__mmask16>((1u << valid) - 1),
                                       _mm512_mul_ps(hsum16(part + qh * 16), sc));
             }
-        }
-    }
+        });
     for (int qh = 0; qh < nq; ++qh) softmax_inplace(scores.data() + qh * ldn, n, ldn);
     // Pass 2: out_qh = sum_p scores[qh, p] * v_p.
     for (int j = 0; j < nq * 2 * NC; ++j) acc[j] = _mm512_setzero_ps();
-    SlotCursor vcur(bt, block_size, begin), vahead(bt, block_size, begin);
-    for (int a = 0; a < AHEAD && begin + a < end; ++a) vahead.next();
-    for (int64_t p = begin; p < end; ++p) {
-        const int64_t i = p - begin;
-        if (p + AHEAD < end) {
-            const char* pf = reinterpret_cast<const char*>(v_cache + vahead.slot() * row + static_cast<int64_t>(h0) * hd);
-            for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) __builtin_prefetch(pf + off, 0, 3);
-            vahead.next();
-        }
-        const uint16_t* vr = v_cache + vcur.slot() * row;
-        vcur.next();
-        for (int h = h0; h < h1; ++h) {
-            __m512 lo[NC], hi[NC];
+    walk(
+        v_cache,
+        [&](int64_t i, int qh, const __m512* lo, const __m512* hi) {
+            const __m512 w = _mm512_set1_ps(scores[qh * ldn + i]);
+            __m512* aq = acc + qh * NC * 2;
             for (int c = 0; c < NC; ++c) {
-                const __m512i v = _mm512_loadu_si512(vr + h * hd + 32 * c);
-                lo[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                hi[c] = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+                aq[2 * c] = _mm512_fmadd_ps(lo[c], w, aq[2 * c]);
+                aq[2 * c + 1] = _mm512_fmadd_ps(hi[c], w, aq[2 * c + 1]);
             }
-            for (int g = 0; g < G; ++g) {
-                const int qh = (h - h0) * G + g;
-                const __m512 w = _mm512_set1_ps(scores[qh * ldn + i]);
-                __m512* aq = acc + qh * NC * 2;
-                for (int c = 0; c < NC; ++c) {
-                    aq[2 * c] = _mm512_fmadd_ps(lo[c], w, aq[2 * c]);
-                    aq[2 * c + 1] = _mm512_fmadd_ps(hi[c], w, aq[2 * c + 1]);
-                }
-            }
-        }
-    }
+        },
+        [](int64_t) {});
     for (int qh = 0; qh < nq; ++qh)
         for (int c = 0; c < NC; ++c) {
             alignas(64) float e[16], o[16];

@@ -257,7 +257,7 @@ class LLMEngine:
                 items, sample_reqs = self._batch_items(sched)
                 logits = self.runner.execute(items)
                 t2 = time.monotonic()
-                tokens, lps = sample(logits, [self._sample_row(r) for r in sample_reqs]) if sample_reqs else ([], [])
+                tokens, lps = sample(logits, [self._sample_row(r) for r in sample_reqs], self.runner.kernels) if sample_reqs else ([], [])
             except Exception as exc:  # the model step failed: fail every in-flight request
                 return self._fail_all(exc, touched)
             t3 = time.monotonic()

@@ -117,6 +117,7 @@ class ModelRunner:
         kern = kernels.load()
         if kern is not None:
             logger.info("C++ kernels ready in %.1f s", time.perf_counter() - t0)
+        self.kernels: kernels.Kernels | None = kern  # also the sampler's (see LLMEngine.step)
         self.model.use_kernels(kern)
         # bf16 on a CPU that emulates it: panels (llama.py) serve up to PANEL_MAX_ROWS rows and
         # replace the bf16 originals; the packed f32 copy, where it fits, serves more rows.

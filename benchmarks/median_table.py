@@ -12,7 +12,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from iterserve.bench.results import read_result
+from iterserve.workload.results import read_result
 
 FIGURES = (
     ("output tok/s", "output_throughput", 1.0),

@@ -5,7 +5,7 @@ with a CPU profile fitted here, on the same workloads.
 
 Each repeat first fits a CPU profile (``iterserve profile`` on a compact grid, about a
 minute), then replays each workload through the real engine (in-process arrival-time replay,
-``iterserve.bench.replay``) and through the simulator with that profile (``--hardware
+``iterserve.workload.replay``) and through the simulator with that profile (``--hardware
 cpu:PROFILE``). Profile and runs are minutes apart, so they see the same machine: on a shared
 machine the speed of a memory-bound CPU step drifts by tens of percent within minutes, and a
 profile from an hour ago measures that drift, not the simulator. ``--profile PATH`` uses one
@@ -49,10 +49,10 @@ from typing import Any
 
 import numpy as np
 
-from iterserve.bench.datasets import RequestSpec, WorkloadConfig, build_workload
-from iterserve.bench.metrics import summarize
+from iterserve.workload.datasets import RequestSpec, WorkloadConfig, build_workload
+from iterserve.workload.metrics import summarize
 from iterserve.bench.offline import make_engine, reset_prefix_cache
-from iterserve.bench.replay import replay, warmup
+from iterserve.workload.replay import replay, warmup
 from iterserve.config import EngineArgs
 from iterserve.sim.cost_model import StepShape, step_shape
 from iterserve.sim.cpu_profile import CpuProfile, CpuProfileCostModel

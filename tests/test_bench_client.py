@@ -16,8 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from iterserve.bench.client import fetch_models, run_serve
-from iterserve.bench.datasets import RequestSpec
-from iterserve.bench.metrics import summarize
+from iterserve.workload.datasets import RequestSpec
+from iterserve.workload.metrics import summarize
 
 TOL = 0.025  # seconds; sleeps on a busy 2-core machine overshoot by a few ms
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from iterserve.bench.datasets import (
+from iterserve.workload.datasets import (
+    PACKAGED_TRACES,
     TRACE_FILES,
     WorkloadConfig,
     build_workload,
@@ -20,14 +21,17 @@ from iterserve.bench.datasets import (
 )
 
 TRACES = traces_dir()
-needs_traces = pytest.mark.skipif(
-    not all((TRACES / f).is_file() for f in TRACE_FILES.values()),
-    reason=f"shared traces not found in {TRACES} (set ITERSERVE_TRACES_DIR to the folder holding "
-    f"{', '.join(TRACE_FILES.values())})",
-)
 
 
-@needs_traces
+def test_traces_ship_with_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every trace must be readable wherever iterserve is installed, not only beside shared/.
+    monkeypatch.delenv("ITERSERVE_TRACES_DIR", raising=False)
+    assert traces_dir() == PACKAGED_TRACES
+    for f in TRACE_FILES.values():
+        assert (PACKAGED_TRACES / f).stat().st_size > 100_000, f
+    assert "CC-BY-4.0" in (PACKAGED_TRACES / "README.md").read_text()
+
+
 @pytest.mark.parametrize(
     "dataset, rows, first, second_arrival",
     [
@@ -54,7 +58,6 @@ def test_trace_parsers(dataset: str, rows: int, first: tuple[int, int], second_a
         assert trace[2].arrival_time == pytest.approx(0.040)
 
 
-@needs_traces
 def test_mooncake_equal_hash_ids_give_equal_prefixes() -> None:
     rows = load_trace("mooncake")[:400]
     specs, _ = build_workload(
@@ -90,7 +93,6 @@ def test_mooncake_equal_hash_ids_give_equal_prefixes() -> None:
     assert slow[2].arrival_time == pytest.approx(0.080)
 
 
-@needs_traces
 def test_clip_and_skip_long_prompts() -> None:
     cfg = WorkloadConfig(dataset="azure-code", num_prompts=50, long_prompts="clip")
     specs, rep = build_workload(cfg, vocab_size=500, max_model_len=2048)
@@ -107,7 +109,6 @@ def test_clip_and_skip_long_prompts() -> None:
     assert "skip" in rep.describe()
 
 
-@needs_traces
 def test_sharegpt_sample_and_length_scale() -> None:
     cfg = WorkloadConfig(dataset="sharegpt", num_prompts=64, length_scale=0.25, seed=3)
     a, _ = build_workload(cfg, vocab_size=1000, max_model_len=2048)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from iterserve.bench import cli, plot
-from iterserve.bench.datasets import RequestSpec
-from iterserve.bench.metrics import RequestTiming, meets_slos, parse_goodput, summarize
-from iterserve.bench.replay import replay
 from iterserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from iterserve.sampling_params import SamplingParams
+from iterserve.workload.datasets import RequestSpec
+from iterserve.workload.metrics import RequestTiming, meets_slos, parse_goodput, summarize
+from iterserve.workload.replay import replay
 
 STEP_S = 0.01
 

@@ -12,8 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iterserve.bench.datasets import RequestSpec, WorkloadConfig, build_workload, synth_arrivals
-from iterserve.bench.metrics import RequestTiming, summarize
 from iterserve.config import SchedulerConfig
 from iterserve.core import Request
 from iterserve.core.scheduler import SchedulerOutput
@@ -34,6 +32,8 @@ from iterserve.sim.deployment import RESERVED_BYTES, build_deployment
 from iterserve.sim.hardware import HARDWARE, Efficiency, Hardware
 from iterserve.sim.models import MODEL_TABLE, load_model_config
 from iterserve.sim.simulator import SimConfig, SimResult, Simulator
+from iterserve.workload.datasets import RequestSpec, WorkloadConfig, build_workload, synth_arrivals
+from iterserve.workload.metrics import RequestTiming, summarize
 
 # ---- cost model arithmetic ----------------------------------------------------------------
 

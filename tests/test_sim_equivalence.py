@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from iterserve.bench.datasets import RequestSpec, synth_arrivals
 from iterserve.bench.offline import variant_args
-from iterserve.bench.replay import replay
 from iterserve.config import EngineArgs
 from iterserve.sim.cost_model import ReplayCostModel
 from iterserve.sim.simulator import SimConfig, Simulator
+from iterserve.workload.datasets import RequestSpec, synth_arrivals
+from iterserve.workload.replay import replay
 
 engine_mod = pytest.importorskip("iterserve.engine")
 

@@ -1,7 +1,5 @@
-"""Benchmarks: workloads (datasets), metrics, the OpenAI streaming client, the in-process
-replay driver, offline comparisons, sweeps and plots.
+"""Benchmarks: the OpenAI streaming client, offline comparisons, sweeps, plots and the CLI.
 
-``datasets`` and ``metrics`` import neither torch nor an HTTP library, so the simulator can
-reuse them; ``replay``/``offline``/``sweep`` drive an in-process ``LLMEngine``; ``client``
-talks to any OpenAI-compatible server.
+Workloads, timing, summaries and the in-process replay driver live in ``iterserve.workload``
+(shared with the simulator).
 """

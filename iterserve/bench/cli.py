@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from iterserve.bench.datasets import (
+from iterserve.workload.datasets import (
     LengthReport,
     RequestSpec,
     WorkloadConfig,
@@ -25,8 +25,8 @@ from iterserve.bench.datasets import (
     build_workload,
     describe_workload,
 )
-from iterserve.bench.metrics import RequestTiming, format_summary, parse_goodput, summarize
-from iterserve.bench.results import make_run, write_result
+from iterserve.workload.metrics import RequestTiming, format_summary, parse_goodput, summarize
+from iterserve.workload.results import make_run, write_result
 
 DEFAULT_SERVE_MAX_MODEL_LEN = 2048
 # Prompt ids are drawn below this when the model's vocabulary is unknown: every real model

@@ -3,7 +3,7 @@
 Every request is a streaming ``POST /v1/completions`` with ``ignore_eos`` and ``max_tokens``
 set to the workload's output length, so outputs have the requested length. Requests are sent
 at their workload arrival times (optionally capped at ``max_concurrency`` in flight), and
-timed chunk by chunk: see ``iterserve.bench.metrics`` for the definitions.
+timed chunk by chunk: see ``iterserve.workload.metrics`` for the definitions.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from iterserve.bench.datasets import RequestSpec
-from iterserve.bench.metrics import RequestTiming
+from iterserve.workload.datasets import RequestSpec
+from iterserve.workload.metrics import RequestTiming
 
 Prompt = list[int] | str
 

@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.datasets import RequestSpec
-from iterserve.bench.metrics import RequestTiming, summarize
-from iterserve.bench.replay import ReplayResult, replay, warmup
-from iterserve.bench.results import make_run
 from iterserve.config import EngineArgs
+from iterserve.workload.datasets import RequestSpec
+from iterserve.workload.metrics import RequestTiming, summarize
+from iterserve.workload.replay import ReplayResult, replay, warmup
+from iterserve.workload.results import make_run
 
 POLICY_VARIANTS = ("static", "continuous", "continuous-nochunk")
 DEFAULT_POLICIES = POLICY_VARIANTS

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from iterserve.bench.results import rate_value, read_result, run_timings  # noqa: E402
+from iterserve.workload.results import rate_value, read_result, run_timings  # noqa: E402
 
 PREFILL_COLOR = "#e6550d"
 DECODE_COLOR = "#3182bd"

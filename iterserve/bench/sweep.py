@@ -1,6 +1,6 @@
 """Request-rate sweeps, light load to overload, per policy (``bench sweep``).
 
-Each (policy, rate) is one arrival-time replay (``iterserve.bench.replay``) of the same
+Each (policy, rate) is one arrival-time replay (``iterserve.workload.replay``) of the same
 requests on the in-process engine; only the arrival times change with the rate. ``auto``
 rates are fractions of the capacity measured first: the request throughput of the
 ``continuous`` policy (or the first one listed) with every request sent at once.
@@ -13,15 +13,15 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from iterserve.bench.datasets import RequestSpec
 from iterserve.bench.offline import (
     RunOptions,
     engine_vocab_size,
     make_variant_engine,
     run_on_engine,
 )
-from iterserve.bench.replay import warmup
 from iterserve.config import EngineArgs
+from iterserve.workload.datasets import RequestSpec
+from iterserve.workload.replay import warmup
 
 AUTO_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.5)
 

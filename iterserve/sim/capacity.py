@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from iterserve.bench.datasets import RequestSpec
-from iterserve.bench.metrics import RequestTiming, summarize
 from iterserve.sim.simulator import SimResult
+from iterserve.workload.datasets import RequestSpec
+from iterserve.workload.metrics import RequestTiming, summarize
 
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
 

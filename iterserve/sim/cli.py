@@ -22,7 +22,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.datasets import (
+from iterserve.bench.offline import POLICY_VARIANTS, variant_args
+from iterserve.config import POLICIES, EngineArgs
+from iterserve.sim.capacity import CapacityResult, Probe, Slo, find_max_rate, mean_rate, parse_slos
+from iterserve.sim.deployment import Deployment, build_deployment, parse_efficiency
+from iterserve.sim.hardware import HARDWARE
+from iterserve.sim.models import MODEL_TABLE
+from iterserve.sim.simulator import ROUTERS, SimConfig, SimResult, Simulator
+from iterserve.workload.datasets import (
     DATASETS,
     RequestSpec,
     WorkloadConfig,
@@ -30,15 +37,8 @@ from iterserve.bench.datasets import (
     describe_workload,
     load_trace,
 )
-from iterserve.bench.metrics import format_summary, parse_goodput, summarize
-from iterserve.bench.offline import POLICY_VARIANTS, variant_args
-from iterserve.bench.results import make_run, write_result
-from iterserve.config import POLICIES, EngineArgs
-from iterserve.sim.capacity import CapacityResult, Probe, Slo, find_max_rate, mean_rate, parse_slos
-from iterserve.sim.deployment import Deployment, build_deployment, parse_efficiency
-from iterserve.sim.hardware import HARDWARE
-from iterserve.sim.models import MODEL_TABLE
-from iterserve.sim.simulator import ROUTERS, SimConfig, SimResult, Simulator
+from iterserve.workload.metrics import format_summary, parse_goodput, summarize
+from iterserve.workload.results import make_run, write_result
 
 POLICY_NAMES = tuple(dict.fromkeys((*POLICY_VARIANTS, *POLICIES)))
 DEFAULT_RANDOM_PROMPTS = 1000

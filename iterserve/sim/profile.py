@@ -121,7 +121,7 @@ def measure(
 def _measure_grid(engine: Any, prefill: list[int], decode: list[int], context: list[int], repeats: int,
                   log: Callable[[str], None], timer: Callable[[], float], shapes: list[StepShape],
                   steps_per_cell: int) -> list[tuple[tuple[int, int, int, str], StepShape, float]]:
-    from iterserve.bench.replay import bench_params, warmup
+    from iterserve.workload.replay import bench_params, warmup
 
     sched = engine.scheduler
     rng = np.random.default_rng(0)

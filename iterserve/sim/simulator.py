@@ -8,7 +8,7 @@ Each replica is what ``LLMEngine`` is minus the model: ``iterserve.core``'s ``Sc
     dt  = cost_model.step_time(shape(out))     # instead of runner.execute + sample
     scheduler.update_from_output(out, sampled) # one token per request whose last token ran
 
-and driven like ``iterserve.bench.replay`` drives an engine: a request is added when its
+and driven like ``iterserve.workload.replay`` drives an engine: a request is added when its
 arrival time comes, a request that arrives during a step waits for the step to end, and a
 token is timed at the end of the step that produced it. So a policy written once runs in the
 real engine and here, and both make the same decisions given the same step times
@@ -28,15 +28,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
-from iterserve.bench.datasets import RequestSpec
-from iterserve.bench.metrics import RequestTiming
-from iterserve.bench.replay import bench_params
 from iterserve.config import SchedulerConfig
 from iterserve.core.kv_cache_manager import KVCacheManager
 from iterserve.core.request import Request
 from iterserve.core.scheduler import Scheduler
 from iterserve.outputs import StepStats
 from iterserve.sim.cost_model import CostModel, step_shape
+from iterserve.workload.datasets import RequestSpec
+from iterserve.workload.metrics import RequestTiming
+from iterserve.workload.replay import bench_params
 
 ROUTERS = ("round-robin", "least-loaded")
 # The token a simulated step "samples". Requests run with ignore_eos (as bench workloads do),

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from iterserve.bench.datasets import RequestSpec
-from iterserve.bench.metrics import RequestTiming
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
+from iterserve.workload.datasets import RequestSpec
+from iterserve.workload.metrics import RequestTiming
 
 
 class ReplayEngine(Protocol):

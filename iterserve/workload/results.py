@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.metrics import RequestTiming
+from iterserve.workload.metrics import RequestTiming
 
 FORMAT = "iterserve-bench/1"
 

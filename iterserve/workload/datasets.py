@@ -35,7 +35,9 @@ TIMED_DATASETS = ("azure-code", "azure-conv", "mooncake")
 MOONCAKE_BLOCK_TOKENS = 512
 LONG_PROMPT_MODES = ("clip", "skip")
 
-# iterserve/bench/datasets.py -> the repository root is two folders up from the package.
+# Shipped with the package (iterserve/workload/traces, licences in its README); a checkout
+# beside the project's shared/ folder is only a fallback.
+PACKAGED_TRACES = Path(__file__).resolve().parent / "traces"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -66,10 +68,13 @@ class TraceRow:
 
 
 def traces_dir() -> Path:
-    """``$ITERSERVE_TRACES_DIR``, else ``<repo root>/../shared/traces``."""
+    """``$ITERSERVE_TRACES_DIR``, else the traces shipped in the package, else
+    ``<repo root>/../shared/traces``."""
     env = os.environ.get("ITERSERVE_TRACES_DIR")
     if env:
         return Path(env)
+    if (PACKAGED_TRACES / TRACE_FILES["azure-conv"]).is_file():
+        return PACKAGED_TRACES
     return REPO_ROOT.parent / "shared" / "traces"
 
 

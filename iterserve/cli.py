@@ -6,14 +6,23 @@ import argparse
 import importlib
 import sys
 import time
+from collections.abc import Callable
 
-# subcommand -> (module with main(argv) -> int, one-line help)
+# The subcommands: name -> ("module:function" taking argv, returning an exit code; help).
+# Registering one is one line here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("iterserve.server.cli", "OpenAI-compatible HTTP server"),
-    "bench": ("iterserve.bench.cli", "benchmarks: serve (online client), offline, sweep"),
-    "plot": ("iterserve.bench.plot", "pictures from benchmark results: curves, cdf, timeline"),
-    "simulate": ("iterserve.sim.cli", "simulate serving with the real scheduler and a cost model"),
-    "profile": ("iterserve.sim.profile", "measure step times on this machine and fit a cost profile"),
+    "generate": ("iterserve.cli:generate_main", "generate text offline with the in-process engine"),
+    "serve": ("iterserve.server.cli:main", "OpenAI-compatible HTTP server"),
+    "bench": ("iterserve.bench.cli:main", "benchmarks: serve (online client), offline, sweep"),
+    "plot": ("iterserve.bench.plot:main", "pictures from benchmark results: curves, cdf, timeline"),
+    "simulate": (
+        "iterserve.sim.cli:main",
+        "simulate serving with the real scheduler and a cost model",
+    ),
+    "profile": (
+        "iterserve.sim.profile:main",
+        "measure step times on this machine and fit a cost profile",
+    ),
 }
 
 
@@ -34,7 +43,11 @@ def generate_main(argv: list[str]) -> int:
     args = EngineArgs.from_cli_args(ns)
     prompts = ns.prompt or ["Hello, my name is", "The capital of France is", "Continuous batching"]
     params = SamplingParams(
-        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.sampling_seed
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        seed=ns.sampling_seed,
     )
     llm = LLM(**vars(args))
     t0 = time.perf_counter()
@@ -45,25 +58,23 @@ def generate_main(argv: list[str]) -> int:
         print(f"--- {o.prompt!r} -> ({len(c.token_ids)} tokens, {c.finish_reason})\n{c.text!r}")
     st = llm.stats()
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"{len(outs)} requests, {ntok} tokens in {dt:.2f}s, {st['num_steps']} steps, "
-          f"{st['num_preemptions']} preemptions, prefix-cache hit rate {st['prefix_cache_hit_rate']:.0%}")
+    print(
+        f"{len(outs)} requests, {ntok} tokens in {dt:.2f}s, {st['num_steps']} steps, "
+        f"{st['num_preemptions']} preemptions, prefix-cache hit rate {st['prefix_cache_hit_rate']:.0%}"
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    names = ["generate", *SUBCOMMANDS]
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in names:
-        print("usage: iterserve {" + ",".join(names) + "} ...\n")
-        print(f"  {'generate':9s} generate text offline with the in-process engine")
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        print("usage: iterserve {" + ",".join(SUBCOMMANDS) + "} ...\n")
         for name, (_, help_) in SUBCOMMANDS.items():
             print(f"  {name:9s} {help_}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "generate":
-        return generate_main(rest)
-    module = importlib.import_module(SUBCOMMANDS[cmd][0])
-    return int(module.main(rest) or 0)
+    module, _, function = SUBCOMMANDS[argv[0]][0].partition(":")
+    run: Callable[[list[str]], int | None] = getattr(importlib.import_module(module), function)
+    return int(run(argv[1:]) or 0)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,29 @@
 """Configuration: one frozen dataclass per layer, validated once, and the flat
-``EngineArgs`` that the Python API and every CLI (serve, bench, simulate) derive from."""
+``EngineArgs`` that the Python API and every CLI (serve, generate, bench, simulate) derive
+their flags from, through ``add_dataclass_args``."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import re
+import types
+import typing
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-POLICIES = ("continuous", "static", "priority")
-DTYPES = ("float32", "bfloat16", "float16")
+# Bytes per element of each dtype name; the runner maps the names onto torch dtypes.
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPES = tuple(DTYPE_BYTES)
+
+
+def policy_names() -> tuple[str, ...]:
+    """The scheduling policies' names, from their one registry (``core.policies``)."""
+    from iterserve.core.policies import POLICY_CLASSES  # late: iterserve.core imports us
+
+    return tuple(POLICY_CLASSES)
+
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -24,7 +37,8 @@ def parse_size(value: int | str) -> int:
     m = _SIZE_RE.match(value)
     if not m:
         raise ValueError(
-            f"kv_cache_memory must be a byte count like '2GiB', '512MiB' or 1073741824, got {value!r}"
+            "kv_cache_memory must be a byte count like '2GiB', '512MiB' or 1073741824, "
+            f"got {value!r}"
         )
     num, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
     base = 1024 if binary or unit == "" else 1000
@@ -46,7 +60,10 @@ class CacheConfig:
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1 (or None to size from kv_cache_memory), got {self.num_kv_blocks}")
+            raise ValueError(
+                "num_kv_blocks must be >= 1 (or None to size from kv_cache_memory), "
+                f"got {self.num_kv_blocks}"
+            )
 
 
 @dataclass(frozen=True)
@@ -58,16 +75,19 @@ class SchedulerConfig:
     max_model_len: int = 2048
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        _check_policy(self.policy)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                f">= max_model_len ({self.max_model_len}) so any prompt fits one step; raise it or lower max_model_len"
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) so any prompt fits one step; raise it or lower "
+                "max_model_len"
             )
 
 
@@ -93,8 +113,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        _check_policy(self.policy)
         parse_size(self.kv_cache_memory)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
@@ -118,31 +137,112 @@ class EngineArgs:
 
     # ---- CLI derivation -------------------------------------------------------------
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Adds one ``--flag`` per field (``--no-flag`` for booleans that default to True)."""
-        defaults = cls()
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            default = getattr(defaults, f.name)
-            if isinstance(default, bool):
-                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
-            elif f.name in ("num_kv_blocks", "max_model_len", "num_threads"):
-                parser.add_argument(flag, dest=f.name, type=int, default=default)
-            elif f.name in ("record_steps",):
-                parser.add_argument(flag, dest=f.name, type=str, default=default)
-            elif f.name == "policy":
-                parser.add_argument(flag, dest=f.name, choices=POLICIES, default=default)
-            elif f.name == "dtype":
-                parser.add_argument(flag, dest=f.name, choices=DTYPES, default=default)
-            else:
-                parser.add_argument(flag, dest=f.name, type=type(default), default=default)
+    def add_cli_args(
+        cls, parser: argparse._ActionsContainer, **options: Any
+    ) -> argparse._ActionsContainer:
+        """One ``--flag`` per field (see ``add_dataclass_args``, which takes ``options``);
+        ``--policy`` and ``--dtype`` offer their registries' names."""
+        choices = {"policy": policy_names(), "dtype": DTYPES, **options.pop("choices", {})}
+        add_dataclass_args(parser, cls, choices=choices, **options)
         return parser
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
-        kwargs = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
-        kwargs.update(overrides)
-        return cls(**kwargs)
+        return cls(**cli_kwargs(cls, ns, **overrides))
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+
+def _check_policy(name: str) -> None:
+    names = policy_names()
+    if name not in names:
+        raise ValueError(f"policy must be one of {names}, got {name!r}")
+
+
+def variant_args(variant: str, base: EngineArgs, max_model_len: int | None) -> EngineArgs:
+    """``base`` set up as policy variant ``variant`` (``core.policies.POLICY_VARIANTS``).
+    A variant without chunked prefill needs ``max_model_len`` (None: unknown) to size its
+    token budget, which must hold a whole prompt."""
+    from iterserve.core.policies import POLICY_VARIANTS  # late: iterserve.core imports us
+
+    v = POLICY_VARIANTS.get(variant)
+    if v is None:
+        raise ValueError(f"policy variant must be one of {tuple(POLICY_VARIANTS)}, got {variant!r}")
+    args = base.replace(policy=v.policy, record_steps=None)
+    if v.chunked_prefill:
+        return args
+    if max_model_len is None:
+        raise ValueError(f"{variant} needs max_model_len to size its token budget")
+    return args.replace(
+        enable_chunked_prefill=False,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(base.max_num_batched_tokens, max_model_len),
+    )
+
+
+def parse_policies(text: str, flag: str = "--policies") -> list[str]:
+    """A comma-separated list of policy variants; ``flag`` names the option in errors."""
+    from iterserve.core.policies import POLICY_VARIANTS  # late: iterserve.core imports us
+
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names or any(p not in POLICY_VARIANTS for p in names):
+        raise ValueError(
+            f"{flag} takes a comma-separated list of {tuple(POLICY_VARIANTS)}, got {text!r}"
+        )
+    return names
+
+
+# ---- flags from dataclass fields ------------------------------------------------------------
+
+
+def _flag_type(annotation: Any) -> Any:
+    """``int | None`` -> int; a plain type as is."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (inner,) = (a for a in typing.get_args(annotation) if a is not type(None))
+        return inner
+    return annotation
+
+
+def add_dataclass_args(
+    parser: argparse._ActionsContainer,
+    cls: type,
+    *,
+    only: Collection[str] | None = None,
+    skip: Collection[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+    helps: Mapping[str, str] | None = None,
+    choices: Mapping[str, Sequence[str] | None] | None = None,
+    metavars: Mapping[str, str] | None = None,
+) -> None:
+    """One ``--flag-name`` per field of dataclass ``cls`` (``--no-flag`` too for booleans),
+    typed from the field's annotation, in field order. ``only`` / ``skip`` pick fields;
+    ``defaults``, ``helps``, ``choices`` (None: free text) and ``metavars`` override, per
+    field name, the field default and argparse's own."""
+    hints = typing.get_type_hints(cls)
+    base = cls()
+    for f in fields(cls):
+        if f.name in skip or (only is not None and f.name not in only):
+            continue
+        kw: dict[str, Any] = {"dest": f.name, "default": getattr(base, f.name)}
+        if defaults and f.name in defaults:
+            kw["default"] = defaults[f.name]
+        if helps and f.name in helps:
+            kw["help"] = helps[f.name]
+        if metavars and f.name in metavars:
+            kw["metavar"] = metavars[f.name]
+        if choices and choices.get(f.name) is not None:
+            kw["choices"] = choices[f.name]
+        flag_type = _flag_type(hints[f.name])
+        if flag_type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = flag_type
+        parser.add_argument("--" + f.name.replace("_", "-"), **kw)
+
+
+def cli_kwargs(cls: type, ns: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` that ``ns`` holds, then ``overrides``."""
+    kwargs = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+    kwargs.update(overrides)
+    return kwargs

@@ -83,15 +83,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     and --record-steps names a folder (one JSONL file of StepStats per run)."""
     from iterserve.config import EngineArgs
 
-    g = p.add_argument_group("engine (EngineArgs)")
-    EngineArgs.add_cli_args(g)  # type: ignore[arg-type]
-    p.set_defaults(model="bench-134m", dtype="bfloat16")
-    for action in g._group_actions:
-        if action.dest == "policy":
-            action.help = argparse.SUPPRESS
-        elif action.dest == "record_steps":
-            action.metavar = "DIR"
-            action.help = "write each run's per-step stats (JSON lines) into this folder"
+    EngineArgs.add_cli_args(
+        p.add_argument_group("engine (EngineArgs)"),
+        defaults={"model": "bench-134m", "dtype": "bfloat16"},
+        helps={
+            "policy": argparse.SUPPRESS,
+            "record_steps": "write each run's per-step stats (JSON lines) into this folder",
+        },
+        metavars={"record_steps": "DIR"},
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,8 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     o = sub.add_parser("offline", help="the same workload through each policy, in-process, all at once")
     o.add_argument("--policies", default="static,continuous,continuous-nochunk",
                    help="comma-separated: static, continuous, continuous-nochunk")
-    WorkloadConfig.add_cli_args(o, skip=("seed", "request_rate", "burstiness", "time_scale"),
-                                dataset="sharegpt", num_prompts=128, length_scale=None)
+    WorkloadConfig.add_cli_args(
+        o,
+        skip=("seed", "request_rate", "burstiness", "time_scale"),
+        defaults={"dataset": "sharegpt", "num_prompts": 128, "length_scale": None},
+    )
     _add_engine_args(o)
     _add_common(o)
     o.set_defaults(func=cmd_offline)
@@ -130,8 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--request-rates", default="auto",
                    help="comma-separated req/s (inf allowed), or 'auto': fractions "
                    "0.25,0.5,0.75,1,1.5 of the capacity measured with all requests at once, plus inf")
-    WorkloadConfig.add_cli_args(w, skip=("seed", "request_rate", "time_scale"),
-                                dataset="sharegpt", num_prompts=64, length_scale=None)
+    WorkloadConfig.add_cli_args(
+        w,
+        skip=("seed", "request_rate", "time_scale"),
+        defaults={"dataset": "sharegpt", "num_prompts": 64, "length_scale": None},
+    )
     _add_engine_args(w)
     _add_common(w)
     w.set_defaults(func=cmd_sweep)
@@ -310,7 +316,8 @@ def print_offline_table(runs: list[dict[str, Any]]) -> None:
 
 
 def cmd_offline(ns: argparse.Namespace) -> int:
-    from iterserve.bench.offline import RunOptions, parse_policies, run_offline
+    from iterserve.bench.offline import RunOptions, run_offline
+    from iterserve.config import parse_policies
 
     policies = parse_policies(ns.policies)
     slos = parse_goodput(ns.goodput)
@@ -347,8 +354,9 @@ def print_sweep_table(runs: list[dict[str, Any]]) -> None:
 
 
 def cmd_sweep(ns: argparse.Namespace) -> int:
-    from iterserve.bench.offline import RunOptions, parse_policies
+    from iterserve.bench.offline import RunOptions
     from iterserve.bench.sweep import parse_rates, run_sweep
+    from iterserve.config import parse_policies
 
     policies = parse_policies(ns.policies)
     rates = parse_rates(ns.request_rates)

@@ -1,9 +1,10 @@
 """In-process comparisons of scheduling policies on one workload (``bench offline``), and
 the engine set-up shared with ``bench sweep``.
 
-Policy variants: ``static`` (request-level batching), ``continuous`` (iteration-level, with
-chunked prefill) and ``continuous-nochunk`` (iteration-level, each prompt prefilled in one
-step: ``enable_chunked_prefill=False``, ``max_num_batched_tokens >= max_model_len``).
+Policies are the variants of ``core.policies.POLICY_VARIANTS``: each policy by name, e.g.
+``static`` (request-level batching) and ``continuous`` (iteration-level, with chunked
+prefill), plus ``continuous-nochunk`` (iteration-level, each prompt prefilled in one step:
+``enable_chunked_prefill=False``, ``max_num_batched_tokens >= max_model_len``).
 """
 
 from __future__ import annotations
@@ -15,42 +16,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from iterserve.config import EngineArgs
+from iterserve.config import EngineArgs, variant_args
 from iterserve.workload.datasets import RequestSpec
 from iterserve.workload.metrics import RequestTiming, summarize
 from iterserve.workload.replay import ReplayResult, replay, warmup
 from iterserve.workload.results import make_run
-
-POLICY_VARIANTS = ("static", "continuous", "continuous-nochunk")
-DEFAULT_POLICIES = POLICY_VARIANTS
-
-
-def parse_policies(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in names if p not in POLICY_VARIANTS]
-    if bad or not names:
-        raise ValueError(f"--policies takes a comma-separated list of {POLICY_VARIANTS}, got {text!r}")
-    return names
-
-
-def variant_args(variant: str, base: EngineArgs, max_model_len: int | None) -> EngineArgs:
-    """EngineArgs of a policy variant; ``max_model_len`` (None: the model's) is needed by
-    ``continuous-nochunk``, whose token budget must hold a whole prompt."""
-    if variant == "static":
-        return base.replace(policy="static", record_steps=None)
-    if variant == "continuous":
-        return base.replace(policy="continuous", record_steps=None)
-    if variant == "continuous-nochunk":
-        if max_model_len is None:
-            raise ValueError("continuous-nochunk needs max_model_len to size its token budget")
-        return base.replace(
-            policy="continuous",
-            enable_chunked_prefill=False,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max(base.max_num_batched_tokens, max_model_len),
-            record_steps=None,
-        )
-    raise ValueError(f"policy variant must be one of {POLICY_VARIANTS}, got {variant!r}")
 
 
 def make_engine(args: EngineArgs) -> Any:

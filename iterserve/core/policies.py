@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from iterserve.core.request import Request
 
@@ -121,10 +122,26 @@ class PriorityPolicy(Policy):
         return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
 
 
+# The one registry of policy names: config validation, every CLI and the simulator read it.
 POLICY_CLASSES: dict[str, type[Policy]] = {
-    "continuous": Policy,
-    "static": StaticPolicy,
-    "priority": PriorityPolicy,
+    cls.name: cls for cls in (Policy, StaticPolicy, PriorityPolicy)
+}
+
+
+@dataclass(frozen=True)
+class PolicyVariant:
+    """A named engine set-up that the benchmarks and the simulator compare: a policy, and
+    whether prompts may be prefilled in chunks (without, the token budget must hold a whole
+    prompt; ``EngineArgs.for_policy`` sizes it)."""
+
+    policy: str
+    chunked_prefill: bool = True
+
+
+# Every policy under its own name, plus continuous batching with one-step prefills.
+POLICY_VARIANTS: dict[str, PolicyVariant] = {
+    **{name: PolicyVariant(name) for name in POLICY_CLASSES},
+    "continuous-nochunk": PolicyVariant("continuous", chunked_prefill=False),
 }
 
 

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.offline import POLICY_VARIANTS, variant_args
-from iterserve.config import POLICIES, EngineArgs
+from iterserve.config import EngineArgs, parse_policies, variant_args
+from iterserve.core.policies import POLICY_VARIANTS
 from iterserve.sim.capacity import CapacityResult, Probe, Slo, find_max_rate, mean_rate, parse_slos
 from iterserve.sim.deployment import Deployment, build_deployment, parse_efficiency
 from iterserve.sim.hardware import HARDWARE
@@ -40,8 +40,17 @@ from iterserve.workload.datasets import (
 from iterserve.workload.metrics import format_summary, parse_goodput, summarize
 from iterserve.workload.results import make_run, write_result
 
-POLICY_NAMES = tuple(dict.fromkeys((*POLICY_VARIANTS, *POLICIES)))
 DEFAULT_RANDOM_PROMPTS = 1000
+# The EngineArgs fields the simulated scheduler takes from the command line.
+SCHEDULER_FLAGS = (
+    "policy",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+    "block_size",
+    "enable_prefix_caching",
+    "max_model_len",
+)
 KV_SERIES_POINTS = 1000
 
 
@@ -56,40 +65,75 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--workload", default="azure-conv",
                    help=f"one of {', '.join(DATASETS)}, or a trace FILE (Azure CSV, ShareGPT-lengths CSV "
                    "or Mooncake JSONL)")
-    WorkloadConfig.add_cli_args(w, skip=("dataset", "dataset_path"), num_prompts=None)  # type: ignore[arg-type]
-    for a in w._group_actions:
-        if a.dest == "num_prompts":
-            a.help = f"number of requests (default: the whole trace; {DEFAULT_RANDOM_PROMPTS} for random)"
+    WorkloadConfig.add_cli_args(
+        w,
+        skip=("dataset", "dataset_path"),
+        defaults={"num_prompts": None},
+        helps={
+            "num_prompts": "number of requests (default: the whole trace; "
+            f"{DEFAULT_RANDOM_PROMPTS} for random)"
+        },
+    )
 
     d = p.add_argument_group("deployment")
-    d.add_argument("--model", help=f"one of {', '.join(sorted(MODEL_TABLE))}, or a config.json (or its folder); "
-                   "default with cpu:PROFILE: the profiled model")
-    d.add_argument("--hardware", default="h100-sxm",
-                   help=f"one of {', '.join(sorted(HARDWARE))}, or cpu:PROFILE.json from `iterserve profile`")
+    d.add_argument(
+        "--model",
+        help=f"one of {', '.join(sorted(MODEL_TABLE))}, or a config.json (or its folder); "
+        "default with cpu:PROFILE: the profiled model",
+    )
+    d.add_argument(
+        "--hardware",
+        default="h100-sxm",
+        help=f"one of {', '.join(sorted(HARDWARE))}, or cpu:PROFILE.json from `iterserve profile`",
+    )
     d.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
     d.add_argument("--replicas", type=int, default=1, help="independent engine replicas")
-    d.add_argument("--router", choices=ROUTERS, default="round-robin",
-                   help="how arriving requests are spread over replicas (least-loaded: fewest unfinished)")
-    d.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                   help="weights and KV cache (default: bfloat16 on GPUs, the profile's on cpu:)")
-    d.add_argument("--efficiency", nargs="+", metavar="NAME=VALUE",
-                   help="override cost-model efficiency factors, e.g. gemm=0.7 mem=0.85 step_s=0.002")
+    d.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="round-robin",
+        help="how arriving requests are spread over replicas (least-loaded: fewest unfinished)",
+    )
+    EngineArgs.add_cli_args(
+        d,
+        only=("dtype",),
+        defaults={"dtype": None},
+        helps={"dtype": "weights and KV cache (default: bfloat16 on GPUs, the profile's on cpu:)"},
+    )
+    d.add_argument(
+        "--efficiency",
+        nargs="+",
+        metavar="NAME=VALUE",
+        help="override cost-model efficiency factors, e.g. gemm=0.7 mem=0.85 step_s=0.002",
+    )
 
     e = p.add_argument_group("engine (EngineArgs)")
-    base = EngineArgs()
-    e.add_argument("--policy", default="continuous",
-                   help=f"comma-separated, each run on the same workload: {', '.join(POLICY_NAMES)}")
-    e.add_argument("--max-num-seqs", type=int, default=base.max_num_seqs)
-    e.add_argument("--max-num-batched-tokens", type=int, default=base.max_num_batched_tokens)
-    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    e.add_argument("--block-size", type=int, default=base.block_size)
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    e.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
+    EngineArgs.add_cli_args(
+        e,
+        only=SCHEDULER_FLAGS,
+        choices={"policy": None},
+        helps={
+            "policy": "comma-separated, each run on the same workload: "
+            + ", ".join(POLICY_VARIANTS),
+            "max_model_len": "default: the model's context",
+        },
+    )
     kv = e.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-memory", help="KV-cache bytes per GPU (per engine on cpu:), e.g. 40GiB")
-    kv.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                    help="fraction of GPU memory for weights + activations + KV cache (GPUs)")
-    kv.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks per replica")
+    EngineArgs.add_cli_args(
+        kv,
+        only=("kv_cache_memory",),
+        defaults={"kv_cache_memory": None},
+        helps={"kv_cache_memory": "KV-cache bytes per GPU (per engine on cpu:), e.g. 40GiB"},
+    )
+    kv.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights + activations + KV cache (GPUs)",
+    )
+    EngineArgs.add_cli_args(
+        kv, only=("num_kv_blocks",), helps={"num_kv_blocks": "KV-cache blocks per replica"}
+    )
 
     c = p.add_argument_group("capacity search")
     c.add_argument("--find-max-rate", action="store_true",
@@ -100,8 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, as in iterserve bench")
     o.add_argument("--result-file", help="write summaries and every request's timings (bench result format)")
-    o.add_argument("--record-steps", metavar="PATH.jsonl",
-                   help="write every simulated step (StepStats fields); one file per policy and replica")
+    EngineArgs.add_cli_args(
+        o,
+        only=("record_steps",),
+        metavars={"record_steps": "PATH.jsonl"},
+        helps={
+            "record_steps": "write every simulated step (StepStats fields); "
+            "one file per policy and replica"
+        },
+    )
     return p
 
 
@@ -141,18 +192,13 @@ def trace_kind(path: str) -> str:
 
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-                      enable_chunked_prefill=ns.enable_chunked_prefill, block_size=ns.block_size,
-                      enable_prefix_caching=ns.enable_prefix_caching)
+    """The scheduler's flags as EngineArgs; each ``--policy`` entry is applied per run."""
+    names = [n for n in SCHEDULER_FLAGS if n not in ("policy", "max_model_len")]
+    return EngineArgs(**{n: getattr(ns, n) for n in names})
 
 
 def sim_config(policy: str, base: EngineArgs, dep: Deployment, replicas: int, router: str) -> SimConfig:
-    if policy in POLICY_VARIANTS:
-        args = variant_args(policy, base, dep.max_model_len)
-    elif policy in POLICIES:
-        args = base.replace(policy=policy)
-    else:
-        raise ValueError(f"--policy takes a comma-separated list of {POLICY_NAMES}, got {policy!r}")
+    args = variant_args(policy, base, dep.max_model_len)
     return SimConfig(scheduler=args.scheduler_config(dep.max_model_len), num_kv_blocks=dep.num_kv_blocks,
                      block_size=dep.block_size, enable_prefix_caching=args.enable_prefix_caching,
                      replicas=replicas, router=router)
@@ -264,10 +310,7 @@ def print_capacity(rows: list[tuple[str, CapacityResult]], slos: list[Slo]) -> N
 
 
 def cmd_simulate(ns: argparse.Namespace) -> int:
-    policies = [x.strip() for x in ns.policy.split(",") if x.strip()]
-    for pol in policies:
-        if pol not in POLICY_NAMES:
-            raise ValueError(f"--policy takes a comma-separated list of {POLICY_NAMES}, got {pol!r}")
+    policies = parse_policies(ns.policy, flag="--policy")
     if ns.find_max_rate and not ns.slo:
         raise ValueError("--find-max-rate needs --slo, e.g. --slo ttft_p99:500,tpot_p99:50")
     slos = parse_slos(ns.slo) if ns.find_max_rate else []

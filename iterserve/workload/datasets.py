@@ -18,11 +18,14 @@ import csv
 import json
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from iterserve.config import add_dataclass_args, cli_kwargs
 
 DATASETS = ("random", "sharegpt", "azure-code", "azure-conv", "mooncake")
 TRACE_FILES = {
@@ -202,52 +205,36 @@ class WorkloadConfig:
         return "poisson" if self.burstiness == 1.0 else "gamma"
 
     @classmethod
-    def add_cli_args(
-        cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), **defaults: object
-    ) -> None:
-        """One flag per field except ``skip``; ``defaults`` overrides field defaults."""
-        helps = {
-            "dataset": "workload: random lengths, ShareGPT lengths, or replay of a trace",
-            "num_prompts": "number of requests",
-            "dataset_path": "read the dataset from this file (same format as the shared trace)",
-            "random_input_len": "random dataset: mean prompt length (tokens)",
-            "random_output_len": "random dataset: mean output length (tokens)",
-            "random_range_ratio": "random dataset: lengths uniform in [L*(1-r), L*(1+r)]",
-            "request_rate": "requests/s with Poisson (or gamma) arrivals; 'inf' = all at once; "
-            "default: the trace's own arrival times, or all at once for untimed datasets",
-            "burstiness": "gamma shape of inter-arrival times (1 = Poisson, <1 burstier)",
-            "time_scale": "multiply trace arrival times by this (2 = half the rate)",
-            "length_scale": "multiply trace prompt and output lengths by this (fit a small model)",
-            "seed": "seed of the workload (lengths, prompt tokens, arrival times)",
-            "long_prompts": "requests longer than the context: clip them, or skip them",
-        }
-        base = cls()
-        for f in fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            default = defaults.get(f.name, getattr(base, f.name))
-            help_ = helps.get(f.name, "")
-            if f.name == "length_scale" and default is None:
-                help_ += " (default: fit the dataset's p99 prompt + output length into the context)"
-            kw: dict[str, object] = {"dest": f.name, "default": default, "help": help_}
-            if f.name == "dataset":
-                kw["choices"] = DATASETS
-            elif f.name == "long_prompts":
-                kw["choices"] = LONG_PROMPT_MODES
-            elif f.name == "dataset_path":
-                kw["type"] = str
-            elif f.name == "request_rate":
-                kw["type"] = float
-            else:
-                kw["type"] = type(getattr(base, f.name))
-            parser.add_argument(flag, **kw)  # type: ignore[arg-type]
+    def add_cli_args(cls, parser: argparse._ActionsContainer, **options: Any) -> None:
+        """One flag per field, with help (see ``config.add_dataclass_args`` for ``options``)."""
+        helps = {**_FLAG_HELP, **options.pop("helps", {})}
+        if options.get("defaults", {}).get("length_scale", 1.0) is None:
+            helps["length_scale"] += (
+                " (default: fit the dataset's p99 prompt + output length into the context)"
+            )
+        choices = {"dataset": DATASETS, "long_prompts": LONG_PROMPT_MODES}
+        add_dataclass_args(parser, cls, helps=helps, choices=choices, **options)
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace, **overrides: object) -> WorkloadConfig:
-        kwargs = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
-        kwargs.update(overrides)
-        return cls(**kwargs)  # type: ignore[arg-type]
+    def from_cli_args(cls, ns: argparse.Namespace, **overrides: Any) -> WorkloadConfig:
+        return cls(**cli_kwargs(cls, ns, **overrides))
+
+
+_FLAG_HELP = {
+    "dataset": "workload: random lengths, ShareGPT lengths, or replay of a trace",
+    "num_prompts": "number of requests",
+    "dataset_path": "read the dataset from this file (same format as the shared trace)",
+    "random_input_len": "random dataset: mean prompt length (tokens)",
+    "random_output_len": "random dataset: mean output length (tokens)",
+    "random_range_ratio": "random dataset: lengths uniform in [L*(1-r), L*(1+r)]",
+    "request_rate": "requests/s with Poisson (or gamma) arrivals; 'inf' = all at once; "
+    "default: the trace's own arrival times, or all at once for untimed datasets",
+    "burstiness": "gamma shape of inter-arrival times (1 = Poisson, <1 burstier)",
+    "time_scale": "multiply trace arrival times by this (2 = half the rate)",
+    "length_scale": "multiply trace prompt and output lengths by this (fit a small model)",
+    "seed": "seed of the workload (lengths, prompt tokens, arrival times)",
+    "long_prompts": "requests longer than the context: clip them, or skip them",
+}
 
 
 @dataclass

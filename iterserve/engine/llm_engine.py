@@ -6,17 +6,15 @@ and only ever calls it from one thread.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
-from typing import IO, Any
+from dataclasses import dataclass, field
 
 import torch
 
 from iterserve.config import CacheConfig, EngineArgs
-from iterserve.core.kv_cache_manager import KVCacheManager
+from iterserve.core.books import Books, EngineStats
+from iterserve.core.kv_cache_manager import KVCacheManager, cdiv
 from iterserve.core.request import FinishReason, Request
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.detokenizer import IncrementalDetokenizer
@@ -26,8 +24,6 @@ from iterserve.outputs import CompletionOutput, Logprob, RequestMetrics, Request
 from iterserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-TOKENS_PER_STEP_HISTORY = 100_000
 
 
 @dataclass
@@ -61,12 +57,12 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
+    def __init__(self, args: EngineArgs | None = None, **kwargs: object) -> None:
         from iterserve.engine.tokenizer import load_tokenizer
         from iterserve.model.builtin import resolve_model
         from iterserve.model.runner import ModelRunner
 
-        self.args = args.replace(**kwargs) if args is not None else EngineArgs(**kwargs)
+        self.args = (args or EngineArgs()).replace(**kwargs)
         a = self.args
         if a.num_threads:
             torch.set_num_threads(a.num_threads)
@@ -85,14 +81,16 @@ class LLMEngine:
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.vocab_size
         eos = list(self.runner.eos_token_ids)
-        if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
+        if not eos and self.tokenizer.eos_token_id is not None:
             eos = [int(self.tokenizer.eos_token_id)]
         self.eos_token_ids = frozenset(eos)
-        self.kv = KVCacheManager(self.runner.num_kv_blocks, self.runner.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_kv_blocks, self.runner.block_size, cache_config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(a.scheduler_config(self.max_model_len), self.kv)
+        self.books = Books(self.scheduler)
         self._seqs: dict[str, _Seq] = {}
         self._parents: dict[str, _Parent] = {}
-        self._pending: list[RequestOutput] = []  # outputs produced between steps
         self._torch_gen = torch.Generator().manual_seed(a.seed)
         torch.manual_seed(a.seed)
         self.healthy = True
@@ -100,13 +98,6 @@ class LLMEngine:
         # this so an over-long request is a 400, as in OpenAI's and vLLM's servers.
         self.reject_overlong_max_tokens = False
         self.last_error: str | None = None
-        self.last_step_stats: StepStats | None = None
-        self._step_file: IO[str] | None = None
-        self._counters: Counter[str] = Counter()
-        self._finished_by_reason: Counter[str] = Counter()
-        # (prefill, decode) tokens of the latest steps; bounded so a long-lived server stays flat.
-        self.tokens_per_step: deque[tuple[int, int]] = deque(maxlen=TOKENS_PER_STEP_HISTORY)
-        self.max_kv_usage = 0.0
         if a.record_steps:
             self.record_steps(a.record_steps)
 
@@ -125,7 +116,7 @@ class LLMEngine:
         elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
         per_block = 2 * cfg.num_layers * cc.block_size * cfg.num_kv_heads * cfg.head_dim * elem
         max_len = min(a.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        cap = 2 * a.max_num_seqs * -(-max_len // cc.block_size)
+        cap = 2 * a.max_num_seqs * cdiv(max_len, cc.block_size)
         blocks = min(cc.kv_cache_memory // per_block, cap)
         return dataclasses.replace(cc, num_kv_blocks=blocks) if blocks >= 1 else cc
 
@@ -156,29 +147,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
-        if not ids:
-            raise ValueError("prompt is empty after tokenization; send at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but the model's context length (max_model_len) is "
-                f"{self.max_model_len}, which must also leave room for at least one generated "
-                "token; shorten the prompt"
-            )
-        needed = self.kv.blocks_for(len(ids) + 1)
-        if needed > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens and needs {needed} KV-cache blocks but the pool "
-                f"holds {self.kv.num_blocks}; raise kv_cache_memory / num_kv_blocks or shorten the prompt"
-            )
-        room = self.max_model_len - len(ids)
-        if self.reject_overlong_max_tokens and params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
-                f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
-                "max_tokens."
-            )
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = self.books.admit(len(ids), params.max_tokens, self.reject_overlong_max_tokens)
         now = time.monotonic()
         parent = _Parent(
             request_id,
@@ -217,11 +186,11 @@ class LLMEngine:
                 self.scheduler.finish_request(seq.req.request_id, FinishReason.ABORT)
                 seq.finished = True
             self._seqs.pop(seq.req.request_id, None)
-        self._finished_by_reason["abort"] += 1
+        self.books.finished_by_reason["abort"] += 1
         parent.metrics.finished_time = time.monotonic()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._pending)
+        return bool(self._parents)
 
     @property
     def num_running(self) -> int:
@@ -250,7 +219,6 @@ class LLMEngine:
         for req in sched.preempted:
             self._seqs[req.request_id].parent.metrics.num_preemptions += 1
 
-        stats = StepStats(step=self._counters["steps"], start_time=t0, schedule_s=t1 - t0)
         t2 = t3 = t1
         if not sched.is_empty:
             try:
@@ -266,13 +234,13 @@ class LLMEngine:
             finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
             for rid, tok in sampled.items():
                 self._on_token(self._seqs[rid], tok, lp_by_id.get(rid), rid in finished, touched, t3)
-            self._counters["steps"] += 1
-        outputs = self._pending + [self._make_output(p) for p in touched.values()]
-        self._pending = []
+        outputs = [self._make_output(p) for p in touched.values()]
         t4 = time.monotonic()
 
         if not sched.is_empty:
-            self._record(stats, sched, t0, t1, t2, t3, t4, len(outputs))
+            self.books.record_step(
+                sched, t0, t4 - t0, len(outputs), phases=(t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+            )
         return outputs
 
     def _batch_items(self, sched: SchedulerOutput) -> tuple[list[BatchItem], list[Request]]:
@@ -355,7 +323,7 @@ class LLMEngine:
             parent.metrics.finished_time = now
             self._parents.pop(parent.request_id, None)
             reason = req.finish_reason.value if req.finish_reason else "stop"
-            self._finished_by_reason[reason] += 1
+            self.books.finished_by_reason[reason] += 1
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         comps = []
@@ -405,69 +373,22 @@ class LLMEngine:
             self.runner.reset_kv_cache()
         except Exception:  # pragma: no cover - best effort
             logger.exception("KV cache reset failed")
-        outputs = self._pending + [self._make_output(p) for p in touched.values()]
-        self._pending = []
-        return outputs
+        return [self._make_output(p) for p in touched.values()]
 
     # ---- stats ----------------------------------------------------------------------------
-    def _record(
-        self, stats: StepStats, sched: SchedulerOutput, t0: float, t1: float, t2: float, t3: float, t4: float, n_out: int
-    ) -> None:
-        stats.duration_s = t4 - t0
-        stats.forward_s = t2 - t1
-        stats.sample_s = t3 - t2
-        stats.output_s = t4 - t3
-        stats.num_prefill_tokens = sched.num_prefill_tokens
-        stats.num_decode_tokens = sched.num_decode_tokens
-        stats.num_scheduled_seqs = len(sched.requests)
-        stats.num_running = self.scheduler.num_running
-        stats.num_waiting = self.scheduler.num_waiting
-        stats.kv_blocks_used = self.kv.num_used_blocks
-        stats.kv_blocks_total = self.kv.num_blocks
-        stats.num_preemptions = len(sched.preempted)
-        stats.prefix_hit_tokens = sched.prefix_hit_tokens
-        stats.num_finished = n_out
-        self.last_step_stats = stats
-        self.tokens_per_step.append((sched.num_prefill_tokens, sched.num_decode_tokens))
-        self._counters["prompt_tokens"] += sched.num_prefill_tokens
-        self._counters["generation_tokens"] += sched.num_decode_tokens
-        self.max_kv_usage = max(self.max_kv_usage, stats.kv_usage)
-        if self._step_file is not None:
-            stats.scheduled = [
-                (r.request_id, n, p) for r, n, p in zip(sched.requests, sched.num_tokens, sched.is_prefill)
-            ]
-            self._step_file.write(json.dumps(asdict(stats)) + "\n")
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        """The latest step that ran a batch (a step that scheduled nothing keeps it)."""
+        return self.books.last_step_stats
 
     def record_steps(self, path: str | None) -> None:
         """Writes every following step's StepStats as one JSON line to ``path`` (None: stop)."""
-        if self._step_file is not None:
-            self._step_file.close()
-            self._step_file = None
-        if path:
-            self._step_file = open(path, "w", buffering=1 << 16)  # noqa: SIM115
+        self.books.record_steps(path)
 
-    def stats(self, per_step: bool = True) -> dict[str, Any]:
+    def stats(self, per_step: bool = True) -> EngineStats:
         """Cumulative counters; ``per_step`` adds ``tokens_per_step`` (the latest
         TOKENS_PER_STEP_HISTORY steps as (prefill, decode) pairs)."""
-        s = self.scheduler
-        return {
-            "num_steps": self._counters["steps"],
-            "num_prefill_tokens": self._counters["prompt_tokens"],
-            "num_decode_tokens": self._counters["generation_tokens"],
-            "tokens_per_step": list(self.tokens_per_step) if per_step else [],
-            "num_preemptions": s.num_preemptions,
-            "prefix_cache_query_tokens": s.prefix_query_tokens,
-            "prefix_cache_hit_tokens": s.prefix_hit_tokens,
-            "prefix_cache_hit_rate": s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0,
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "kv_blocks_total": self.kv.num_blocks,
-            "kv_blocks_used": self.kv.num_used_blocks,
-            "kv_usage": self.kv.usage,
-            "max_kv_usage": self.max_kv_usage,
-            "finished_by_reason": dict(self._finished_by_reason),
-            "healthy": self.healthy,
-        }
+        return self.books.engine_stats(self.healthy, per_step)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

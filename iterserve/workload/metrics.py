@@ -60,6 +60,33 @@ class RequestTiming:
         return cls(**known)
 
 
+class TokenClock:
+    """Times a request's tokens as a streaming client sees them: TTFT at the first chunk, one
+    ITL gap per later chunk, E2E latency at the last. The in-process replay and the simulator
+    both time their requests through this one clock."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}  # request id -> when its latest chunk came
+
+    def tokens(self, t: RequestTiming, now: float, n: int = 1) -> None:
+        """``n`` new tokens of ``t`` arrived (as one chunk) at ``now``."""
+        rid = t.request_id
+        if t.ttft is None:
+            t.ttft = now - t.arrival_time
+        else:
+            t.itl.append(now - self._last[rid])
+        self._last[rid] = now
+        t.output_tokens += n
+
+    def succeed(self, t: RequestTiming, finish_reason: str | None) -> None:
+        """``t`` ended well with its latest chunk (which must have come)."""
+        t.success = True
+        t.finish_reason = finish_reason
+        t.latency = self._last.pop(t.request_id) - t.arrival_time
+
+
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
     """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (milliseconds)."""
     slos: dict[str, float] = {}

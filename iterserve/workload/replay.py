@@ -7,22 +7,23 @@ from the request's *scheduled* arrival: a request that arrives during a step wai
 step to end, exactly as it would at a server.
 
 The engine is anything with ``add_request(request_id, prompt_token_ids, params,
-arrival_time=...)``, ``step() -> list[RequestOutput]`` and ``has_unfinished_requests()``; the
-clock and sleep are injectable, so a simulated engine with a virtual clock can use this driver.
+arrival_time=...)``, ``step() -> list[RequestOutput]``, ``has_unfinished_requests()`` and
+``stats()`` (``ReplayEngine``); the clock and sleep are injectable, so a simulated engine with a
+virtual clock can use this driver.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.workload.datasets import RequestSpec
-from iterserve.workload.metrics import RequestTiming
+from iterserve.workload.metrics import RequestTiming, TokenClock
 
 
 class ReplayEngine(Protocol):
@@ -33,6 +34,8 @@ class ReplayEngine(Protocol):
     def step(self) -> list[RequestOutput]: ...
 
     def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> Mapping[str, object]: ...  # with "num_steps" (steps that ran a batch)
 
 
 @dataclass
@@ -49,13 +52,10 @@ def bench_params(output_len: int) -> SamplingParams:
     return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
 
 
-def _engine_steps(engine: Any) -> int | None:
-    stats = getattr(engine, "stats", None)
-    if stats is None:
-        return None
-    s = stats()
-    v = s.get("num_steps", s.get("steps"))
-    return int(v) if v is not None else None
+def _engine_steps(engine: ReplayEngine) -> int:
+    v = engine.stats()["num_steps"]
+    assert isinstance(v, int), f"engine.stats()['num_steps'] is {v!r}, not a step count"
+    return v
 
 
 def replay(
@@ -80,8 +80,7 @@ def replay(
     ]
     pending = deque(sorted(range(len(specs)), key=lambda i: specs[i].arrival_time))
     live: dict[str, RequestTiming] = {}
-    last_chunk: dict[str, float] = {}
-    steps = 0
+    token_clock = TokenClock()
 
     def finish(t: RequestTiming) -> None:
         live.pop(t.request_id, None)
@@ -116,7 +115,6 @@ def replay(
             end = clock() - start
             continue
         outputs = engine.step()
-        steps += 1
         now = clock() - start
         for out in outputs:
             rt = live.get(out.request_id)
@@ -124,12 +122,7 @@ def replay(
                 continue
             comp = out.outputs[0]
             if comp.new_token_ids:
-                if rt.ttft is None:
-                    rt.ttft = now - rt.arrival_time
-                else:
-                    rt.itl.append(now - last_chunk[rt.request_id])
-                last_chunk[rt.request_id] = now
-                rt.output_tokens += len(comp.new_token_ids)
+                token_clock.tokens(rt, now, len(comp.new_token_ids))
             if out.finished:
                 rt.finish_reason = comp.finish_reason
                 if out.error or comp.finish_reason in ("error", "abort"):
@@ -137,15 +130,11 @@ def replay(
                 elif rt.ttft is None:
                     rt.error = "finished without any token"
                 else:
-                    rt.success = True
-                    rt.latency = last_chunk[rt.request_id] - rt.arrival_time
+                    token_clock.succeed(rt, comp.finish_reason)
                 end = now
                 finish(rt)
-    steps_after = _engine_steps(engine)
-    num_steps = steps_after - steps_before if steps_before is not None and steps_after is not None else steps
-    stats: dict[str, Any] = {}
-    if hasattr(engine, "stats"):
-        stats = {k: v for k, v in engine.stats().items() if k != "tokens_per_step"}
+    num_steps = _engine_steps(engine) - steps_before
+    stats = {k: v for k, v in engine.stats().items() if k != "tokens_per_step"}
     return ReplayResult(timings=timings, duration_s=end, num_steps=num_steps, start_time=start,
                         engine_stats=stats)
 

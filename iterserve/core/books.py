@@ -1,0 +1,261 @@
+"""The books every engine keeps, real or simulated: admission checks, step records, counters.
+
+``LLMEngine`` and each of the simulator's replicas hold one ``Books`` over their scheduler, so
+a request the engine rejects is rejected by the simulator with the same message, and a step
+recorded by one reads field for field like a step recorded by the other
+(tests/test_sim_equivalence.py compares them step by step). Pure Python, like all of core/.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import IO, TypedDict
+
+from iterserve.core.scheduler import Scheduler, SchedulerOutput
+from iterserve.outputs import StepStats
+
+# (prefill, decode) tokens of the latest steps an engine keeps for ``stats()``: bounded so a
+# long-lived server stays flat.
+TOKENS_PER_STEP_HISTORY = 100_000
+
+
+class StepCounters(TypedDict):
+    """Cumulative counters of one engine (or summed over replicas by ``merge_counters``)."""
+
+    num_steps: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preemptions: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_hit_rate: float
+    kv_blocks_total: int
+    max_kv_usage: float
+
+
+class EngineStats(StepCounters):
+    """``LLMEngine.stats()``: the counters plus the engine's state right now."""
+
+    tokens_per_step: list[tuple[int, int]]
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_usage: float
+    finished_by_reason: dict[str, int]
+    healthy: bool
+
+
+class StepLog:
+    """Every step of one run, column by column: a 19k-request simulated trace takes a few
+    hundred thousand steps, and one object per step would dominate its memory."""
+
+    COLUMNS = ("start_time", "duration_s", "num_prefill_tokens", "num_decode_tokens",
+               "num_scheduled_seqs", "num_running", "num_waiting", "kv_blocks_used",
+               "num_preemptions", "prefix_hit_tokens", "num_finished")
+
+    def __init__(self, kv_blocks_total: int) -> None:
+        self.kv_blocks_total = kv_blocks_total
+        self.start_time = array("d")
+        self.duration_s = array("d")
+        self.ints = {c: array("q") for c in self.COLUMNS[2:]}
+        # Bound appends, in COLUMNS order (the inner loop of a simulation).
+        self._int_appends = [self.ints[c].append for c in self.COLUMNS[2:]]
+
+    def __len__(self) -> int:
+        return len(self.start_time)
+
+    def append(self, st: StepStats) -> None:
+        self.start_time.append(st.start_time)
+        self.duration_s.append(st.duration_s)
+        a = self._int_appends
+        a[0](st.num_prefill_tokens)
+        a[1](st.num_decode_tokens)
+        a[2](st.num_scheduled_seqs)
+        a[3](st.num_running)
+        a[4](st.num_waiting)
+        a[5](st.kv_blocks_used)
+        a[6](st.num_preemptions)
+        a[7](st.prefix_hit_tokens)
+        a[8](st.num_finished)
+
+    def stats(self, i: int) -> StepStats:
+        """Step ``i`` as the engine's ``StepStats`` (a simulated step is all forward time)."""
+        d = self.duration_s[i]
+        st = StepStats(step=i, start_time=self.start_time[i], duration_s=d, forward_s=d,
+                       kv_blocks_total=self.kv_blocks_total)
+        for c, col in self.ints.items():
+            setattr(st, c, int(col[i]))
+        return st
+
+
+class Books:
+    """Admission checks, per-step records and cumulative counters of one engine.
+
+    With a ``log`` (the simulator) every step is kept, column-wise; without one (the real
+    engine) only the latest step's ``StepStats`` and the latest TOKENS_PER_STEP_HISTORY
+    (prefill, decode) pairs are.
+    """
+
+    def __init__(self, scheduler: Scheduler, log: StepLog | None = None) -> None:
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.max_model_len = scheduler.config.max_model_len
+        self.log = log
+        self.num_steps = 0
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self.max_kv_usage = 0.0
+        self.finished_by_reason: Counter[str] = Counter()
+        self.last_step_stats: StepStats | None = None
+        self.tokens_per_step: deque[tuple[int, int]] = deque(maxlen=TOKENS_PER_STEP_HISTORY)
+        self.step_file: IO[str] | None = None
+
+    # ---- admission ----------------------------------------------------------------------
+    def admit(self, num_prompt_tokens: int, max_tokens: int | None,
+              reject_overlong_max_tokens: bool = False) -> int:
+        """The ``max_tokens`` a tokenized prompt of this length runs with (capped at the room
+        left in the context). Raises ValueError saying what to change when it can never run."""
+        n, max_len, kv = num_prompt_tokens, self.max_model_len, self.kv
+        if n == 0:
+            raise ValueError("prompt is empty after tokenization; send at least one token")
+        if n >= max_len:
+            raise ValueError(
+                f"prompt has {n} tokens but the model's context length (max_model_len) is "
+                f"{max_len}, which must also leave room for at least one generated "
+                "token; shorten the prompt"
+            )
+        needed = kv.blocks_for(n + 1)
+        if needed > kv.num_blocks:
+            raise ValueError(
+                f"prompt has {n} tokens and needs {needed} KV-cache blocks but the pool "
+                f"holds {kv.num_blocks}; raise kv_cache_memory / num_kv_blocks or shorten "
+                "the prompt"
+            )
+        room = max_len - n
+        if reject_overlong_max_tokens and max_tokens is not None and max_tokens > room:
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
+                "completion). Please reduce the length of the prompt or max_tokens."
+            )
+        return room if max_tokens is None else min(max_tokens, room)
+
+    # ---- steps --------------------------------------------------------------------------
+    def record_step(
+        self,
+        sched: SchedulerOutput,
+        start_time: float,
+        duration_s: float,
+        num_finished: int,
+        phases: Sequence[float] | None = None,
+    ) -> None:
+        """Records a step that ran ``sched``; call after ``update_from_output``, as the
+        running / waiting / KV figures are the ones the step left behind. ``phases`` is
+        (schedule_s, forward_s, sample_s, output_s); a simulated step is all forward time."""
+        schedule_s, forward_s, sample_s, output_s = phases or (0.0, duration_s, 0.0, 0.0)
+        s = self.scheduler
+        st = StepStats(
+            step=self.num_steps,
+            start_time=start_time,
+            duration_s=duration_s,
+            schedule_s=schedule_s,
+            forward_s=forward_s,
+            sample_s=sample_s,
+            output_s=output_s,
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            num_scheduled_seqs=len(sched.requests),
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_blocks_used=self.kv.num_used_blocks,
+            kv_blocks_total=self.kv.num_blocks,
+            num_preemptions=len(sched.preempted),
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            num_finished=num_finished,
+        )
+        self.num_steps += 1
+        self.num_prefill_tokens += st.num_prefill_tokens
+        self.num_decode_tokens += st.num_decode_tokens
+        usage = st.kv_usage
+        if usage > self.max_kv_usage:
+            self.max_kv_usage = usage
+        if self.log is not None:
+            self.log.append(st)
+        else:
+            self.last_step_stats = st
+            self.tokens_per_step.append((st.num_prefill_tokens, st.num_decode_tokens))
+        if self.step_file is not None:
+            st.scheduled = [
+                (r.request_id, n, p)
+                for r, n, p in zip(sched.requests, sched.num_tokens, sched.is_prefill)
+            ]
+            self.step_file.write(json.dumps(asdict(st)) + "\n")
+
+    def record_steps(self, path: str | None) -> None:
+        """Writes every following step's StepStats as one JSON line to ``path`` (None: stop)."""
+        if self.step_file is not None:
+            self.step_file.close()
+            self.step_file = None
+        if path:
+            self.step_file = open(path, "w", buffering=1 << 16)  # noqa: SIM115
+
+    # ---- counters -----------------------------------------------------------------------
+    def counters(self) -> StepCounters:
+        s = self.scheduler
+        q, h = s.prefix_query_tokens, s.prefix_hit_tokens
+        return {
+            "num_steps": self.num_steps,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_decode_tokens": self.num_decode_tokens,
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_query_tokens": q,
+            "prefix_cache_hit_tokens": h,
+            "prefix_cache_hit_rate": h / q if q else 0.0,
+            "kv_blocks_total": self.kv.num_blocks,
+            "max_kv_usage": self.max_kv_usage,
+        }
+
+    def engine_stats(self, healthy: bool, per_step: bool = True) -> EngineStats:
+        """The counters plus the state right now; ``per_step`` adds ``tokens_per_step``
+        (the latest TOKENS_PER_STEP_HISTORY steps as (prefill, decode) pairs)."""
+        c, s, kv = self.counters(), self.scheduler, self.kv
+        return {
+            "num_steps": c["num_steps"],
+            "num_prefill_tokens": c["num_prefill_tokens"],
+            "num_decode_tokens": c["num_decode_tokens"],
+            "tokens_per_step": list(self.tokens_per_step) if per_step else [],
+            "num_preemptions": c["num_preemptions"],
+            "prefix_cache_query_tokens": c["prefix_cache_query_tokens"],
+            "prefix_cache_hit_tokens": c["prefix_cache_hit_tokens"],
+            "prefix_cache_hit_rate": c["prefix_cache_hit_rate"],
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_blocks_total": c["kv_blocks_total"],
+            "kv_blocks_used": kv.num_used_blocks,
+            "kv_usage": kv.usage,
+            "max_kv_usage": c["max_kv_usage"],
+            "finished_by_reason": dict(self.finished_by_reason),
+            "healthy": healthy,
+        }
+
+
+def merge_counters(books: Sequence[Books]) -> StepCounters:
+    """Counters summed over replicas (KV pool size and peak usage: per replica)."""
+    cs = [b.counters() for b in books]
+    q = sum(c["prefix_cache_query_tokens"] for c in cs)
+    h = sum(c["prefix_cache_hit_tokens"] for c in cs)
+    return {
+        "num_steps": sum(c["num_steps"] for c in cs),
+        "num_prefill_tokens": sum(c["num_prefill_tokens"] for c in cs),
+        "num_decode_tokens": sum(c["num_decode_tokens"] for c in cs),
+        "num_preemptions": sum(c["num_preemptions"] for c in cs),
+        "prefix_cache_query_tokens": q,
+        "prefix_cache_hit_tokens": h,
+        "prefix_cache_hit_rate": h / q if q else 0.0,
+        "kv_blocks_total": cs[0]["kv_blocks_total"],
+        "max_kv_usage": max(c["max_kv_usage"] for c in cs),
+    }

@@ -36,13 +36,14 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 from iterserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 
 if TYPE_CHECKING:
-    from iterserve.config import EngineArgs
+    from iterserve.core.books import EngineStats
+    from iterserve.engine.protocol import EngineInterface, Tokenizer
     from iterserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -79,16 +80,16 @@ class RequestFailedError(AsyncEngineError):
 # --------------------------------------------------------------------------------------
 # Observers (metrics) and snapshots
 # --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSnapshot:
     """Engine state published by the engine thread (read freely from any thread)."""
 
+    stats: EngineStats
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
     engine_healthy: bool = True
     last_error: str | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
     time: float = 0.0
 
 
@@ -263,12 +264,12 @@ def _aborted_output(stream: RequestStream) -> RequestOutput:
 class AsyncEngine:
     """Runs an ``LLMEngine`` in one background thread and serves asyncio callers.
 
-    ``engine`` is anything following the LLMEngine contract (notes/engine_api.md).
+    ``engine`` is anything implementing ``EngineInterface`` (iterserve/engine/protocol.py).
     """
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineInterface,
         *,
         max_queued_requests: int | None = None,
         max_queued_tokens: int | None = None,
@@ -281,11 +282,11 @@ class AsyncEngine:
         if max_queued_tokens is not None and max_queued_tokens < 1:
             raise ValueError(f"max_queued_tokens must be >= 1, got {max_queued_tokens}")
         self.engine = engine
-        self.model_name: str = str(getattr(engine, "model_name", "model"))
-        self.max_model_len: int = int(getattr(engine, "max_model_len", 0))
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
         # The engine thread uses engine.tokenizer; the event loop gets its own copy so the
         # two threads never share one (HF fast tokenizers are not safe to share).
-        self.tokenizer = _private_copy(getattr(engine, "tokenizer", None))
+        self.tokenizer = _private_copy(engine.tokenizer)
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self.observers: list[EngineObserver] = list(observers)
@@ -293,7 +294,8 @@ class AsyncEngine:
         # engine.stats() is not free (it copies per-step history): refresh it at most this
         # often while busy, and always when the engine goes idle.
         self.stats_interval_s = stats_interval_s
-        self._stats: dict[str, Any] = {}
+        # The engine thread is not running yet, so this thread may still read the engine.
+        self._stats: EngineStats = engine.stats()
         self._stats_time = float("-inf")
 
         self._cmds: collections.deque[_AddCmd | _AbortCmd | _StopCmd] = collections.deque()
@@ -313,18 +315,11 @@ class AsyncEngine:
         self._queued_tokens = 0
 
         # Published by the engine thread.
-        self.snapshot = EngineSnapshot(time=time.monotonic())
+        self.snapshot = EngineSnapshot(stats=self._stats, time=time.monotonic())
         self._last_stats: StepStats | None = None
         self._step_error: str | None = None
         self._dead: str | None = None
         self.num_steps = 0
-
-    # ---- construction --------------------------------------------------------------
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncEngine:
-        from iterserve.engine.llm_engine import LLMEngine
-
-        return cls(LLMEngine(args), **kwargs)
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -663,7 +658,7 @@ class AsyncEngine:
         return stop
 
     def _dispatch(self, streams: dict[str, _EngineSide], outputs: list[RequestOutput]) -> None:
-        stats: StepStats | None = getattr(self.engine, "last_step_stats", None)
+        stats = self.engine.last_step_stats
         if stats is not None and stats is self._last_stats:
             stats = None  # the step scheduled nothing (the engine keeps the previous stats)
         else:
@@ -730,17 +725,16 @@ class AsyncEngine:
         now = time.monotonic()
         if full_stats or now - self._stats_time >= self.stats_interval_s:
             try:
-                stats = engine.stats() if hasattr(engine, "stats") else {}
-                self._stats = dict(stats) if isinstance(stats, dict) else {}
+                self._stats = engine.stats()
             except Exception:  # noqa: BLE001
                 logger.exception("engine.stats() failed")
             self._stats_time = now
         snap = EngineSnapshot(
-            num_running=int(getattr(engine, "num_running", 0)),
-            num_waiting=int(getattr(engine, "num_waiting", 0)),
-            kv_usage=float(engine.kv_usage()) if hasattr(engine, "kv_usage") else 0.0,
-            engine_healthy=bool(getattr(engine, "healthy", True)),
-            last_error=getattr(engine, "last_error", None),
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
+            kv_usage=engine.kv_usage(),
+            engine_healthy=engine.healthy,
+            last_error=engine.last_error,
             stats=self._stats,
             time=now,
         )
@@ -775,9 +769,7 @@ def _reason(out: RequestOutput) -> str:
     return reasons[0]
 
 
-def _private_copy(tokenizer: Any) -> Any:
-    if tokenizer is None:
-        return None
+def _private_copy(tokenizer: Tokenizer) -> Tokenizer:
     import copy
 
     try:

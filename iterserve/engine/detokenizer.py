@@ -9,7 +9,10 @@ held back from streaming until it is known not to be.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from iterserve.engine.protocol import Tokenizer
 
 _CONTEXT = 5  # tokens of left context; enough for byte-level BPE and SentencePiece spaces
 
@@ -17,7 +20,7 @@ _CONTEXT = 5  # tokens of left context; enough for byte-level BPE and SentencePi
 class IncrementalDetokenizer:
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
@@ -32,8 +35,8 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int) -> str | None:
         """Adds one generated token; returns the stop string if the text now contains one

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from iterserve.config import EngineArgs
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from iterserve.core.books import EngineStats
+    from iterserve.engine.protocol import Tokenizer
 
 Prompt = str | list[int]
 
@@ -19,12 +23,12 @@ class LLM:
     Keyword arguments are ``EngineArgs`` fields (see iterserve/config.py).
     """
 
-    def __init__(self, model: str = "tiny-random", **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+    def __init__(self, model: str = "tiny-random", **kwargs: object) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model).replace(**kwargs))
         self._counter = 0
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(
@@ -62,5 +66,5 @@ class LLM:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()

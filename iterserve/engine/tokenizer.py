@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from iterserve.engine.protocol import Tokenizer
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str) -> Tokenizer:
     """Loads the fast tokenizer (and chat template) saved in ``path``."""
     from transformers import AutoTokenizer
 
@@ -15,4 +18,6 @@ def load_tokenizer(path: str) -> Any:
         raise FileNotFoundError(
             f"no tokenizer files in {path!r}: expected one of {', '.join(names)} next to config.json"
         )
-    return AutoTokenizer.from_pretrained(path)
+    # transformers types convert_ids_to_tokens as str | list[str] (an int gives a str); the
+    # engine and the server only ever pass lists.
+    return cast("Tokenizer", AutoTokenizer.from_pretrained(path))

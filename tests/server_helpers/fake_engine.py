@@ -1,13 +1,15 @@
-"""A small, deterministic stand-in for ``LLMEngine`` (the contract in notes/engine_api.md),
-with knobs to inject faults. Test-only."""
+"""A small, deterministic stand-in for ``LLMEngine`` (it implements ``EngineInterface``,
+iterserve/engine/protocol.py), with knobs to inject faults. Test-only."""
 
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from iterserve.core.books import EngineStats
+from iterserve.core.kv_cache_manager import cdiv
 from iterserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
 from iterserve.sampling_params import SamplingParams
 
@@ -29,8 +31,8 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return bytes(i - OFFSET for i in ids if i >= OFFSET).decode("utf-8", errors="replace")
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - OFFSET for i in token_ids if i >= OFFSET).decode("utf-8", errors="replace")
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self.decode([i]) if i >= OFFSET else f"<{i}>" for i in ids]
@@ -132,14 +134,33 @@ class FakeEngine:
     def num_waiting(self) -> int:
         return max(0, len(self.reqs) - self.max_num_seqs)
 
-    def kv_usage(self) -> float:
-        used = 0
-        for r in list(self.reqs.values())[: self.max_num_seqs]:
-            used += -(-(len(r.ids) + max(len(o) for o in r.out)) // self.block_size)
-        return min(1.0, used / self.num_blocks)
+    def _kv_blocks_used(self) -> int:
+        running = list(self.reqs.values())[: self.max_num_seqs]
+        return sum(cdiv(len(r.ids) + max(len(o) for o in r.out), self.block_size) for r in running)
 
-    def stats(self) -> dict[str, Any]:
-        return {"num_steps": self.steps, "num_preemptions": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0}
+    def kv_usage(self) -> float:
+        return min(1.0, self._kv_blocks_used() / self.num_blocks)
+
+    def stats(self) -> EngineStats:
+        """The engine's stats keys; the counters the fake does not keep are 0."""
+        return {
+            "num_steps": self.steps,
+            "num_prefill_tokens": 0,
+            "num_decode_tokens": 0,
+            "tokens_per_step": [],
+            "num_preemptions": 0,
+            "prefix_cache_query_tokens": 0,
+            "prefix_cache_hit_tokens": 0,
+            "prefix_cache_hit_rate": 0.0,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_used": self._kv_blocks_used(),
+            "kv_usage": self.kv_usage(),
+            "max_kv_usage": 0.0,
+            "finished_by_reason": {},
+            "healthy": self.healthy,
+        }
 
     def step(self) -> list[RequestOutput]:
         if self.paused.is_set():
@@ -233,3 +254,9 @@ class FakeEngine:
             alt = OFFSET + 97 + (tok - OFFSET - 97 + k) % 26
             d.setdefault(alt, Logprob(-1.0 - k, k + 1, self.tokenizer.decode([alt])))
         return d
+
+
+if TYPE_CHECKING:
+    from iterserve.engine.protocol import EngineInterface
+
+    _KEEPS_THE_CONTRACT: EngineInterface = FakeEngine()  # mypy checks the fake against it

@@ -1,0 +1,106 @@
+"""The engine contract: exactly what ``AsyncEngine`` (and, through it, the server) calls on
+the synchronous engine it drives.
+
+``LLMEngine`` implements it, and so does the test fake (tests/server_helpers/fake_engine.py),
+which is how the async layer and the server are tested without a model. Every member is
+called from ONE thread (the engine thread), never concurrently. Like vLLM's
+``SchedulerInterface``, it is the documented boundary: add here before calling anything new
+on an engine from ``AsyncEngine``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from iterserve.core.books import EngineStats
+    from iterserve.outputs import RequestOutput, StepStats
+    from iterserve.sampling_params import SamplingParams
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer that the engine and the server use."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def __len__(self) -> int: ...  # the vocabulary size, special tokens included
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]: ...
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        tokenize: bool = ...,
+        add_generation_prompt: bool = ...,
+        continue_final_message: bool = ...,
+        chat_template: str | None = ...,
+        **kwargs: object,
+    ) -> str: ...
+
+
+class EngineInterface(Protocol):
+    """A synchronous, single-threaded engine: requests in, one batch per ``step()``."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def healthy(self) -> bool:
+        """False once a model step failed (its requests then end with an error output)."""
+        ...
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the engine turned unhealthy."""
+        ...
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        """The latest step that ran a batch; a step that scheduled nothing keeps it."""
+        ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queues a request; raises ValueError (changing nothing) when it is invalid."""
+        ...
+
+    def abort_request(self, request_id: str) -> None:
+        """Ends a request at once (no-op if unknown); it produces no further output."""
+        ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one iteration; returns an output for every request it advanced or ended."""
+        ...
+
+    def kv_usage(self) -> float:
+        """Fraction of the KV-cache pool in use, in [0, 1]."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """Cumulative counters and current state (not free: it copies per-step history)."""
+        ...

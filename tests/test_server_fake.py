@@ -293,3 +293,79 @@ def test_n_batch_prompts_echo_and_sse_shape() -> None:
         assert len(lp) == 2 and lp[0]["token"].startswith("token_id:") and len(lp[0]["top_logprobs"]) == 2
         # SSE error events are well-formed JSON
         assert json.loads(json.dumps(events[0]))
+
+
+def test_errors_name_the_field_from_the_validation_loc_on_every_route() -> None:
+    fake = FakeEngine()
+    engine, server = serve(fake)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    cases: list[tuple[str, dict[str, object], str]] = [
+        # nested: the second message's content has the wrong type (no union-member tags)
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"},
+                                               {"role": "user", "content": 5}]}, "messages.1.content"),
+        ("/tokenize", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ("/v1/completions", {"prompt": [[5, 6], [7, "x"]]}, "prompt"),
+        ("/detokenize", {"tokens": ["a"]}, "tokens.0"),
+        # SamplingParams' rules, charged to the request field that carries the value
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": 0}, "max_completion_tokens"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 3, "min_tokens": 5}, "min_tokens"),
+        ("/v1/completions", {"prompt": "hi", "min_tokens": 20}, "min_tokens"),  # default max 16
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1, -2]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "n": 2, "seed": -1, "temperature": -1}, "temperature"),
+    ]
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        for path, body, param in cases:
+            r = c.post(path, json=body)
+            assert r.status_code == 400, (path, body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and err["code"] == "invalid_value", (body, err)
+            assert f"{param}: " in err["message"], err
+        # ... and the message says what to change, without pydantic's "Value error, " prefix.
+        r = c.post("/v1/completions", json={"prompt": "hi", "temperature": -1, "top_p": 0})
+        msg = r.json()["error"]["message"]
+        assert msg == ("invalid request: temperature: temperature must be in [0, 100], got -1.0; "
+                       "top_p: top_p must be in (0, 1], got 0.0"), msg
+        # min_tokens <= max_tokens holds for the effective limit: max_completion_tokens wins.
+        r = c.post("/v1/chat/completions", json={**chat, "max_tokens": 3, "max_completion_tokens": 6,
+                                                 "min_tokens": 5, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6
+
+
+def test_tokenize_shares_the_json_parser_and_model_cards_agree() -> None:
+    fake = FakeEngine()
+    engine, server = serve(fake, served_model_names=["fake-model", "alias"])
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        for path in ("/tokenize", "/detokenize", "/v1/completions"):
+            r = c.post(path, content=b'{"prompt": ')
+            assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], path
+            r = c.post(path, content=b"[1, 2]")
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", path
+            assert "must be a JSON object, got list" in r.json()["error"]["message"], path
+            r = c.post(path, content=b"")
+            assert r.status_code == 400 and "empty" in r.json()["error"]["message"], path
+        r = c.post("/tokenize", json={"prompt": "ab", "return_token_strs": True})
+        assert r.json() == {"count": 2, "max_model_len": 128, "tokens": [100, 101],
+                            "token_strs": ["a", "b"]}
+        cards = c.get("/v1/models").json()["data"]
+        assert [card["id"] for card in cards] == ["fake-model", "alias"]
+        for card in cards:
+            assert c.get(f"/v1/models/{card['id']}").json() == card
+            assert card["root"] == "fake-model" and card["max_model_len"] == 128
+        r = c.get("/v1/models/gpt-5")
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_known_but_unsupported_fields_are_refused() -> None:
+    fake = FakeEngine()
+    engine, server = serve(fake)
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        for field, value in (("include_stop_str_in_output", True), ("logit_bias", {"5": 1.0})):
+            r = c.post("/v1/completions", json={"prompt": "hi", field: value})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == field and err["code"] == "unsupported_parameter", err
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                            "include_stop_str_in_output": False, "unknown": 1})
+        assert r.status_code == 200, r.text

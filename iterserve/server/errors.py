@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 from starlette.responses import Response
 
 # status -> OpenAI error type (the openai client maps the HTTP status to its exception class)
@@ -37,7 +39,9 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.type = type or _TYPES.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -47,7 +51,9 @@ class APIError(Exception):
         return json_response(self.body(), self.status, self.headers)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -61,3 +67,44 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+# pydantic names the member of a union that failed after the field ('prompt' -> 'str' /
+# 'list[int]' / 'ChatMessage' / 'function-after[...]'); those tags are not request fields.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple", "set", "bytes", "any"}
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as a request field path (``messages.0.content``)."""
+    parts = []
+    for x in loc:
+        if isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or "-" in x or x[:1].isupper()):
+            break
+        parts.append(str(x))
+    return ".".join(parts)
+
+
+def _message(err: ErrorDetails) -> str:
+    # A validator's own ValueError already says what to change; pydantic would prefix it
+    # with "Value error, ".
+    if err["type"] == "value_error" and "error" in err.get("ctx", {}):
+        return str(err["ctx"]["error"])
+    return err["msg"]
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A pydantic error as a 400 whose ``param`` is the first offending field's path."""
+    groups: dict[str, list[str]] = {}
+    for err in e.errors(include_url=False):
+        groups.setdefault(_field_path(tuple(err["loc"])), []).append(_message(err))
+    parts = []
+    for path, msgs in list(groups.items())[:3]:
+        msg = msgs[0]
+        if len(msgs) > 1:
+            msg += f" (nor any of the {len(msgs) - 1} other accepted forms)"
+        parts.append(f"{path}: {msg}" if path else msg)
+    more = f" (and {len(groups) - 3} more)" if len(groups) > 3 else ""
+    param = next(iter(groups), "") or None
+    return bad_request(
+        "invalid request: " + "; ".join(parts) + more, param=param, code="invalid_value"
+    )

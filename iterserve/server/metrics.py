@@ -22,9 +22,14 @@ if TYPE_CHECKING:
 PREFIX = "iterserve:"
 
 # Buckets follow vLLM's choices (seconds / tokens), trimmed for a CPU engine's range.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+# fmt: on
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
@@ -34,7 +39,6 @@ class ServerMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
-        self._engine: AsyncEngine | None = None
         self._lock = threading.Lock()
         self._prefix_queries = 0
         self._prefix_hits = 0
@@ -52,28 +56,83 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
 
         # ---- gauges (read from the engine snapshot at scrape time) ----
-        self.num_requests_running = gauge("num_requests_running", "Requests (sequences) in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests (sequences) waiting to be scheduled.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage: used blocks / total blocks (0..1).")
-        self.prefix_cache_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all prompt tokens looked up (0..1).")
-        self.num_requests_in_flight = gauge("num_requests_in_flight", "HTTP-side requests with a live engine stream.")
-        self.engine_healthy = gauge("engine_healthy", "1 when the engine is healthy, 0 after a model-step failure.")
+        self.num_requests_running = gauge(
+            "num_requests_running", "Requests (sequences) in the running batch."
+        )
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Requests (sequences) waiting to be scheduled."
+        )
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "KV-cache usage: used blocks / total blocks (0..1)."
+        )
+        self.prefix_cache_hit_rate = gauge(
+            "prefix_cache_hit_rate",
+            "Prefix-cache hit rate over all prompt tokens looked up (0..1).",
+        )
+        self.num_requests_in_flight = gauge(
+            "num_requests_in_flight", "HTTP-side requests with a live engine stream."
+        )
+        self.engine_healthy = gauge(
+            "engine_healthy", "1 when the engine is healthy, 0 after a model-step failure."
+        )
         # ---- counters ----
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached the engine's first token.")
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens of requests that reached the engine's first token."
+        )
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.num_preemptions = counter("num_preemptions", "Preemptions (a running request evicted to free KV blocks).")
-        self.request_success = counter("request_success", "Finished requests by finish reason (stop, length, abort, error).", ("finished_reason",))
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.requests_rejected = counter("num_requests_rejected", "Requests refused before reaching the engine, by reason.", ("reason",))
+        self.num_preemptions = counter(
+            "num_preemptions", "Preemptions (a running request evicted to free KV blocks)."
+        )
+        self.request_success = counter(
+            "request_success",
+            "Finished requests by finish reason (stop, length, abort, error).",
+            ("finished_reason",),
+        )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.requests_rejected = counter(
+            "num_requests_rejected",
+            "Requests refused before reaching the engine, by reason.",
+            ("reason",),
+        )
         # ---- histograms ----
-        self.time_to_first_token = hist("time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS)
-        self.inter_token_latency = hist("inter_token_latency_seconds", "Time between consecutive generated tokens of a sequence.", ITL_BUCKETS)
-        self.e2e_request_latency = hist("e2e_request_latency_seconds", "Time from arrival to the end of the request.", LATENCY_BUCKETS)
-        self.request_queue_time = hist("request_queue_time_seconds", "Time from arrival to the first scheduling.", LATENCY_BUCKETS)
-        self.iteration_tokens = hist("iteration_tokens_total", "Tokens (prefill + decode) computed per engine step.", TOKEN_BUCKETS)
-        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS)
-        self.request_generation_tokens = hist("request_generation_tokens", "Generated tokens of finished requests (all n sequences).", TOKEN_BUCKETS)
+        self.time_to_first_token = hist(
+            "time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            TTFT_BUCKETS,
+        )
+        self.inter_token_latency = hist(
+            "inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a sequence.",
+            ITL_BUCKETS,
+        )
+        self.e2e_request_latency = hist(
+            "e2e_request_latency_seconds",
+            "Time from arrival to the end of the request.",
+            LATENCY_BUCKETS,
+        )
+        self.request_queue_time = hist(
+            "request_queue_time_seconds",
+            "Time from arrival to the first scheduling.",
+            LATENCY_BUCKETS,
+        )
+        self.iteration_tokens = hist(
+            "iteration_tokens_total",
+            "Tokens (prefill + decode) computed per engine step.",
+            TOKEN_BUCKETS,
+        )
+        self.request_prompt_tokens = hist(
+            "request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = hist(
+            "request_generation_tokens",
+            "Generated tokens of finished requests (all n sequences).",
+            TOKEN_BUCKETS,
+        )
 
         m = model_name
         self._c_prompt = self.prompt_tokens.labels(m)
@@ -97,7 +156,6 @@ class ServerMetrics:
     # ---- wiring -----------------------------------------------------------------------
     def bind(self, engine: AsyncEngine) -> None:
         """Reads gauges from ``engine`` at scrape time."""
-        self._engine = engine
         m = self.model_name
         self.num_requests_running.labels(m).set_function(lambda: engine.snapshot.num_running)
         self.num_requests_waiting.labels(m).set_function(lambda: engine.snapshot.num_waiting)
@@ -162,7 +220,9 @@ class ServerMetrics:
         if new:
             self._c_gen.inc(new)
 
-    def on_request_finished(self, request_id: str, reason: str, output: RequestOutput | None) -> None:
+    def on_request_finished(
+        self, request_id: str, reason: str, output: RequestOutput | None
+    ) -> None:
         self._last_token_time.pop(request_id, None)
         self.request_success.labels(self.model_name, reason).inc()
         if output is None:

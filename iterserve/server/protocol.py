@@ -3,13 +3,21 @@
 Only requests are pydantic models; responses are plain dicts built in ``serving.py``.
 Unknown fields are accepted and ignored (like vLLM), so clients that send newer OpenAI
 parameters keep working; parameters we know but cannot honour are refused with a 400.
+
+The sampling fields are checked by :class:`SamplingParams`' own rules while pydantic
+validates them, so a bad value fails with its request field as the error's ``loc``
+(``top_logprobs``, not the ``logprobs`` argument it becomes).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import functools
+from collections.abc import Mapping
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+
+from iterserve.sampling_params import SamplingParams
 
 TokenIds = list[StrictInt]
 
@@ -23,8 +31,17 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool | None = False
 
 
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 class SamplingExtras(OpenAIModel):
-    """Fields shared by completions and chat: OpenAI's sampling knobs and vLLM's extras."""
+    """Fields shared by completions and chat: OpenAI's sampling knobs and vLLM's extras.
+
+    Subclasses declare ``min_tokens`` after their max-tokens fields: each field is checked
+    together with the fields before it (later ones at their defaults), so the cross-field
+    rule ``min_tokens <= max_tokens`` is charged to ``min_tokens``.
+    """
 
     model: str | None = None
     n: int = 1
@@ -43,7 +60,6 @@ class SamplingExtras(OpenAIModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
     stop_token_ids: TokenIds | None = None
     priority: int = 0
     skip_special_tokens: bool = True
@@ -52,14 +68,64 @@ class SamplingExtras(OpenAIModel):
     return_token_ids: bool = False
     request_id: str | None = None
 
+    @classmethod
+    def sampling_kwargs(cls, v: Mapping[str, Any]) -> dict[str, Any]:
+        """The :class:`SamplingParams` arguments that the field values ``v`` stand for."""
+        return dict(
+            n=v["n"],
+            min_tokens=v["min_tokens"],
+            temperature=_or(v["temperature"], 1.0),
+            top_p=_or(v["top_p"], 1.0),
+            top_k=_or(v["top_k"], 0),
+            min_p=_or(v["min_p"], 0.0),
+            presence_penalty=v["presence_penalty"] or 0.0,
+            frequency_penalty=v["frequency_penalty"] or 0.0,
+            repetition_penalty=_or(v["repetition_penalty"], 1.0),
+            seed=v["seed"],
+            stop=v["stop"],
+            stop_token_ids=v["stop_token_ids"],
+            ignore_eos=v["ignore_eos"],
+            skip_special_tokens=v["skip_special_tokens"],
+        )
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            **self.sampling_kwargs({k: getattr(self, k) for k in type(self).model_fields})
+        )
+
+    @classmethod
+    @functools.cache
+    def _defaults(cls) -> dict[str, Any]:
+        return {k: f.get_default(call_default_factory=True) for k, f in cls.model_fields.items()}
+
+    @field_validator("*")
+    @classmethod
+    def _check_sampling(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        fields = {**cls._defaults(), **info.data, info.field_name: value}
+        try:
+            SamplingParams(**cls.sampling_kwargs(fields))
+        except TypeError as e:  # pydantic reports ValueErrors (with the loc), not TypeErrors
+            raise ValueError(str(e)) from None
+        return value
+
 
 class CompletionRequest(SamplingExtras):
     prompt: Annotated[str | list[str] | TokenIds | list[TokenIds], Field(union_mode="smart")]
     max_tokens: int | None = 16
+    min_tokens: int = 0
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @classmethod
+    def sampling_kwargs(cls, v: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            **super().sampling_kwargs(v),
+            "max_tokens": v["max_tokens"],
+            "logprobs": v["logprobs"],
+        }
 
 
 class ChatMessage(OpenAIModel):
@@ -72,6 +138,7 @@ class ChatCompletionRequest(SamplingExtras):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    min_tokens: int = 0
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -82,6 +149,14 @@ class ChatCompletionRequest(SamplingExtras):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @classmethod
+    def sampling_kwargs(cls, v: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            **super().sampling_kwargs(v),
+            "max_tokens": _or(v["max_completion_tokens"], v["max_tokens"]),
+            "logprobs": _or(v["top_logprobs"], 0) if v["logprobs"] else None,
+        }
 
 
 class TokenizeCompletionRequest(OpenAIModel):
@@ -105,8 +180,3 @@ class TokenizeChatRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: TokenIds
-
-
-ErrorType = Literal[
-    "invalid_request_error", "authentication_error", "not_found_error", "server_error", "overloaded_error"
-]

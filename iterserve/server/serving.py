@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
-
-from pydantic import ValidationError
 
 from iterserve.engine.async_engine import (
     AsyncEngine,
@@ -28,47 +25,28 @@ from iterserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingExtras,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
 
 logger = logging.getLogger(__name__)
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
-_SP_FIELD = re.compile(r"^(\w+) ")
-_SP_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple", "set", "bytes", "any"}
-
-
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    """A pydantic error location as a request field path, without union-member tags."""
-    parts = []
-    for x in loc:
-        if isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or "-" in x or x[:1].isupper()):
-            break  # 'prompt' -> 'str' / 'list[int]' ...: the rest names a union branch
-        parts.append(str(x))
-    return ".".join(parts)
-
-
-def validation_error(e: ValidationError) -> APIError:
-    """A pydantic error as a 400 naming the first offending field."""
-    groups: dict[str, list[str]] = {}
-    for err in e.errors(include_url=False):
-        groups.setdefault(_field_path(tuple(err.get("loc", ()))), []).append(str(err.get("msg")))
-    parts = []
-    for path, msgs in list(groups.items())[:3]:
-        msg = msgs[0] if len(msgs) == 1 else f"{msgs[0]} (nor any of the {len(msgs) - 1} other accepted forms)"
-        parts.append(f"{path}: {msg}" if path else msg)
-    more = f" (and {len(groups) - 3} more)" if len(groups) > 3 else ""
-    param = next(iter(groups), "") or None
-    return bad_request("invalid request: " + "; ".join(parts) + more, param=param, code="invalid_value")
 
 
 class Serving:
-    """Holds what the handlers share: the engine, names, metrics."""
+    """What the route handlers call: one method per endpoint, over the engine, the served
+    model names and the metrics (``app.state.serving``)."""
 
-    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], metrics: ServerMetrics, retry_after_s: int = 1) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_names: Sequence[str],
+        metrics: ServerMetrics,
+        retry_after_s: int = 1,
+    ) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.metrics = metrics
@@ -87,54 +65,43 @@ class Serving:
     # ---- shared helpers --------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
+            served = ", ".join(self.served_model_names)
             raise APIError(
                 404,
-                f"The model `{model}` does not exist. Served models: {', '.join(self.served_model_names)}.",
+                f"The model `{model}` does not exist. Served models: {served}.",
                 param="model",
                 code="model_not_found",
             )
 
-    def sampling_params(self, req: SamplingExtras, max_tokens: int | None, logprobs: int | None, logprobs_param: str) -> SamplingParams:
+    def model_card(self, name: str) -> dict[str, Any]:
+        """The /v1/models entry of served name ``name``."""
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "iterserve",
+            "root": self.engine.model_name,
+            "parent": None,
+            "max_model_len": self.engine.max_model_len,
+        }
+
+    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        """The request's SamplingParams, after refusing what this server cannot honour (the
+        values themselves were checked, field by field, when the request was parsed)."""
         if req.stream_options is not None and not req.stream:
-            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter")
-        extra = req.model_extra or {}
-        if extra.get("include_stop_str_in_output"):
-            raise bad_request("include_stop_str_in_output is not supported by this server", param="include_stop_str_in_output", code="unsupported_parameter")
-        if extra:
-            logger.debug("ignoring unknown request fields: %s", sorted(extra))
-        kwargs: dict[str, Any] = dict(
-            n=req.n,
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            seed=req.seed,
-            stop=req.stop,
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
-        )
-        try:
-            return SamplingParams(**kwargs)
-        except (ValueError, TypeError) as e:
-            msg = str(e)
-            m = _SP_FIELD.match(msg)
-            param = m.group(1) if m and m.group(1) in _SP_FIELDS else None
-            if param == "logprobs":
-                param = logprobs_param
-            elif param == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-                param = "max_completion_tokens"
-            if param == "logprobs" and logprobs_param != "logprobs":
-                msg = msg.replace("logprobs", logprobs_param, 1)
-            raise bad_request(msg, param=param, code="invalid_value") from None
+            raise bad_request(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+        for name in ("logit_bias", "include_stop_str_in_output"):
+            if getattr(req, name):
+                raise bad_request(
+                    f"{name} is not supported by this server",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+        if req.model_extra:
+            logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
+        return req.sampling_params()
 
     async def add_streams(
         self, prefix: str, prompts: list[str | list[int]], params: SamplingParams, priority: int
@@ -159,16 +126,25 @@ class Serving:
         retry = {"Retry-After": str(self.retry_after_s)}
         if isinstance(e, ValueError):
             msg = str(e)
-            return bad_request(msg, param="prompt" if "prompt" in msg else None, code="invalid_value")
+            return bad_request(
+                msg, param="prompt" if "prompt" in msg else None, code="invalid_value"
+            )
         if isinstance(e, QueueFullError):
             self.metrics.rejected("queue_full")
             return APIError(503, f"server overloaded: {e}", code="queue_full", headers=retry)
         if isinstance(e, EngineShuttingDownError):
             self.metrics.rejected("shutting_down")
-            return APIError(503, "server is shutting down; retry on another replica", code="shutting_down", headers=retry)
+            return APIError(
+                503,
+                "server is shutting down; retry on another replica",
+                code="shutting_down",
+                headers=retry,
+            )
         if isinstance(e, EngineDeadError):
             self.metrics.rejected("engine_dead")
-            return APIError(503, f"engine unavailable: {e}", code="engine_unavailable", headers=retry)
+            return APIError(
+                503, f"engine unavailable: {e}", code="engine_unavailable", headers=retry
+            )
         if isinstance(e, RequestFailedError):
             return APIError(500, e.message, code="request_failed")
         return e
@@ -189,11 +165,19 @@ class Serving:
     async def completions(self, req: CompletionRequest) -> Any:
         self.check_model(req.model)
         if req.suffix:
-            raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
+            raise bad_request(
+                "suffix is not supported by this server",
+                param="suffix",
+                code="unsupported_parameter",
+            )
         if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of is not supported (only best_of == n)", param="best_of", code="unsupported_parameter")
+            raise bad_request(
+                "best_of is not supported (only best_of == n)",
+                param="best_of",
+                code="unsupported_parameter",
+            )
         prompts = _completion_prompts(req.prompt)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, "logprobs")
+        params = self.sampling_params(req)
         streams = await self.add_streams("cmpl", prompts, params, req.priority)
         fmt = _CompletionFormat(self, req, params, prompts)
         return await self._respond(streams, fmt, bool(req.stream))
@@ -202,50 +186,50 @@ class Serving:
     async def chat(self, req: ChatCompletionRequest) -> Any:
         self.check_model(req.model)
         if req.tools:
-            raise bad_request("tools / function calling is not supported by this server", param="tools", code="unsupported_parameter")
+            raise bad_request(
+                "tools / function calling is not supported by this server",
+                param="tools",
+                code="unsupported_parameter",
+            )
         if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported", param="response_format", code="unsupported_parameter")
+            raise bad_request(
+                "response_format other than text is not supported",
+                param="response_format",
+                code="unsupported_parameter",
+            )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, logprobs, "top_logprobs")
-        ids = self.render_chat(
-            req.messages,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            chat_template=req.chat_template,
-            kwargs=req.chat_template_kwargs,
-        )
+        params = self.sampling_params(req)
+        ids = self.render_chat(req)
         streams = await self.add_streams("chatcmpl", [ids], params, req.priority)
         fmt = _ChatFormat(self, req, params)
         return await self._respond(streams, fmt, bool(req.stream))
 
     def render_chat(
-        self,
-        messages: list[ChatMessage],
-        *,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        chat_template: str | None,
-        kwargs: dict[str, Any] | None,
-        add_special_tokens: bool = False,
+        self, req: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False
     ) -> list[int]:
+        """The token ids of ``req.messages`` rendered by the (request's or model's) template."""
+        messages, chat_template = req.messages, req.chat_template
+        add_generation_prompt = req.add_generation_prompt
+        continue_final_message = req.continue_final_message
         tok = self.tokenizer
         if tok is None:
             raise APIError(500, "the server has no tokenizer", code="no_tokenizer")
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise bad_request(
-                f"model `{self.model_name}` has no chat template (its tokenizer config defines no "
-                "chat_template), so /v1/chat/completions cannot format messages; use /v1/completions "
-                "with a plain prompt, or pass chat_template in the request",
+                f"model `{self.model_name}` has no chat template (its tokenizer config defines "
+                "no chat_template), so /v1/chat/completions cannot format messages; use "
+                "/v1/completions with a plain prompt, or pass chat_template in the request",
                 param="messages",
                 code="no_chat_template",
             )
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
         if add_generation_prompt and continue_final_message:
-            raise bad_request("add_generation_prompt and continue_final_message cannot both be true", param="continue_final_message")
+            raise bad_request(
+                "add_generation_prompt and continue_final_message cannot both be true",
+                param="continue_final_message",
+            )
         conv = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
         try:
             text = tok.apply_chat_template(
@@ -254,14 +238,44 @@ class Serving:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
-                **(kwargs or {}),
+                **(req.chat_template_kwargs or {}),
             )
         except Exception as e:  # noqa: BLE001 - jinja errors are the client's template/messages
-            raise bad_request(f"chat template failed to render the messages: {type(e).__name__}: {e}", param="messages") from None
+            raise bad_request(
+                f"chat template failed to render the messages: {type(e).__name__}: {e}",
+                param="messages",
+            ) from None
         ids = list(tok.encode(text, add_special_tokens=add_special_tokens))
         if not ids:
             raise bad_request("the rendered chat prompt is empty", param="messages")
         return ids
+
+    # ---- /tokenize, /detokenize ------------------------------------------------------------
+    def tokenize(self, req: TokenizeChatRequest | TokenizeCompletionRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = self.render_chat(req, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": self.engine.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        vocab = len(self.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(
+                f"tokens must be in [0, {vocab}); got {bad[:5]}",
+                param="tokens",
+                code="invalid_value",
+            )
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     # ---- responses ----------------------------------------------------------------------------
     async def _respond(self, streams: list[RequestStream], fmt: _Format, stream: bool) -> Any:
@@ -294,7 +308,9 @@ class Serving:
 # --------------------------------------------------------------------------------------------
 # Streams
 # --------------------------------------------------------------------------------------------
-async def merge_streams(streams: list[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+async def merge_streams(
+    streams: list[RequestStream],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Interleaves several request streams as (stream index, output); closing it aborts all."""
     if len(streams) == 1:
         s = streams[0]
@@ -333,7 +349,11 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncGenerator[tuple[in
             await s.aclose()
 
 
-async def sse_stream(fmt: _Format, first: tuple[int, RequestOutput] | None, rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+async def sse_stream(
+    fmt: _Format,
+    first: tuple[int, RequestOutput] | None,
+    rest: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[str]:
     try:
         for chunk in fmt.start_chunks():
             yield f"data: {dumps(chunk)}\n\n"
@@ -347,10 +367,12 @@ async def sse_stream(fmt: _Format, first: tuple[int, RequestOutput] | None, rest
         if usage is not None:
             yield f"data: {dumps(usage)}\n\n"
     except RequestFailedError as e:
-        yield f"data: {dumps(error_body(f'request failed: {e.message}', 'server_error', None, 'request_failed'))}\n\n"
+        err = error_body(f"request failed: {e.message}", "server_error", None, "request_failed")
+        yield f"data: {dumps(err)}\n\n"
     except Exception as e:  # noqa: BLE001 - a bug here must end this stream only, visibly
         logger.exception("streaming response failed")
-        yield f"data: {dumps(error_body(f'internal error: {type(e).__name__}: {e}', 'server_error', None, 'internal_error'))}\n\n"
+        msg = f"internal error: {type(e).__name__}: {e}"
+        yield f"data: {dumps(error_body(msg, 'server_error', None, 'internal_error'))}\n\n"
     finally:
         aclose: Callable[[], Any] | None = getattr(rest, "aclose", None)
         if aclose is not None:
@@ -367,7 +389,9 @@ class _Format:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, serving: Serving, req: SamplingExtras, params: SamplingParams, id_prefix: str, num_prompts: int) -> None:
+    def __init__(
+        self, serving: Serving, req: SamplingExtras, params: SamplingParams, id_prefix: str
+    ) -> None:
         self.s = serving
         self.req = req
         self.params = params
@@ -375,7 +399,6 @@ class _Format:
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = req.model or serving.model_name
-        self.num_prompts = num_prompts
         self.as_ids = req.return_tokens_as_token_ids
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
@@ -436,10 +459,14 @@ class _Format:
         resp["usage"] = self.usage()
         return resp
 
-    def chunk_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool) -> dict[str, Any]:
+    def chunk_choice(
+        self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool
+    ) -> dict[str, Any]:
         raise NotImplementedError
 
-    def full_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+    def full_choice(
+        self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput
+    ) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -458,8 +485,14 @@ class _CompletionFormat(_Format):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def __init__(self, serving: Serving, req: CompletionRequest, params: SamplingParams, prompts: list[str | list[int]]) -> None:
-        super().__init__(serving, req, params, "cmpl", len(prompts))
+    def __init__(
+        self,
+        serving: Serving,
+        req: CompletionRequest,
+        params: SamplingParams,
+        prompts: list[str | list[int]],
+    ) -> None:
+        super().__init__(serving, req, params, "cmpl")
         self.creq = req
         self.prompts = prompts
         self.text_offset: dict[int, int] = {}
@@ -472,7 +505,9 @@ class _CompletionFormat(_Format):
             return p
         return str(self.s.tokenizer.decode(p)) if self.s.tokenizer is not None else ""
 
-    def _logprobs(self, idx: int, token_ids: list[int], lps: list[dict[int, Logprob]] | None, offset: int) -> dict[str, Any] | None:
+    def _logprobs(
+        self, idx: int, token_ids: list[int], lps: list[dict[int, Logprob]] | None, offset: int
+    ) -> dict[str, Any] | None:
         if self.params.logprobs is None or lps is None:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -487,9 +522,16 @@ class _CompletionFormat(_Format):
             tops.append(top if self.params.logprobs else None)
             offsets.append(offset)
             offset += len(s)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
-    def chunk_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool) -> dict[str, Any]:
+    def chunk_choice(
+        self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool
+    ) -> dict[str, Any]:
         text = c.new_text
         if self.creq.echo and idx not in self.echoed:
             self.echoed.add(idx)
@@ -510,7 +552,9 @@ class _CompletionFormat(_Format):
                 choice["prompt_token_ids"] = list(out.prompt_token_ids)
         return choice
 
-    def full_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+    def full_choice(
+        self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput
+    ) -> dict[str, Any]:
         prefix = self._prompt_text(pidx, out) if self.creq.echo else ""
         choice: dict[str, Any] = {
             "index": idx,
@@ -529,11 +573,15 @@ class _ChatFormat(_Format):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, serving: Serving, req: ChatCompletionRequest, params: SamplingParams) -> None:
-        super().__init__(serving, req, params, "chatcmpl", 1)
+    def __init__(
+        self, serving: Serving, req: ChatCompletionRequest, params: SamplingParams
+    ) -> None:
+        super().__init__(serving, req, params, "chatcmpl")
         self.top_n = req.top_logprobs or 0
 
-    def _logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]] | None) -> dict[str, Any] | None:
+    def _logprobs(
+        self, token_ids: list[int], lps: list[dict[int, Logprob]] | None
+    ) -> dict[str, Any] | None:
         if self.params.logprobs is None or lps is None:
             return None
         content = []
@@ -542,24 +590,49 @@ class _ChatFormat(_Format):
             s = self.s.token_str(tid, lp, self.as_ids)
             top = []
             if self.top_n:
-                ranked = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= self.top_n), key=lambda kv: kv[1].rank or 0)
+                ranked = sorted(
+                    (
+                        (t, v)
+                        for t, v in entry.items()
+                        if v.rank is not None and v.rank <= self.top_n
+                    ),
+                    key=lambda kv: kv[1].rank or 0,
+                )
                 for t, v in ranked:
                     ts = self.s.token_str(t, v, self.as_ids)
-                    top.append({"token": ts, "logprob": _lp_value(v), "bytes": list(ts.encode("utf-8"))})
-            content.append({"token": s, "logprob": _lp_value(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": top})
+                    top.append(
+                        {"token": ts, "logprob": _lp_value(v), "bytes": list(ts.encode("utf-8"))}
+                    )
+            content.append(
+                {
+                    "token": s,
+                    "logprob": _lp_value(lp),
+                    "bytes": list(s.encode("utf-8")),
+                    "top_logprobs": top,
+                }
+            )
         return {"content": content, "refusal": None}
 
     def start_chunks(self) -> list[dict[str, Any]]:
         chunks = []
         for i in range(self.n):
             chunk = self._base(self.object_chunk)
-            chunk["choices"] = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            chunk["choices"] = [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
             if self.include_usage:
                 chunk["usage"] = self.usage() if self.continuous_usage else None
             chunks.append(chunk)
         return chunks
 
-    def chunk_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool) -> dict[str, Any]:
+    def chunk_choice(
+        self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool
+    ) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": c.new_text} if (c.new_text or not finished) else {}
         choice: dict[str, Any] = {
             "index": idx,
@@ -572,7 +645,9 @@ class _ChatFormat(_Format):
             choice["token_ids"] = list(c.new_token_ids)
         return choice
 
-    def full_choice(self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+    def full_choice(
+        self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": idx,
             "message": {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []},
@@ -589,7 +664,9 @@ class _ChatFormat(_Format):
 # --------------------------------------------------------------------------------------------
 # Request parsing helpers
 # --------------------------------------------------------------------------------------------
-def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+def _completion_prompts(
+    prompt: str | list[str] | list[int] | list[list[int]],
+) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
@@ -606,7 +683,11 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
                 raise bad_request("prompt must not contain an empty token list", param="prompt")
             out.append([int(t) for t in p])
         return out
-    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", param="prompt")
+    raise bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists",
+        param="prompt",
+    )
 
 
 def _message_text(m: ChatMessage, i: int) -> str:
@@ -619,7 +700,8 @@ def _message_text(m: ChatMessage, i: int) -> str:
     for part in c:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise bad_request(
-                f"messages[{i}].content: only text content parts are supported, got type {part.get('type')!r}",
+                f"messages[{i}].content: only text content parts are supported, "
+                f"got type {part.get('type')!r}",
                 param=f"messages.{i}.content",
                 code="unsupported_content",
             )

@@ -313,6 +313,29 @@ def test_low_precision_paths_agree(case: Callable[[str], Case], monkeypatch: pyt
             assert cos(outs[0][i], out[i], dim=0).item() > 0.9999
 
 
+def test_gemm_row_buckets_bound_shapes_and_keep_results() -> None:
+    """oneDNN GEMMs run at few row counts (each one builds a primitive once): exact for decode
+    batches, <= 1/16 extra rows above, 128 sizes up to 2048 rows; padding leaves the real rows'
+    results unchanged, for the packed f32 path and the bf16 one."""
+    from iterserve.model.llama import EXACT_ROWS, PackedLinear, bucket_rows, linear, packing_available
+
+    sizes = [bucket_rows(m) for m in range(1, 2049)]
+    assert sizes[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
+    assert all(b >= m and (b - m) * 16 <= m for m, b in enumerate(sizes, 1))
+    assert sizes == sorted(sizes) and bucket_rows(512) == 512 and bucket_rows(2048) == 2048
+    assert len(set(sizes)) == 128
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 24), torch.randn(40)
+    for m in (33, 100, 301):  # padded to 34, 104, 304
+        x = torch.randn(m, 24)
+        ref = torch.nn.functional.linear(x, w, b)
+        if packing_available():
+            torch.testing.assert_close(PackedLinear(w, b)(x), ref, rtol=1e-5, atol=1e-5)
+        bf = linear(x.bfloat16(), w.bfloat16(), b.bfloat16())
+        assert bf.shape == (m, 40)
+        torch.testing.assert_close(bf.float(), ref, rtol=0.05, atol=0.15)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 # 20: the scalar path (head_dim not a multiple of 16); 64, 128: the bf16 cache's fast path
 @pytest.mark.parametrize("hd", [16, 20, 64, 128])

@@ -12,6 +12,7 @@ multiply; RoPE cos/sin come from float32 ``position * inv_freq``, then the dtype
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -100,6 +101,37 @@ UPCAST_SLICE_ROWS = 512
 PANEL_MAX_ROWS = 256
 
 
+# oneDNN builds a primitive for every (weight, row count) it sees, ~0.3 ms for tiny-random's
+# shapes and ~1 ms for bench-134m's, and keeps 1024 in an LRU: continuous batching's mixed steps
+# bring a new row count nearly every step (the README's tiny-random job paid ~1.2 ms on a
+# 1.6 ms step), and a budget of 512 rows x 5 weight shapes overflows the LRU, so creation never
+# stops. Above EXACT_ROWS (decode batches) oneDNN GEMMs therefore run at one of 16 row counts
+# per octave (<= 1/16 extra rows, zeros): 128 shapes up to 2048 rows, built once.
+EXACT_ROWS = 32
+
+
+def bucket_rows(m: int) -> int:
+    """The row count a GEMM of ``m`` rows runs at: ``m`` up to EXACT_ROWS, else ``m`` rounded
+    up to a multiple of 2**(k - 4) for m in (2**k, 2**(k + 1)]."""
+    if m <= EXACT_ROWS:
+        return m
+    step = 1 << ((m - 1).bit_length() - 5)
+    return -(-m // step) * step
+
+
+def bucketed_rows(x: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``gemm(x)`` run on ``x`` padded with zero rows to ``bucket_rows`` (rows are independent,
+    so the real rows' results are those of ``gemm`` on them alone)."""
+    m = x.shape[0]
+    mb = bucket_rows(m)
+    if mb == m:
+        return gemm(x)
+    padded = x.new_empty(mb, x.shape[1])
+    padded[:m] = x
+    padded[m:].zero_()
+    return gemm(padded)[:m]
+
+
 class PackedLinear:
     """An f32 weight (and bias) prepacked for oneDNN's inner product; any number of rows."""
 
@@ -110,8 +142,12 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x if x.dtype == torch.float32 else x.float()
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x32, self.weight, self.bias, "none", [], "")
+        out = bucketed_rows(x32, self._run)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def _run(self, x32: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x32, self.weight, self.bias, "none", [], "")
+        return out
 
 
 def packing_available() -> bool:
@@ -149,8 +185,10 @@ def linear(
     # bytes of the packed f32 copy (bench-134m at batch 1: 23 vs 26 ms a step).
     if packed is not None and (x.shape[0] > 1 or w.numel() == 0):
         return packed(x)
+    if x.dtype == torch.float32:
+        return F.linear(x, w, b)  # MKL's sgemm: no per-shape set-up to bound
     if x.shape[0] < UPCAST_MIN_ROWS or not needs_upcast(x.dtype):
-        return F.linear(x, w, b)
+        return bucketed_rows(x, lambda rows: F.linear(rows, w, b))  # oneDNN's bf16/f16 GEMM
     x32 = x.float()
     n = w.shape[0]
     out = torch.empty(x.shape[0], n, dtype=x.dtype)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from iterserve import config
 from iterserve.config import CacheConfig
 from iterserve.model import kernels
 from iterserve.model.attention import StepItem, build_attention_metadata
@@ -62,7 +63,8 @@ def _available_memory() -> int | None:
     return None
 
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The names live in one place (iterserve.config); each is also torch's attribute name.
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config.DTYPES}
 
 
 @dataclass

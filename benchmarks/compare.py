@@ -4,16 +4,17 @@
     python benchmarks/compare.py --workload sharegpt --num-requests 128 --systems iterserve,llamacpp
     python benchmarks/compare.py --systems hf-cb --hf-cb-max-batch-tokens 256,512,1024  # knob search
 
-Workloads (all requests at once, ignore_eos, greedy, prompts are random token ids sent as ids):
-- ``random``: prompt lengths uniform in [32, 512], outputs uniform in [16, 256] (inclusive),
-  drawn with ``numpy.random.default_rng(seed)``; the token totals are printed.
+Workloads (all requests at once, ignore_eos, greedy, prompts are random token ids sent as ids),
+built by ``iterserve.workload.datasets`` from ``--seed``:
+- ``random``: prompt lengths uniform in [32, 512], outputs uniform in [16, 256] (inclusive);
+  the token totals are printed.
 - ``sharegpt``: a seeded sample of ``sharegpt_lengths_llama2.csv``, lengths scaled by
   min(1, max_model_len / p99(prompt + output)) and clipped into the context.
 
 Systems (``--systems``):
 - ``iterserve``: in-process ``LLM(model, dtype="bfloat16")``, continuous batching, ``generate``.
 - ``llamacpp``: ``llama-server -np 8 -cb`` on the same weights as a BF16 GGUF
-  (``benchmarks/llamacpp.py``), one HTTP ``/completion`` per request (token-id prompt,
+  (``iterserve.bench.llamacpp``), one HTTP ``/completion`` per request (token-id prompt,
   ``n_predict``, ``ignore_eos``, ``cache_prompt: false``), all sent at once from threads.
 - ``hf-cb``: transformers continuous batching (``init_continuous_batching`` manager; per-request
   ``max_new_tokens``), bf16; ``--hf-cb-max-batch-tokens`` takes several values to search.
@@ -21,17 +22,14 @@ Systems (``--systems``):
   runs to its longest output, only requested tokens count as useful.
 
 Throughput = useful output tokens / wall time (first request sent to last finished; model load
-and warm-up excluded). The bound is ``_machine.workload_bound`` from the bandwidth and FLOP/s
-measured at start (peak = max(bf16, fp32) matmul, see roofline.py).
+and warm-up excluded). The bound is ``iterserve.sim.roofline.workload_bound`` from the bandwidth
+and FLOP/s measured at start (peak = max(bf16, fp32) matmul, see roofline.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import os
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,41 +37,34 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _machine import Machine, ModelShape, machine_for, workload_bound  # noqa: E402
+from iterserve.model.model_config import ModelConfig
+from iterserve.sim.roofline import DecoderShape, machine_for, workload_bound
+from iterserve.workload.datasets import WorkloadConfig, auto_length_scale, build_workload
 
 Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
 
-
-def random_workload(n: int, seed: int, vocab: int) -> Workload:
-    rng = np.random.default_rng(seed)
-    plens = rng.integers(32, 513, n)
-    olens = rng.integers(16, 257, n)
-    return [(rng.integers(100, vocab, int(p)).tolist(), int(o)) for p, o in zip(plens, olens)]
+# Means and a range ratio of 15/17 give prompts uniform in [32, 512], outputs in [16, 256].
+RANDOM_LENGTHS = {"random_input_len": 272, "random_output_len": 136, "random_range_ratio": 15 / 17}
 
 
-def sharegpt_workload(
-    n: int, seed: int, vocab: int, max_model_len: int, path: str
-) -> tuple[Workload, float]:
-    with open(path, newline="") as f:
-        rows = [
-            (int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in csv.DictReader(f)
-        ]
-    totals = np.array([p + o for p, o in rows])
-    scale = min(1.0, max_model_len / float(np.percentile(totals, 99)))
-    rng = np.random.default_rng(seed)
-    out: Workload = []
-    for i in rng.choice(len(rows), n, replace=False):
-        p, o = (max(1, round(x * scale)) for x in rows[int(i)])
-        if p + o > max_model_len:  # clip: keep the output, shorten the prompt
-            o = min(o, max_model_len - 1)
-            p = max_model_len - o
-        out.append((rng.integers(100, vocab, p).tolist(), o))
-    return out, scale
+def make_workload(
+    kind: str, n: int, seed: int, vocab: int, max_model_len: int, sharegpt_path: str | None
+) -> tuple[Workload, str]:
+    """The requests of workload ``kind`` and a note on how their lengths were made."""
+    if kind == "random":
+        cfg = WorkloadConfig(dataset="random", num_prompts=n, seed=seed, **RANDOM_LENGTHS)
+        note = "prompts U[32,512], outputs U[16,256]"
+    else:
+        scale = auto_length_scale("sharegpt", max_model_len, sharegpt_path)
+        cfg = WorkloadConfig(
+            dataset="sharegpt", num_prompts=n, seed=seed, dataset_path=sharegpt_path,
+            length_scale=scale,
+        )  # fmt: skip
+        note = f"ShareGPT lengths x{scale:.3f}, clipped to {max_model_len}"
+    specs, _ = build_workload(cfg, vocab_size=vocab, max_model_len=max_model_len)
+    return [(s.prompt_token_ids, s.output_len) for s in specs], note
 
 
 @dataclass
@@ -114,7 +105,7 @@ def run_iterserve(model: str, wl: Workload, threads: int, max_model_len: int) ->
 
 
 def run_llamacpp(model_dir: str, wl: Workload, threads: int, parallel: int) -> Result:
-    import llamacpp
+    from iterserve.bench import llamacpp
 
     gguf_path = llamacpp.export_gguf(model_dir)
     per_slot = max(len(p) + o for p, o in wl) + 16
@@ -237,14 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument(
         "--sharegpt-path",
-        default=os.path.join(
-            os.path.dirname(os.path.abspath(__file__)),
-            "..",
-            "..",
-            "shared",
-            "traces",
-            "sharegpt_lengths_llama2.csv",
-        ),
+        help="ShareGPT lengths CSV (default: the one shipped with iterserve.workload)",
     )
     ap.add_argument("--llamacpp-parallel", type=int, default=8)
     ap.add_argument(
@@ -261,24 +245,18 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(a.threads)
     model_dir = resolve_model(a.model)
-    shape = ModelShape.from_config(model_dir)
+    model_cfg = ModelConfig.from_pretrained(model_dir)
+    shape = DecoderShape.of(model_cfg)
     m = machine_for(a.machine, a.threads)
-    peak = max(m.bf16_gflops, m.fp32_gflops)
-    mc = Machine(m.threads, m.read_gbps, peak, m.fp32_gflops)
-    print(f"machine: {m.describe()}; peak used for the bound: {peak:.0f} GFLOP/s")
+    print(f"machine: {m.describe()}; peak used for the bound: {m.peak_gflops:.0f} GFLOP/s")
     systems = [s for s in a.systems.split(",") if s]
     report: list[dict[str, Any]] = []
     for n in [int(x) for x in a.num_requests.split(",") if x]:
-        if a.workload == "random":
-            wl, note = (
-                random_workload(n, a.seed, shape.vocab),
-                "prompts U[32,512], outputs U[16,256]",
-            )
-        else:
-            wl, scale = sharegpt_workload(n, a.seed, shape.vocab, a.max_model_len, a.sharegpt_path)
-            note = f"ShareGPT lengths x{scale:.3f}, clipped to {a.max_model_len}"
+        wl, note = make_workload(
+            a.workload, n, a.seed, model_cfg.vocab_size, a.max_model_len, a.sharegpt_path
+        )
         lens = [(len(p), o) for p, o in wl]
-        b = workload_bound(mc, shape, lens)
+        b = workload_bound(m, shape, lens)
         print(
             f"\nworkload {a.workload} n={n} seed={a.seed} ({note}): {sum(p for p, _ in lens)} prompt + "
             f"{sum(o for _, o in lens)} output tokens; bound {b['bound_s']:.2f} s (compute {b['compute_s']:.2f}, "

@@ -36,12 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-
-from _machine import Machine, ModelShape, decode_step_bound, machine_for, prefill_bound  # noqa: E402
-
-from iterserve.engine.llm import LLM  # noqa: E402
-from iterserve.sampling_params import SamplingParams  # noqa: E402
+from iterserve.engine.llm import LLM
+from iterserve.model.model_config import ModelConfig
+from iterserve.sampling_params import SamplingParams
+from iterserve.sim.roofline import DecoderShape, decode_step_bound, machine_for, prefill_bound
 
 
 @dataclass
@@ -197,26 +195,24 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
 
     torch.set_num_threads(a.threads)
-    m: Machine = machine_for(a.machine, a.threads)
-    peak = max(m.bf16_gflops, m.fp32_gflops)
-    print(f"machine: {m.describe()}; peak used for bounds: {peak:.0f} GFLOP/s")
-    mc = Machine(m.threads, m.read_gbps, peak, m.fp32_gflops)  # bounds use the attainable peak
+    m = machine_for(a.machine, a.threads)  # the bounds use its attainable peak
+    print(f"machine: {m.describe()}; peak used for bounds: {m.peak_gflops:.0f} GFLOP/s")
 
     from iterserve.model.builtin import resolve_model
 
     model_dir = resolve_model(a.model)
-    shape = ModelShape.from_config(model_dir)
+    shape = DecoderShape.of(ModelConfig.from_pretrained(model_dir))
     print(
         f"model: {a.model} bf16, matmul params {shape.matmul_params / 1e6:.1f}M "
         f"(blocks {shape.layer_params / 1e6:.1f}M + lm_head {shape.head_params / 1e6:.1f}M), "
-        f"weight bytes/step {shape.step_weight_bytes / 1e6:.0f} MB"
+        f"weight bytes/step {shape.matmul_params * 2 / 1e6:.0f} MB"
     )
 
     batches = [int(b) for b in a.batches.split(",") if b]
     llama_rows: dict[int, Any] = {}
     llama_cmd = ""
     if not a.no_llamacpp:
-        import llamacpp
+        from iterserve.bench import llamacpp
 
         gguf_path = llamacpp.export_gguf(model_dir)
         try:
@@ -250,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     print(hdr)
     for b in batches:
         r = results[b]
-        bound, mem, comp = decode_step_bound(mc, shape, b, a.ctx)
+        bound, mem, comp = decode_step_bound(m, shape, b, a.ctx)
         lr = llama_rows.get(b)
         lms = (
             f"{lr.decode_step_ms:12.2f} {lr.s_tg:11.0f} {lr.s_tg / (b / r.duration_ms * 1e3):11.2f}"
@@ -278,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         print(profile_decode(llm, b, a.ctx, a.steps, a.profile_top))
 
     if a.prefill and not a.no_prefill:
-        bound, mm, attn = prefill_bound(mc, shape, a.prefill)
+        bound, mm, attn = prefill_bound(m, shape, a.prefill)
         print(
             f"\nprefill {a.prefill} tokens: bound {bound * 1e3:.0f} ms (matmul {mm * 1e3:.0f} + attention {attn * 1e3:.0f}) = {a.prefill / bound:.0f} tok/s"
         )

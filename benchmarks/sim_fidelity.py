@@ -49,15 +49,15 @@ from typing import Any
 
 import numpy as np
 
-from iterserve.workload.datasets import RequestSpec, WorkloadConfig, build_workload
-from iterserve.workload.metrics import summarize
 from iterserve.bench.offline import make_engine, reset_prefix_cache
-from iterserve.workload.replay import replay, warmup
 from iterserve.config import EngineArgs
 from iterserve.sim.cost_model import StepShape, step_shape
 from iterserve.sim.cpu_profile import CpuProfile, CpuProfileCostModel
 from iterserve.sim.profile import CLOCKS, scatter_free_blocks
 from iterserve.sim.simulator import SimConfig, Simulator
+from iterserve.workload.datasets import RequestSpec, WorkloadConfig, build_workload
+from iterserve.workload.metrics import summarize
+from iterserve.workload.replay import replay, warmup
 
 METRICS = (("median_ttft_ms", "median TTFT (ms)"), ("median_tpot_ms", "median TPOT (ms)"),
            ("median_e2el_ms", "median E2E (ms)"), ("mean_e2el_ms", "mean E2E (ms)"),

@@ -22,12 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from iterserve.config import DTYPE_BYTES
 from iterserve.core.request import Request
 from iterserve.core.scheduler import SchedulerOutput
 from iterserve.model.model_config import ModelConfig
 from iterserve.sim.hardware import Hardware
+from iterserve.sim.roofline import DecoderShape
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
@@ -92,35 +93,22 @@ class RooflineCostModel:
 
     def __init__(self, model: ModelConfig, hw: Hardware, tp: int = 1, dtype: str = "bfloat16",
                  kv_dtype: str | None = None) -> None:
-        if tp < 1:
-            raise ValueError(f"tp must be >= 1, got {tp}")
-        if model.num_heads % tp:
-            raise ValueError(f"tp={tp} must divide the number of attention heads ({model.num_heads})")
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-        self.model, self.hw, self.tp = model, hw, tp
+        shape = DecoderShape.of(model, tp)
+        self.model, self.hw, self.tp, self.shape = model, hw, tp, shape
         self.wb = DTYPE_BYTES[dtype]  # weight and activation bytes per element
         self.kvb = DTYPE_BYTES[kv_dtype or dtype]
-        m = model
-        self.hidden = m.hidden_size
-        self.q_dim = m.num_heads * m.head_dim // tp
-        # KV heads are split across ranks; with more ranks than KV heads each rank keeps one.
-        self.kv_heads = max(1, m.num_kv_heads // tp)
-        self.kv_dim = self.kv_heads * m.head_dim
-        self.inter = m.intermediate_size // tp
-        self.vocab = -(-m.vocab_size // tp)
-        self.layers = m.num_layers
-        self.heads = m.num_heads // tp
+        self.hidden, self.q_dim, self.kv_dim = shape.hidden, shape.q_dim, shape.kv_dim
+        self.inter, self.vocab, self.layers = shape.inter, shape.vocab, shape.layers
         e = hw.efficiency
         self._flops_gemm = e.gemm * hw.peak_flops
         self._bw = e.mem * hw.mem_bw
         self._flops_attn = e.attn_compute * hw.peak_flops
         self._bw_attn = e.attn_mem * hw.mem_bw
         self._kernel = e.kernel_s
-        hd = m.head_dim
-        # Attention work per unit, per layer: 4 FLOPs per (query head, key, dim): QK^T and PV.
-        self._attn_flops_per_pair = 4 * self.heads * hd
-        self._kv_bytes_per_key = 2 * self.kv_dim * self.kvb
+        self._attn_flops_per_pair = shape.attn_flops_per_key  # per layer
+        self._kv_bytes_per_key = shape.kv_bytes_per_key(self.kvb)
         self._linear_cache: dict[int, float] = {}
         self._lm_head_cache: dict[int, float] = {}
 
@@ -132,7 +120,7 @@ class RooflineCostModel:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one token occupies on each GPU (all layers, K and V)."""
-        return self.layers * self._kv_bytes_per_key
+        return self.shape.kv_bytes_per_token(self.kvb)
 
     def activation_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> float:
         """Peak activation memory of a full step (the largest intermediates live at once:

@@ -1,6 +1,6 @@
 """Step-time micro-benchmark of the model runner alone (no scheduler, no sampling).
 
-    python -m iterserve.model.microbench --model bench-134m --dtype bfloat16 --threads 2
+    python benchmarks/microbench.py --model bench-134m --dtype bfloat16 --threads 2
 
 Prints min and median wall time of ``ModelRunner.execute`` for decode steps of batch 1/8/32
 (each sequence at position ``--ctx``) and one ``--prefill``-token prompt. KV contents are
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from iterserve.config import CacheConfig
+from iterserve.config import DTYPES, CacheConfig
 from iterserve.model.runner import BatchItem, ModelRunner
 
 
@@ -33,7 +33,7 @@ def _time(runner: ModelRunner, items: list[BatchItem], repeats: int) -> tuple[fl
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench-134m")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=128, help="position of each decode token")
     p.add_argument("--batches", default="1,8,32")

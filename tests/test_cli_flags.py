@@ -1,0 +1,148 @@
+"""Names defined once (policies, variants, dtypes) and CLI flags derived from the config
+dataclasses by one helper, for every subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass
+
+import pytest
+
+from iterserve import cli
+from iterserve.bench.cli import build_parser as bench_parser
+from iterserve.config import (
+    DTYPE_BYTES,
+    DTYPES,
+    EngineArgs,
+    SchedulerConfig,
+    add_dataclass_args,
+    parse_policies,
+    policy_names,
+    variant_args,
+)
+from iterserve.core.policies import POLICY_CLASSES, POLICY_VARIANTS, make_policy
+from iterserve.server.cli import build_parser as serve_parser
+from iterserve.sim.cli import build_parser as sim_parser
+from iterserve.sim.cli import main as sim_main
+
+
+def test_policy_names_come_from_the_registry() -> None:
+    assert policy_names() == tuple(POLICY_CLASSES) == ("continuous", "static", "priority")
+    for name, cls in POLICY_CLASSES.items():
+        assert cls.name == name and type(make_policy(name)) is cls
+    assert list(POLICY_VARIANTS) == [*POLICY_CLASSES, "continuous-nochunk"]
+    with pytest.raises(ValueError, match="policy must be one of"):
+        SchedulerConfig(policy="fifo")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        EngineArgs(policy="fifo")
+
+
+def test_variants_are_engine_arg_overrides() -> None:
+    base = EngineArgs(max_num_batched_tokens=512, record_steps="x.jsonl")
+    for name in POLICY_CLASSES:
+        args = variant_args(name, base, None)
+        assert args.policy == name and args.enable_chunked_prefill and args.record_steps is None
+    nochunk = variant_args("continuous-nochunk", base, 4096)
+    assert (nochunk.policy, nochunk.enable_chunked_prefill) == ("continuous", False)
+    assert (nochunk.max_model_len, nochunk.max_num_batched_tokens) == (4096, 4096)
+    with pytest.raises(ValueError, match="needs max_model_len"):
+        variant_args("continuous-nochunk", base, None)
+    with pytest.raises(ValueError, match="policy variant must be one of"):
+        variant_args("fifo", base, None)
+
+
+def test_parse_policies_names_the_flag() -> None:
+    assert parse_policies(" static, continuous-nochunk ") == ["static", "continuous-nochunk"]
+    with pytest.raises(ValueError, match="--policy takes a comma-separated list"):
+        parse_policies("static,fifo", flag="--policy")
+    with pytest.raises(ValueError, match="--policies takes"):
+        parse_policies(" , ")
+
+
+def test_dtypes_are_one_tuple_of_names() -> None:
+    assert DTYPES == ("float32", "bfloat16", "float16") == tuple(DTYPE_BYTES)
+    for parser in (serve_parser(), sim_parser()):
+        dtype = next(a for a in parser._actions if a.dest == "dtype")
+        assert tuple(dtype.choices or ()) == DTYPES
+
+
+@dataclass(frozen=True)
+class _Example:
+    count: int = 3
+    limit: int | None = None
+    rate: float | None = None
+    name: str = "a"
+    flag: bool = True
+
+
+def test_add_dataclass_args_types_defaults_and_overrides() -> None:
+    p = argparse.ArgumentParser()
+    add_dataclass_args(
+        p, _Example, skip=("name",), defaults={"count": 5}, choices={"limit": None},
+        helps={"rate": "per second"}, metavars={"limit": "N"},
+    )  # fmt: skip
+    ns = p.parse_args([])
+    assert vars(ns) == {"count": 5, "limit": None, "rate": None, "flag": True}
+    ns = p.parse_args(["--count", "7", "--limit", "2", "--rate", "inf", "--no-flag"])
+    assert (ns.count, ns.limit, ns.rate, ns.flag) == (7, 2, float("inf"), False)
+    assert "--name" not in p.format_help() and "per second" in p.format_help()
+    with pytest.raises(SystemExit):
+        p.parse_args(["--count", "x"])
+    only = argparse.ArgumentParser()
+    add_dataclass_args(only, _Example, only=("name",))
+    assert vars(only.parse_args(["--name", "b"])) == {"name": "b"}
+
+
+def test_every_engine_flag_keeps_its_name_and_default() -> None:
+    defaults = EngineArgs()
+    for parser in (serve_parser(), bench_parser()._subparsers._group_actions[0].choices["offline"]):  # type: ignore[union-attr]
+        ns = parser.parse_args([])
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+            assert getattr(ns, name) == getattr(defaults, name)
+    ns = serve_parser().parse_args(["--policy", "static", "--no-enable-prefix-caching"])
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.policy, args.enable_prefix_caching, args.model) == ("static", False, "tiny-random")
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--policy", "fifo"])
+
+
+def test_bench_engine_flags_and_their_overrides() -> None:
+    ns = bench_parser().parse_args(["offline", "--record-steps", "steps"])
+    assert (ns.model, ns.dtype, ns.record_steps, ns.policies) == (
+        "bench-134m", "bfloat16", "steps", "static,continuous,continuous-nochunk",
+    )  # fmt: skip
+    offline_help = bench_parser()._subparsers._group_actions[0].choices["offline"].format_help()  # type: ignore[union-attr]
+    assert "--record-steps DIR" in offline_help and "--policy " not in offline_help
+
+
+def test_simulate_derives_its_engine_flags() -> None:
+    ns = sim_parser().parse_args([])
+    base = EngineArgs()
+    assert (ns.policy, ns.max_num_seqs, ns.block_size) == ("continuous", base.max_num_seqs, 16)
+    assert (ns.enable_chunked_prefill, ns.enable_prefix_caching) == (True, True)
+    assert (ns.kv_cache_memory, ns.num_kv_blocks, ns.dtype, ns.num_prompts) == (None,) * 4
+    assert ns.gpu_memory_utilization == 0.9
+    ns = sim_parser().parse_args(["--policy", "static,priority", "--kv-cache-memory", "4GiB"])
+    assert (ns.policy, ns.kv_cache_memory) == ("static,priority", "4GiB")
+    with pytest.raises(SystemExit):  # still mutually exclusive
+        sim_parser().parse_args(["--kv-cache-memory", "4GiB", "--num-kv-blocks", "8"])
+
+
+def test_simulate_rejects_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert sim_main(["--workload", "random", "--num-prompts", "2", "--policy", "fifo"]) == 2
+    assert "--policy takes a comma-separated list" in capsys.readouterr().err
+
+
+def test_subcommands_register_in_one_line_each() -> None:
+    assert list(cli.SUBCOMMANDS)[:2] == ["generate", "serve"]
+    for target, help_ in cli.SUBCOMMANDS.values():
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)) and help_
+
+
+def test_top_level_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in cli.SUBCOMMANDS)
+    assert cli.main(["nope"]) == 2

@@ -1,0 +1,75 @@
+"""The one roofline model: shapes from ModelConfig, shared by the cost model and the bounds the
+benchmark scripts print."""
+
+from __future__ import annotations
+
+import pytest
+
+from iterserve.sim.cost_model import RooflineCostModel
+from iterserve.sim.hardware import HARDWARE
+from iterserve.sim.models import load_model_config
+from iterserve.sim.roofline import (
+    DecoderShape,
+    Machine,
+    decode_step_bound,
+    machine_for,
+    prefill_bound,
+    workload_bound,
+)
+
+
+def test_bench_134m_shape_matches_the_figures_in_speed_md() -> None:
+    s = DecoderShape.of(load_model_config("bench-134m"))
+    # docs/SPEED.md: 84.9M block weights + 24.6M LM head = 109.5M, 219 MB of bf16 weights.
+    assert (s.layer_params, s.head_params) == (84_934_656, 24_576_000)
+    assert s.matmul_params * 2 == 219_021_312
+    assert s.kv_bytes_per_token(2) == 2 * 12 * 768 * 2
+    assert s.attn_flops(10) == 4 * 12 * 12 * 64 * 10
+
+
+def test_tensor_parallel_split() -> None:
+    m = load_model_config("llama-3-8b")
+    s = DecoderShape.of(m, tp=16)  # more ranks than the 8 KV heads: each keeps one
+    assert (s.heads, s.q_dim, s.kv_dim, s.inter) == (2, 256, 128, 14336 // 16)
+    assert s.vocab == -(-128256 // 16)
+    with pytest.raises(ValueError, match="must divide the number of attention heads"):
+        DecoderShape.of(m, tp=3)
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        DecoderShape.of(m, tp=0)
+
+
+def test_cost_model_reads_the_same_shape() -> None:
+    model = load_model_config("llama-3-70b")
+    cm = RooflineCostModel(model, HARDWARE["h100-sxm"], tp=4, kv_dtype="float32")
+    assert cm.shape == DecoderShape.of(model, tp=4)
+    assert cm.kv_bytes_per_token == cm.shape.kv_bytes_per_token(4)
+    assert (cm.q_dim, cm.kv_dim, cm.inter, cm.vocab) == (
+        cm.shape.q_dim, cm.shape.kv_dim, cm.shape.inter, cm.shape.vocab,
+    )  # fmt: skip
+
+
+def test_bounds_by_hand() -> None:
+    s = DecoderShape(hidden=4, q_dim=4, kv_dim=2, inter=8, vocab=10, layers=1, heads=2, head_dim=2)
+    assert (s.layer_params, s.head_params) == (32 + 16 + 96, 40)
+    m = Machine(threads=1, read_gbps=1.0, bf16_gflops=0.5, fp32_gflops=2.0)
+    assert m.peak_gflops == 2.0  # the faster of bf16 and fp32
+    bound, mem, comp = decode_step_bound(m, s, batch=2, ctx=3)
+    assert mem == pytest.approx((184 * 2 + 2 * 3 * 2 * 2 * 2) / 1e9)
+    assert comp == pytest.approx(2 * (2 * 184 + 16 * 3) / 2e9)
+    assert bound == max(mem, comp)
+    bound, mm, attn = prefill_bound(m, s, tokens=5)
+    assert mm == pytest.approx((2 * 144 * 5 + 2 * 40) / 2e9)
+    assert attn == pytest.approx(5 * 16 * 3 / 2e9)
+    assert bound == max(mm + attn, 184 * 2 / 1e9)
+    w = workload_bound(m, s, [(3, 2), (1, 4)])
+    flops = (2 * 144 * 5 + 2 * 40 * 2 + 16 * 15) + (2 * 144 * 5 + 2 * 40 * 4 + 16 * 15)
+    assert w["compute_s"] == pytest.approx(flops / 2e9)
+    assert w["memory_s"] == pytest.approx((4 * 184 * 2 + 10 * 8) / 1e9)
+    assert w["output_tokens"] == 6 and w["bound_output_tok_s"] == 6 / w["bound_s"]
+
+
+def test_machine_from_numbers() -> None:
+    m = machine_for("12.5,180", threads=2)
+    assert (m.threads, m.read_gbps, m.peak_gflops) == (2, 12.5, 180.0)
+    with pytest.raises(ValueError, match="GBPS,GFLOPS"):
+        machine_for("fast", threads=2)

@@ -78,10 +78,6 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed (finish_reason "error")
 
-    @property
-    def num_cached_tokens(self) -> int:
-        return self.metrics.num_cached_prompt_tokens
-
 
 @dataclass
 class StepStats:

@@ -40,7 +40,6 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
-        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,11 +48,6 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks whose contents are registered in the prefix cache (used or free)."""
-        return len(self._cached)
 
     def lookup(self, parent_hash: int | None, block_hash: int, token_ids: Sequence[int]) -> int | None:
         """The cached block holding exactly these tokens after this parent, if any."""
@@ -116,14 +110,12 @@ class BlockPool:
         del self._cached[blk.block_hash]
         blk.block_hash = blk.parent_hash = None
         blk.token_ids = None
-        self.num_evictions += 1
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (after a failed step the contents are suspect)."""
         for blk in self.blocks:
             if blk.block_hash is not None:
                 self._evict(blk)
-        self.num_evictions = 0
 
     def check_integrity(self) -> None:
         free = set(self._free)

@@ -82,15 +82,6 @@ class StepLog:
         a[7](st.prefix_hit_tokens)
         a[8](st.num_finished)
 
-    def stats(self, i: int) -> StepStats:
-        """Step ``i`` as the engine's ``StepStats`` (a simulated step is all forward time)."""
-        d = self.duration_s[i]
-        st = StepStats(step=i, start_time=self.start_time[i], duration_s=d, forward_s=d,
-                       kv_blocks_total=self.kv_blocks_total)
-        for c, col in self.ints.items():
-            setattr(st, c, int(col[i]))
-        return st
-
 
 class Books:
     """Admission checks, per-step records and cumulative counters of one engine.

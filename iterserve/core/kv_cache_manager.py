@@ -72,17 +72,10 @@ class KVCacheManager:
             parent = h
         return hits, len(hits) * bs
 
-    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
-        return self._num_new_blocks(req, num_new_tokens, computed_blocks) is not None
-
-    def _num_new_blocks(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int | None:
-        total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        return self._blocks_needed(req, total, computed_blocks)
-
     def _blocks_needed(self, req: Request, total: int, computed_blocks: Sequence[int]) -> int | None:
         """New blocks for a table covering ``total`` tokens, or None if the pool is short."""
         held = len(self.req_blocks.get(req.request_id, ())) + len(computed_blocks)
-        need = -(-total // self.block_size) - held
+        need = cdiv(total, self.block_size) - held
         if need <= 0:
             return 0  # free >= reclaimed always holds, so no room check is needed
         # Cached hits that are currently free leave the free queue when touched.
@@ -101,7 +94,7 @@ class KVCacheManager:
         total = req.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
         rid = req.request_id
         blocks = self.req_blocks.get(rid)
-        if blocks is not None and not computed_blocks and -(-total // bs) <= len(blocks):
+        if blocks is not None and not computed_blocks and total <= len(blocks) * bs:
             need: int | None = 0  # the table already covers the new tokens
         else:
             need = self._blocks_needed(req, total, computed_blocks)

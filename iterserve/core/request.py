@@ -13,10 +13,6 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed
     FINISHED = "finished"
 
-    @property
-    def is_finished(self) -> bool:
-        return self is RequestStatus.FINISHED
-
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
@@ -51,7 +47,6 @@ class Request:
         "block_hashes",
         "arrival_seq",
         "admit_seq",
-        "first_scheduled_time",
     )
 
     def __init__(
@@ -83,7 +78,6 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of full blocks, grown lazily
         self.arrival_seq = arrival_seq  # tie-breaker: order of add_request
         self.admit_seq = -1  # order of (re)admission into the running set
-        self.first_scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,13 +94,6 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
-    def append_output_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
 
     def check_stop(self, token_id: int, max_model_len: int) -> bool:
         """Sets finish_reason if ``token_id`` (just appended) ends the request."""

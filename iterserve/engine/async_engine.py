@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
 import threading
 import time
@@ -90,7 +89,6 @@ class EngineSnapshot:
     kv_usage: float = 0.0
     engine_healthy: bool = True
     last_error: str | None = None
-    time: float = 0.0
 
 
 class EngineObserver(Protocol):
@@ -302,7 +300,6 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ids = itertools.count()
 
         # Loop-thread state.
         self._active: dict[str, RequestStream] = {}
@@ -315,7 +312,7 @@ class AsyncEngine:
         self._queued_tokens = 0
 
         # Published by the engine thread.
-        self.snapshot = EngineSnapshot(stats=self._stats, time=time.monotonic())
+        self.snapshot = EngineSnapshot(stats=self._stats)
         self._last_stats: StepStats | None = None
         self._step_error: str | None = None
         self._dead: str | None = None
@@ -334,10 +331,6 @@ class AsyncEngine:
     @property
     def started(self) -> bool:
         return self._thread is not None
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting
 
     def stop_accepting(self) -> None:
         self._accepting = False
@@ -378,17 +371,6 @@ class AsyncEngine:
         """Requests with a live stream (loop thread's view)."""
         return len(self._active)
 
-    @property
-    def num_queued(self) -> int:
-        """Requests waiting for the engine to schedule them (what --max-queued-requests caps)."""
-        return len(self._pending_adds) + self.snapshot.num_waiting
-
-    @property
-    def num_queued_tokens(self) -> int:
-        return self._queued_tokens
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
 
     # ---- requests (event-loop thread) ---------------------------------------------------
     async def add_request(
@@ -736,7 +718,6 @@ class AsyncEngine:
             engine_healthy=engine.healthy,
             last_error=engine.last_error,
             stats=self._stats,
-            time=now,
         )
         self.snapshot = snap
         return snap

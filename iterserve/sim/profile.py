@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from iterserve.config import EngineArgs
-from iterserve.core.kv_cache_manager import KVCacheManager
+from iterserve.core.kv_cache_manager import KVCacheManager, cdiv
 from iterserve.sim.cost_model import StepShape, step_shape
 from iterserve.sim.cpu_profile import (
     CpuProfile,
@@ -87,7 +87,7 @@ def measure(
     max_ctx = max(context) + steps_per_cell + 1
     budget = max(prefill) + max(decode) + 1
     bs = args.block_size
-    need_blocks = (max(decode) + 2) * (-(-(max_ctx + max(prefill)) // bs)) + 8
+    need_blocks = (max(decode) + 2) * cdiv(max_ctx + max(prefill), bs) + 8
     if engine is None:
         # The pool the engine would have (EngineArgs' KV size), not just what the grid needs:
         # decode attention gathers blocks from all over it, and a larger pool reads slower.

@@ -24,7 +24,9 @@ from iterserve.server.app import create_app
 
 
 def serve(fake: FakeEngine, **kwargs: object) -> tuple[AsyncEngine, ThreadServer]:
-    engine_kw = {k: kwargs.pop(k) for k in ("max_queued_requests", "max_queued_tokens") if k in kwargs}
+    engine_kw = {
+        k: kwargs.pop(k) for k in ("max_queued_requests", "max_queued_tokens") if k in kwargs
+    }
     engine = AsyncEngine(fake, **engine_kw)  # type: ignore[arg-type]
     return engine, ThreadServer(create_app(engine, **kwargs))  # type: ignore[arg-type]
 
@@ -37,7 +39,7 @@ def wait_for(cond, timeout: float = 5.0, what: str = "condition") -> None:  # ty
         time.sleep(0.01)
 
 
-# ---- AsyncEngine on its own -------------------------------------------------------------------
+# ---- AsyncEngine on its own ----------------------------------------------------------------------
 def test_async_engine_streams_validates_and_aborts_on_close() -> None:
     fake = FakeEngine(step_delay=0.002)
     engine = AsyncEngine(fake)
@@ -63,10 +65,12 @@ def test_async_engine_streams_validates_and_aborts_on_close() -> None:
                 break
             await asyncio.sleep(0.01)
         assert "d" in fake.aborted
+
         # Cancelling a consumer task aborts too.
         async def consume() -> None:
             async for _ in engine.generate("e", "hello", SamplingParams(max_tokens=100)):
                 pass
+
         task = asyncio.create_task(consume())
         await asyncio.sleep(0.05)
         task.cancel()
@@ -106,7 +110,7 @@ def test_engine_thread_crash_is_reported_not_hung() -> None:
     asyncio.run(asyncio.wait_for(main(), 10))
 
 
-# ---- HTTP: failures ---------------------------------------------------------------------------
+# ---- HTTP: failures ------------------------------------------------------------------------------
 def test_step_exception_fails_inflight_with_500_and_health_turns_unhealthy() -> None:
     fake = FakeEngine(step_delay=0.005)
     engine, server = serve(fake)
@@ -130,7 +134,9 @@ def test_model_step_failure_mid_stream_reaches_client_as_error() -> None:
     engine, server = serve(fake)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     with server:
-        stream = client.completions.create(model="fake-model", prompt="hello", max_tokens=200, stream=True)
+        stream = client.completions.create(
+            model="fake-model", prompt="hello", max_tokens=200, stream=True
+        )
         got = []
         with pytest.raises(openai.APIError, match="injected forward failure"):
             for chunk in stream:
@@ -143,7 +149,9 @@ def test_model_step_failure_mid_stream_reaches_client_as_error() -> None:
         fake.fail_model_step = 1
         with pytest.raises(openai.InternalServerError):
             client.completions.create(model="fake-model", prompt="hello", max_tokens=5, stream=True)
-        assert client.completions.create(model="fake-model", prompt="hi", max_tokens=2).choices[0].text
+        assert (
+            client.completions.create(model="fake-model", prompt="hi", max_tokens=2).choices[0].text
+        )
 
 
 def test_one_request_failing_does_not_affect_others() -> None:
@@ -153,11 +161,16 @@ def test_one_request_failing_does_not_affect_others() -> None:
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
-            return list(await asyncio.gather(
-                c.post("/v1/completions", json={"prompt": "POISON pill", "max_tokens": 8}),
-                c.post("/v1/completions", json={"prompt": "healthy", "max_tokens": 8}),
-                c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "fine"}], "max_tokens": 8}),
-            ))
+            return list(
+                await asyncio.gather(
+                    c.post("/v1/completions", json={"prompt": "POISON pill", "max_tokens": 8}),
+                    c.post("/v1/completions", json={"prompt": "healthy", "max_tokens": 8}),
+                    c.post(
+                        "/v1/chat/completions",
+                        json={"messages": [{"role": "user", "content": "fine"}], "max_tokens": 8},
+                    ),
+                )
+            )
 
     with server:
         bad, ok1, ok2 = asyncio.run(main())
@@ -169,7 +182,7 @@ def test_one_request_failing_does_not_affect_others() -> None:
         assert m['iterserve:request_success_total{finished_reason="error"}'] == 1
 
 
-# ---- HTTP: admission, disconnects -----------------------------------------------------------------
+# ---- HTTP: admission, disconnects ----------------------------------------------------------------
 def test_queue_limit_rejects_with_503_and_accepted_requests_complete() -> None:
     fake = FakeEngine(max_num_seqs=1)
     fake.paused.set()
@@ -179,7 +192,11 @@ def test_queue_limit_rejects_with_503_and_accepted_requests_complete() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
             tasks = []
             for i in range(6):
-                tasks.append(asyncio.create_task(c.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 4})))
+                tasks.append(
+                    asyncio.create_task(
+                        c.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 4})
+                    )
+                )
                 await asyncio.sleep(0.15)  # let the engine thread take each one in turn
             fake.paused.clear()
             return list(await asyncio.gather(*tasks))
@@ -208,7 +225,11 @@ def test_queued_token_limit_rejects_big_backlogs() -> None:
             tasks = []
             # 8 tokens each (byte-level fake tokenizer): the second one would exceed 10 queued.
             for i in range(3):
-                tasks.append(asyncio.create_task(c.post("/v1/completions", json={"prompt": f"prompt {i}", "max_tokens": 2})))
+                tasks.append(
+                    asyncio.create_task(
+                        c.post("/v1/completions", json={"prompt": f"prompt {i}", "max_tokens": 2})
+                    )
+                )
                 await asyncio.sleep(0.15)
             fake.paused.clear()
             return list(await asyncio.gather(*tasks))
@@ -224,7 +245,11 @@ def test_client_disconnect_aborts_streaming_and_non_streaming_requests() -> None
     with server:
         # Streaming: read a few events, then hang up.
         with httpx.Client(base_url=server.url, timeout=10) as c:
-            with c.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 2000, "stream": True}) as r:
+            with c.stream(
+                "POST",
+                "/v1/completions",
+                json={"prompt": "abc", "max_tokens": 2000, "stream": True},
+            ) as r:
                 assert r.status_code == 200
                 n = 0
                 for line in r.iter_lines():
@@ -234,7 +259,11 @@ def test_client_disconnect_aborts_streaming_and_non_streaming_requests() -> None
         wait_for(lambda: len(fake.aborted) == 1 and not fake.reqs, what="streaming abort")
         # Non-streaming: the client times out and closes the connection.
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2000}, timeout=0.3)
+            httpx.post(
+                server.url + "/v1/completions",
+                json={"prompt": "abc", "max_tokens": 2000},
+                timeout=0.3,
+            )
         wait_for(lambda: len(fake.aborted) == 2 and not fake.reqs, what="non-streaming abort")
         wait_for(lambda: engine.num_active == 0, what="no live streams")
         m = metric_values(httpx.get(server.url + "/metrics").text)
@@ -242,13 +271,17 @@ def test_client_disconnect_aborts_streaming_and_non_streaming_requests() -> None
         assert m['iterserve:request_success_total{finished_reason="abort"}'] == 2
 
 
-# ---- HTTP: protocol details on the fake -------------------------------------------------------------
+# ---- HTTP: protocol details on the fake ----------------------------------------------------------
 def test_chat_without_template_is_a_clear_400_and_api_key_guards_v1() -> None:
     fake = FakeEngine(chat_template=None)
     engine, server = serve(fake, api_key="sekret")
     with server, httpx.Client(base_url=server.url, timeout=10) as c:
         auth = {"Authorization": "Bearer sekret"}
-        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, headers=auth)
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}]},
+            headers=auth,
+        )
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
         assert r.json()["error"]["code"] == "no_chat_template"
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
@@ -265,13 +298,25 @@ def test_n_batch_prompts_echo_and_sse_shape() -> None:
     fake = FakeEngine()
     engine, server = serve(fake)
     with server, httpx.Client(base_url=server.url, timeout=10) as c:
-        r = c.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "echo": True})
+        r = c.post(
+            "/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "echo": True}
+        )
         body = r.json()
         assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3]
-        assert body["choices"][0]["text"].startswith("ab") and body["choices"][2]["text"].startswith("cd")
+        assert body["choices"][0]["text"].startswith("ab") and body["choices"][2][
+            "text"
+        ].startswith("cd")
         assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
-        r = c.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "stream": True,
-                                             "stream_options": {"include_usage": True}})
+        r = c.post(
+            "/v1/completions",
+            json={
+                "prompt": ["ab", "cd"],
+                "n": 2,
+                "max_tokens": 3,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         events = parse_sse(r.text)
         assert events[-1] == "[DONE]"
         assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 12
@@ -286,11 +331,22 @@ def test_n_batch_prompts_echo_and_sse_shape() -> None:
         assert finishes == {0: "length", 1: "length", 2: "length", 3: "length"}
         assert [texts[i] for i in range(4)] == [ch["text"][2:] for ch in body["choices"]]
         # logprobs with token ids as strings
-        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
-                                                  "logprobs": True, "top_logprobs": 2,
-                                                  "return_tokens_as_token_ids": True})
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 2,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "return_tokens_as_token_ids": True,
+            },
+        )
         lp = r.json()["choices"][0]["logprobs"]["content"]
-        assert len(lp) == 2 and lp[0]["token"].startswith("token_id:") and len(lp[0]["top_logprobs"]) == 2
+        assert (
+            len(lp) == 2
+            and lp[0]["token"].startswith("token_id:")
+            and len(lp[0]["top_logprobs"]) == 2
+        )
         # SSE error events are well-formed JSON
         assert json.loads(json.dumps(events[0]))
 
@@ -301,8 +357,11 @@ def test_errors_name_the_field_from_the_validation_loc_on_every_route() -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     cases: list[tuple[str, dict[str, object], str]] = [
         # nested: the second message's content has the wrong type (no union-member tags)
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"},
-                                               {"role": "user", "content": 5}]}, "messages.1.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 5}]},
+            "messages.1.content",
+        ),
         ("/tokenize", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ("/v1/completions", {"prompt": [[5, 6], [7, "x"]]}, "prompt"),
         ("/detokenize", {"tokens": ["a"]}, "tokens.0"),
@@ -324,11 +383,21 @@ def test_errors_name_the_field_from_the_validation_loc_on_every_route() -> None:
         # ... and the message says what to change, without pydantic's "Value error, " prefix.
         r = c.post("/v1/completions", json={"prompt": "hi", "temperature": -1, "top_p": 0})
         msg = r.json()["error"]["message"]
-        assert msg == ("invalid request: temperature: temperature must be in [0, 100], got -1.0; "
-                       "top_p: top_p must be in (0, 1], got 0.0"), msg
+        assert msg == (
+            "invalid request: temperature: temperature must be in [0, 100], got -1.0; "
+            "top_p: top_p must be in (0, 1], got 0.0"
+        ), msg
         # min_tokens <= max_tokens holds for the effective limit: max_completion_tokens wins.
-        r = c.post("/v1/chat/completions", json={**chat, "max_tokens": 3, "max_completion_tokens": 6,
-                                                 "min_tokens": 5, "ignore_eos": True})
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                **chat,
+                "max_tokens": 3,
+                "max_completion_tokens": 6,
+                "min_tokens": 5,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 6
 
@@ -346,8 +415,12 @@ def test_tokenize_shares_the_json_parser_and_model_cards_agree() -> None:
             r = c.post(path, content=b"")
             assert r.status_code == 400 and "empty" in r.json()["error"]["message"], path
         r = c.post("/tokenize", json={"prompt": "ab", "return_token_strs": True})
-        assert r.json() == {"count": 2, "max_model_len": 128, "tokens": [100, 101],
-                            "token_strs": ["a", "b"]}
+        assert r.json() == {
+            "count": 2,
+            "max_model_len": 128,
+            "tokens": [100, 101],
+            "token_strs": ["a", "b"],
+        }
         cards = c.get("/v1/models").json()["data"]
         assert [card["id"] for card in cards] == ["fake-model", "alias"]
         for card in cards:
@@ -366,6 +439,13 @@ def test_known_but_unsupported_fields_are_refused() -> None:
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["param"] == field and err["code"] == "unsupported_parameter", err
-        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
-                                            "include_stop_str_in_output": False, "unknown": 1})
+        r = c.post(
+            "/v1/completions",
+            json={
+                "prompt": "hi",
+                "max_tokens": 2,
+                "include_stop_str_in_output": False,
+                "unknown": 1,
+            },
+        )
         assert r.status_code == 200, r.text

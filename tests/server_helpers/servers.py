@@ -38,10 +38,25 @@ class ServerProcess:
     def _start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="iterserve-server-", suffix=".log", delete=False)  # noqa: SIM115
-        cmd = [sys.executable, "-m", "iterserve.server.cli", "--host", "127.0.0.1", "--port", str(self.port),
-               "--disable-access-log", "--log-level", "warning", *self.args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.log = tempfile.NamedTemporaryFile(
+            "w+", prefix="iterserve-server-", suffix=".log", delete=False
+        )  # noqa: SIM115
+        cmd = [
+            sys.executable,
+            "-m",
+            "iterserve.server.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-access-log",
+            "--log-level",
+            "warning",
+            *self.args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT
+        )
         self._ready = False
 
     def log_text(self) -> str:
@@ -91,8 +106,15 @@ class ThreadServer:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
-                                access_log=False, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 
@@ -117,7 +139,7 @@ def parse_sse(text: str) -> list[Any]:
     events: list[Any] = []
     for line in text.splitlines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -129,6 +151,8 @@ def metric_values(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
+            labels = ",".join(
+                f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name"
+            )
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out

@@ -128,9 +128,8 @@ def test_openai_client_completions_chat_streaming_n_logprobs_stop_usage(
     )
     assert len(ch.logprobs.tokens) == 12 and "".join(ch.logprobs.tokens) == ch.text
     assert all(len(t) >= 1 for t in ch.logprobs.top_logprobs)  # type: ignore[arg-type]
-    assert ch.logprobs.token_logprobs is not None and all(
-        lp <= 0 for lp in ch.logprobs.token_logprobs
-    )  # type: ignore[operator]
+    assert ch.logprobs.token_logprobs is not None
+    assert all(lp <= 0 for lp in ch.logprobs.token_logprobs)  # type: ignore[operator]
 
     # Streaming gives the same greedy text, chunk by chunk, then usage and [DONE].
     chunks = list(
@@ -165,26 +164,21 @@ def test_openai_client_completions_chat_streaming_n_logprobs_stop_usage(
     assert stopped.choices[0].finish_reason == "stop"
 
     # n: several sampled sequences, indexed, counted in usage; a seed makes them reproducible.
-    many = client.completions.create(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=5,
-        n=3,
-        temperature=1.0,
-        seed=7,
-        extra_body={"ignore_eos": True},
-    )
+    def sample_seeded() -> openai.types.Completion:
+        return client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=5,
+            n=3,
+            temperature=1.0,
+            seed=7,
+            extra_body={"ignore_eos": True},
+        )
+
+    many = sample_seeded()
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
     assert many.usage is not None and many.usage.completion_tokens == 15
-    again = client.completions.create(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=5,
-        n=3,
-        temperature=1.0,
-        seed=7,
-        extra_body={"ignore_eos": True},
-    )
+    again = sample_seeded()
     assert [c.text for c in again.choices] == [c.text for c in many.choices]
 
     # Chat (the checkpoint's template), plain and streamed, with logprobs and vLLM extras.
@@ -192,21 +186,21 @@ def test_openai_client_completions_chat_streaming_n_logprobs_stop_usage(
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hello! How are you?"},
     ]
+    extras = {
+        "top_k": 5,
+        "min_p": 0.01,
+        "repetition_penalty": 1.1,
+        "ignore_eos": True,
+        "min_tokens": 2,
+    }
     chat = client.chat.completions.create(
         model=MODEL,
-        messages=msgs,
+        messages=msgs,  # type: ignore[arg-type]
         max_completion_tokens=8,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
         logprobs=True,
         top_logprobs=2,
-        extra_body={
-            "top_k": 5,
-            "min_p": 0.01,
-            "repetition_penalty": 1.1,
-            "ignore_eos": True,
-            "min_tokens": 2,
-            "priority": 0,
-        },
+        extra_body={**extras, "priority": 0},
     )
     msg = chat.choices[0]
     assert msg.message.role == "assistant" and msg.finish_reason == "length"
@@ -222,18 +216,12 @@ def test_openai_client_completions_chat_streaming_n_logprobs_stop_usage(
     sc = list(
         client.chat.completions.create(
             model=MODEL,
-            messages=msgs,
+            messages=msgs,  # type: ignore[arg-type]
             max_tokens=8,
             temperature=0,
-            stream=True,  # type: ignore[arg-type]
+            stream=True,
             stream_options={"include_usage": True},
-            extra_body={
-                "top_k": 5,
-                "min_p": 0.01,
-                "repetition_penalty": 1.1,
-                "ignore_eos": True,
-                "min_tokens": 2,
-            },
+            extra_body=extras,
         )
     )
     assert sc[0].choices[0].delta.role == "assistant"

@@ -46,7 +46,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
             raise bad("n", "an integer in [1, 128]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             raise bad("max_tokens", "an integer >= 1 (or None for 'up to the context length')")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
@@ -70,7 +72,9 @@ class SamplingParams:
             raise bad("repetition_penalty", "in (0, 2]")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise bad("seed", "an integer in [0, 2**63)")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+        ):
             raise bad("logprobs", "an integer in [0, 20]")
         assert isinstance(self.stop, list)
         for s in self.stop:
@@ -79,7 +83,9 @@ class SamplingParams:
         assert isinstance(self.stop_token_ids, list)
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+                raise ValueError(
+                    f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
+                )
 
     @property
     def greedy(self) -> bool:

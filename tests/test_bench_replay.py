@@ -38,8 +38,13 @@ class FakeEngine:
         self.live: dict[str, list[int]] = {}  # id -> [tokens wanted, tokens made]
         self.steps = 0
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
         if len(prompt) > 100:
             raise ValueError("prompt too long")
         assert params.ignore_eos and params.max_tokens is not None
@@ -57,9 +62,12 @@ class FakeEngine:
             done = st[1] == st[0]
             if done:
                 del self.live[rid]
-            comp = CompletionOutput(0, "", [7] * st[1], new_token_ids=[7],
-                                    finish_reason="length" if done else None)
-            outs.append(RequestOutput(rid, None, [1], [comp], done, RequestMetrics(arrival_time=0.0)))
+            comp = CompletionOutput(
+                0, "", [7] * st[1], new_token_ids=[7], finish_reason="length" if done else None
+            )
+            outs.append(
+                RequestOutput(rid, None, [1], [comp], done, RequestMetrics(arrival_time=0.0))
+            )
         return outs
 
     def stats(self) -> dict[str, int]:
@@ -78,7 +86,9 @@ def test_replay_timings_on_a_virtual_clock() -> None:
     res = replay(FakeEngine(clock), specs, clock=clock, sleep=clock.sleep, on_done=done.append)
     a, b, rejected, c = res.timings
     assert a.success and a.ttft == pytest.approx(0.01) and a.itl == pytest.approx([0.01, 0.01])
-    assert a.latency == pytest.approx(0.03) and a.output_tokens == 3 and a.tpot == pytest.approx(0.01)
+    assert (
+        a.latency == pytest.approx(0.03) and a.output_tokens == 3 and a.tpot == pytest.approx(0.01)
+    )
     # b is added after step 2 ends (t=0.02); its TTFT counts from its arrival at 0.015.
     assert b.send_time == pytest.approx(0.02)
     assert b.ttft == pytest.approx(0.015) and b.latency == pytest.approx(0.025)
@@ -117,10 +127,21 @@ def test_timeline_plot_from_synthetic_steps(tmp_path: Path) -> None:
         sched = [["a", 8 if i == 0 else 1, i == 0]] + ([["b", 1, False]] if 2 <= i <= 4 else [])
         if i == 1:
             sched.append(["b", 8, True])
-        rows.append({"step": i, "start_time": t, "duration_s": 0.01, "num_prefill_tokens": 8 if i < 2 else 0,
-                     "num_decode_tokens": len(sched) - (1 if i < 2 else 0), "num_scheduled_seqs": len(sched),
-                     "num_running": 2, "num_waiting": 0, "kv_blocks_used": 2, "kv_blocks_total": 10,
-                     "scheduled": sched})
+        rows.append(
+            {
+                "step": i,
+                "start_time": t,
+                "duration_s": 0.01,
+                "num_prefill_tokens": 8 if i < 2 else 0,
+                "num_decode_tokens": len(sched) - (1 if i < 2 else 0),
+                "num_scheduled_seqs": len(sched),
+                "num_running": 2,
+                "num_waiting": 0,
+                "kv_blocks_used": 2,
+                "kv_blocks_total": 10,
+                "scheduled": sched,
+            }
+        )
         t += 0.012
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     order, segs = plot._segments(plot.load_timelines([str(f)])[0])
@@ -135,16 +156,45 @@ def test_timeline_plot_from_synthetic_steps(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_offline_and_sweep_commands_and_plots(tmp_path: Path) -> None:
     """A recorded run of the real engine (tiny-random), its result file, and every plot."""
-    common = ["--model", "tiny-random", "--dtype", "float32", "--num-prompts", "6", "--dataset", "random",
-              "--random-input-len", "24", "--random-output-len", "6", "--random-range-ratio", "0.5",
-              "--max-num-batched-tokens", "64", "--no-progress"]
+    common = [
+        "--model",
+        "tiny-random",
+        "--dtype",
+        "float32",
+        "--num-prompts",
+        "6",
+        "--dataset",
+        "random",
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        "6",
+        "--random-range-ratio",
+        "0.5",
+        "--max-num-batched-tokens",
+        "64",
+        "--no-progress",
+    ]
     off = tmp_path / "offline.json"
-    rc = cli.main(["offline", *common, "--policies", "static,continuous,continuous-nochunk",
-                   "--result-file", str(off), "--record-steps", str(tmp_path / "steps")])
+    rc = cli.main(
+        [
+            "offline",
+            *common,
+            "--policies",
+            "static,continuous,continuous-nochunk",
+            "--result-file",
+            str(off),
+            "--record-steps",
+            str(tmp_path / "steps"),
+        ]
+    )
     assert rc == 0
     doc = json.loads(off.read_text())
     assert doc["kind"] == "offline" and [r["label"] for r in doc["runs"]] == [
-        "static", "continuous", "continuous-nochunk"]
+        "static",
+        "continuous",
+        "continuous-nochunk",
+    ]
     for run in doc["runs"]:
         s = run["summary"]
         assert s["completed"] == 6 and s["failed"] == 0 and s["output_len_mismatch"] == 0
@@ -154,14 +204,34 @@ def test_offline_and_sweep_commands_and_plots(tmp_path: Path) -> None:
     assert nochunk["enable_chunked_prefill"] is False and nochunk["max_num_batched_tokens"] >= 2048
 
     sw = tmp_path / "sweep.json"
-    assert cli.main(["sweep", *common, "--policies", "continuous", "--request-rates", "20,inf",
-                     "--result-file", str(sw), "--goodput", "ttft:60000"]) == 0
+    assert (
+        cli.main(
+            [
+                "sweep",
+                *common,
+                "--policies",
+                "continuous",
+                "--request-rates",
+                "20,inf",
+                "--result-file",
+                str(sw),
+                "--goodput",
+                "ttft:60000",
+            ]
+        )
+        == 0
+    )
     runs = json.loads(sw.read_text())["runs"]
     assert [r["request_rate"] for r in runs] == [20.0, "inf"]
     assert all(r["summary"]["good_completed"] == 6 for r in runs)
 
-    for args in (["timeline", str(off)], ["timeline", str(tmp_path / "steps" / "offline_static.jsonl")],
-                 ["cdf", str(off)], ["cdf", str(sw), "--rate", "20"], ["curves", str(sw)]):
+    for args in (
+        ["timeline", str(off)],
+        ["timeline", str(tmp_path / "steps" / "offline_static.jsonl")],
+        ["cdf", str(off)],
+        ["cdf", str(sw), "--rate", "20"],
+        ["curves", str(sw)],
+    ):
         out = tmp_path / f"{args[0]}.png"
         assert plot.main([*args, "--out", str(out)]) == 0, args
         assert out.stat().st_size > 10_000

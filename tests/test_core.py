@@ -37,7 +37,14 @@ def make_sched(
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, prefix))
 
 
-def make_req(rid: str, prompt_len: int, max_tokens: int, seed: int = 0, priority: int = 0, prompt: list[int] | None = None) -> Request:
+def make_req(
+    rid: str,
+    prompt_len: int,
+    max_tokens: int,
+    seed: int = 0,
+    priority: int = 0,
+    prompt: list[int] | None = None,
+) -> Request:
     rng = random.Random(seed)
     ids = prompt if prompt is not None else [rng.randrange(1, 100) for _ in range(prompt_len)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -57,7 +64,9 @@ def fake_step(s: Scheduler, check: bool = True) -> tuple[dict[str, int], list[Re
         assert n >= 1
         assert req.num_computed_tokens + n <= req.num_tokens
         # The block table covers every token computed this step.
-        assert len(s.kv.block_table(req.request_id)) * s.kv.block_size >= req.num_computed_tokens + n
+        assert (
+            len(s.kv.block_table(req.request_id)) * s.kv.block_size >= req.num_computed_tokens + n
+        )
         if req.num_computed_tokens + n == req.num_tokens:
             sampled[req.request_id] = 1 + (req.num_tokens * 7919) % 97
     finished = s.update_from_output(out, sampled)
@@ -118,6 +127,8 @@ def test_no_chunking_waits_for_a_whole_prompt_budget() -> None:
     assert d == {"a": 10}  # b (60) does not fit the 54 tokens left and is not split
     d, _ = fake_step(s)
     assert d == {"a": 1, "b": 60}  # a's decode first, then b's whole prompt fits
+
+
 def test_budget_and_seq_cap_hold() -> None:
     s = make_sched(max_num_seqs=3, max_num_batched_tokens=10)
     for i in range(6):
@@ -158,7 +169,11 @@ def test_preemption_frees_blocks_requeues_at_head_and_resumes() -> None:
     while s.has_unfinished_requests():
         out = s.schedule()
         preempted += [r.request_id for r in out.preempted]
-        sampled = {r.request_id: 5 for r, n in zip(out.requests, out.num_tokens) if r.num_computed_tokens + n == r.num_tokens}
+        sampled = {
+            r.request_id: 5
+            for r, n in zip(out.requests, out.num_tokens)
+            if r.num_computed_tokens + n == r.num_tokens
+        }
         s.update_from_output(out, sampled)
         s.check_integrity()
         if out.preempted:
@@ -247,18 +262,37 @@ def test_priority_policy_orders_waiting_queue() -> None:
     prefix=st.booleans(),
 )
 def test_property_random_workloads(
-    data: st.DataObject, num_blocks: int, block_size: int, budget: int, max_seqs: int, policy: str, prefix: bool
+    data: st.DataObject,
+    num_blocks: int,
+    block_size: int,
+    budget: int,
+    max_seqs: int,
+    policy: str,
+    prefix: bool,
 ) -> None:
-    s = make_sched(num_blocks, block_size, policy, max_seqs, budget, True, prefix, max_model_len=128)
+    s = make_sched(
+        num_blocks, block_size, policy, max_seqs, budget, True, prefix, max_model_len=128
+    )
     n = data.draw(st.integers(1, 20))
     shared = [7] * data.draw(st.integers(0, 12))  # common prefix to exercise the cache
     reqs = []
     for i in range(n):
         plen = data.draw(st.integers(1, 40))
         prompt = (shared + [random.Random(i).randrange(1, 100) for _ in range(plen)])[:100]
-        reqs.append(make_req(f"r{i}", 0, data.draw(st.integers(1, 20)), priority=data.draw(st.integers(0, 2)), prompt=prompt))
+        reqs.append(
+            make_req(
+                f"r{i}",
+                0,
+                data.draw(st.integers(1, 20)),
+                priority=data.draw(st.integers(0, 2)),
+                prompt=prompt,
+            )
+        )
     arrivals = sorted(data.draw(st.integers(0, 30)) for _ in reqs)
-    aborts = {data.draw(st.integers(0, n - 1)): data.draw(st.integers(0, 40)) for _ in range(data.draw(st.integers(0, 3)))}
+    aborts = {
+        data.draw(st.integers(0, n - 1)): data.draw(st.integers(0, 40))
+        for _ in range(data.draw(st.integers(0, 3)))
+    }
     ended: set[str] = set()
     admitted_order: list[str] = []
     step = 0
@@ -274,7 +308,11 @@ def test_property_random_workloads(
         out = s.schedule()
         assert out.total_tokens <= budget and len(out.requests) <= max_seqs
         admitted_order += [r.request_id for r in out.new_requests if r.num_preemptions == 0]
-        sampled = {r.request_id: 3 for r, k in zip(out.requests, out.num_tokens) if r.num_computed_tokens + k == r.num_tokens}
+        sampled = {
+            r.request_id: 3
+            for r, k in zip(out.requests, out.num_tokens)
+            if r.num_computed_tokens + k == r.num_tokens
+        }
         ended |= {r.request_id for r in s.update_from_output(out, sampled)}
         ended |= {r.request_id for r in out.failed}
         s.check_integrity()
@@ -299,7 +337,14 @@ def test_static_forms_its_whole_batch_even_when_prefill_exceeds_one_step() -> No
         s.add_request(make_req(f"r{i}", 6, 3, seed=i))
     out = s.schedule()
     assert len(out.new_requests) == 4 and out.total_tokens == 8
-    s.update_from_output(out, {r.request_id: 5 for r, n in zip(out.requests, out.num_tokens) if r.num_computed_tokens + n == r.num_tokens})
+    s.update_from_output(
+        out,
+        {
+            r.request_id: 5
+            for r, n in zip(out.requests, out.num_tokens)
+            if r.num_computed_tokens + n == r.num_tokens
+        },
+    )
     s.check_integrity()
     steps, done = run_all(s)
     # r4 and r5 only start once the whole first batch has finished.

@@ -49,7 +49,9 @@ def _prompts(seed: int, n: int, vocab: int, shared_prefix: int = 0) -> list[list
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def arch_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def arch_case(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     arch = request.param
     path = make_test_checkpoint(str(tmp_path_factory.mktemp(arch)), arch=arch)
     import json
@@ -66,7 +68,11 @@ CONFIGS = {
     "default": {},
     "tiny_budget_chunked": {"max_num_batched_tokens": 8, "max_num_seqs": 16},
     "tiny_pool_preemption": {"block_size": 4, "num_kv_blocks": 48, "max_num_batched_tokens": 64},
-    "no_prefix_cache_static": {"enable_prefix_caching": False, "policy": "static", "max_num_seqs": 8},
+    "no_prefix_cache_static": {
+        "enable_prefix_caching": False,
+        "policy": "static",
+        "max_num_seqs": 8,
+    },
 }
 
 
@@ -82,7 +88,9 @@ def test_greedy_matches_transformers(arch_case: dict[str, Any], config: str) -> 
     llm.engine.check_integrity()
     if config == "tiny_budget_chunked":
         assert max(p + d for p, d in st["tokens_per_step"]) <= 8
-        assert any(0 < p for p, d in st["tokens_per_step"] if d > 0), "prefill chunks ran beside decodes"
+        assert any(0 < p for p, d in st["tokens_per_step"] if d > 0), (
+            "prefill chunks ran beside decodes"
+        )
     if config == "tiny_pool_preemption":
         assert st["num_preemptions"] > 0
     if config == "default":
@@ -108,21 +116,27 @@ def llm() -> LLM:
 
 
 def test_seeded_sampling_same_alone_and_in_batch(llm: LLM) -> None:
-    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    p = SamplingParams(
+        max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
     alone = llm.generate("Hello there", p)[0].outputs[0].token_ids
     others = SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True)
     batch = llm.generate(["noise one", "Hello there", "more noise here"], [others, p, others])
     assert batch[1].outputs[0].token_ids == alone
     again = llm.generate("Hello there", p)[0].outputs[0].token_ids
     assert again == alone
-    other_seed = llm.generate("Hello there", SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True))
+    other_seed = llm.generate(
+        "Hello there", SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 
 def test_n_sequences_share_prompt_blocks(llm: LLM) -> None:
     prompt = list(range(10, 90))  # 80 tokens = 5 full blocks
     before = llm.stats()["prefix_cache_hit_tokens"]
-    out = llm.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 8 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
@@ -131,31 +145,56 @@ def test_n_sequences_share_prompt_blocks(llm: LLM) -> None:
 
 
 def test_stop_string_cut_from_text(llm: LLM) -> None:
-    base = llm.generate("The quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    base = llm.generate(
+        "The quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )[0]
     text = base.outputs[0].text
     assert len(text) > 6
     stop = text[3:6]
-    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    out = llm.generate(
+        "The quick brown fox",
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]),
+    )[0]
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.text == text[: text.index(stop)]
 
 
 def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
-    base = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    base = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[
+        0
+    ].outputs[0]
     tok = base.token_ids[3]
     first = base.token_ids.index(tok)
-    out = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[tok], ignore_eos=True))[0].outputs[0]
-    assert out.token_ids == base.token_ids[: first + 1] and out.finish_reason == "stop" and out.stop_reason == tok
+    out = llm.generate(
+        [5, 6, 7],
+        SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[tok], ignore_eos=True),
+    )[0].outputs[0]
+    assert (
+        out.token_ids == base.token_ids[: first + 1]
+        and out.finish_reason == "stop"
+        and out.stop_reason == tok
+    )
     # min_tokens forbids the stop token until enough tokens were generated.
-    out2 = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, min_tokens=first + 2, temperature=0.0, stop_token_ids=[tok], ignore_eos=True))[0].outputs[0]
+    out2 = llm.generate(
+        [5, 6, 7],
+        SamplingParams(
+            max_tokens=10,
+            min_tokens=first + 2,
+            temperature=0.0,
+            stop_token_ids=[tok],
+            ignore_eos=True,
+        ),
+    )[0].outputs[0]
     assert tok not in out2.token_ids[: first + 2]
 
 
 def test_logprobs_match_log_softmax(llm: LLM) -> None:
     from transformers import AutoModelForCausalLM
 
-    out = llm.generate([3, 4, 5, 6], SamplingParams(max_tokens=3, temperature=0.0, logprobs=4, ignore_eos=True))[0].outputs[0]
+    out = llm.generate(
+        [3, 4, 5, 6], SamplingParams(max_tokens=3, temperature=0.0, logprobs=4, ignore_eos=True)
+    )[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 3
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32)
     with torch.no_grad():
@@ -171,8 +210,25 @@ def test_logprobs_match_log_softmax(llm: LLM) -> None:
 
 def test_penalties_change_greedy_output(llm: LLM) -> None:
     p = [5, 6, 7, 8]
-    plain = llm.generate(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
-    pen = llm.generate(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=2.0, repetition_penalty=1.8))[0].outputs[0].token_ids
+    plain = (
+        llm.generate(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
+    pen = (
+        llm.generate(
+            p,
+            SamplingParams(
+                max_tokens=24,
+                temperature=0.0,
+                ignore_eos=True,
+                frequency_penalty=2.0,
+                repetition_penalty=1.8,
+            ),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert len(set(pen)) >= len(set(plain))
     assert pen != plain or len(set(plain)) == len(plain)
 
@@ -226,7 +282,9 @@ def test_abort_frees_kv_at_once(llm: LLM) -> None:
     eng.check_integrity()
 
 
-def test_model_failure_fails_in_flight_requests_and_engine_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_failure_fails_in_flight_requests_and_engine_recovers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     llm = LLM("tiny-random")
     eng = llm.engine
     eng.add_request("a", "hello", SamplingParams(max_tokens=5, ignore_eos=True))
@@ -238,10 +296,16 @@ def test_model_failure_fails_in_flight_requests_and_engine_recovers(monkeypatch:
     monkeypatch.setattr(eng.runner, "execute", boom)
     outs = eng.step()
     assert {o.request_id for o in outs} == {"a", "b"}
-    assert all(o.finished and o.outputs[0].finish_reason == "error" and "injected" in (o.error or "") for o in outs)
+    assert all(
+        o.finished and o.outputs[0].finish_reason == "error" and "injected" in (o.error or "")
+        for o in outs
+    )
     assert not eng.healthy and not eng.has_unfinished_requests() and eng.kv_usage() == 0
     monkeypatch.undo()
-    assert llm.generate("again", SamplingParams(max_tokens=3))[0].outputs[0].finish_reason in ("length", "stop")
+    assert llm.generate("again", SamplingParams(max_tokens=3))[0].outputs[0].finish_reason in (
+        "length",
+        "stop",
+    )
 
 
 def test_step_stats_recorded(tmp_path: Path) -> None:
@@ -249,10 +313,15 @@ def test_step_stats_recorded(tmp_path: Path) -> None:
 
     path = tmp_path / "steps.jsonl"
     llm = LLM("tiny-random", record_steps=str(path), max_num_batched_tokens=16)
-    llm.generate(["a b c d e f g h i j k l m n o p q r s t", "x y"], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.generate(
+        ["a b c d e f g h i j k l m n o p q r s t", "x y"],
+        SamplingParams(max_tokens=4, ignore_eos=True),
+    )
     llm.engine.record_steps(None)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == llm.stats()["num_steps"]
     assert all(r["num_prefill_tokens"] + r["num_decode_tokens"] <= 16 for r in rows)
-    assert sum(r["num_decode_tokens"] for r in rows) + 2 == 8  # first token of each comes from prefill
+    assert (
+        sum(r["num_decode_tokens"] for r in rows) + 2 == 8
+    )  # first token of each comes from prefill
     assert all(r["scheduled"] for r in rows)

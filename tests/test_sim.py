@@ -38,13 +38,33 @@ from iterserve.workload.metrics import RequestTiming, summarize
 # ---- cost model arithmetic ----------------------------------------------------------------
 
 # Round numbers so every expected value below is worked out by hand.
-TOY = ModelConfig.from_dict(dict(
-    architectures=["LlamaForCausalLM"], hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=8, head_dim=128, intermediate_size=4096, vocab_size=32000,
-    max_position_embeddings=4096))
-IDEAL = Efficiency(gemm=1.0, mem=1.0, attn_compute=1.0, attn_mem=1.0, net=1.0, net_latency_s=0.0,
-                   kernel_s=0.0, step_s=0.0, per_seq_s=0.0)
-TOY_HW = Hardware("toy", peak_flops=100e12, mem_bw=1e12, mem_bytes=80e9, link_bw=100e9, efficiency=IDEAL)
+TOY = ModelConfig.from_dict(
+    dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=4096,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
+)
+IDEAL = Efficiency(
+    gemm=1.0,
+    mem=1.0,
+    attn_compute=1.0,
+    attn_mem=1.0,
+    net=1.0,
+    net_latency_s=0.0,
+    kernel_s=0.0,
+    step_s=0.0,
+    per_seq_s=0.0,
+)
+TOY_HW = Hardware(
+    "toy", peak_flops=100e12, mem_bw=1e12, mem_bytes=80e9, link_bw=100e9, efficiency=IDEAL
+)
 
 
 def test_gemm_is_memory_bound_for_one_token_and_compute_bound_for_many() -> None:
@@ -66,8 +86,14 @@ def test_attention_decode_memory_bound_prefill_compute_bound() -> None:
     assert cm.attention_time(d) == pytest.approx(2 * 4.100096e-6)
     # A 1000-token prefill from position 0: 1000 * 1001 / 2 = 500,500 causal pairs x 4 x 8 x 128
     # = 2.050048 GFLOP -> 20.50048 us per layer, above its 8.192 MB (8.192 us) of traffic.
-    p = StepShape(num_tokens=1000, num_seqs=1, num_prefills=1, prefill_tokens=1000, prefill_pairs=500_500,
-                  prefill_ctx_sum=1000)
+    p = StepShape(
+        num_tokens=1000,
+        num_seqs=1,
+        num_prefills=1,
+        prefill_tokens=1000,
+        prefill_pairs=500_500,
+        prefill_ctx_sum=1000,
+    )
     assert cm.attention_time(p) == pytest.approx(2 * 20.50048e-6)
 
 
@@ -78,14 +104,22 @@ def test_tensor_parallel_all_reduce_and_sharding() -> None:
     # Ring all-reduce of 64 tokens x 1024 x 2 B = 131,072 B: 2 (N-1)/N = 1 pass at 100 GB/s.
     assert tp._allreduce(131072) == pytest.approx(1.31072e-6)
     assert one._allreduce(131072) == 0.0
-    # 1-token linear time: each rank streams half of every weight matrix, plus 2 all-reduces per layer.
+    # 1-token linear time: each rank streams half of every weight matrix, plus 2 all-reduces
+    # per layer.
     assert tp.linear_time(1) < one.linear_time(1)
 
 
 def test_step_time_is_the_sum_of_its_parts_with_cpu_overhead() -> None:
     hw = TOY_HW.with_efficiency(step_s=1e-3, per_seq_s=1e-5)
     cm = RooflineCostModel(TOY, hw)
-    s = StepShape(num_tokens=9, num_seqs=9, num_sampled=9, num_decodes=9, decode_ctx_sum=900, decode_ctx_max=100)
+    s = StepShape(
+        num_tokens=9,
+        num_seqs=9,
+        num_sampled=9,
+        num_decodes=9,
+        decode_ctx_sum=900,
+        decode_ctx_max=100,
+    )
     parts = cm.breakdown(s)
     assert parts["cpu"] == pytest.approx(1e-3 + 9e-5)
     assert cm.step_time(s) == pytest.approx(sum(parts.values()))
@@ -97,13 +131,26 @@ def test_llama3_8b_on_h100_matches_public_numbers() -> None:
     cm = RooflineCostModel(cfg, HARDWARE["h100-sxm"])
     assert cm.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # 128 KiB per token in bf16
     # A batch-1 decode streams ~16 GB of weights at 80% of 3.35 TB/s (6.0 ms) + 1 ms CPU.
-    decode = StepShape(num_tokens=1, num_seqs=1, num_sampled=1, num_decodes=1, decode_ctx_sum=1000,
-                       decode_ctx_max=1000)
+    decode = StepShape(
+        num_tokens=1,
+        num_seqs=1,
+        num_sampled=1,
+        num_decodes=1,
+        decode_ctx_sum=1000,
+        decode_ctx_max=1000,
+    )
     assert 6.5e-3 < cm.step_time(decode) < 8e-3
     # A 2048-token prefill: 2 x 8.03e9 x 2048 FLOPs at 75% of 989 TFLOP/s is ~44 ms.
     n = 2048
-    pre = StepShape(num_tokens=n, num_seqs=1, num_sampled=1, num_prefills=1, prefill_tokens=n,
-                    prefill_pairs=n * (n + 1) // 2, prefill_ctx_sum=n)
+    pre = StepShape(
+        num_tokens=n,
+        num_seqs=1,
+        num_sampled=1,
+        num_prefills=1,
+        prefill_tokens=n,
+        prefill_pairs=n * (n + 1) // 2,
+        prefill_ctx_sum=n,
+    )
     assert 40e-3 < cm.step_time(pre) < 55e-3
 
 
@@ -119,7 +166,13 @@ def test_step_shape_reads_the_scheduler_output() -> None:
     out = SchedulerOutput(requests=[b, a, c], num_tokens=[1, 6, 3], is_prefill=[False, True, True])
     sampled: list[Request] = []
     s = step_shape(out, sampled)
-    assert (s.num_tokens, s.num_seqs, s.num_decodes, s.decode_ctx_sum, s.decode_ctx_max) == (10, 3, 1, 6, 6)
+    assert (s.num_tokens, s.num_seqs, s.num_decodes, s.decode_ctx_sum, s.decode_ctx_max) == (
+        10,
+        3,
+        1,
+        6,
+        6,
+    )
     assert (s.num_prefills, s.prefill_tokens) == (2, 9)
     assert s.prefill_pairs == (6 * 7 // 2) + (3 * 5 + 3 * 4 // 2)
     assert (s.prefill_ctx_sum, s.prefill_cached_ctx) == (6 + 8, 5)
@@ -127,7 +180,9 @@ def test_step_shape_reads_the_scheduler_output() -> None:
 
 
 def test_kv_pool_sized_like_vllm() -> None:
-    dep = build_deployment(model="llama-3-8b", hardware="h100-sxm", max_num_batched_tokens=512, max_num_seqs=64)
+    dep = build_deployment(
+        model="llama-3-8b", hardware="h100-sxm", max_num_batched_tokens=512, max_num_seqs=64
+    )
     cm = dep.cost
     assert isinstance(cm, RooflineCostModel)
     free = 80e9 * 0.9 - 8_030_261_248 * 2 - cm.activation_bytes(512, 64) - RESERVED_BYTES
@@ -154,15 +209,31 @@ def test_models_table_and_config_json(tmp_path: Path) -> None:
 
 
 def _specs(seed: int = 0, n: int = 200, rate: float = 20.0) -> list[RequestSpec]:
-    cfg = WorkloadConfig(dataset="random", num_prompts=n, random_input_len=400, random_output_len=100,
-                         random_range_ratio=0.9, request_rate=rate, seed=seed)
+    cfg = WorkloadConfig(
+        dataset="random",
+        num_prompts=n,
+        random_input_len=400,
+        random_output_len=100,
+        random_range_ratio=0.9,
+        request_rate=rate,
+        seed=seed,
+    )
     return build_workload(cfg, vocab_size=32000, max_model_len=4096)[0]
 
 
-def _sim(replicas: int = 1, router: str = "round-robin", num_kv_blocks: int = 2000, policy: str = "continuous") -> Simulator:
+def _sim(
+    replicas: int = 1,
+    router: str = "round-robin",
+    num_kv_blocks: int = 2000,
+    policy: str = "continuous",
+) -> Simulator:
     cm = RooflineCostModel(load_model_config("llama-3-8b"), HARDWARE["a100-80g"])
-    sc = SchedulerConfig(policy=policy, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=4096)
-    return Simulator(SimConfig(scheduler=sc, num_kv_blocks=num_kv_blocks, replicas=replicas, router=router), cm)
+    sc = SchedulerConfig(
+        policy=policy, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=4096
+    )
+    return Simulator(
+        SimConfig(scheduler=sc, num_kv_blocks=num_kv_blocks, replicas=replicas, router=router), cm
+    )
 
 
 def test_deterministic_under_a_seed(tmp_path: Path) -> None:
@@ -184,7 +255,9 @@ def test_token_timing_matches_step_records() -> None:
         assert t.ttft is not None and t.latency is not None
         assert round(t.arrival_time + t.ttft, 12) in ends  # tokens appear at step ends
         assert t.latency == pytest.approx(t.ttft + sum(t.itl))
-    assert res.duration_s == pytest.approx(max(t.arrival_time + (t.latency or 0.0) for t in res.timings))
+    assert res.duration_s == pytest.approx(
+        max(t.arrival_time + (t.latency or 0.0) for t in res.timings)
+    )
     assert sum(res.busy_s) == pytest.approx(sum(log.duration_s))
     assert sum(res.busy_s) <= res.duration_s
 
@@ -222,18 +295,32 @@ def test_static_policy_waits_for_the_whole_batch() -> None:
 def test_parse_slos_and_meets() -> None:
     slos = parse_slos("ttft_p99:500,tpot_median:50,e2el_mean:9000")
     assert [s.key for s in slos] == ["p99_ttft_ms", "median_tpot_ms", "mean_e2el_ms"]
-    assert meets({"failed": 0, "completed": 3, "p99_ttft_ms": 400, "median_tpot_ms": 50, "mean_e2el_ms": 1}, slos)
-    assert not meets({"failed": 1, "completed": 3, "p99_ttft_ms": 1, "median_tpot_ms": 1, "mean_e2el_ms": 1}, slos)
-    assert not meets({"failed": 0, "completed": 3, "p99_ttft_ms": 501, "median_tpot_ms": 1, "mean_e2el_ms": 1}, slos)
+    assert meets(
+        {"failed": 0, "completed": 3, "p99_ttft_ms": 400, "median_tpot_ms": 50, "mean_e2el_ms": 1},
+        slos,
+    )
+    assert not meets(
+        {"failed": 1, "completed": 3, "p99_ttft_ms": 1, "median_tpot_ms": 1, "mean_e2el_ms": 1},
+        slos,
+    )
+    assert not meets(
+        {"failed": 0, "completed": 3, "p99_ttft_ms": 501, "median_tpot_ms": 1, "mean_e2el_ms": 1},
+        slos,
+    )
     for bad in ("ttft:500", "foo_p99:1", "ttft_p99:x", "ttft_p99:-1", ""):
         with pytest.raises(ValueError):
             parse_slos(bad)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=300), st.floats(0.1, 9.9),
-       st.sampled_from([0.5, 0.9, 0.99]))
-def test_early_stop_only_when_the_percentile_is_certainly_missed(values: list[float], limit: float, q: float) -> None:
+@given(
+    st.lists(st.floats(0.0, 10.0), min_size=1, max_size=300),
+    st.floats(0.1, 9.9),
+    st.sampled_from([0.5, 0.9, 0.99]),
+)
+def test_early_stop_only_when_the_percentile_is_certainly_missed(
+    values: list[float], limit: float, q: float
+) -> None:
     slo = parse_slos(f"ttft_p{int(q * 100)}:{limit * 1000}")
     stop = EarlyStop(slo, len(values), len(values))
     fired = False
@@ -266,26 +353,68 @@ def test_find_max_rate_brackets_the_boundary() -> None:
 
 def test_cpu_profile_fit_recovers_known_coefficients(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
-    truth = dict(zip(FEATURES, [2e-3, 4e-3, 5e-5, 1e-4, 3e-4, 2e-4, 1e-3, 2e-8, 1e-6, 6e-7, 4e-7, 9e-7], strict=True))
+    truth = dict(
+        zip(
+            FEATURES,
+            [2e-3, 4e-3, 5e-5, 1e-4, 3e-4, 2e-4, 1e-3, 2e-8, 1e-6, 6e-7, 4e-7, 9e-7],
+            strict=True,
+        )
+    )
     knots = Knots(decode_knot=4096, gemm_min_tokens=4, token_knee=32)
     shapes = []
     for _ in range(120):
-        d, c, p = int(rng.integers(0, 40)), int(rng.integers(16, 900)), int(rng.choice([0, 1, 2, 3, 5, 20, 60, 300]))
+        d, c, p = (
+            int(rng.integers(0, 40)),
+            int(rng.integers(16, 900)),
+            int(rng.choice([0, 1, 2, 3, 5, 20, 60, 300])),
+        )
         start = int(rng.integers(0, 2)) * c
-        keys = d * c if d < 2 or rng.random() < 0.5 else c + int((d - 1) * c * rng.uniform(0.05, 1))  # mixed contexts
-        shapes.append(StepShape(num_tokens=d + p, num_seqs=d + (p > 0), num_sampled=d + (p > 0),
-                                num_decodes=d, decode_ctx_sum=keys, decode_ctx_max=c, num_prefills=int(p > 0),
-                                prefill_tokens=p, prefill_pairs=p * start + p * (p + 1) // 2,
-                                prefill_ctx_sum=(start + p) * (p > 0), prefill_cached_ctx=start * (p > 0)))
+        keys = (
+            d * c if d < 2 or rng.random() < 0.5 else c + int((d - 1) * c * rng.uniform(0.05, 1))
+        )  # mixed contexts
+        shapes.append(
+            StepShape(
+                num_tokens=d + p,
+                num_seqs=d + (p > 0),
+                num_sampled=d + (p > 0),
+                num_decodes=d,
+                decode_ctx_sum=keys,
+                decode_ctx_max=c,
+                num_prefills=int(p > 0),
+                prefill_tokens=p,
+                prefill_pairs=p * start + p * (p + 1) // 2,
+                prefill_ctx_sum=(start + p) * (p > 0),
+                prefill_cached_ctx=start * (p > 0),
+            )
+        )
     # a few steps of 2 and 3 tokens, so that the matrix-matrix threshold (4) is identifiable
-    shapes += [StepShape(num_tokens=d, num_seqs=d, num_sampled=d, num_decodes=d, decode_ctx_sum=d * c, decode_ctx_max=c)
-               for d in (2, 3) for c in (40, 400)]
+    shapes += [
+        StepShape(
+            num_tokens=d,
+            num_seqs=d,
+            num_sampled=d,
+            num_decodes=d,
+            decode_ctx_sum=d * c,
+            decode_ctx_max=c,
+        )
+        for d in (2, 3)
+        for c in (40, 400)
+    ]
     times = [sum(truth[f] * x for f, x in zip(FEATURES, features(s, knots))) for s in shapes]
     fit = fit_profile(shapes, times)
     assert fit.knots == knots and fit.stats["mape"] < 1e-6
-    prof = CpuProfile(model="tiny-random", model_config={}, dtype="float32", num_threads=1, block_size=16,
-                      kv_bytes_per_block=1, coefficients=fit.coefficients, decode_knot=knots.decode_knot,
-                      gemm_min_tokens=knots.gemm_min_tokens, token_knee=knots.token_knee)
+    prof = CpuProfile(
+        model="tiny-random",
+        model_config={},
+        dtype="float32",
+        num_threads=1,
+        block_size=16,
+        kv_bytes_per_block=1,
+        coefficients=fit.coefficients,
+        decode_knot=knots.decode_knot,
+        gemm_min_tokens=knots.gemm_min_tokens,
+        token_knee=knots.token_knee,
+    )
     loaded = CpuProfile.load(prof.save(tmp_path / "p.json"))
     cm = CpuProfileCostModel(loaded)
     for s, t in zip(shapes, times):
@@ -294,7 +423,9 @@ def test_cpu_profile_fit_recovers_known_coefficients(tmp_path: Path) -> None:
     loaded.token_correction = {"2": 1e-3}
     slow = CpuProfileCostModel(loaded.scaled(1.25))
     for s in shapes:
-        assert slow.step_time(s) == pytest.approx(1.25 * CpuProfileCostModel(loaded).step_time(s), rel=1e-9)
+        assert slow.step_time(s) == pytest.approx(
+            1.25 * CpuProfileCostModel(loaded).step_time(s), rel=1e-9
+        )
     assert loaded.coefficients == fit.coefficients  # the original is unchanged
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="positive number"):
@@ -315,43 +446,103 @@ def test_profile_measures_the_grid_on_a_given_engine() -> None:
     args = EngineArgs(model="tiny-random", dtype="float32", max_num_seqs=3, num_threads=1)
     engine = LLMEngine(args)
     schedule = engine.scheduler.schedule
-    same, samples = measure(args, prefill=[0, 8], decode=[0, 2, 4], context=[8, 24], repeats=1, engine=engine)
+    same, samples = measure(
+        args, prefill=[0, 8], decode=[0, 2, 4], context=[8, 24], repeats=1, engine=engine
+    )
     assert same is engine and engine.scheduler.schedule == schedule
-    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert (
+        not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
+    )
     assert all(shape.num_seqs <= 3 and t > 0 for _, shape, t in samples)
     # (a 4-decode cell with 3 slots ends with the 4th request alone: a mixed cell of one decode)
     mixed = [shape for cell, shape, _ in samples if cell[3] == "mixed" and shape.num_decodes >= 2]
     assert mixed and all(s.decode_ctx_sum < s.num_decodes * s.decode_ctx_max for s in mixed)
-    uniform = [shape for cell, shape, _ in samples if cell[3] == "fresh" and cell[0] == 0 and cell[1] == 2]
+    uniform = [
+        shape for cell, shape, _ in samples if cell[3] == "fresh" and cell[0] == 0 and cell[1] == 2
+    ]
     assert uniform and all(s.decode_ctx_sum == s.num_decodes * s.decode_ctx_max for s in uniform)
 
 
 # ---- CLI ----------------------------------------------------------------------------------
 
 
-def test_cli_simulate_writes_bench_results_and_step_records(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_simulate_writes_bench_results_and_step_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out, steps = tmp_path / "r.json", tmp_path / "steps.jsonl"
-    rc = simulate_main(["--workload", "random", "--num-prompts", "50", "--random-input-len", "300",
-                        "--request-rate", "8", "--model", "llama-3-8b", "--hardware", "h100-sxm",
-                        "--policy", "static,continuous", "--result-file", str(out), "--record-steps", str(steps)])
+    rc = simulate_main(
+        [
+            "--workload",
+            "random",
+            "--num-prompts",
+            "50",
+            "--random-input-len",
+            "300",
+            "--request-rate",
+            "8",
+            "--model",
+            "llama-3-8b",
+            "--hardware",
+            "h100-sxm",
+            "--policy",
+            "static,continuous",
+            "--result-file",
+            str(out),
+            "--record-steps",
+            str(steps),
+        ]
+    )
     assert rc == 0
     assert "static" in capsys.readouterr().out
     doc = json.loads(out.read_text())
-    assert doc["kind"] == "simulate" and [r["label"] for r in doc["runs"]] == ["static", "continuous"]
+    assert doc["kind"] == "simulate" and [r["label"] for r in doc["runs"]] == [
+        "static",
+        "continuous",
+    ]
     run = doc["runs"][1]
     assert run["summary"]["completed"] == 50 and len(run["requests"]) == 50
-    assert run["summary"]["sim"]["utilization"] > 0 and run["summary"]["sim"]["kv_usage_over_time"]["usage"]
+    assert (
+        run["summary"]["sim"]["utilization"] > 0
+        and run["summary"]["sim"]["kv_usage_over_time"]["usage"]
+    )
     recs = [json.loads(x) for x in Path(run["steps_file"]).read_text().splitlines()]
-    assert set(recs[0]) >= {"step", "start_time", "duration_s", "num_prefill_tokens", "num_decode_tokens",
-                            "kv_blocks_used", "scheduled"}
-    assert sum(r["num_decode_tokens"] for r in recs) == sum(t["output_tokens"] - 1 for t in run["requests"])
+    assert set(recs[0]) >= {
+        "step",
+        "start_time",
+        "duration_s",
+        "num_prefill_tokens",
+        "num_decode_tokens",
+        "kv_blocks_used",
+        "scheduled",
+    }
+    assert sum(r["num_decode_tokens"] for r in recs) == sum(
+        t["output_tokens"] - 1 for t in run["requests"]
+    )
 
 
 def test_cli_find_max_rate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cap.json"
-    rc = simulate_main(["--workload", "random", "--num-prompts", "60", "--request-rate", "4", "--model",
-                        "llama-3-8b", "--hardware", "a100-80g", "--find-max-rate", "--slo",
-                        "ttft_p99:1000,tpot_p99:60", "--result-file", str(out), "--tolerance", "0.1"])
+    rc = simulate_main(
+        [
+            "--workload",
+            "random",
+            "--num-prompts",
+            "60",
+            "--request-rate",
+            "4",
+            "--model",
+            "llama-3-8b",
+            "--hardware",
+            "a100-80g",
+            "--find-max-rate",
+            "--slo",
+            "ttft_p99:1000,tpot_p99:60",
+            "--result-file",
+            str(out),
+            "--tolerance",
+            "0.1",
+        ]
+    )
     assert rc == 0
     assert "highest request rate" in capsys.readouterr().out
     run = json.loads(out.read_text())["runs"][0]
@@ -361,7 +552,9 @@ def test_cli_find_max_rate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_cli_errors_are_clear(capsys: pytest.CaptureFixture[str]) -> None:
     assert simulate_main(["--workload", "random", "--model", "nope"]) == 2
     assert "neither a known model" in capsys.readouterr().err
-    assert simulate_main(["--workload", "random", "--model", "llama-3-8b", "--hardware", "tpu"]) == 2
+    assert (
+        simulate_main(["--workload", "random", "--model", "llama-3-8b", "--hardware", "tpu"]) == 2
+    )
     assert "--hardware must be one of" in capsys.readouterr().err
     assert simulate_main(["--workload", "random", "--model", "llama-3-8b", "--find-max-rate"]) == 2
     assert "needs --slo" in capsys.readouterr().err

@@ -39,7 +39,9 @@ def _workload(seed: int, n: int, rate: float, shared_prefix: int = 0) -> list[Re
     return specs
 
 
-def _run_real(args: EngineArgs, specs: list[RequestSpec], steps_file: Path) -> tuple[list[dict[str, Any]], Any]:
+def _run_real(
+    args: EngineArgs, specs: list[RequestSpec], steps_file: Path
+) -> tuple[list[dict[str, Any]], Any]:
     engine = engine_mod.LLMEngine(args.replace(record_steps=str(steps_file)))
     clock = [0.0]
     step = engine.step
@@ -63,12 +65,25 @@ def _run_real(args: EngineArgs, specs: list[RequestSpec], steps_file: Path) -> t
 
 CASES = {
     # chunked prefill, a small KV pool (preemption), shared prefixes (prefix-cache hits)
-    "continuous": dict(policy="continuous", max_num_seqs=6, max_num_batched_tokens=64, num_kv_blocks=40),
+    "continuous": dict(
+        policy="continuous", max_num_seqs=6, max_num_batched_tokens=64, num_kv_blocks=40
+    ),
     "static": dict(policy="static", max_num_seqs=6, max_num_batched_tokens=64, num_kv_blocks=60),
-    "nochunk": dict(policy="continuous", enable_chunked_prefill=False, max_num_seqs=8,
-                    max_num_batched_tokens=256, max_model_len=256, num_kv_blocks=48),
-    "no-prefix-cache": dict(policy="continuous", enable_prefix_caching=False, max_num_seqs=4,
-                            max_num_batched_tokens=32, num_kv_blocks=30),
+    "nochunk": dict(
+        policy="continuous",
+        enable_chunked_prefill=False,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=256,
+        num_kv_blocks=48,
+    ),
+    "no-prefix-cache": dict(
+        policy="continuous",
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_kv_blocks=30,
+    ),
 }
 
 
@@ -81,8 +96,12 @@ def test_same_decisions_as_engine(case: str, tmp_path: Path) -> None:
     assert real.num_steps == len(real_steps) > 0
 
     max_len = args.max_model_len or 2048  # tiny-random's context
-    cfg = SimConfig(scheduler=args.scheduler_config(max_len), num_kv_blocks=args.num_kv_blocks or 0,
-                    block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+    cfg = SimConfig(
+        scheduler=args.scheduler_config(max_len),
+        num_kv_blocks=args.num_kv_blocks or 0,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
     sim_file = tmp_path / "sim.jsonl"
     cost = ReplayCostModel([s["duration_s"] for s in real_steps])
     sim = Simulator(cfg, cost, record_steps=str(sim_file)).run(specs)
@@ -91,16 +110,28 @@ def test_same_decisions_as_engine(case: str, tmp_path: Path) -> None:
     assert len(sim_steps) == len(real_steps)
     for i, (a, b) in enumerate(zip(real_steps, sim_steps)):
         assert b["scheduled"] == a["scheduled"], f"step {i} differs"
-        for key in ("num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting",
-                    "kv_blocks_used", "kv_blocks_total", "num_preemptions", "prefix_hit_tokens",
-                    "num_finished"):
+        for key in (
+            "num_prefill_tokens",
+            "num_decode_tokens",
+            "num_running",
+            "num_waiting",
+            "kv_blocks_used",
+            "kv_blocks_total",
+            "num_preemptions",
+            "prefix_hit_tokens",
+            "num_finished",
+        ):
             assert b[key] == a[key], f"step {i}: {key} real {a[key]} sim {b[key]}"
     if case == "continuous":  # the workload does exercise what it is meant to
         assert sum(s["num_preemptions"] for s in real_steps) > 0
         assert sum(s["prefix_hit_tokens"] for s in real_steps) > 0
 
     for r, s in zip(real.timings, sim.timings):
-        assert (r.success, r.output_tokens, r.error is None) == (s.success, s.output_tokens, s.error is None)
+        assert (r.success, r.output_tokens, r.error is None) == (
+            s.success,
+            s.output_tokens,
+            s.error is None,
+        )
         assert s.ttft == pytest.approx(r.ttft, abs=1e-9)
         assert s.latency == pytest.approx(r.latency, abs=1e-9)
         assert s.itl == pytest.approx(r.itl, abs=1e-9)

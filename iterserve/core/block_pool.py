@@ -49,7 +49,9 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def lookup(self, parent_hash: int | None, block_hash: int, token_ids: Sequence[int]) -> int | None:
+    def lookup(
+        self, parent_hash: int | None, block_hash: int, token_ids: Sequence[int]
+    ) -> int | None:
         """The cached block holding exactly these tokens after this parent, if any."""
         bid = self._cached.get(block_hash)
         if bid is None:
@@ -93,7 +95,9 @@ class BlockPool:
                 if blk.block_hash is None:
                     self._free.move_to_end(bid, last=False)
 
-    def cache(self, block_id: int, parent_hash: int | None, block_hash: int, token_ids: Sequence[int]) -> None:
+    def cache(
+        self, block_id: int, parent_hash: int | None, block_hash: int, token_ids: Sequence[int]
+    ) -> None:
         """Registers a full block's contents so later requests can reuse it."""
         blk = self.blocks[block_id]
         if blk.block_hash is not None:
@@ -124,7 +128,9 @@ class BlockPool:
             if blk.ref_cnt < 0:
                 raise AssertionError(f"block {blk.block_id} has ref_cnt {blk.ref_cnt}")
             if (blk.ref_cnt == 0) != (blk.block_id in free):
-                raise AssertionError(f"block {blk.block_id} ref_cnt={blk.ref_cnt} but free={blk.block_id in free}")
+                raise AssertionError(
+                    f"block {blk.block_id} ref_cnt={blk.ref_cnt} but free={blk.block_id in free}"
+                )
             if blk.block_hash is not None and self._cached.get(blk.block_hash) != blk.block_id:
                 raise AssertionError(f"block {blk.block_id} hash not registered")
         for h, bid in self._cached.items():

@@ -53,9 +53,19 @@ class StepLog:
     """Every step of one run, column by column: a 19k-request simulated trace takes a few
     hundred thousand steps, and one object per step would dominate its memory."""
 
-    COLUMNS = ("start_time", "duration_s", "num_prefill_tokens", "num_decode_tokens",
-               "num_scheduled_seqs", "num_running", "num_waiting", "kv_blocks_used",
-               "num_preemptions", "prefix_hit_tokens", "num_finished")
+    COLUMNS = (
+        "start_time",
+        "duration_s",
+        "num_prefill_tokens",
+        "num_decode_tokens",
+        "num_scheduled_seqs",
+        "num_running",
+        "num_waiting",
+        "kv_blocks_used",
+        "num_preemptions",
+        "prefix_hit_tokens",
+        "num_finished",
+    )
 
     def __init__(self, kv_blocks_total: int) -> None:
         self.kv_blocks_total = kv_blocks_total
@@ -106,8 +116,12 @@ class Books:
         self.step_file: IO[str] | None = None
 
     # ---- admission ----------------------------------------------------------------------
-    def admit(self, num_prompt_tokens: int, max_tokens: int | None,
-              reject_overlong_max_tokens: bool = False) -> int:
+    def admit(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        reject_overlong_max_tokens: bool = False,
+    ) -> int:
         """The ``max_tokens`` a tokenized prompt of this length runs with (capped at the room
         left in the context). Raises ValueError saying what to change when it can never run."""
         n, max_len, kv = num_prompt_tokens, self.max_model_len, self.kv

@@ -18,7 +18,9 @@ class KVCacheManager:
     as soon as they are scheduled (their KV is written by the step that computes them, before
     any attention in the same layer reads it)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -72,19 +74,27 @@ class KVCacheManager:
             parent = h
         return hits, len(hits) * bs
 
-    def _blocks_needed(self, req: Request, total: int, computed_blocks: Sequence[int]) -> int | None:
+    def _blocks_needed(
+        self, req: Request, total: int, computed_blocks: Sequence[int]
+    ) -> int | None:
         """New blocks for a table covering ``total`` tokens, or None if the pool is short."""
         held = len(self.req_blocks.get(req.request_id, ())) + len(computed_blocks)
         need = cdiv(total, self.block_size) - held
         if need <= 0:
             return 0  # free >= reclaimed always holds, so no room check is needed
         # Cached hits that are currently free leave the free queue when touched.
-        reclaimed = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0) if computed_blocks else 0
+        reclaimed = (
+            sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+            if computed_blocks
+            else 0
+        )
         if need > self.pool.num_free_blocks - reclaimed:
             return None
         return need
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> bool:
         """Grows ``req``'s block table to cover its computed tokens, ``computed_blocks``
         (prefix hits, when admitting) and ``num_new_tokens``. False, changing nothing, if the
         pool is short."""
@@ -147,11 +157,14 @@ class KVCacheManager:
         for blk in self.pool.blocks:
             if blk.ref_cnt != refs[blk.block_id]:
                 raise AssertionError(
-                    f"block {blk.block_id}: ref_cnt {blk.ref_cnt} but held by {refs[blk.block_id]} tables"
+                    f"block {blk.block_id}: ref_cnt {blk.ref_cnt} but held by "
+                    f"{refs[blk.block_id]} tables"
                 )
         used = sum(1 for r in refs if r > 0)
         if used + self.pool.num_free_blocks != self.pool.num_blocks:
-            raise AssertionError(f"used {used} + free {self.pool.num_free_blocks} != {self.pool.num_blocks}")
+            raise AssertionError(
+                f"used {used} + free {self.pool.num_free_blocks} != {self.pool.num_blocks}"
+            )
         for req in requests:
             n = len(self.req_blocks.get(req.request_id, ()))
             if n != self.blocks_for(req.num_computed_tokens):

@@ -48,7 +48,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: Policy | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, policy: Policy | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy or make_policy(config.policy)
@@ -129,7 +131,10 @@ class Scheduler:
         # Decode-first: a long prefill admitted earlier never delays the running decodes.
         # (This loop runs for every running request every step, so it reads token counts as
         # list lengths rather than through Request's properties.)
-        order = sorted(self.running, key=lambda r: (len(r.all_token_ids) - r.num_computed_tokens > 1, r.admit_seq))
+        order = sorted(
+            self.running,
+            key=lambda r: (len(r.all_token_ids) - r.num_computed_tokens > 1, r.admit_seq),
+        )
         for i, req in enumerate(order):
             if budget == 0:
                 break
@@ -156,7 +161,11 @@ class Scheduler:
 
         if not out.preempted and self.policy.can_admit(len(self.running)):
             beyond = self.policy.admit_beyond_budget
-            while self.waiting and (budget > 0 or beyond) and len(self.running) < self.config.max_num_seqs:
+            while (
+                self.waiting
+                and (budget > 0 or beyond)
+                and len(self.running) < self.config.max_num_seqs
+            ):
                 req = self.waiting.peek()
                 if self.kv.blocks_for(req.num_tokens + 1) > self.kv.num_blocks:
                     self.waiting.pop()
@@ -201,7 +210,11 @@ class Scheduler:
             out.num_prefill_tokens += num_new
 
     def _too_big_message(self, req: Request, num_new: int) -> str:
-        need = self.kv.blocks_for(req.num_computed_tokens + num_new) if req.num_computed_tokens else self.kv.blocks_for(req.num_tokens + 1)
+        need = (
+            self.kv.blocks_for(req.num_computed_tokens + num_new)
+            if req.num_computed_tokens
+            else self.kv.blocks_for(req.num_tokens + 1)
+        )
         return (
             f"request {req.request_id!r} needs {need} KV-cache blocks ({req.num_tokens} tokens, "
             f"block_size {self.kv.block_size}) but the whole pool has {self.kv.num_blocks}; "

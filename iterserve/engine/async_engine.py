@@ -325,7 +325,9 @@ class AsyncEngine:
             return
         self._loop = loop or asyncio.get_running_loop()
         self._publish_snapshot(full_stats=True)
-        self._thread = threading.Thread(target=self._thread_main, name="iterserve-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._thread_main, name="iterserve-engine", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -345,7 +347,9 @@ class AsyncEngine:
         if thread is not None and thread.is_alive():
             await asyncio.to_thread(thread.join, timeout)
             if thread.is_alive():
-                logger.warning("engine thread did not stop within %.1fs (a step is still running)", timeout)
+                logger.warning(
+                    "engine thread did not stop within %.1fs (a step is still running)", timeout
+                )
 
     # ---- health / state ------------------------------------------------------------
     @property
@@ -370,7 +374,6 @@ class AsyncEngine:
     def num_active(self) -> int:
         """Requests with a live stream (loop thread's view)."""
         return len(self._active)
-
 
     # ---- requests (event-loop thread) ---------------------------------------------------
     async def add_request(
@@ -429,7 +432,9 @@ class AsyncEngine:
                 except TimeoutError:
                     if not thread.is_alive() and stream.queue.empty():
                         stream._done()
-                        raise EngineDeadError(self._dead or "engine thread is not running") from None
+                        raise EngineDeadError(
+                            self._dead or "engine thread is not running"
+                        ) from None
         except asyncio.CancelledError:
             stream._abort()
             raise
@@ -585,7 +590,9 @@ class AsyncEngine:
             elif isinstance(cmd, _AddCmd):
                 if stop or self._dead is not None:
                     self._release(cmd.request_id)
-                    batch.append((cmd.stream, _Failed("engine stopped", EngineDeadError("engine stopped"))))
+                    batch.append(
+                        (cmd.stream, _Failed("engine stopped", EngineDeadError("engine stopped")))
+                    )
                     continue
                 try:
                     engine.add_request(
@@ -676,7 +683,11 @@ class AsyncEngine:
 
     def _on_step_exception(self, streams: dict[str, _EngineSide], e: Exception) -> None:
         msg = f"model step failed: {type(e).__name__}: {e}"
-        logger.error("engine.step() raised; failing %d in-flight request(s)\n%s", len(streams), traceback.format_exc())
+        logger.error(
+            "engine.step() raised; failing %d in-flight request(s)\n%s",
+            len(streams),
+            traceback.format_exc(),
+        )
         self._step_error = f"{type(e).__name__}: {e}"
         for rid in list(streams):
             try:
@@ -758,4 +769,3 @@ def _private_copy(tokenizer: Tokenizer) -> Tokenizer:
     except Exception:  # noqa: BLE001
         logger.warning("could not copy the tokenizer; the server shares the engine's")
         return tokenizer
-

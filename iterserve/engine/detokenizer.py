@@ -64,7 +64,11 @@ class IncrementalDetokenizer:
 
     def take_new_text(self, finished: bool) -> str:
         """Text not yet handed out, minus what might still become a stop string."""
-        end = len(self.text) if finished or not self.stop else max(self._emitted, len(self.text) - self._holdback)
+        end = (
+            len(self.text)
+            if finished or not self.stop
+            else max(self._emitted, len(self.text) - self._holdback)
+        )
         delta = self.text[self._emitted : end]
         self._emitted = end
         return delta

@@ -38,7 +38,9 @@ class LLM:
         priorities: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
         if params is None or isinstance(params, SamplingParams):
@@ -46,7 +48,9 @@ class LLM:
         else:
             param_list = list(params)
             if len(param_list) != len(prompt_list):
-                raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts")
+                raise ValueError(
+                    f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts"
+                )
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompt_list, param_list)):

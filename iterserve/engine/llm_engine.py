@@ -126,7 +126,9 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt is empty; send at least one character or token")
             return prompt, list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             raise ValueError("prompt must be a string or a list of integer token ids")
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -153,20 +155,33 @@ class LLMEngine:
             request_id,
             text,
             ids,
-            RequestMetrics(arrival_time=arrival_time if arrival_time is not None else now, num_prompt_tokens=len(ids)),
+            RequestMetrics(
+                arrival_time=arrival_time if arrival_time is not None else now,
+                num_prompt_tokens=len(ids),
+            ),
         )
         for i in range(params.n):
             sid = request_id if params.n == 1 else f"{request_id}#{i}"
             gen = None
             if params.seed is not None and not params.greedy:
                 gen = torch.Generator().manual_seed(params.seed + i)
-            req = Request(sid, ids, params, max_tokens, self.eos_token_ids, parent.metrics.arrival_time, priority)
+            req = Request(
+                sid,
+                ids,
+                params,
+                max_tokens,
+                self.eos_token_ids,
+                parent.metrics.arrival_time,
+                priority,
+            )
             seq = _Seq(
                 req,
                 parent,
                 i,
                 gen,
-                IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop or ()),
+                IncrementalDetokenizer(
+                    self.tokenizer, ids, params.skip_special_tokens, params.stop or ()
+                ),
                 [] if params.logprobs is not None else None,
                 0.0 if params.logprobs is not None else None,
             )
@@ -225,7 +240,11 @@ class LLMEngine:
                 items, sample_reqs = self._batch_items(sched)
                 logits = self.runner.execute(items)
                 t2 = time.monotonic()
-                tokens, lps = sample(logits, [self._sample_row(r) for r in sample_reqs], self.runner.kernels) if sample_reqs else ([], [])
+                tokens, lps = (
+                    sample(logits, [self._sample_row(r) for r in sample_reqs], self.runner.kernels)
+                    if sample_reqs
+                    else ([], [])
+                )
             except Exception as exc:  # the model step failed: fail every in-flight request
                 return self._fail_all(exc, touched)
             t3 = time.monotonic()
@@ -233,7 +252,9 @@ class LLMEngine:
             lp_by_id = {r.request_id: lp for r, lp in zip(sample_reqs, lps) if lp is not None}
             finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
             for rid, tok in sampled.items():
-                self._on_token(self._seqs[rid], tok, lp_by_id.get(rid), rid in finished, touched, t3)
+                self._on_token(
+                    self._seqs[rid], tok, lp_by_id.get(rid), rid in finished, touched, t3
+                )
         outputs = [self._make_output(p) for p in touched.values()]
         t4 = time.monotonic()
 
@@ -297,7 +318,9 @@ class LLMEngine:
             hit = None if ended_by_token else seq.detok.add_token(tok)
         except Exception as exc:  # one request's processing failed: fail it alone
             logger.exception("detokenization failed for %s", req.request_id)
-            self.scheduler.finish_request(req.request_id, FinishReason.ERROR, error=f"detokenization failed: {exc}")
+            self.scheduler.finish_request(
+                req.request_id, FinishReason.ERROR, error=f"detokenization failed: {exc}"
+            )
             parent.error = f"detokenization failed: {exc}"
             finished = True
             req.finish_reason = FinishReason.ERROR
@@ -363,7 +386,10 @@ class LLMEngine:
         self.last_error = msg
         now = time.monotonic()
         for rid in list(self._seqs):
-            req = self.scheduler.finish_request(rid, FinishReason.ERROR, error=msg) or self._seqs[rid].req
+            req = (
+                self.scheduler.finish_request(rid, FinishReason.ERROR, error=msg)
+                or self._seqs[rid].req
+            )
             req.finish_reason = FinishReason.ERROR
             req.error = msg
             self._end_seq(req, touched, now)
@@ -394,4 +420,6 @@ class LLMEngine:
         self.scheduler.check_integrity()
         live = {sid for sid, seq in self._seqs.items() if not seq.finished}
         if live != set(self.scheduler.requests):
-            raise AssertionError(f"engine sequences {live} != scheduler requests {set(self.scheduler.requests)}")
+            raise AssertionError(
+                f"engine sequences {live} != scheduler requests {set(self.scheduler.requests)}"
+            )

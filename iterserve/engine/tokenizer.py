@@ -16,7 +16,8 @@ def load_tokenizer(path: str) -> Tokenizer:
     names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
     if not any(os.path.exists(os.path.join(path, n)) for n in names):
         raise FileNotFoundError(
-            f"no tokenizer files in {path!r}: expected one of {', '.join(names)} next to config.json"
+            f"no tokenizer files in {path!r}: expected one of {', '.join(names)} next to "
+            "config.json"
         )
     # transformers types convert_ids_to_tokens as str | list[str] (an int gives a str); the
     # engine and the server only ever pass lists.

@@ -57,7 +57,9 @@ def parse_slos(text: str) -> list[Slo]:
             continue
         name, sep, value = item.partition(":")
         metric, _, stat = name.strip().lower().partition("_")
-        ok_stat = stat in ("mean", "median") or (stat.startswith("p") and stat[1:].replace(".", "", 1).isdigit())
+        ok_stat = stat in ("mean", "median") or (
+            stat.startswith("p") and stat[1:].replace(".", "", 1).isdigit()
+        )
         if not sep or metric not in SLO_METRICS or not ok_stat:
             raise ValueError(
                 f"SLO {item!r} must look like METRIC_STAT:MS with METRIC in {SLO_METRICS} and STAT "
@@ -162,8 +164,10 @@ def find_max_rate(
     """Binary search over the rate scale of ``specs``. ``run(specs, stop)`` simulates."""
     base_rate = mean_rate(specs)
     if math.isinf(base_rate):
-        raise ValueError("--find-max-rate needs arrival times spread over time: use a timed trace "
-                         "or give --request-rate (the search scales it)")
+        raise ValueError(
+            "--find-max-rate needs arrival times spread over time: use a timed trace "
+            "or give --request-rate (the search scales it)"
+        )
     num_multi = sum(1 for s in specs if s.output_len > 1)
     res = CapacityResult(0.0, 0.0)
 

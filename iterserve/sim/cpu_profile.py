@@ -43,8 +43,20 @@ import numpy as np
 from iterserve.sim.cost_model import StepShape
 
 FORMAT = "iterserve-cpu-profile/1"
-FEATURES = ("step", "multi_token", "seqs", "sampled", "tokens", "tokens_over", "prefill_chunks",
-            "prefill_pairs", "prefill_cached", "decode_keys", "decode_padded", "decode_over")
+FEATURES = (
+    "step",
+    "multi_token",
+    "seqs",
+    "sampled",
+    "tokens",
+    "tokens_over",
+    "prefill_chunks",
+    "prefill_pairs",
+    "prefill_cached",
+    "decode_keys",
+    "decode_padded",
+    "decode_over",
+)
 # Candidates tried by the fit: decode-window knots (key slots; 0 = none), matrix-matrix
 # thresholds (tokens) and compute-bound knees (tokens).
 KNOTS = (0, 2048, 4096, 8192, 16384)
@@ -62,9 +74,20 @@ class Knots:
 def features(s: StepShape, k: Knots = Knots()) -> tuple[float, ...]:  # noqa: B008 (frozen)
     window = s.num_decodes * s.decode_ctx_max
     t = s.num_tokens
-    return (1.0, float(t >= k.gemm_min_tokens), s.num_seqs, s.num_sampled, t, max(0, t - k.token_knee),
-            s.num_prefills, s.prefill_pairs, s.prefill_cached_ctx, s.decode_ctx_sum, window,
-            max(0, window - k.decode_knot) if k.decode_knot else 0)
+    return (
+        1.0,
+        float(t >= k.gemm_min_tokens),
+        s.num_seqs,
+        s.num_sampled,
+        t,
+        max(0, t - k.token_knee),
+        s.num_prefills,
+        s.prefill_pairs,
+        s.prefill_cached_ctx,
+        s.decode_ctx_sum,
+        window,
+        max(0, window - k.decode_knot) if k.decode_knot else 0,
+    )
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
@@ -121,22 +144,32 @@ class CpuProfile:
         return p
 
     def scaled(self, factor: float) -> CpuProfile:
-        """This profile with every step time multiplied by ``factor``: the same machine measured
-        ``factor`` times slower now than when the profile was fitted (see benchmarks/sim_fidelity.py,
-        which measures the factor on a fixed set of reference steps)."""
+        """This profile with every step time multiplied by ``factor``: the same machine
+        measured ``factor`` times slower now than when the profile was fitted (see
+        benchmarks/sim_fidelity.py, which measures the factor on a fixed set of reference
+        steps)."""
         if not factor > 0 or not np.isfinite(factor):
             raise ValueError(f"a profile's scale factor must be a positive number, got {factor}")
-        return replace(self, coefficients={k: v * factor for k, v in self.coefficients.items()},
-                       token_correction={k: v * factor for k, v in self.token_correction.items()})
+        return replace(
+            self,
+            coefficients={k: v * factor for k, v in self.coefficients.items()},
+            token_correction={k: v * factor for k, v in self.token_correction.items()},
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> CpuProfile:
         try:
             doc = json.loads(Path(path).read_text())
         except FileNotFoundError:
-            raise ValueError(f"CPU profile {path} not found; make one with `iterserve profile --model M -o {path}`") from None
+            raise ValueError(
+                f"CPU profile {path} not found; make one with "
+                f"`iterserve profile --model M -o {path}`"
+            ) from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ValueError(f"{path} is not an iterserve CPU profile (format {FORMAT}); make one with `iterserve profile`")
+            raise ValueError(
+                f"{path} is not an iterserve CPU profile (format {FORMAT}); make one with "
+                "`iterserve profile`"
+            )
         known = {k: v for k, v in doc.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
@@ -170,7 +203,12 @@ def fit_profile(shapes: list[StepShape], times: list[float]) -> Fit:
                     best = (float(err.mean()), coef, k, err)
     assert best is not None
     mape, coef, k, err = best
-    stats = {"n_points": len(y), "mape": mape, "max_ape": float(err.max()), "median_ape": float(np.median(err))}
+    stats = {
+        "n_points": len(y),
+        "mape": mape,
+        "max_ape": float(err.max()),
+        "median_ape": float(np.median(err)),
+    }
     return Fit(dict(zip(FEATURES, (float(c) for c in coef))), k, stats)
 
 

@@ -46,8 +46,11 @@ class Deployment:
         if self.profile is not None:
             hw += f" ({self.profile.clock}-clock profile, fitted {self.profile.created})"
         tokens = self.num_kv_blocks * self.block_size
-        return (f"{self.model_name} on {hw} ({self.dtype}): {self.num_kv_blocks} KV blocks of "
-                f"{self.block_size} tokens ({tokens:,} tokens) per replica, max_model_len {self.max_model_len}")
+        return (
+            f"{self.model_name} on {hw} ({self.dtype}): {self.num_kv_blocks} KV blocks of "
+            f"{self.block_size} tokens ({tokens:,} tokens) per replica, "
+            f"max_model_len {self.max_model_len}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,7 +73,9 @@ def parse_efficiency(items: list[str] | None) -> dict[str, float]:
     for item in items or []:
         k, sep, v = item.partition("=")
         if not sep or k not in names:
-            raise ValueError(f"--efficiency {item!r} must be NAME=VALUE with NAME in {sorted(names)}")
+            raise ValueError(
+                f"--efficiency {item!r} must be NAME=VALUE with NAME in {sorted(names)}"
+            )
         try:
             out[k] = float(v)
         except ValueError:
@@ -94,14 +99,29 @@ def build_deployment(
     efficiency: dict[str, float] | None = None,
 ) -> Deployment:
     if hardware.startswith("cpu:"):
-        return _cpu_deployment(model, hardware[4:], tp, dtype, block_size, num_kv_blocks, kv_cache_memory,
-                               max_model_len)
+        return _cpu_deployment(
+            model,
+            hardware[4:],
+            tp,
+            dtype,
+            block_size,
+            num_kv_blocks,
+            kv_cache_memory,
+            max_model_len,
+        )
     if hardware not in HARDWARE:
-        raise ValueError(f"--hardware must be one of {sorted(HARDWARE)} or cpu:PROFILE.json, got {hardware!r}")
+        raise ValueError(
+            f"--hardware must be one of {sorted(HARDWARE)} or cpu:PROFILE.json, got {hardware!r}"
+        )
     if model is None:
-        raise ValueError(f"--model is required with --hardware {hardware}; known: {', '.join(sorted(MODEL_TABLE))}")
+        raise ValueError(
+            f"--model is required with --hardware {hardware}; "
+            f"known: {', '.join(sorted(MODEL_TABLE))}"
+        )
     if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+        raise ValueError(
+            f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}"
+        )
     hw = HARDWARE[hardware]
     if efficiency:
         hw = hw.with_efficiency(**efficiency)
@@ -112,9 +132,12 @@ def build_deployment(
     block_bytes = cost.kv_bytes_per_token * block_size
     weights = cost.weight_bytes_per_gpu
     act = cost.activation_bytes(max_num_batched_tokens, max_num_seqs)
-    memory: dict[str, Any] = {"weights_gib_per_gpu": weights / GIB, "activations_gib_per_gpu": act / GIB,
-                              "reserved_gib_per_gpu": RESERVED_BYTES / GIB,
-                              "kv_bytes_per_token_per_gpu": cost.kv_bytes_per_token}
+    memory: dict[str, Any] = {
+        "weights_gib_per_gpu": weights / GIB,
+        "activations_gib_per_gpu": act / GIB,
+        "reserved_gib_per_gpu": RESERVED_BYTES / GIB,
+        "kv_bytes_per_token_per_gpu": cost.kv_bytes_per_token,
+    }
     if num_kv_blocks is not None:
         blocks = num_kv_blocks
     elif kv_cache_memory is not None:
@@ -123,8 +146,9 @@ def build_deployment(
         free = hw.mem_bytes * gpu_memory_utilization - weights - act - RESERVED_BYTES
         if free <= 0:
             raise ValueError(
-                f"{model} does not fit {hardware} x TP{tp}: weights {weights / GIB:.1f} GiB + activations "
-                f"{act / GIB:.1f} GiB + {RESERVED_BYTES / GIB:.1f} GiB reserved per GPU exceed "
+                f"{model} does not fit {hardware} x TP{tp}: weights {weights / GIB:.1f} GiB + "
+                f"activations {act / GIB:.1f} GiB + {RESERVED_BYTES / GIB:.1f} GiB reserved per "
+                "GPU exceed "
                 f"{gpu_memory_utilization:.0%} of {hw.mem_bytes / GIB:.0f} GiB; raise --tp"
             )
         blocks = int(free // block_bytes)
@@ -133,32 +157,66 @@ def build_deployment(
     if blocks < 1:
         raise ValueError(f"the KV cache holds no block of {block_size} tokens; give more memory")
     name = model if model in MODEL_TABLE else cfg.architecture
-    return Deployment(name, cfg, hardware, cost, tp, dtype, block_size, blocks, max_len, memory, hardware=hw)
+    return Deployment(
+        name, cfg, hardware, cost, tp, dtype, block_size, blocks, max_len, memory, hardware=hw
+    )
 
 
-def _cpu_deployment(model: str | None, path: str, tp: int, dtype: str | None, block_size: int,
-                    num_kv_blocks: int | None, kv_cache_memory: str | None,
-                    max_model_len: int | None) -> Deployment:
+def _cpu_deployment(
+    model: str | None,
+    path: str,
+    tp: int,
+    dtype: str | None,
+    block_size: int,
+    num_kv_blocks: int | None,
+    kv_cache_memory: str | None,
+    max_model_len: int | None,
+) -> Deployment:
     prof = CpuProfile.load(path)
     if tp != 1:
         raise ValueError("a CPU profile simulates one engine process; --tp must be 1")
     if model is not None and model != prof.model:
-        raise ValueError(f"{path} was profiled with --model {prof.model}, not {model}; profile this model "
-                         "or leave --model out")
+        raise ValueError(
+            f"{path} was profiled with --model {prof.model}, not {model}; profile this model "
+            "or leave --model out"
+        )
     if dtype is not None and dtype != prof.dtype:
         raise ValueError(f"{path} was profiled in {prof.dtype}, not {dtype}")
     if block_size != prof.block_size:
-        raise ValueError(f"{path} was profiled with block size {prof.block_size}; pass --block-size {prof.block_size}")
+        raise ValueError(
+            f"{path} was profiled with block size {prof.block_size}; "
+            f"pass --block-size {prof.block_size}"
+        )
     cfg = load_model_config(prof.model) if prof.model in MODEL_TABLE else None
     mc = prof.model_config
     if cfg is None:
-        cfg = ModelConfig.from_dict({
-            "architectures": [mc["architecture"]], "hidden_size": mc["hidden_size"],
-            "num_hidden_layers": mc["num_layers"], "num_attention_heads": mc["num_heads"],
-            "num_key_value_heads": mc["num_kv_heads"], "head_dim": mc["head_dim"],
-            "intermediate_size": mc["intermediate_size"], "vocab_size": mc["vocab_size"],
-            "max_position_embeddings": mc["max_position_embeddings"]})
-    blocks = num_kv_blocks or int(parse_size(kv_cache_memory or EngineArgs.kv_cache_memory) // prof.kv_bytes_per_block)
+        cfg = ModelConfig.from_dict(
+            {
+                "architectures": [mc["architecture"]],
+                "hidden_size": mc["hidden_size"],
+                "num_hidden_layers": mc["num_layers"],
+                "num_attention_heads": mc["num_heads"],
+                "num_key_value_heads": mc["num_kv_heads"],
+                "head_dim": mc["head_dim"],
+                "intermediate_size": mc["intermediate_size"],
+                "vocab_size": mc["vocab_size"],
+                "max_position_embeddings": mc["max_position_embeddings"],
+            }
+        )
+    blocks = num_kv_blocks or int(
+        parse_size(kv_cache_memory or EngineArgs.kv_cache_memory) // prof.kv_bytes_per_block
+    )
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    return Deployment(prof.model, cfg, f"cpu:{path}", CpuProfileCostModel(prof), 1, prof.dtype, block_size,
-                      blocks, max_len, {"kv_bytes_per_block": prof.kv_bytes_per_block}, profile=prof)
+    return Deployment(
+        prof.model,
+        cfg,
+        f"cpu:{path}",
+        CpuProfileCostModel(prof),
+        1,
+        prof.dtype,
+        block_size,
+        blocks,
+        max_len,
+        {"kv_bytes_per_block": prof.kv_bytes_per_block},
+        profile=prof,
+    )

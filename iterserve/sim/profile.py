@@ -58,11 +58,17 @@ def _machine() -> dict[str, Any]:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "load_avg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_avg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
 
 
 def measure(
@@ -91,16 +97,24 @@ def measure(
     if engine is None:
         # The pool the engine would have (EngineArgs' KV size), not just what the grid needs:
         # decode attention gathers blocks from all over it, and a larger pool reads slower.
-        grid_args = args.replace(max_num_batched_tokens=max(budget, args.max_num_batched_tokens),
-                                 max_num_seqs=max(decode) + 2, enable_prefix_caching=True, record_steps=None)
+        grid_args = args.replace(
+            max_num_batched_tokens=max(budget, args.max_num_batched_tokens),
+            max_num_seqs=max(decode) + 2,
+            enable_prefix_caching=True,
+            record_steps=None,
+        )
         engine = LLMEngine(grid_args)
         if engine.kv.num_blocks < need_blocks:
             engine = LLMEngine(grid_args.replace(num_kv_blocks=need_blocks))
     elif engine.kv.num_blocks < need_blocks:
-        raise ValueError(f"the grid needs {need_blocks} KV blocks, the engine has {engine.kv.num_blocks}")
+        raise ValueError(
+            f"the grid needs {need_blocks} KV blocks, the engine has {engine.kv.num_blocks}"
+        )
     if max_ctx + max(prefill) > engine.max_model_len:
-        raise ValueError(f"the grid needs contexts up to {max_ctx + max(prefill)} tokens but the model's "
-                         f"max_model_len is {engine.max_model_len}; lower --context or --prefill")
+        raise ValueError(
+            f"the grid needs contexts up to {max_ctx + max(prefill)} tokens but the model's "
+            f"max_model_len is {engine.max_model_len}; lower --context or --prefill"
+        )
     shapes: list[StepShape] = []
     sched = engine.scheduler
     schedule = sched.schedule
@@ -112,15 +126,25 @@ def measure(
 
     sched.schedule = capture  # type: ignore[method-assign]  # shapes come from the scheduler's own decisions
     try:
-        out = _measure_grid(engine, prefill, decode, context, repeats, log, timer, shapes, steps_per_cell)
+        out = _measure_grid(
+            engine, prefill, decode, context, repeats, log, timer, shapes, steps_per_cell
+        )
     finally:
         sched.schedule = schedule  # type: ignore[method-assign]
     return engine, out
 
 
-def _measure_grid(engine: Any, prefill: list[int], decode: list[int], context: list[int], repeats: int,
-                  log: Callable[[str], None], timer: Callable[[], float], shapes: list[StepShape],
-                  steps_per_cell: int) -> list[tuple[tuple[int, int, int, str], StepShape, float]]:
+def _measure_grid(
+    engine: Any,
+    prefill: list[int],
+    decode: list[int],
+    context: list[int],
+    repeats: int,
+    log: Callable[[str], None],
+    timer: Callable[[], float],
+    shapes: list[StepShape],
+    steps_per_cell: int,
+) -> list[tuple[tuple[int, int, int, str], StepShape, float]]:
     from iterserve.workload.replay import bench_params, warmup
 
     sched = engine.scheduler
@@ -162,8 +186,12 @@ def _measure_grid(engine: Any, prefill: list[int], decode: list[int], context: l
                 donors.append(p)
                 engine.add_request(f"ctx-{uid}", p, bench_params(steps_per_cell + 8))
             until_all_decoding()
-            cells = [(pf, variant) for pf in prefill for variant in ("fresh", "cached")
-                     if not ((pf == 0 or not donors) and variant == "cached") and (pf or d)]
+            cells = [
+                (pf, variant)
+                for pf in prefill
+                for variant in ("fresh", "cached")
+                if not ((pf == 0 or not donors) and variant == "cached") and (pf or d)
+            ]
             # Repeats go round the cells rather than one cell at a time, so that a burst of
             # load from elsewhere on the machine spreads over cells instead of skewing one.
             for _ in range(repeats):
@@ -187,7 +215,9 @@ def _measure_grid(engine: Any, prefill: list[int], decode: list[int], context: l
             empty_engine()
             for i in range(d):
                 uid += 1
-                engine.add_request(f"mix-{uid}", tokens(c if i % 2 == 0 else c0), bench_params(repeats + 8))
+                engine.add_request(
+                    f"mix-{uid}", tokens(c if i % 2 == 0 else c0), bench_params(repeats + 8)
+                )
             until_all_decoding()
             for _ in range(repeats):
                 timed_step((0, d, c, "mixed"))
@@ -223,7 +253,9 @@ def scatter_free_blocks(kv: KVCacheManager, rng: np.random.Generator) -> None:
     pool.free(ids)
 
 
-def cell_medians(samples: list[tuple[tuple[int, int, int, str], StepShape, float]]) -> list[tuple[tuple[int, int, int, str], StepShape, float]]:
+def cell_medians(
+    samples: list[tuple[tuple[int, int, int, str], StepShape, float]],
+) -> list[tuple[tuple[int, int, int, str], StepShape, float]]:
     """One point per grid cell: the median time and the shape of the median step (repeats of a
     cell differ only by a token or two of decode context)."""
     cells: dict[tuple[int, int, int, str], list[tuple[StepShape, float]]] = {}
@@ -238,40 +270,79 @@ def cell_medians(samples: list[tuple[tuple[int, int, int, str], StepShape, float
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="iterserve profile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="iterserve profile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="bench-134m", help="built-in model name or checkpoint folder")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads (default: torch's); use the same value when validating")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); use the same value when validating",
+    )
     p.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     p.add_argument("--prefill", default=DEFAULT_PREFILL, help="prefill chunk sizes (tokens)")
     p.add_argument("--decode", default=DEFAULT_DECODE, help="numbers of decoding requests")
-    p.add_argument("--context", default=DEFAULT_CONTEXT, help="context lengths of the decoding requests")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per grid cell (the median is fitted)")
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                   help="time steps by elapsed time, or by this process's CPU time (stable on a shared machine)")
-    p.add_argument("-o", "--output", default="cpu_profile.json", help="where to write the profile JSON")
-    p.add_argument("--refit", metavar="PROFILE.json",
-                   help="measure nothing: fit this profile's recorded steps again (after a cost-model change)")
+    p.add_argument(
+        "--context", default=DEFAULT_CONTEXT, help="context lengths of the decoding requests"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed steps per grid cell (the median is fitted)"
+    )
+    p.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help=(
+            "time steps by elapsed time, or by this process's CPU time (stable on a shared machine)"
+        ),
+    )
+    p.add_argument(
+        "-o", "--output", default="cpu_profile.json", help="where to write the profile JSON"
+    )
+    p.add_argument(
+        "--refit",
+        metavar="PROFILE.json",
+        help="measure nothing: fit this profile's recorded steps again (after a cost-model change)",
+    )
     return p
 
 
-def run_profile(ns: argparse.Namespace, log: Callable[[str], None], engine: Any = None) -> CpuProfile:
+def run_profile(
+    ns: argparse.Namespace, log: Callable[[str], None], engine: Any = None
+) -> CpuProfile:
     """Measures the grid (on ``engine`` if given, see ``measure``) and fits a profile."""
-    args = EngineArgs(model=ns.model, dtype=ns.dtype, num_threads=ns.num_threads, block_size=ns.block_size)
-    prefill, decode, context = _ints(ns.prefill, "prefill"), _ints(ns.decode, "decode"), _ints(ns.context, "context")
+    args = EngineArgs(
+        model=ns.model, dtype=ns.dtype, num_threads=ns.num_threads, block_size=ns.block_size
+    )
+    prefill, decode, context = (
+        _ints(ns.prefill, "prefill"),
+        _ints(ns.decode, "decode"),
+        _ints(ns.context, "context"),
+    )
     if ns.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {ns.repeats}")
     machine = _machine()
     t0 = time.perf_counter()
-    engine, samples = measure(args, prefill, decode, context, ns.repeats, log, clock=ns.clock, engine=engine)
+    engine, samples = measure(
+        args, prefill, decode, context, ns.repeats, log, clock=ns.clock, engine=engine
+    )
     points = cell_medians(samples)
-    fit = fit_profile([s for cell, s, _ in points if cell[3] != "sweep"],
-                      [t for cell, _, t in points if cell[3] != "sweep"])
+    fit = fit_profile(
+        [s for cell, s, _ in points if cell[3] != "sweep"],
+        [t for cell, _, t in points if cell[3] != "sweep"],
+    )
     stats = fit.stats
     stats["wall_s"] = time.perf_counter() - t0
-    stats["grid"] = {"prefill": prefill, "decode": decode, "context": context, "repeats": ns.repeats}
+    stats["grid"] = {
+        "prefill": prefill,
+        "decode": decode,
+        "context": context,
+        "repeats": ns.repeats,
+    }
     from iterserve.sim.models import model_summary
 
     prof = CpuProfile(
@@ -290,8 +361,17 @@ def run_profile(ns: argparse.Namespace, log: Callable[[str], None], engine: Any 
         machine=machine,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
-    prof.points = [{"prefill": cell[0], "decodes": cell[1], "context": cell[2], "variant": cell[3],
-                    "shape": asdict(shape), "measured_s": t} for cell, shape, t in points]
+    prof.points = [
+        {
+            "prefill": cell[0],
+            "decodes": cell[1],
+            "context": cell[2],
+            "variant": cell[3],
+            "shape": asdict(shape),
+            "measured_s": t,
+        }
+        for cell, shape, t in points
+    ]
     _correct_and_predict(prof)
     return prof
 
@@ -319,12 +399,17 @@ def refit(path: str) -> CpuProfile:
     """Fits an existing profile's measured points again with the current cost model."""
     prof = CpuProfile.load(path)
     if not prof.points or "shape" not in prof.points[0]:
-        raise ValueError(f"{path} holds no step shapes to refit; measure it again with `iterserve profile`")
+        raise ValueError(
+            f"{path} holds no step shapes to refit; measure it again with `iterserve profile`"
+        )
     grid = [p for p in prof.points if p.get("variant") != "sweep"]
     fit = fit_profile([StepShape(**p["shape"]) for p in grid], [p["measured_s"] for p in grid])
     prof.coefficients = fit.coefficients
     prof.decode_knot, prof.gemm_min_tokens, prof.token_knee = (
-        fit.knots.decode_knot, fit.knots.gemm_min_tokens, fit.knots.token_knee)
+        fit.knots.decode_knot,
+        fit.knots.gemm_min_tokens,
+        fit.knots.token_knee,
+    )
     prof.fit = {**prof.fit, **fit.stats}
     _correct_and_predict(prof)
     return prof
@@ -343,17 +428,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = prof.save(ns.output)
     f = prof.fit
-    print(f"profiled {prof.model} ({prof.dtype}, threads {prof.num_threads or 'default'}, {prof.clock} clock) on "
-          f"{prof.machine.get('cpu')}: {f['n_points']} grid points in {f['wall_s']:.0f} s")
-    print(f"fit: mean abs error {f['mape']:.1%}, median {f['median_ape']:.1%}, max {f['max_ape']:.1%}"
-          + (f"; {f['mape_corrected']:.1%} with the batch-size correction" if "mape_corrected" in f else ""))
+    print(
+        f"profiled {prof.model} ({prof.dtype}, threads {prof.num_threads or 'default'}, "
+        f"{prof.clock} clock) on "
+        f"{prof.machine.get('cpu')}: {f['n_points']} grid points in {f['wall_s']:.0f} s"
+    )
+    print(
+        f"fit: mean abs error {f['mape']:.1%}, median {f['median_ape']:.1%}, max {f['max_ape']:.1%}"
+        + (
+            f"; {f['mape_corrected']:.1%} with the batch-size correction"
+            if "mape_corrected" in f
+            else ""
+        )
+    )
     if prof.token_correction:
-        print("  batch-size correction (ms): " + ", ".join(
-            f"{k}:{v * 1e3:+.1f}" for k, v in sorted(prof.token_correction.items(), key=lambda kv: int(kv[0]))))
+        print(
+            "  batch-size correction (ms): "
+            + ", ".join(
+                f"{k}:{v * 1e3:+.1f}"
+                for k, v in sorted(prof.token_correction.items(), key=lambda kv: int(kv[0]))
+            )
+        )
     for name, c in prof.coefficients.items():
         print(f"  {name:15s} {c:.4g} s")
-    print(f"  knots: decode window {prof.decode_knot} keys, matrix-matrix from {prof.gemm_min_tokens} tokens, "
-          f"compute-bound from {prof.token_knee} tokens")
+    print(
+        f"  knots: decode window {prof.decode_knot} keys, "
+        f"matrix-matrix from {prof.gemm_min_tokens} tokens, "
+        f"compute-bound from {prof.token_knee} tokens"
+    )
     print(f"wrote {path}  (use: iterserve simulate --hardware cpu:{path} ...)")
     return 0
 

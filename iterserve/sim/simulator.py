@@ -123,8 +123,13 @@ class _Replica:
             max_tokens = self.books.admit(spec.prompt_len, spec.output_len)
         except ValueError as e:
             return f"rejected: {e}"  # as bench.replay reports an engine's rejection
-        req = Request(rid, spec.prompt_token_ids, bench_params(spec.output_len), max_tokens,
-                      arrival_time=spec.arrival_time)
+        req = Request(
+            rid,
+            spec.prompt_token_ids,
+            bench_params(spec.output_len),
+            max_tokens,
+            arrival_time=spec.arrival_time,
+        )
         self.scheduler.add_request(req)
         return None
 
@@ -151,8 +156,9 @@ class _Replica:
         finished = self.scheduler.update_from_output(
             out, {r.request_id: SAMPLED_TOKEN for r in step.sampled}
         )
-        self.books.record_step(out, step.start_time, step.duration_s,
-                               len(step.sampled) + len(out.failed))
+        self.books.record_step(
+            out, step.start_time, step.duration_s, len(step.sampled) + len(out.failed)
+        )
         return step, finished
 
 
@@ -165,8 +171,9 @@ class Simulator:
     suffix when there are several).
     """
 
-    def __init__(self, cfg: SimConfig, cost: CostModel | Sequence[CostModel],
-                 record_steps: str | None = None) -> None:
+    def __init__(
+        self, cfg: SimConfig, cost: CostModel | Sequence[CostModel], record_steps: str | None = None
+    ) -> None:
         self.cfg = cfg
         costs = list(cost) if isinstance(cost, Sequence) else [cost] * cfg.replicas
         if len(costs) != cfg.replicas:
@@ -207,16 +214,26 @@ class Simulator:
 class _Run:
     """One simulation: arrivals in time order, step starts and ends from a heap of events."""
 
-    def __init__(self, router: str, specs: list[RequestSpec], reps: list[_Replica], prefix: str,
-                 stop: Callable[[RequestTiming], bool] | None) -> None:
+    def __init__(
+        self,
+        router: str,
+        specs: list[RequestSpec],
+        reps: list[_Replica],
+        prefix: str,
+        stop: Callable[[RequestTiming], bool] | None,
+    ) -> None:
         self.router = router
         self.specs = specs
         self.reps = reps
         self.stop = stop
         self.timings = [
-            RequestTiming(request_id=f"{prefix}{i}", prompt_len=s.prompt_len,
-                          output_len=s.output_len, arrival_time=s.arrival_time,
-                          send_time=s.arrival_time)
+            RequestTiming(
+                request_id=f"{prefix}{i}",
+                prompt_len=s.prompt_len,
+                output_len=s.output_len,
+                arrival_time=s.arrival_time,
+                send_time=s.arrival_time,
+            )
             for i, s in enumerate(specs)
         ]
         self.by_id = {t.request_id: t for t in self.timings}
@@ -251,10 +268,14 @@ class _Run:
             for t in self.timings:
                 if not t.success and t.error is None:
                     t.error = "the simulated engine stopped without finishing the request"
-        return SimResult(timings=self.timings, duration_s=self.end_time,
-                         steps=[r.log for r in reps], busy_s=[r.busy_s for r in reps],
-                         stats=merge_counters([r.books for r in reps]),
-                         stopped_early=self.stopped)
+        return SimResult(
+            timings=self.timings,
+            duration_s=self.end_time,
+            steps=[r.log for r in reps],
+            busy_s=[r.busy_s for r in reps],
+            stats=merge_counters([r.books for r in reps]),
+            stopped_early=self.stopped,
+        )
 
     # ---- events -------------------------------------------------------------------------
     def _on_arrival(self, i: int, now: float) -> None:

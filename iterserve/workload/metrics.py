@@ -95,12 +95,15 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         name = name.strip().lower()
         if not sep or name not in GOODPUT_METRICS:
             raise ValueError(
-                f"goodput SLO {item!r} must look like NAME:MS with NAME in {GOODPUT_METRICS}, e.g. ttft:500"
+                f"goodput SLO {item!r} must look like NAME:MS with NAME in {GOODPUT_METRICS}, "
+                "e.g. ttft:500"
             )
         try:
             ms = float(value)
         except ValueError as e:
-            raise ValueError(f"goodput SLO {item!r}: {value!r} is not a number of milliseconds") from e
+            raise ValueError(
+                f"goodput SLO {item!r}: {value!r} is not a number of milliseconds"
+            ) from e
         if ms < 0:
             raise ValueError(f"goodput SLO {item!r} must be >= 0 ms")
         slos[name] = ms
@@ -119,7 +122,9 @@ def meets_slos(t: RequestTiming, slos: dict[str, float]) -> bool:
     return True
 
 
-def _stats(prefix: str, values_s: list[float], percentiles: tuple[int, ...]) -> dict[str, float | None]:
+def _stats(
+    prefix: str, values_s: list[float], percentiles: tuple[int, ...]
+) -> dict[str, float | None]:
     """mean/median/std/pXX in milliseconds; None when there is no value (never a made-up 0)."""
     out: dict[str, float | None] = {}
     arr = np.asarray(values_s, dtype=float) * 1000.0
@@ -214,11 +219,11 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
     if summary.get("failed"):
         lines.append(" Errors ".center(width, "-"))
         for msg, n in summary.get("errors", {}).items():
-            lines.append(f"{n:>6} x {msg[:width - 9]}")
+            lines.append(f"{n:>6} x {msg[: width - 9]}")
     if summary.get("output_len_mismatch"):
         lines.append(
-            f"note: {summary['output_len_mismatch']} successful requests returned a different number "
-            "of tokens than requested (does the server honour ignore_eos?)"
+            f"note: {summary['output_len_mismatch']} successful requests returned a different "
+            "number of tokens than requested (does the server honour ignore_eos?)"
         )
     lines.append("=" * width)
     return "\n".join(lines)

@@ -28,7 +28,11 @@ from iterserve.workload.metrics import RequestTiming, TokenClock
 
 class ReplayEngine(Protocol):
     def add_request(
-        self, request_id: str, prompt: list[int], params: SamplingParams, arrival_time: float | None = ...
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = ...,
     ) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -74,8 +78,12 @@ def replay(
     """
     steps_before = _engine_steps(engine)
     timings = [
-        RequestTiming(request_id=f"{request_id_prefix}{i}", prompt_len=s.prompt_len,
-                      output_len=s.output_len, arrival_time=s.arrival_time)
+        RequestTiming(
+            request_id=f"{request_id_prefix}{i}",
+            prompt_len=s.prompt_len,
+            output_len=s.output_len,
+            arrival_time=s.arrival_time,
+        )
         for i, s in enumerate(specs)
     ]
     pending = deque(sorted(range(len(specs)), key=lambda i: specs[i].arrival_time))
@@ -96,8 +104,12 @@ def replay(
             t, spec = timings[i], specs[i]
             t.send_time = now
             try:
-                engine.add_request(t.request_id, spec.prompt_token_ids, bench_params(spec.output_len),
-                                   arrival_time=start + spec.arrival_time)
+                engine.add_request(
+                    t.request_id,
+                    spec.prompt_token_ids,
+                    bench_params(spec.output_len),
+                    arrival_time=start + spec.arrival_time,
+                )
             except ValueError as e:
                 t.error = f"rejected: {e}"
                 end = now
@@ -135,17 +147,22 @@ def replay(
                 finish(rt)
     num_steps = _engine_steps(engine) - steps_before
     stats = {k: v for k, v in engine.stats().items() if k != "tokens_per_step"}
-    return ReplayResult(timings=timings, duration_s=end, num_steps=num_steps, start_time=start,
-                        engine_stats=stats)
+    return ReplayResult(
+        timings=timings, duration_s=end, num_steps=num_steps, start_time=start, engine_stats=stats
+    )
 
 
-def warmup(engine: ReplayEngine, prompt_len: int = 64, output_len: int = 4, batch: int = 16) -> None:
+def warmup(
+    engine: ReplayEngine, prompt_len: int = 64, output_len: int = 4, batch: int = 16
+) -> None:
     """Short requests through prefill and decode, alone and as a batch, so lazy
     initialisation is not timed. A single request was not enough: the first measured policy
     of `bench offline` on tiny-random ran 8x slower than the same policy run again later."""
     for n in (1, batch):
         for i in range(n):
             rid = f"warmup-{time.monotonic_ns()}-{i}"
-            engine.add_request(rid, [100 + (i + j) % 50 for j in range(prompt_len)], bench_params(output_len))
+            engine.add_request(
+                rid, [100 + (i + j) % 50 for j in range(prompt_len)], bench_params(output_len)
+            )
         while engine.has_unfinished_requests():
             engine.step()

@@ -97,8 +97,14 @@ class FakeEngine:
         self.fail_prompts_containing: str | None = None  # such requests fail alone
 
     # ---- contract --------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
         if request_id in self.reqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -110,11 +116,21 @@ class FakeEngine:
             text, ids = None, list(prompt)
             bad = [t for t in ids if not 0 <= t < len(self.tokenizer)]
             if bad:
-                raise ValueError(f"prompt token ids must be in [0, {len(self.tokenizer)}); got {bad[:5]}")
+                raise ValueError(
+                    f"prompt token ids must be in [0, {len(self.tokenizer)}); got {bad[:5]}"
+                )
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}"
+            )
         now = time.monotonic()
-        r = _Req(request_id, text, ids, params, RequestMetrics(arrival_time=arrival_time or now, num_prompt_tokens=len(ids)))
+        r = _Req(
+            request_id,
+            text,
+            ids,
+            params,
+            RequestMetrics(arrival_time=arrival_time or now, num_prompt_tokens=len(ids)),
+        )
         r.out = [[] for _ in range(params.n)]
         r.finish = [None] * params.n
         self.reqs[request_id] = r
@@ -189,9 +205,14 @@ class FakeEngine:
         for r in running:
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = now
-            if self.fail_prompts_containing and self.fail_prompts_containing in self.tokenizer.decode(r.ids):
+            if (
+                self.fail_prompts_containing
+                and self.fail_prompts_containing in self.tokenizer.decode(r.ids)
+            ):
                 r.finish = ["error"] * len(r.finish)
-                outs.append(self._output(r, [[] for _ in r.out], error="injected per-request failure"))
+                outs.append(
+                    self._output(r, [[] for _ in r.out], error="injected per-request failure")
+                )
                 del self.reqs[r.rid]
                 continue
             new: list[list[int]] = []
@@ -221,9 +242,14 @@ class FakeEngine:
                 r.metrics.finished_time = now
                 del self.reqs[r.rid]
             outs.append(self._output(r, new))
-        self.last_step_stats = StepStats(step=self.steps, start_time=now, num_decode_tokens=ntok,
-                                         num_scheduled_seqs=len(running), num_running=self.num_running,
-                                         num_waiting=self.num_waiting)
+        self.last_step_stats = StepStats(
+            step=self.steps,
+            start_time=now,
+            num_decode_tokens=ntok,
+            num_scheduled_seqs=len(running),
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+        )
         return outs
 
     def _output(self, r: _Req, new: list[list[int]], error: str | None = None) -> RequestOutput:
@@ -233,7 +259,7 @@ class FakeEngine:
             new_lps = None
             if r.params.logprobs is not None:
                 lps = [self._lp(t, r.params.logprobs) for t in toks]
-                new_lps = lps[len(toks) - len(new[i]):] if new[i] else []
+                new_lps = lps[len(toks) - len(new[i]) :] if new[i] else []
             comps.append(
                 CompletionOutput(
                     index=i,
@@ -246,7 +272,15 @@ class FakeEngine:
                     finish_reason=r.finish[i],
                 )
             )
-        return RequestOutput(r.rid, r.prompt, list(r.ids), comps, all(f is not None for f in r.finish), r.metrics, error)
+        return RequestOutput(
+            r.rid,
+            r.prompt,
+            list(r.ids),
+            comps,
+            all(f is not None for f in r.finish),
+            r.metrics,
+            error,
+        )
 
     def _lp(self, tok: int, n: int) -> dict[int, Logprob]:
         d = {tok: Logprob(-0.5, 1, self.tokenizer.decode([tok]))}

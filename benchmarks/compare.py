@@ -1,8 +1,10 @@
-"""The same offline workload through iterserve, llama.cpp's server and transformers, side by side.
+"""The same offline workload through iterserve, llama.cpp's server and transformers, side by
+side.
 
-    python benchmarks/compare.py                                  # random workload, 32 requests, all systems
-    python benchmarks/compare.py --workload sharegpt --num-requests 128 --systems iterserve,llamacpp
-    python benchmarks/compare.py --systems hf-cb --hf-cb-max-batch-tokens 256,512,1024  # knob search
+    python benchmarks/compare.py       # random workload, 32 requests, all systems
+    python benchmarks/compare.py --workload sharegpt --num-requests 128 \
+        --systems iterserve,llamacpp
+    python benchmarks/compare.py --systems hf-cb --hf-cb-max-batch-tokens 256,512,1024  # knobs
 
 Workloads (all requests at once, ignore_eos, greedy, prompts are random token ids sent as ids),
 built by ``iterserve.workload.datasets`` from ``--seed``:
@@ -18,8 +20,8 @@ Systems (``--systems``):
   ``n_predict``, ``ignore_eos``, ``cache_prompt: false``), all sent at once from threads.
 - ``hf-cb``: transformers continuous batching (``init_continuous_batching`` manager; per-request
   ``max_new_tokens``), bf16; ``--hf-cb-max-batch-tokens`` takes several values to search.
-- ``hf-static``: transformers ``generate`` in batches of ``--static-batch`` (left padding); each batch
-  runs to its longest output, only requested tokens count as useful.
+- ``hf-static``: transformers ``generate`` in batches of ``--static-batch`` (left padding); each
+  batch runs to its longest output, only requested tokens count as useful.
 
 Throughput = useful output tokens / wall time (first request sent to last finished; model load
 and warm-up excluded). The bound is ``iterserve.sim.roofline.workload_bound`` from the bandwidth
@@ -258,8 +260,9 @@ def main(argv: list[str] | None = None) -> None:
         lens = [(len(p), o) for p, o in wl]
         b = workload_bound(m, shape, lens)
         print(
-            f"\nworkload {a.workload} n={n} seed={a.seed} ({note}): {sum(p for p, _ in lens)} prompt + "
-            f"{sum(o for _, o in lens)} output tokens; bound {b['bound_s']:.2f} s (compute {b['compute_s']:.2f}, "
+            f"\nworkload {a.workload} n={n} seed={a.seed} ({note}): "
+            f"{sum(p for p, _ in lens)} prompt + {sum(o for _, o in lens)} output tokens; "
+            f"bound {b['bound_s']:.2f} s (compute {b['compute_s']:.2f}, "
             f"memory {b['memory_s']:.2f}) = {b['bound_output_tok_s']:.0f} output tok/s"
         )
         results: list[Result] = []
@@ -292,8 +295,9 @@ def main(argv: list[str] | None = None) -> None:
                     except Exception as exc:  # report and go on with the other systems
                         print(f"  {sysname}: FAILED {type(exc).__name__}: {exc}")
                         break
+                    r = reps[-1]
                     print(
-                        f"  {reps[-1].system:<10} {reps[-1].wall_s:8.2f} s  {reps[-1].tok_s:7.1f} tok/s  ({reps[-1].note})",
+                        f"  {r.system:<10} {r.wall_s:8.2f} s  {r.tok_s:7.1f} tok/s  ({r.note})",
                         flush=True,
                     )
                 if reps:
@@ -301,19 +305,25 @@ def main(argv: list[str] | None = None) -> None:
                     results.append(med)
         ref = next((r for r in results if r.system == "llamacpp"), None)
         print(
-            f"\n  {'system':<10} {'wall s':>8} {'out tok/s':>10} {'x llama.cpp':>12} {'wall / bound':>13}  notes"
+            f"\n  {'system':<10} {'wall s':>8} {'out tok/s':>10} {'x llama.cpp':>12} "
+            f"{'wall / bound':>13}  notes"
         )
         for r in results:
             ratio = f"{r.tok_s / ref.tok_s:12.2f}" if ref else f"{'-':>12}"
             print(
-                f"  {r.system:<10} {r.wall_s:8.2f} {r.tok_s:10.1f} {ratio} {r.wall_s / b['bound_s']:13.2f}  {r.note}"
+                f"  {r.system:<10} {r.wall_s:8.2f} {r.tok_s:10.1f} {ratio} "
+                f"{r.wall_s / b['bound_s']:13.2f}  {r.note}"
             )
         print(f"  {'bound':<10} {b['bound_s']:8.2f} {b['bound_output_tok_s']:10.1f}")
         report.append(
             {
-                "workload": a.workload, "n": n, "seed": a.seed, "prompt_tokens": sum(p for p, _ in lens),
-                "output_tokens": sum(o for _, o in lens), "bound": b, "machine": m.to_dict(),
-                "results": [{"system": r.system, "wall_s": r.wall_s, "tok_s": r.tok_s, "note": r.note} for r in results],
+                "workload": a.workload, "n": n, "seed": a.seed,
+                "prompt_tokens": sum(p for p, _ in lens), "output_tokens": sum(o for _, o in lens),
+                "bound": b, "machine": m.to_dict(),
+                "results": [
+                    {"system": r.system, "wall_s": r.wall_s, "tok_s": r.tok_s, "note": r.note}
+                    for r in results
+                ],
             }
         )  # fmt: skip
     if a.json:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from iterserve.core.kv_cache_manager import cdiv
 from iterserve.model import kernels
 from iterserve.model.cpu import tune_allocator
 from iterserve.model.llama import PackedLinear
@@ -42,12 +43,20 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def bench_gemm(kern: kernels.Kernels, rows: list[int], repeats: int) -> None:
-    shapes = [(3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)]
+    shapes = [
+        (3 * HIDDEN, HIDDEN),
+        (HIDDEN, HIDDEN),
+        (2 * INTER, HIDDEN),
+        (HIDDEN, INTER),
+    ] * LAYERS + [(VOCAB, HIDDEN)]
     ws = [torch.randn(*s).bfloat16() for s in shapes]
     panels = [kern.pack_panels(w) for w in ws]
     packed = [PackedLinear(w, None) for w in ws]
     params = sum(w.numel() for w in ws)
-    print(f"49 GEMMs, {params / 1e6:.1f}M params, {2 * params / 1e6:.0f} MB bf16; ms per set (median of {repeats}), GFLOP/s")
+    print(
+        f"49 GEMMs, {params / 1e6:.1f}M params, {2 * params / 1e6:.0f} MB bf16; "
+        f"ms per set (median of {repeats}), GFLOP/s"
+    )
     print(f"{'rows':>5} {'panels ms':>10} {'GFLOP/s':>8} {'packed f32 ms':>14} {'GFLOP/s':>8}")
     for m in rows:
         xs = {k: torch.randn(m, k).bfloat16() for k in (HIDDEN, INTER)}
@@ -63,11 +72,16 @@ def bench_gemm(kern: kernels.Kernels, rows: list[int], repeats: int) -> None:
         t_pan = _median_ms(run_panels, repeats)
         t_f32 = _median_ms(run_packed, repeats)
         gflop = 2 * m * params / 1e9
-        print(f"{m:>5} {t_pan:>10.2f} {gflop / t_pan * 1e3:>8.0f} {t_f32:>14.2f} {gflop / t_f32 * 1e3:>8.0f}")
+        print(
+            f"{m:>5} {t_pan:>10.2f} {gflop / t_pan * 1e3:>8.0f} "
+            f"{t_f32:>14.2f} {gflop / t_f32 * 1e3:>8.0f}"
+        )
 
 
-def bench_attention(kern: kernels.Kernels, batch: int, ctx: int, kv_heads: int, block_size: int, repeats: int) -> None:
-    per_seq = -(-ctx // block_size)
+def bench_attention(
+    kern: kernels.Kernels, batch: int, ctx: int, kv_heads: int, block_size: int, repeats: int
+) -> None:
+    per_seq = cdiv(ctx, block_size)
     nblocks = 3 * batch * per_seq
     k_cache = torch.randn(nblocks * block_size, kv_heads, HEAD_DIM).bfloat16()
     v_cache = torch.randn(nblocks * block_size, kv_heads, HEAD_DIM).bfloat16()
@@ -82,17 +96,29 @@ def bench_attention(kern: kernels.Kernels, batch: int, ctx: int, kv_heads: int, 
 
     ms = _median_ms(twelve, repeats) / 12
     mb = batch * ctx * kv_heads * HEAD_DIM * 2 * 2 / 1e6
-    print(f"decode attention: {batch} x {ctx} keys, {HEADS} heads over {kv_heads}, bf16 cache: {ms:.3f} ms a layer "
-          f"(median of {repeats}), K+V {mb:.1f} MB -> {mb / ms:.1f} GB/s")
+    print(
+        f"decode attention: {batch} x {ctx} keys, {HEADS} heads over {kv_heads}, "
+        f"bf16 cache: {ms:.3f} ms a layer "
+        f"(median of {repeats}), K+V {mb:.1f} MB -> {mb / ms:.1f} GB/s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("what", choices=("gemm", "attention"))
-    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512", help="gemm: rows of x, comma-separated")
+    ap.add_argument(
+        "--rows", default="1,2,4,8,16,32,64,128,256,512", help="gemm: rows of x, comma-separated"
+    )
     ap.add_argument("--batch", type=int, default=32, help="attention: sequences")
     ap.add_argument("--ctx", type=int, default=136, help="attention: keys per sequence")
-    ap.add_argument("--kv-heads", type=int, default=HEADS, help="attention: KV heads (12 = bench-134m; 4 = GQA 3)")
+    ap.add_argument(
+        "--kv-heads",
+        type=int,
+        default=HEADS,
+        help="attention: KV heads (12 = bench-134m; 4 = GQA 3)",
+    )
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)

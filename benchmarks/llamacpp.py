@@ -1,7 +1,7 @@
 """llama.cpp for the comparison benchmarks (``iterserve.bench.llamacpp``) from the command line.
 
-    python benchmarks/llamacpp.py --build          # build (or find) the binaries
-    python benchmarks/llamacpp.py --gguf bench-134m  # write / find the GGUF, print its path
+python benchmarks/llamacpp.py --build          # build (or find) the binaries
+python benchmarks/llamacpp.py --gguf bench-134m  # write / find the GGUF, print its path
 """
 
 from __future__ import annotations

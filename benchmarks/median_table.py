@@ -47,7 +47,9 @@ def main(paths: list[str]) -> int:
         for name, _, _ in FIGURES:
             v = values[label][name]
             digits = 0 if name == "steps" else (1 if "tok/s" in name else 2)
-            cells.append(f"{statistics.median(v):.{digits}f} [{min(v):.{digits}f}-{max(v):.{digits}f}]")
+            cells.append(
+                f"{statistics.median(v):.{digits}f} [{min(v):.{digits}f}-{max(v):.{digits}f}]"
+            )
         cells.append(f"{statistics.median(ratios[label]):.2f}x")
         print("| " + " | ".join(cells) + " |")
     return 0

@@ -31,7 +31,9 @@ def _time(runner: ModelRunner, items: list[BatchItem], repeats: int) -> tuple[fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="bench-134m")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--threads", type=int, default=2)
@@ -45,16 +47,23 @@ def main(argv: list[str] | None = None) -> None:
     per_seq = max(a.ctx, a.prefill) // bs + 1
     batches = [int(b) for b in a.batches.split(",")]
     runner = ModelRunner(
-        a.model, dtype=a.dtype, num_threads=a.threads,
+        a.model,
+        dtype=a.dtype,
+        num_threads=a.threads,
         cache_config=CacheConfig(block_size=bs, num_kv_blocks=per_seq * max(batches)),
     )
     print(f"{a.model} {a.dtype} threads={a.threads} ({runner.num_params / 1e6:.0f}M params)")
     for b in batches:
-        items = [BatchItem(str(i), [100 + i], a.ctx, list(range(i * per_seq, (i + 1) * per_seq)), True) for i in range(b)]
+        items = [
+            BatchItem(str(i), [100 + i], a.ctx, list(range(i * per_seq, (i + 1) * per_seq)), True)
+            for i in range(b)
+        ]
         lo, med = _time(runner, items, a.repeats)
         print(f"  decode batch {b:3d} @ctx {a.ctx}: min {lo:8.2f} ms  median {med:8.2f} ms")
     prompt = [5 + i % 1000 for i in range(a.prefill)]
-    lo, med = _time(runner, [BatchItem("p", prompt, 0, list(range(per_seq)), True)], max(3, a.repeats // 4))
+    lo, med = _time(
+        runner, [BatchItem("p", prompt, 0, list(range(per_seq)), True)], max(3, a.repeats // 4)
+    )
     print(f"  prefill {a.prefill} tokens:      min {lo:8.2f} ms  median {med:8.2f} ms")
 
 

@@ -1,15 +1,15 @@
 """iterserve's decode step, overhead and prefill against this machine's roofline (and llama.cpp).
 
-    python benchmarks/roofline.py                       # decode B=1,8,32,128 + overhead @64 + prefill 2048
+    python benchmarks/roofline.py                 # decode B=1,8,32,128, overhead @64, prefill 2048
     python benchmarks/roofline.py --batches 1,8 --no-llamacpp --no-prefill
-    python benchmarks/roofline.py --profile 32,64        # + torch.profiler of decode steps at B=32, 64
+    python benchmarks/roofline.py --profile 32,64  # + torch.profiler of decode steps at B=32, 64
 
 Decode: B requests with ``--ctx``-token random prompts and ignore_eos go through the engine
 (``LLM("bench-134m", dtype="bfloat16")``); prefill steps are skipped and the median over
 ``--steps`` steady decode steps of ``engine.last_step_stats`` (``duration_s``, ``forward_s``) is
 reported beside the roofline bound max(bytes / bandwidth, FLOPs / peak) computed from the
-bandwidth and FLOP/s this script measures, and beside ``llama-batched-bench`` (``-npp 128 -ntg 128``)
-on the same weights as a BF16 GGUF.
+bandwidth and FLOP/s this script measures (``iterserve.sim.roofline``), and beside
+``llama-batched-bench`` (``-npp 128 -ntg 128``) on the same weights as a BF16 GGUF.
 
 The peak used for the bound is max(bf16, fp32) matmul FLOP/s measured here: on a CPU without
 native bf16 dot products (no AVX512-BF16/AMX) oneDNN emulates bf16 GEMMs far below fp32, and
@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from iterserve.core.kv_cache_manager import cdiv
 from iterserve.engine.llm import LLM
 from iterserve.model.model_config import ModelConfig
 from iterserve.sampling_params import SamplingParams
@@ -77,8 +78,10 @@ def measure_decode(
     # Requests admitted early decode while later ones still prefill (chunked by the token
     # budget), so they must live long enough to all be decoding together for warmup + steps.
     budget = eng.scheduler.config.max_num_batched_tokens
-    fill_steps = -(-batch * ctx // budget) + 1
-    sp = SamplingParams(max_tokens=warmup + steps + 8 + fill_steps, ignore_eos=True, temperature=0.0)
+    fill_steps = cdiv(batch * ctx, budget) + 1
+    sp = SamplingParams(
+        max_tokens=warmup + steps + 8 + fill_steps, ignore_eos=True, temperature=0.0
+    )
     ids = [f"rf-{batch}-{seed}-{i}" for i in range(batch)]
     for rid, p in zip(
         ids, _prompts(batch, max(1, ctx - (warmup + steps) // 2), eng.vocab_size, seed)
@@ -115,8 +118,8 @@ def measure_prefill(
 ) -> list[float]:
     """Seconds from adding a ``tokens`` prompt (max_tokens=1) to its single output token."""
     llm = make_llm(
-        model, 4, threads, max_num_batched_tokens=chunk or tokens, max_model_len=max(2048, tokens + 16),
-        enable_prefix_caching=False,
+        model, 4, threads, max_num_batched_tokens=chunk or tokens,
+        max_model_len=max(2048, tokens + 16), enable_prefix_caching=False,
     )  # fmt: skip
     sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     llm.generate(_prompts(1, 64, llm.engine.vocab_size, 99), sp)  # warm-up
@@ -149,15 +152,18 @@ def profile_decode(llm: LLM, batch: int, ctx: int, steps: int, top: int) -> str:
             acc[0] += e.self_cpu_time_total
             acc[1] += 1
     lines = [
-        f"profile: decode batch {batch} @ctx ~{ctx}, {res.steps} steps, median step {res.duration_ms:.2f} ms "
-        f"(forward {res.forward_ms:.2f}, schedule {res.schedule_ms:.2f}, sample {res.sample_ms:.2f}, output {res.output_ms:.2f})",
-        f"  main thread inside torch ops: {in_ops_us / res.steps / 1e3:.2f} ms/step = {in_ops_us / wall_us:.0%} of the "
-        f"step; outside any op (Python, interpreter, profiler): {max(0.0, 1 - in_ops_us / wall_us):.0%}",
+        f"profile: decode batch {batch} @ctx ~{ctx}, {res.steps} steps, "
+        f"median step {res.duration_ms:.2f} ms (forward {res.forward_ms:.2f}, "
+        f"schedule {res.schedule_ms:.2f}, sample {res.sample_ms:.2f}, output {res.output_ms:.2f})",
+        f"  main thread inside torch ops: {in_ops_us / res.steps / 1e3:.2f} ms/step = "
+        f"{in_ops_us / wall_us:.0%} of the step; outside any op (Python, interpreter, "
+        f"profiler): {max(0.0, 1 - in_ops_us / wall_us):.0%}",
         f"  {'op (main thread, self time)':<42} {'ms/step':>9} {'share':>7} {'calls/step':>11}",
     ]
     for name, (us, n) in sorted(self_by_op.items(), key=lambda kv: kv[1][0], reverse=True)[:top]:
+        per_step_ms = us / res.steps / 1e3
         lines.append(
-            f"  {name[:42]:<42} {us / res.steps / 1e3:9.3f} {us / wall_us:7.1%} {n / res.steps:11.1f}"
+            f"  {name[:42]:<42} {per_step_ms:9.3f} {us / wall_us:7.1%} {n / res.steps:11.1f}"
         )
     return "\n".join(lines)
 
@@ -237,11 +243,13 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     print(
-        f"\ndecode step, bench-134m bf16, ctx ~{a.ctx}, median of {a.steps} steps (engine StepStats)"
+        f"\ndecode step, bench-134m bf16, ctx ~{a.ctx}, median of {a.steps} steps "
+        "(engine StepStats)"
     )
     hdr = (
-        f"{'B':>4} {'iterserve ms':>12} {'forward ms':>10} {'tok/s':>8} {'bound ms':>9} {'mem ms':>7} "
-        f"{'comp ms':>8} {'x bound':>8} {'llama.cpp ms':>12} {'llama tok/s':>11} {'iters/llama':>11}"
+        f"{'B':>4} {'iterserve ms':>12} {'forward ms':>10} {'tok/s':>8} {'bound ms':>9} "
+        f"{'mem ms':>7} {'comp ms':>8} {'x bound':>8} {'llama.cpp ms':>12} {'llama tok/s':>11} "
+        f"{'iters/llama':>11}"
     )
     print(hdr)
     for b in batches:
@@ -254,8 +262,9 @@ def main(argv: list[str] | None = None) -> None:
             else f"{'-':>12} {'-':>11} {'-':>11}"
         )
         print(
-            f"{b:4d} {r.duration_ms:12.2f} {r.forward_ms:10.2f} {b / r.duration_ms * 1e3:8.0f} {bound * 1e3:9.2f} "
-            f"{mem * 1e3:7.2f} {comp * 1e3:8.2f} {r.duration_ms / (bound * 1e3):8.2f} {lms}"
+            f"{b:4d} {r.duration_ms:12.2f} {r.forward_ms:10.2f} {b / r.duration_ms * 1e3:8.0f} "
+            f"{bound * 1e3:9.2f} {mem * 1e3:7.2f} {comp * 1e3:8.2f} "
+            f"{r.duration_ms / (bound * 1e3):8.2f} {lms}"
         )
     if llama_cmd:
         print(f"  llama.cpp: {llama_cmd}  (decode step = T_TG / ntg)")
@@ -264,8 +273,9 @@ def main(argv: list[str] | None = None) -> None:
 
     r = results[a.overhead_batch]
     print(
-        f"\noverhead at {a.overhead_batch} running (decode-only steps): step {r.duration_ms:.2f} ms = forward(+input prep) "
-        f"{r.forward_ms:.2f} + schedule {r.schedule_ms:.2f} + sample {r.sample_ms:.2f} + output {r.output_ms:.2f}; "
+        f"\noverhead at {a.overhead_batch} running (decode-only steps): "
+        f"step {r.duration_ms:.2f} ms = forward(+input prep) {r.forward_ms:.2f} "
+        f"+ schedule {r.schedule_ms:.2f} + sample {r.sample_ms:.2f} + output {r.output_ms:.2f}; "
         f"outside forward: {r.overhead_share:.1%}"
     )
 
@@ -276,19 +286,22 @@ def main(argv: list[str] | None = None) -> None:
     if a.prefill and not a.no_prefill:
         bound, mm, attn = prefill_bound(m, shape, a.prefill)
         print(
-            f"\nprefill {a.prefill} tokens: bound {bound * 1e3:.0f} ms (matmul {mm * 1e3:.0f} + attention {attn * 1e3:.0f}) = {a.prefill / bound:.0f} tok/s"
+            f"\nprefill {a.prefill} tokens: bound {bound * 1e3:.0f} ms (matmul {mm * 1e3:.0f} "
+            f"+ attention {attn * 1e3:.0f}) = {a.prefill / bound:.0f} tok/s"
         )
         for label, chunk in (("one step", None), ("chunks of 512 (engine default)", 512)):
             ts = measure_prefill(a.model, a.prefill, a.threads, chunk, a.prefill_repeats)
             med = statistics.median(ts)
             print(
-                f"  iterserve {label}: median {med * 1e3:.0f} ms over {len(ts)} = {a.prefill / med:.0f} tok/s, "
-                f"{med / bound:.2f}x the bound  (runs: {', '.join(f'{t * 1e3:.0f}' for t in ts)} ms)"
+                f"  iterserve {label}: median {med * 1e3:.0f} ms over {len(ts)} = "
+                f"{a.prefill / med:.0f} tok/s, {med / bound:.2f}x the bound  "
+                f"(runs: {', '.join(f'{t * 1e3:.0f}' for t in ts)} ms)"
             )
         lr = llama_rows.get(1)
         if lr:
             print(
-                f"  llama.cpp prompt processing (batched-bench, {lr.pp} tokens, B=1): {lr.s_pp:.0f} tok/s"
+                f"  llama.cpp prompt processing (batched-bench, {lr.pp} tokens, B=1): "
+                f"{lr.s_pp:.0f} tok/s"
             )
 
 

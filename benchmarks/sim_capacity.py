@@ -30,12 +30,17 @@ POLICIES = "static,continuous-nochunk,continuous"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--num-prompts", type=int, default=2000)
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--hardware", default="h100-sxm")
-    p.add_argument("--extra", default="--max-num-seqs 256 --max-num-batched-tokens 2048",
-                   help="more iterserve simulate flags")
+    p.add_argument(
+        "--extra",
+        default="--max-num-seqs 256 --max-num-batched-tokens 2048",
+        help="more iterserve simulate flags",
+    )
     p.add_argument("--out-dir", default="sim_capacity_out")
     ns = p.parse_args(argv)
     out = Path(ns.out_dir)
@@ -44,9 +49,24 @@ def main(argv: list[str] | None = None) -> int:
     for trace in TRACES:
         for slos in SLO_SETS:
             path = out / f"{trace}_{slos.replace(':', '_').replace(',', '_')}.json"
-            args = ["--workload", trace, "--num-prompts", str(ns.num_prompts), "--model", ns.model,
-                    "--hardware", ns.hardware, *ns.extra.split(), "--policy", POLICIES, "--find-max-rate",
-                    "--slo", slos, "--result-file", str(path)]
+            args = [
+                "--workload",
+                trace,
+                "--num-prompts",
+                str(ns.num_prompts),
+                "--model",
+                ns.model,
+                "--hardware",
+                ns.hardware,
+                *ns.extra.split(),
+                "--policy",
+                POLICIES,
+                "--find-max-rate",
+                "--slo",
+                slos,
+                "--result-file",
+                str(path),
+            ]
             print("iterserve simulate " + " ".join(args), file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             if simulate(args) != 0:
@@ -56,11 +76,30 @@ def main(argv: list[str] | None = None) -> int:
             for run in doc["runs"]:
                 cap = run["capacity"]
                 s = run["summary"]
-                keys = [f"{x.split(':')[0].split('_')[1]}_{x.split(':')[0].split('_')[0]}_ms" for x in slos.split(",")]
-                rows.append((trace, slos, run["label"], cap["max_rate"], s.get("output_throughput"),
-                             [s.get(k) for k in keys], len(cap["probes"]), wall))
-    print(f"\n{ns.model} on {ns.hardware}, first {ns.num_prompts} requests of each trace; {ns.extra}\n")
-    print("| trace | SLOs (ms) | policy | max req/s | output tok/s at max | SLO values at max (ms) | probes |")
+                keys = [
+                    f"{x.split(':')[0].split('_')[1]}_{x.split(':')[0].split('_')[0]}_ms"
+                    for x in slos.split(",")
+                ]
+                rows.append(
+                    (
+                        trace,
+                        slos,
+                        run["label"],
+                        cap["max_rate"],
+                        s.get("output_throughput"),
+                        [s.get(k) for k in keys],
+                        len(cap["probes"]),
+                        wall,
+                    )
+                )
+    print(
+        f"\n{ns.model} on {ns.hardware}, first {ns.num_prompts} requests of each trace; "
+        f"{ns.extra}\n"
+    )
+    print(
+        "| trace | SLOs (ms) | policy | max req/s | output tok/s at max "
+        "| SLO values at max (ms) | probes |"
+    )
     print("|---|---|---|---:|---:|---|---:|")
     for trace, slos, policy, rate, tput, vals, probes, _wall in rows:
         v = ", ".join("n/a" if x is None else f"{x:.0f}" for x in vals)

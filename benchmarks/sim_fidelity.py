@@ -29,8 +29,9 @@ the same when the machine they plan for runs at a different speed from the one t
 Workloads:
   trace    the first 100 requests of the Azure conversation trace, lengths and time scaled
            to this CPU (--trace-*)
-  poisson  100 ShareGPT-length requests, Poisson arrivals at --load (default 0.85) times the capacity
-           the simulator predicts for all-at-once arrivals: a sweep point near saturation
+  poisson  100 ShareGPT-length requests, Poisson arrivals at --load (default 0.85) times the
+           capacity the simulator predicts for all-at-once arrivals: a sweep point near
+           saturation
 """
 
 from __future__ import annotations
@@ -59,9 +60,18 @@ from iterserve.workload.datasets import RequestSpec, WorkloadConfig, build_workl
 from iterserve.workload.metrics import summarize
 from iterserve.workload.replay import replay, warmup
 
-METRICS = (("median_ttft_ms", "median TTFT (ms)"), ("median_tpot_ms", "median TPOT (ms)"),
-           ("median_e2el_ms", "median E2E (ms)"), ("mean_e2el_ms", "mean E2E (ms)"),
-           ("output_throughput", "throughput (tok/s)"))
+# Fields of each row of the fidelity tables in the result file.
+TABLE_COLUMNS = (
+    "workload", "metric", "real_median", "real_min", "real_max", "sim_median",
+    "error_median", "error_min", "error_max",
+)  # fmt: skip
+METRICS = (
+    ("median_ttft_ms", "median TTFT (ms)"),
+    ("median_tpot_ms", "median TPOT (ms)"),
+    ("median_e2el_ms", "median E2E (ms)"),
+    ("mean_e2el_ms", "mean E2E (ms)"),
+    ("output_throughput", "throughput (tok/s)"),
+)
 
 
 def log(msg: str) -> None:
@@ -69,26 +79,43 @@ def log(msg: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="bench-134m")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-threads", type=int, default=1)
-    p.add_argument("--profile", help="use this CPU profile for every repeat (default: fit one before each "
-                   "repeat on the --profile-* grid, so that profile and runs share the machine's conditions)")
-    p.add_argument("--profile-prefill", default="0,32,128,240",
-                   help="prefill chunk sizes of the profile grid; keep the largest near the token budget "
-                   "(--max-num-batched-tokens): the Poisson run's prefill chunks of 129-250 tokens were half its "
-                   "time, and profiles fitted up to 128 extrapolated them 0-14%% apart from one fit to the next")
+    p.add_argument(
+        "--profile",
+        help="use this CPU profile for every repeat (default: fit one before each "
+        "repeat on the --profile-* grid, so that profile and runs share the machine's conditions)",
+    )
+    p.add_argument(
+        "--profile-prefill",
+        default="0,32,128,240",
+        help="prefill chunk sizes of the profile grid; keep the largest near the token budget "
+        "(--max-num-batched-tokens): the Poisson run's prefill chunks of 129-250 tokens were "
+        "half its time, and profiles fitted up to 128 extrapolated them 0-14%% apart from one "
+        "fit to the next",
+    )
     p.add_argument("--profile-decode", default="0,1,2,3,4,8,16")
     p.add_argument("--profile-context", default="64,384")
     p.add_argument("--profile-repeats", type=int, default=3)
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                   help="time the real runs and the profile by elapsed time, or by this process's CPU "
-                   "time (the engine on a core of its own; stable while other jobs share the machine)")
+    p.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="time the real runs and the profile by elapsed time, or by this process's CPU "
+        "time (the engine on a core of its own; stable while other jobs share the machine)",
+    )
     p.add_argument("--out-dir", default="sim_fidelity_out", help="the profiles go here")
-    p.add_argument("--allocator", choices=("pinned", "default"), default="pinned",
-                   help="pinned: run with glibc's mmap/trim thresholds fixed (PINNED_ALLOCATOR), so that "
-                   "a step's time does not depend on what the process allocated before")
+    p.add_argument(
+        "--allocator",
+        choices=("pinned", "default"),
+        default="pinned",
+        help="pinned: run with glibc's mmap/trim thresholds fixed (PINNED_ALLOCATOR), so that "
+        "a step's time does not depend on what the process allocated before",
+    )
     p.add_argument("--repeats", type=int, default=3, help="real-engine runs per workload")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -100,11 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poisson-dataset", default="sharegpt")
     p.add_argument("--poisson-prompts", type=int, default=100)
     p.add_argument("--poisson-length-scale", type=float, default=0.05)
-    p.add_argument("--load", type=float, default=0.85, help="Poisson rate as a fraction of predicted capacity")
+    p.add_argument(
+        "--load", type=float, default=0.85, help="Poisson rate as a fraction of predicted capacity"
+    )
     p.add_argument("--result-file", help="write the table and every run's summary as JSON")
-    p.add_argument("--dump-steps", action="store_true",
-                   help="write every real step (shape, measured and predicted seconds) as JSON lines to "
-                        "OUT_DIR/steps.WORKLOAD.rREPEAT.jsonl, to see which steps the profile gets wrong")
+    p.add_argument(
+        "--dump-steps",
+        action="store_true",
+        help="write every real step (shape, measured and predicted seconds) as JSON lines to "
+        "OUT_DIR/steps.WORKLOAD.rREPEAT.jsonl, to see which steps the profile gets wrong",
+    )
     return p
 
 
@@ -123,10 +155,19 @@ class CpuClock:
         self.waited += max(0.0, dt)
 
 
-def sim_run(prof: CpuProfile, args: EngineArgs, max_model_len: int, num_kv_blocks: int,
-            specs: list[RequestSpec]) -> dict[str, Any]:
-    cfg = SimConfig(scheduler=args.scheduler_config(max_model_len), num_kv_blocks=num_kv_blocks,
-                    block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+def sim_run(
+    prof: CpuProfile,
+    args: EngineArgs,
+    max_model_len: int,
+    num_kv_blocks: int,
+    specs: list[RequestSpec],
+) -> dict[str, Any]:
+    cfg = SimConfig(
+        scheduler=args.scheduler_config(max_model_len),
+        num_kv_blocks=num_kv_blocks,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
     res = Simulator(cfg, CpuProfileCostModel(prof)).run(specs)
     s = summarize(res.timings, res.duration_s)
     s["num_steps"] = res.num_steps
@@ -144,8 +185,15 @@ def reference_ratio(engine: Any, args: EngineArgs, prof: CpuProfile, clock: str)
     """Measured / predicted time of the REFERENCE steps on ``engine`` now (left idle)."""
     from iterserve.sim.profile import cell_medians, measure
 
-    _, samples = measure(args, REFERENCE["prefill"], REFERENCE["decode"], REFERENCE["context"],
-                         REFERENCE["repeats"], clock=clock, engine=engine)
+    _, samples = measure(
+        args,
+        REFERENCE["prefill"],
+        REFERENCE["decode"],
+        REFERENCE["context"],
+        REFERENCE["repeats"],
+        clock=clock,
+        engine=engine,
+    )
     points = cell_medians(samples)
     cost = CpuProfileCostModel(prof)
     return sum(t for _, _, t in points) / sum(cost.step_time(shape) for _, shape, _ in points)
@@ -157,15 +205,35 @@ def fit_profile_here(ns: argparse.Namespace, path: str, engine: Any) -> CpuProfi
     from iterserve.sim.profile import build_parser as profile_parser
     from iterserve.sim.profile import run_profile
 
-    pns = profile_parser().parse_args([
-        "--model", ns.model, "--dtype", ns.dtype, "--num-threads", str(ns.num_threads),
-        "--prefill", ns.profile_prefill, "--decode", ns.profile_decode, "--context", ns.profile_context,
-        "--repeats", str(ns.profile_repeats), "--clock", ns.clock, "-o", path])
+    pns = profile_parser().parse_args(
+        [
+            "--model",
+            ns.model,
+            "--dtype",
+            ns.dtype,
+            "--num-threads",
+            str(ns.num_threads),
+            "--prefill",
+            ns.profile_prefill,
+            "--decode",
+            ns.profile_decode,
+            "--context",
+            ns.profile_context,
+            "--repeats",
+            str(ns.profile_repeats),
+            "--clock",
+            ns.clock,
+            "-o",
+            path,
+        ]
+    )
     prof = run_profile(pns, lambda msg: None, engine=engine)
     prof.save(path)
     gc.collect()
-    log(f"profile {path}: {prof.fit['n_points']} points in {prof.fit['wall_s']:.0f} s, fit error "
-        f"{prof.fit['mape']:.1%} (mean abs), load average {os.getloadavg()[0]:.1f}")
+    log(
+        f"profile {path}: {prof.fit['n_points']} points in {prof.fit['wall_s']:.0f} s, fit error "
+        f"{prof.fit['mape']:.1%} (mean abs), load average {os.getloadavg()[0]:.1f}"
+    )
     return prof
 
 
@@ -175,16 +243,26 @@ def fit_profile_here(ns: argparse.Namespace, path: str, engine: Any) -> CpuProfi
 # the threshold catches up, so the same batch costs up to 2x more early in a run or after a
 # new largest batch (measured: bench-134m, 16 decodes at context 512, 444-551 ms vs 248 ms).
 # Pinning the thresholds makes a step's time independent of the process's history.
-PINNED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024**2), "MALLOC_TRIM_THRESHOLD_": str(4 * 1024**3)}
+PINNED_ALLOCATOR = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 * 1024**2),
+    "MALLOC_TRIM_THRESHOLD_": str(4 * 1024**3),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    if ns.allocator == "pinned" and any(os.environ.get(k) != v for k, v in PINNED_ALLOCATOR.items()):
+    if ns.allocator == "pinned" and any(
+        os.environ.get(k) != v for k, v in PINNED_ALLOCATOR.items()
+    ):
         log("re-running with " + " ".join(f"{k}={v}" for k, v in PINNED_ALLOCATOR.items()))
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **PINNED_ALLOCATOR})
-    args = EngineArgs(model=ns.model, dtype=ns.dtype, num_threads=ns.num_threads,
-                      max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens)
+    args = EngineArgs(
+        model=ns.model,
+        dtype=ns.dtype,
+        num_threads=ns.num_threads,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+    )
     fixed = CpuProfile.load(ns.profile) if ns.profile else None
 
     # The profile is measured on the same engine instance as the workloads (same weights, same
@@ -197,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def profile_for(r: int) -> tuple[CpuProfile, float]:
         """The repeat's profile, and its REFERENCE ratio measured right after it was fitted."""
-        p = fixed if fixed is not None else fit_profile_here(ns, str(Path(ns.out_dir) / f"cpu_profile.r{r}.json"), engine)
+        p = (
+            fixed
+            if fixed is not None
+            else fit_profile_here(ns, str(Path(ns.out_dir) / f"cpu_profile.r{r}.json"), engine)
+        )
         return p, reference_ratio(engine, args, p, ns.clock)
 
     Path(ns.out_dir).mkdir(parents=True, exist_ok=True)
@@ -209,18 +291,33 @@ def main(argv: list[str] | None = None) -> int:
     workloads: dict[str, list[RequestSpec]] = {}
     names = [w.strip() for w in ns.workloads.split(",") if w.strip()]
     if "trace" in names:
-        cfg = WorkloadConfig(dataset=ns.trace, num_prompts=ns.trace_prompts, length_scale=ns.trace_length_scale,
-                             time_scale=ns.trace_time_scale)
+        cfg = WorkloadConfig(
+            dataset=ns.trace,
+            num_prompts=ns.trace_prompts,
+            length_scale=ns.trace_length_scale,
+            time_scale=ns.trace_time_scale,
+        )
         workloads["trace"] = build_workload(cfg, vocab_size=vocab, max_model_len=max_len)[0]
     if "poisson" in names:
-        base = WorkloadConfig(dataset=ns.poisson_dataset, num_prompts=ns.poisson_prompts,
-                              length_scale=ns.poisson_length_scale, request_rate=math.inf)
+        base = WorkloadConfig(
+            dataset=ns.poisson_dataset,
+            num_prompts=ns.poisson_prompts,
+            length_scale=ns.poisson_length_scale,
+            request_rate=math.inf,
+        )
         burst = build_workload(base, vocab_size=vocab, max_model_len=max_len)[0]
         capacity = sim_run(prof, args, max_len, blocks, burst)["request_throughput"]
         rate = ns.load * capacity
-        log(f"poisson: predicted capacity {capacity:.3g} req/s (all at once); running at {rate:.3g} req/s")
-        cfg = WorkloadConfig(dataset=ns.poisson_dataset, num_prompts=ns.poisson_prompts,
-                             length_scale=ns.poisson_length_scale, request_rate=rate)
+        log(
+            f"poisson: predicted capacity {capacity:.3g} req/s (all at once); "
+            f"running at {rate:.3g} req/s"
+        )
+        cfg = WorkloadConfig(
+            dataset=ns.poisson_dataset,
+            num_prompts=ns.poisson_prompts,
+            length_scale=ns.poisson_length_scale,
+            request_rate=rate,
+        )
         workloads["poisson"] = build_workload(cfg, vocab_size=vocab, max_model_len=max_len)[0]
 
     # Every real step's shape (from the scheduler's own output) and duration, to tell the
@@ -261,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
             durations.clear()
             reset_prefix_cache(engine)
             scatter_free_blocks(engine.kv, rng)  # as in the profile: a pool that has been in use
-            if ns.clock == "cpu":  # the replay's own clock: this process's CPU time, plus idle waits
+            if (
+                ns.clock == "cpu"
+            ):  # the replay's own clock: this process's CPU time, plus idle waits
                 cpu = CpuClock()
                 res = replay(engine, specs, clock=cpu, sleep=cpu.sleep)
             else:
@@ -270,77 +369,148 @@ def main(argv: list[str] | None = None) -> int:
             real["num_steps"] = res.num_steps
             # the run's own steps (the reference steps below go through the same hooks)
             run_shapes, run_durations = list(shapes), list(durations)
-            steps_err = (sum(cost.step_time(x) for x in run_shapes) / sum(run_durations) - 1
-                         if len(run_durations) == len(run_shapes) else None)
+            steps_err = (
+                sum(cost.step_time(x) for x in run_shapes) / sum(run_durations) - 1
+                if len(run_durations) == len(run_shapes)
+                else None
+            )
             ref_after = reference_ratio(engine, args, prof, ns.clock)
-            speed = (ref_before + ref_after) / 2 / ref_prof  # > 1: the machine is slower than when profiled
+            speed = (
+                (ref_before + ref_after) / 2 / ref_prof
+            )  # > 1: the machine is slower than when profiled
             sim = sim_run(prof, args, max_len, blocks, specs)
             sim_cal = sim_run(prof.scaled(speed), args, max_len, blocks, specs)
-            rec: dict[str, Any] = {"real": real, "sim": sim, "sim_calibrated": sim_cal, "speed_factor": speed,
-                                   "reference_ratios": {"profile": ref_prof, "before": ref_before, "after": ref_after},
-                                   "load_avg_1m": os.getloadavg()[0]}
+            rec: dict[str, Any] = {
+                "real": real,
+                "sim": sim,
+                "sim_calibrated": sim_cal,
+                "speed_factor": speed,
+                "reference_ratios": {"profile": ref_prof, "before": ref_before, "after": ref_after},
+                "load_avg_1m": os.getloadavg()[0],
+            }
             if steps_err is not None:
                 rec["profile_error_on_real_steps"] = steps_err
                 rec["calibrated_error_on_real_steps"] = (1 + steps_err) * speed - 1
                 if ns.dump_steps:
                     with open(Path(ns.out_dir) / f"steps.{name}.r{r}.jsonl", "w") as f:
                         for x, d in zip(run_shapes, run_durations):
-                            f.write(json.dumps({**asdict(x), "measured_s": d, "predicted_s": cost.step_time(x)}) + "\n")
+                            f.write(
+                                json.dumps(
+                                    {**asdict(x), "measured_s": d, "predicted_s": cost.step_time(x)}
+                                )
+                                + "\n"
+                            )
             runs[name].append(rec)
-            log(f"{name} {r + 1}/{ns.repeats} ({time.perf_counter() - t0:.0f} s): "
-                + ", ".join(f"{label} {real[key]:.1f}/{sim[key]:.1f}" for key, label in METRICS
-                            if real.get(key) is not None and sim.get(key) is not None)
+            log(
+                f"{name} {r + 1}/{ns.repeats} ({time.perf_counter() - t0:.0f} s): "
+                + ", ".join(
+                    f"{label} {real[key]:.1f}/{sim[key]:.1f}"
+                    for key, label in METRICS
+                    if real.get(key) is not None and sim.get(key) is not None
+                )
                 + " (real/sim)"
-                + (f"; profile on the real steps {rec['profile_error_on_real_steps']:+.1%}"
-                   if "profile_error_on_real_steps" in rec else "")
-                + f"; speed factor {speed:.3f} (reference {ref_before / ref_prof:.3f} before, {ref_after / ref_prof:.3f} after)")
+                + (
+                    f"; profile on the real steps {rec['profile_error_on_real_steps']:+.1%}"
+                    if "profile_error_on_real_steps" in rec
+                    else ""
+                )
+                + f"; speed factor {speed:.3f} (reference {ref_before / ref_prof:.3f} before, "
+                f"{ref_after / ref_prof:.3f} after)"
+            )
 
     def table(sim_key: str, steps_key: str) -> list[tuple[Any, ...]]:
         rows: list[tuple[Any, ...]] = []
         for name, recs in runs.items():
             for key, label in (*METRICS, ("num_steps", "engine steps")):
-                pairs = [(x["real"][key], x[sim_key][key]) for x in recs
-                         if x["real"].get(key) is not None and x[sim_key].get(key) is not None]
+                pairs = [
+                    (x["real"][key], x[sim_key][key])
+                    for x in recs
+                    if x["real"].get(key) is not None and x[sim_key].get(key) is not None
+                ]
                 if not pairs:
                     continue
                 real_v = [a for a, _ in pairs]
                 sim_v = [b for _, b in pairs]
                 errs = [b / a - 1 for a, b in pairs]
-                rows.append((name, label, statistics.median(real_v), min(real_v), max(real_v), statistics.median(sim_v),
-                             statistics.median(errs), min(errs), max(errs)))
+                rows.append(
+                    (
+                        name,
+                        label,
+                        statistics.median(real_v),
+                        min(real_v),
+                        max(real_v),
+                        statistics.median(sim_v),
+                        statistics.median(errs),
+                        min(errs),
+                        max(errs),
+                    )
+                )
             steps_err = [x[steps_key] for x in recs if steps_key in x]
             if steps_err:
-                rows.append((name, "step time on real steps", math.nan, math.nan, math.nan, math.nan,
-                             statistics.median(steps_err), min(steps_err), max(steps_err)))
+                rows.append(
+                    (
+                        name,
+                        "step time on real steps",
+                        math.nan,
+                        math.nan,
+                        math.nan,
+                        math.nan,
+                        statistics.median(steps_err),
+                        min(steps_err),
+                        max(steps_err),
+                    )
+                )
             if sim_key == "sim_calibrated":
                 f = [x["speed_factor"] - 1 for x in recs]
-                rows.append((name, "speed factor - 1", math.nan, math.nan, math.nan, math.nan,
-                             statistics.median(f), min(f), max(f)))
+                rows.append(
+                    (
+                        name,
+                        "speed factor - 1",
+                        math.nan,
+                        math.nan,
+                        math.nan,
+                        math.nan,
+                        statistics.median(f),
+                        min(f),
+                        max(f),
+                    )
+                )
         return rows
 
     def show(rows: list[tuple[Any, ...]]) -> None:
-        print(f"{'workload':9s}{'metric':24s}{'real':>10s}{'real range':>20s}{'sim':>10s}{'error':>9s}{'error range':>18s}")
+        print(
+            f"{'workload':9s}{'metric':24s}{'real':>10s}{'real range':>20s}{'sim':>10s}"
+            f"{'error':>9s}{'error range':>18s}"
+        )
         for name, label, med, lo, hi, simv, err, elo, ehi in rows:
-            real_txt = "" if math.isnan(med) else f"{med:10.1f}{f'{lo:.1f}..{hi:.1f}':>20s}{simv:10.1f}"
+            real_txt = (
+                "" if math.isnan(med) else f"{med:10.1f}{f'{lo:.1f}..{hi:.1f}':>20s}{simv:10.1f}"
+            )
             print(f"{name:9s}{label:24s}{real_txt:>40s}{err:+9.1%}{f'{elo:+.1%}..{ehi:+.1%}':>18s}")
 
     how = f"profile {ns.profile}" if fixed else "a profile fitted before each repeat"
-    print(f"\nfidelity: {ns.model} ({ns.dtype}, {ns.num_threads} thread(s)), {ns.clock} clock, {ns.allocator} "
-          f"allocator, {ns.repeats} repeats, {how}")
+    print(
+        f"\nfidelity: {ns.model} ({ns.dtype}, {ns.num_threads} thread(s)), {ns.clock} clock, "
+        f"{ns.allocator} allocator, {ns.repeats} repeats, {how}"
+    )
     print("error = sim / real - 1 per repeat; the median (and range) over repeats")
     print("\n(a) the profile as fitted")
     rows = table("sim", "profile_error_on_real_steps")
     show(rows)
-    print("\n(b) the profile scaled by the run's speed factor (reference steps before and after the run / "
-          "right after the profile was fitted)")
+    print(
+        "\n(b) the profile scaled by the run's speed factor (reference steps before and after "
+        "the run / right after the profile was fitted)"
+    )
     rows_cal = table("sim_calibrated", "calibrated_error_on_real_steps")
     show(rows_cal)
     if ns.result_file:
-        report = {"engine_args": asdict(args), "profile": ns.profile, "runs": runs,
-                  "table": [dict(zip(("workload", "metric", "real_median", "real_min", "real_max", "sim_median",
-                                      "error_median", "error_min", "error_max"), r)) for r in rows],
-                  "table_calibrated": [dict(zip(("workload", "metric", "real_median", "real_min", "real_max", "sim_median",
-                                                 "error_median", "error_min", "error_max"), r)) for r in rows_cal]}
+        report = {
+            "engine_args": asdict(args),
+            "profile": ns.profile,
+            "runs": runs,
+            "table": [dict(zip(TABLE_COLUMNS, r)) for r in rows],
+            "table_calibrated": [dict(zip(TABLE_COLUMNS, r)) for r in rows_cal],
+        }
         Path(ns.result_file).write_text(json.dumps(report, indent=1, default=str) + "\n")
         log(f"wrote {ns.result_file}")
     return 0

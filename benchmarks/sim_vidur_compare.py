@@ -41,14 +41,22 @@ VIDUR_H100_LLAMA2_7B: dict[tuple[int, int], tuple[float, float, float, float]] =
 
 def roofline_ops(cm: RooflineCostModel, tokens: int) -> tuple[float, float, float, float]:
     h, q, kv, i = cm.hidden, cm.q_dim, cm.kv_dim, cm.inter
-    return (cm._gemm(tokens, h, q + 2 * kv), cm._gemm(tokens, q, h), cm._gemm(tokens, h, 2 * i), cm._gemm(tokens, i, h))
+    return (
+        cm._gemm(tokens, h, q + 2 * kv),
+        cm._gemm(tokens, q, h),
+        cm._gemm(tokens, h, 2 * i),
+        cm._gemm(tokens, i, h),
+    )
 
 
 def main() -> int:
     cfg = load_model_config("llama-2-7b")
     hw = HARDWARE["h100-sxm"]
     print("Llama-2-7B on H100 SXM, one decoder layer's projections (qkv + o + gate/up + down), ms")
-    print(f"{'TP':>3}{'tokens':>8}{'Vidur (measured)':>18}{'iterserve roofline':>20}{'ratio':>8}   per op (roofline / measured)")
+    print(
+        f"{'TP':>3}{'tokens':>8}{'Vidur (measured)':>18}{'iterserve roofline':>20}{'ratio':>8}"
+        "   per op (roofline / measured)"
+    )
     errs = []
     for (tp, tokens), meas in VIDUR_H100_LLAMA2_7B.items():
         cm = RooflineCostModel(cfg, hw, tp=tp)

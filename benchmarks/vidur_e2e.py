@@ -49,7 +49,12 @@ FAKE_REV = "0" * 40  # commit folder of the hand-made Hugging Face cache entries
 
 # ---- the grid Vidur's profiler measures (vidur/profiling/utils, re-derived, not copied) ----
 def token_counts(limit: int) -> list[int]:
-    pts = [1, 2, 4] + list(range(8, 1024, 8)) + list(range(1024, 2048 + 1, 16)) + list(range(2048, 4096 + 1, 32))
+    pts = (
+        [1, 2, 4]
+        + list(range(8, 1024, 8))
+        + list(range(1024, 2048 + 1, 16))
+        + list(range(2048, 4096 + 1, 32))
+    )
     return sorted({p for p in pts if p <= limit})
 
 
@@ -59,7 +64,11 @@ def seq_lengths(limit: int) -> list[int]:
 
 
 def chunk_sizes(limit: int) -> list[int]:
-    pts = list(range(32, 128 + 1, 32)) + list(range(256, 1024 + 1, 128)) + list(range(1024, 8192 + 1, 512))
+    pts = (
+        list(range(32, 128 + 1, 32))
+        + list(range(256, 1024 + 1, 128))
+        + list(range(1024, 8192 + 1, 512))
+    )
     return sorted({p for p in pts if p <= limit})
 
 
@@ -68,21 +77,36 @@ def build_profiles(cm: RooflineCostModel, out: Path) -> None:
     m = cm.model
     h, q, kv, i = cm.hidden, cm.q_dim, cm.kv_dim, cm.inter
     ms = 1e3
-    ident = dict(n_head=m.num_heads, n_kv_head=m.num_kv_heads, n_embd=h, n_expanded_embd=m.intermediate_size,
-                 vocab_size=m.vocab_size, use_gated_mlp=True, num_tensor_parallel_workers=cm.tp)
+    ident = dict(
+        n_head=m.num_heads,
+        n_kv_head=m.num_kv_heads,
+        n_embd=h,
+        n_expanded_embd=m.intermediate_size,
+        vocab_size=m.vocab_size,
+        use_gated_mlp=True,
+        num_tensor_parallel_workers=cm.tp,
+    )
     # iterserve prices the elementwise ops of a layer as one memory-bound term; split it over
     # Vidur's five elementwise operators by the bytes each moves (the sum is unchanged).
-    shares = {"input_layernorm": 2 * h, "post_attention_layernorm": 2 * h, "add": 4 * h,
-              "attn_rope": 2 * (q + kv), "mlp_act": 3 * i}
+    shares = {
+        "input_layernorm": 2 * h,
+        "post_attention_layernorm": 2 * h,
+        "add": 4 * h,
+        "attn_rope": 2 * (q + kv),
+        "mlp_act": 3 * i,
+    }
     total_share = sum(shares.values())
     rows = []
     for t in token_counts(MAX_TOKENS):
         elem = max(t * total_share * cm.wb / cm._bw, 4 * cm._kernel)
-        r = {"num_tokens": t, **ident,
-             "time_stats.attn_pre_proj.median": cm._gemm(t, h, q + 2 * kv) * ms,
-             "time_stats.attn_post_proj.median": cm._gemm(t, q, h) * ms,
-             "time_stats.mlp_up_proj.median": cm._gemm(t, h, 2 * i) * ms,
-             "time_stats.mlp_down_proj.median": cm._gemm(t, i, h) * ms}
+        r = {
+            "num_tokens": t,
+            **ident,
+            "time_stats.attn_pre_proj.median": cm._gemm(t, h, q + 2 * kv) * ms,
+            "time_stats.attn_post_proj.median": cm._gemm(t, q, h) * ms,
+            "time_stats.mlp_up_proj.median": cm._gemm(t, h, 2 * i) * ms,
+            "time_stats.mlp_down_proj.median": cm._gemm(t, i, h) * ms,
+        }
         for name, w in shares.items():
             r[f"time_stats.{name}.median"] = elem * w / total_share * ms
         rows.append(r)
@@ -95,27 +119,59 @@ def build_profiles(cm: RooflineCostModel, out: Path) -> None:
         nbytes = cm._kv_bytes_per_key * ctx_sum + 2 * qtok * q * cm.wb
         return max(flops / cm._flops_attn, nbytes / cm._bw_attn, cm._kernel) * ms
 
-    aid = dict(n_embd=h, n_q_head=m.num_heads, n_kv_head=m.num_kv_heads, block_size=BLOCK,
-               num_tensor_parallel_workers=cm.tp, max_model_len=MAX_MODEL_LEN)
+    aid = dict(
+        n_embd=h,
+        n_q_head=m.num_heads,
+        n_kv_head=m.num_kv_heads,
+        block_size=BLOCK,
+        num_tensor_parallel_workers=cm.tp,
+        max_model_len=MAX_MODEL_LEN,
+    )
     arows = []
     for c in chunk_sizes(MAX_MODEL_LEN):  # chunked prefills: kv = whole chunks before this one
         for p in range(0, MAX_MODEL_LEN - c + 1, c):
-            arows.append({**aid, "batch_size": 1, "prefill_chunk_size": c, "kv_cache_size": p, "is_prefill": True,
-                          "time_stats.attn_prefill.median": attn(c * p + c * (c + 1) // 2, p + c, c)})
+            arows.append(
+                {
+                    **aid,
+                    "batch_size": 1,
+                    "prefill_chunk_size": c,
+                    "kv_cache_size": p,
+                    "is_prefill": True,
+                    "time_stats.attn_prefill.median": attn(c * p + c * (c + 1) // 2, p + c, c),
+                }
+            )
     for c in seq_lengths(MAX_MODEL_LEN):  # full prefills
         if c:
-            arows.append({**aid, "batch_size": 1, "prefill_chunk_size": c, "kv_cache_size": 0, "is_prefill": True,
-                          "time_stats.attn_prefill.median": attn(c * (c + 1) // 2, c, c)})
+            arows.append(
+                {
+                    **aid,
+                    "batch_size": 1,
+                    "prefill_chunk_size": c,
+                    "kv_cache_size": 0,
+                    "is_prefill": True,
+                    "time_stats.attn_prefill.median": attn(c * (c + 1) // 2, c, c),
+                }
+            )
     for k in seq_lengths(MAX_MODEL_LEN):  # decodes
         if not k:
             continue
         for b in range(1, MAX_SEQS + 1):
-            arows.append({**aid, "batch_size": b, "prefill_chunk_size": 0, "kv_cache_size": k, "is_prefill": False,
-                          "time_stats.attn_decode.median": attn(b * (k + 1), b * (k + 1), b)})
+            arows.append(
+                {
+                    **aid,
+                    "batch_size": b,
+                    "prefill_chunk_size": 0,
+                    "kv_cache_size": k,
+                    "is_prefill": False,
+                    "time_stats.attn_decode.median": attn(b * (k + 1), b * (k + 1), b),
+                }
+            )
     for r in arows:
         r.setdefault("time_stats.attn_prefill.median", "")
         r.setdefault("time_stats.attn_decode.median", "")
-        r["time_stats.attn_kv_cache_save.median"] = 0.0  # Vidur 0.0.26 leaves it out of the step anyway
+        r["time_stats.attn_kv_cache_save.median"] = (
+            0.0  # Vidur 0.0.26 leaves it out of the step anyway
+        )
     write_csv_xz(out / "attention.csv.xz", arows)
 
 
@@ -146,10 +202,22 @@ def iterserve_args(scheduler: str) -> list[str]:
 
 def vidur_args(scheduler: str) -> list[str]:
     if scheduler == "vllm":
-        return ["--replica_scheduler_config_type", "vllm", "--vllm_scheduler_config_batch_size_cap", str(MAX_SEQS),
-                "--vllm_scheduler_config_max_tokens_in_batch", str(MAX_TOKENS)]
-    return ["--replica_scheduler_config_type", "sarathi", "--sarathi_scheduler_config_batch_size_cap", str(MAX_SEQS),
-            "--sarathi_scheduler_config_chunk_size", "512"]
+        return [
+            "--replica_scheduler_config_type",
+            "vllm",
+            "--vllm_scheduler_config_batch_size_cap",
+            str(MAX_SEQS),
+            "--vllm_scheduler_config_max_tokens_in_batch",
+            str(MAX_TOKENS),
+        ]
+    return [
+        "--replica_scheduler_config_type",
+        "sarathi",
+        "--sarathi_scheduler_config_batch_size_cap",
+        str(MAX_SEQS),
+        "--sarathi_scheduler_config_chunk_size",
+        "512",
+    ]
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -157,22 +225,58 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def summarize(ttft: list[float], tpot: list[float], e2e: list[float], makespan: float, out_tokens: int) -> dict:
-    return {"n": len(e2e), "ttft_p50_ms": statistics.median(ttft) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
-            "tpot_p50_ms": statistics.median(tpot) * 1e3, "tpot_p99_ms": pct(tpot, 99) * 1e3,
-            "e2e_p50_s": statistics.median(e2e), "e2e_p99_s": pct(e2e, 99),
-            "req_per_s": len(e2e) / makespan, "out_tok_per_s": out_tokens / makespan}
+def summarize(
+    ttft: list[float], tpot: list[float], e2e: list[float], makespan: float, out_tokens: int
+) -> dict:
+    return {
+        "n": len(e2e),
+        "ttft_p50_ms": statistics.median(ttft) * 1e3,
+        "ttft_p99_ms": pct(ttft, 99) * 1e3,
+        "tpot_p50_ms": statistics.median(tpot) * 1e3,
+        "tpot_p99_ms": pct(tpot, 99) * 1e3,
+        "e2e_p50_s": statistics.median(e2e),
+        "e2e_p99_s": pct(e2e, 99),
+        "req_per_s": len(e2e) / makespan,
+        "out_tok_per_s": out_tokens / makespan,
+    }
 
 
-def run_iterserve(work: Path, scheduler: str, n: int, time_scale: float, blocks: int | None, extra: list[str],
-                  tag: str) -> tuple[dict, list]:
+def run_iterserve(
+    work: Path,
+    scheduler: str,
+    n: int,
+    time_scale: float,
+    blocks: int | None,
+    extra: list[str],
+    tag: str,
+) -> tuple[dict, list]:
     res = work / f"iterserve_{tag}.json"
-    cmd = ["iterserve", "simulate", "--workload", "azure-conv", "--num-prompts", str(n),
-           "--time-scale", str(time_scale),
-           "--model", MODEL,
-           "--hardware", HW, "--max-num-seqs", str(MAX_SEQS), "--block-size", str(BLOCK),
-           "--max-model-len", str(MAX_MODEL_LEN), "--long-prompts", "clip", *iterserve_args(scheduler),
-           "--result-file", str(res), *extra]
+    cmd = [
+        "iterserve",
+        "simulate",
+        "--workload",
+        "azure-conv",
+        "--num-prompts",
+        str(n),
+        "--time-scale",
+        str(time_scale),
+        "--model",
+        MODEL,
+        "--hardware",
+        HW,
+        "--max-num-seqs",
+        str(MAX_SEQS),
+        "--block-size",
+        str(BLOCK),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--long-prompts",
+        "clip",
+        *iterserve_args(scheduler),
+        "--result-file",
+        str(res),
+        *extra,
+    ]
     if blocks:
         cmd += ["--num-kv-blocks", str(blocks)]
     print("$", " ".join(cmd), flush=True)
@@ -183,21 +287,40 @@ def run_iterserve(work: Path, scheduler: str, n: int, time_scale: float, blocks:
     tpot = [sum(r["itl"]) / len(r["itl"]) for r in reqs if r["itl"]]
     e2e = [r["latency"] for r in reqs]
     done = [r["arrival_time"] + r["latency"] for r in reqs]
-    s = summarize(ttft, tpot, e2e, max(done) - min(r["arrival_time"] for r in reqs), sum(r["output_len"] for r in reqs))
+    s = summarize(
+        ttft,
+        tpot,
+        e2e,
+        max(done) - min(r["arrival_time"] for r in reqs),
+        sum(r["output_len"] for r in reqs),
+    )
     s["busy_s"] = run["summary"]["sim"]["busy_s"]
     s["num_steps"] = run["summary"]["sim"]["num_steps"]
     return s, run["requests"]
 
 
-def run_vidur(work: Path, vidur_python: str, scheduler: str, requests: list, blocks: int, tag: str) -> list[dict]:
+def run_vidur(
+    work: Path, vidur_python: str, scheduler: str, requests: list, blocks: int, tag: str
+) -> list[dict]:
     cache = work / "vidur_cache"
-    compute_id, network_id = "iterserve-local/roofline-llama-3-8b-h100", "iterserve-local/roofline-h100-dgx"
-    snap = hf_cache_entry(cache / "profiling_data" / "compute", compute_id,
-                          {"config.json": {"model": VIDUR_MODEL, "device_sku": VIDUR_DEVICE}})
+    compute_id, network_id = (
+        "iterserve-local/roofline-llama-3-8b-h100",
+        "iterserve-local/roofline-h100-dgx",
+    )
+    snap = hf_cache_entry(
+        cache / "profiling_data" / "compute",
+        compute_id,
+        {"config.json": {"model": VIDUR_MODEL, "device_sku": VIDUR_DEVICE}},
+    )
     cm = RooflineCostModel(load_model_config(MODEL), HARDWARE[HW], tp=1)
     build_profiles(cm, snap)
-    nsnap = hf_cache_entry(cache / "profiling_data" / "network", network_id, {"config.json": {"sku": VIDUR_NETWORK}})
-    header = "num_workers,devices_per_node,collective,size,time_stats.all_reduce.median,time_stats.send_recv.median\n"
+    nsnap = hf_cache_entry(
+        cache / "profiling_data" / "network", network_id, {"config.json": {"sku": VIDUR_NETWORK}}
+    )
+    header = (
+        "num_workers,devices_per_node,collective,size,"
+        "time_stats.all_reduce.median,time_stats.send_recv.median\n"
+    )
     for name in ("all_reduce.csv.xz", "send_recv.csv.xz"):  # unused at TP1/PP1, but must exist
         with lzma.open(nsnap / name, "wt") as f:
             f.write(header)
@@ -210,26 +333,69 @@ def run_vidur(work: Path, vidur_python: str, scheduler: str, requests: list, blo
             w.writerow(["iterserve", r["arrival_time"], r["prompt_len"], r["output_len"]])
     out = work / f"vidur_out_{tag}"
     rf = "--random_forrest_execution_time_predictor_config_"
-    cmd = [vidur_python, "-m", "vidur.main",
-           "--replica_config_model_name", VIDUR_MODEL, "--replica_config_device", VIDUR_DEVICE,
-           "--replica_config_network_device", VIDUR_NETWORK, "--replica_config_tensor_parallel_size", "1",
-           "--replica_config_num_pipeline_stages", "1", "--cluster_config_num_replicas", "1",
-           "--cache_config_block_size", str(BLOCK), "--cache_config_num_blocks", str(blocks),
-           *vidur_args(scheduler),
-           "--request_generator_config_type", "trace_replay",
-           "--trace_request_generator_config_trace_file", str(trace),
-           "--trace_request_generator_config_date", "iterserve",
-           "--trace_request_generator_config_prefill_scale_factor", "1",
-           "--trace_request_generator_config_decode_scale_factor", "1",
-           "--trace_request_generator_config_time_scale_factor", "1",
-           "--trace_request_generator_config_max_tokens", str(MAX_MODEL_LEN),
-           "--execution_time_predictor_config_type", "random_forrest",
-           rf + "model_profiling_dataset", compute_id, rf + "network_profiling_dataset", network_id,
-           rf + "cache_dir", str(cache), rf + "prediction_max_tokens_per_request", str(MAX_MODEL_LEN),
-           rf + "prediction_max_prefill_chunk_size", str(MAX_TOKENS), rf + "prediction_max_batch_size", str(MAX_SEQS),
-           rf + "num_estimators", "100", rf + "max_depth", "32", rf + "min_samples_split", "2",
-           rf + "k_fold_cv_splits", "2", rf + "num_training_job_threads", "1",
-           "--metrics_config_output_dir", str(out), "--no-metrics_config_store_plots"]
+    cmd = [
+        vidur_python,
+        "-m",
+        "vidur.main",
+        "--replica_config_model_name",
+        VIDUR_MODEL,
+        "--replica_config_device",
+        VIDUR_DEVICE,
+        "--replica_config_network_device",
+        VIDUR_NETWORK,
+        "--replica_config_tensor_parallel_size",
+        "1",
+        "--replica_config_num_pipeline_stages",
+        "1",
+        "--cluster_config_num_replicas",
+        "1",
+        "--cache_config_block_size",
+        str(BLOCK),
+        "--cache_config_num_blocks",
+        str(blocks),
+        *vidur_args(scheduler),
+        "--request_generator_config_type",
+        "trace_replay",
+        "--trace_request_generator_config_trace_file",
+        str(trace),
+        "--trace_request_generator_config_date",
+        "iterserve",
+        "--trace_request_generator_config_prefill_scale_factor",
+        "1",
+        "--trace_request_generator_config_decode_scale_factor",
+        "1",
+        "--trace_request_generator_config_time_scale_factor",
+        "1",
+        "--trace_request_generator_config_max_tokens",
+        str(MAX_MODEL_LEN),
+        "--execution_time_predictor_config_type",
+        "random_forrest",
+        rf + "model_profiling_dataset",
+        compute_id,
+        rf + "network_profiling_dataset",
+        network_id,
+        rf + "cache_dir",
+        str(cache),
+        rf + "prediction_max_tokens_per_request",
+        str(MAX_MODEL_LEN),
+        rf + "prediction_max_prefill_chunk_size",
+        str(MAX_TOKENS),
+        rf + "prediction_max_batch_size",
+        str(MAX_SEQS),
+        rf + "num_estimators",
+        "100",
+        rf + "max_depth",
+        "32",
+        rf + "min_samples_split",
+        "2",
+        rf + "k_fold_cv_splits",
+        "2",
+        rf + "num_training_job_threads",
+        "1",
+        "--metrics_config_output_dir",
+        str(out),
+        "--no-metrics_config_store_plots",
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     print("$ HF_HUB_OFFLINE=1", " ".join(cmd), flush=True)
     with open(work / f"vidur_{tag}.log", "w") as log:
@@ -254,33 +420,66 @@ def vidur_summary(rows: list[dict], requests: list) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vidur-python", default=os.environ.get("VIDUR_PYTHON", "/tmp/vidur-venv/bin/python"))
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--vidur-python", default=os.environ.get("VIDUR_PYTHON", "/tmp/vidur-venv/bin/python")
+    )
     ap.add_argument("--scheduler", choices=("vllm", "sarathi"), default="vllm")
     ap.add_argument("--num-prompts", type=int, default=2000)
-    ap.add_argument("--time-scale", type=float, default=1.0,
-                    help="multiply the trace's arrival times (0.25 = four times the rate); Vidur gets the scaled times")
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply the trace's arrival times (0.25 = four times the rate); "
+        "Vidur gets the scaled times",
+    )
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "iterserve" / "vidur"))
     a = ap.parse_args()
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
 
     tag = f"{a.scheduler}_x{a.time_scale:g}"
-    base, reqs = run_iterserve(work, a.scheduler, a.num_prompts, a.time_scale, None, [], f"{tag}_default")
+    base, reqs = run_iterserve(
+        work, a.scheduler, a.num_prompts, a.time_scale, None, [], f"{tag}_default"
+    )
     result = json.loads((work / f"iterserve_{tag}_default.json").read_text())
     blocks = result["runs"][0]["engine_stats"]["kv_blocks_total"]
-    nocpu, _ = run_iterserve(work, a.scheduler, a.num_prompts, a.time_scale, blocks,
-                             ["--efficiency", "step_s=0", "per_seq_s=0"], f"{tag}_nocpu")
+    nocpu, _ = run_iterserve(
+        work,
+        a.scheduler,
+        a.num_prompts,
+        a.time_scale,
+        blocks,
+        ["--efficiency", "step_s=0", "per_seq_s=0"],
+        f"{tag}_nocpu",
+    )
     vdf = run_vidur(work, a.vidur_python, a.scheduler, reqs, blocks, tag)
     vid = vidur_summary(vdf, reqs)
 
-    rows = [("iterserve (roofline, CPU time on)", base), ("iterserve (roofline, CPU time 0)", nocpu),
-            (f"Vidur 0.0.26 {a.scheduler} (same roofline ops)", vid)]
-    keys = ["n", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_s", "e2e_p99_s",
-            "req_per_s", "out_tok_per_s"]
+    rows = [
+        ("iterserve (roofline, CPU time on)", base),
+        ("iterserve (roofline, CPU time 0)", nocpu),
+        (f"Vidur 0.0.26 {a.scheduler} (same roofline ops)", vid),
+    ]
+    keys = [
+        "n",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "tpot_p99_ms",
+        "e2e_p50_s",
+        "e2e_p99_s",
+        "req_per_s",
+        "out_tok_per_s",
+    ]
     print(f"{'':44}" + "".join(f"{k:>14}" for k in keys))
     for name, s in rows:
-        print(f"{name:44}" + "".join(f"{s[k]:>14.2f}" if isinstance(s[k], float) else f"{s[k]:>14}" for k in keys))
+        print(
+            f"{name:44}"
+            + "".join(f"{s[k]:>14.2f}" if isinstance(s[k], float) else f"{s[k]:>14}" for k in keys)
+        )
     (work / f"summary_{tag}.json").write_text(json.dumps({n: s for n, s in rows}, indent=1))
     return 0
 

@@ -60,7 +60,8 @@ def generate_main(argv: list[str]) -> int:
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     print(
         f"{len(outs)} requests, {ntok} tokens in {dt:.2f}s, {st['num_steps']} steps, "
-        f"{st['num_preemptions']} preemptions, prefix-cache hit rate {st['prefix_cache_hit_rate']:.0%}"
+        f"{st['num_preemptions']} preemptions, "
+        f"prefix-cache hit rate {st['prefix_cache_hit_rate']:.0%}"
     )
     return 0
 

@@ -27,7 +27,9 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
-        body = json.dumps({"object": "list", "data": [{"id": "fake", "max_model_len": 777}]}).encode()
+        body = json.dumps(
+            {"object": "list", "data": [{"id": "fake", "max_model_len": 777}]}
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -60,12 +62,27 @@ class _Handler(BaseHTTPRequestHandler):
                 self._event({"error": {"message": "scripted stream error"}})
                 return
             reason = None
-            self._event({"id": "c", "object": "text_completion",
-                         "choices": [{"index": 0, "text": f" t{i}", "finish_reason": reason}],
-                         "usage": None})
-        self._event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": None})
-        self._event({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
-                                              "total_tokens": len(prompt) + n}})
+            self._event(
+                {
+                    "id": "c",
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": f" t{i}", "finish_reason": reason}],
+                    "usage": None,
+                }
+            )
+        self._event(
+            {"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": None}
+        )
+        self._event(
+            {
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": n,
+                    "total_tokens": len(prompt) + n,
+                },
+            }
+        )
         self._event("[DONE]")
 
 
@@ -86,8 +103,10 @@ def _url(srv: ThreadingHTTPServer) -> str:
 
 
 def test_ttft_itl_tpot_e2el_and_request_body(server: ThreadingHTTPServer) -> None:
-    specs = [RequestSpec([200, 50, 7], output_len=5, arrival_time=0.0),
-             RequestSpec([100, 20, 7], output_len=1, arrival_time=0.0)]
+    specs = [
+        RequestSpec([200, 50, 7], output_len=5, arrival_time=0.0),
+        RequestSpec([100, 20, 7], output_len=1, arrival_time=0.0),
+    ]
     res = run_serve(specs, base_url=_url(server), model="fake")
     a, b = res.timings
     assert a.success and b.success, (a.error, b.error)

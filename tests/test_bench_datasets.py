@@ -41,7 +41,9 @@ def test_traces_ship_with_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
         ("mooncake", 3993, (40160, 6), 0.0),
     ],
 )
-def test_trace_parsers(dataset: str, rows: int, first: tuple[int, int], second_arrival: float | None) -> None:
+def test_trace_parsers(
+    dataset: str, rows: int, first: tuple[int, int], second_arrival: float | None
+) -> None:
     trace = load_trace(dataset)
     assert len(trace) == rows
     assert (trace[0].input_len, trace[0].output_len) == first
@@ -61,8 +63,11 @@ def test_trace_parsers(dataset: str, rows: int, first: tuple[int, int], second_a
 def test_mooncake_equal_hash_ids_give_equal_prefixes() -> None:
     rows = load_trace("mooncake")[:400]
     specs, _ = build_workload(
-        WorkloadConfig(dataset="mooncake", num_prompts=400, length_scale=1 / 64, long_prompts="skip"),
-        vocab_size=1000, max_model_len=100_000,
+        WorkloadConfig(
+            dataset="mooncake", num_prompts=400, length_scale=1 / 64, long_prompts="skip"
+        ),
+        vocab_size=1000,
+        max_model_len=100_000,
     )
     assert len(specs) == 400
     block = 8  # 512 / 64 tokens per hash block
@@ -83,12 +88,13 @@ def test_mooncake_equal_hash_ids_give_equal_prefixes() -> None:
         assert specs[i].prompt_token_ids[:n] == specs[j].prompt_token_ids[:n]
         if k < min(len(hi), len(hj)):  # the first differing block differs
             a, b = specs[i].prompt_token_ids, specs[j].prompt_token_ids
-            assert a[k * block:(k + 1) * block] != b[k * block:(k + 1) * block]
+            assert a[k * block : (k + 1) * block] != b[k * block : (k + 1) * block]
     # Arrivals are the trace's (ms -> s), scaled by time_scale.
     assert specs[2].arrival_time == pytest.approx(0.040)
     slow, _ = build_workload(
         WorkloadConfig(dataset="mooncake", num_prompts=5, length_scale=1 / 64, time_scale=2.0),
-        vocab_size=1000, max_model_len=100_000,
+        vocab_size=1000,
+        max_model_len=100_000,
     )
     assert slow[2].arrival_time == pytest.approx(0.080)
 
@@ -101,8 +107,11 @@ def test_clip_and_skip_long_prompts() -> None:
     assert "clip" in rep.describe() and str(rep.clipped) in rep.describe()
     assert all(100 <= t < 500 for s in specs for t in s.prompt_token_ids)
 
-    specs, rep = build_workload(WorkloadConfig(dataset="azure-code", num_prompts=50, long_prompts="skip"),
-                                vocab_size=500, max_model_len=2048)
+    specs, rep = build_workload(
+        WorkloadConfig(dataset="azure-code", num_prompts=50, long_prompts="skip"),
+        vocab_size=500,
+        max_model_len=2048,
+    )
     assert len(specs) == 50 and rep.skipped > 0 and rep.clipped == 0
     assert rep.rows_read == 50 + rep.skipped
     assert all(s.prompt_len + s.output_len <= 2048 for s in specs)
@@ -121,19 +130,33 @@ def test_sharegpt_sample_and_length_scale() -> None:
 
 def test_trace_path_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "mine.csv"
-    f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                 "2023-11-16 18:00:00.0000000,10,3\n2023-11-16 18:00:01.5000000,20,4\n")
-    specs, _ = build_workload(WorkloadConfig(dataset="azure-conv", num_prompts=2, dataset_path=str(f)),
-                              vocab_size=200, max_model_len=64)
-    assert [(s.prompt_len, s.output_len, s.arrival_time) for s in specs] == [(10, 3, 0.0), (20, 4, 1.5)]
+    f.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:00:00.0000000,10,3\n2023-11-16 18:00:01.5000000,20,4\n"
+    )
+    specs, _ = build_workload(
+        WorkloadConfig(dataset="azure-conv", num_prompts=2, dataset_path=str(f)),
+        vocab_size=200,
+        max_model_len=64,
+    )
+    assert [(s.prompt_len, s.output_len, s.arrival_time) for s in specs] == [
+        (10, 3, 0.0),
+        (20, 4, 1.5),
+    ]
     monkeypatch.setenv("ITERSERVE_TRACES_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="ITERSERVE_TRACES_DIR"):
         trace_path("azure-code")
 
 
 def test_random_lengths_and_arrivals() -> None:
-    cfg = WorkloadConfig(dataset="random", num_prompts=400, random_input_len=100, random_output_len=20,
-                         random_range_ratio=0.5, request_rate=10.0)
+    cfg = WorkloadConfig(
+        dataset="random",
+        num_prompts=400,
+        random_input_len=100,
+        random_output_len=20,
+        random_range_ratio=0.5,
+        request_rate=10.0,
+    )
     specs, rep = build_workload(cfg, vocab_size=300, max_model_len=4096)
     ins = [s.prompt_len for s in specs]
     assert min(ins) >= 50 and max(ins) <= 150 and rep.clipped == 0

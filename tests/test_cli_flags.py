@@ -94,9 +94,14 @@ def test_add_dataclass_args_types_defaults_and_overrides() -> None:
     assert vars(only.parse_args(["--name", "b"])) == {"name": "b"}
 
 
+def _bench_offline_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in bench_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["offline"]
+
+
 def test_every_engine_flag_keeps_its_name_and_default() -> None:
     defaults = EngineArgs()
-    for parser in (serve_parser(), bench_parser()._subparsers._group_actions[0].choices["offline"]):  # type: ignore[union-attr]
+    for parser in (serve_parser(), _bench_offline_parser()):
         ns = parser.parse_args([])
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
             assert getattr(ns, name) == getattr(defaults, name)
@@ -112,7 +117,7 @@ def test_bench_engine_flags_and_their_overrides() -> None:
     assert (ns.model, ns.dtype, ns.record_steps, ns.policies) == (
         "bench-134m", "bfloat16", "steps", "static,continuous,continuous-nochunk",
     )  # fmt: skip
-    offline_help = bench_parser()._subparsers._group_actions[0].choices["offline"].format_help()  # type: ignore[union-attr]
+    offline_help = _bench_offline_parser().format_help()
     assert "--record-steps DIR" in offline_help and "--policy " not in offline_help
 
 

@@ -1,8 +1,8 @@
 """``iterserve bench {serve,offline,sweep}``.
 
-    serve    online load generator for any OpenAI-compatible server (HTTP, streaming)
-    offline  one workload, all requests at once, through each scheduling policy in-process
-    sweep    request rates from light load to overload, per policy, in-process
+serve    online load generator for any OpenAI-compatible server (HTTP, streaming)
+offline  one workload, all requests at once, through each scheduling policy in-process
+sweep    request rates from light load to overload, per policy, in-process
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def _err(msg: str) -> None:
 
 
 @contextmanager
-def progress_bar(total: int, description: str, enabled: bool) -> Iterator[Callable[[RequestTiming], None]]:
+def progress_bar(
+    total: int, description: str, enabled: bool
+) -> Iterator[Callable[[RequestTiming], None]]:
     """A rich progress bar (on stderr) advanced once per finished request."""
     if not enabled:
         yield lambda t: None
@@ -56,8 +58,11 @@ def progress_bar(total: int, description: str, enabled: bool) -> Iterator[Callab
 
     failed = 0
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("failed {task.fields[failed]}"),
+        TimeElapsedColumn(),
         console=Console(stderr=True),
     ) as prog:
         task = prog.add_task(description, total=total, failed=0)
@@ -71,11 +76,21 @@ def progress_bar(total: int, description: str, enabled: bool) -> Iterator[Callab
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--goodput", nargs="+", metavar="NAME:MS",
-                   help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 (names: ttft, tpot, e2el)")
-    p.add_argument("--result-file", help="write the summary and every request's timings to this JSON file")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="show a progress bar")
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 (names: ttft, tpot, e2el)",
+    )
+    p.add_argument(
+        "--result-file", help="write the summary and every request's timings to this JSON file"
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show a progress bar",
+    )
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -95,30 +110,57 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iterserve bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="iterserve bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="online load generator for an OpenAI-compatible server")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (with or without /v1)")
-    s.add_argument("--model", help="model name to request (default: the first one the server lists)")
+    s.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="server URL (with or without /v1)"
+    )
+    s.add_argument(
+        "--model", help="model name to request (default: the first one the server lists)"
+    )
     s.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
-    s.add_argument("--max-model-len", type=int,
-                   help=f"context for clipping/skipping long requests (default: the server's, else {DEFAULT_SERVE_MAX_MODEL_LEN})")
-    s.add_argument("--vocab-size", type=int,
-                   help=f"draw prompt ids below this (default: the tokenizer's, else {SAFE_VOCAB_SIZE})")
-    s.add_argument("--tokenizer", help="tokenizer folder (or built-in model name) for --prompt-format text")
-    s.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
-                   help="send token-id lists (exact lengths) or text decoded from them")
+    s.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context for clipping/skipping long requests "
+        f"(default: the server's, else {DEFAULT_SERVE_MAX_MODEL_LEN})",
+    )
+    s.add_argument(
+        "--vocab-size",
+        type=int,
+        help=f"draw prompt ids below this (default: the tokenizer's, else {SAFE_VOCAB_SIZE})",
+    )
+    s.add_argument(
+        "--tokenizer", help="tokenizer folder (or built-in model name) for --prompt-format text"
+    )
+    s.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="ids",
+        help="send token-id lists (exact lengths) or text decoded from them",
+    )
     s.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
-    s.add_argument("--label", help="name of this run in the result file and plots (default: the model)")
+    s.add_argument(
+        "--label", help="name of this run in the result file and plots (default: the model)"
+    )
     WorkloadConfig.add_cli_args(s)
     _add_common(s)
     s.set_defaults(func=cmd_serve)
 
-    o = sub.add_parser("offline", help="the same workload through each policy, in-process, all at once")
-    o.add_argument("--policies", default="static,continuous,continuous-nochunk",
-                   help="comma-separated: static, continuous, continuous-nochunk")
+    o = sub.add_parser(
+        "offline", help="the same workload through each policy, in-process, all at once"
+    )
+    o.add_argument(
+        "--policies",
+        default="static,continuous,continuous-nochunk",
+        help="comma-separated: static, continuous, continuous-nochunk",
+    )
     WorkloadConfig.add_cli_args(
         o,
         skip=("seed", "request_rate", "burstiness", "time_scale"),
@@ -128,11 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(o)
     o.set_defaults(func=cmd_offline)
 
-    w = sub.add_parser("sweep", help="request rates from light load to overload, per policy, in-process")
-    w.add_argument("--policies", default="static,continuous", help="comma-separated policy variants")
-    w.add_argument("--request-rates", default="auto",
-                   help="comma-separated req/s (inf allowed), or 'auto': fractions "
-                   "0.25,0.5,0.75,1,1.5 of the capacity measured with all requests at once, plus inf")
+    w = sub.add_parser(
+        "sweep", help="request rates from light load to overload, per policy, in-process"
+    )
+    w.add_argument(
+        "--policies", default="static,continuous", help="comma-separated policy variants"
+    )
+    w.add_argument(
+        "--request-rates",
+        default="auto",
+        help="comma-separated req/s (inf allowed), or 'auto': fractions "
+        "0.25,0.5,0.75,1,1.5 of the capacity measured with all requests at once, plus inf",
+    )
     WorkloadConfig.add_cli_args(
         w,
         skip=("seed", "request_rate", "time_scale"),
@@ -192,14 +241,20 @@ def text_prompts(tokenizer: Any, specs: list[RequestSpec]) -> tuple[list[Request
     server will see (BPE merges across token boundaries can change them slightly)."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     pool = [
-        i for i in range(len(tokenizer))
-        if i not in special and list(tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False)) == [i]
+        i
+        for i in range(len(tokenizer))
+        if i not in special
+        and list(tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False)) == [i]
     ]
     if not pool:
-        raise ValueError("the tokenizer has no token that round-trips through text; use --prompt-format ids")
+        raise ValueError(
+            "the tokenizer has no token that round-trips through text; use --prompt-format ids"
+        )
     texts = [tokenizer.decode([pool[t % len(pool)] for t in s.prompt_token_ids]) for s in specs]
-    specs = [dataclasses.replace(s, prompt_token_ids=list(tokenizer.encode(t, add_special_tokens=False)))
-             for s, t in zip(specs, texts)]
+    specs = [
+        dataclasses.replace(s, prompt_token_ids=list(tokenizer.encode(t, add_special_tokens=False)))
+        for s, t in zip(specs, texts)
+    ]
     return specs, texts
 
 
@@ -218,8 +273,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError("--model is required when the server does not list its models")
     max_len = ns.max_model_len
     if max_len is None:
-        max_len = next((int(m["max_model_len"]) for m in served
-                        if m.get("id") == model and m.get("max_model_len")), None)
+        max_len = next(
+            (
+                int(m["max_model_len"])
+                for m in served
+                if m.get("id") == model and m.get("max_model_len")
+            ),
+            None,
+        )
     max_len = max_len or DEFAULT_SERVE_MAX_MODEL_LEN
 
     tokenizer = _load_tokenizer(ns.tokenizer or model) if ns.prompt_format == "text" else None
@@ -227,7 +288,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if vocab is None and tokenizer is not None:
         vocab = len(tokenizer)
     if vocab is None:
-        folder = _local_model_folder(ns.tokenizer) if ns.tokenizer else (model if os.path.isdir(model) else None)
+        folder = (
+            _local_model_folder(ns.tokenizer)
+            if ns.tokenizer
+            else (model if os.path.isdir(model) else None)
+        )
         vocab = _vocab_size_of(folder) if folder else None
     vocab = vocab or SAFE_VOCAB_SIZE
 
@@ -236,19 +301,39 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if tokenizer is not None:
         specs, texts = text_prompts(tokenizer, specs)
         prompts = list(texts)
-    _err(f"workload: {cfg.dataset}, {len(specs)} requests, arrivals {cfg.arrivals}; {report.describe()}")
+    _err(
+        f"workload: {cfg.dataset}, {len(specs)} requests, arrivals {cfg.arrivals}; "
+        + report.describe()
+    )
     with progress_bar(len(specs), f"bench serve {model}", ns.progress) as on_done:
-        res = run_serve(specs, base_url=ns.base_url, model=model, prompts=prompts,
-                        max_concurrency=ns.max_concurrency, request_timeout_s=ns.request_timeout,
-                        on_done=on_done)
+        res = run_serve(
+            specs,
+            base_url=ns.base_url,
+            model=model,
+            prompts=prompts,
+            max_concurrency=ns.max_concurrency,
+            request_timeout_s=ns.request_timeout,
+            on_done=on_done,
+        )
     summary = summarize(res.timings, res.duration_s, slos)
     summary["max_concurrency"] = ns.max_concurrency
     print(format_summary(summary))
     if ns.result_file:
-        run = make_run(ns.label or model, summary, res.timings, request_rate=cfg.request_rate,
-                       base_url=ns.base_url, model=model)
-        path = write_result(ns.result_file, "serve", [run], config=_config(ns),
-                            workload=_workload_info(cfg, specs, report, vocab))
+        run = make_run(
+            ns.label or model,
+            summary,
+            res.timings,
+            request_rate=cfg.request_rate,
+            base_url=ns.base_url,
+            model=model,
+        )
+        path = write_result(
+            ns.result_file,
+            "serve",
+            [run],
+            config=_config(ns),
+            workload=_workload_info(cfg, specs, report, vocab),
+        )
         _err(f"wrote {path}")
     return 0 if summary["completed"] else 1
 
@@ -260,9 +345,17 @@ def _config(ns: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(ns).items() if k != "func"}
 
 
-def _workload_info(cfg: WorkloadConfig, specs: list[RequestSpec], report: LengthReport, vocab: int) -> dict[str, Any]:
-    return {"config": dataclasses.asdict(cfg), "vocab_size": vocab, "arrivals": cfg.arrivals,
-            "lengths": report.to_dict(), "length_note": report.describe(), **describe_workload(specs)}
+def _workload_info(
+    cfg: WorkloadConfig, specs: list[RequestSpec], report: LengthReport, vocab: int
+) -> dict[str, Any]:
+    return {
+        "config": dataclasses.asdict(cfg),
+        "vocab_size": vocab,
+        "arrivals": cfg.arrivals,
+        "lengths": report.to_dict(),
+        "length_note": report.describe(),
+        **describe_workload(specs),
+    }
 
 
 class _Workloads:
@@ -281,8 +374,10 @@ class _Workloads:
         cfg = WorkloadConfig.from_cli_args(ns, length_scale=scale, request_rate=rate)
         specs, report = build_workload(cfg, vocab_size=vocab, max_model_len=max_model_len)
         if not self.info:
-            _err(f"workload: {cfg.dataset}, {len(specs)} requests, length scale {scale:.3g}, "
-                 f"max_model_len {max_model_len}; {report.describe()}")
+            _err(
+                f"workload: {cfg.dataset}, {len(specs)} requests, length scale {scale:.3g}, "
+                f"max_model_len {max_model_len}; {report.describe()}"
+            )
             self.info = _workload_info(cfg, specs, report, vocab)
         return specs
 
@@ -302,16 +397,32 @@ def print_offline_table(runs: list[dict[str, Any]]) -> None:
 
     base = runs[0]["summary"].get("output_throughput") or 0.0
     t = Table(title="bench offline: the same requests, all at once, through each policy")
-    for col in ("policy", "ok/failed", "output tok/s", "vs " + runs[0]["label"], "steps",
-                "mean latency s", "p99 latency s", "mean TTFT s", "duration s"):
+    for col in (
+        "policy",
+        "ok/failed",
+        "output tok/s",
+        "vs " + runs[0]["label"],
+        "steps",
+        "mean latency s",
+        "p99 latency s",
+        "mean TTFT s",
+        "duration s",
+    ):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for r in runs:
         s = r["summary"]
         tput = s.get("output_throughput") or 0.0
-        t.add_row(r["label"], f"{s['completed']}/{s['failed']}", _s(tput, digits=1),
-                  f"{tput / base:.2f}x" if base else "n/a", str(s.get("num_steps")),
-                  _s(s["mean_e2el_ms"], 1e-3), _s(s["p99_e2el_ms"], 1e-3), _s(s["mean_ttft_ms"], 1e-3),
-                  _s(s["duration_s"]))
+        t.add_row(
+            r["label"],
+            f"{s['completed']}/{s['failed']}",
+            _s(tput, digits=1),
+            f"{tput / base:.2f}x" if base else "n/a",
+            str(s.get("num_steps")),
+            _s(s["mean_e2el_ms"], 1e-3),
+            _s(s["p99_e2el_ms"], 1e-3),
+            _s(s["mean_ttft_ms"], 1e-3),
+            _s(s["duration_s"]),
+        )
     _console().print(t)
 
 
@@ -329,8 +440,13 @@ def cmd_offline(ns: argparse.Namespace) -> int:
             bars.close()
             opts.on_done = bars.enter_context(progress_bar(n, f"offline {variant}", ns.progress))
 
-        runs = run_offline(_base_engine_args(ns), policies,
-                           lambda vocab, max_len: work.build(vocab, max_len, math.inf), opts, on_run)
+        runs = run_offline(
+            _base_engine_args(ns),
+            policies,
+            lambda vocab, max_len: work.build(vocab, max_len, math.inf),
+            opts,
+            on_run,
+        )
     print_offline_table(runs)
     if ns.result_file:
         _err(f"wrote {write_result(ns.result_file, 'offline', runs, _config(ns), work.info)}")
@@ -341,15 +457,31 @@ def print_sweep_table(runs: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="bench sweep")
-    for col in ("policy", "rate req/s", "achieved req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
-                "TPOT p50 ms", "TPOT p99 ms", "failed"):
+    for col in (
+        "policy",
+        "rate req/s",
+        "achieved req/s",
+        "output tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TPOT p50 ms",
+        "TPOT p99 ms",
+        "failed",
+    ):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for r in runs:
         s, rate = r["summary"], r["request_rate"]
-        t.add_row(r["label"], "inf" if rate is None or math.isinf(rate) else f"{rate:.3g}",
-                  _s(s["request_throughput"]), _s(s["output_throughput"], digits=1),
-                  _s(s["median_ttft_ms"], digits=0), _s(s["p99_ttft_ms"], digits=0),
-                  _s(s["median_tpot_ms"], digits=1), _s(s["p99_tpot_ms"], digits=1), str(s["failed"]))
+        t.add_row(
+            r["label"],
+            "inf" if rate is None or math.isinf(rate) else f"{rate:.3g}",
+            _s(s["request_throughput"]),
+            _s(s["output_throughput"], digits=1),
+            _s(s["median_ttft_ms"], digits=0),
+            _s(s["p99_ttft_ms"], digits=0),
+            _s(s["median_tpot_ms"], digits=1),
+            _s(s["p99_tpot_ms"], digits=1),
+            str(s["failed"]),
+        )
     _console().print(t)
 
 
@@ -367,7 +499,9 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
 
         def on_run(policy: str, rate: float, n: int) -> None:  # a fresh progress bar per run
             bars.close()
-            opts.on_done = bars.enter_context(progress_bar(n, f"sweep {policy} @ {rate:.3g} req/s", ns.progress))
+            opts.on_done = bars.enter_context(
+                progress_bar(n, f"sweep {policy} @ {rate:.3g} req/s", ns.progress)
+            )
 
         runs, used = run_sweep(_base_engine_args(ns), policies, rates, work.build, opts, on_run)
     print_sweep_table(runs)

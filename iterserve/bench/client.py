@@ -47,7 +47,9 @@ def fetch_models(base_url: str, timeout_s: float = 10.0) -> list[dict[str, Any]]
     return [m for m in data if isinstance(m, dict)]
 
 
-def _payload(model: str, prompt: Prompt, output_len: int, extra_body: dict[str, Any] | None) -> dict[str, Any]:
+def _payload(
+    model: str, prompt: Prompt, output_len: int, extra_body: dict[str, Any] | None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
@@ -80,14 +82,20 @@ async def send_request(
     finish_reason (a pure "finished" chunk with empty text is not a token). The token count
     is the server's ``usage.completion_tokens`` when reported, else the number of chunks.
     """
-    t = RequestTiming(request_id=request_id, prompt_len=prompt_len, output_len=output_len,
-                      arrival_time=arrival_time)
+    t = RequestTiming(
+        request_id=request_id,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        arrival_time=arrival_time,
+    )
     chunks = 0
     usage_tokens: int | None = None
     last = st = time.perf_counter()
     t.send_time = st - clock_start
     try:
-        async with client.stream("POST", url, json=_payload(model, prompt, output_len, extra_body)) as resp:
+        async with client.stream(
+            "POST", url, json=_payload(model, prompt, output_len, extra_body)
+        ) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 t.error = f"HTTP {resp.status_code}: {body.strip()[:300]}"
@@ -96,7 +104,7 @@ async def send_request(
                 line = line.strip()
                 if not line.startswith("data:"):
                     continue  # blank separators, SSE comments, event names
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     break
                 now = time.perf_counter()
@@ -161,12 +169,20 @@ async def run_serve_async(
             prompt: Prompt = prompts[i] if prompts is not None else spec.prompt_token_ids
             args = (client, url, model, f"bench-{i}", prompt, spec.prompt_len, spec.output_len)
             if sem is None:
-                t = await send_request(*args, clock_start=clock_start, arrival_time=spec.arrival_time,
-                                       extra_body=extra_body)
+                t = await send_request(
+                    *args,
+                    clock_start=clock_start,
+                    arrival_time=spec.arrival_time,
+                    extra_body=extra_body,
+                )
             else:
                 async with sem:
-                    t = await send_request(*args, clock_start=clock_start,
-                                           arrival_time=spec.arrival_time, extra_body=extra_body)
+                    t = await send_request(
+                        *args,
+                        clock_start=clock_start,
+                        arrival_time=spec.arrival_time,
+                        extra_body=extra_body,
+                    )
             if on_done is not None:
                 on_done(t)
             return t

@@ -126,8 +126,9 @@ def ensure_built(
             tf.extractall(root, filter="data")
     src = _source_dirs()[-1]
     cmd = (
-        f"cd {src} && cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON "
-        f"-DLLAMA_BUILD_TESTS=OFF && cmake --build build -j{jobs} --target {' '.join(BINARIES)}"
+        f"cd {src} && cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF "
+        "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF && "
+        f"cmake --build build -j{jobs} --target {' '.join(BINARIES)}"
     )
     print(f"  building llama.cpp (minutes; log {log})", file=sys.stderr, flush=True)
     with open(log, "w") as f:
@@ -147,7 +148,8 @@ def ensure_built(
 
 
 def _permute_qk(w: Any, n_head: int) -> Any:
-    # HF stores rotary halves [x0..x_{d/2}, y0..]; GGML wants interleaved pairs (convert_hf_to_gguf.py).
+    # HF stores rotary halves [x0..x_{d/2}, y0..]; GGML wants interleaved pairs
+    # (convert_hf_to_gguf.py).
     return (
         w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
         .swapaxes(1, 2)
@@ -399,7 +401,8 @@ def batched_bench(
     binary = ensure_built()["llama-batched-bench"]
     ctx = max(npl) * (npp + ntg) + 256
     cmd = [
-        binary, "-m", gguf_path, "-c", str(ctx), "-b", "2048", "-ub", "512", "-t", str(threads), "-tb", str(threads),
+        binary, "-m", gguf_path, "-c", str(ctx), "-b", "2048", "-ub", "512",
+        "-t", str(threads), "-tb", str(threads),
         "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(str(n) for n in npl),
     ]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -29,7 +29,9 @@ def make_engine(args: EngineArgs) -> Any:
     return LLMEngine(args)
 
 
-def make_variant_engine(variant: str, base: EngineArgs, max_model_len: int | None) -> tuple[Any, int]:
+def make_variant_engine(
+    variant: str, base: EngineArgs, max_model_len: int | None
+) -> tuple[Any, int]:
     """A fresh engine for ``variant`` and the context length it runs with. Without a known
     ``max_model_len``, ``continuous-nochunk`` (whose token budget must hold a whole prompt)
     first learns the model's context from a plain engine."""
@@ -63,8 +65,14 @@ class RunOptions:
 
 
 def run_on_engine(
-    engine: Any, specs: list[RequestSpec], label: str, opts: RunOptions, *,
-    policy: str, request_rate: float | None, steps_name: str,
+    engine: Any,
+    specs: list[RequestSpec],
+    label: str,
+    opts: RunOptions,
+    *,
+    policy: str,
+    request_rate: float | None,
+    steps_name: str,
 ) -> dict[str, Any]:
     """One replay on a warm engine -> one run record of the result file."""
     steps_file = None
@@ -81,9 +89,15 @@ def run_on_engine(
     summary = summarize(res.timings, res.duration_s, opts.goodput_slos)
     summary["num_steps"] = res.num_steps
     return make_run(
-        label, summary, res.timings, policy=policy, request_rate=request_rate,
+        label,
+        summary,
+        res.timings,
+        policy=policy,
+        request_rate=request_rate,
         engine_args=asdict(engine.args) if hasattr(engine, "args") else {},
-        engine_stats=res.engine_stats, steps_file=steps_file, clock_start=res.start_time,
+        engine_stats=res.engine_stats,
+        steps_file=steps_file,
+        clock_start=res.start_time,
     )
 
 
@@ -110,8 +124,17 @@ def run_offline(
         warmup(engine)
         if on_run is not None:
             on_run(variant, len(specs))
-        runs.append(run_on_engine(engine, specs, variant, opts, policy=variant,
-                                  request_rate=math.inf, steps_name=f"offline_{variant}"))
+        runs.append(
+            run_on_engine(
+                engine,
+                specs,
+                variant,
+                opts,
+                policy=variant,
+                request_rate=math.inf,
+                steps_name=f"offline_{variant}",
+            )
+        )
         del engine
         gc.collect()
     return runs

@@ -33,7 +33,9 @@ def parse_rates(text: str) -> list[float] | None:
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
-        raise ValueError(f"--request-rates takes 'auto' or numbers like 0.5,1,2,inf; got {text!r}") from e
+        raise ValueError(
+            f"--request-rates takes 'auto' or numbers like 0.5,1,2,inf; got {text!r}"
+        ) from e
     if not rates or any(not r > 0 for r in rates):
         raise ValueError(f"--request-rates must be positive (inf allowed); got {text!r}")
     return rates
@@ -70,7 +72,9 @@ def run_sweep(
         if rates is None:
             capacity = policy_runs[0]["summary"]["request_throughput"] or 0.0
             rates = [round(f * capacity, 4) for f in fractions] + [math.inf]
-            policy_runs += _sweep_engine(engine, policy, rates[:-1], max_model_len, build_specs, opts, on_run)
+            policy_runs += _sweep_engine(
+                engine, policy, rates[:-1], max_model_len, build_specs, opts, on_run
+            )
         runs += policy_runs
         del engine
         gc.collect()
@@ -94,8 +98,19 @@ def _sweep_engine(
         specs = build_specs(vocab, max_model_len, rate)
         if on_run is not None:
             on_run(policy, rate, len(specs))
-        runs.append(run_on_engine(engine, specs, policy, opts, policy=policy, request_rate=rate,
-                                  steps_name=f"sweep_{policy}_rate{rate_label(rate)}"))
+        runs.append(
+            run_on_engine(
+                engine,
+                specs,
+                policy,
+                opts,
+                policy=policy,
+                request_rate=rate,
+                steps_name=f"sweep_{policy}_rate{rate_label(rate)}",
+            )
+        )
         if rates is None and not runs[0]["summary"]["completed"]:
-            raise RuntimeError(f"the capacity run of {policy} completed no request; cannot pick rates")
+            raise RuntimeError(
+                f"the capacity run of {policy} completed no request; cannot pick rates"
+            )
     return runs

@@ -28,26 +28,56 @@ logger = logging.getLogger("iterserve.server")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="iterserve serve",
-        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics, ...).",
+        description="OpenAI-compatible server "
+        "(/v1/completions, /v1/chat/completions, /metrics, ...).",
     )
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
+    g.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)"
+    )
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("ITERSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ITERSERVE_API_KEY)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use (default: the --model value)")
-    g.add_argument("--max-queued-requests", type=int, default=None,
-                   help="answer 503 + Retry-After when this many requests already wait to be scheduled")
-    g.add_argument("--max-queued-tokens", type=int, default=None,
-                   help="answer 503 + Retry-After when admitted requests that have no first token yet "
-                        "hold this many prompt tokens")
-    g.add_argument("--retry-after", type=int, default=1, help="seconds in the Retry-After header of 503s")
-    g.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
-    g.add_argument("--max-request-body-bytes", type=int, default=10 * 1024 * 1024,
-                   help="larger request bodies get 413")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("ITERSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ITERSERVE_API_KEY)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use (default: the --model value)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="answer 503 + Retry-After when this many requests already wait to be scheduled",
+    )
+    g.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        help="answer 503 + Retry-After when admitted requests that have no first token yet "
+        "hold this many prompt tokens",
+    )
+    g.add_argument(
+        "--retry-after", type=int, default=1, help="seconds in the Retry-After header of 503s"
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, seconds to let in-flight requests finish before aborting them",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=10 * 1024 * 1024,
+        help="larger request bodies get 413",
+    )
+    g.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     g.add_argument("--disable-access-log", action="store_true")
     EngineArgs.add_cli_args(p)
     return p
@@ -59,7 +89,9 @@ def _make_server_class() -> type:
     class Server(uvicorn.Server):
         """uvicorn's server plus our drain step on the first SIGTERM/SIGINT."""
 
-        def __init__(self, config: uvicorn.Config, app: Any, engine: Any, shutdown_timeout: float) -> None:
+        def __init__(
+            self, config: uvicorn.Config, app: Any, engine: Any, shutdown_timeout: float
+        ) -> None:
             super().__init__(config)
             self._app = app
             self._engine = engine
@@ -82,8 +114,11 @@ def _make_server_class() -> type:
 
         def _start_deadline(self) -> None:
             n = self._engine.num_active
-            logger.info("shutting down: %d request(s) in flight; aborting any left after %.1fs",
-                        n, self._shutdown_timeout)
+            logger.info(
+                "shutting down: %d request(s) in flight; aborting any left after %.1fs",
+                n,
+                self._shutdown_timeout,
+            )
             assert self._loop is not None
             self._loop.call_later(self._shutdown_timeout, self._deadline)
 
@@ -97,7 +132,9 @@ def _make_server_class() -> type:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         args = EngineArgs.from_cli_args(ns)
     except ValueError as e:
@@ -125,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm_engine = LLMEngine(args)
         llm_engine.reject_overlong_max_tokens = True  # a 400, as OpenAI and vLLM answer
-        engine = AsyncEngine(llm_engine, max_queued_requests=ns.max_queued_requests, max_queued_tokens=ns.max_queued_tokens)
+        engine = AsyncEngine(
+            llm_engine,
+            max_queued_requests=ns.max_queued_requests,
+            max_queued_tokens=ns.max_queued_tokens,
+        )
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"iterserve serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
         return 2
@@ -152,8 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     if sys.platform != "win32":
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda s, f: None)
-    logger.info("serving %s on http://%s:%d (max_model_len %d)", app.state.serving.model_name, ns.host, ns.port,
-                engine.max_model_len)
+    logger.info(
+        "serving %s on http://%s:%d (max_model_len %d)",
+        app.state.serving.model_name,
+        ns.host,
+        ns.port,
+        engine.max_model_len,
+    )
     server.run()
     return 0 if server.started else 1
 

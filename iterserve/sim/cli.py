@@ -1,10 +1,11 @@
 """``iterserve simulate``: serving simulated with the engine's own scheduler and a cost model.
 
     iterserve simulate --workload azure-conv --model llama-3-8b --hardware h100-sxm
-    iterserve simulate --workload sharegpt --request-rate 4 --model qwen2.5-7b --hardware a100-80g \\
-                       --policy static,continuous,continuous-nochunk
+    iterserve simulate --workload sharegpt --request-rate 4 --model qwen2.5-7b \\
+                       --hardware a100-80g --policy static,continuous,continuous-nochunk
     iterserve simulate --workload azure-code --model llama-3-70b --hardware h100-sxm --tp 4 \\
-                       --replicas 2 --router least-loaded --find-max-rate --slo ttft_p99:2000,tpot_p99:100
+                       --replicas 2 --router least-loaded --find-max-rate \\
+                       --slo ttft_p99:2000,tpot_p99:100
     iterserve simulate --workload random --hardware cpu:cpu_profile.json --request-rate 2
 
 Prints the same summary as ``iterserve bench`` and writes the same result file
@@ -59,12 +60,18 @@ def _err(msg: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="iterserve simulate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="iterserve simulate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     w = p.add_argument_group("workload (the same generators as iterserve bench)")
-    w.add_argument("--workload", default="azure-conv",
-                   help=f"one of {', '.join(DATASETS)}, or a trace FILE (Azure CSV, ShareGPT-lengths CSV "
-                   "or Mooncake JSONL)")
+    w.add_argument(
+        "--workload",
+        default="azure-conv",
+        help=f"one of {', '.join(DATASETS)}, or a trace FILE (Azure CSV, ShareGPT-lengths CSV "
+        "or Mooncake JSONL)",
+    )
     WorkloadConfig.add_cli_args(
         w,
         skip=("dataset", "dataset_path"),
@@ -136,14 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     c = p.add_argument_group("capacity search")
-    c.add_argument("--find-max-rate", action="store_true",
-                   help="binary-search the highest request-rate scale meeting --slo, per policy")
-    c.add_argument("--slo", help="e.g. ttft_p99:500,tpot_p99:50 (milliseconds; stats p50..p99, median, mean)")
-    c.add_argument("--tolerance", type=float, default=0.02, help="relative width at which the search stops")
+    c.add_argument(
+        "--find-max-rate",
+        action="store_true",
+        help="binary-search the highest request-rate scale meeting --slo, per policy",
+    )
+    c.add_argument(
+        "--slo", help="e.g. ttft_p99:500,tpot_p99:50 (milliseconds; stats p50..p99, median, mean)"
+    )
+    c.add_argument(
+        "--tolerance", type=float, default=0.02, help="relative width at which the search stops"
+    )
 
     o = p.add_argument_group("output")
-    o.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, as in iterserve bench")
-    o.add_argument("--result-file", help="write summaries and every request's timings (bench result format)")
+    o.add_argument(
+        "--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, as in iterserve bench"
+    )
+    o.add_argument(
+        "--result-file", help="write summaries and every request's timings (bench result format)"
+    )
     EngineArgs.add_cli_args(
         o,
         only=("record_steps",),
@@ -175,7 +193,9 @@ def trace_kind(path: str) -> str:
     """Which reader a trace file needs, from its header."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"--workload {path!r} is neither a dataset ({', '.join(DATASETS)}) nor a file")
+        raise ValueError(
+            f"--workload {path!r} is neither a dataset ({', '.join(DATASETS)}) nor a file"
+        )
     if p.suffix == ".jsonl":
         return "mooncake"
     with open(p, newline="") as f:
@@ -184,8 +204,10 @@ def trace_kind(path: str) -> str:
         return "azure-conv"
     if "num_prefill_tokens" in header:
         return "sharegpt"
-    raise ValueError(f"{path}: unknown trace format (header {header[:4]}); expected Azure "
-                     "(TIMESTAMP,ContextTokens,GeneratedTokens), ShareGPT lengths or Mooncake JSONL")
+    raise ValueError(
+        f"{path}: unknown trace format (header {header[:4]}); expected Azure "
+        "(TIMESTAMP,ContextTokens,GeneratedTokens), ShareGPT lengths or Mooncake JSONL"
+    )
 
 
 # ---- runs ----------------------------------------------------------------------------------
@@ -197,11 +219,18 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{n: getattr(ns, n) for n in names})
 
 
-def sim_config(policy: str, base: EngineArgs, dep: Deployment, replicas: int, router: str) -> SimConfig:
+def sim_config(
+    policy: str, base: EngineArgs, dep: Deployment, replicas: int, router: str
+) -> SimConfig:
     args = variant_args(policy, base, dep.max_model_len)
-    return SimConfig(scheduler=args.scheduler_config(dep.max_model_len), num_kv_blocks=dep.num_kv_blocks,
-                     block_size=dep.block_size, enable_prefix_caching=args.enable_prefix_caching,
-                     replicas=replicas, router=router)
+    return SimConfig(
+        scheduler=args.scheduler_config(dep.max_model_len),
+        num_kv_blocks=dep.num_kv_blocks,
+        block_size=dep.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        replicas=replicas,
+        router=router,
+    )
 
 
 def kv_series(res: SimResult, points: int = KV_SERIES_POINTS) -> dict[str, list[float]]:
@@ -257,7 +286,8 @@ def print_extra(summary: dict[str, Any]) -> None:
     x = summary["sim"]
     util = x["utilization"]
     print(f"{'Simulated steps:':<40}{x['num_steps']:>12}")
-    print(f"{'Busy time per replica (s):':<40}{x['busy_s'] / max(1, len(x['busy_s_per_replica'])):>12.2f}")
+    busy = x["busy_s"] / max(1, len(x["busy_s_per_replica"]))
+    print(f"{'Busy time per replica (s):':<40}{busy:>12.2f}")
     print(f"{'Utilization (busy / duration):':<40}{'n/a' if util is None else f'{util:.1%}':>12}")
     print(f"{'Preemptions:':<40}{x['num_preemptions']:>12}")
     print(f"{'KV usage mean / max:':<40}{x['mean_kv_usage']:>6.1%} /{x['max_kv_usage']:>5.1%}")
@@ -270,8 +300,21 @@ def print_table(runs: list[tuple[str, dict[str, Any]]]) -> None:
     from rich.table import Table
 
     t = Table(title="iterserve simulate")
-    for col in ("policy", "ok/failed", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                "TPOT p99 ms", "E2E p50 s", "util", "preempt", "max KV", "wall s"):
+    for col in (
+        "policy",
+        "ok/failed",
+        "req/s",
+        "output tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TPOT p50 ms",
+        "TPOT p99 ms",
+        "E2E p50 s",
+        "util",
+        "preempt",
+        "max KV",
+        "wall s",
+    ):
         t.add_column(col, justify="left" if col == "policy" else "right")
 
     def f(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
@@ -279,11 +322,21 @@ def print_table(runs: list[tuple[str, dict[str, Any]]]) -> None:
 
     for label, s in runs:
         x = s["sim"]
-        t.add_row(label, f"{s['completed']}/{s['failed']}", f(s["request_throughput"], digits=2),
-                  f(s["output_throughput"]), f(s["median_ttft_ms"]), f(s["p99_ttft_ms"]), f(s["median_tpot_ms"]),
-                  f(s["p99_tpot_ms"]), f(s["median_e2el_ms"], 1e-3, 2),
-                  "n/a" if x["utilization"] is None else f"{x['utilization']:.0%}", str(x["num_preemptions"]),
-                  f"{x['max_kv_usage']:.0%}", f(x["wall_s"]))
+        t.add_row(
+            label,
+            f"{s['completed']}/{s['failed']}",
+            f(s["request_throughput"], digits=2),
+            f(s["output_throughput"]),
+            f(s["median_ttft_ms"]),
+            f(s["p99_ttft_ms"]),
+            f(s["median_tpot_ms"]),
+            f(s["p99_tpot_ms"]),
+            f(s["median_e2el_ms"], 1e-3, 2),
+            "n/a" if x["utilization"] is None else f"{x['utilization']:.0%}",
+            str(x["num_preemptions"]),
+            f"{x['max_kv_usage']:.0%}",
+            f(x["wall_s"]),
+        )
     Console(width=None if sys.stdout.isatty() else 160).print(t)
 
 
@@ -292,8 +345,15 @@ def print_capacity(rows: list[tuple[str, CapacityResult]], slos: list[Slo]) -> N
     from rich.table import Table
 
     t = Table(title="highest request rate meeting " + ", ".join(str(s) for s in slos))
-    cols = ["policy", "max req/s", "rate scale", *(f"{s.metric} {s.stat} ms" for s in slos), "output tok/s",
-            "probes", "wall s"]
+    cols = [
+        "policy",
+        "max req/s",
+        "rate scale",
+        *(f"{s.metric} {s.stat} ms" for s in slos),
+        "output tok/s",
+        "probes",
+        "wall s",
+    ]
     for col in cols:
         t.add_column(col, justify="left" if col == "policy" else "right")
     for policy, res in rows:
@@ -304,8 +364,15 @@ def print_capacity(rows: list[tuple[str, CapacityResult]], slos: list[Slo]) -> N
             v = s.get(k)
             return "n/a" if v is None else f"{v:.{digits}f}"
 
-        t.add_row(policy, f"{res.max_rate:.3g}", f"{res.max_scale:.3g}", *(f(x.key) for x in slos),
-                  f("output_throughput"), str(len(res.probes)), f"{sum(p.wall_s for p in res.probes):.1f}")
+        t.add_row(
+            policy,
+            f"{res.max_rate:.3g}",
+            f"{res.max_scale:.3g}",
+            *(f(x.key) for x in slos),
+            f("output_throughput"),
+            str(len(res.probes)),
+            f"{sum(p.wall_s for p in res.probes):.1f}",
+        )
     Console(width=None if sys.stdout.isatty() else 160).print(t)
 
 
@@ -316,19 +383,40 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     slos = parse_slos(ns.slo) if ns.find_max_rate else []
     goodput = parse_goodput(ns.goodput)
     dep = build_deployment(
-        model=ns.model, hardware=ns.hardware, tp=ns.tp, dtype=ns.dtype, block_size=ns.block_size,
-        num_kv_blocks=ns.num_kv_blocks, kv_cache_memory=ns.kv_cache_memory,
-        gpu_memory_utilization=ns.gpu_memory_utilization, max_model_len=ns.max_model_len,
-        max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
-        efficiency=parse_efficiency(ns.efficiency))
+        model=ns.model,
+        hardware=ns.hardware,
+        tp=ns.tp,
+        dtype=ns.dtype,
+        block_size=ns.block_size,
+        num_kv_blocks=ns.num_kv_blocks,
+        kv_cache_memory=ns.kv_cache_memory,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        max_model_len=ns.max_model_len,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_num_seqs=ns.max_num_seqs,
+        efficiency=parse_efficiency(ns.efficiency),
+    )
     cfg = workload_config(ns)
     t0 = time.perf_counter()
-    specs, report = build_workload(cfg, vocab_size=dep.model.vocab_size, max_model_len=dep.max_model_len)
-    info = {"config": dataclasses.asdict(cfg), "arrivals": cfg.arrivals, "lengths": report.to_dict(),
-            "length_note": report.describe(), **describe_workload(specs)}
-    _err(f"deployment: {dep.describe()}" + (f", {ns.replicas} replicas ({ns.router})" if ns.replicas > 1 else ""))
-    _err(f"workload: {ns.workload}, {len(specs)} requests, arrivals {cfg.arrivals} "
-         f"(mean {mean_rate(specs):.3g} req/s), built in {time.perf_counter() - t0:.1f} s; {report.describe()}")
+    specs, report = build_workload(
+        cfg, vocab_size=dep.model.vocab_size, max_model_len=dep.max_model_len
+    )
+    info = {
+        "config": dataclasses.asdict(cfg),
+        "arrivals": cfg.arrivals,
+        "lengths": report.to_dict(),
+        "length_note": report.describe(),
+        **describe_workload(specs),
+    }
+    _err(
+        f"deployment: {dep.describe()}"
+        + (f", {ns.replicas} replicas ({ns.router})" if ns.replicas > 1 else "")
+    )
+    _err(
+        f"workload: {ns.workload}, {len(specs)} requests, arrivals {cfg.arrivals} "
+        f"(mean {mean_rate(specs):.3g} req/s), built in {time.perf_counter() - t0:.1f} s; "
+        + report.describe()
+    )
     base = engine_args(ns)
     config = {k: v for k, v in vars(ns).items() if k != "func"} | {"deployment": dep.to_dict()}
 
@@ -342,18 +430,40 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                 return Simulator(sc, dep.cost).run(s, stop=stop)
 
             def on_probe(p: Probe, pol: str = pol) -> None:
-                _err(f"  {pol}: scale {p.scale:.4g} ({p.rate:.3g} req/s): {'meets' if p.ok else 'misses'} the SLOs"
-                     f"{' (stopped early)' if p.stopped_early else ''}  [{p.wall_s:.1f} s]")
+                _err(
+                    f"  {pol}: scale {p.scale:.4g} ({p.rate:.3g} req/s): "
+                    f"{'meets' if p.ok else 'misses'} the SLOs"
+                    f"{' (stopped early)' if p.stopped_early else ''}  [{p.wall_s:.1f} s]"
+                )
 
             cap = find_max_rate(specs, run, slos, tolerance=ns.tolerance, on_probe=on_probe)
             rows.append((pol, cap))
             b = cap.best
-            runs.append(make_run(pol, b.summary if b else {}, [], policy=pol, request_rate=cap.max_rate,
-                                 capacity={"max_rate": cap.max_rate, "max_scale": cap.max_scale,
-                                           "slos": ns.slo,
-                                           "probes": [{"scale": p.scale, "rate": p.rate, "ok": p.ok,
-                                                       "stopped_early": p.stopped_early, "wall_s": p.wall_s,
-                                                       "summary": p.summary} for p in cap.probes]}))
+            runs.append(
+                make_run(
+                    pol,
+                    b.summary if b else {},
+                    [],
+                    policy=pol,
+                    request_rate=cap.max_rate,
+                    capacity={
+                        "max_rate": cap.max_rate,
+                        "max_scale": cap.max_scale,
+                        "slos": ns.slo,
+                        "probes": [
+                            {
+                                "scale": p.scale,
+                                "rate": p.rate,
+                                "ok": p.ok,
+                                "stopped_early": p.stopped_early,
+                                "wall_s": p.wall_s,
+                                "summary": p.summary,
+                            }
+                            for p in cap.probes
+                        ],
+                    },
+                )
+            )
         print_capacity(rows, slos)
         if ns.result_file:
             _err(f"wrote {write_result(ns.result_file, 'simulate-capacity', runs, config, info)}")
@@ -376,9 +486,19 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     if len(policies) > 1:
         print_table([(pol, summary) for pol, summary, _, _ in results])
     if ns.result_file:
-        runs = [make_run(pol, summary, res.timings, policy=pol, request_rate=cfg.request_rate, steps_file=sp,
-                         clock_start=0.0, engine_stats=res.stats)
-                for pol, summary, res, sp in results]
+        runs = [
+            make_run(
+                pol,
+                summary,
+                res.timings,
+                policy=pol,
+                request_rate=cfg.request_rate,
+                steps_file=sp,
+                clock_start=0.0,
+                engine_stats=res.stats,
+            )
+            for pol, summary, res, sp in results
+        ]
         _err(f"wrote {write_result(ns.result_file, 'simulate', runs, config, info)}")
     return 0 if all(summary["completed"] for _, summary, _, _ in results) else 1
 

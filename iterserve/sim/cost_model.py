@@ -30,7 +30,6 @@ from iterserve.sim.hardware import Hardware
 from iterserve.sim.roofline import DecoderShape
 
 
-
 @dataclass
 class StepShape:
     """What a cost model needs to know about one step's batch."""
@@ -91,8 +90,14 @@ class RooflineCostModel:
     """Per-operator roofline of a Llama-family decoder on ``hw`` with ``tp``-way tensor
     parallelism (Megatron layout: heads and MLP columns split, two all-reduces per layer)."""
 
-    def __init__(self, model: ModelConfig, hw: Hardware, tp: int = 1, dtype: str = "bfloat16",
-                 kv_dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        hw: Hardware,
+        tp: int = 1,
+        dtype: str = "bfloat16",
+        kv_dtype: str | None = None,
+    ) -> None:
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
         shape = DecoderShape.of(model, tp)
@@ -153,7 +158,9 @@ class RooflineCostModel:
                 + self._gemm(tokens, h, 2 * i)  # gate + up
                 + self._gemm(tokens, i, h)  # down
                 # 2 RMSNorms and 2 residual adds (read + write h each), RoPE on q/k, SiLU*mul.
-                + max(tokens * (8 * h + 2 * (q + kv) + 3 * i) * self.wb / self._bw, 4 * self._kernel)
+                + max(
+                    tokens * (8 * h + 2 * (q + kv) + 3 * i) * self.wb / self._bw, 4 * self._kernel
+                )
                 + 2 * self._allreduce(tokens * h * self.wb)
             )
             embed = tokens * h * self.wb / self._bw
@@ -174,11 +181,16 @@ class RooflineCostModel:
         t = 0.0
         if s.num_prefills:
             flops = self._attn_flops_per_pair * s.prefill_pairs
-            nbytes = self._kv_bytes_per_key * s.prefill_ctx_sum + 2 * s.prefill_tokens * self.q_dim * self.wb
+            nbytes = (
+                self._kv_bytes_per_key * s.prefill_ctx_sum
+                + 2 * s.prefill_tokens * self.q_dim * self.wb
+            )
             t += max(flops / self._flops_attn, nbytes / self._bw_attn, self._kernel)
         if s.num_decodes:
             flops = self._attn_flops_per_pair * s.decode_ctx_sum
-            nbytes = self._kv_bytes_per_key * s.decode_ctx_sum + 2 * s.num_decodes * self.q_dim * self.wb
+            nbytes = (
+                self._kv_bytes_per_key * s.decode_ctx_sum + 2 * s.num_decodes * self.q_dim * self.wb
+            )
             t += max(flops / self._flops_attn, nbytes / self._bw_attn, self._kernel)
         return self.layers * t
 
@@ -187,7 +199,12 @@ class RooflineCostModel:
         return e.step_s + e.per_seq_s * s.num_seqs
 
     def step_time(self, s: StepShape) -> float:
-        return self.linear_time(s.num_tokens) + self.lm_head_time(s.num_sampled) + self.attention_time(s) + self.cpu_time(s)
+        return (
+            self.linear_time(s.num_tokens)
+            + self.lm_head_time(s.num_sampled)
+            + self.attention_time(s)
+            + self.cpu_time(s)
+        )
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         """Seconds per component of one step (for reports and tests)."""
@@ -208,7 +225,9 @@ class ReplayCostModel:
 
     def step_time(self, shape: StepShape) -> float:
         if self.index >= len(self.durations):
-            raise IndexError(f"the simulation ran more steps than the {len(self.durations)} recorded")
+            raise IndexError(
+                f"the simulation ran more steps than the {len(self.durations)} recorded"
+            )
         t = self.durations[self.index]
         self.index += 1
         return t

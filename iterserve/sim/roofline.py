@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from iterserve.core.kv_cache_manager import cdiv
 from iterserve.model.model_config import ModelConfig
 
 
@@ -56,7 +57,7 @@ class DecoderShape:
             q_dim=model.num_heads * hd // tp,
             kv_dim=kv_heads * hd,
             inter=model.intermediate_size // tp,
-            vocab=-(-model.vocab_size // tp),
+            vocab=cdiv(model.vocab_size, tp),
             layers=model.num_layers,
             heads=model.num_heads // tp,
             head_dim=hd,

@@ -84,7 +84,9 @@ def traces_dir() -> Path:
 def trace_path(dataset: str, dataset_path: str | Path | None = None) -> Path:
     """The file to read for ``dataset``; ``dataset_path`` (same format) overrides it."""
     if dataset not in TRACE_FILES:
-        raise ValueError(f"dataset {dataset!r} has no trace file; trace datasets: {sorted(TRACE_FILES)}")
+        raise ValueError(
+            f"dataset {dataset!r} has no trace file; trace datasets: {sorted(TRACE_FILES)}"
+        )
     path = Path(dataset_path) if dataset_path else traces_dir() / TRACE_FILES[dataset]
     if not path.is_file():
         raise FileNotFoundError(
@@ -193,7 +195,9 @@ class WorkloadConfig:
         if not self.length_scale > 0:
             raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
         if self.long_prompts not in LONG_PROMPT_MODES:
-            raise ValueError(f"long_prompts must be one of {LONG_PROMPT_MODES}, got {self.long_prompts!r}")
+            raise ValueError(
+                f"long_prompts must be one of {LONG_PROMPT_MODES}, got {self.long_prompts!r}"
+            )
 
     @property
     def arrivals(self) -> str:
@@ -252,8 +256,9 @@ class LengthReport:
         scale = f" (lengths scaled by {self.length_scale:g})" if self.length_scale != 1.0 else ""
         if self.mode == "skip":
             return (
-                f"long prompts: skip - {self.skipped} of {self.rows_read} rows read needed more than "
-                f"max_model_len={self.max_model_len} tokens (prompt + output) and were skipped{scale}"
+                f"long prompts: skip - {self.skipped} of {self.rows_read} rows read needed more "
+                f"than max_model_len={self.max_model_len} tokens (prompt + output) and were "
+                f"skipped{scale}"
             )
         return (
             f"long prompts: clip - {self.clipped} of {self.rows_read} requests were clipped to "
@@ -360,7 +365,9 @@ def build_workload(
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
     rng = np.random.default_rng([cfg.seed, 0])
     low, high = token_id_range(vocab_size)
-    report = LengthReport(mode=cfg.long_prompts, max_model_len=max_model_len, length_scale=cfg.length_scale)
+    report = LengthReport(
+        mode=cfg.long_prompts, max_model_len=max_model_len, length_scale=cfg.length_scale
+    )
     mooncake = _MooncakePrompts(
         cfg.seed, low, high, scale_length(MOONCAKE_BLOCK_TOKENS, cfg.length_scale)
     )
@@ -390,7 +397,9 @@ def build_workload(
         arrivals = [((row.arrival_time or 0.0) - t0) * cfg.time_scale for row, _, _ in taken]
     else:
         rate = math.inf if cfg.request_rate is None else cfg.request_rate
-        arrivals = synth_arrivals(len(taken), rate, cfg.burstiness, np.random.default_rng([cfg.seed, 2]))
+        arrivals = synth_arrivals(
+            len(taken), rate, cfg.burstiness, np.random.default_rng([cfg.seed, 2])
+        )
 
     specs = []
     for (row, in_len, out_len), arrival in zip(taken, arrivals):

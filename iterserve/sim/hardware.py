@@ -81,53 +81,25 @@ class Hardware:
         return asdict(self)
 
 
+# fmt: off
 HARDWARE: dict[str, Hardware] = {
     h.name: h
     for h in (
-        Hardware(
-            "h100-sxm",
-            989.4e12,
-            3.35 * TB,
-            80 * GB,
-            450 * GB,
-            "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3, 80 GB, "
-            "NVLink 900 GB/s (450 GB/s each way)",
-        ),
-        Hardware(
-            "h200",
-            989.4e12,
-            4.8 * TB,
-            141 * GB,
-            450 * GB,
-            "NVIDIA H200 SXM datasheet: 989 TFLOP/s BF16 dense, 4.8 TB/s HBM3e, 141 GB, "
-            "NVLink 900 GB/s",
-        ),
-        Hardware(
-            "a100-80g",
-            312e12,
-            2.039 * TB,
-            80 * GB,
-            300 * GB,
-            "NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s BF16 dense, 2,039 GB/s HBM2e, "
-            "NVLink 600 GB/s",
-        ),
-        Hardware(
-            "a100-40g",
-            312e12,
-            1.555 * TB,
-            40 * GB,
-            300 * GB,
-            "NVIDIA A100 40GB SXM datasheet: 312 TFLOP/s BF16 dense, 1,555 GB/s HBM2, "
-            "NVLink 600 GB/s",
-        ),
-        Hardware(
-            "l40s",
-            362.05e12,
-            864 * GB,
-            48 * GB,
-            32 * GB,
-            "NVIDIA L40S datasheet: 362 TFLOP/s BF16 dense, 864 GB/s GDDR6, 48 GB, "
-            "PCIe Gen4 x16 (no NVLink)",
-        ),
+        Hardware("h100-sxm", 989.4e12, 3.35 * TB, 80 * GB, 450 * GB,
+                 "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3, 80 GB, "
+                 "NVLink 900 GB/s (450 GB/s each way)"),
+        Hardware("h200", 989.4e12, 4.8 * TB, 141 * GB, 450 * GB,
+                 "NVIDIA H200 SXM datasheet: 989 TFLOP/s BF16 dense, 4.8 TB/s HBM3e, 141 GB, "
+                 "NVLink 900 GB/s"),
+        Hardware("a100-80g", 312e12, 2.039 * TB, 80 * GB, 300 * GB,
+                 "NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s BF16 dense, 2,039 GB/s HBM2e, "
+                 "NVLink 600 GB/s"),
+        Hardware("a100-40g", 312e12, 1.555 * TB, 40 * GB, 300 * GB,
+                 "NVIDIA A100 40GB SXM datasheet: 312 TFLOP/s BF16 dense, 1,555 GB/s HBM2, "
+                 "NVLink 600 GB/s"),
+        Hardware("l40s", 362.05e12, 864 * GB, 48 * GB, 32 * GB,
+                 "NVIDIA L40S datasheet: 362 TFLOP/s BF16 dense, 864 GB/s GDDR6, 48 GB, "
+                 "PCIe Gen4 x16 (no NVLink)"),
     )
 }
+# fmt: on

@@ -1,12 +1,12 @@
 """``iterserve plot {curves,cdf,timeline} INPUT... --out FILE.png`` (matplotlib, Agg).
 
-    curves    p50/p99 TTFT and TPOT against achieved throughput, one line per policy, from
-              sweep result files
-    cdf       latency CDFs (TTFT, TPOT, E2E) per run, from result files
-    timeline  the batch timeline of runs: which requests ran in each step (prefill / decode),
-              tokens per step, KV-cache usage and queue length; from step records (JSON lines
-              of StepStats written by ``engine.record_steps`` / ``--record-steps DIR``) or from
-              result files whose runs name their step records (then request arrivals show too)
+curves    p50/p99 TTFT and TPOT against achieved throughput, one line per policy, from
+          sweep result files
+cdf       latency CDFs (TTFT, TPOT, E2E) per run, from result files
+timeline  the batch timeline of runs: which requests ran in each step (prefill / decode),
+          tokens per step, KV-cache usage and queue length; from step records (JSON lines
+          of StepStats written by ``engine.record_steps`` / ``--record-steps DIR``) or from
+          result files whose runs name their step records (then request arrivals show too)
 """
 
 from __future__ import annotations
@@ -89,8 +89,12 @@ def plot_curves(paths: list[str], out: str, x: str = "throughput") -> None:
         else:
             # Points join in offered-rate order (inf last): the curve walks from light load to
             # overload even where the achieved throughput stops growing or falls back.
-            runs.sort(key=lambda r: (math.inf if r["_rate"] is None else r["_rate"],
-                                     r["summary"].get("output_throughput") or 0.0))
+            runs.sort(
+                key=lambda r: (
+                    math.inf if r["_rate"] is None else r["_rate"],
+                    r["summary"].get("output_throughput") or 0.0,
+                )
+            )
             xs = [r["summary"].get("output_throughput") or 0.0 for r in runs]
         color = label_color(label)
         for ax, metric in zip(axes, ("ttft", "tpot")):
@@ -98,15 +102,28 @@ def plot_curves(paths: list[str], out: str, x: str = "throughput") -> None:
                 ys = [r["summary"].get(f"{pct}_{metric}_ms") for r in runs]
                 pts = [(a, b) for a, b in zip(xs, ys) if b is not None]
                 if pts:
-                    ax.plot(*zip(*pts), style, marker="o", color=color, ms=4,
-                            label=f"{label} {'p50' if pct == 'median' else 'p99'}")
+                    ax.plot(
+                        *zip(*pts),
+                        style,
+                        marker="o",
+                        color=color,
+                        ms=4,
+                        label=f"{label} {'p50' if pct == 'median' else 'p99'}",
+                    )
                 # All-at-once runs (rate inf) get a star: the end of the sweep, not a rate.
-                inf_pts = [(a, b) for a, b, r in zip(xs, ys, runs)
-                           if b is not None and r["_rate"] is not None and math.isinf(r["_rate"])]
+                inf_pts = [
+                    (a, b)
+                    for a, b, r in zip(xs, ys, runs)
+                    if b is not None and r["_rate"] is not None and math.isinf(r["_rate"])
+                ]
                 if inf_pts:
                     ax.plot(*zip(*inf_pts), "*", color=color, ms=11)
     for ax, metric in zip(axes, ("TTFT", "TPOT")):
-        ax.set_xlabel("achieved output throughput (tokens/s)" if x != "rate" else "offered request rate (req/s)")
+        ax.set_xlabel(
+            "achieved output throughput (tokens/s)"
+            if x != "rate"
+            else "offered request rate (req/s)"
+        )
         ax.set_ylabel(f"{metric} (ms)")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
@@ -123,7 +140,11 @@ def _pick_cdf_runs(runs: list[dict[str, Any]], rate: float | None) -> list[dict[
     """``rate`` given: the runs at that rate. Otherwise every run of a label that has one
     run, and for labels with several (a sweep) the run at the highest finite rate."""
     if rate is not None:
-        picked = [r for r in runs if r["_rate"] is not None and math.isclose(r["_rate"], rate, rel_tol=1e-3)]
+        picked = [
+            r
+            for r in runs
+            if r["_rate"] is not None and math.isclose(r["_rate"], rate, rel_tol=1e-3)
+        ]
         if not picked:
             have = sorted({_rate_text(r["_rate"]) for r in runs})
             raise ValueError(f"no run at rate {rate}; the inputs have rates {have}")
@@ -152,7 +173,11 @@ def plot_cdf(paths: list[str], out: str, rate: float | None = None, log_x: bool 
             [v for t in ok if (v := t.tpot) is not None],
             [t.latency for t in ok if t.latency is not None],
         )
-        label = r["label"] if len({x["_rate"] for x in runs}) == 1 else f"{r['label']} @ {_rate_text(r['_rate'])}"
+        label = (
+            r["label"]
+            if len({x["_rate"] for x in runs}) == 1
+            else f"{r['label']} @ {_rate_text(r['_rate'])}"
+        )
         for panel, vals in zip(per_panel, values):
             if vals:
                 panel.append((label, np.sort(np.asarray(vals, dtype=float))))
@@ -163,8 +188,13 @@ def plot_cdf(paths: list[str], out: str, rate: float | None = None, log_x: bool 
         big = any(arr[-1] > 10.0 for _, arr in panel)
         scale, unit = (1.0, "s") if big else (1000.0, "ms")
         for label, arr in panel:
-            ax.step(arr * scale, np.arange(1, len(arr) + 1) / len(arr), where="post", label=label,
-                    color=label_color(label) if one_run_per_label else None)
+            ax.step(
+                arr * scale,
+                np.arange(1, len(arr) + 1) / len(arr),
+                where="post",
+                label=label,
+                color=label_color(label) if one_run_per_label else None,
+            )
         ax.set_xlabel(f"{name} ({unit})")
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.01)
@@ -206,11 +236,15 @@ def read_steps(path: str | Path) -> list[dict[str, Any]]:
     if not steps:
         raise ValueError(f"{path} holds no step records")
     if "scheduled" not in steps[0]:
-        raise ValueError(f"{path}: step records have no 'scheduled' field; record them with engine.record_steps")
+        raise ValueError(
+            f"{path}: step records have no 'scheduled' field; record them with engine.record_steps"
+        )
     return steps
 
 
-def load_timelines(paths: list[str], labels: list[str] | None = None, rate: float | None = None) -> list[Timeline]:
+def load_timelines(
+    paths: list[str], labels: list[str] | None = None, rate: float | None = None
+) -> list[Timeline]:
     """Step-record files (.jsonl) give one timeline each; result files (.json) give one per
     run that names a ``steps_file`` (with request arrivals, from the run's timings), only the
     runs at request rate ``rate`` when it is given."""
@@ -225,7 +259,9 @@ def load_timelines(paths: list[str], labels: list[str] | None = None, rate: floa
         for run in doc["runs"]:
             sf = run.get("steps_file")
             run_rate = rate_value(run.get("request_rate"))
-            if not sf or (rate is not None and (run_rate is None or not math.isclose(run_rate, rate))):
+            if not sf or (
+                rate is not None and (run_rate is None or not math.isclose(run_rate, rate))
+            ):
                 continue
             sp = Path(sf)
             if not sp.is_file():
@@ -233,14 +269,19 @@ def load_timelines(paths: list[str], labels: list[str] | None = None, rate: floa
             steps = read_steps(sp)
             t0 = run.get("clock_start") or steps[0]["start_time"]
             arrivals = {t["request_id"]: t["arrival_time"] for t in run.get("requests", [])}
-            label = run["label"] + (f" @ {_rate_text(rate_value(run.get('request_rate')))} req/s"
-                                    if doc.get("kind") == "sweep" else "")
+            label = run["label"] + (
+                f" @ {_rate_text(rate_value(run.get('request_rate')))} req/s"
+                if doc.get("kind") == "sweep"
+                else ""
+            )
             slots = (run.get("engine_args") or {}).get("max_num_seqs")
             out.append(Timeline(label, steps, t0, arrivals, slots))
             found = True
         if not found:
             at = f" at rate {rate}" if rate is not None else ""
-            raise ValueError(f"{p}: no run{at} names a steps_file; run the benchmark with --record-steps DIR")
+            raise ValueError(
+                f"{p}: no run{at} names a steps_file; run the benchmark with --record-steps DIR"
+            )
     if labels:
         if len(labels) != len(out):
             raise ValueError(f"--labels gave {len(labels)} names for {len(out)} timelines")
@@ -296,16 +337,27 @@ def _stairs(tl: Timeline, key: str, fn: Any = None) -> tuple[np.ndarray, np.ndar
     return np.asarray(edges), np.asarray(vals)
 
 
-def plot_timeline(paths: list[str], out: str, labels: list[str] | None = None,
-                  max_requests: int | None = None, rate: float | None = None) -> None:
+def plot_timeline(
+    paths: list[str],
+    out: str,
+    labels: list[str] | None = None,
+    max_requests: int | None = None,
+    rate: float | None = None,
+) -> None:
     """One column per run, sharing the time axis: (1) a Gantt chart, one row per request
     (grey: waiting since arrival, orange: prefill, blue: decode); (2) prefill and decode
     tokens per step, running requests, and idle batch slots while requests wait (red);
     (3) KV-cache usage and queue length."""
     tls = load_timelines(paths, labels, rate)
     ncol = len(tls)
-    fig, axes = plt.subplots(3, ncol, figsize=(6.5 * ncol, 9), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": [3, 1.2, 1.2]})
+    fig, axes = plt.subplots(
+        3,
+        ncol,
+        figsize=(6.5 * ncol, 9),
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": [3, 1.2, 1.2]},
+    )
     twins: list[list[Any]] = [[], []]  # right-hand axes of the token and KV panels
     for c, tl in enumerate(tls):
         gantt, tok_ax, kv_ax = axes[0][c], axes[1][c], axes[2][c]
@@ -316,7 +368,9 @@ def plot_timeline(paths: list[str], out: str, labels: list[str] | None = None,
             first = min(b[0] for kind in segs[rid].values() for b in kind)
             arrival = tl.arrivals.get(rid)
             if arrival is not None and first > arrival:
-                gantt.plot([arrival, first], [y, y], color=WAIT_COLOR, lw=0.8, solid_capstyle="butt")
+                gantt.plot(
+                    [arrival, first], [y, y], color=WAIT_COLOR, lw=0.8, solid_capstyle="butt"
+                )
             gantt.broken_barh(segs[rid][True], (y - 0.4, 0.8), color=PREFILL_COLOR, lw=0)
             gantt.broken_barh(segs[rid][False], (y - 0.4, 0.8), color=DECODE_COLOR, lw=0)
         gantt.set_ylim(len(order) - 0.5, -0.5)
@@ -336,16 +390,30 @@ def plot_timeline(paths: list[str], out: str, labels: list[str] | None = None,
         slots = tl.max_num_seqs or int(max(s["num_scheduled_seqs"] for s in tl.steps))
         # Idle slots: batch slots left empty while requests wait (static batching's waste).
         idle = np.where(waiting > 0, np.maximum(slots - running, 0), 0)
-        seq_ax.stairs(running + idle, e, baseline=running, fill=True, color=IDLE_COLOR, alpha=0.5,
-                      label="idle slots while requests wait")
+        seq_ax.stairs(
+            running + idle,
+            e,
+            baseline=running,
+            fill=True,
+            color=IDLE_COLOR,
+            alpha=0.5,
+            label="idle slots while requests wait",
+        )
         seq_ax.stairs(running, e, color="black", lw=0.9, label="running requests")
         seq_ax.axhline(slots, color="black", lw=0.6, ls=":")
         seq_ax.set_ylabel(f"running (of {slots} slots)")
         seq_ax.set_ylim(bottom=0)
         twins[0].append(seq_ax)
 
-        _, kv = _stairs(tl, "kv_blocks_used", lambda s: 100.0 * s["kv_blocks_used"] / s["kv_blocks_total"]
-                        if s.get("kv_blocks_total") else 0.0)
+        _, kv = _stairs(
+            tl,
+            "kv_blocks_used",
+            lambda s: (
+                100.0 * s["kv_blocks_used"] / s["kv_blocks_total"]
+                if s.get("kv_blocks_total")
+                else 0.0
+            ),
+        )
         kv_ax.stairs(kv, e, fill=True, color="#74c476", label="KV cache used (%)")
         kv_ax.set_ylabel("KV cache used (%)")
         kv_ax.set_ylim(bottom=0)
@@ -362,8 +430,10 @@ def plot_timeline(paths: list[str], out: str, labels: list[str] | None = None,
                 h, labels_ = ax.get_legend_handles_labels()
                 handles += h
                 names += labels_
-            handles[1:1] = [plt.Rectangle((0, 0), 1, 1, color=PREFILL_COLOR),
-                            plt.Rectangle((0, 0), 1, 1, color=DECODE_COLOR)]
+            handles[1:1] = [
+                plt.Rectangle((0, 0), 1, 1, color=PREFILL_COLOR),
+                plt.Rectangle((0, 0), 1, 1, color=DECODE_COLOR),
+            ]
             names[1:1] = ["prefill", "decode"]
             fig.legend(handles, names, loc="lower center", ncol=4, fontsize=8, frameon=False)
     # Same y ranges across columns, so heights compare at a glance.
@@ -379,27 +449,155 @@ def plot_timeline(paths: list[str], out: str, labels: list[str] | None = None,
     _save(fig, out)
 
 
+# ---- slots ------------------------------------------------------------------------------
+
+
+@dataclass
+class SlotBar:
+    """One request's stay in a batch slot: from its first scheduled step to its last."""
+
+    request_id: str
+    slot: int
+    start: float  # s after the run start
+    end: float
+    long: bool
+
+
+def assign_slots(steps: list[dict[str, Any]], t0: float, long_ids: set[str]) -> list[SlotBar]:
+    """Each request takes the lowest free slot at its first scheduled step and holds it until
+    the end of its last one (a request waiting between chunks still holds its slot). A run
+    without preemption never needs more slots than ``max_num_seqs``."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for s in steps:
+        start = s["start_time"] - t0
+        for rid, _n, _prefill in s["scheduled"]:
+            first.setdefault(rid, start)
+            last[rid] = start + s["duration_s"]
+    bars: list[SlotBar] = []
+    free_at: list[float] = []  # per slot: when it is free again
+    for rid in sorted(first, key=lambda r: first[r]):
+        start = first[rid]
+        slot = next((i for i, t in enumerate(free_at) if t <= start + 1e-12), len(free_at))
+        if slot == len(free_at):
+            free_at.append(0.0)
+        free_at[slot] = last[rid]
+        bars.append(SlotBar(rid, slot, start, last[rid], rid in long_ids))
+    return bars
+
+
+def _empty_while_waiting(
+    steps: list[dict[str, Any]], t0: float, bars: list[SlotBar], rows: int
+) -> list[list[tuple[float, float]]]:
+    """Per slot, the (start, width) spans of steps that left requests waiting while no request
+    held the slot; consecutive steps merge."""
+    by_slot: list[list[SlotBar]] = [[] for _ in range(rows)]
+    for b in bars:
+        by_slot[b.slot].append(b)  # already in start order
+    nxt = [0] * rows
+    cells: list[list[tuple[float, float]]] = [[] for _ in range(rows)]
+    for s in steps:
+        if not s.get("num_waiting", 0):
+            continue
+        start, dur = s["start_time"] - t0, s["duration_s"]
+        mid = start + dur / 2
+        for slot in range(rows):
+            own = by_slot[slot]
+            while nxt[slot] < len(own) and own[nxt[slot]].end < mid:
+                nxt[slot] += 1
+            if nxt[slot] < len(own) and own[nxt[slot]].start <= mid:
+                continue  # held
+            spans = cells[slot]
+            if spans and abs(spans[-1][0] + spans[-1][1] - start) < 1e-3:
+                spans[-1] = (spans[-1][0], start + dur - spans[-1][0])
+            else:
+                spans.append((start, dur))
+    return cells
+
+
+def plot_slots(
+    runs: list[tuple[str, list[dict[str, Any]], float, int]],
+    out: str,
+    long_ids: set[str],
+    title: str = "Who held each batch slot, step by step",
+) -> None:
+    """One panel per run, one above the other on a shared time axis: a row per batch slot, a
+    bar per request while it holds the slot (long requests dark, short ones light), and red
+    where a slot sat empty while requests waited. ``runs``: (label, step records with
+    ``scheduled``, run start time, max_num_seqs)."""
+    fig, axes = plt.subplots(
+        len(runs),
+        1,
+        figsize=(12, 2.2 + 0.22 * max(r[3] for r in runs) * len(runs)),
+        sharex=True,
+        squeeze=False,
+    )
+    short_colors = ["#9ecae1", "#6baed6", "#c6dbef", "#4292c6"]
+    for ax, (label, steps, t0, slots) in zip(axes[:, 0], runs):
+        bars = assign_slots(steps, t0, long_ids)
+        for i, b in enumerate(bars):
+            color = "#a63603" if b.long else short_colors[i % len(short_colors)]
+            ax.broken_barh([(b.start, b.end - b.start)], (b.slot - 0.42, 0.84), color=color, lw=0)
+        rows = max([slots] + [b.slot + 1 for b in bars])
+        for slot, cells in enumerate(_empty_while_waiting(steps, t0, bars, rows)):
+            ax.broken_barh(cells, (slot - 0.5, 1.0), color=IDLE_COLOR, alpha=0.35, lw=0)
+        ax.set_ylim(rows - 0.5, -0.5)
+        ax.set_ylabel("batch slot")
+        end = max((b.end for b in bars), default=0.0)
+        ax.set_title(f"{label}: {len(steps)} steps, {len(bars)} requests, {end:.1f} s", fontsize=10)
+    axes[-1, 0].set_xlabel("time since the first arrival (s)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#a63603", "#6baed6", IDLE_COLOR)]
+    fig.legend(
+        handles,
+        ["long request", "short request", "empty slot while requests wait"],
+        loc="lower center",
+        ncol=3,
+        fontsize=9,
+        frameon=False,
+    )
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    _save(fig, out)
+
+
 # ---- CLI --------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iterserve plot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="iterserve plot",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="kind", required=True)
-    c = sub.add_parser("curves", help="p50/p99 TTFT and TPOT vs throughput per policy (sweep results)")
+    c = sub.add_parser(
+        "curves", help="p50/p99 TTFT and TPOT vs throughput per policy (sweep results)"
+    )
     c.add_argument("inputs", nargs="+", metavar="RESULT.json")
-    c.add_argument("--x", choices=("throughput", "rate"), default="throughput",
-                   help="x axis: achieved output tokens/s, or offered request rate")
+    c.add_argument(
+        "--x",
+        choices=("throughput", "rate"),
+        default="throughput",
+        help="x axis: achieved output tokens/s, or offered request rate",
+    )
     d = sub.add_parser("cdf", help="latency CDFs per run")
     d.add_argument("inputs", nargs="+", metavar="RESULT.json")
-    d.add_argument("--rate", type=float, help="use the runs at this request rate (default: each "
-                   "label's only run, or its highest finite rate)")
+    d.add_argument(
+        "--rate",
+        type=float,
+        help="use the runs at this request rate (default: each "
+        "label's only run, or its highest finite rate)",
+    )
     d.add_argument("--log-x", action="store_true")
     t = sub.add_parser("timeline", help="batch timeline from step records, side by side")
     t.add_argument("inputs", nargs="+", metavar="STEPS.jsonl|RESULT.json")
     t.add_argument("--labels", help="comma-separated column titles")
-    t.add_argument("--max-requests", type=int, help="show only the first N requests in the Gantt chart")
-    t.add_argument("--rate", type=float, help="from result files, only the runs at this request rate")
+    t.add_argument(
+        "--max-requests", type=int, help="show only the first N requests in the Gantt chart"
+    )
+    t.add_argument(
+        "--rate", type=float, help="from result files, only the runs at this request rate"
+    )
     for p in (c, d, t):
         p.add_argument("--out", required=True, metavar="FILE.png")
     return parser

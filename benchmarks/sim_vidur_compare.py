@@ -39,16 +39,6 @@ VIDUR_H100_LLAMA2_7B: dict[tuple[int, int], tuple[float, float, float, float]] =
 }
 
 
-def roofline_ops(cm: RooflineCostModel, tokens: int) -> tuple[float, float, float, float]:
-    h, q, kv, i = cm.hidden, cm.q_dim, cm.kv_dim, cm.inter
-    return (
-        cm._gemm(tokens, h, q + 2 * kv),
-        cm._gemm(tokens, q, h),
-        cm._gemm(tokens, h, 2 * i),
-        cm._gemm(tokens, i, h),
-    )
-
-
 def main() -> int:
     cfg = load_model_config("llama-2-7b")
     hw = HARDWARE["h100-sxm"]
@@ -60,7 +50,7 @@ def main() -> int:
     errs = []
     for (tp, tokens), meas in VIDUR_H100_LLAMA2_7B.items():
         cm = RooflineCostModel(cfg, hw, tp=tp)
-        pred = [t * 1e3 for t in roofline_ops(cm, tokens)]
+        pred = [t * 1e3 for t in cm.projection_times(tokens)]
         ratio = sum(pred) / sum(meas)
         errs.append(abs(ratio - 1))
         per_op = " ".join(f"{p / m:4.2f}" for p, m in zip(pred, meas))

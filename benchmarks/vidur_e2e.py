@@ -88,6 +88,7 @@ def build_profiles(cm: RooflineCostModel, out: Path) -> None:
     )
     # iterserve prices the elementwise ops of a layer as one memory-bound term; split it over
     # Vidur's five elementwise operators by the bytes each moves (the sum is unchanged).
+    # The shares sum to the bytes per token that RooflineCostModel.elementwise_time prices.
     shares = {
         "input_layernorm": 2 * h,
         "post_attention_layernorm": 2 * h,
@@ -98,14 +99,15 @@ def build_profiles(cm: RooflineCostModel, out: Path) -> None:
     total_share = sum(shares.values())
     rows = []
     for t in token_counts(MAX_TOKENS):
-        elem = max(t * total_share * cm.wb / cm._bw, 4 * cm._kernel)
+        elem = cm.elementwise_time(t)
+        qkv, o, gate_up, down = cm.projection_times(t)
         r = {
             "num_tokens": t,
             **ident,
-            "time_stats.attn_pre_proj.median": cm._gemm(t, h, q + 2 * kv) * ms,
-            "time_stats.attn_post_proj.median": cm._gemm(t, q, h) * ms,
-            "time_stats.mlp_up_proj.median": cm._gemm(t, h, 2 * i) * ms,
-            "time_stats.mlp_down_proj.median": cm._gemm(t, i, h) * ms,
+            "time_stats.attn_pre_proj.median": qkv * ms,
+            "time_stats.attn_post_proj.median": o * ms,
+            "time_stats.mlp_up_proj.median": gate_up * ms,
+            "time_stats.mlp_down_proj.median": down * ms,
         }
         for name, w in shares.items():
             r[f"time_stats.{name}.median"] = elem * w / total_share * ms
@@ -115,9 +117,7 @@ def build_profiles(cm: RooflineCostModel, out: Path) -> None:
     # Attention, per layer, with the profiler's meaning: a prefill chunk of c tokens after
     # kv_cache_size cached tokens; b decodes each with kv_cache_size cached tokens.
     def attn(pairs: int, ctx_sum: int, qtok: int) -> float:
-        flops = cm._attn_flops_per_pair * pairs
-        nbytes = cm._kv_bytes_per_key * ctx_sum + 2 * qtok * q * cm.wb
-        return max(flops / cm._flops_attn, nbytes / cm._bw_attn, cm._kernel) * ms
+        return cm.attention_kernel_time(pairs, ctx_sum, qtok) * ms
 
     aid = dict(
         n_embd=h,

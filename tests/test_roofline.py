@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.sim.cost_model import RooflineCostModel
+from iterserve.sim.cost_model import RooflineCostModel, StepShape
 from iterserve.sim.hardware import HARDWARE
 from iterserve.sim.models import load_model_config
 from iterserve.sim.roofline import (
@@ -73,3 +73,18 @@ def test_machine_from_numbers() -> None:
     assert (m.threads, m.read_gbps, m.peak_gflops) == (2, 12.5, 180.0)
     with pytest.raises(ValueError, match="GBPS,GFLOPS"):
         machine_for("fast", threads=2)
+
+
+def test_step_time_is_the_sum_of_the_per_layer_operators() -> None:
+    cm = RooflineCostModel(load_model_config("llama-2-7b"), HARDWARE["h100-sxm"])
+    tokens = 300
+    embed = tokens * cm.hidden * cm.wb / (cm.hw.efficiency.mem * cm.hw.mem_bw)
+    per_layer = sum(cm.projection_times(tokens)) + cm.elementwise_time(tokens)
+    assert cm.linear_time(tokens) == pytest.approx(cm.layers * per_layer + embed)
+    shape = StepShape(num_tokens=tokens, num_seqs=5, num_decodes=4, decode_ctx_sum=4000,
+                      num_prefills=1, prefill_tokens=296, prefill_pairs=296 * 297 // 2,
+                      prefill_ctx_sum=296)  # fmt: skip
+    prefill = cm.attention_kernel_time(296 * 297 // 2, 296, 296)
+    decode = cm.attention_kernel_time(4000, 4000, 4)
+    assert cm.attention_time(shape) == pytest.approx(cm.layers * (prefill + decode))
+    assert decode > cm.attention_kernel_time(4000, 2000, 4)  # more keys read, more time

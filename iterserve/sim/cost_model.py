@@ -146,21 +146,39 @@ class RooflineCostModel:
         e = self.hw.efficiency
         return e.net_latency_s + 2 * (self.tp - 1) / self.tp * nbytes / (e.net * self.hw.link_bw)
 
+    def projection_times(self, tokens: int) -> tuple[float, float, float, float]:
+        """One layer's projection GEMMs for ``tokens`` tokens: qkv, o, gate + up, down."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.inter
+        return (
+            self._gemm(tokens, h, q + 2 * kv),
+            self._gemm(tokens, q, h),
+            self._gemm(tokens, h, 2 * i),
+            self._gemm(tokens, i, h),
+        )
+
+    def elementwise_time(self, tokens: int) -> float:
+        """One layer's elementwise ops, memory-bound: 2 RMSNorms and 2 residual adds (read +
+        write h each), RoPE on q/k, SiLU*mul; at least four kernels."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.inter
+        nbytes = tokens * (8 * h + 2 * (q + kv) + 3 * i) * self.wb
+        return max(nbytes / self._bw, 4 * self._kernel)
+
+    def attention_kernel_time(self, pairs: int, keys: int, queries: int) -> float:
+        """One layer's attention kernel: ``pairs`` (query, key) products, ``keys`` keys read
+        from the KV cache, ``queries`` query tokens read and written."""
+        flops = self._attn_flops_per_pair * pairs
+        nbytes = self._kv_bytes_per_key * keys + 2 * queries * self.q_dim * self.wb
+        return max(flops / self._flops_attn, nbytes / self._bw_attn, self._kernel)
+
     def linear_time(self, tokens: int) -> float:
         """All layers' token-parallel work for ``tokens`` tokens: projections, elementwise
         ops and tensor-parallel all-reduces (cached: it depends on the token count only)."""
         t = self._linear_cache.get(tokens)
         if t is None:
-            h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.inter
+            h = self.hidden
             per_layer = (
-                self._gemm(tokens, h, q + 2 * kv)  # qkv
-                + self._gemm(tokens, q, h)  # o
-                + self._gemm(tokens, h, 2 * i)  # gate + up
-                + self._gemm(tokens, i, h)  # down
-                # 2 RMSNorms and 2 residual adds (read + write h each), RoPE on q/k, SiLU*mul.
-                + max(
-                    tokens * (8 * h + 2 * (q + kv) + 3 * i) * self.wb / self._bw, 4 * self._kernel
-                )
+                sum(self.projection_times(tokens))
+                + self.elementwise_time(tokens)
                 + 2 * self._allreduce(tokens * h * self.wb)
             )
             embed = tokens * h * self.wb / self._bw
@@ -180,18 +198,9 @@ class RooflineCostModel:
     def attention_time(self, s: StepShape) -> float:
         t = 0.0
         if s.num_prefills:
-            flops = self._attn_flops_per_pair * s.prefill_pairs
-            nbytes = (
-                self._kv_bytes_per_key * s.prefill_ctx_sum
-                + 2 * s.prefill_tokens * self.q_dim * self.wb
-            )
-            t += max(flops / self._flops_attn, nbytes / self._bw_attn, self._kernel)
-        if s.num_decodes:
-            flops = self._attn_flops_per_pair * s.decode_ctx_sum
-            nbytes = (
-                self._kv_bytes_per_key * s.decode_ctx_sum + 2 * s.num_decodes * self.q_dim * self.wb
-            )
-            t += max(flops / self._flops_attn, nbytes / self._bw_attn, self._kernel)
+            t += self.attention_kernel_time(s.prefill_pairs, s.prefill_ctx_sum, s.prefill_tokens)
+        if s.num_decodes:  # one query per sequence: as many pairs as keys
+            t += self.attention_kernel_time(s.decode_ctx_sum, s.decode_ctx_sum, s.num_decodes)
         return self.layers * t
 
     def cpu_time(self, s: StepShape) -> float:

@@ -1,5 +1,6 @@
-"""iterserve's C++ CPU kernels (iterserve/model/kernels.py): the bf16 panel GEMM against torch, the build's caching and errors, the on/off setting. The paged decode kernel is
-tested against SDPA in test_model.py, and end to end by every token-exact engine test."""
+"""iterserve's C++ CPU kernels (iterserve/model/kernels.py): the bf16 panel GEMM against torch,
+the build's caching and errors, the on/off setting. The paged decode kernel is tested against
+SDPA in test_model.py, and end to end by every token-exact engine test."""
 
 from __future__ import annotations
 
@@ -62,7 +63,9 @@ def test_setting_is_checked_and_turns_kernels_off(monkeypatch: pytest.MonkeyPatc
         kernels.load()
 
 
-def test_build_is_cached_and_reports_compiler_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_build_is_cached_and_reports_compiler_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     lib = kernels.build(tmp_path)
     mtime = lib.stat().st_mtime_ns
     assert kernels.build(tmp_path) == lib and lib.stat().st_mtime_ns == mtime  # not rebuilt

@@ -33,7 +33,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-sharded": ("llama", {"max_shard_size": "40KB"}),
     "mistral-sliding-window": ("mistral", {"sliding_window": 6}),
     "qwen2-bias": ("qwen2", {}),
-    "qwen3-qknorm-headdim": ("qwen3", {"head_dim": 32, "num_key_value_heads": 1, "tie_word_embeddings": True}),
+    "qwen3-qknorm-headdim": (
+        "qwen3",
+        {"head_dim": 32, "num_key_value_heads": 1, "tie_word_embeddings": True},
+    ),
 }
 
 
@@ -42,7 +45,9 @@ class Case:
         import transformers
 
         self.path = path
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32
+        ).eval()
         self.vocab = ModelConfig.from_pretrained(path).vocab_size
 
     def ref(self, ids: list[int]) -> torch.Tensor:
@@ -173,7 +178,9 @@ def test_low_precision_is_close(case: Callable[[str], Case], dtype: str) -> None
 
 def test_runner_attributes_and_kv_sizing(case: Callable[[str], Case]) -> None:
     c = case("llama")
-    runner = c.runner(max_model_len=100_000, cache_config=CacheConfig(block_size=8, kv_cache_memory=1 << 20))
+    runner = c.runner(
+        max_model_len=100_000, cache_config=CacheConfig(block_size=8, kv_cache_memory=1 << 20)
+    )
     cfg = ModelConfig.from_pretrained(c.path)
     assert runner.kv_bytes_per_block == 2 * cfg.num_layers * 8 * cfg.num_kv_heads * cfg.head_dim * 4
     assert runner.num_kv_blocks == (1 << 20) // runner.kv_bytes_per_block
@@ -193,12 +200,21 @@ def test_runner_attributes_and_kv_sizing(case: Callable[[str], Case]) -> None:
 
 
 def test_unsupported_architecture(tmp_path: Any) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         ModelConfig.from_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="lacks.*vocab_size"):
-        ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2,
-                               "num_hidden_layers": 1, "intermediate_size": 8})
+        ModelConfig.from_dict(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "num_hidden_layers": 1,
+                "intermediate_size": 8,
+            }
+        )
 
 
 def test_missing_files(case: Callable[[str], Case], tmp_path: Any) -> None:
@@ -227,7 +243,9 @@ def test_missing_tensor(case: Callable[[str], Case], tmp_path: Any) -> None:
 # ---- built-ins -----------------------------------------------------------------------------
 
 
-def test_builtin_tiny_random_is_deterministic(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_builtin_tiny_random_is_deterministic(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from transformers import AutoTokenizer
 
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path / "a"))
@@ -235,7 +253,10 @@ def test_builtin_tiny_random_is_deterministic(tmp_path: Any, monkeypatch: pytest
     assert resolve_model("tiny-random") == p1 and p1.endswith("tiny-random-v1")
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path / "b"))
     p2 = resolve_model("tiny-random")
-    w1, w2 = load_file(os.path.join(p1, "model.safetensors")), load_file(os.path.join(p2, "model.safetensors"))
+    w1, w2 = (
+        load_file(os.path.join(p1, "model.safetensors")),
+        load_file(os.path.join(p2, "model.safetensors")),
+    )
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
 
     tok = AutoTokenizer.from_pretrained(p1)
@@ -245,12 +266,17 @@ def test_builtin_tiny_random_is_deterministic(tmp_path: Any, monkeypatch: pytest
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text
     assert len(tok.encode(" the water", add_special_tokens=False)) == 2  # common words: one token
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat.endswith("<|im_start|>assistant\n")
 
     runner = ModelRunner("tiny-random", cache_config=CacheConfig(num_kv_blocks=8))
     assert runner.model_path == p2  # built-in names resolve inside the runner too
-    greedy = [runner.execute([BatchItem(str(i), ids[:k], 0, [0, 1, 2, 3], True)])[0].argmax().item() for i, k in enumerate((3, 5, 8))]
+    greedy = [
+        runner.execute([BatchItem(str(i), ids[:k], 0, [0, 1, 2, 3], True)])[0].argmax().item()
+        for i, k in enumerate((3, 5, 8))
+    ]
     assert len(set(greedy)) > 1  # weights are not trivially flat
 
 
@@ -274,7 +300,9 @@ def test_packed_and_plain_weights_match_transformers(
         assert runner.packed_weights == (pack == "1" and packing_available())
         prompts = [prompt(9 + i, seed=40 + i) for i in range(10)]
         tables = [[8 * i + j for j in range(5)] for i in range(10)]
-        runner.execute([BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts)])
+        runner.execute(
+            [BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts)]
+        )
         out = runner.execute(
             [BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True) for i, p in enumerate(prompts)]
         )
@@ -282,10 +310,13 @@ def test_packed_and_plain_weights_match_transformers(
             close(out[i], c.ref(p)[-1])
 
 
-def test_low_precision_paths_agree(case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_low_precision_paths_agree(
+    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16 with packed f32 weights or the sliced upcast, with iterserve's kernels (bf16 panel
     GEMM, paged decode attention) or torch's: the same logits up to bf16 rounding of
-    intermediate activations. Prefill (~150 rows: packed f32 where packed) and decodes of 9 and 5."""
+    intermediate activations. Prefill (~150 rows: packed f32 where packed) and decodes of 9
+    and 5."""
     from iterserve.model import kernels
     from iterserve.model.cpu import needs_upcast
 
@@ -300,9 +331,18 @@ def test_low_precision_paths_agree(case: Callable[[str], Case], monkeypatch: pyt
         runner = c.runner(dtype="bfloat16")
         assert runner.kv_caches[0][0].dtype == torch.bfloat16
         assert runner.panel_weights == (kern == "1" and needs_upcast(torch.bfloat16))
-        runner.execute([BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts)])
-        nine = runner.execute([BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True) for i, p in enumerate(prompts)])
-        five = runner.execute([BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True) for i, p in enumerate(prompts[:5])])
+        runner.execute(
+            [BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts)]
+        )
+        nine = runner.execute(
+            [BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True) for i, p in enumerate(prompts)]
+        )
+        five = runner.execute(
+            [
+                BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True)
+                for i, p in enumerate(prompts[:5])
+            ]
+        )
         outs.append(torch.cat([nine, five]))
     cos = torch.nn.functional.cosine_similarity
     for i, p in enumerate(prompts + prompts[:5]):
@@ -317,7 +357,13 @@ def test_gemm_row_buckets_bound_shapes_and_keep_results() -> None:
     """oneDNN GEMMs run at few row counts (each one builds a primitive once): exact for decode
     batches, <= 1/16 extra rows above, 128 sizes up to 2048 rows; padding leaves the real rows'
     results unchanged, for the packed f32 path and the bf16 one."""
-    from iterserve.model.llama import EXACT_ROWS, PackedLinear, bucket_rows, linear, packing_available
+    from iterserve.model.llama import (
+        EXACT_ROWS,
+        PackedLinear,
+        bucket_rows,
+        linear,
+        packing_available,
+    )
 
     sizes = [bucket_rows(m) for m in range(1, 2049)]
     assert sizes[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
@@ -358,24 +404,60 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int) -> None:
         assert meta.decode_ctx_lens is not None and meta.decode_starts is not None
         D = len(items)
         q = torch.randn(D, kvh * G, hd)
-        out = kern.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_ids.view(D, -1),
-                                          meta.decode_ctx_lens, meta.decode_starts, bs)
+        out = kern.paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_ids.view(D, -1),
+            meta.decode_ctx_lens,
+            meta.decode_starts,
+            bs,
+        )
         # bf16 queries with strided rows (as q sits in the layer's qk tensor): bf16 out
         qk = torch.randn(D, kvh * G + 1, hd).bfloat16()
-        out16 = kern.paged_decode_attention(qk[:, : kvh * G], k_cache, v_cache, meta.decode_block_ids.view(D, -1),
-                                            meta.decode_ctx_lens, meta.decode_starts, bs)
+        out16 = kern.paged_decode_attention(
+            qk[:, : kvh * G],
+            k_cache,
+            v_cache,
+            meta.decode_block_ids.view(D, -1),
+            meta.decode_ctx_lens,
+            meta.decode_starts,
+            bs,
+        )
         assert out16.dtype == torch.bfloat16
-        ref16 = kern.paged_decode_attention(qk[:, : kvh * G].float(), k_cache, v_cache, meta.decode_block_ids.view(D, -1),
-                                            meta.decode_ctx_lens, meta.decode_starts, bs)
+        ref16 = kern.paged_decode_attention(
+            qk[:, : kvh * G].float(),
+            k_cache,
+            v_cache,
+            meta.decode_block_ids.view(D, -1),
+            meta.decode_ctx_lens,
+            meta.decode_starts,
+            bs,
+        )
         assert torch.equal(out16, ref16.bfloat16())
-        kd = k_cache.view(-1, bs, kvh, hd).index_select(0, meta.decode_block_ids).float().view(D, -1, kvh, hd).transpose(1, 2)
-        vd = v_cache.view(-1, bs, kvh, hd).index_select(0, meta.decode_block_ids).float().view(D, -1, kvh, hd).transpose(1, 2)
-        ref = torch.nn.functional.scaled_dot_product_attention(q.view(D, kvh * G, 1, hd), kd, vd,
-                                                               attn_mask=meta.decode_mask, enable_gqa=True)
+        kd = (
+            k_cache.view(-1, bs, kvh, hd)
+            .index_select(0, meta.decode_block_ids)
+            .float()
+            .view(D, -1, kvh, hd)
+            .transpose(1, 2)
+        )
+        vd = (
+            v_cache.view(-1, bs, kvh, hd)
+            .index_select(0, meta.decode_block_ids)
+            .float()
+            .view(D, -1, kvh, hd)
+            .transpose(1, 2)
+        )
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.view(D, kvh * G, 1, hd), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True
+        )
         close(out, ref.view(D, kvh * G, hd), atol=1e-5)
 
 
-def test_pack_weights_setting_is_checked(case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pack_weights_setting_is_checked(
+    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", "yes")
     with pytest.raises(ValueError, match="ITERSERVE_PACK_WEIGHTS must be 0, 1 or auto"):
         case("llama").runner()

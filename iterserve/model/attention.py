@@ -12,8 +12,8 @@ The runner orders a step's rows decode-first:
 so all decodes run as ONE call of iterserve's paged decode kernel (each over its own context,
 read in place; without the kernel, one SDPA over the contexts gathered into a padded
 [D, max_blocks * block_size] window, a key-padding mask hiding the tail), and each prefill
-chunk runs one SDPA with a causal mask shifted by its start position. ``AttentionMetadata`` holds every
-index and mask for that; it is built once per step and shared by all layers.
+chunk runs one SDPA with a causal mask shifted by its start position. ``AttentionMetadata``
+holds every index and mask for that; it is built once per step and shared by all layers.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor | None  # [D * max_blocks] int64, row-major, padded with block 0
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] additive (0 / -inf)
     prefills: list[PrefillChunk]
-    # For iterserve's paged decode kernel: decode d sees keys [decode_starts[d], decode_ctx_lens[d]).
+    # For iterserve's paged decode kernel: decode d sees keys
+    # [decode_starts[d], decode_ctx_lens[d]).
     decode_ctx_lens: torch.Tensor | None = None  # [D] int64
     decode_starts: torch.Tensor | None = None  # [D] int64 (> 0 only under a sliding window)
 
@@ -79,7 +80,9 @@ def build_attention_metadata(
     slots: list[int] = []
     for it in items:
         bt, p0 = it.block_table, it.start_pos
-        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(p0, p0 + it.num_tokens))
+        slots.extend(
+            bt[p // block_size] * block_size + p % block_size for p in range(p0, p0 + it.num_tokens)
+        )
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
 
     decode_block_ids = decode_mask = ctx_lens = starts = None
@@ -109,7 +112,9 @@ def build_attention_metadata(
         ctx = p0 + n
         block_ids = None
         if p0 > 0:
-            block_ids = torch.tensor(it.block_table[: (ctx - 1) // block_size + 1], dtype=torch.int64)
+            block_ids = torch.tensor(
+                it.block_table[: (ctx - 1) // block_size + 1], dtype=torch.int64
+            )
         chunk_mask = None
         if p0 > 0 or (sliding_window is not None and n > sliding_window):
             q_pos = torch.arange(p0, ctx)[:, None]
@@ -120,7 +125,9 @@ def build_attention_metadata(
             chunk_mask = _additive(chunk_mask, dtype)
         prefills.append(PrefillChunk(row, row + n, ctx, block_ids, chunk_mask))
         row += n
-    return AttentionMetadata(slot_mapping, num_decodes, decode_block_ids, decode_mask, prefills, ctx_lens, starts)
+    return AttentionMetadata(
+        slot_mapping, num_decodes, decode_block_ids, decode_mask, prefills, ctx_lens, starts
+    )
 
 
 def paged_attention(
@@ -145,9 +152,9 @@ def paged_attention(
     per layer, kernel vs torch.compile of gather + upcast + softmax + reductions (the previous
     path), the same call repeated (cache-warm): 8 decodes x 128 keys 0.13 vs 0.31; 32 x 128:
     0.54 vs 1.02; 128 x 128: 2.7 vs 5.4; 32 x 512: 2.7 vs 6.2. Inside decode steps (cold, with
-    the kernel's prefetching): 32 x 128 0.75, 128 x 128 3.1. Without the kernels (``ITERSERVE_KERNELS=0``, no C++ compiler) the
-    decodes' blocks are gathered into a window padded to the longest context and run as one
-    SDPA under a key-padding mask.
+    the kernel's prefetching): 32 x 128 0.75, 128 x 128 3.1. Without the kernels
+    (``ITERSERVE_KERNELS=0``, no C++ compiler) the decodes' blocks are gathered into a window
+    padded to the longest context and run as one SDPA under a key-padding mask.
 
     Where this CPU only emulates the model dtype (bf16 without AVX512-BF16), attention computes
     in f32 on the same bf16 values: SDPA's bf16 kernel converts inside its loops, and at 32
@@ -168,12 +175,20 @@ def paged_attention(
         assert meta.decode_block_ids is not None
         if kern is not None:
             assert meta.decode_ctx_lens is not None and meta.decode_starts is not None
-            out = kern.paged_decode_attention(q[:D], k_cache, v_cache, meta.decode_block_ids.view(D, -1),
-                                              meta.decode_ctx_lens, meta.decode_starts, block_size)
+            out = kern.paged_decode_attention(
+                q[:D],
+                k_cache,
+                v_cache,
+                meta.decode_block_ids.view(D, -1),
+                meta.decode_ctx_lens,
+                meta.decode_starts,
+                block_size,
+            )
         else:
             # GQA without repeating K/V: the G query heads of one KV head become G query rows.
             qd = q[:D].reshape(D, kvh, H // kvh, hd)
-            # index_select over whole blocks (flat ids) is a row memcpy; 2-D fancy indexing is ~2x slower.
+            # index_select over whole blocks (flat ids) is a row memcpy; 2-D fancy indexing is
+            # ~2x slower.
             kd = k_blocks.index_select(0, meta.decode_block_ids)
             vd = v_blocks.index_select(0, meta.decode_block_ids)
             if f32:

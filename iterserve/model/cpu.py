@@ -50,5 +50,7 @@ def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 31)
     except (OSError, AttributeError):
         return False
     if not ok:
-        logger.warning("mallopt refused the allocator settings; large per-step temporaries will page-fault")
+        logger.warning(
+            "mallopt refused the allocator settings; large per-step temporaries will page-fault"
+        )
     return ok

@@ -1,6 +1,6 @@
 """iterserve's own CPU kernels (``csrc/cpu_kernels.cpp``): a GEMM over bf16 weights laid out in
-panels and paged decode attention, built with the system C++ compiler on first use and called through
-ctypes.
+panels and paged decode attention, built with the system C++ compiler on first use and called
+through ctypes.
 
 The library is compiled once per (source, compiler flags, CPU) into
 ``$ITERSERVE_CACHE/kernels/`` (about two seconds) and loaded from there afterwards. Where there
@@ -56,7 +56,9 @@ def build(out_dir: str | Path | None = None) -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join((cxx, *FLAGS)).encode() + _cpu_id().encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join((cxx, *FLAGS)).encode() + _cpu_id().encode()).hexdigest()[
+        :16
+    ]
     folder = Path(out_dir) if out_dir else Path(cache_dir()) / "kernels"
     lib = folder / f"cpu_kernels-{key}.so"
     if lib.exists():
@@ -64,7 +66,12 @@ def build(out_dir: str | Path | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         tmp_lib = Path(tmp) / lib.name
-        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp_lib)], capture_output=True, text=True, check=False)
+        proc = subprocess.run(
+            [cxx, *FLAGS, str(SOURCE), "-o", str(tmp_lib)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
         os.replace(tmp_lib, lib)  # atomic: concurrent builders each install a complete file
@@ -89,7 +96,25 @@ class Kernels:
         self.lib.rope_bf16.restype = None
         self.lib.argmax_f32.argtypes = [_P, _I, _I, _P]
         self.lib.argmax_f32.restype = None
-        self.lib.paged_decode_attention.argtypes = [_P, ctypes.c_int64, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]
+        self.lib.paged_decode_attention.argtypes = [
+            _P,
+            ctypes.c_int64,
+            _I,
+            _P,
+            _P,
+            _I,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I,
+            _I,
+            _I,
+            _I,
+            _I,
+            _I,
+            ctypes.c_float,
+        ]
         self.lib.paged_decode_attention.restype = None
         self.path = path
 
@@ -103,38 +128,79 @@ class Kernels:
         self.lib.pack_bf16_panels(w.data_ptr(), out.data_ptr(), N, K)
         return out
 
-    def gemm_panels(self, x: torch.Tensor, panels: torch.Tensor, N: int, b: torch.Tensor | None = None) -> torch.Tensor:
+    def gemm_panels(
+        self, x: torch.Tensor, panels: torch.Tensor, N: int, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``F.linear(x, w, b)`` with ``panels = pack_panels(w)`` and N = w.shape[0]; x [M, K] bf16
         or f32 (b in x's dtype); the result has x's dtype."""
         if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
             raise ValueError(f"gemm_panels takes a 2-D bf16/f32 x, got {x.dtype} {tuple(x.shape)}")
         M, K = x.shape
-        if panels.dtype != torch.bfloat16 or panels.numel() != -(-N // 32) * K * 32 or (b is not None and (b.dtype != x.dtype or b.numel() != N)):
-            raise ValueError(f"shapes do not match: x {tuple(x.shape)}, {panels.numel()} panel elements for N={N}, "
-                             f"b {None if b is None else tuple(b.shape)}")
+        if (
+            panels.dtype != torch.bfloat16
+            or panels.numel() != -(-N // 32) * K * 32
+            or (b is not None and (b.dtype != x.dtype or b.numel() != N))
+        ):
+            raise ValueError(
+                f"shapes do not match: x {tuple(x.shape)}, {panels.numel()} panel elements for "
+                f"N={N}, "
+                f"b {None if b is None else tuple(b.shape)}"
+            )
         x = x.contiguous()
         y = torch.empty(M, N, dtype=x.dtype)
-        self.lib.gemm_panels(panels.data_ptr(), x.data_ptr(), y.data_ptr(), None if b is None else b.contiguous().data_ptr(),
-                             int(x.dtype == torch.float32), M, N, K)
+        self.lib.gemm_panels(
+            panels.data_ptr(),
+            x.data_ptr(),
+            y.data_ptr(),
+            None if b is None else b.contiguous().data_ptr(),
+            int(x.dtype == torch.float32),
+            M,
+            N,
+            K,
+        )
         return y
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, add: torch.Tensor | None = None) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, w: torch.Tensor, eps: float, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """bf16 ``F.rms_norm(x, ..., eps) * w`` with transformers' roundings; x [T, n], w [n].
         With ``add`` ([T, n] bf16), first ``x += add`` in place (x must be contiguous then)."""
-        if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.shape != (x.shape[1],):
-            raise ValueError(f"rms_norm takes bf16 x [T, n] and w [n], got {x.dtype} {tuple(x.shape)}, {w.dtype} {tuple(w.shape)}")
-        if add is not None and (add.dtype != torch.bfloat16 or add.shape != x.shape or not x.is_contiguous()):
-            raise ValueError(f"rms_norm's add must be bf16 {tuple(x.shape)} and x contiguous, got {add.dtype} {tuple(add.shape)}")
+        if (
+            x.dtype != torch.bfloat16
+            or w.dtype != torch.bfloat16
+            or x.dim() != 2
+            or w.shape != (x.shape[1],)
+        ):
+            raise ValueError(
+                f"rms_norm takes bf16 x [T, n] and w [n], got {x.dtype} {tuple(x.shape)}, "
+                f"{w.dtype} {tuple(w.shape)}"
+            )
+        if add is not None and (
+            add.dtype != torch.bfloat16 or add.shape != x.shape or not x.is_contiguous()
+        ):
+            raise ValueError(
+                f"rms_norm's add must be bf16 {tuple(x.shape)} and x contiguous, got "
+                f"{add.dtype} {tuple(add.shape)}"
+            )
         x = x.contiguous()
         out = torch.empty_like(x)
-        self.lib.rms_norm_bf16(x.data_ptr(), None if add is None else add.contiguous().data_ptr(), w.contiguous().data_ptr(),
-                               out.data_ptr(), x.shape[0], x.shape[1], eps)
+        self.lib.rms_norm_bf16(
+            x.data_ptr(),
+            None if add is None else add.contiguous().data_ptr(),
+            w.contiguous().data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            eps,
+        )
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """bf16 ``F.silu(gate) * up`` for gate_up = [gate | up] [T, 2n]; returns [T, n]."""
         if gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2 or gate_up.shape[1] % 2:
-            raise ValueError(f"silu_mul takes bf16 [T, 2n], got {gate_up.dtype} {tuple(gate_up.shape)}")
+            raise ValueError(
+                f"silu_mul takes bf16 [T, 2n], got {gate_up.dtype} {tuple(gate_up.shape)}"
+            )
         gate_up = gate_up.contiguous()
         n = gate_up.shape[1] // 2
         out = torch.empty(gate_up.shape[0], n, dtype=torch.bfloat16)
@@ -145,12 +211,32 @@ class Kernels:
         """bf16 ``x * cos + rotate_half(x) * sin_signed`` (llama.py's ``apply_rope``); x [T, n, hd]
         with heads contiguous (a row stride is fine), cos / sin_signed [T, 1, hd]."""
         T, n, hd = x.shape
-        if (x.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or sin_signed.dtype != torch.bfloat16 or hd % 2
-                or x.stride(2) != 1 or x.stride(1) != hd or cos.numel() != T * hd or sin_signed.numel() != T * hd):
-            raise ValueError(f"rope takes bf16 x [T, n, hd] (heads contiguous) and cos/sin [T, 1, hd], got {x.dtype} {tuple(x.shape)}")
+        if (
+            x.dtype != torch.bfloat16
+            or cos.dtype != torch.bfloat16
+            or sin_signed.dtype != torch.bfloat16
+            or hd % 2
+            or x.stride(2) != 1
+            or x.stride(1) != hd
+            or cos.numel() != T * hd
+            or sin_signed.numel() != T * hd
+        ):
+            raise ValueError(
+                "rope takes bf16 x [T, n, hd] (heads contiguous) and cos/sin [T, 1, hd], got "
+                f"{x.dtype} {tuple(x.shape)}"
+            )
         cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
         out = torch.empty(T, n, hd, dtype=torch.bfloat16)
-        self.lib.rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr(), T, n, hd)
+        self.lib.rope_bf16(
+            x.data_ptr(),
+            x.stride(0),
+            cos.data_ptr(),
+            sin_signed.data_ptr(),
+            out.data_ptr(),
+            T,
+            n,
+            hd,
+        )
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,20 +263,52 @@ class Kernels:
         starts[d] .. ctx_lens[d] - 1 are visible). Returns [D, H, hd] in q's dtype (f32 inside)."""
         D, H, hd = q.shape
         kvh = k_cache.shape[1]
-        if q.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype not in (torch.bfloat16, torch.float32) or v_cache.dtype != k_cache.dtype:
-            raise ValueError(f"paged_decode_attention takes bf16/f32 q and caches, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-        if H % kvh or k_cache.shape[2] != hd or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("paged_decode_attention: head counts or head_dim do not match, or a cache is not contiguous")
+        if (
+            q.dtype not in (torch.bfloat16, torch.float32)
+            or k_cache.dtype not in (torch.bfloat16, torch.float32)
+            or v_cache.dtype != k_cache.dtype
+        ):
+            raise ValueError(
+                "paged_decode_attention takes bf16/f32 q and caches, got "
+                f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            )
+        if (
+            H % kvh
+            or k_cache.shape[2] != hd
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        ):
+            raise ValueError(
+                "paged_decode_attention: head counts or head_dim do not match, or a cache is "
+                "not contiguous"
+            )
         for t in (block_tables, ctx_lens, starts):
             if t.dtype != torch.int64 or not t.is_contiguous():
-                raise ValueError("paged_decode_attention: block tables, lengths and starts must be contiguous int64")
+                raise ValueError(
+                    "paged_decode_attention: block tables, lengths and starts must be "
+                    "contiguous int64"
+                )
         if q.stride(2) != 1 or q.stride(1) != hd:
             q = q.contiguous()
         out = torch.empty(D, H, hd, dtype=q.dtype)
         self.lib.paged_decode_attention(
-            q.data_ptr(), q.stride(0), int(q.dtype == torch.float32), k_cache.data_ptr(), v_cache.data_ptr(),
-            int(k_cache.dtype == torch.float32), block_tables.data_ptr(), ctx_lens.data_ptr(), starts.data_ptr(),
-            out.data_ptr(), D, H, kvh, hd, block_size, block_tables.shape[1], float(hd**-0.5))
+            q.data_ptr(),
+            q.stride(0),
+            int(q.dtype == torch.float32),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            int(k_cache.dtype == torch.float32),
+            block_tables.data_ptr(),
+            ctx_lens.data_ptr(),
+            starts.data_ptr(),
+            out.data_ptr(),
+            D,
+            H,
+            kvh,
+            hd,
+            block_size,
+            block_tables.shape[1],
+            float(hd**-0.5),
+        )
         return out
 
 

@@ -26,7 +26,9 @@ from iterserve.model.model_config import ModelConfig, RopeConfig
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (
+        rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    )
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -37,7 +39,9 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         high_wavelen = old_len / rope.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
@@ -48,11 +52,13 @@ class RotaryTable:
     """cos/sin for every position up to max_positions, gathered once per step by position."""
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int, dtype: torch.dtype):
-        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * rope_inv_freq(head_dim, rope)
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * rope_inv_freq(
+            head_dim, rope
+        )
         emb = torch.cat((freqs, freqs), dim=-1)
         half = head_dim // 2
         sin = emb.sin()
-        # rotate_half(x) * sin == flip_halves(x) * [-sin_lo, sin_hi]: saves a neg and a cat per call.
+        # rotate_half(x) * sin == flip_halves(x) * [-sin_lo, sin_hi]: saves a neg and a cat a call.
         sin[:, :half] = -sin[:, :half]
         self.cos = emb.cos().to(dtype)
         self.sin_signed = sin.to(dtype)
@@ -146,7 +152,9 @@ class PackedLinear:
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def _run(self, x32: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x32, self.weight, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x32, self.weight, self.bias, "none", [], ""
+        )
         return out
 
 
@@ -196,11 +204,15 @@ def linear(
     for r0 in range(0, n, UPCAST_SLICE_ROWS):
         r1 = min(r0 + UPCAST_SLICE_ROWS, n)
         w32 = scratch[: r1 - r0].copy_(w[r0:r1])
-        out[:, r0:r1] = torch.mm(x32, w32.t()) if b is None else torch.addmm(b[r0:r1].float(), x32, w32.t())
+        out[:, r0:r1] = (
+            torch.mm(x32, w32.t()) if b is None else torch.addmm(b[r0:r1].float(), x32, w32.t())
+        )
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: kernels.Kernels | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, fused: kernels.Kernels | None = None
+) -> torch.Tensor:
     """``fused``: iterserve's kernels for a bf16 model (one call instead of ~10 torch ops, the
     same roundings)."""
     if x.dtype == torch.float32:
@@ -224,9 +236,13 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.input_norm = _param(h, dtype=dtype)
         self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.qkv_bias else None
+        self.qkv_bias = (
+            _param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.qkv_bias else None
+        )
         # Qwen3 per-head RMSNorm of q and k: one [H + KvH, hd] weight so it is one multiply.
-        self.qk_norm = _param(cfg.num_heads + cfg.num_kv_heads, hd, dtype=dtype) if cfg.qk_norm else None
+        self.qk_norm = (
+            _param(cfg.num_heads + cfg.num_kv_heads, hd, dtype=dtype) if cfg.qk_norm else None
+        )
         self.o_proj = _param(h, self.q_size, dtype=dtype)
         self.o_bias = _param(h, dtype=dtype) if cfg.o_bias else None
         self.post_norm = _param(h, dtype=dtype)
@@ -273,26 +289,44 @@ class DecoderLayer(nn.Module):
         T = h.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         fused = self.fused
-        qkv = linear(rms_norm(h, self.input_norm, self.eps, fused), self.qkv_proj, self.qkv_bias, self.packed.get("qkv"), self.panels.get("qkv"))
+        qkv = linear(
+            rms_norm(h, self.input_norm, self.eps, fused),
+            self.qkv_proj,
+            self.qkv_bias,
+            self.packed.get("qkv"),
+            self.panels.get("qkv"),
+        )
         qk = qkv[:, : self.q_size + self.kv_size].view(T, nq + nkv, hd)
         if self.qk_norm is not None:
             qk = F.rms_norm(qk, (hd,), None, self.eps) * self.qk_norm
         # q and k rotated together: one set of ops (or one fused call) for both
         qk = fused.rope(qk, cos, sin) if fused is not None else apply_rope(qk, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, hd)
-        attn = paged_attention(qk[:, :nq], qk[:, nq:], v, k_cache, v_cache, meta, block_size, self.attn_kern)
+        attn = paged_attention(
+            qk[:, :nq], qk[:, nq:], v, k_cache, v_cache, meta, block_size, self.attn_kern
+        )
         o = linear(attn, self.o_proj, self.o_bias, self.packed.get("o"), self.panels.get("o"))
         if fused is not None:
-            normed = fused.rms_norm(h, self.post_norm, self.eps, add=o)  # h += o in place, then the norm
+            normed = fused.rms_norm(
+                h, self.post_norm, self.eps, add=o
+            )  # h += o in place, then the norm
         else:
             h = h + o
             normed = rms_norm(h, self.post_norm, self.eps)
-        gate_up = linear(normed, self.gate_up_proj, self.gate_up_bias, self.packed.get("gate_up"), self.panels.get("gate_up"))
+        gate_up = linear(
+            normed,
+            self.gate_up_proj,
+            self.gate_up_bias,
+            self.packed.get("gate_up"),
+            self.panels.get("gate_up"),
+        )
         if fused is not None:
             act = fused.silu_mul(gate_up)  # same roundings as the two torch ops below
         else:
             act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return h + linear(act, self.down_proj, self.down_bias, self.packed.get("down"), self.panels.get("down"))
+        return h + linear(
+            act, self.down_proj, self.down_bias, self.packed.get("down"), self.panels.get("down")
+        )
 
 
 class DecoderModel(nn.Module):
@@ -303,7 +337,11 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         # Tied: the LM head IS the embedding (one tensor, counted once).
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        )
         self.packed_lm_head: PackedLinear | None = None
         self.panel_lm_head: PanelLinear | None = None
         self.fused: kernels.Kernels | None = None
@@ -320,7 +358,11 @@ class DecoderModel(nn.Module):
 
     def linear_weight_bytes(self) -> int:
         """Elements of every GEMM weight (projections and LM head) times 4: their f32 size."""
-        n = sum(getattr(layer, f"{name}_proj").numel() for layer in self.layers for name in DecoderLayer.LINEARS)
+        n = sum(
+            getattr(layer, f"{name}_proj").numel()
+            for layer in self.layers
+            for name in DecoderLayer.LINEARS
+        )
         return 4 * (n + self.lm_head.numel())
 
     def pack_weights(self, keep_original: bool = False) -> None:

@@ -92,7 +92,9 @@ class ModelRunner:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if num_threads is not None:
             if num_threads < 1:
-                raise ValueError(f"num_threads must be >= 1 (or None for torch's default), got {num_threads}")
+                raise ValueError(
+                    f"num_threads must be >= 1 (or None for torch's default), got {num_threads}"
+                )
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
         self.model_path: str = resolve_model(model_path)
@@ -102,7 +104,9 @@ class ModelRunner:
         self.vocab_size: int = cfg.vocab_size
         self.eos_token_ids: list[int] = list(cfg.eos_token_ids)
         self.num_layers: int = cfg.num_layers
-        self.max_model_len: int = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len: int = min(
+            max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
 
@@ -133,13 +137,17 @@ class ModelRunner:
 
         self.block_size: int = cache_config.block_size
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        self.kv_bytes_per_block: int = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
-        self.num_kv_blocks: int = cache_config.num_kv_blocks or cache_config.kv_cache_memory // self.kv_bytes_per_block
+        self.kv_bytes_per_block: int = (
+            2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        )
+        self.num_kv_blocks: int = (
+            cache_config.num_kv_blocks or cache_config.kv_cache_memory // self.kv_bytes_per_block
+        )
         if self.num_kv_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory={cache_config.kv_cache_memory} bytes holds no KV block: one block of "
-                f"{self.block_size} tokens needs {self.kv_bytes_per_block} bytes for this model; raise "
-                "kv_cache_memory or lower block_size"
+                f"kv_cache_memory={cache_config.kv_cache_memory} bytes holds no KV block: one "
+                f"block of {self.block_size} tokens needs {self.kv_bytes_per_block} bytes for "
+                "this model; raise kv_cache_memory or lower block_size"
             )
         # Allocated once; zero-filled (not empty) because padded decode windows read unused slots
         # with a zero attention weight, and 0 * NaN garbage would still be NaN.
@@ -168,7 +176,10 @@ class ModelRunner:
         need = self.model.linear_weight_bytes()
         free = _available_memory()
         if free is not None and need > free // 2:
-            logger.info("not packing weights: their f32 copy (%d MB) exceeds half the free memory", need >> 20)
+            logger.info(
+                "not packing weights: their f32 copy (%d MB) exceeds half the free memory",
+                need >> 20,
+            )
             return False
         return True
 
@@ -197,13 +208,13 @@ class ModelRunner:
             n, p0 = len(it.token_ids), it.start_pos
             if n == 0 or p0 < 0 or p0 + n > self.max_model_len:
                 raise ValueError(
-                    f"request {it.request_id}: positions [{p0}, {p0 + n}) must be non-empty and within "
-                    f"[0, max_model_len={self.max_model_len})"
+                    f"request {it.request_id}: positions [{p0}, {p0 + n}) must be non-empty and "
+                    f"within [0, max_model_len={self.max_model_len})"
                 )
             if len(it.block_table) * bs < p0 + n:
                 raise ValueError(
-                    f"request {it.request_id}: block_table has {len(it.block_table)} blocks of {bs} "
-                    f"tokens, too few for position {p0 + n - 1}"
+                    f"request {it.request_id}: block_table has {len(it.block_table)} blocks of "
+                    f"{bs} tokens, too few for position {p0 + n - 1}"
                 )
             ids.extend(it.token_ids)
             positions.extend(range(p0, p0 + n))

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from iterserve.model.model_config import ModelConfig
-from iterserve.sim.roofline import DecoderShape, machine_for, workload_bound
+from iterserve.sim.roofline import DecoderShape, add_machine_arg, machine_for, workload_bound
 from iterserve.workload.datasets import WorkloadConfig, auto_length_scale, build_workload
 
 Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
@@ -221,12 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-requests", default="32", help="comma list, e.g. 32,128")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument(
-        "--machine",
-        metavar="GBPS,GFLOPS",
-        help="use these read GB/s and peak GFLOP/s for the bound instead of probing (e.g. numbers "
-        "probed on a quiet machine: probes on a busy one inflate the bound)",
-    )
+    add_machine_arg(ap)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument(
         "--sharegpt-path",

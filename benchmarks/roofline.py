@@ -40,7 +40,13 @@ from iterserve.core.kv_cache_manager import cdiv
 from iterserve.engine.llm import LLM
 from iterserve.model.model_config import ModelConfig
 from iterserve.sampling_params import SamplingParams
-from iterserve.sim.roofline import DecoderShape, decode_step_bound, machine_for, prefill_bound
+from iterserve.sim.roofline import (
+    DecoderShape,
+    add_machine_arg,
+    decode_step_bound,
+    machine_for,
+    prefill_bound,
+)
 
 
 @dataclass
@@ -174,12 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--model", default="bench-134m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument(
-        "--machine",
-        metavar="GBPS,GFLOPS",
-        help="use these read GB/s and peak GFLOP/s for the bound instead of probing (e.g. numbers "
-        "probed on a quiet machine: probes on a busy one inflate the bound)",
-    )
+    add_machine_arg(ap)
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument(
         "--ctx", type=int, default=128, help="context of the decode steps (prompt ~ctx)"

@@ -18,6 +18,7 @@ noisy neighbour on shared cores only ever makes a probe slower.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -164,6 +165,16 @@ def measure_machine(threads: int | None = None, quick: bool = False) -> Machine:
         read_gbps=measure_bandwidth(repeats=r),
         bf16_gflops=measure_matmul(torch.bfloat16, repeats=r),
         fp32_gflops=measure_matmul(torch.float32, n=1024 if quick else 2048, repeats=r),
+    )
+
+
+def add_machine_arg(parser: argparse.ArgumentParser) -> None:
+    """``--machine GBPS,GFLOPS`` (see ``machine_for``) for scripts that print bounds."""
+    parser.add_argument(
+        "--machine",
+        metavar="GBPS,GFLOPS",
+        help="use these read GB/s and peak GFLOP/s for the bound instead of probing (e.g. numbers "
+        "probed on a quiet machine: probes on a busy one inflate the bound)",
     )
 
 

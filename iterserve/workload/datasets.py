@@ -18,7 +18,7 @@ import csv
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -266,14 +266,7 @@ class LengthReport:
         )
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "mode": self.mode,
-            "max_model_len": self.max_model_len,
-            "length_scale": self.length_scale,
-            "rows_read": self.rows_read,
-            "clipped": self.clipped,
-            "skipped": self.skipped,
-        }
+        return asdict(self)
 
 
 def fit_lengths(input_len: int, output_len: int, max_model_len: int) -> tuple[int, int]:

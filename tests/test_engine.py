@@ -325,3 +325,15 @@ def test_step_stats_recorded(tmp_path: Path) -> None:
         sum(r["num_decode_tokens"] for r in rows) + 2 == 8
     )  # first token of each comes from prefill
     assert all(r["scheduled"] for r in rows)
+
+
+def test_engines_implement_the_contract(llm: LLM) -> None:
+    """AsyncEngine drives anything implementing EngineInterface: the real engine and the test
+    fake both have every member (mypy checks their types)."""
+    from server_helpers.fake_engine import FakeEngine
+
+    from iterserve.engine.protocol import EngineInterface
+
+    assert isinstance(llm.engine, EngineInterface)
+    assert isinstance(FakeEngine(), EngineInterface)
+    assert set(llm.engine.stats()) == set(FakeEngine().stats())

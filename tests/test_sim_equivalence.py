@@ -22,7 +22,7 @@ from iterserve.config import EngineArgs
 from iterserve.sim.cost_model import ReplayCostModel
 from iterserve.sim.simulator import SimConfig, Simulator
 from iterserve.workload.datasets import RequestSpec, synth_arrivals
-from iterserve.workload.replay import replay
+from iterserve.workload.replay import bench_params, replay
 
 engine_mod = pytest.importorskip("iterserve.engine")
 
@@ -143,3 +143,27 @@ def test_variant_args_shared_with_bench() -> None:
     base = EngineArgs(max_num_batched_tokens=512)
     nochunk = variant_args("continuous-nochunk", base, 2048)
     assert not nochunk.enable_chunked_prefill and nochunk.max_num_batched_tokens == 2048
+
+
+def test_same_rejections_as_engine() -> None:
+    """A prompt the engine refuses is refused by the simulator with the engine's own message
+    (as bench replay reports it), and one the engine takes runs in both."""
+    args = EngineArgs(
+        model="tiny-random", block_size=8, num_kv_blocks=4, max_model_len=64, num_threads=1
+    )
+    engine = engine_mod.LLMEngine(args)
+    cfg = SimConfig(scheduler=args.scheduler_config(64), num_kv_blocks=4, block_size=8)
+    specs = [
+        RequestSpec([], 4),  # empty
+        RequestSpec([5] * 64, 4),  # no room left in the context for a generated token
+        RequestSpec([5] * 40, 4),  # needs 6 KV blocks of 8 tokens, the pool has 4
+        RequestSpec([5] * 10, 4),  # fits
+    ]
+    sim = Simulator(cfg, ReplayCostModel([0.01] * 8)).run(specs)
+    for i, (spec, t) in enumerate(zip(specs[:3], sim.timings)):
+        with pytest.raises(ValueError) as e:
+            engine.add_request(f"r{i}", spec.prompt_token_ids, bench_params(spec.output_len))
+        assert t.error == f"rejected: {e.value}" and not t.success
+    assert "KV-cache blocks" in str(sim.timings[2].error)
+    engine.add_request("ok", specs[3].prompt_token_ids, bench_params(4))
+    assert sim.timings[3].success and sim.timings[3].output_tokens == 4

@@ -10,7 +10,7 @@ on an engine from ``AsyncEngine``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from iterserve.core.books import EngineStats
@@ -43,6 +43,7 @@ class Tokenizer(Protocol):
     ) -> str: ...
 
 
+@runtime_checkable  # lets a test check that an engine has every member (not their types)
 class EngineInterface(Protocol):
     """A synchronous, single-threaded engine: requests in, one batch per ``step()``."""
 

@@ -1,7 +1,8 @@
 """The simulator: the engine's own scheduler and KV-cache manager on a virtual clock.
 
 Each replica is what ``LLMEngine`` is minus the model: ``iterserve.core``'s ``Scheduler``
-(with its policy) over a ``KVCacheManager`` of the same size, stepped exactly as
+(with its policy) over a ``KVCacheManager`` of the same size, with the engine's own books
+(``iterserve.core.books``: admission checks, step records, counters), stepped exactly as
 ``LLMEngine.step`` steps it:
 
     out = scheduler.schedule()                 # the core decides, unchanged
@@ -14,8 +15,8 @@ token is timed at the end of the step that produced it. So a policy written once
 real engine and here, and both make the same decisions given the same step times
 (tests/test_sim_equivalence.py checks it step by step).
 
-Several replicas share one event loop (a heap of step ends); a router picks the replica of
-each arriving request.
+Several replicas share one event loop (arrivals, and a heap of step starts and ends, each
+with its handler); a router picks the replica of each arriving request.
 """
 
 from __future__ import annotations

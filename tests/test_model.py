@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -404,50 +405,27 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int) -> None:
         assert meta.decode_ctx_lens is not None and meta.decode_starts is not None
         D = len(items)
         q = torch.randn(D, kvh * G, hd)
-        out = kern.paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.decode_block_ids.view(D, -1),
-            meta.decode_ctx_lens,
-            meta.decode_starts,
-            bs,
+        tables = meta.decode_block_ids.view(D, -1)
+        decode = functools.partial(
+            kern.paged_decode_attention,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            block_tables=tables,
+            ctx_lens=meta.decode_ctx_lens,
+            starts=meta.decode_starts,
+            block_size=bs,
         )
+        out = decode(q)
         # bf16 queries with strided rows (as q sits in the layer's qk tensor): bf16 out
         qk = torch.randn(D, kvh * G + 1, hd).bfloat16()
-        out16 = kern.paged_decode_attention(
-            qk[:, : kvh * G],
-            k_cache,
-            v_cache,
-            meta.decode_block_ids.view(D, -1),
-            meta.decode_ctx_lens,
-            meta.decode_starts,
-            bs,
-        )
+        out16 = decode(qk[:, : kvh * G])
         assert out16.dtype == torch.bfloat16
-        ref16 = kern.paged_decode_attention(
-            qk[:, : kvh * G].float(),
-            k_cache,
-            v_cache,
-            meta.decode_block_ids.view(D, -1),
-            meta.decode_ctx_lens,
-            meta.decode_starts,
-            bs,
-        )
+        ref16 = decode(qk[:, : kvh * G].float())
         assert torch.equal(out16, ref16.bfloat16())
-        kd = (
-            k_cache.view(-1, bs, kvh, hd)
-            .index_select(0, meta.decode_block_ids)
-            .float()
-            .view(D, -1, kvh, hd)
-            .transpose(1, 2)
-        )
-        vd = (
-            v_cache.view(-1, bs, kvh, hd)
-            .index_select(0, meta.decode_block_ids)
-            .float()
-            .view(D, -1, kvh, hd)
-            .transpose(1, 2)
+        ids = meta.decode_block_ids
+        kd, vd = (
+            c.view(-1, bs, kvh, hd)[ids].float().view(D, -1, kvh, hd).transpose(1, 2)
+            for c in (k_cache, v_cache)
         )
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.view(D, kvh * G, 1, hd), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True

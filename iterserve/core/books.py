@@ -156,7 +156,7 @@ class Books:
         start_time: float,
         duration_s: float,
         num_finished: int,
-        phases: Sequence[float] | None = None,
+        phases: tuple[float, float, float, float] | None = None,
     ) -> None:
         """Records a step that ran ``sched``; call after ``update_from_output``, as the
         running / waiting / KV figures are the ones the step left behind. ``phases`` is

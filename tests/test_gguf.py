@@ -37,25 +37,19 @@ def _private_cache(
 
 
 def _hf_greedy(gguf_path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     folder, name = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.eval()
-    model.generation_config.eos_token_id = None  # ignore_eos on our side
-    outs = []
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    # eos_token_id None: ignore_eos on our side, so HF must not stop at any EOS id either.
+    greedy = GenerationConfig(
+        max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(y[0, len(ids) :].tolist())
-    return outs
+        return [
+            model.generate(torch.tensor([ids]), generation_config=greedy)[0, len(ids) :].tolist()
+            for ids in prompts
+        ]
 
 
 def _quantize(arr: np.ndarray, qtype: Any) -> np.ndarray:

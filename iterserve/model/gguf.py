@@ -4,7 +4,7 @@
 once (keyed by the file's real path, size and mtime), so everything downstream (the loader, the
 tokenizer, transformers itself) reads an ordinary checkpoint:
 
-    config.json             transformers' own reading of the GGUF metadata (AutoConfig)
+    config.json             from the GGUF metadata (``hf_config``)
     tokenizer files         transformers' own GGUF tokenizer conversion, chat template included
     generation_config.json  bos / eos (+ llama.cpp's other end-of-generation ids) from metadata
     model.safetensors       every tensor dequantized with the ``gguf`` package (llama.cpp's own
@@ -31,15 +31,12 @@ from iterserve.model.builtin import cache_dir, materialise
 
 # Weight types the gguf package dequantizes that this conversion accepts (and tests).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-# general.architecture -> transformers class. Mistral GGUFs say "llama"; transformers tells them
-# apart by general.name and so does this conversion (it takes transformers' config).
+# general.architecture -> transformers class. Mistral GGUFs say "llama" and llama.cpp runs them
+# as llama (no sliding window); so does this conversion.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
-}
-_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"} | {
-    k: v for k, v in ARCHITECTURES.items() if k != "llama"
 }
 _PERMUTED_ARCHS = ("llama",)  # llama.cpp's convert_hf_to_gguf.py permutes q/k for these only
 _VERSION = "v1"  # bump when the conversion's output changes, so stale caches are not reused
@@ -132,34 +129,77 @@ def convert_gguf(path: str) -> str:
     return materialise(final, lambda out: _convert_into(real, out))
 
 
+def hf_config(reader: Any, arch: str) -> dict[str, Any]:
+    """config.json for the GGUF behind ``reader`` (an open ``gguf.GGUFReader``), from its
+    ``<arch>.*`` metadata with llama.cpp's defaults; tied embeddings when it has no
+    output.weight, attention biases when it has attn_q.bias."""
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{key}")
+        return default if value is None else value
+
+    names = {t.name for t in reader.tensors}
+    heads, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
+    rope: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+    }
+    scaling = meta("rope.scaling.type", "none")
+    if scaling == "linear":
+        rope |= {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise ValueError(f"GGUF RoPE scaling {scaling!r} is not supported; supported: none, linear")
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    token_ids = {
+        k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")
+    }
+    return {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(meta("vocab_size", len(tokens.data))),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "head_dim": int(meta("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_parameters": rope,
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": token_ids["bos"],
+        "eos_token_id": token_ids["eos"],
+        "pad_token_id": token_ids["padding"],
+    }
+
+
 def _convert_into(path: str, out: str) -> None:
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     reader = GGUFReader(path)
     arch = _check_supported(reader, path)
+    config = hf_config(reader, arch)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
     folder, fname = os.path.split(path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=fname)
-    config.architectures = [_MODEL_CLASSES[config.model_type]]
-    key_length = _field(reader, f"{arch}.attention.key_length")
-    if key_length is not None:  # qwen3 heads can be wider than hidden / heads
-        config.head_dim = int(key_length)
-    config.save_pretrained(out)
     AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(out)
 
     # llama.cpp stops at every end-of-generation id it knows, not only eos.
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     generation = {
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "bos_token_id": config["bos_token_id"],
         "eos_token_id": list(dict.fromkeys(int(i) for i in eos if i is not None)),
-        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+        "pad_token_id": config["pad_token_id"],
     }
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump({k: v for k, v in generation.items() if v not in (None, [])}, f, indent=2)
 
-    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     keep = {"F16": torch.float16, "BF16": torch.bfloat16}  # exact; quantized types need float32
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -260,6 +300,8 @@ def _add_tokenizer(w: Any, checkpoint: str, cfg: dict[str, Any]) -> None:
     tokens = [f"<|unused_{i}|>" for i in range(n_vocab)]
     types = [gguf.TokenType.UNUSED] * n_vocab
     for text, i in vocab.items():
+        if i >= n_vocab:
+            raise ValueError(f"tokenizer.json token {text!r} has id {i} >= vocab_size {n_vocab}")
         tokens[i] = text
         types[i] = gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]

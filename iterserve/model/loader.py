@@ -28,13 +28,17 @@ def weight_files(path: str) -> dict[str, str]:
         files = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
         for fpath in set(files.values()):
             if not os.path.isfile(fpath):
-                raise FileNotFoundError(f"{INDEX_FILE} in {path!r} names shard {os.path.basename(fpath)!r}, which is missing")
+                raise FileNotFoundError(
+                    f"{INDEX_FILE} in {path!r} names shard {os.path.basename(fpath)!r}, "
+                    "which is missing"
+                )
         return files
     single = os.path.join(path, SINGLE_FILE)
     if not os.path.isfile(single):
         found = sorted(f for f in os.listdir(path) if not f.startswith("."))
         raise FileNotFoundError(
-            f"no weights in {path!r}: expected {SINGLE_FILE} or {INDEX_FILE} with shards; found {found}"
+            f"no weights in {path!r}: expected {SINGLE_FILE} or {INDEX_FILE} with shards; "
+            f"found {found}"
         )
     with safe_open(single, framework="pt") as f:
         return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
@@ -97,14 +101,22 @@ def load_weights(model: DecoderModel, path: str) -> None:
             with safe_open(fpath, framework="pt") as f:
                 for name in names:
                     if name in targets:
-                        filled[id(targets[name][0])] += _copy_into(model, targets[name], f.get_tensor(name), name)
-                    elif not name.endswith(_IGNORED_SUFFIXES) and not (name == "lm_head.weight" and model.cfg.tie_word_embeddings):
-                        raise ValueError(f"checkpoint {path!r} has unexpected tensor {name!r} for {model.cfg.architecture}")
+                        filled[id(targets[name][0])] += _copy_into(
+                            model, targets[name], f.get_tensor(name), name
+                        )
+                    elif not name.endswith(_IGNORED_SUFFIXES) and not (
+                        name == "lm_head.weight" and model.cfg.tie_word_embeddings
+                    ):
+                        raise ValueError(
+                            f"checkpoint {path!r} has unexpected tensor {name!r} "
+                            f"for {model.cfg.architecture}"
+                        )
     for name, (param, _, _) in targets.items():
         if filled[id(param)] != param.shape[0]:
             raise ValueError(
                 f"checkpoint {path!r}: tensor {name!r} (and the ones fused with it) filled "
-                f"{filled[id(param)]} of {param.shape[0]} rows; config.json dimensions do not match the weights"
+                f"{filled[id(param)]} of {param.shape[0]} rows; "
+                "config.json dimensions do not match the weights"
             )
 
 

@@ -89,7 +89,8 @@ class ModelConfig:
         if not os.path.isfile(cfg_file):
             found = sorted(os.listdir(path)) if os.path.isdir(path) else "no such folder"
             raise FileNotFoundError(
-                f"expected a Hugging Face checkpoint folder with config.json at {path!r}; found: {found}"
+                f"expected a Hugging Face checkpoint folder with config.json at {path!r}; "
+                f"found: {found}"
             )
         with open(cfg_file) as f:
             hf: dict[str, Any] = json.load(f)
@@ -110,7 +111,13 @@ class ModelConfig:
                 f"supported: {sorted(ARCHITECTURES)}"
             )
         family = ARCHITECTURES[arch]
-        required = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+        required = (
+            "hidden_size",
+            "num_attention_heads",
+            "num_hidden_layers",
+            "intermediate_size",
+            "vocab_size",
+        )
         absent = [k for k in required if k not in hf]
         if absent:
             raise ValueError(f"config.json for {arch} lacks {absent}")
@@ -121,7 +128,12 @@ class ModelConfig:
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         head_dim = hf.get("head_dim") or hidden // heads
         attention_bias = bool(hf.get("attention_bias", False))
-        qkv_bias = {"llama": attention_bias, "mistral": False, "qwen2": True, "qwen3": attention_bias}[family]
+        qkv_bias = {
+            "llama": attention_bias,
+            "mistral": False,
+            "qwen2": True,
+            "qwen3": attention_bias,
+        }[family]
         o_bias = qkv_bias if family in ("llama", "qwen3") else False
 
         sliding: int | None = None
@@ -131,7 +143,8 @@ class ModelConfig:
             layer_types = hf.get("layer_types") or []
             if "sliding_attention" in layer_types or not layer_types:
                 raise ValueError(
-                    f"{arch} with use_sliding_window=true is not supported; set it to false in config.json"
+                    f"{arch} with use_sliding_window=true is not supported; "
+                    "set it to false in config.json"
                 )
 
         max_pos = int(hf.get("max_position_embeddings", 2048))
@@ -172,12 +185,17 @@ def _parse_rope(hf: dict[str, Any], max_pos: int) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {list(ROPE_TYPES)}")
-    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+    if (
+        float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0)
+        != 1.0
+    ):
         raise ValueError("partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
         return RopeConfig(theta=theta)
     if "factor" not in params:
-        raise ValueError(f"rope_type {rope_type!r} needs a 'factor' in rope_parameters/rope_scaling")
+        raise ValueError(
+            f"rope_type {rope_type!r} needs a 'factor' in rope_parameters/rope_scaling"
+        )
     if rope_type == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
     return RopeConfig(
@@ -186,7 +204,9 @@ def _parse_rope(hf: dict[str, Any], max_pos: int) -> RopeConfig:
         factor=float(params["factor"]),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", max_pos)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", max_pos)
+        ),
     )
 
 

@@ -6,10 +6,10 @@
   (it vendors the llama.cpp tree), unpacked, and built with cmake (Release, CPU, -march=native),
   logging to ``cmake.log`` there. If a build is already running (``cmake.log`` present and not
   ending in ``done <rc>``), it waits for it instead of starting a second one.
-- ``export_gguf(model_dir)``: the checkpoint's safetensors as a BF16 GGUF (norms F32) written with
-  ``gguf.GGUFWriter``, with a GPT-2-style BPE vocabulary built from its ``tokenizer.json`` so that
-  ``llama-server`` loads it and accepts prompts as token-id lists. q/k are permuted into GGML's
-  rotary layout exactly as llama.cpp's ``convert_hf_to_gguf.py`` does.
+- ``export_gguf(model_dir)``: the checkpoint as a BF16 GGUF (norms F32), cached, written by
+  ``iterserve.model.gguf.write_gguf``: a GPT-2-style BPE vocabulary from its ``tokenizer.json``
+  so that ``llama-server`` loads it and accepts prompts as token-id lists, q/k permuted into
+  GGML's rotary layout as llama.cpp's ``convert_hf_to_gguf.py`` does.
 - ``LlamaServer``: a context manager that starts ``llama-server`` on a free port and waits for
   ``/health``; ``complete(ids, n_predict)`` posts one ``/completion`` request.
 - ``batched_bench()``: runs ``llama-batched-bench`` and parses its result table.
@@ -147,22 +147,10 @@ def ensure_built(
 # ---- GGUF export --------------------------------------------------------------------------
 
 
-def _permute_qk(w: Any, n_head: int) -> Any:
-    # HF stores rotary halves [x0..x_{d/2}, y0..]; GGML wants interleaved pairs
-    # (convert_hf_to_gguf.py).
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
 def export_gguf(model_dir: str, out_path: str | None = None) -> str:
-    """Writes (once) a BF16 GGUF of a Llama-architecture HF checkpoint folder; returns its path."""
-    import gguf
-    import numpy as np
-    import torch
-    from safetensors.torch import load_file
+    """Writes (once) a BF16 GGUF of an HF checkpoint folder (norms F32, q/k in GGML's rotary
+    layout: ``iterserve.model.gguf.write_gguf``); returns its path."""
+    from iterserve.model.gguf import write_gguf
 
     if out_path is None:
         out_path = os.path.join(
@@ -171,109 +159,8 @@ def export_gguf(model_dir: str, out_path: str | None = None) -> str:
     if os.path.exists(out_path):
         return out_path
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    if cfg.get("model_type") != "llama":
-        raise ValueError(
-            f"export_gguf handles model_type 'llama' only, got {cfg.get('model_type')!r}"
-        )
-    h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or h // heads)
-    layers = int(cfg["num_hidden_layers"])
-    rope = cfg.get("rope_parameters") or {}
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-
     tmp = out_path + ".tmp"
-    w = gguf.GGUFWriter(tmp, "llama")
-    w.add_name(os.path.basename(os.path.normpath(model_dir)))
-    w.add_context_length(int(cfg.get("max_position_embeddings", 2048)))
-    w.add_embedding_length(h)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(int(cfg["intermediate_size"]))
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(theta)
-    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    w.add_vocab_size(int(cfg["vocab_size"]))
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
-
-    # Tokenizer: byte-level BPE, as llama.cpp's "gpt2" model with the default pre-tokenizer.
-    with open(os.path.join(model_dir, "tokenizer.json")) as f:
-        tok = json.load(f)
-    vocab: dict[str, int] = tok["model"]["vocab"]
-    for added in tok.get("added_tokens", []):
-        vocab[added["content"]] = int(added["id"])
-    n_vocab = int(cfg["vocab_size"])
-    tokens = [f"<|unused_{i}|>" for i in range(n_vocab)]
-    types = [gguf.TokenType.UNUSED] * n_vocab
-    for text, i in vocab.items():
-        if i < n_vocab:
-            tokens[i] = text
-            types[i] = gguf.TokenType.NORMAL
-    for added in tok.get("added_tokens", []):
-        if added.get("special") and int(added["id"]) < n_vocab:
-            types[int(added["id"])] = gguf.TokenType.CONTROL
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    for key, fn in (
-        ("bos_token_id", w.add_bos_token_id),
-        ("eos_token_id", w.add_eos_token_id),
-        ("pad_token_id", w.add_pad_token_id),
-    ):
-        v = cfg.get(key)
-        if isinstance(v, list):
-            v = v[0]
-        if v is not None:
-            fn(int(v))
-    w.add_add_bos_token(False)  # token-id prompts are sent as-is: same lengths as the other systems
-
-    state: dict[str, torch.Tensor] = {}
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        state.update(load_file(path))
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    per_layer = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    for i in range(layers):
-        for hf, gg in per_layer.items():
-            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
-    if "lm_head.weight" not in state:  # tied
-        names.pop("lm_head.weight")
-    for hf_name, gg_name in names.items():
-        t = state[hf_name]
-        if hf_name.endswith("q_proj.weight"):
-            t = _permute_qk(t, heads)
-        elif hf_name.endswith("k_proj.weight"):
-            t = _permute_qk(t, kv_heads)
-        if t.ndim == 1:  # norms stay F32, as convert_hf_to_gguf.py keeps them
-            w.add_tensor(gg_name, t.float().numpy())
-        else:
-            bits = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
-            w.add_tensor(gg_name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(model_dir, tmp, qtype="BF16")
     os.replace(tmp, out_path)
     return out_path
 

@@ -246,6 +246,7 @@ needs_smollm2 = pytest.mark.skipif(
 
 @needs_smollm2
 @needs_accelerate
+@pytest.mark.slow  # ~15 s, most of it transformers' own GGUF loading of 30 layers
 def test_smollm2_matches_transformers_and_knows_paris(monkeypatch: pytest.MonkeyPatch) -> None:
     # The real model converts once per machine into the user's cache, not per test session.
     if _OUTER_CACHE:

@@ -66,6 +66,8 @@ def test_repo_ids_are_told_from_paths(tmp_path: Path, monkeypatch: pytest.Monkey
     assert not hub.looks_like_repo_id("tiny-random")
     assert not hub.looks_like_repo_id("a/b/c")
     assert not hub.looks_like_repo_id("../x")
+    with pytest.raises(FileNotFoundError, match="no such GGUF file 'models/missing.gguf'"):
+        resolve_model("models/missing.gguf")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org").mkdir()
     (tmp_path / "org" / "name").mkdir()

@@ -407,6 +407,8 @@ def resolve_model(name_or_path: str) -> str:
         from iterserve.model.gguf import convert_gguf
 
         return convert_gguf(name_or_path)
+    if name_or_path.endswith(".gguf"):  # a mistyped path, not a Hub id to look up
+        raise FileNotFoundError(f"no such GGUF file {name_or_path!r}")
     if name_or_path == "smollm2-135m":
         from iterserve.model.gguf import convert_gguf
 

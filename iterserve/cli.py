@@ -11,6 +11,10 @@ from collections.abc import Callable
 # The subcommands: name -> ("module:function" taking argv, returning an exit code; help).
 # Registering one is one line here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": (
+        "iterserve.bench.demo:cli_main",
+        "static vs continuous batching on a real model, in one command",
+    ),
     "generate": ("iterserve.cli:generate_main", "generate text offline with the in-process engine"),
     "serve": ("iterserve.server.cli:main", "OpenAI-compatible HTTP server"),
     "bench": ("iterserve.bench.cli:main", "benchmarks: serve (online client), offline, sweep"),

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
 import pytest
 from server_helpers.fake_engine import FakeEngine
-from server_helpers.servers import ThreadServer, metric_values, parse_sse
+from server_helpers.servers import metric_values, parse_sse, serve, wait_for
 
 from iterserve.engine.async_engine import (
     AsyncEngine,
@@ -20,23 +19,6 @@ from iterserve.engine.async_engine import (
     RequestFailedError,
 )
 from iterserve.sampling_params import SamplingParams
-from iterserve.server.app import create_app
-
-
-def serve(fake: FakeEngine, **kwargs: object) -> tuple[AsyncEngine, ThreadServer]:
-    engine_kw = {
-        k: kwargs.pop(k) for k in ("max_queued_requests", "max_queued_tokens") if k in kwargs
-    }
-    engine = AsyncEngine(fake, **engine_kw)  # type: ignore[arg-type]
-    return engine, ThreadServer(create_app(engine, **kwargs))  # type: ignore[arg-type]
-
-
-def wait_for(cond, timeout: float = 5.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 # ---- AsyncEngine on its own ----------------------------------------------------------------------
@@ -240,7 +222,7 @@ def test_queued_token_limit_rejects_big_backlogs() -> None:
 
 
 def test_client_disconnect_aborts_streaming_and_non_streaming_requests() -> None:
-    fake = FakeEngine(step_delay=0.01, max_model_len=4096)
+    fake = FakeEngine(step_delay=0.01, max_model_len=4096, num_blocks=1024)
     engine, server = serve(fake)
     with server:
         # Streaming: read a few events, then hang up.

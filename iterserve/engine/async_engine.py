@@ -279,6 +279,9 @@ class AsyncEngine:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
         if max_queued_tokens is not None and max_queued_tokens < 1:
             raise ValueError(f"max_queued_tokens must be >= 1, got {max_queued_tokens}")
+        # Refuse to serve from a pool in which a valid request would fail mid-generation
+        # (vLLM refuses to start too); offline LLM use may still run tiny pools.
+        engine.check_pool_holds_max_model_len()
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len

@@ -218,6 +218,19 @@ class LLMEngine:
     def kv_usage(self) -> float:
         return self.kv.usage
 
+    def check_pool_holds_max_model_len(self) -> None:
+        blocks, bs, max_len = self.kv.num_blocks, self.runner.block_size, self.max_model_len
+        need = cdiv(max_len, bs)
+        if blocks >= need:
+            return
+        per_block = self.runner.kv_bytes_per_block
+        raise ValueError(
+            f"the KV-cache pool holds {blocks} blocks x {bs} tokens = {blocks * bs} tokens, "
+            f"but one request of max_model_len {max_len} tokens needs {need} blocks; raise "
+            f"--num-kv-blocks to at least {need} (or --kv-cache-memory to at least "
+            f"{need * per_block} bytes), or lower --max-model-len to at most {blocks * bs}"
+        )
+
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()

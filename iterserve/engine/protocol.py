@@ -102,6 +102,12 @@ class EngineInterface(Protocol):
         """Fraction of the KV-cache pool in use, in [0, 1]."""
         ...
 
+    def check_pool_holds_max_model_len(self) -> None:
+        """Raises ValueError (the numbers and the flag to change) when the KV-cache pool
+        cannot hold one request of ``max_model_len`` tokens: a server must not start with a
+        pool in which valid requests fail mid-generation."""
+        ...
+
     def stats(self) -> EngineStats:
         """Cumulative counters and current state (not free: it copies per-step history)."""
         ...

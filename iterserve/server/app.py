@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar, cast
@@ -28,11 +27,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.server.errors import (
     APIError,
-    bad_request,
     error_body,
     json_response,
     validation_error,
 )
+from iterserve.server.jsonbody import decode_json_object
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
     ChatCompletionRequest,
@@ -145,18 +144,7 @@ class GuardMiddleware:
 
 async def read_json_object(request: Request) -> dict[str, Any]:
     """The request body as a JSON object: every route's one body parser."""
-    raw = await request.body()
-    if not raw:
-        raise bad_request("request body is empty; send a JSON object", code="invalid_json")
-    try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise bad_request(
-            f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
-        )
-    return obj
+    return decode_json_object(await request.body())
 
 
 def validate(model: type[M], obj: dict[str, Any]) -> M:

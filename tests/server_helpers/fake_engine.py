@@ -157,6 +157,13 @@ class FakeEngine:
     def kv_usage(self) -> float:
         return min(1.0, self._kv_blocks_used() / self.num_blocks)
 
+    def check_pool_holds_max_model_len(self) -> None:
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV-cache pool holds {self.num_blocks * self.block_size} tokens < "
+                f"max_model_len {self.max_model_len}; raise --num-kv-blocks"
+            )
+
     def stats(self) -> EngineStats:
         """The engine's stats keys; the counters the fake does not keep are 0."""
         return {

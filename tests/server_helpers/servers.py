@@ -11,10 +11,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from iterserve.engine.async_engine import AsyncEngine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -130,6 +134,27 @@ class ThreadServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+
+
+def serve(fake: Any, **kwargs: Any) -> tuple[AsyncEngine, ThreadServer]:
+    """An AsyncEngine over ``fake`` and a (not yet entered) ThreadServer of its app; the
+    AsyncEngine's own keyword arguments are picked out of ``kwargs``, the rest go to
+    ``create_app``."""
+    from iterserve.engine.async_engine import AsyncEngine
+    from iterserve.server.app import create_app
+
+    engine_keys = {"max_queued_requests", "max_queued_tokens", "stall_timeout_s"}
+    engine_kw = {k: kwargs.pop(k) for k in engine_keys if k in kwargs}
+    engine = AsyncEngine(fake, **engine_kw)
+    return engine, ThreadServer(create_app(engine, **kwargs))
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
 
 
 def parse_sse(text: str) -> list[Any]:

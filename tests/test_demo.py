@@ -61,7 +61,8 @@ def test_demo_tells_the_story(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert uses["static"].idle_waiting > 0 and uses["continuous"].idle_waiting == 0
     assert uses["static"].steps > uses["continuous"].steps
     small = runs["continuous, small KV pool"]
-    assert small["engine_stats"]["num_preemptions"] > 0
+    assert small["preemptions"] > 0 and runs["continuous"]["preemptions"] == 0
+    assert small["preemptions"] == sum(st["num_preemptions"] for st in small["steps"])
     assert small["engine_stats"]["kv_blocks_total"] == out["small_pool_blocks"]
 
     png = Path(out["png"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import sys
@@ -183,15 +182,11 @@ def _workload(ns: argparse.Namespace) -> DemoWorkload:
     )
 
 
-def _read_steps(path: str) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _run(
     engine: Any, specs: list[RequestSpec], label: str, out_dir: Path, rate: float
 ) -> dict[str, Any]:
     from iterserve.bench.offline import RunOptions, run_on_engine
+    from iterserve.bench.plot import read_steps
     from iterserve.workload.replay import warmup
 
     warmup(engine)
@@ -204,7 +199,10 @@ def _run(
         request_rate=rate,
         steps_name=f"demo_{label.replace(' ', '_')}",
     )
-    run["steps"] = _read_steps(run["steps_file"])
+    steps = run["steps"] = read_steps(run["steps_file"])
+    # From this run's steps: the engine's counters also hold its warm-up.
+    run["preemptions"] = sum(st["num_preemptions"] for st in steps)
+    run["kv_peak_blocks"] = max(st["kv_blocks_used"] for st in steps)
     return run
 
 
@@ -240,10 +238,10 @@ def _table(run: dict[str, Any], use: SlotUse, slots: int) -> Any:
         "wasted slot-steps (idle while requests wait)",
         f"{use.idle_waiting} ({100 * use.wasted_share:.0f}%)",
     )
-    t.add_row("preemptions", str(stats.get("num_preemptions", 0)))
-    if stats.get("kv_blocks_total"):
-        peak = 100 * stats.get("max_kv_usage", 0)
-        t.add_row("KV pool", f"{stats['kv_blocks_total']} blocks, peak {peak:.0f}% used")
+    t.add_row("preemptions", str(run["preemptions"]))
+    total = stats.get("kv_blocks_total")
+    if total:
+        t.add_row("KV pool", f"{total} blocks, peak {run['kv_peak_blocks']} used")
     return t
 
 
@@ -263,8 +261,9 @@ def _complete(engine: Any, prompts: tuple[str, ...], max_tokens: int) -> list[st
 
 
 def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
-    """Runs everything and returns the runs (``runs``), slot use (``slot_use``), the PNG's
-    path (``png``), the result file (``result``) and the completions (``completions``)."""
+    """Runs everything and returns the runs (``runs``, each with its step records under
+    ``steps``), slot use (``slot_use``), the PNG's path (``png``), the result file (``result``),
+    the completions (``completions``) and the small pool's size (``small_pool_blocks``)."""
     from rich.console import Console
 
     from iterserve.bench.offline import make_engine
@@ -315,7 +314,7 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
             gc.collect()
 
     # Preemption: the same load into a pool half the size the continuous run used at its peak.
-    peak = max(s["kv_blocks_used"] for s in runs["continuous"]["steps"])
+    peak = runs["continuous"]["kv_peak_blocks"]
     need = max(-(-(s.prompt_len + s.output_len) // block_size) for s in specs) + 1
     small = ns.small_pool_blocks or max(need, peak // 2)
     del engine
@@ -362,12 +361,11 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
     del engine
     gc.collect()
 
-    for run in runs.values():
-        run.pop("steps")
+    # The result file names each run's step records (steps_file) rather than holding them.
     result = write_result(
         out_dir / "demo.json",
         "demo",
-        list(runs.values()),
+        [{k: v for k, v in run.items() if k != "steps"} for run in runs.values()],
         config=vars(ns),
         workload={"kind": "demo", **vars(workload), "num_long": len(long_ids)},
     )

@@ -537,7 +537,13 @@ def plot_slots(
         bars = assign_slots(steps, t0, long_ids)
         for i, b in enumerate(bars):
             color = "#a63603" if b.long else short_colors[i % len(short_colors)]
-            ax.broken_barh([(b.start, b.end - b.start)], (b.slot - 0.42, 0.84), color=color, lw=0)
+            ax.broken_barh(
+                [(b.start, b.end - b.start)],
+                (b.slot - 0.42, 0.84),
+                facecolor=color,
+                edgecolor="white",  # successive requests in one slot stay apart
+                lw=0.6,
+            )
         rows = max([slots] + [b.slot + 1 for b in bars])
         for slot, cells in enumerate(_empty_while_waiting(steps, t0, bars, rows)):
             ax.broken_barh(cells, (slot - 0.5, 1.0), color=IDLE_COLOR, alpha=0.35, lw=0)

@@ -4,12 +4,41 @@ real CLI on tiny-random. Counts and times are bounded."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 from server_helpers.fake_engine import FakeEngine
 from server_helpers.servers import REPO, serve
 
 from iterserve.engine.async_engine import AsyncEngine
+
+
+class HealthProbe(threading.Thread):
+    """GET /health in a loop (at least once) while the ``with`` block runs: how long the
+    server kept other clients waiting."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.latencies: list[float] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as c:
+            while not (self.latencies and self.done.is_set()):
+                t0 = time.monotonic()
+                c.get("/health")
+                self.latencies.append(time.monotonic() - t0)
+
+    def __enter__(self) -> HealthProbe:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.join(30)
 
 
 def _error(r: httpx.Response, status: int) -> dict[str, object]:
@@ -88,4 +117,118 @@ def test_malformed_body_is_a_400_and_the_connection_stays_usable(name: str) -> N
         assert "\\ud8" not in r.text.lower() or "lone utf-16 surrogate" in r.text.lower()
         # The same keep-alive connection still serves a valid request.
         ok = c.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
+# ---- (6) per-request bounds -------------------------------------------------------------------
+BOUNDS: dict[str, tuple[str, dict[str, object], str, str]] = {
+    # name: (path, body, param, flag named in the message)
+    "n": ("/v1/completions", {"prompt": "x", "n": 17}, "n", "--max-n"),
+    "prompts": ("/v1/completions", {"prompt": ["x"] * 300}, "prompt", "--max-prompts-per-request"),
+    "stop_count": (
+        "/v1/completions",
+        {"prompt": "x", "stop": [f"s{i}" for i in range(17)]},
+        "stop",
+        "--max-stop-strings",
+    ),
+    "stop_chars": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "stop": ["y" * 3000]},
+        "stop",
+        "--max-stop-chars",
+    ),
+    "logprobs": ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs", "--max-logprobs"),
+    "top_logprobs": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 6},
+        "top_logprobs",
+        "--max-logprobs",
+    ),
+    # The issue's body: 2,000 prompts x n=128 (here the prompt bound answers first).
+    "issue_body": (
+        "/v1/completions",
+        {"prompt": ["p"] * 2000, "n": 16, "max_tokens": 16},
+        "prompt",
+        "--max-prompts-per-request",
+    ),
+    "token_budget": (
+        "/v1/completions",
+        {"prompt": ["p"] * 200, "n": 16, "max_tokens": 400},
+        "max_tokens",
+        "--max-request-tokens",
+    ),
+}
+
+
+def test_per_request_bounds_are_400s_that_name_the_limit() -> None:
+    from iterserve.server.limits import ServerLimits
+
+    fake = FakeEngine(max_model_len=512, num_blocks=256)
+    # The sampling rules already cap logprobs at 20 (vLLM's cap); a server may lower it.
+    limits = ServerLimits(max_request_tokens=1_000_000, max_logprobs=5)
+    _, server = serve(fake, limits=limits)
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        for name, (path, body, param, flag) in BOUNDS.items():
+            err = _error(c.post(path, json=body), 400)
+            assert err["param"] == param and err["code"] == "limit_exceeded", (name, err)
+            assert flag in str(err["message"]), (name, err)
+        # At the bounds themselves the request runs.
+        ok = c.post(
+            "/v1/completions",
+            json={"prompt": "x", "n": 16, "logprobs": 5, "stop": ["zz"] * 16, "max_tokens": 2},
+        )
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 16, ok.text
+    assert fake.reqs == {} and fake.steps > 0
+
+
+# ---- (1) request chat templates: off by default, sandboxed when allowed ------------------------
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def test_request_chat_template_is_refused_unless_trusted_and_tokenize_too() -> None:
+    _, server = serve(FakeEngine())
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            err = _error(c.post(path, json={**CHAT, "chat_template": "{{ 1 }}"}), 400)
+            assert err["param"] == "chat_template" and err["code"] == "chat_template_not_allowed"
+            assert "--trust-request-chat-template" in str(err["message"])
+            # The bypass through chat_template_kwargs is refused too.
+            body = {**CHAT, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}
+            assert _error(c.post(path, json=body), 400)["param"] == "chat_template_kwargs"
+
+
+def test_trusted_request_templates_render_sandboxed_within_limits_off_the_loop() -> None:
+    from iterserve.server.limits import ServerLimits
+
+    limits = ServerLimits(trust_request_chat_template=True, chat_template_timeout=1.5)
+    _, server = serve(FakeEngine(), limits=limits)
+    template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    hostile = {
+        "loops": (NESTED_LOOPS, "loop iterations"),
+        # Loops over data, no output, no range(): only the time limit (the kill) stops it.
+        "busy": (
+            "{% for a in messages * 50000 %}{% for b in messages * 50000 %}{% endfor %}"
+            "{% endfor %}",
+            "within 1.5s",
+        ),
+        "output": ("{{ 'x' * 50000000 }}", "characters"),
+        "attribute": ("{{ messages.__class__.__mro__ }}", "chat template failed"),
+        "syntax": ("{% for", "TemplateSyntaxError"),
+    }
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        ok = c.post("/tokenize", json={**CHAT, "chat_template": template})
+        assert ok.status_code == 200 and ok.json()["count"] == len(b"[user]hi"), ok.text
+        for name, (tpl, msg) in hostile.items():
+            # While the template renders, other routes answer at once.
+            with HealthProbe(server.url) as probe:
+                t0 = time.monotonic()
+                r = c.post("/v1/chat/completions", json={**CHAT, "chat_template": tpl})
+                took = time.monotonic() - t0
+            err = _error(r, 400)
+            assert msg in str(err["message"]), (name, err)
+            assert took < 1.5 + 3, (name, took)
+            assert max(probe.latencies) < 0.5, (name, max(probe.latencies))
+        # The worker was killed and restarted: templates still render.
+        ok = c.post("/tokenize", json={**CHAT, "chat_template": template})
         assert ok.status_code == 200, ok.text

@@ -32,6 +32,7 @@ from iterserve.server.errors import (
     validation_error,
 )
 from iterserve.server.jsonbody import decode_json_object
+from iterserve.server.limits import ServerLimits
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
     ChatCompletionRequest,
@@ -44,7 +45,7 @@ from iterserve.server.serving import Serving
 
 logger = logging.getLogger("iterserve.server")
 
-DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # --max-request-body-bytes; 413 beyond
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -263,13 +264,13 @@ async def tokenize(request: Request) -> Response:
     model: type[TokenizeChatRequest | TokenizeCompletionRequest] = (
         TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest
     )
-    return json_response(_serving(request).tokenize(validate(model, obj)))
+    return json_response(await _serving(request).tokenize(validate(model, obj)))
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> Response:
     req = await parse_body(request, DetokenizeRequest)
-    return json_response(_serving(request).detokenize(req))
+    return json_response(await _serving(request).detokenize(req))
 
 
 @router.get("/metrics")
@@ -337,6 +338,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         app.state.draining = True
         await engine.shutdown(timeout=max(1.0, app.state.shutdown_timeout))
+        app.state.serving.close()
 
 
 def create_app(
@@ -348,6 +350,7 @@ def create_app(
     retry_after_s: int = 1,
     shutdown_timeout: float = 10.0,
     metrics: ServerMetrics | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     names = list(served_model_names or [engine.model_name])
     metrics = metrics or ServerMetrics(names[0])
@@ -363,7 +366,7 @@ def create_app(
         openapi_url=None,
     )
     app.state.engine = engine
-    app.state.serving = Serving(engine, names, metrics, retry_after_s)
+    app.state.serving = Serving(engine, names, metrics, retry_after_s, limits)
     app.state.metrics = metrics
     app.state.draining = False
     app.state.shutdown_timeout = shutdown_timeout

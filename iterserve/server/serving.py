@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from iterserve.engine.async_engine import (
     AsyncEngine,
@@ -16,10 +18,12 @@ from iterserve.engine.async_engine import (
     QueueFullError,
     RequestFailedError,
     RequestStream,
+    _private_copy,
 )
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, bad_request, dumps, error_body
+from iterserve.server.limits import ServerLimits
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
     ChatCompletionRequest,
@@ -30,8 +34,13 @@ from iterserve.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from iterserve.server.templates import TemplateSandbox
+
+if TYPE_CHECKING:
+    from iterserve.engine.protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -46,13 +55,21 @@ class Serving:
         served_model_names: Sequence[str],
         metrics: ServerMetrics,
         retry_after_s: int = 1,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.limits = limits or ServerLimits()
         self.served_model_names = list(served_model_names)
         self.metrics = metrics
         self.retry_after_s = retry_after_s
         self.created = int(time.time())
         self._tok_cache: dict[int, str] = {}
+        # Prompts are tokenized (and the model's chat template rendered) on this one thread,
+        # with a tokenizer of its own: never on the event loop (it would freeze every
+        # stream) nor on the engine thread (it would stall every step).
+        self._tok: Tokenizer = _private_copy(engine.tokenizer)
+        self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="iterserve-tokenizer")
+        self._templates: TemplateSandbox | None = None
 
     @property
     def model_name(self) -> str:
@@ -104,7 +121,7 @@ class Serving:
         return req.sampling_params()
 
     async def add_streams(
-        self, prefix: str, prompts: list[str | list[int]], params: SamplingParams, priority: int
+        self, prefix: str, prompts: Sequence[str | list[int]], params: SamplingParams, priority: int
     ) -> list[RequestStream]:
         base = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
@@ -177,8 +194,10 @@ class Serving:
                 code="unsupported_parameter",
             )
         prompts = _completion_prompts(req.prompt)
+        self.limits.check_request(req, len(prompts), self.engine.max_model_len)
         params = self.sampling_params(req)
-        streams = await self.add_streams("cmpl", prompts, params, req.priority)
+        ids = await self.completion_prompt_ids(prompts)
+        streams = await self.add_streams("cmpl", list(ids), params, req.priority)
         fmt = _CompletionFormat(self, req, params, prompts)
         return await self._respond(streams, fmt, bool(req.stream))
 
@@ -199,27 +218,71 @@ class Serving:
             )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        self.limits.check_request(req, 1, self.engine.max_model_len)
         params = self.sampling_params(req)
-        ids = self.render_chat(req)
+        ids = await self.render_chat(req)
         streams = await self.add_streams("chatcmpl", [ids], params, req.priority)
         fmt = _ChatFormat(self, req, params)
         return await self._respond(streams, fmt, bool(req.stream))
 
-    def render_chat(
+    # ---- tokenization: off the event loop and off the engine thread -------------------------
+    async def _on_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tok_pool, functools.partial(fn, *args, **kw))
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, then the length check right away (before any engine work)."""
+        ids = await self._on_tokenizer_thread(
+            self._tok.encode, text, add_special_tokens=add_special_tokens
+        )
+        return list(ids)
+
+    async def completion_prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            ids = await self.encode(p) if isinstance(p, str) else p
+            if len(ids) >= self.engine.max_model_len:
+                raise bad_request(
+                    f"prompt has {len(ids)} tokens but the model's context length "
+                    f"(max_model_len) is {self.engine.max_model_len}, which must also leave "
+                    "room for at least one generated token; shorten the prompt",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
+            out.append(ids)
+        return out
+
+    async def render_chat(
         self, req: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False
     ) -> list[int]:
-        """The token ids of ``req.messages`` rendered by the (request's or model's) template."""
+        """The token ids of ``req.messages`` rendered by the (request's or model's) template:
+        the model's on the tokenizer thread, a request's in the template sandbox."""
         messages, chat_template = req.messages, req.chat_template
         add_generation_prompt = req.add_generation_prompt
         continue_final_message = req.continue_final_message
+        kwargs = dict(req.chat_template_kwargs or {})
         tok = self.tokenizer
         if tok is None:
             raise APIError(500, "the server has no tokenizer", code="no_tokenizer")
+        if "chat_template" in kwargs:  # the bypass vLLM treated as a security issue
+            raise bad_request(
+                "chat_template_kwargs must not contain chat_template; send chat_template "
+                "itself (the server must allow it with --trust-request-chat-template)",
+                param="chat_template_kwargs",
+            )
+        if chat_template is not None and not self.limits.trust_request_chat_template:
+            raise bad_request(
+                "this server does not accept chat templates in requests (it would run client "
+                "code); drop chat_template to use the model's own, or start the server with "
+                "--trust-request-chat-template",
+                param="chat_template",
+                code="chat_template_not_allowed",
+            )
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise bad_request(
                 f"model `{self.model_name}` has no chat template (its tokenizer config defines "
                 "no chat_template), so /v1/chat/completions cannot format messages; use "
-                "/v1/completions with a plain prompt, or pass chat_template in the request",
+                "/v1/completions with a plain prompt",
                 param="messages",
                 code="no_chat_template",
             )
@@ -231,33 +294,66 @@ class Serving:
                 param="continue_final_message",
             )
         conv = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
+        flags = dict(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
         try:
-            text = tok.apply_chat_template(
-                conv,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template=chat_template,
-                **(req.chat_template_kwargs or {}),
-            )
+            if chat_template is not None:
+                variables = {
+                    "bos_token": getattr(tok, "bos_token", None) or "",
+                    "eos_token": getattr(tok, "eos_token", None) or "",
+                    **kwargs,
+                }
+                sandbox = self.templates
+                text = await asyncio.to_thread(
+                    sandbox.render, chat_template, conv, variables=variables, **flags
+                )
+            else:
+                text = await self._on_tokenizer_thread(
+                    self._tok.apply_chat_template, conv, tokenize=False, **flags, **kwargs
+                )
         except Exception as e:  # noqa: BLE001 - jinja errors are the client's template/messages
             raise bad_request(
                 f"chat template failed to render the messages: {type(e).__name__}: {e}",
-                param="messages",
+                param="chat_template" if chat_template is not None else "messages",
             ) from None
-        ids = list(tok.encode(text, add_special_tokens=add_special_tokens))
+        ids = await self.encode(str(text), add_special_tokens=add_special_tokens)
         if not ids:
             raise bad_request("the rendered chat prompt is empty", param="messages")
         return ids
 
+    @property
+    def templates(self) -> TemplateSandbox:
+        if self._templates is None:
+            lim = self.limits
+            self._templates = TemplateSandbox(
+                timeout=lim.chat_template_timeout,
+                max_chars=lim.chat_template_max_chars,
+                max_loop_iterations=lim.chat_template_max_loop_iterations,
+            )
+        return self._templates
+
+    def close(self) -> None:
+        """Stops the tokenizer thread and the template worker (app shutdown)."""
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)
+        if self._templates is not None:
+            self._templates.close()
+
     # ---- /tokenize, /detokenize ------------------------------------------------------------
-    def tokenize(self, req: TokenizeChatRequest | TokenizeCompletionRequest) -> dict[str, Any]:
+    async def tokenize(
+        self, req: TokenizeChatRequest | TokenizeCompletionRequest
+    ) -> dict[str, Any]:
         self.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            ids = self.render_chat(req, add_special_tokens=req.add_special_tokens)
+            ids = await self.render_chat(req, add_special_tokens=req.add_special_tokens)
         else:
-            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+            ids = await self.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        strs = (
+            list(await self._on_tokenizer_thread(self._tok.convert_ids_to_tokens, ids))
+            if req.return_token_strs
+            else None
+        )
         return {
             "count": len(ids),
             "max_model_len": self.engine.max_model_len,
@@ -265,7 +361,7 @@ class Serving:
             "token_strs": strs,
         }
 
-    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
         vocab = len(self.tokenizer)
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -275,7 +371,7 @@ class Serving:
                 param="tokens",
                 code="invalid_value",
             )
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+        return {"prompt": await self._on_tokenizer_thread(self._tok.decode, req.tokens)}
 
     # ---- responses ----------------------------------------------------------------------------
     async def _respond(self, streams: list[RequestStream], fmt: _Format, stream: bool) -> Any:

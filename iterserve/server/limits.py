@@ -1,0 +1,146 @@
+"""What one client may ask of the server: per-request bounds, chat-template limits, stream
+backpressure and the HTTP timeouts, in one frozen dataclass whose fields are the
+``iterserve serve`` flags (derived with ``iterserve.config.add_dataclass_args``).
+
+Each bound exists so that no single request can monopolize the engine or the process:
+``n`` x prompts x ``max_tokens`` is the work a request asks for, stop strings are scanned on
+every generated token, and top logprobs are decoded per token (vLLM caps them at 20 too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from iterserve.config import add_dataclass_args, cli_kwargs
+from iterserve.server.errors import bad_request
+from iterserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+_HELPS = {
+    "max_n": "most completions (n) one request may ask for",
+    "max_prompts_per_request": "most prompts in one /v1/completions request",
+    "max_stop_strings": "most stop strings in one request",
+    "max_stop_chars": "most characters all of a request's stop strings may have together",
+    "max_logprobs": "most logprobs / top_logprobs one request may ask for",
+    "max_request_tokens": "most tokens one request may generate: prompts x n x max_tokens "
+    "(max_model_len when max_tokens is unset)",
+    "trust_request_chat_template": "accept a chat_template sent in the request (rendered "
+    "sandboxed, in a separate process, with the limits below); off: such requests get a 400",
+    "chat_template_timeout": "seconds a request's chat template may take to render",
+    "chat_template_max_chars": "most characters a request's chat template may render",
+    "chat_template_max_loop_iterations": "most loop iterations a request's chat template may run",
+    "stream_write_timeout": "seconds a streaming client may leave a chunk unread before its "
+    "request is aborted (its KV cache freed)",
+    "stream_buffer_tokens": "most generated tokens held for one stream its client has not read "
+    "yet; past it the request is aborted",
+    "stream_buffer_bytes": "most bytes of generated text held for one unread stream",
+    "engine_stall_timeout": "/health answers 503 when no engine step completed in this many "
+    "seconds while requests are pending",
+    "header_timeout": "seconds a client may take to send a request's headers",
+    "body_timeout": "seconds a client may take between two pieces of a request body",
+    "keep_alive_timeout": "seconds an idle keep-alive connection stays open",
+    "max_connections": "most concurrent connections; past it new ones get 503",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerLimits:
+    max_n: int = 16
+    max_prompts_per_request: int = 256
+    max_stop_strings: int = 16
+    max_stop_chars: int = 2048
+    max_logprobs: int = 20
+    max_request_tokens: int = 1 << 20
+    trust_request_chat_template: bool = False
+    chat_template_timeout: float = 2.0
+    chat_template_max_chars: int = 1 << 20
+    chat_template_max_loop_iterations: int = 100_000
+    stream_write_timeout: float = 30.0
+    stream_buffer_tokens: int = 4096
+    stream_buffer_bytes: int = 1 << 20
+    engine_stall_timeout: float = 60.0
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
+    max_connections: int = 2048
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, bool) and value <= 0:
+                flag = "--" + f.name.replace("_", "-")
+                raise ValueError(f"{flag} must be > 0, got {value}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse._ActionsContainer) -> argparse._ActionsContainer:
+        add_dataclass_args(parser, cls, helps=_HELPS)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerLimits:
+        return cls(**cli_kwargs(cls, ns))
+
+    def replace(self, **changes: Any) -> ServerLimits:
+        return dataclasses.replace(self, **changes)
+
+    # ---- per-request bounds --------------------------------------------------------------
+    def check_request(
+        self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int, max_model_len: int
+    ) -> None:
+        """Raises a 400 naming the bound (and its flag) that ``req`` exceeds."""
+
+        def refuse(param: str, what: str, flag: str, limit: int) -> None:
+            raise bad_request(
+                f"{what}; this server allows at most {limit} (--{flag})",
+                param=param,
+                code="limit_exceeded",
+            )
+
+        if req.n > self.max_n:
+            refuse("n", f"n is {req.n}", "max-n", self.max_n)
+        if num_prompts > self.max_prompts_per_request:
+            refuse(
+                "prompt",
+                f"the request has {num_prompts} prompts",
+                "max-prompts-per-request",
+                self.max_prompts_per_request,
+            )
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stops) > self.max_stop_strings:
+            refuse(
+                "stop",
+                f"the request has {len(stops)} stop strings",
+                "max-stop-strings",
+                self.max_stop_strings,
+            )
+        chars = sum(len(s) for s in stops)
+        if chars > self.max_stop_chars:
+            refuse(
+                "stop",
+                f"the stop strings have {chars} characters in all",
+                "max-stop-chars",
+                self.max_stop_chars,
+            )
+        if isinstance(req, CompletionRequest):
+            logprobs, lp_param = req.logprobs, "logprobs"
+            max_tokens = req.max_tokens
+        else:
+            logprobs, lp_param = req.top_logprobs, "top_logprobs"
+            max_tokens = req.max_completion_tokens or req.max_tokens
+        if logprobs is not None and logprobs > self.max_logprobs:
+            refuse(lp_param, f"{lp_param} is {logprobs}", "max-logprobs", self.max_logprobs)
+        per_seq = max_model_len if max_tokens is None else min(max_tokens, max_model_len)
+        total = num_prompts * req.n * per_seq
+        if total > self.max_request_tokens:
+            refuse(
+                "max_tokens",
+                f"the request may generate {total} tokens ({num_prompts} prompts x n {req.n} x "
+                f"{per_seq} max tokens); lower n, max_tokens or the number of prompts",
+                "max-request-tokens",
+                self.max_request_tokens,
+            )
+
+
+__all__ = ["ServerLimits"]

@@ -236,6 +236,33 @@ def test_unsupported_type_and_architecture_are_named(
         resolve_model(str(Path(checkpoints["llama", False]) / "config.json"))
 
 
+def test_rope_scaling_from_the_metadata(tmp_path: Path) -> None:
+    import gguf
+
+    def config_of(scaling: Any) -> dict[str, Any]:
+        path = str(tmp_path / f"{scaling.value}.gguf")
+        w = gguf.GGUFWriter(path, "llama")
+        w.add_embedding_length(64)
+        w.add_head_count(4)
+        w.add_block_count(1)
+        w.add_feed_forward_length(128)
+        w.add_rope_scaling_type(scaling)
+        w.add_rope_scaling_factor(4.0)
+        w.add_token_list(["a", "b", "c"])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return gg.hf_config(gguf.GGUFReader(path), "llama")
+
+    cfg = config_of(gguf.RopeScalingType.LINEAR)
+    assert cfg["rope_parameters"] == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    assert cfg["vocab_size"] == 3 and cfg["head_dim"] == 16 and cfg["tie_word_embeddings"]
+    assert config_of(gguf.RopeScalingType.NONE)["rope_parameters"]["rope_type"] == "default"
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported"):
+        config_of(gguf.RopeScalingType.YARN)
+
+
 # ---- the real model ---------------------------------------------------------------------
 
 needs_smollm2 = pytest.mark.skipif(

@@ -71,13 +71,16 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+_HF_TOP = {v: k for k, v in _TOP_NAMES.items()}
+_HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+
+
 def _gguf_name(hf: str) -> str:
     base, _, suffix = hf.rpartition(".")
-    top = {v: k for k, v in _TOP_NAMES.items()}
-    if base in top:
-        return f"{top[base]}.{suffix}"
+    if base in _HF_TOP:
+        return f"{_HF_TOP[base]}.{suffix}"
     _, _, layer, rest = base.split(".", 3)  # model.layers.<i>.<rest>
-    return f"blk.{layer}.{ {v: k for k, v in _LAYER_NAMES.items()}[rest] }.{suffix}"
+    return f"blk.{layer}.{_HF_LAYER[rest]}.{suffix}"
 
 
 def _rotary_layout(w: np.ndarray, n_head: int, to_gguf: bool) -> np.ndarray:
@@ -104,13 +107,13 @@ def _check_supported(reader: Any, path: str) -> str:
                 f"GGUF file {path!r}: tensor {t.name!r} has type {t.tensor_type.name}, which "
                 f"iterserve does not support; supported: {', '.join(SUPPORTED_TYPES)}"
             )
-        if hf_name(t.name) is None and t.name != "rope_freqs.weight":
+        if t.name == "rope_freqs.weight":
+            raise ValueError(
+                f"GGUF file {path!r} carries rope_freqs.weight (Llama 3.1-style RoPE scaling), "
+                "which the conversion cannot express yet; use the model's Hugging Face folder"
+            )
+        if hf_name(t.name) is None:
             raise ValueError(f"GGUF file {path!r} has tensor {t.name!r}, unknown for {arch}")
-    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
-        raise ValueError(
-            f"GGUF file {path!r} carries rope_freqs.weight (Llama 3.1-style RoPE scaling), "
-            "which the conversion cannot express yet; use the model's Hugging Face folder"
-        )
     if _field(reader, "tokenizer.ggml.model") is None:
         raise ValueError(
             f"GGUF file {path!r} has no tokenizer (tokenizer.ggml.* metadata); "
@@ -149,14 +152,17 @@ def hf_config(reader: Any, arch: str) -> dict[str, Any]:
         rope |= {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
     elif scaling != "none":
         raise ValueError(f"GGUF RoPE scaling {scaling!r} is not supported; supported: none, linear")
-    tokens = reader.fields["tokenizer.ggml.tokens"]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = meta("vocab_size", None if tokens is None else len(tokens.data))
+    if vocab is None:
+        raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     token_ids = {
         k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")
     }
     return {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
-        "vocab_size": int(meta("vocab_size", len(tokens.data))),
+        "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(meta("feed_forward_length")),
         "num_hidden_layers": int(meta("block_count")),

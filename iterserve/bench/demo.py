@@ -7,8 +7,8 @@ request completes); then a few greedy completions show that the model is real. I
 table per run, draws who held each batch slot at every step (``demo_slots.png``) and writes
 the runs as a bench result file (``demo.json``) and step records under ``--out-dir``.
 
-    python -m iterserve.bench.demo                          # smollm2-135m, about a minute
-    python -m iterserve.bench.demo --model tiny-random --dtype float32 --num-requests 12
+    iterserve demo        # smollm2-135m: 86-90 s on 2 cores shared with other jobs
+    iterserve demo --model tiny-random --dtype float32 --num-requests 12 --out-dir /tmp/demo
 """
 
 from __future__ import annotations

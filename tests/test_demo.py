@@ -117,3 +117,9 @@ def test_bad_flags_say_what_to_change(
 ) -> None:
     assert demo.main(parse(*TINY, flag, value, "--out-dir", str(tmp_path))) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_entry_point(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``iterserve demo`` calls ``cli_main(argv)``; a bad value is an error naming the flag."""
+    assert demo.cli_main([*TINY, "--small-pool-blocks", "0", "--out-dir", str(tmp_path)]) == 2
+    assert "--small-pool-blocks must be >= 1" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import dataclasses
 import re
 import types
 import typing
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -23,6 +23,13 @@ def policy_names() -> tuple[str, ...]:
     from iterserve.core.policies import POLICY_CLASSES  # late: iterserve.core imports us
 
     return tuple(POLICY_CLASSES)
+
+
+def _scheduler_choices() -> dict[str, tuple[str, ...]]:
+    """The named choices of the scheduler's string knobs, from ``core.policies``."""
+    from iterserve.core.policies import RESERVATIONS, VICTIMS  # late: iterserve.core imports us
+
+    return {"preemption_victim": VICTIMS, "admission_reservation": RESERVATIONS}
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
@@ -68,14 +75,31 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The scheduler's knobs (docs/SCHEDULING.md says what each buys).
+
+    ``preemption_victim``: None takes the policy's own (``newest``; ``lowest-priority`` for
+    ``priority``). ``preemption_protect_steps``: a request resumed after preemption is not
+    preempted again for this many steps unless no other running request can be.
+    ``admission_reservation``: KV blocks admission keeps back for running requests' future
+    tokens. ``long_prefill_threshold`` (0: off): a prompt with more uncomputed tokens than
+    this is long; it is prefilled at most this many tokens a step, and at most
+    ``max_long_partial_prefills`` long prompts run per step, so short prompts pass them.
+    """
+
     policy: str = "continuous"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     max_model_len: int = 2048
+    preemption_victim: str | None = None
+    preemption_protect_steps: int = 0
+    admission_reservation: str = "optimistic"
+    long_prefill_threshold: int = 0
+    max_long_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         _check_policy(self.policy)
+        _check_scheduler_knobs(self)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -109,11 +133,17 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None
     record_steps: str | None = None
+    preemption_victim: str | None = None
+    preemption_protect_steps: int = 0
+    admission_reservation: str = "optimistic"
+    long_prefill_threshold: int = 0
+    max_long_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check_policy(self.policy)
+        _check_scheduler_knobs(self)
         parse_size(self.kv_cache_memory)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
@@ -133,6 +163,11 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=max_model_len,
+            preemption_victim=self.preemption_victim,
+            preemption_protect_steps=self.preemption_protect_steps,
+            admission_reservation=self.admission_reservation,
+            long_prefill_threshold=self.long_prefill_threshold,
+            max_long_partial_prefills=self.max_long_partial_prefills,
         )
 
     # ---- CLI derivation -------------------------------------------------------------
@@ -141,9 +176,17 @@ class EngineArgs:
         cls, parser: argparse._ActionsContainer, **options: Any
     ) -> argparse._ActionsContainer:
         """One ``--flag`` per field (see ``add_dataclass_args``, which takes ``options``);
-        ``--policy`` and ``--dtype`` offer their registries' names."""
-        choices = {"policy": policy_names(), "dtype": DTYPES, **options.pop("choices", {})}
-        add_dataclass_args(parser, cls, choices=choices, **options)
+        ``--dtype`` and the scheduler's knobs offer their registries' names, ``--policy`` a
+        registered name or a user policy ``module:Class`` (unless ``choices`` overrides it,
+        as the simulator's comma-separated list does)."""
+        overrides = options.pop("choices", {})
+        arg_types = {} if "policy" in overrides else {"policy": _policy_arg}
+        choices = {"dtype": DTYPES, **_scheduler_choices(), **overrides}
+        helps = {
+            "policy": f"one of {', '.join(policy_names())}, or module:Class (a Policy subclass)",
+            **options.pop("helps", {}),
+        }
+        add_dataclass_args(parser, cls, choices=choices, helps=helps, types=arg_types, **options)
         return parser
 
     @classmethod
@@ -155,20 +198,49 @@ class EngineArgs:
 
 
 def _check_policy(name: str) -> None:
-    names = policy_names()
-    if name not in names:
-        raise ValueError(f"policy must be one of {names}, got {name!r}")
+    from iterserve.core.policies import policy_class  # late: iterserve.core imports us
+
+    policy_class(name)
+
+
+def _policy_arg(text: str) -> str:
+    """argparse type of ``--policy``: the registry's error as the usage error."""
+    try:
+        _check_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _check_scheduler_knobs(c: SchedulerConfig | EngineArgs) -> None:
+    for name, allowed in _scheduler_choices().items():
+        value = getattr(c, name)
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if c.preemption_protect_steps < 0:
+        raise ValueError(f"preemption_protect_steps must be >= 0, got {c.preemption_protect_steps}")
+    if c.long_prefill_threshold < 0:
+        raise ValueError(
+            f"long_prefill_threshold must be >= 0 (0: off), got {c.long_prefill_threshold}"
+        )
+    if c.max_long_partial_prefills < 1:
+        raise ValueError(
+            f"max_long_partial_prefills must be >= 1, got {c.max_long_partial_prefills}"
+        )
+    if c.long_prefill_threshold and not c.enable_chunked_prefill:
+        raise ValueError(
+            "long_prefill_threshold needs chunked prefill (long prompts run in chunks); "
+            "enable chunked prefill or set long_prefill_threshold to 0"
+        )
 
 
 def variant_args(variant: str, base: EngineArgs, max_model_len: int | None) -> EngineArgs:
     """``base`` set up as policy variant ``variant`` (``core.policies.POLICY_VARIANTS``).
     A variant without chunked prefill needs ``max_model_len`` (None: unknown) to size its
     token budget, which must hold a whole prompt."""
-    from iterserve.core.policies import POLICY_VARIANTS  # late: iterserve.core imports us
+    from iterserve.core.policies import policy_variant  # late: iterserve.core imports us
 
-    v = POLICY_VARIANTS.get(variant)
-    if v is None:
-        raise ValueError(f"policy variant must be one of {tuple(POLICY_VARIANTS)}, got {variant!r}")
+    v = policy_variant(variant)
     args = base.replace(policy=v.policy, record_steps=None)
     if v.chunked_prefill:
         return args
@@ -182,13 +254,22 @@ def variant_args(variant: str, base: EngineArgs, max_model_len: int | None) -> E
 
 
 def parse_policies(text: str, flag: str = "--policies") -> list[str]:
-    """A comma-separated list of policy variants; ``flag`` names the option in errors."""
-    from iterserve.core.policies import POLICY_VARIANTS  # late: iterserve.core imports us
+    """A comma-separated list of policy variants (or user policies ``module:Class``);
+    ``flag`` names the option in errors."""
+    from iterserve.core.policies import POLICY_VARIANTS, policy_variant  # late: see above
 
     names = [p.strip() for p in text.split(",") if p.strip()]
-    if not names or any(p not in POLICY_VARIANTS for p in names):
+    problem = "" if names else "no policy"
+    for p in names:
+        try:
+            policy_variant(p)
+        except ValueError as e:
+            problem = str(e)
+            break
+    if problem:
         raise ValueError(
-            f"{flag} takes a comma-separated list of {tuple(POLICY_VARIANTS)}, got {text!r}"
+            f"{flag} takes a comma-separated list of {tuple(POLICY_VARIANTS)} or "
+            f"module:Class, got {text!r} ({problem})"
         )
     return names
 
@@ -214,11 +295,12 @@ def add_dataclass_args(
     helps: Mapping[str, str] | None = None,
     choices: Mapping[str, Sequence[str] | None] | None = None,
     metavars: Mapping[str, str] | None = None,
+    types: Mapping[str, Callable[[str], Any]] | None = None,
 ) -> None:
     """One ``--flag-name`` per field of dataclass ``cls`` (``--no-flag`` too for booleans),
     typed from the field's annotation, in field order. ``only`` / ``skip`` pick fields;
-    ``defaults``, ``helps``, ``choices`` (None: free text) and ``metavars`` override, per
-    field name, the field default and argparse's own."""
+    ``defaults``, ``helps``, ``choices`` (None: free text), ``metavars`` and ``types`` (a
+    parser of the text) override, per field name, the field default and argparse's own."""
     hints = typing.get_type_hints(cls)
     base = cls()
     for f in fields(cls):
@@ -234,7 +316,9 @@ def add_dataclass_args(
         if choices and choices.get(f.name) is not None:
             kw["choices"] = choices[f.name]
         flag_type = _flag_type(hints[f.name])
-        if flag_type is bool:
+        if types and f.name in types:
+            kw["type"] = types[f.name]
+        elif flag_type is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = flag_type

@@ -140,7 +140,7 @@ def test_simulate_rejects_an_unknown_policy(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_subcommands_register_in_one_line_each() -> None:
-    assert list(cli.SUBCOMMANDS)[:2] == ["generate", "serve"]
+    assert {"generate", "serve", "bench", "simulate"} <= set(cli.SUBCOMMANDS)
     for target, help_ in cli.SUBCOMMANDS.values():
         module, _, function = target.partition(":")
         assert callable(getattr(importlib.import_module(module), function)) and help_

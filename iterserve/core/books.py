@@ -30,11 +30,21 @@ class StepCounters(TypedDict):
     num_prefill_tokens: int
     num_decode_tokens: int
     num_preemptions: int
+    # Tokens computed again after a preemption threw their KV away, and their share of
+    # the useful (first-time) tokens: the recompute tax.
+    recomputed_tokens: int
+    recompute_tax: float
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
     prefix_cache_hit_rate: float
     kv_blocks_total: int
     max_kv_usage: float
+
+
+def recompute_tax(recomputed: int, num_prefill: int, num_decode: int) -> float:
+    """Recomputed tokens over useful ones (all scheduled tokens less the recomputed)."""
+    useful = num_prefill + num_decode - recomputed
+    return recomputed / useful if useful > 0 else 0.0
 
 
 class EngineStats(StepCounters):
@@ -217,6 +227,10 @@ class Books:
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,
             "num_preemptions": s.num_preemptions,
+            "recomputed_tokens": s.recomputed_tokens,
+            "recompute_tax": recompute_tax(
+                s.recomputed_tokens, self.num_prefill_tokens, self.num_decode_tokens
+            ),
             "prefix_cache_query_tokens": q,
             "prefix_cache_hit_tokens": h,
             "prefix_cache_hit_rate": h / q if q else 0.0,
@@ -234,6 +248,8 @@ class Books:
             "num_decode_tokens": c["num_decode_tokens"],
             "tokens_per_step": list(self.tokens_per_step) if per_step else [],
             "num_preemptions": c["num_preemptions"],
+            "recomputed_tokens": c["recomputed_tokens"],
+            "recompute_tax": c["recompute_tax"],
             "prefix_cache_query_tokens": c["prefix_cache_query_tokens"],
             "prefix_cache_hit_tokens": c["prefix_cache_hit_tokens"],
             "prefix_cache_hit_rate": c["prefix_cache_hit_rate"],
@@ -253,11 +269,16 @@ def merge_counters(books: Sequence[Books]) -> StepCounters:
     cs = [b.counters() for b in books]
     q = sum(c["prefix_cache_query_tokens"] for c in cs)
     h = sum(c["prefix_cache_hit_tokens"] for c in cs)
+    prefill = sum(c["num_prefill_tokens"] for c in cs)
+    decode = sum(c["num_decode_tokens"] for c in cs)
+    redo = sum(c["recomputed_tokens"] for c in cs)
     return {
         "num_steps": sum(c["num_steps"] for c in cs),
-        "num_prefill_tokens": sum(c["num_prefill_tokens"] for c in cs),
-        "num_decode_tokens": sum(c["num_decode_tokens"] for c in cs),
+        "num_prefill_tokens": prefill,
+        "num_decode_tokens": decode,
         "num_preemptions": sum(c["num_preemptions"] for c in cs),
+        "recomputed_tokens": redo,
+        "recompute_tax": recompute_tax(redo, prefill, decode),
         "prefix_cache_query_tokens": q,
         "prefix_cache_hit_tokens": h,
         "prefix_cache_hit_rate": h / q if q else 0.0,

@@ -74,6 +74,13 @@ class KVCacheManager:
             parent = h
         return hits, len(hits) * bs
 
+    def num_free_after_hits(self, computed_blocks: Sequence[int]) -> int:
+        """Free blocks left once ``computed_blocks`` (prefix hits) are taken: hits that are
+        cached-but-free leave the free queue when touched."""
+        return self.pool.num_free_blocks - sum(
+            1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0
+        )
+
     def _blocks_needed(
         self, req: Request, total: int, computed_blocks: Sequence[int]
     ) -> int | None:
@@ -82,13 +89,7 @@ class KVCacheManager:
         need = cdiv(total, self.block_size) - held
         if need <= 0:
             return 0  # free >= reclaimed always holds, so no room check is needed
-        # Cached hits that are currently free leave the free queue when touched.
-        reclaimed = (
-            sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
-            if computed_blocks
-            else 0
-        )
-        if need > self.pool.num_free_blocks - reclaimed:
+        if need > self.num_free_after_hits(computed_blocks):
             return None
         return need
 

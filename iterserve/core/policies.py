@@ -1,15 +1,36 @@
-"""Scheduling policies: small objects that order the waiting queue, decide whether new
-requests may be admitted this step, and pick the preemption victim. The scheduler's loop
-stays the same for all of them."""
+"""Scheduling policies: the small, typed interface the scheduler consults, and its instances.
+
+The scheduler's loop (``core/scheduler.py``) is the same for every policy; a policy answers
+four questions, each a method with a default that is continuous batching, FCFS:
+
+    make_waiting_queue()   in which order waiting requests are admitted
+    can_admit / admit      whether waiting requests may join this step (batch gate), and per
+                           request: ADMIT, DEFER (stop admitting this step) or REJECT(reason)
+    victim_score           which running request to preempt when the KV pool is short
+                           (the highest score goes first)
+    split_budget           how one step's token budget splits between running decodes,
+                           running partial prefills and newly admitted prompts
+
+``continuous``, ``static`` and ``priority`` are instances. A user policy is any subclass,
+loaded by name from ``POLICY_CLASSES`` or as ``module:Class`` (``--policy module:Class``);
+``examples/shortest_first.py`` is one. The same policy object drives ``LLMEngine`` and the
+simulator, because both build their ``Scheduler`` from the same ``SchedulerConfig``.
+"""
 
 from __future__ import annotations
 
 import bisect
+import enum
+import importlib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 from iterserve.core.request import Request
+
+if TYPE_CHECKING:
+    from iterserve.config import SchedulerConfig
 
 
 class WaitingQueue:
@@ -40,31 +61,28 @@ class WaitingQueue:
         return iter(self._q)
 
 
-class PriorityWaitingQueue(WaitingQueue):
-    """Lower ``priority`` value first, then earlier arrival. A preempted request keeps its
-    key, which puts it ahead of every later arrival of the same priority."""
+class KeyedWaitingQueue(WaitingQueue):
+    """Smallest ``key(request)`` first (the key must not change while the request waits).
+    A preempted request keeps its key, so it goes back where its key puts it."""
 
-    def __init__(self) -> None:
-        self._items: list[tuple[int, int, Request]] = []
-
-    @staticmethod
-    def _key(req: Request) -> tuple[int, int]:
-        return (req.priority, req.arrival_seq)
+    def __init__(self, key: Callable[[Request], tuple[float, ...]]) -> None:
+        self._key = key
+        self._items: list[tuple[tuple[float, ...], Request]] = []
 
     def push(self, req: Request) -> None:
-        bisect.insort(self._items, (*self._key(req), req), key=lambda t: (t[0], t[1]))
+        bisect.insort(self._items, (self._key(req), req), key=lambda t: t[0])
 
     push_front = push
 
     def peek(self) -> Request:
-        return self._items[0][2]
+        return self._items[0][1]
 
     def pop(self) -> Request:
-        return self._items.pop(0)[2]
+        return self._items.pop(0)[1]
 
     def remove(self, req: Request) -> None:
         for i, item in enumerate(self._items):
-            if item[2] is req:
+            if item[1] is req:
                 del self._items[i]
                 return
         raise ValueError(f"{req.request_id} not waiting")
@@ -73,18 +91,82 @@ class PriorityWaitingQueue(WaitingQueue):
         return len(self._items)
 
     def __iter__(self) -> Iterator[Request]:
-        return (t[2] for t in self._items)
+        return (t[1] for t in self._items)
+
+
+def _priority_key(req: Request) -> tuple[int, int]:
+    return (req.priority, req.arrival_seq)
+
+
+class PriorityWaitingQueue(KeyedWaitingQueue):
+    """Lower ``priority`` value first, then earlier arrival. A preempted request keeps its
+    key, which puts it ahead of every later arrival of the same priority."""
+
+    def __init__(self) -> None:
+        super().__init__(_priority_key)
+
+
+class Verdict(enum.Enum):
+    ADMIT = "admit"
+    DEFER = "defer"  # not now: admission stops for this step, the request keeps its place
+    REJECT = "reject"  # never: the request ends with FinishReason.ERROR and the reason
+
+
+@dataclass(frozen=True)
+class Admission:
+    verdict: Verdict
+    reason: str = ""  # for REJECT: what the client is told
+
+
+ADMIT = Admission(Verdict.ADMIT)
+DEFER = Admission(Verdict.DEFER)
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """Caps within one step's token budget. Running decodes always go first and take what
+    they need; then running partial prefills share at most ``partial_prefill`` tokens; then
+    new prompts get at most ``new_prompt`` tokens. None: no cap beyond the budget left."""
+
+    partial_prefill: int | None = None
+    new_prompt: int | None = None
+
+
+# Preemption victim scores: the running request with the highest score is preempted first.
+VICTIM_SCORES: dict[str, Callable[[Request], tuple[int, ...]]] = {
+    # The most recently admitted (vLLM's FCFS default).
+    "newest": lambda r: (r.admit_seq,),
+    # The one that loses the least work (vLLM PR #53723), then the newest.
+    "least-computed": lambda r: (-r.num_computed_tokens, r.admit_seq),
+    # The one with the fewest tokens generated (SGLang's retraction order), then the newest.
+    "fewest-generated": lambda r: (len(r.prompt_token_ids) - len(r.all_token_ids), r.admit_seq),
+    # The least urgent: highest priority value, then latest arrival (vLLM's priority policy).
+    "lowest-priority": lambda r: (r.priority, r.arrival_seq),
+}
 
 
 class Policy:
-    """Continuous batching, first come first served (the default)."""
+    """Continuous batching, first come first served (the default).
 
-    name = "continuous"
+    Subclass and override any method to make a policy; the constructor takes the
+    ``SchedulerConfig`` (None in unit tests) so a policy can read the scheduler's knobs.
+    """
+
+    name: ClassVar[str] = "continuous"
     # Admit requests even when this step's token budget is spent (their prefill then runs
     # in later steps). Static batching forms its whole batch at once this way.
-    admit_beyond_budget = False
+    admit_beyond_budget: ClassVar[bool] = False
+    # The victim score used when SchedulerConfig.preemption_victim is None.
+    default_victim: ClassVar[str] = "newest"
+
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        victim = config.preemption_victim if config is not None else None
+        self.victim_score: Callable[[Request], tuple[int, ...]] = VICTIM_SCORES[
+            victim or self.default_victim
+        ]
 
     def make_waiting_queue(self) -> WaitingQueue:
+        """The waiting queue, which fixes the admission order."""
         return WaitingQueue()
 
     def can_admit(self, num_running: int) -> bool:
@@ -92,11 +174,20 @@ class Policy:
         after this step's running ones were scheduled."""
         return True
 
+    def admit(self, req: Request) -> Admission:
+        """The admission filter, asked for the request at the head of the waiting queue
+        before it gets KV blocks: ADMIT, DEFER or an Admission(REJECT, reason)."""
+        return ADMIT
+
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         """Which running request to preempt when the pool is short. ``candidates`` are the
         running requests not yet scheduled this step, in admission order (the one asking
-        for a block is first). Default: the most recently admitted."""
-        return max(candidates, key=lambda r: r.admit_seq)
+        for a block is first). The highest ``victim_score`` goes."""
+        return max(candidates, key=self.victim_score)
+
+    def split_budget(self, budget: int) -> BudgetSplit:
+        """How this step's ``budget`` tokens split (see BudgetSplit); default: no caps."""
+        return BudgetSplit()
 
 
 class StaticPolicy(Policy):
@@ -114,18 +205,20 @@ class PriorityPolicy(Policy):
     """Lower ``priority`` value first (then arrival); the victim is the least urgent."""
 
     name = "priority"
+    default_victim = "lowest-priority"
 
     def make_waiting_queue(self) -> WaitingQueue:
         return PriorityWaitingQueue()
-
-    def pick_victim(self, candidates: Sequence[Request]) -> Request:
-        return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
 
 
 # The one registry of policy names: config validation, every CLI and the simulator read it.
 POLICY_CLASSES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (Policy, StaticPolicy, PriorityPolicy)
 }
+
+VICTIMS = tuple(VICTIM_SCORES)
+# How admission reserves KV blocks for a request's future tokens (see Scheduler).
+RESERVATIONS = ("optimistic", "estimate", "reserve-max")
 
 
 @dataclass(frozen=True)
@@ -145,8 +238,48 @@ POLICY_VARIANTS: dict[str, PolicyVariant] = {
 }
 
 
-def make_policy(name: str) -> Policy:
+def is_user_policy(name: str) -> bool:
+    """``module:Class`` rather than a registered name."""
+    return ":" in name
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The class of a registered policy name or of a user policy ``module:Class``. Raises
+    ValueError saying what to change."""
+    if not is_user_policy(name):
+        try:
+            return POLICY_CLASSES[name]
+        except KeyError:
+            raise ValueError(
+                f"policy must be one of {tuple(POLICY_CLASSES)} or module:Class, got {name!r}"
+            ) from None
+    module, _, attr = name.partition(":")
     try:
-        return POLICY_CLASSES[name]()
-    except KeyError:
-        raise ValueError(f"policy must be one of {sorted(POLICY_CLASSES)}, got {name!r}") from None
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"policy {name!r}: cannot load {attr!r} from module {module!r} ({e}); the module "
+            "must be importable (on PYTHONPATH) and define that class"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise ValueError(
+            f"policy {name!r} is not a subclass of iterserve.core.policies.Policy; subclass it"
+        )
+    return cls
+
+
+def policy_variant(name: str) -> PolicyVariant:
+    """A registered variant, or a user policy ``module:Class`` as its own variant."""
+    if is_user_policy(name):
+        policy_class(name)
+        return PolicyVariant(name)
+    v = POLICY_VARIANTS.get(name)
+    if v is None:
+        raise ValueError(
+            f"policy variant must be one of {tuple(POLICY_VARIANTS)} or module:Class, got {name!r}"
+        )
+    return v
+
+
+def make_policy(name: str, config: SchedulerConfig | None = None) -> Policy:
+    return policy_class(name)(config)

@@ -47,6 +47,8 @@ class Request:
         "block_hashes",
         "arrival_seq",
         "admit_seq",
+        "max_computed_tokens",
+        "resumed_at",
     )
 
     def __init__(
@@ -78,6 +80,10 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of full blocks, grown lazily
         self.arrival_seq = arrival_seq  # tie-breaker: order of add_request
         self.admit_seq = -1  # order of (re)admission into the running set
+        # High-water mark of num_computed_tokens: tokens below it scheduled again after a
+        # preemption are recomputed work (the scheduler's recomputed_tokens).
+        self.max_computed_tokens = 0
+        self.resumed_at = -1  # the scheduler step that re-admitted it after a preemption
 
     @property
     def num_tokens(self) -> int:

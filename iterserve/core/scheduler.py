@@ -4,10 +4,18 @@
 
 1. Running requests first (decode-first: those with one token left go before those still
    in prefill), each taking as many of its uncomputed tokens as the budget allows (chunked
-   prefill). A request that cannot get a KV block preempts a victim chosen by the policy.
+   prefill), partial prefills within the policy's ``split_budget``. A request that cannot
+   get a KV block preempts a victim chosen by the policy (a request resumed within the last
+   ``preemption_protect_steps`` steps only if no other can go).
 2. Then, if nothing was preempted and the policy allows, waiting requests are admitted in
-   queue order, reusing cached prefix blocks, until the budget, the sequence cap or the KV
-   pool runs out (head-of-line: FCFS never lets a later request overtake a blocked one).
+   queue order, reusing cached prefix blocks, until the budget, the sequence cap, the KV
+   pool (less the admission reservation) runs out or the policy's filter defers one
+   (head-of-line: FCFS never lets a later request overtake a blocked one).
+
+Long-prompt mode (``long_prefill_threshold`` > 0): a prompt with more uncomputed tokens than
+the threshold runs at most that many a step, and at most ``max_long_partial_prefills`` such
+prompts run per step; a long waiting prompt beyond that cap is passed over (keeping its
+place), so short prompts behind it are admitted at once.
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ from dataclasses import dataclass, field
 
 from iterserve.config import SchedulerConfig
 from iterserve.core.kv_cache_manager import KVCacheManager
-from iterserve.core.policies import Policy, make_policy
+from iterserve.core.policies import ADMIT, Policy, Verdict, make_policy
 from iterserve.core.request import FinishReason, Request, RequestStatus
+from iterserve.core.reservation import Reservation
 
 
 @dataclass
@@ -34,6 +43,7 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     prefix_hit_tokens: int = 0
+    recomputed_tokens: int = 0  # of the scheduled tokens, those computed before a preemption
 
     @property
     def total_tokens(self) -> int:
@@ -53,8 +63,12 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv = kv
-        self.policy = policy or make_policy(config.policy)
+        self.policy = policy or make_policy(config.policy, config)
         self.waiting = self.policy.make_waiting_queue()
+        mode = config.admission_reservation
+        self.reservation = (
+            None if mode == "optimistic" else Reservation(mode, kv, config.max_model_len)
+        )
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -63,6 +77,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.recomputed_tokens = 0
+        self.num_rejected = 0  # ended by the policy's admission filter
+        self.num_schedules = 0  # schedule() calls: the clock of preemption protection
 
     # ---- queue management ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -119,12 +136,32 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push_front(req)
+        if self.reservation is not None:
+            self.reservation.on_preempt()
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        protect = self.config.preemption_protect_steps
+        if protect:
+            # Anti-thrash: spare recently resumed requests unless nobody else can go.
+            now = self.num_schedules
+            spare = [r for r in candidates if r.resumed_at < 0 or now - r.resumed_at >= protect]
+            if spare:
+                candidates = spare
+        return self.policy.pick_victim(candidates)
 
     # ---- the step decision --------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        chunked = self.config.enable_chunked_prefill
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        chunked = cfg.enable_chunked_prefill
+        self.num_schedules += 1
+        if self.reservation is not None:
+            self.reservation.on_step()
+        split = self.policy.split_budget(budget)
+        prefill_left = split.partial_prefill  # None: no cap
+        long_thr = cfg.long_prefill_threshold  # 0: long-prompt mode off
+        long_left = cfg.max_long_partial_prefills
 
         running = RequestStatus.RUNNING
         allocate = self.kv.allocate_slots
@@ -141,12 +178,22 @@ class Scheduler:
             if req.status is not running:
                 continue  # preempted earlier in this loop
             num_new = len(req.all_token_ids) - req.num_computed_tokens
+            is_long = False
+            if num_new > 1 and (long_thr or prefill_left is not None):
+                if long_thr and num_new > long_thr:
+                    if long_left == 0:
+                        continue  # enough long prompts this step
+                    is_long, num_new = True, long_thr
+                if prefill_left is not None:
+                    if prefill_left == 0 or (num_new > prefill_left and not chunked):
+                        continue
+                    num_new = min(num_new, prefill_left)
             if num_new > budget and not chunked:
                 continue
             num_new = min(num_new, budget)
             while not allocate(req, num_new):
                 candidates = [r for r in order[i:] if r.status is RequestStatus.RUNNING]
-                victim = self.policy.pick_victim(candidates)
+                victim = self._pick_victim(candidates)
                 if victim is req and len(self.running) == 1:
                     self._fail(req, out, self._too_big_message(req, num_new))
                     break
@@ -158,49 +205,96 @@ class Scheduler:
                 continue
             self._add_to_output(out, req, num_new)
             budget -= num_new
+            long_left -= is_long
+            if prefill_left is not None and num_new > 1:
+                prefill_left -= num_new
 
         if not out.preempted and self.policy.can_admit(len(self.running)):
-            beyond = self.policy.admit_beyond_budget
-            while (
-                self.waiting
-                and (budget > 0 or beyond)
-                and len(self.running) < self.config.max_num_seqs
-            ):
-                req = self.waiting.peek()
-                if self.kv.blocks_for(req.num_tokens + 1) > self.kv.num_blocks:
-                    self.waiting.pop()
-                    self._fail(req, out, self._too_big_message(req, 1))
-                    continue
-                hits, num_hit = self.kv.get_computed_blocks(req)
-                num_new = req.num_tokens - num_hit
-                if num_new > budget and not chunked:
-                    if not beyond:
-                        break
-                    num_new = 0
-                num_new = min(num_new, budget)
-                if not self.kv.allocate_slots(req, num_new, hits):
-                    break
-                self.waiting.pop()
-                self.prefix_query_tokens += req.num_tokens
-                self.prefix_hit_tokens += num_hit
-                out.prefix_hit_tokens += num_hit
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                req.num_computed_tokens = num_hit
-                req.status = RequestStatus.RUNNING
-                req.admit_seq = next(self._admissions)
-                self.running.append(req)
-                out.new_requests.append(req)
-                if num_new:
-                    self._add_to_output(out, req, num_new)
-                    budget -= num_new
+            self._admit(out, budget, split.new_prompt, long_left)
         return out
+
+    def _admit(
+        self, out: SchedulerOutput, budget: int, new_left: int | None, long_left: int
+    ) -> None:
+        """Admits waiting requests in queue order into what is left of this step."""
+        cfg = self.config
+        chunked = cfg.enable_chunked_prefill
+        long_thr = cfg.long_prefill_threshold
+        beyond = self.policy.admit_beyond_budget
+        reserve = self.reservation
+        outstanding = reserve.outstanding(self.running) if reserve is not None else 0
+        passed_over: list[Request] = []  # long prompts beyond this step's cap
+        while self.waiting and (budget > 0 or beyond) and len(self.running) < cfg.max_num_seqs:
+            room = budget if new_left is None else min(budget, new_left)
+            if room <= 0 and not beyond:
+                break
+            req = self.waiting.peek()
+            if self.kv.blocks_for(req.num_tokens + 1) > self.kv.num_blocks:
+                self.waiting.pop()
+                self._fail(req, out, self._too_big_message(req, 1))
+                continue
+            verdict = self.policy.admit(req)
+            if verdict is not ADMIT:
+                if verdict.verdict is not Verdict.REJECT:
+                    break  # deferred: it keeps its place, and nobody overtakes it
+                self.waiting.pop()
+                self.num_rejected += 1
+                self._fail(req, out, verdict.reason)
+                continue
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            is_long = bool(long_thr) and num_new > long_thr
+            if is_long:
+                if long_left == 0:
+                    passed_over.append(self.waiting.pop())
+                    continue
+                num_new = long_thr
+            if num_new > room and not chunked:
+                if not beyond:
+                    break
+                num_new = 0
+            num_new = min(num_new, room)
+            if reserve is not None and self.running and not reserve.fits(req, hits, outstanding):
+                break
+            if not self.kv.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.pop()
+            self.prefix_query_tokens += req.num_tokens
+            self.prefix_hit_tokens += num_hit
+            out.prefix_hit_tokens += num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if req.num_preemptions:
+                req.resumed_at = self.num_schedules
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            req.admit_seq = next(self._admissions)
+            self.running.append(req)
+            out.new_requests.append(req)
+            if reserve is not None:
+                outstanding += reserve.reserved_for(req)
+            long_left -= is_long
+            if num_new:
+                self._add_to_output(out, req, num_new)
+                budget -= num_new
+                if new_left is not None:
+                    new_left -= num_new
+        for req in reversed(passed_over):
+            self.waiting.push_front(req)  # back in their places, ahead of later arrivals
 
     def _add_to_output(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         # A decode is one new token right after a sampled one; anything else computes
         # prompt (or recomputes preempted) tokens.
         n = len(req.all_token_ids)
-        decode = num_new == 1 and n > len(req.prompt_token_ids) and req.num_computed_tokens == n - 1
+        computed = req.num_computed_tokens
+        decode = num_new == 1 and n > len(req.prompt_token_ids) and computed == n - 1
+        high = req.max_computed_tokens
+        if computed < high:  # computed once already, lost to a preemption
+            redo = min(computed + num_new, high) - computed
+            out.recomputed_tokens += redo
+            self.recomputed_tokens += redo
+        if computed + num_new > high:
+            req.max_computed_tokens = computed + num_new
         out.requests.append(req)
         out.num_tokens.append(num_new)
         out.is_prefill.append(not decode)

@@ -51,6 +51,11 @@ SCHEDULER_FLAGS = (
     "block_size",
     "enable_prefix_caching",
     "max_model_len",
+    "preemption_victim",
+    "preemption_protect_steps",
+    "admission_reservation",
+    "long_prefill_threshold",
+    "max_long_partial_prefills",
 )
 KV_SERIES_POINTS = 1000
 
@@ -266,6 +271,8 @@ def sim_extras(res: SimResult, wall_s: float, dep: Deployment, replicas: int) ->
         "num_gpus": gpus,
         "utilization": busy / (replicas * res.duration_s) if res.duration_s else None,
         "num_preemptions": res.stats.get("num_preemptions", 0),
+        "recomputed_tokens": res.stats.get("recomputed_tokens", 0),
+        "recompute_tax": res.stats.get("recompute_tax", 0.0),
         "mean_kv_usage": (sum(used) / len(used) / dep.num_kv_blocks) if used else 0.0,
         "max_kv_usage": res.stats.get("max_kv_usage", 0.0),
         "prefix_cache_hit_rate": res.stats.get("prefix_cache_hit_rate", 0.0),
@@ -290,6 +297,8 @@ def print_extra(summary: dict[str, Any]) -> None:
     print(f"{'Busy time per replica (s):':<40}{busy:>12.2f}")
     print(f"{'Utilization (busy / duration):':<40}{'n/a' if util is None else f'{util:.1%}':>12}")
     print(f"{'Preemptions:':<40}{x['num_preemptions']:>12}")
+    print(f"{'Recomputed tokens:':<40}{x['recomputed_tokens']:>12}")
+    print(f"{'Recompute tax (recomputed / useful):':<40}{x['recompute_tax']:>12.1%}")
     print(f"{'KV usage mean / max:':<40}{x['mean_kv_usage']:>6.1%} /{x['max_kv_usage']:>5.1%}")
     print(f"{'Simulation wall time (s):':<40}{x['wall_s']:>12.2f}")
     print("=" * 52)
@@ -312,6 +321,7 @@ def print_table(runs: list[tuple[str, dict[str, Any]]]) -> None:
         "E2E p50 s",
         "util",
         "preempt",
+        "recompute",
         "max KV",
         "wall s",
     ):
@@ -334,6 +344,7 @@ def print_table(runs: list[tuple[str, dict[str, Any]]]) -> None:
             f(s["median_e2el_ms"], 1e-3, 2),
             "n/a" if x["utilization"] is None else f"{x['utilization']:.0%}",
             str(x["num_preemptions"]),
+            f"{x['recompute_tax']:.1%}",
             f"{x['max_kv_usage']:.0%}",
             f(x["wall_s"]),
         )

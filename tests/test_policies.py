@@ -1,0 +1,403 @@
+"""The policy interface and the scheduler's knobs, driven by a fake model (no torch):
+victim choice and the recompute tax, anti-thrash protection, admission reservation,
+long-prompt mode, and user policies loaded as module:Class. Property tests check integrity
+after every step and that every request ends within a stated bound."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_core import fake_step, make_req
+
+from iterserve.config import EngineArgs, SchedulerConfig, parse_policies
+from iterserve.core import KVCacheManager, Request, Scheduler, SchedulerOutput
+from iterserve.core.books import Books
+from iterserve.core.policies import RESERVATIONS, VICTIMS, make_policy, policy_class
+from iterserve.core.request import FinishReason, RequestStatus
+
+PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def sched(
+    num_blocks: int = 64, block_size: int = 4, prefix: bool = True, **knobs: Any
+) -> Scheduler:
+    cfg = SchedulerConfig(**{"max_num_batched_tokens": 32, "max_model_len": 256, **knobs})
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, prefix))
+
+
+def step_once(s: Scheduler, books: Books | None = None) -> tuple[SchedulerOutput, list[Request]]:
+    """One step with a fake model (every request whose last token ran gains token 3);
+    integrity is checked after it. Returns the decision and the requests that ended."""
+    out = s.schedule()
+    assert out.total_tokens <= s.config.max_num_batched_tokens
+    assert 0 <= out.recomputed_tokens <= out.total_tokens
+    sampled = {
+        r.request_id: 3
+        for r, n in zip(out.requests, out.num_tokens)
+        if r.num_computed_tokens + n == r.num_tokens
+    }
+    finished = s.update_from_output(out, sampled)
+    if books is not None:
+        books.record_step(out, 0.0, 0.0, len(finished))
+    s.check_integrity()
+    return out, finished + out.failed
+
+
+def drive(
+    s: Scheduler,
+    arrivals: list[tuple[int, Request]],
+    books: Books | None = None,
+    check: Callable[[SchedulerOutput], None] | None = None,
+    max_steps: int = 5000,
+) -> dict[str, int]:
+    """Adds each request at its step, steps until all end; ``check`` sees every decision.
+    Returns the step each request ended at."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    ended: dict[str, int] = {}
+    step = 0
+    while pending or s.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            s.add_request(pending.pop(0)[1])
+        step += 1
+        assert step < max_steps, "no progress: livelock, deadlock or starvation"
+        out, fin = step_once(s, books)
+        if check is not None:
+            check(out)
+        ended.update({r.request_id: step for r in fin})
+    assert s.kv.num_used_blocks == 0
+    return ended
+
+
+def workload(data: st.DataObject, n_max: int = 14) -> list[tuple[int, Request]]:
+    n = data.draw(st.integers(1, n_max))
+    shared = [7] * data.draw(st.integers(0, 8))
+    out = []
+    for i in range(n):
+        plen = data.draw(st.integers(1, 40))
+        prompt = shared + [random.Random(i).randrange(1, 100) for _ in range(plen)]
+        req = make_req(
+            f"r{i}", 0, data.draw(st.integers(1, 24)), priority=i % 3, prompt=prompt[:100]
+        )
+        out.append((data.draw(st.integers(0, 20)), req))
+    return out
+
+
+def assert_all_ended(arrivals: list[tuple[int, Request]], ended: dict[str, int]) -> None:
+    assert set(ended) == {r.request_id for _, r in arrivals}
+    for _, r in arrivals:
+        assert r.status is RequestStatus.FINISHED
+        if r.finish_reason is FinishReason.ERROR:
+            assert r.error and "pool" in r.error
+        else:
+            assert r.finish_reason is FinishReason.LENGTH
+
+
+# ---- victim choice and the recompute tax ------------------------------------------------
+
+
+def _two_running(victim: str) -> Scheduler:
+    """'a' (admitted first, long prompt) and 'b' (short prompt, more output) running, with
+    the pool one block short of what the next decode of 'a' needs."""
+    s = sched(num_blocks=6, block_size=4, max_num_batched_tokens=64, preemption_victim=victim)
+    s.add_request(make_req("a", 12, 20, seed=1, priority=0))
+    s.add_request(make_req("b", 3, 20, seed=2, priority=5))
+    for _ in range(8):
+        out = s.schedule()
+        if out.preempted:
+            return s
+        sampled = {r.request_id: 5 for r in out.requests}
+        s.update_from_output(out, sampled)
+    raise AssertionError("expected a preemption")
+
+
+@pytest.mark.parametrize(
+    ("victim", "expected"),
+    [("newest", "b"), ("least-computed", "b"), ("fewest-generated", "b"), ("lowest-priority", "b")],
+)
+def test_each_victim_rule_picks_its_request(victim: str, expected: str) -> None:
+    s = _two_running(victim)
+    assert [r.request_id for r in s.waiting] == [expected]
+
+
+def test_victim_rules_disagree_where_they_should() -> None:
+    a = make_req("a", 30, 9, priority=1)
+    b = make_req("b", 4, 9, priority=0)
+    a.admit_seq, b.admit_seq = 0, 1
+    a.num_computed_tokens, b.num_computed_tokens = 30, 4
+    a.all_token_ids += [1, 2, 3]  # a generated 3 tokens, b none
+    picks = {v: make_policy("continuous", SchedulerConfig(preemption_victim=v)) for v in VICTIMS}
+    assert picks["newest"].pick_victim([a, b]) is b
+    assert picks["least-computed"].pick_victim([a, b]) is b
+    assert picks["fewest-generated"].pick_victim([a, b]) is b
+    assert picks["lowest-priority"].pick_victim([a, b]) is a  # priority 1 is less urgent
+    b.num_computed_tokens = 40
+    assert picks["least-computed"].pick_victim([a, b]) is a
+    # The priority policy's own default is lowest-priority; a knob overrides it.
+    assert make_policy("priority").pick_victim([a, b]) is a
+    cfg = SchedulerConfig(policy="priority", preemption_victim="newest")
+    assert make_policy("priority", cfg).pick_victim([a, b]) is b
+
+
+@PROPERTY
+@given(data=st.data(), victim=st.sampled_from(VICTIMS), num_blocks=st.integers(8, 40))
+def test_property_recomputed_tokens_are_exactly_the_repeated_work(
+    data: st.DataObject, victim: str, num_blocks: int
+) -> None:
+    """Without a prefix cache every token but the last is computed once, plus once more per
+    loss to a preemption: scheduled = useful + recomputed, exactly."""
+    s = sched(num_blocks=num_blocks, block_size=2, prefix=False, preemption_victim=victim)
+    books = Books(s)
+    arrivals = workload(data)
+    drive(s, arrivals, books)
+    ok = [r for _, r in arrivals if r.finish_reason is not FinishReason.ERROR]
+    failed = [r for _, r in arrivals if r.finish_reason is FinishReason.ERROR]
+    c = books.counters()
+    scheduled = c["num_prefill_tokens"] + c["num_decode_tokens"]
+    useful = sum(r.num_tokens - 1 for r in ok) + sum(r.max_computed_tokens for r in failed)
+    assert scheduled - c["recomputed_tokens"] == useful
+    assert c["recomputed_tokens"] == s.recomputed_tokens
+    assert (c["recomputed_tokens"] > 0) == (c["recompute_tax"] > 0)
+    if s.num_preemptions == 0:
+        assert c["recomputed_tokens"] == 0
+
+
+# ---- anti-thrash protection -------------------------------------------------------------
+
+
+def test_resumed_request_is_spared_within_its_window() -> None:
+    s = sched(num_blocks=8, preemption_protect_steps=5)
+    a, b, c = (make_req(x, 4, 20, seed=i) for i, x in enumerate("abc"))
+    for r in (a, b, c):
+        s.add_request(r)
+    b.resumed_at, b.num_preemptions = s.num_schedules, 1  # as if b had just resumed
+    c.resumed_at, c.num_preemptions = s.num_schedules, 1
+    s.num_schedules += 1
+    a.admit_seq, b.admit_seq, c.admit_seq = 0, 1, 2
+    # b and c are protected, so the newest unprotected (a) goes, though c is newer.
+    assert s._pick_victim([a, b, c]) is a
+    # With everyone protected, protection yields: the plain rule picks c.
+    a.resumed_at, a.num_preemptions = s.num_schedules, 1
+    assert s._pick_victim([a, b, c]) is c
+    # Once the window has passed, c is fair game again.
+    s.num_schedules += 5
+    assert s._pick_victim([b, c]) is c
+
+
+@PROPERTY
+@given(
+    data=st.data(),
+    protect=st.integers(0, 12),
+    victim=st.sampled_from(VICTIMS),
+    num_blocks=st.integers(6, 30),
+    budget=st.integers(4, 48),
+    max_seqs=st.integers(1, 8),
+)
+def test_property_protection_never_livelocks(
+    data: st.DataObject, protect: int, victim: str, num_blocks: int, budget: int, max_seqs: int
+) -> None:
+    s = sched(
+        num_blocks=num_blocks,
+        block_size=2,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        preemption_protect_steps=protect,
+        preemption_victim=victim,
+    )
+    arrivals = workload(data)
+    ended = drive(s, arrivals)
+    assert_all_ended(arrivals, ended)
+
+
+# ---- admission reservation --------------------------------------------------------------
+
+
+@PROPERTY
+@given(
+    data=st.data(),
+    mode=st.sampled_from(RESERVATIONS),
+    num_blocks=st.integers(12, 60),
+    prefix=st.booleans(),
+)
+def test_property_reservation_modes_end_every_request(
+    data: st.DataObject, mode: str, num_blocks: int, prefix: bool
+) -> None:
+    s = sched(num_blocks=num_blocks, block_size=4, prefix=prefix, admission_reservation=mode)
+    arrivals = workload(data)
+    ended = drive(s, arrivals)
+    assert_all_ended(arrivals, ended)
+    if mode == "reserve-max":
+        # Every running request's whole length was reserved: nothing is ever preempted
+        # (a lone request too big for the pool fails instead).
+        assert s.num_preemptions == 0
+
+
+def peak_running(s: Scheduler, arrivals: list[tuple[int, Request]]) -> int:
+    peaks = [0]
+    drive(s, arrivals, check=lambda out: peaks.append(s.num_running))
+    return max(peaks)
+
+
+def test_reservation_modes_trade_concurrency_for_preemptions() -> None:
+    results = {}
+    for mode in RESERVATIONS:
+        s = sched(
+            num_blocks=48, block_size=4, max_num_batched_tokens=64, admission_reservation=mode
+        )
+        arrivals = [(0, make_req(f"r{i}", 8, 40, seed=i)) for i in range(12)]
+        peak = peak_running(s, arrivals)
+        results[mode] = (s.num_preemptions, peak)
+    assert results["optimistic"][0] > 0  # admits all, then thrashes
+    assert results["reserve-max"] == (0, 48 * 4 // 48)  # room for 4 requests of 48 tokens
+    assert results["estimate"][0] <= results["optimistic"][0]
+    assert results["reserve-max"][1] <= results["estimate"][1] <= results["optimistic"][1]
+
+
+# ---- long prompts do not block short ones -----------------------------------------------
+
+
+def _first_token_step(s: Scheduler, long_len: int) -> int:
+    s.add_request(make_req("long", long_len, 2, seed=1))
+    fake_step(s)
+    s.add_request(make_req("short", 8, 2, seed=2))
+    for step in range(1, 1000):
+        d, _ = fake_step(s)
+        if d.get("short") and s.requests["short"].num_output_tokens >= 1:
+            return step
+    raise AssertionError("short never got a token")
+
+
+def test_short_prompt_behind_a_long_one_gets_its_first_token_within_a_few_steps() -> None:
+    plain = sched(num_blocks=1200, block_size=16, max_num_batched_tokens=256, max_model_len=20000)
+    long_mode = sched(
+        num_blocks=1200,
+        block_size=16,
+        max_num_batched_tokens=256,
+        max_model_len=20000,
+        long_prefill_threshold=128,
+    )
+    assert _first_token_step(plain, 16000) > 50  # waits for the whole long prefill
+    assert _first_token_step(long_mode, 16000) <= 2
+
+
+@PROPERTY
+@given(
+    data=st.data(),
+    threshold=st.integers(1, 30),
+    cap=st.integers(1, 3),
+    num_blocks=st.integers(10, 60),
+    budget=st.integers(4, 48),
+)
+def test_property_long_prompt_mode_ends_every_request(
+    data: st.DataObject, threshold: int, cap: int, num_blocks: int, budget: int
+) -> None:
+    s = sched(
+        num_blocks=num_blocks,
+        block_size=4,
+        max_num_batched_tokens=budget,
+        long_prefill_threshold=threshold,
+        max_long_partial_prefills=cap,
+    )
+    arrivals = workload(data)
+    counts: list[tuple[int, int]] = []  # per step: long prompts run, their largest chunk
+
+    def check(out: SchedulerOutput) -> None:
+        # Called after the step: a chunk that ran ends at num_computed_tokens now.
+        starts = [r.num_computed_tokens - n for r, n in zip(out.requests, out.num_tokens)]
+        long_items = [
+            n
+            for r, n, c in zip(out.requests, out.num_tokens, starts)
+            if len(r.prompt_token_ids) - c > threshold
+        ]
+        counts.append((len(long_items), max(long_items, default=0)))
+
+    ended = drive(s, arrivals, check=check)
+    assert_all_ended(arrivals, ended)
+    assert all(n <= cap and chunk <= threshold for n, chunk in counts)
+
+
+def test_long_prompt_mode_needs_chunked_prefill() -> None:
+    with pytest.raises(ValueError, match="long_prefill_threshold needs chunked prefill"):
+        SchedulerConfig(
+            long_prefill_threshold=64, enable_chunked_prefill=False, max_num_batched_tokens=4096
+        )
+
+
+# ---- knobs, validation and user policies ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"preemption_victim": "oldest"}, "preemption_victim must be one of"),
+        ({"admission_reservation": "pessimistic"}, "admission_reservation must be one of"),
+        ({"preemption_protect_steps": -1}, "preemption_protect_steps must be >= 0"),
+        ({"long_prefill_threshold": -5}, "long_prefill_threshold must be >= 0"),
+        ({"max_long_partial_prefills": 0}, "max_long_partial_prefills must be >= 1"),
+        ({"policy": "fifo"}, "policy must be one of"),
+        ({"policy": "no_such_module:P"}, "cannot load 'P' from module 'no_such_module'"),
+        ({"policy": "iterserve.core.request:Request"}, "is not a subclass of"),
+    ],
+)
+def test_bad_knobs_say_what_to_change(knobs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**knobs)
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**knobs)
+
+
+def test_engine_args_carry_the_knobs_to_the_scheduler() -> None:
+    args = EngineArgs(
+        preemption_victim="least-computed",
+        preemption_protect_steps=3,
+        admission_reservation="estimate",
+        long_prefill_threshold=100,
+        max_long_partial_prefills=2,
+    )
+    cfg = args.scheduler_config(1024)
+    got = (
+        cfg.preemption_victim,
+        cfg.preemption_protect_steps,
+        cfg.admission_reservation,
+        cfg.long_prefill_threshold,
+        cfg.max_long_partial_prefills,
+    )
+    assert got == ("least-computed", 3, "estimate", 100, 2)
+
+
+def test_user_policy_loads_by_module_and_class_everywhere() -> None:
+    name = "iterserve.core.policies:PriorityPolicy"  # any importable Policy subclass
+    assert policy_class(name).name == "priority"
+    assert (
+        type(Scheduler(SchedulerConfig(policy=name), KVCacheManager(8, 4)).policy).__name__
+        == "PriorityPolicy"
+    )
+    assert parse_policies(f"continuous,{name}", flag="--policy") == ["continuous", name]
+    with pytest.raises(ValueError, match="cannot load 'Nope'"):
+        parse_policies("continuous,iterserve.core.policies:Nope", flag="--policy")
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    ns = p.parse_args(
+        [
+            "--policy",
+            name,
+            "--preemption-victim",
+            "least-computed",
+            "--admission-reservation",
+            "reserve-max",
+        ]
+    )
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.policy, args.preemption_victim, args.admission_reservation) == (
+        name,
+        "least-computed",
+        "reserve-max",
+    )
+    for bad in (["--policy", "fifo"], ["--preemption-victim", "oldest"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)

@@ -113,13 +113,22 @@ def test_slot_assignment_reuses_freed_slots() -> None:
     ],
 )
 def test_bad_flags_say_what_to_change(
-    flag: str, value: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    flag: str,
+    value: str,
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # main() sets it; keep it out of later tests
     assert demo.main(parse(*TINY, flag, value, "--out-dir", str(tmp_path))) == 2
     assert message in capsys.readouterr().err
 
 
-def test_cli_entry_point(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_entry_point(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``iterserve demo`` calls ``cli_main(argv)``; a bad value is an error naming the flag."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert demo.cli_main([*TINY, "--small-pool-blocks", "0", "--out-dir", str(tmp_path)]) == 2
     assert "--small-pool-blocks must be >= 1" in capsys.readouterr().err

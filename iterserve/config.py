@@ -84,6 +84,7 @@ class SchedulerConfig:
     tokens. ``long_prefill_threshold`` (0: off): a prompt with more uncomputed tokens than
     this is long; it is prefilled at most this many tokens a step, and at most
     ``max_long_partial_prefills`` long prompts run per step, so short prompts pass them.
+    ``tenant_weights`` ('alice=2,bob=1'; others weigh 1): the ``fair`` policy's shares.
     """
 
     policy: str = "continuous"
@@ -96,6 +97,7 @@ class SchedulerConfig:
     admission_reservation: str = "optimistic"
     long_prefill_threshold: int = 0
     max_long_partial_prefills: int = 1
+    tenant_weights: str = ""
 
     def __post_init__(self) -> None:
         _check_policy(self.policy)
@@ -138,6 +140,7 @@ class EngineArgs:
     admission_reservation: str = "optimistic"
     long_prefill_threshold: int = 0
     max_long_partial_prefills: int = 1
+    tenant_weights: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -168,6 +171,7 @@ class EngineArgs:
             admission_reservation=self.admission_reservation,
             long_prefill_threshold=self.long_prefill_threshold,
             max_long_partial_prefills=self.max_long_partial_prefills,
+            tenant_weights=self.tenant_weights,
         )
 
     # ---- CLI derivation -------------------------------------------------------------
@@ -227,6 +231,9 @@ def _check_scheduler_knobs(c: SchedulerConfig | EngineArgs) -> None:
         raise ValueError(
             f"max_long_partial_prefills must be >= 1, got {c.max_long_partial_prefills}"
         )
+    from iterserve.core.policies import parse_tenant_weights  # late: iterserve.core imports us
+
+    parse_tenant_weights(c.tenant_weights)
     if c.long_prefill_threshold and not c.enable_chunked_prefill:
         raise ValueError(
             "long_prefill_threshold needs chunked prefill (long prompts run in chunks); "

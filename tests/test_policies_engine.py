@@ -27,6 +27,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "reserve_max": {**TIGHT, "admission_reservation": "reserve-max"},
     "long_prefill": {"max_num_batched_tokens": 32, "long_prefill_threshold": 8},
     "priority": {**TIGHT, "policy": "priority"},
+    "fair": {**TIGHT, "policy": "fair"},
     "user_shortest_first": {**TIGHT, "policy": "shortest_first:ShortestPromptFirst"},
 }
 

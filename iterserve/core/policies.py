@@ -31,6 +31,7 @@ from iterserve.core.request import Request
 
 if TYPE_CHECKING:
     from iterserve.config import SchedulerConfig
+    from iterserve.core.scheduler import SchedulerOutput
 
 
 class WaitingQueue:
@@ -189,6 +190,16 @@ class Policy:
         """How this step's ``budget`` tokens split (see BudgetSplit); default: no caps."""
         return BudgetSplit()
 
+    # Hooks, for policies that keep books of their own (default: nothing).
+    def on_arrival(self, req: Request) -> None:
+        """``req`` was just added (before it is queued)."""
+
+    def on_step(self, out: SchedulerOutput) -> None:
+        """The scheduler just decided ``out``."""
+
+    def on_finish(self, req: Request) -> None:
+        """``req`` ended (finished, aborted, failed or rejected)."""
+
 
 class StaticPolicy(Policy):
     """Request-level (static) batching: admit a batch only when nothing runs; the batch then
@@ -211,9 +222,103 @@ class PriorityPolicy(Policy):
         return PriorityWaitingQueue()
 
 
+class FairWaitingQueue(WaitingQueue):
+    """The waiting request of the tenant with the least service so far, first; arrival
+    order within a tenant. The counters change every step, so the head is found per peek
+    (a scan of the waiting requests)."""
+
+    def __init__(self, counters: dict[str, float]) -> None:
+        self._items: list[Request] = []
+        self._counters = counters
+
+    def _head(self) -> int:
+        c = self._counters
+        items = self._items
+        return min(
+            range(len(items)), key=lambda i: (c.get(items[i].tenant, 0.0), items[i].arrival_seq)
+        )
+
+    def push(self, req: Request) -> None:
+        self._items.append(req)
+
+    push_front = push
+
+    def peek(self) -> Request:
+        return self._items[self._head()]
+
+    def pop(self) -> Request:
+        return self._items.pop(self._head())
+
+    def remove(self, req: Request) -> None:
+        self._items.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._items)
+
+
+def parse_tenant_weights(text: str) -> dict[str, float]:
+    """'alice=2,bob=1' -> {'alice': 2.0, 'bob': 1.0} (unnamed tenants weigh 1)."""
+    weights: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        try:
+            w = float(value) if eq else float("nan")
+        except ValueError:
+            w = float("nan")
+        if not name.strip() or not w > 0:
+            raise ValueError(
+                f"tenant_weights takes NAME=WEIGHT pairs with positive weights, e.g. "
+                f"'alice=2,bob=1'; got {part!r}"
+            )
+        weights[name.strip()] = w
+    return weights
+
+
+class FairPolicy(Policy):
+    """Fair share between tenants (Virtual Token Counter, Sheng et al., OSDI'24).
+
+    Each tenant has a counter of the tokens computed for it, divided by its weight
+    (``SchedulerConfig.tenant_weights``). Admission takes the waiting request of the tenant
+    with the smallest counter. A tenant that arrives with nothing live is lifted to the
+    smallest counter among live tenants, so idle time earns no credit. Work-conserving: a
+    lone tenant gets everything. Every scheduled token is charged, prompt, output or
+    recomputed alike (VTC weighs output tokens more; one weight keeps the bound simple)."""
+
+    name = "fair"
+
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        super().__init__(config)
+        self.weights = parse_tenant_weights(config.tenant_weights) if config else {}
+        self.counters: dict[str, float] = {}
+        self.live: dict[str, int] = {}  # tenant -> requests waiting or running
+
+    def make_waiting_queue(self) -> WaitingQueue:
+        return FairWaitingQueue(self.counters)
+
+    def on_arrival(self, req: Request) -> None:
+        t, live = req.tenant, self.live
+        if not live.get(t):
+            others = [self.counters.get(u, 0.0) for u, n in live.items() if n and u != t]
+            if others:
+                self.counters[t] = max(self.counters.get(t, 0.0), min(others))
+        live[t] = live.get(t, 0) + 1
+
+    def on_step(self, out: SchedulerOutput) -> None:
+        c, w = self.counters, self.weights
+        for req, n in zip(out.requests, out.num_tokens):
+            t = req.tenant
+            c[t] = c.get(t, 0.0) + n / w.get(t, 1.0)
+
+    def on_finish(self, req: Request) -> None:
+        self.live[req.tenant] -= 1
+
+
 # The one registry of policy names: config validation, every CLI and the simulator read it.
 POLICY_CLASSES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Policy, StaticPolicy, PriorityPolicy)
+    cls.name: cls for cls in (Policy, StaticPolicy, PriorityPolicy, FairPolicy)
 }
 
 VICTIMS = tuple(VICTIM_SCORES)

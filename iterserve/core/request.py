@@ -49,6 +49,7 @@ class Request:
         "admit_seq",
         "max_computed_tokens",
         "resumed_at",
+        "tenant",
     )
 
     def __init__(
@@ -61,6 +62,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         arrival_seq: int = 0,
+        tenant: str = "",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -84,6 +86,7 @@ class Request:
         # preemption are recomputed work (the scheduler's recomputed_tokens).
         self.max_computed_tokens = 0
         self.resumed_at = -1  # the scheduler step that re-admitted it after a preemption
+        self.tenant = tenant  # who sent it (OpenAI ``user``): the fair policy's unit
 
     @property
     def num_tokens(self) -> int:

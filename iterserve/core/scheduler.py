@@ -88,6 +88,7 @@ class Scheduler:
         req.arrival_seq = next(self._arrivals)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
+        self.policy.on_arrival(req)
         self.waiting.push(req)
 
     @property
@@ -126,6 +127,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         self.kv.free(req)
         del self.requests[req.request_id]
+        self.policy.on_finish(req)
 
     def _preempt(self, req: Request) -> None:
         # Its full blocks stay in the prefix cache; on resume it recomputes what was evicted.
@@ -211,6 +213,7 @@ class Scheduler:
 
         if not out.preempted and self.policy.can_admit(len(self.running)):
             self._admit(out, budget, split.new_prompt, long_left)
+        self.policy.on_step(out)
         return out
 
     def _admit(

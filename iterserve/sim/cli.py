@@ -56,6 +56,7 @@ SCHEDULER_FLAGS = (
     "admission_reservation",
     "long_prefill_threshold",
     "max_long_partial_prefills",
+    "tenant_weights",
 )
 KV_SERIES_POINTS = 1000
 

@@ -130,6 +130,7 @@ class _Replica:
             bench_params(spec.output_len),
             max_tokens,
             arrival_time=spec.arrival_time,
+            tenant=spec.tenant,
         )
         self.scheduler.add_request(req)
         return None

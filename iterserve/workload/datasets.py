@@ -51,6 +51,7 @@ class RequestSpec:
     prompt_token_ids: list[int]
     output_len: int
     arrival_time: float = 0.0
+    tenant: str = ""  # who sent it (the fair policy's unit of fairness)
 
     @property
     def prompt_len(self) -> int:

@@ -9,6 +9,8 @@ waiting-queue order, the admission filter, the preemption victim and the token-b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from iterserve.core.policies import (
     ADMIT,
     Admission,
@@ -37,7 +39,7 @@ class ShortestPromptFirst(Policy):
     def make_waiting_queue(self) -> WaitingQueue:
         return KeyedWaitingQueue(_shortest_key)
 
-    def admit(self, req: Request) -> Admission:
+    def admit(self, req: Request, clock: Callable[[], float]) -> Admission:
         if len(req.prompt_token_ids) > self.max_prompt_tokens:
             return Admission(
                 Verdict.REJECT,

@@ -85,6 +85,7 @@ class SchedulerConfig:
     this is long; it is prefilled at most this many tokens a step, and at most
     ``max_long_partial_prefills`` long prompts run per step, so short prompts pass them.
     ``tenant_weights`` ('alice=2,bob=1'; others weigh 1): the ``fair`` policy's shares.
+    ``slo_ttft_ms``: the ``slo`` policy's TTFT target for requests that carry none.
     """
 
     policy: str = "continuous"
@@ -98,6 +99,7 @@ class SchedulerConfig:
     long_prefill_threshold: int = 0
     max_long_partial_prefills: int = 1
     tenant_weights: str = ""
+    slo_ttft_ms: float | None = None
 
     def __post_init__(self) -> None:
         _check_policy(self.policy)
@@ -141,6 +143,7 @@ class EngineArgs:
     long_prefill_threshold: int = 0
     max_long_partial_prefills: int = 1
     tenant_weights: str = ""
+    slo_ttft_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -172,6 +175,7 @@ class EngineArgs:
             long_prefill_threshold=self.long_prefill_threshold,
             max_long_partial_prefills=self.max_long_partial_prefills,
             tenant_weights=self.tenant_weights,
+            slo_ttft_ms=self.slo_ttft_ms,
         )
 
     # ---- CLI derivation -------------------------------------------------------------
@@ -234,6 +238,8 @@ def _check_scheduler_knobs(c: SchedulerConfig | EngineArgs) -> None:
     from iterserve.core.policies import parse_tenant_weights  # late: iterserve.core imports us
 
     parse_tenant_weights(c.tenant_weights)
+    if c.slo_ttft_ms is not None and not c.slo_ttft_ms > 0:
+        raise ValueError(f"slo_ttft_ms must be > 0 (or None: no default), got {c.slo_ttft_ms}")
     if c.long_prefill_threshold and not c.enable_chunked_prefill:
         raise ValueError(
             "long_prefill_threshold needs chunked prefill (long prompts run in chunks); "

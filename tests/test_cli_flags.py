@@ -28,7 +28,17 @@ from iterserve.sim.cli import main as sim_main
 
 
 def test_policy_names_come_from_the_registry() -> None:
-    assert policy_names() == tuple(POLICY_CLASSES) == ("continuous", "static", "priority", "fair")
+    assert (
+        policy_names()
+        == tuple(POLICY_CLASSES)
+        == (
+            "continuous",
+            "static",
+            "priority",
+            "fair",
+            "slo",
+        )
+    )
     for name, cls in POLICY_CLASSES.items():
         assert cls.name == name and type(make_policy(name)) is cls
     assert list(POLICY_VARIANTS) == [*POLICY_CLASSES, "continuous-nochunk"]

@@ -28,6 +28,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "long_prefill": {"max_num_batched_tokens": 32, "long_prefill_threshold": 8},
     "priority": {**TIGHT, "policy": "priority"},
     "fair": {**TIGHT, "policy": "fair"},
+    "slo": {**TIGHT, "policy": "slo", "slo_ttft_ms": 600_000.0},  # a target all can meet
     "user_shortest_first": {**TIGHT, "policy": "shortest_first:ShortestPromptFirst"},
 }
 

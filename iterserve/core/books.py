@@ -30,6 +30,7 @@ class StepCounters(TypedDict):
     num_prefill_tokens: int
     num_decode_tokens: int
     num_preemptions: int
+    num_rejected: int  # ended by the policy's admission filter (e.g. a TTFT it cannot meet)
     # Tokens computed again after a preemption threw their KV away, and their share of
     # the useful (first-time) tokens: the recompute tax.
     recomputed_tokens: int
@@ -192,6 +193,7 @@ class Books:
             prefix_hit_tokens=sched.prefix_hit_tokens,
             num_finished=num_finished,
         )
+        s.policy.on_step_end(sched, duration_s)
         self.num_steps += 1
         self.num_prefill_tokens += st.num_prefill_tokens
         self.num_decode_tokens += st.num_decode_tokens
@@ -227,6 +229,7 @@ class Books:
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,
             "num_preemptions": s.num_preemptions,
+            "num_rejected": s.num_rejected,
             "recomputed_tokens": s.recomputed_tokens,
             "recompute_tax": recompute_tax(
                 s.recomputed_tokens, self.num_prefill_tokens, self.num_decode_tokens
@@ -248,6 +251,7 @@ class Books:
             "num_decode_tokens": c["num_decode_tokens"],
             "tokens_per_step": list(self.tokens_per_step) if per_step else [],
             "num_preemptions": c["num_preemptions"],
+            "num_rejected": c["num_rejected"],
             "recomputed_tokens": c["recomputed_tokens"],
             "recompute_tax": c["recompute_tax"],
             "prefix_cache_query_tokens": c["prefix_cache_query_tokens"],
@@ -277,6 +281,7 @@ def merge_counters(books: Sequence[Books]) -> StepCounters:
         "num_prefill_tokens": prefill,
         "num_decode_tokens": decode,
         "num_preemptions": sum(c["num_preemptions"] for c in cs),
+        "num_rejected": sum(c["num_rejected"] for c in cs),
         "recomputed_tokens": redo,
         "recompute_tax": recompute_tax(redo, prefill, decode),
         "prefix_cache_query_tokens": q,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import enum
 import importlib
+import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -175,9 +176,10 @@ class Policy:
         after this step's running ones were scheduled."""
         return True
 
-    def admit(self, req: Request) -> Admission:
+    def admit(self, req: Request, clock: Callable[[], float]) -> Admission:
         """The admission filter, asked for the request at the head of the waiting queue
-        before it gets KV blocks: ADMIT, DEFER or an Admission(REJECT, reason)."""
+        before it gets KV blocks: ADMIT, DEFER or an Admission(REJECT, reason). ``clock()``
+        is the engine's time now (the simulator's virtual time in a simulation)."""
         return ADMIT
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
@@ -199,6 +201,9 @@ class Policy:
 
     def on_finish(self, req: Request) -> None:
         """``req`` ended (finished, aborted, failed or rejected)."""
+
+    def on_step_end(self, out: SchedulerOutput, duration_s: float) -> None:
+        """The step that ran ``out`` took ``duration_s`` (measured, or the cost model's)."""
 
 
 class StaticPolicy(Policy):
@@ -316,9 +321,64 @@ class FairPolicy(Policy):
         self.live[req.tenant] -= 1
 
 
+class SloPolicy(Policy):
+    """Deadline-aware: earliest TTFT deadline first, and admission that rejects a request
+    which can no longer meet its TTFT target, so the capacity goes to those that can.
+
+    A request's target is ``Request.slo_ttft_s``, else ``SchedulerConfig.slo_ttft_ms``;
+    without either it is served after every request with a deadline, FCFS. The first token
+    is predicted at ``now + ceil(uncomputed prompt / token budget) * step time`` with the
+    step time a running average of the engine's measured steps (the cost model's in the
+    simulator), so the prediction is optimistic: a request is rejected only when even an
+    uncontended prefill would miss its deadline."""
+
+    name = "slo"
+    EMA = 0.2  # weight of the latest step in the step-time average
+
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        super().__init__(config)
+        ms = config.slo_ttft_ms if config is not None else None
+        self.default_ttft_s = ms / 1000 if ms is not None else None
+        self.budget = config.max_num_batched_tokens if config is not None else 512
+        self.step_s = 0.0  # 0 until a step has run: nothing is rejected before
+
+    def ttft_target(self, req: Request) -> float | None:
+        return req.slo_ttft_s if req.slo_ttft_s is not None else self.default_ttft_s
+
+    def deadline(self, req: Request) -> float:
+        target = self.ttft_target(req)
+        return math.inf if target is None else req.arrival_time + target
+
+    def make_waiting_queue(self) -> WaitingQueue:
+        return KeyedWaitingQueue(lambda r: (self.deadline(r), r.arrival_seq))
+
+    def predicted_first_token(self, req: Request, now: float) -> float:
+        uncomputed = max(1, len(req.all_token_ids) - req.num_computed_tokens)
+        return now + math.ceil(uncomputed / self.budget) * self.step_s
+
+    def admit(self, req: Request, clock: Callable[[], float]) -> Admission:
+        deadline = self.deadline(req)
+        if deadline == math.inf or len(req.all_token_ids) > len(req.prompt_token_ids):
+            return ADMIT  # no target, or its first token is already out
+        now = clock()
+        predicted = self.predicted_first_token(req, now)
+        if predicted <= deadline:
+            return ADMIT
+        return Admission(
+            Verdict.REJECT,
+            f"cannot meet its time-to-first-token target of {self.ttft_target(req) or 0:.3f} s: "
+            f"the first token would come {predicted - req.arrival_time:.3f} s after arrival; "
+            "retry later, or raise the target",
+        )
+
+    def on_step_end(self, out: SchedulerOutput, duration_s: float) -> None:
+        a = self.EMA
+        self.step_s = duration_s if self.step_s == 0.0 else (1 - a) * self.step_s + a * duration_s
+
+
 # The one registry of policy names: config validation, every CLI and the simulator read it.
 POLICY_CLASSES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Policy, StaticPolicy, PriorityPolicy, FairPolicy)
+    cls.name: cls for cls in (Policy, StaticPolicy, PriorityPolicy, FairPolicy, SloPolicy)
 }
 
 VICTIMS = tuple(VICTIM_SCORES)

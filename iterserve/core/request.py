@@ -50,6 +50,7 @@ class Request:
         "max_computed_tokens",
         "resumed_at",
         "tenant",
+        "slo_ttft_s",
     )
 
     def __init__(
@@ -63,6 +64,7 @@ class Request:
         priority: int = 0,
         arrival_seq: int = 0,
         tenant: str = "",
+        slo_ttft_s: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -87,6 +89,7 @@ class Request:
         self.max_computed_tokens = 0
         self.resumed_at = -1  # the scheduler step that re-admitted it after a preemption
         self.tenant = tenant  # who sent it (OpenAI ``user``): the fair policy's unit
+        self.slo_ttft_s = slo_ttft_s  # its time-to-first-token target (the slo policy's)
 
     @property
     def num_tokens(self) -> int:

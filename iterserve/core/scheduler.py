@@ -21,6 +21,8 @@ place), so short prompts behind it are admitted at once.
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from iterserve.config import SchedulerConfig
@@ -80,6 +82,8 @@ class Scheduler:
         self.recomputed_tokens = 0
         self.num_rejected = 0  # ended by the policy's admission filter
         self.num_schedules = 0  # schedule() calls: the clock of preemption protection
+        # What time-aware policies call "now"; the simulator sets its virtual clock here.
+        self.clock: Callable[[], float] = time.monotonic
 
     # ---- queue management ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -236,7 +240,7 @@ class Scheduler:
                 self.waiting.pop()
                 self._fail(req, out, self._too_big_message(req, 1))
                 continue
-            verdict = self.policy.admit(req)
+            verdict = self.policy.admit(req, self.clock)
             if verdict is not ADMIT:
                 if verdict.verdict is not Verdict.REJECT:
                     break  # deferred: it keeps its place, and nobody overtakes it

@@ -57,6 +57,7 @@ SCHEDULER_FLAGS = (
     "long_prefill_threshold",
     "max_long_partial_prefills",
     "tenant_weights",
+    "slo_ttft_ms",
 )
 KV_SERIES_POINTS = 1000
 

@@ -102,6 +102,8 @@ class _Replica:
         self.index = index
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.kv)
+        self.now = 0.0
+        self.scheduler.clock = lambda: self.now  # time-aware policies read simulated time
         self.books = Books(self.scheduler, StepLog(cfg.num_kv_blocks))
         self.cost = cost
         self.busy_s = 0.0
@@ -131,6 +133,7 @@ class _Replica:
             max_tokens,
             arrival_time=spec.arrival_time,
             tenant=spec.tenant,
+            slo_ttft_s=spec.slo_ttft_s,
         )
         self.scheduler.add_request(req)
         return None
@@ -138,6 +141,7 @@ class _Replica:
     def start_step(self, now: float) -> list[Request]:
         """Schedules the next step (``self.step``, None if nothing runs); returns the
         requests the scheduler failed."""
+        self.now = now
         out = self.scheduler.schedule()
         if out.is_empty:
             self.step = None

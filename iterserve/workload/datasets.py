@@ -52,6 +52,7 @@ class RequestSpec:
     output_len: int
     arrival_time: float = 0.0
     tenant: str = ""  # who sent it (the fair policy's unit of fairness)
+    slo_ttft_s: float | None = None  # its TTFT target (the slo policy's; None: the default)
 
     @property
     def prompt_len(self) -> int:

@@ -81,6 +81,7 @@ if HAS_TRITON:
         k_cache_ptr, v_cache_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch, scale,
         window, SLIDING: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         """One online-softmax step over keys [start, min(start + BLOCK_N, hi)) for the query
         rows of q (positions q_pos; a row sees keys <= its position, inside the window)."""
@@ -102,7 +103,7 @@ if HAS_TRITON:
             mask=kv_mask,
             other=0.0,
         )
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         allowed = km[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if SLIDING:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
@@ -114,7 +115,7 @@ if HAS_TRITON:
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return acc, m_new, l_i
 
     @triton.jit
@@ -125,7 +126,7 @@ if HAS_TRITON:
         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
         SLIDING: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         # grid (B, KvH, num_splits): split s of sequence b's visible keys, all GROUP query
         # heads of KV head kvh as the rows of one [BLOCK_G, BLOCK_D] tile.
@@ -155,7 +156,7 @@ if HAS_TRITON:
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, q_pos, start, s_hi, kvh, bt_ptr + b * stride_btb,
                 k_cache_ptr, v_cache_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch, scale,
-                window, SLIDING, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+                window, SLIDING, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
             )  # fmt: skip
         # An empty split (more splits than keys) stores o = 0, lse = -inf: weight 0 in the
         # reduction, no branch needed.
@@ -199,10 +200,12 @@ if HAS_TRITON:
         stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_btb,
         stride_ot, stride_oh,
         SLIDING: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
-        GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # grid (cdiv(max_query_len, BLOCK_Q), B, KvH). Tile rows are (token, head) pairs:
+        # grid (cdiv(max_query_len, BLOCK_Q), B, KvH), BLOCK_M = BLOCK_Q * GROUP_PAD. Tile rows
+        # are (token, head) pairs:
         #   row r = i * GROUP_PAD + g  ->  new token qt * BLOCK_Q + i, query head kvh*GROUP + g
         # so BLOCK_Q tokens x all query heads of one KV head share every K/V tile.
         qt = tl.program_id(0)
@@ -215,7 +218,6 @@ if HAS_TRITON:
         seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
         first_pos = seq_len - q_len  # position of the sequence's first new token
 
-        BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
         r = tl.arange(0, BLOCK_M)
         tok = qt * BLOCK_Q + r // GROUP_PAD
         g = r % GROUP_PAD
@@ -244,7 +246,7 @@ if HAS_TRITON:
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, q_pos, start, hi, kvh, bt_ptr + b * stride_btb,
                 k_cache_ptr, v_cache_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch, scale,
-                window, SLIDING, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+                window, SLIDING, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
             )  # fmt: skip
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -312,6 +314,12 @@ def _check_layout(
     if block_tables.stride(-1) != 1:
         raise ValueError("block_tables must be contiguous in its last dim")
     return num_heads // num_kv_heads, head_dim
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    # float32 dots in IEEE (Triton's default is TF32, which would break the float32 token-exact
+    # oracle); fp16/bf16 keep the default, the option only concerns float32 inputs.
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 def _window(sliding_window: int | None) -> int:
@@ -399,7 +407,7 @@ def paged_decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         SLIDING=window > 0, BLOCK_SIZE=block_size, GROUP=group,
         BLOCK_G=max(16, _next_pow2(group)),  # tl.dot needs >= 16 rows
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q),
     )  # fmt: skip
     _decode_reduce_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, splits,
@@ -457,7 +465,7 @@ def paged_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         SLIDING=window > 0, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
-        BLOCK_N=block_n,
+        BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q),
     )  # fmt: skip
     return out

@@ -44,7 +44,12 @@ def generate_main(argv: list[str]) -> int:
     p.add_argument("--sampling-seed", type=int, default=None)
     EngineArgs.add_cli_args(p)
     ns = p.parse_args(argv)
-    args = EngineArgs.from_cli_args(ns)
+    try:
+        args = EngineArgs.from_cli_args(ns)
+        llm = LLM(**vars(args))
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"iterserve generate: error: {e}", file=sys.stderr)
+        return 2
     prompts = ns.prompt or ["Hello, my name is", "The capital of France is", "Continuous batching"]
     params = SamplingParams(
         max_tokens=ns.max_tokens,
@@ -53,7 +58,6 @@ def generate_main(argv: list[str]) -> int:
         top_k=ns.top_k,
         seed=ns.sampling_seed,
     )
-    llm = LLM(**vars(args))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0

@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -156,6 +156,107 @@ class _EngineSide:
 
 
 # --------------------------------------------------------------------------------------
+# Mailbox: a stream's unread items, bounded
+# --------------------------------------------------------------------------------------
+def _merge(old: RequestOutput, new: RequestOutput, owned: bool) -> RequestOutput:
+    """``new`` carrying the deltas of ``old`` as well (``old`` came first, unread). With
+    ``owned`` the delta lists of ``old`` were built here and are extended in place."""
+    prev = {c.index: c for c in old.outputs}
+    outs = []
+    for c in new.outputs:
+        p = prev.get(c.index)
+        if p is None:
+            outs.append(c)
+            continue
+        ids = p.new_token_ids if owned else list(p.new_token_ids)
+        ids.extend(c.new_token_ids)
+        lps = None
+        if c.new_logprobs is not None:
+            lps = p.new_logprobs if owned and p.new_logprobs is not None else []
+            if not owned and p.new_logprobs is not None:
+                lps.extend(p.new_logprobs)
+            lps.extend(c.new_logprobs)
+        outs.append(
+            replace(c, new_token_ids=ids, new_text=p.new_text + c.new_text, new_logprobs=lps)
+        )
+    return replace(new, outputs=outs)
+
+
+def _unread(item: _Item) -> tuple[int, int]:
+    if not isinstance(item, RequestOutput):
+        return 0, 0
+    toks = sum(len(c.new_token_ids) for c in item.outputs)
+    return toks, sum(len(c.new_text.encode("utf-8", "replace")) for c in item.outputs)
+
+
+class _Mailbox:
+    """A stream's unread items (loop thread only). Consecutive unfinished outputs merge
+    into one (deltas joined, cumulative fields from the newest), so a stream whose client
+    does not read holds one output, not one per step: each output repeats the whole text and
+    logprobs so far, which made an unread stream's memory grow with the square of its tokens.
+    Past ``max_tokens`` / ``max_bytes`` of unread deltas, ``on_overflow`` is called."""
+
+    def __init__(self, max_tokens: int, max_bytes: int, on_overflow: Callable[[], None]):
+        self._items: collections.deque[_Item] = collections.deque()
+        self._owned = False  # the last item is a merge built here
+        self._waiter: asyncio.Future[None] | None = None
+        self.max_tokens = max_tokens
+        self.max_bytes = max_bytes
+        self.unread_tokens = 0
+        self.unread_bytes = 0
+        self._on_overflow = on_overflow
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def put_nowait(self, item: _Item) -> None:
+        toks, nbytes = _unread(item)
+        last = self._items[-1] if self._items else None
+        if (
+            isinstance(item, RequestOutput)
+            and isinstance(last, RequestOutput)
+            and not last.finished
+            and last.error is None
+        ):
+            self._items[-1] = _merge(last, item, self._owned)
+            self._owned = True
+        else:
+            self._items.append(item)
+            self._owned = False
+        self.unread_tokens += toks
+        self.unread_bytes += nbytes
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        if self.unread_tokens > self.max_tokens or self.unread_bytes > self.max_bytes:
+            self._on_overflow()
+
+    def replace_all(self, item: _Item) -> None:
+        """Drops what is unread and leaves ``item`` (the overflow's failure)."""
+        self._items.clear()
+        self.unread_tokens = self.unread_bytes = 0
+        self._owned = False
+        self.put_nowait(item)
+
+    async def get(self) -> _Item:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
+        if not self._items:
+            self._owned = False
+        toks, nbytes = _unread(item)
+        self.unread_tokens -= toks
+        self.unread_bytes -= nbytes
+        return item
+
+
+# --------------------------------------------------------------------------------------
 # RequestStream
 # --------------------------------------------------------------------------------------
 class RequestStream:
@@ -176,8 +277,11 @@ class RequestStream:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
-        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.queue = _Mailbox(
+            engine.stream_buffer_tokens, engine.stream_buffer_bytes, self._overflow
+        )
         self.finished = False
+        self._overflowed = False
         self.last_output: RequestOutput | None = None
 
     def __aiter__(self) -> RequestStream:
@@ -214,6 +318,23 @@ class RequestStream:
 
     async def aclose(self) -> None:
         self._abort()
+
+    def _overflow(self) -> None:
+        """The client left too much unread: abort the request (its KV is freed now) and
+        end the stream with that reason."""
+        if self.finished or self._overflowed:
+            return
+        self._overflowed = True
+        q = self.queue
+        msg = (
+            f"the client did not read its stream: more than {q.max_tokens} tokens or "
+            f"{q.max_bytes} bytes unread (--stream-buffer-tokens / --stream-buffer-bytes); "
+            "request aborted"
+        )
+        logger.warning("request %s: %s", self.request_id, msg)
+        q.replace_all(_Failed(msg))
+        # Not abort(): that would end the stream silently; the reader gets the failure.
+        self._engine._post(_AbortCmd(self.request_id, notify=False))
 
     def _abort(self) -> None:
         if not self.finished:
@@ -274,6 +395,9 @@ class AsyncEngine:
         observers: Sequence[EngineObserver] = (),
         idle_wait_s: float = 1.0,
         stats_interval_s: float = 0.5,
+        stream_buffer_tokens: int = 4096,
+        stream_buffer_bytes: int = 1 << 20,
+        stall_timeout_s: float = 60.0,
     ) -> None:
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
@@ -291,6 +415,9 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self.observers: list[EngineObserver] = list(observers)
+        self.stream_buffer_tokens = stream_buffer_tokens
+        self.stream_buffer_bytes = stream_buffer_bytes
+        self.stall_timeout_s = stall_timeout_s
         self.idle_wait_s = idle_wait_s
         # engine.stats() is not free (it copies per-step history): refresh it at most this
         # often while busy, and always when the engine goes idle.
@@ -320,6 +447,9 @@ class AsyncEngine:
         self._step_error: str | None = None
         self._dead: str | None = None
         self.num_steps = 0
+        # When the engine thread last finished a step or looked at its queue (monotonic):
+        # /health turns 503 when this grows old while requests wait.
+        self._last_progress = time.monotonic()
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -371,6 +501,12 @@ class AsyncEngine:
         snap = self.snapshot
         if not snap.engine_healthy:
             return f"model step failed: {snap.last_error or 'unknown error'}"
+        stalled = time.monotonic() - self._last_progress
+        if self._active and stalled > self.stall_timeout_s:
+            return (
+                f"engine loop stalled: no step completed in {stalled:.1f}s while "
+                f"{len(self._active)} request(s) are pending (limit {self.stall_timeout_s}s)"
+            )
         return None
 
     @property
@@ -550,6 +686,7 @@ class AsyncEngine:
         consecutive_failures = 0
         busy = False
         while True:
+            self._last_progress = time.monotonic()
             self._wake.clear()
             if self._drain(streams):
                 return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from iterserve import __version__
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.server.errors import (
     APIError,
@@ -50,13 +52,37 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # --max-request-body-bytes; 413 beyond
 M = TypeVar("M", bound=BaseModel)
 
 
+class StreamWriteTimeout(Exception):
+    """A streaming client did not take a chunk within ``--stream-write-timeout``."""
+
+
 class SSEResponse(StreamingResponse):
     """A StreamingResponse that always closes its body iterator, so a client that goes
-    away mid-stream aborts its engine request right away (not when GC gets to it)."""
+    away mid-stream aborts its engine request right away (not when GC gets to it), and that
+    gives up on a client that stops reading: uvicorn's ``send`` waits while the socket's
+    buffers are full, so a send that waits longer than ``write_timeout`` ends the response
+    (the connection closes and the request's KV cache is freed)."""
+
+    write_timeout: float = 30.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self.write_timeout
+
+        async def timed_send(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except TimeoutError:
+                logger.warning(
+                    "a streaming client read nothing for %.1fs (--stream-write-timeout); "
+                    "aborting its request",
+                    timeout,
+                )
+                raise StreamWriteTimeout from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except StreamWriteTimeout:
+            pass  # the body iterator is closed below; uvicorn closes the connection
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
@@ -83,7 +109,8 @@ class GuardMiddleware:
         headers = {
             k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
         }
-        if path.startswith("/v1") and self.api_key is not None:
+        guarded = path.startswith("/v1") or path == "/openapi.json"
+        if guarded and self.api_key is not None:
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
@@ -199,13 +226,17 @@ def _serving(request: Request) -> Serving:
     return cast(Serving, request.app.state.serving)
 
 
-def _to_response(result: Response | dict[str, Any] | AsyncIterator[str]) -> Response:
+def _to_response(
+    request: Request, result: Response | dict[str, Any] | AsyncIterator[str]
+) -> Response:
     if isinstance(result, Response):
         return result
     if isinstance(result, dict):
         return json_response(result)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return SSEResponse(result, media_type="text/event-stream", headers=headers)
+    resp = SSEResponse(result, media_type="text/event-stream", headers=headers)
+    resp.write_timeout = _serving(request).limits.stream_write_timeout
+    return resp
 
 
 router = APIRouter()
@@ -215,13 +246,15 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
-    return _to_response(await cancel_on_disconnect(request, _serving(request).completions(req)))
+    return _to_response(
+        request, await cancel_on_disconnect(request, _serving(request).completions(req))
+    )
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
-    return _to_response(await cancel_on_disconnect(request, _serving(request).chat(req)))
+    return _to_response(request, await cancel_on_disconnect(request, _serving(request).chat(req)))
 
 
 @router.get("/v1/models")
@@ -253,8 +286,6 @@ async def health(request: Request) -> Response:
 
 @router.get("/version")
 async def version() -> Response:
-    from iterserve import __version__
-
     return json_response({"version": __version__})
 
 
@@ -328,6 +359,39 @@ _EXCEPTION_HANDLERS: dict[int | type[Exception], ExceptionHandler] = {
 }
 
 
+# The routes parse their bodies themselves (one parser, OpenAI-shaped errors), so FastAPI
+# cannot see their request models: name them here and the schema lists them.
+_REQUEST_MODELS: dict[str, list[type[BaseModel]]] = {
+    "/v1/completions": [CompletionRequest],
+    "/v1/chat/completions": [ChatCompletionRequest],
+    "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
+    "/detokenize": [DetokenizeRequest],
+}
+
+
+def _openapi_schema(app: FastAPI) -> dict[str, Any]:
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, models in _REQUEST_MODELS.items():
+        refs = []
+        for m in models:
+            js = m.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[m.__name__] = js
+            refs.append({"$ref": f"#/components/schemas/{m.__name__}"})
+        body = refs[0] if len(refs) == 1 else {"anyOf": refs}
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": body}},
+        }
+    app.openapi_schema = schema
+    return schema
+
+
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine: AsyncEngine = app.state.engine
@@ -361,10 +425,12 @@ def create_app(
         title="iterserve",
         lifespan=_lifespan,
         exception_handlers=_EXCEPTION_HANDLERS,
+        version=__version__,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
     )
+    app.openapi = functools.partial(_openapi_schema, app)  # type: ignore[method-assign]
     app.state.engine = engine
     app.state.serving = Serving(engine, names, metrics, retry_after_s, limits)
     app.state.metrics = metrics

@@ -385,7 +385,17 @@ class Serving:
                 raise APIError(500, f"request failed: {e.message}", code="request_failed") from None
             finally:
                 await merged.aclose()
-            return fmt.full_response([finals[i] for i in range(len(streams))])
+            outs = [finals[i] for i in range(len(streams))]
+            if any(c.finish_reason == "abort" for out in outs for c in out.outputs):
+                # Truncated text with a 200 reads as success: say what happened instead.
+                raise APIError(
+                    503,
+                    "the request was aborted before it finished because the server is "
+                    "shutting down; retry on another replica",
+                    code="aborted",
+                    headers={"Retry-After": str(self.retry_after_s)},
+                )
+            return fmt.full_response(outs)
         # Wait for the first output before answering, so a failure of the first step is a
         # real HTTP 500 rather than an error event inside a 200 stream.
         try:
@@ -416,16 +426,20 @@ async def merge_streams(
         finally:
             await s.aclose()
         return
-    q: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+    # Bounded: while the consumer (a client) does not read, the pumps wait and outputs stay
+    # in the streams' own (coalescing, bounded) mailboxes.
+    q: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue(
+        maxsize=len(streams)
+    )
 
     async def pump(i: int, s: RequestStream) -> None:
         try:
             async for out in s:
-                q.put_nowait((i, out, None))
+                await q.put((i, out, None))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
-            q.put_nowait((i, None, e))
+            await q.put((i, None, e))
             return
-        q.put_nowait((i, None, None))
+        await q.put((i, None, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:

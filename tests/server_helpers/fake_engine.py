@@ -183,6 +183,9 @@ class FakeEngine:
             "max_kv_usage": 0.0,
             "finished_by_reason": {},
             "healthy": self.healthy,
+            "num_rejected": 0,
+            "recomputed_tokens": 0,
+            "recompute_tax": 0.0,
         }
 
     def step(self) -> list[RequestOutput]:

@@ -144,6 +144,7 @@ def serve(fake: Any, **kwargs: Any) -> tuple[AsyncEngine, ThreadServer]:
     from iterserve.server.app import create_app
 
     engine_keys = {"max_queued_requests", "max_queued_tokens", "stall_timeout_s"}
+    engine_keys |= {"stream_buffer_tokens", "stream_buffer_bytes"}
     engine_kw = {k: kwargs.pop(k) for k in engine_keys if k in kwargs}
     engine = AsyncEngine(fake, **engine_kw)
     return engine, ThreadServer(create_app(engine, **kwargs))

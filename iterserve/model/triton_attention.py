@@ -76,47 +76,54 @@ if HAS_TRITON:
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=dm)
 
     @triton.jit
-    def _attend_tile(
-        q, acc, m_i, l_i, q_pos, start, hi, kvh, bt_row_ptr,
+    def _attend(
+        q, q_pos, lo, hi, kvh, bt_row_ptr,
         k_cache_ptr, v_cache_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch, scale,
-        window, SLIDING: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        window, SLIDING: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """One online-softmax step over keys [start, min(start + BLOCK_N, hi)) for the query
-        rows of q (positions q_pos; a row sees keys <= its position, inside the window)."""
-        k_pos = start + tl.arange(0, BLOCK_N)
-        km = k_pos < hi
+        """Online softmax of the ROWS query rows of q (positions q_pos) over the keys
+        [lo, hi) of one sequence's KV head kvh, BLOCK_N keys a tile; a row sees keys <= its
+        position (inside the window). Returns (normalised output, row max m, row sum l);
+        l = 0 for a row that saw no key, whose output is 0."""
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         d = tl.arange(0, BLOCK_D)
         dm = d < HEAD_DIM
-        # Gather per key: any BLOCK_N works with any block size, and a tile may span blocks.
-        blk = tl.load(bt_row_ptr + k_pos // BLOCK_SIZE, mask=km, other=0).to(tl.int64)
-        slot = blk * BLOCK_SIZE + k_pos % BLOCK_SIZE
-        kv_mask = km[:, None] & dm[None, :]
-        k = tl.load(
-            k_cache_ptr + slot[:, None] * stride_kcs + kvh * stride_kch + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        allowed = km[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if SLIDING:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-        qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # A row with no visible key yet (padding, or a window that starts after this tile)
-        # keeps m = -inf; shift by 0 there so exp() gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        return acc, m_new, l_i
+        for start in range(lo, hi, BLOCK_N):  # one online-softmax step per key tile
+            k_pos = start + tl.arange(0, BLOCK_N)
+            km = k_pos < hi
+            # Gather per key: any BLOCK_N works with any block size; a tile may span blocks.
+            blk = tl.load(bt_row_ptr + k_pos // BLOCK_SIZE, mask=km, other=0).to(tl.int64)
+            slot = blk * BLOCK_SIZE + k_pos % BLOCK_SIZE
+            kv_mask = km[:, None] & dm[None, :]
+            k = tl.load(
+                k_cache_ptr + slot[:, None] * stride_kcs + kvh * stride_kch + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            v = tl.load(
+                v_cache_ptr + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            allowed = km[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if SLIDING:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+            qk = tl.where(allowed, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row with no visible key yet (padding, or a window that starts after this tile)
+            # keeps m = -inf; shift by 0 there so exp() gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
 
     @triton.jit
     def _decode_split_kernel(
@@ -149,19 +156,14 @@ if HAS_TRITON:
             q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
         )
         q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + seq_len - 1  # the one new token
-        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        for start in range(s_lo, s_hi, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, q_pos, start, s_hi, kvh, bt_ptr + b * stride_btb,
-                k_cache_ptr, v_cache_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch, scale,
-                window, SLIDING, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
-            )  # fmt: skip
+        o, m_i, l_i = _attend(
+            q, q_pos, s_lo, s_hi, kvh, bt_ptr + b * stride_btb,
+            k_cache_ptr, v_cache_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch, scale,
+            window, SLIDING, BLOCK_SIZE, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
         # An empty split (more splits than keys) stores o = 0, lse = -inf: weight 0 in the
         # reduction, no branch needed.
         has = l_i > 0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
         mo = mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + d[None, :]
         tl.store(mo, o, mask=q_mask)
@@ -239,16 +241,11 @@ if HAS_TRITON:
         lo = 0
         if SLIDING:
             lo = tl.maximum(tile_first - window + 1, 0)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, q_pos, start, hi, kvh, bt_ptr + b * stride_btb,
-                k_cache_ptr, v_cache_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch, scale,
-                window, SLIDING, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
-            )  # fmt: skip
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o, m_i, l_i = _attend(
+            q, q_pos, lo, hi, kvh, bt_ptr + b * stride_btb,
+            k_cache_ptr, v_cache_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch, scale,
+            window, SLIDING, BLOCK_SIZE, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
         tl.store(
             out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
             o.to(out_ptr.dtype.element_ty),

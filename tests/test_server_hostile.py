@@ -420,3 +420,60 @@ def test_openapi_schema_is_served_behind_the_api_key_and_lists_request_bodies() 
         assert chat["properties"]["messages"]["items"]["$ref"].endswith("/ChatMessage")
         assert "ChatMessage" in spec["components"]["schemas"]
         assert set(spec["paths"]) >= {"/v1/chat/completions", "/tokenize", "/health"}
+
+
+# ---- (7) slow clients: header / body timeouts, connection cap -----------------------------------
+def test_slow_loris_connections_are_closed_and_real_clients_are_served() -> None:
+    import socket
+
+    from iterserve.server.limits import ServerLimits
+
+    limits = ServerLimits(header_timeout=1.0, body_timeout=1.0, max_connections=500)
+    _, server = serve(FakeEngine(), limits=limits)
+    host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
+    with server:
+        # 200 connections that send half a request line and stop; 20 more that send
+        # headers, then half a body.
+        loris = []
+        for _ in range(200):
+            s = socket.create_connection((host, port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            loris.append(s)
+        for _ in range(20):
+            s = socket.create_connection((host, port))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt": '
+            )
+            loris.append(s)
+        t0 = time.monotonic()
+        # A real client is served at once meanwhile.
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2})
+        assert r.status_code == 200 and time.monotonic() - t0 < 2.0
+        # Every slow connection gets a 408 and is closed by the server within its timeout.
+        answers = []
+        for s in loris:
+            s.settimeout(10)
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+            answers.append(data)
+            s.close()
+        assert time.monotonic() - t0 < 10
+        status = {a.split(b"\r\n", 1)[0] for a in answers}
+        assert status == {b"HTTP/1.1 408 Request Timeout"}, status
+        # The half-sent bodies get the body timeout's OpenAI-shaped error.
+        assert all(b'"code":"request_timeout"' in a for a in answers[200:]), answers[200]
+        # Past the connection cap uvicorn answers 503 instead of queueing without bound.
+        capped = ServerLimits(max_connections=5, header_timeout=5.0)
+        _, small = serve(FakeEngine(), limits=capped)
+        with small:
+            sport = int(small.url.rsplit(":", 1)[1])
+            held = [socket.create_connection((host, sport)) for _ in range(5)]
+            for s in held:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # unfinished: stays open
+            time.sleep(0.2)
+            r = httpx.get(small.url + "/health")
+            assert r.status_code == 503, r.text
+            for s in held:
+                s.close()

@@ -91,12 +91,20 @@ class SSEResponse(StreamingResponse):
 
 
 class GuardMiddleware:
-    """Pure ASGI: API key on /v1, request-body size limit (413), draining (503)."""
+    """Pure ASGI: API key on /v1 (and /openapi.json), request-body size limit (413) and read
+    timeout (408), draining (503)."""
 
     def __init__(
-        self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, state: State
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        state: State,
+        body_timeout: float = 30.0,
     ) -> None:
         self.app = app
+        self.body_timeout = body_timeout
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.state = state
@@ -147,7 +155,20 @@ class GuardMiddleware:
         chunks: list[bytes] = []
         size = 0
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), self.body_timeout)
+            except TimeoutError:
+                # A client that trickles its body must not hold the request (and its
+                # connection) open; uvicorn itself never times a body out.
+                err = APIError(
+                    408,
+                    f"request body not received within {self.body_timeout}s; send it "
+                    "faster (the server's --body-timeout)",
+                    code="request_timeout",
+                    headers={"Connection": "close"},
+                )
+                await err.response()(scope, receive, send)
+                return
             if msg["type"] == "http.disconnect":
                 return
             body = msg.get("body", b"")
@@ -438,7 +459,11 @@ def create_app(
     app.state.shutdown_timeout = shutdown_timeout
     app.include_router(router)
     app.add_middleware(
-        GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, state=app.state
+        GuardMiddleware,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        state=app.state,
+        body_timeout=app.state.serving.limits.body_timeout,
     )
     return app
 

@@ -21,6 +21,10 @@ from types import FrameType
 from typing import Any
 
 from iterserve.config import EngineArgs
+from iterserve.server.limits import ServerLimits, uvicorn_config
+
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a few MB: 413 beyond, before any tokenization
 
 logger = logging.getLogger("iterserve.server")
 
@@ -50,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--max-queued-requests",
         type=int,
-        default=None,
-        help="answer 503 + Retry-After when this many requests already wait to be scheduled",
+        default=DEFAULT_MAX_QUEUED_REQUESTS,
+        help="answer 503 + Retry-After when this many requests already wait to be scheduled "
+        "(finite by default, so a burst cannot queue without bound)",
     )
     g.add_argument(
         "--max-queued-tokens",
@@ -70,15 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds to let in-flight requests finish before aborting them",
     )
     g.add_argument(
+        "--max-request-bytes",
         "--max-request-body-bytes",
+        dest="max_request_body_bytes",
         type=int,
-        default=10 * 1024 * 1024,
-        help="larger request bodies get 413",
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get 413, before any parsing or tokenization",
     )
     g.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     g.add_argument("--disable-access-log", action="store_true")
+    ServerLimits.add_cli_args(p.add_argument_group("per-request limits and timeouts"))
     EngineArgs.add_cli_args(p)
     return p
 
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         args = EngineArgs.from_cli_args(ns)
+        limits = ServerLimits.from_cli_args(ns)
     except ValueError as e:
         print(f"iterserve serve: {e}", file=sys.stderr)
         return 2
@@ -153,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         print("iterserve serve: " + "; ".join(problems), file=sys.stderr)
         return 2
 
-    import uvicorn
-
     from iterserve.engine.async_engine import AsyncEngine
     from iterserve.engine.llm_engine import LLMEngine
     from iterserve.server.app import create_app
@@ -166,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             llm_engine,
             max_queued_requests=ns.max_queued_requests,
             max_queued_tokens=ns.max_queued_tokens,
+            stream_buffer_tokens=limits.stream_buffer_tokens,
+            stream_buffer_bytes=limits.stream_buffer_bytes,
+            stall_timeout_s=limits.engine_stall_timeout,
         )
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"iterserve serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
@@ -177,9 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=ns.max_request_body_bytes,
         retry_after_s=ns.retry_after,
         shutdown_timeout=ns.shutdown_timeout,
+        limits=limits,
     )
-    config = uvicorn.Config(
+    config = uvicorn_config(
         app,
+        limits,
         host=ns.host,
         port=ns.port,
         log_level=ns.log_level,

@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from iterserve.config import add_dataclass_args, cli_kwargs
-from iterserve.server.errors import bad_request
-from iterserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:  # imported when used: `iterserve serve --help` stays fast
+    from iterserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 _HELPS = {
     "max_n": "most completions (n) one request may ask for",
@@ -75,7 +76,8 @@ class ServerLimits:
 
     @classmethod
     def add_cli_args(cls, parser: argparse._ActionsContainer) -> argparse._ActionsContainer:
-        add_dataclass_args(parser, cls, helps=_HELPS)
+        helps = {k: v + " (default: %(default)s)" for k, v in _HELPS.items()}
+        add_dataclass_args(parser, cls, helps=helps)
         return parser
 
     @classmethod
@@ -90,6 +92,8 @@ class ServerLimits:
         self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int, max_model_len: int
     ) -> None:
         """Raises a 400 naming the bound (and its flag) that ``req`` exceeds."""
+        from iterserve.server.errors import bad_request
+        from iterserve.server.protocol import CompletionRequest
 
         def refuse(param: str, what: str, flag: str, limit: int) -> None:
             raise bad_request(
@@ -143,4 +147,74 @@ class ServerLimits:
             )
 
 
-__all__ = ["ServerLimits"]
+# ---- HTTP: uvicorn / h11 ----------------------------------------------------------------------
+_REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+def header_timeout_protocol(header_timeout: float) -> type:
+    """uvicorn's h11 protocol with a deadline for each request's headers. uvicorn has none:
+    a client that opens connections and sends its headers a byte at a time (slow-loris)
+    holds each one (and a file descriptor) for as long as it likes. The deadline runs from
+    the connection's start, or from the end of the previous response on a keep-alive one;
+    past it the connection gets a 408 and is closed."""
+    import asyncio
+
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout, self._headers_too_slow)
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            serving = self.cycle is not None and not self.cycle.response_complete
+            if not serving and not self.transport.is_closing():
+                self.transport.write(_REQUEST_TIMEOUT)
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # the headers are in: the request is being served
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutH11Protocol
+
+
+def uvicorn_config(app: Any, limits: ServerLimits, **kwargs: Any) -> Any:
+    """A ``uvicorn.Config`` for ``app`` with the HTTP limits of ``limits`` (header deadline,
+    keep-alive timeout, connection cap, h11's incomplete-request cap); ``kwargs`` go to
+    ``uvicorn.Config`` (host, port, logging, ...)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        http=header_timeout_protocol(limits.header_timeout),
+        timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
+        limit_concurrency=limits.max_connections,
+        h11_max_incomplete_event_size=64 * 1024,  # request line + headers
+        **kwargs,
+    )
+
+
+__all__ = ["ServerLimits", "header_timeout_protocol", "uvicorn_config"]

@@ -19,6 +19,7 @@ import httpx
 
 if TYPE_CHECKING:
     from iterserve.engine.async_engine import AsyncEngine
+    from iterserve.server.limits import ServerLimits
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,13 +106,15 @@ class ServerProcess:
 class ThreadServer:
     """An app served by uvicorn on a background thread of this process."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, limits: ServerLimits | None = None) -> None:
+        """With ``limits``, uvicorn runs with their HTTP limits, as ``iterserve serve`` does."""
         import uvicorn
+
+        from iterserve.server.limits import uvicorn_config
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app,
+        kw: dict[str, Any] = dict(
             host="127.0.0.1",
             port=self.port,
             log_level="warning",
@@ -119,6 +122,7 @@ class ThreadServer:
             access_log=False,
             timeout_graceful_shutdown=5,
         )
+        config = uvicorn.Config(app, **kw) if limits is None else uvicorn_config(app, limits, **kw)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 
@@ -147,7 +151,7 @@ def serve(fake: Any, **kwargs: Any) -> tuple[AsyncEngine, ThreadServer]:
     engine_keys |= {"stream_buffer_tokens", "stream_buffer_bytes"}
     engine_kw = {k: kwargs.pop(k) for k in engine_keys if k in kwargs}
     engine = AsyncEngine(fake, **engine_kw)
-    return engine, ThreadServer(create_app(engine, **kwargs))
+    return engine, ThreadServer(create_app(engine, **kwargs), kwargs.get("limits"))
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:

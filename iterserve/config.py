@@ -163,20 +163,10 @@ class EngineArgs:
         )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            policy=self.policy,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            max_model_len=max_model_len,
-            preemption_victim=self.preemption_victim,
-            preemption_protect_steps=self.preemption_protect_steps,
-            admission_reservation=self.admission_reservation,
-            long_prefill_threshold=self.long_prefill_threshold,
-            max_long_partial_prefills=self.max_long_partial_prefills,
-            tenant_weights=self.tenant_weights,
-            slo_ttft_ms=self.slo_ttft_ms,
-        )
+        """Every SchedulerConfig field is an EngineArgs field of the same name, except the
+        context length, which the loaded model decides."""
+        knobs = {f.name: getattr(self, f.name) for f in fields(SchedulerConfig)}
+        return SchedulerConfig(**{**knobs, "max_model_len": max_model_len})
 
     # ---- CLI derivation -------------------------------------------------------------
     @classmethod

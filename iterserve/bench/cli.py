@@ -406,11 +406,14 @@ def print_offline_table(runs: list[dict[str, Any]]) -> None:
         "mean latency s",
         "p99 latency s",
         "mean TTFT s",
+        "preempt",
+        "recompute tax",
         "duration s",
     ):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for r in runs:
         s = r["summary"]
+        es = r.get("engine_stats") or {}
         tput = s.get("output_throughput") or 0.0
         t.add_row(
             r["label"],
@@ -421,6 +424,8 @@ def print_offline_table(runs: list[dict[str, Any]]) -> None:
             _s(s["mean_e2el_ms"], 1e-3),
             _s(s["p99_e2el_ms"], 1e-3),
             _s(s["mean_ttft_ms"], 1e-3),
+            str(es.get("num_preemptions", "n/a")),
+            f"{es['recompute_tax']:.1%}" if "recompute_tax" in es else "n/a",
             _s(s["duration_s"]),
         )
     _console().print(t)

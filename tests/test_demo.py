@@ -132,3 +132,12 @@ def test_cli_entry_point(
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert demo.cli_main([*TINY, "--small-pool-blocks", "0", "--out-dir", str(tmp_path)]) == 2
     assert "--small-pool-blocks must be >= 1" in capsys.readouterr().err
+
+
+def test_missing_model_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    missing = str(tmp_path / "nowhere.gguf")
+    assert demo.cli_main(["--model", missing, "--out-dir", str(tmp_path)]) == 2
+    assert missing in capsys.readouterr().err

@@ -388,8 +388,8 @@ def main(ns: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         out = run_demo(ns)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad flags; a model that is not there (names the fix)
+        print(f"iterserve demo: error: {e}", file=sys.stderr)
         return 2
     failed = sum(run["summary"]["failed"] for run in out["runs"].values())
     if failed:

@@ -325,7 +325,7 @@ def test_choose_num_splits_fills_the_gpu_from_shapes_only() -> None:
 # ---------------------------------------------------------------- they compile for a GPU
 
 
-def compile_for_sm90(dtype: str, head_dim: int) -> None:
+def compile_for_sm90(dtype: str, head_dim: int, sliding: bool) -> None:
     """Compiles every kernel to an sm_90 (H100/H200) cubin, which needs no GPU: catches what the
     interpreter cannot (layout, tl.dot shape and register lowering). Run in a process where
     TRITON_INTERPRET=0, so the kernels are JIT functions."""
@@ -334,7 +334,7 @@ def compile_for_sm90(dtype: str, head_dim: int) -> None:
 
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     dot = "ieee" if dtype == "fp32" else "tf32"
-    tile = dict(SLIDING=True, BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=64)
+    tile = dict(SLIDING=sliding, BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=64)
     kernels = [
         (ta._write_kv_kernel, dict(HEAD_DIM=head_dim, BLOCK_D=block_d)),
         (ta._decode_split_kernel, dict(tile, GROUP=8, BLOCK_G=16, DOT_PRECISION=dot)),
@@ -360,8 +360,8 @@ def compile_for_sm90(dtype: str, head_dim: int) -> None:
         assert binary.asm["cubin"], fn.__name__
 
 
-def run_compile_check(cases: list[tuple[str, int]]) -> None:
-    calls = "; ".join(f"t.compile_for_sm90({d!r}, {h})" for d, h in cases)
+def run_compile_check(cases: list[tuple[str, int, bool]]) -> None:
+    calls = "; ".join(f"t.compile_for_sm90({d!r}, {h}, {w})" for d, h, w in cases)
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
     code += f"import test_triton_attention as t; {calls}"
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
@@ -371,14 +371,14 @@ def run_compile_check(cases: list[tuple[str, int]]) -> None:
 
 @needs_triton
 def test_kernels_compile_for_sm90_in_bf16() -> None:
-    run_compile_check([("bf16", 80)])
+    run_compile_check([("bf16", 80, False)])
 
 
 @needs_triton
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_every_dtype_and_head_size() -> None:
-    run_compile_check([("fp16", 64), ("fp16", 128), ("bf16", 96), ("bf16", 256), ("fp32", 64),
-                       ("fp32", 256)])  # fmt: skip
+    run_compile_check([("fp16", 64, True), ("fp16", 128, False), ("bf16", 96, True),
+                       ("bf16", 256, True), ("fp32", 64, False), ("fp32", 256, True)])  # fmt: skip
 
 
 # ---------------------------------------------------------------- the full sweep

@@ -354,6 +354,19 @@ def test_low_precision_paths_agree(
             assert cos(outs[0][i], out[i], dim=0).item() > 0.9999
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_continued_chunk_mask_is_shifted_causal(dtype: torch.dtype) -> None:
+    """A chunk of n tokens from position p0: query i sees keys 0 .. p0 + i, the rest -inf."""
+    from iterserve.model import attention
+
+    for n, p0 in [(2, 1), (5, 3), (16, 16), (33, 40)]:
+        items = [attention.StepItem(n, p0, list(range(10)))]
+        mask = attention.build_attention_metadata(items, 0, 16, None, dtype).prefills[0].mask
+        allowed = torch.arange(p0 + n)[None, :] <= torch.arange(p0, p0 + n)[:, None]
+        ref = torch.zeros(n, p0 + n).masked_fill_(~allowed, float("-inf"))
+        assert mask is not None and torch.equal(mask.float(), ref)
+
+
 def test_gemm_row_buckets_bound_shapes_and_keep_results() -> None:
     """oneDNN GEMMs run at few row counts (each one builds a primitive once): exact for decode
     batches, <= 1/16 extra rows above, 128 sizes up to 2048 rows; padding leaves the real rows'

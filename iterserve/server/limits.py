@@ -88,45 +88,59 @@ class ServerLimits:
         return dataclasses.replace(self, **changes)
 
     # ---- per-request bounds --------------------------------------------------------------
-    def check_request(
-        self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int, max_model_len: int
-    ) -> None:
-        """Raises a 400 naming the bound (and its flag) that ``req`` exceeds."""
+    @staticmethod
+    def _refuse(param: str, what: str, flag: str, limit: int) -> None:
         from iterserve.server.errors import bad_request
-        from iterserve.server.protocol import CompletionRequest
 
-        def refuse(param: str, what: str, flag: str, limit: int) -> None:
-            raise bad_request(
-                f"{what}; this server allows at most {limit} (--{flag})",
-                param=param,
-                code="limit_exceeded",
-            )
+        raise bad_request(
+            f"{what}; this server allows at most {limit} (--{flag})",
+            param=param,
+            code="limit_exceeded",
+        )
 
-        if req.n > self.max_n:
-            refuse("n", f"n is {req.n}", "max-n", self.max_n)
+    def _check_sizes(self, num_prompts: int, stops: list[Any]) -> None:
         if num_prompts > self.max_prompts_per_request:
-            refuse(
+            self._refuse(
                 "prompt",
                 f"the request has {num_prompts} prompts",
                 "max-prompts-per-request",
                 self.max_prompts_per_request,
             )
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stops) > self.max_stop_strings:
-            refuse(
+            self._refuse(
                 "stop",
                 f"the request has {len(stops)} stop strings",
                 "max-stop-strings",
                 self.max_stop_strings,
             )
-        chars = sum(len(s) for s in stops)
+        chars = sum(len(s) for s in stops if isinstance(s, str))
         if chars > self.max_stop_chars:
-            refuse(
+            self._refuse(
                 "stop",
                 f"the stop strings have {chars} characters in all",
                 "max-stop-chars",
                 self.max_stop_chars,
             )
+
+    def check_body(self, body: dict[str, Any]) -> None:
+        """The size bounds on the raw JSON body, before validation: pydantic checks every
+        field against the sampling rules, so 20,000 stop strings would cost seconds of
+        event-loop time before ``check_request`` saw them."""
+        prompt, stop = body.get("prompt"), body.get("stop")
+        num_prompts = 1
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            num_prompts = len(prompt)
+        self._check_sizes(num_prompts, stop if isinstance(stop, list) else [])
+
+    def check_request(
+        self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int, max_model_len: int
+    ) -> None:
+        """Raises a 400 naming the bound (and its flag) that ``req`` exceeds."""
+        from iterserve.server.protocol import CompletionRequest
+
+        if req.n > self.max_n:
+            self._refuse("n", f"n is {req.n}", "max-n", self.max_n)
+        self._check_sizes(num_prompts, [req.stop] if isinstance(req.stop, str) else req.stop or [])
         if isinstance(req, CompletionRequest):
             logprobs, lp_param = req.logprobs, "logprobs"
             max_tokens = req.max_tokens
@@ -134,11 +148,11 @@ class ServerLimits:
             logprobs, lp_param = req.top_logprobs, "top_logprobs"
             max_tokens = req.max_completion_tokens or req.max_tokens
         if logprobs is not None and logprobs > self.max_logprobs:
-            refuse(lp_param, f"{lp_param} is {logprobs}", "max-logprobs", self.max_logprobs)
+            self._refuse(lp_param, f"{lp_param} is {logprobs}", "max-logprobs", self.max_logprobs)
         per_seq = max_model_len if max_tokens is None else min(max_tokens, max_model_len)
         total = num_prompts * req.n * per_seq
         if total > self.max_request_tokens:
-            refuse(
+            self._refuse(
                 "max_tokens",
                 f"the request may generate {total} tokens ({num_prompts} prompts x n {req.n} x "
                 f"{per_seq} max tokens); lower n, max_tokens or the number of prompts",

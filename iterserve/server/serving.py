@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+# A text longer than (context + 1) x this many characters is first judged by that head
+# alone: real vocabularies' tokens are shorter, so the head has more tokens than fit.
+_MAX_CHARS_PER_TOKEN = 16
+_BOUNDARY_TOKENS = 8  # the cut can change how the last few tokens of the head merge
 
 
 class Serving:
@@ -231,25 +235,48 @@ class Serving:
         return await loop.run_in_executor(self._tok_pool, functools.partial(fn, *args, **kw))
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """``text``'s token ids, then the length check right away (before any engine work)."""
         ids = await self._on_tokenizer_thread(
             self._tok.encode, text, add_special_tokens=add_special_tokens
         )
         return list(ids)
 
+    def _too_long(self, n: int, room: int, param: str, at_least: bool = False) -> APIError:
+        limit = self.engine.max_model_len
+        leave = ", which must also leave room for at least one generated token" if room else ""
+        return bad_request(
+            f"prompt has {'at least ' if at_least else ''}{n} tokens but the model's context "
+            f"length (max_model_len) is {limit}{leave}; shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+    async def encode_prompt(
+        self, text: str, *, param: str, add_special_tokens: bool = True, room: int = 1
+    ) -> list[int]:
+        """``text``'s token ids, refused (400) when they leave fewer than ``room`` tokens of
+        the context. A text far longer than the context is judged by its head alone, so a
+        4 MB prompt costs a few thousand tokens' work, not a million (turning a million
+        tokens into Python ints holds the GIL, which stalls every stream)."""
+        limit = self.engine.max_model_len - room
+        cut = (limit + 1) * _MAX_CHARS_PER_TOKEN
+        if len(text) > cut:
+            head = await self.encode(text[:cut], add_special_tokens)
+            if len(head) > limit + _BOUNDARY_TOKENS:
+                raise self._too_long(len(head), room, param, at_least=True)
+        ids = await self.encode(text, add_special_tokens)
+        if len(ids) > limit:
+            raise self._too_long(len(ids), room, param)
+        return ids
+
     async def completion_prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
         out = []
         for p in prompts:
-            ids = await self.encode(p) if isinstance(p, str) else p
-            if len(ids) >= self.engine.max_model_len:
-                raise bad_request(
-                    f"prompt has {len(ids)} tokens but the model's context length "
-                    f"(max_model_len) is {self.engine.max_model_len}, which must also leave "
-                    "room for at least one generated token; shorten the prompt",
-                    param="prompt",
-                    code="context_length_exceeded",
-                )
-            out.append(ids)
+            if isinstance(p, str):
+                out.append(await self.encode_prompt(p, param="prompt"))
+            elif len(p) >= self.engine.max_model_len:
+                raise self._too_long(len(p), 1, "prompt")
+            else:
+                out.append(p)
         return out
 
     async def render_chat(
@@ -318,7 +345,10 @@ class Serving:
                 f"chat template failed to render the messages: {type(e).__name__}: {e}",
                 param="chat_template" if chat_template is not None else "messages",
             ) from None
-        ids = await self.encode(str(text), add_special_tokens=add_special_tokens)
+        room = 0 if isinstance(req, TokenizeChatRequest) else 1
+        ids = await self.encode_prompt(
+            str(text), param="messages", add_special_tokens=add_special_tokens, room=room
+        )
         if not ids:
             raise bad_request("the rendered chat prompt is empty", param="messages")
         return ids
@@ -348,7 +378,9 @@ class Serving:
         if isinstance(req, TokenizeChatRequest):
             ids = await self.render_chat(req, add_special_tokens=req.add_special_tokens)
         else:
-            ids = await self.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await self.encode_prompt(
+                req.prompt, param="prompt", add_special_tokens=req.add_special_tokens, room=0
+            )
         strs = (
             list(await self._on_tokenizer_thread(self._tok.convert_ids_to_tokens, ids))
             if req.return_token_strs

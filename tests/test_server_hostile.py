@@ -477,3 +477,61 @@ def test_slow_loris_connections_are_closed_and_real_clients_are_served() -> None
             assert r.status_code == 503, r.text
             for s in held:
                 s.close()
+
+
+# ---- (2) tokenization off the event loop and the engine thread; byte cap ----------------------
+def test_prompts_are_tokenized_off_the_loop_and_engine_thread_and_big_bodies_get_413() -> None:
+    import threading as th
+
+    fake = FakeEngine(step_delay=0.002, max_model_len=4096, num_blocks=2048)
+    prompts_seen: list[object] = []
+    real_add = fake.add_request
+
+    def add_request(request_id: str, prompt: str | list[int], *args: object, **kw: object) -> None:
+        prompts_seen.append(prompt)
+        real_add(request_id, prompt, *args, **kw)  # type: ignore[arg-type]
+
+    fake.add_request = add_request  # type: ignore[assignment,method-assign]
+    _, server = serve(fake, max_body_bytes=100_000)
+    threads: list[str] = []
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        serving = server.server.config.app.state.serving
+        real_encode = serving._tok.encode
+
+        def slow_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+            threads.append(th.current_thread().name)
+            if "slow" in text:
+                time.sleep(1.5)  # as a huge prompt's tokenization
+            return list(real_encode(text, add_special_tokens=add_special_tokens))
+
+        serving._tok.encode = slow_encode
+        # Over the byte cap: 413 before any parsing or tokenization.
+        err = _error(c.post("/v1/completions", json={"prompt": "x" * 200_000}), 413)
+        assert err["code"] == "request_too_large" and not threads
+        # A long stream is running when the slow tokenization starts: it keeps stepping.
+        got: list[httpx.Response] = []
+        body = {"prompt": "slow", "max_tokens": 2}
+        t = th.Thread(
+            target=lambda: got.append(httpx.post(server.url + "/v1/completions", json=body))
+        )
+        with (
+            httpx.stream(
+                "POST",
+                server.url + "/v1/completions",
+                json={"prompt": "fast", "max_tokens": 1500, "stream": True, "ignore_eos": True},
+            ) as stream,
+            HealthProbe(server.url) as probe,
+        ):
+            lines = stream.iter_lines()
+            next(lines)
+            t.start()
+            time.sleep(0.1)
+            steps = fake.steps
+            time.sleep(1.0)  # inside the slow tokenization
+            assert fake.steps - steps > 100, fake.steps - steps
+        t.join(30)
+        assert got[0].status_code == 200, got[0].text
+        assert max(probe.latencies) < 0.5, max(probe.latencies)
+        assert set(threads) == {"iterserve-tokenizer_0"}, threads
+        # The engine got token ids, never text to tokenize on its own thread.
+        assert prompts_seen and all(isinstance(p, list) for p in prompts_seen)

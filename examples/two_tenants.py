@@ -18,7 +18,7 @@ import random
 import numpy as np
 
 from iterserve.config import SchedulerConfig
-from iterserve.sim.deployment import build_deployment
+from iterserve.sim.deployment import Deployment, build_deployment
 from iterserve.sim.simulator import SimConfig, SimResult, Simulator
 from iterserve.workload.datasets import RequestSpec, WorkloadConfig, build_workload, load_trace
 
@@ -28,15 +28,15 @@ def jain(xs: list[float]) -> float:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if any(xs) else 1.0
 
 
-def run(specs: list[RequestSpec], policy: str, dep: object, max_num_seqs: int) -> SimResult:
+def run(specs: list[RequestSpec], policy: str, dep: Deployment, max_num_seqs: int) -> SimResult:
     cfg = SchedulerConfig(
         policy=policy,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=512,
-        max_model_len=dep.max_model_len,  # type: ignore[attr-defined]
+        max_model_len=dep.max_model_len,
     )
-    sim = SimConfig(cfg, num_kv_blocks=dep.num_kv_blocks)  # type: ignore[attr-defined]
-    return Simulator(sim, dep.cost).run(specs)  # type: ignore[attr-defined]
+    sim = SimConfig(cfg, num_kv_blocks=dep.num_kv_blocks)
+    return Simulator(sim, dep.cost).run(specs)
 
 
 def served(res: SimResult, specs: list[RequestSpec], until: float) -> dict[str, int]:

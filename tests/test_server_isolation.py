@@ -107,32 +107,46 @@ RESULTS: dict[str, dict[str, float]] = {}
 QUIET_FLOOR_S = 0.010  # measured quiet p99s ranged 1.3-9.6 ms on 2 shared cores
 
 
+def _measure(url: str, send: Callable[[], None]) -> tuple[float, float, int]:
+    """(quiet p99, p99 while ``send`` runs in a loop, how many times it ran)."""
+    # The quiet value right before each case (the machine's load drifts), floored at
+    # QUIET_FLOOR_S: on shared cores the OS scheduler alone jitters at that scale.
+    quiet = max(QUIET_FLOOR_S, p99(stream_gaps(url)))
+    sent = [0]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    t = threading.Thread(target=_repeat, args=(send, stop, sent, errors))
+    t.start()
+    time.sleep(0.3)
+    try:
+        busy = p99(stream_gaps(url))
+    finally:
+        stop.set()
+        t.join(120)
+    assert not errors, errors[0]
+    assert sent[0] >= 1
+    return quiet, busy, sent[0]
+
+
 def test_a_hostile_client_does_not_slow_another_clients_stream(server: ServerProcess) -> None:
     url = server.url
     stream_gaps(url, 20)  # warm up
     for name, (path, body, expect) in HOSTILE.items():
-        # The quiet value right before each case (the machine's load drifts), floored at
-        # QUIET_FLOOR_S: on shared cores the OS scheduler alone jitters at that scale.
-        quiet = max(QUIET_FLOOR_S, p99(stream_gaps(url)))
-        sent = [0]
-        stop = threading.Event()
-        errors: list[BaseException] = []
         send = (
             functools.partial(_slow_loris, url)
             if name == "slow_loris"
             else functools.partial(_post, url, path, body, expect)
         )
-        t = threading.Thread(target=_repeat, args=(send, stop, sent, errors))
-        t.start()
-        time.sleep(0.3)
-        try:
-            busy = p99(stream_gaps(url))
-        finally:
-            stop.set()
-            t.join(120)
-        assert not errors, (name, errors[0])
-        RESULTS[name] = {"sent": sent[0], "quiet_p99_ms": quiet * 1e3, "p99_ms": busy * 1e3}
-        print(f"{name}: {sent[0]} sent, p99 gap {busy * 1e3:.1f} ms (quiet {quiet * 1e3:.1f} ms)")
-        assert sent[0] >= 1, name
+        # Up to 3 tries: other jobs on the shared cores can deschedule the server for a
+        # moment; a real stall (the 5 s tokenization this guards against) fails every try.
+        for attempt in range(1, 4):
+            quiet, busy, sent = _measure(url, send)
+            print(
+                f"{name}: {sent} sent, p99 gap {busy * 1e3:.1f} ms "
+                f"(quiet {quiet * 1e3:.1f} ms), try {attempt}"
+            )
+            if busy <= 5 * quiet:
+                break
+        RESULTS[name] = {"sent": sent, "quiet_p99_ms": quiet * 1e3, "p99_ms": busy * 1e3}
         assert busy <= 5 * quiet, (name, busy, quiet)
     assert httpx.get(url + "/health").status_code == 200

@@ -87,7 +87,9 @@ def write_result(
 def read_result(path: str | Path) -> dict[str, Any]:
     doc = json.loads(Path(path).read_text())
     if not isinstance(doc, dict) or "runs" not in doc:
-        raise ValueError(f"{path} is not an iterserve bench result (no 'runs'); write one with --result-file")
+        raise ValueError(
+            f"{path} is not an iterserve bench result (no 'runs'); write one with --result-file"
+        )
     return doc
 
 

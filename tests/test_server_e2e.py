@@ -585,6 +585,12 @@ def test_sigterm_stops_accepting_drains_and_exits_zero(launched: dict[str, Serve
                 started[name].set()
             results[name] = parse_sse("\n".join(lines))
 
+    plain: list[httpx.Response] = []
+
+    def non_streamed() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+        plain.append(httpx.post(server.url + "/v1/completions", json=body, timeout=30))
+
     threads = [
         threading.Thread(target=stream, args=("long", 2000)),
         threading.Thread(target=stream, args=("short", 30)),
@@ -592,6 +598,9 @@ def test_sigterm_stops_accepting_drains_and_exits_zero(launched: dict[str, Serve
     for t in threads:
         t.start()
     assert started["long"].wait(20) and started["short"].wait(20)
+    threads.append(threading.Thread(target=non_streamed))
+    threads[-1].start()
+    time.sleep(0.2)
     t0 = time.monotonic()
     server.terminate()
     # Stops accepting: new connections are refused soon after the signal.
@@ -620,6 +629,9 @@ def test_sigterm_stops_accepting_drains_and_exits_zero(launched: dict[str, Serve
             if isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]
         ]
         assert finals == [expect], (name, finals)
+    # The non-streamed request cut off by the deadline is a 503, not a truncated 200.
+    assert plain[0].status_code == 503, plain[0].text[:300]
+    assert plain[0].json()["error"]["code"] == "aborted"
 
 
 # ---- model-step failure on the real engine -------------------------------------------------------

@@ -535,3 +535,17 @@ def test_prompts_are_tokenized_off_the_loop_and_engine_thread_and_big_bodies_get
         assert set(threads) == {"iterserve-tokenizer_0"}, threads
         # The engine got token ids, never text to tokenize on its own thread.
         assert prompts_seen and all(isinstance(p, list) for p in prompts_seen)
+
+
+def test_limit_flags_are_validated_and_default_to_finite_values() -> None:
+    from iterserve.server.cli import build_parser
+    from iterserve.server.limits import ServerLimits
+
+    with pytest.raises(ValueError, match=r"--max-n must be > 0, got 0"):
+        ServerLimits(max_n=0)
+    ns = build_parser().parse_args(["--max-n", "4", "--trust-request-chat-template"])
+    limits = ServerLimits.from_cli_args(ns)
+    assert limits.max_n == 4 and limits.trust_request_chat_template
+    assert limits.max_logprobs == 20 and limits.stream_write_timeout == 30.0
+    assert ns.max_queued_requests == 1024 and ns.max_request_body_bytes == 4 * 1024 * 1024
+    assert build_parser().parse_args(["--max-request-bytes", "10"]).max_request_body_bytes == 10

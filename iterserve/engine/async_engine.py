@@ -234,8 +234,11 @@ class _Mailbox:
             self._on_overflow()
 
     def replace_all(self, item: _Item) -> None:
-        """Drops what is unread and leaves ``item`` (the overflow's failure)."""
+        """Drops what is unread and leaves ``item`` (the overflow's failure), after the
+        acknowledgement ``add_request`` may not have taken yet."""
+        acks = [i for i in self._items if isinstance(i, _Accepted)]
         self._items.clear()
+        self._items.extend(acks)
         self.unread_tokens = self.unread_bytes = 0
         self._owned = False
         self.put_nowait(item)

@@ -7,8 +7,12 @@ Threading model
 * The event-loop thread talks to it through a thread-safe command queue (add / abort / stop)
   that the engine thread drains before every step, and wakes it with a ``threading.Event``.
   When no request is live the engine thread sleeps on that event (no busy loop).
-* Outputs go back to per-request ``asyncio.Queue`` objects: one
-  ``loop.call_soon_threadsafe`` per engine step delivers the whole step's batch.
+* Outputs go back to per-request mailboxes (``_Mailbox``): one
+  ``loop.call_soon_threadsafe`` per engine step delivers the whole step's batch. Unread
+  outputs merge into one, and past ``stream_buffer_tokens`` / ``stream_buffer_bytes`` of
+  unread deltas the request is aborted, so a client that does not read costs O(buffer).
+* ``/health`` turns unhealthy when no step completed within ``stall_timeout_s`` while
+  requests are pending (a stalled loop is not a healthy one).
 * ``add_request`` is validated *by the engine thread*: the caller awaits an acknowledgement
   (or the ``ValueError`` the engine raised), so the HTTP layer can answer 400 before it
   starts a response, without ever touching scheduler state from the event loop.

@@ -371,11 +371,12 @@ def test_gemm_row_buckets_bound_shapes_and_keep_results() -> None:
     """oneDNN GEMMs run at few row counts (each one builds a primitive once): exact for decode
     batches, <= 1/16 extra rows above, 128 sizes up to 2048 rows; padding leaves the real rows'
     results unchanged, for the packed f32 path and the bf16 one."""
-    from iterserve.model.llama import (
+    from iterserve.model.layers import (
         EXACT_ROWS,
+        BucketedLinear,
         PackedLinear,
+        UpcastLinear,
         bucket_rows,
-        linear,
         packing_available,
     )
 
@@ -391,9 +392,10 @@ def test_gemm_row_buckets_bound_shapes_and_keep_results() -> None:
         ref = torch.nn.functional.linear(x, w, b)
         if packing_available():
             torch.testing.assert_close(PackedLinear(w, b)(x), ref, rtol=1e-5, atol=1e-5)
-        bf = linear(x.bfloat16(), w.bfloat16(), b.bfloat16())
-        assert bf.shape == (m, 40)
-        torch.testing.assert_close(bf.float(), ref, rtol=0.05, atol=0.15)
+        for strategy in (BucketedLinear, UpcastLinear):
+            bf = strategy(w.bfloat16(), b.bfloat16())(x.bfloat16())
+            assert bf.shape == (m, 40) and bf.dtype == torch.bfloat16
+            torch.testing.assert_close(bf.float(), ref, rtol=0.05, atol=0.15)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])

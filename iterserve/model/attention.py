@@ -9,10 +9,11 @@ The runner orders a step's rows decode-first:
     rows:  [ d0 d1 ... d(D-1) | chunk0 (n0 rows) | chunk1 (n1 rows) | ... ]
              one token each       prefill chunks (or any item with > 1 token)
 
-so all decodes run as ONE call of iterserve's paged decode kernel (each over its own context,
-read in place; without the kernel, one SDPA over the contexts gathered into a padded
-[D, max_blocks * block_size] window, a key-padding mask hiding the tail), and each prefill
-chunk runs one SDPA with a causal mask shifted by its start position. ``AttentionMetadata``
+so all decodes run as ONE call of iterserve's paged decode kernel (the ``cpu`` backend: each
+over its own context, read in place) or one SDPA over the contexts gathered into a padded
+[D, max_blocks * block_size] window, a key-padding mask hiding the tail (the ``torch``
+backend), and each prefill chunk runs one SDPA with a causal mask shifted by its start
+position. ``AttentionMetadata``
 holds every index and mask for that; it is built once per step and shared by all layers.
 """
 
@@ -131,7 +132,69 @@ def build_attention_metadata(
     )
 
 
-def paged_attention(
+def write_new_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """Every new K/V of the step goes in before any read, so sequences sharing prefix blocks
+    within one step see each other's writes."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+
+
+def sdpa_decodes(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_size: int,
+) -> torch.Tensor:
+    """Rows [0, D): the decodes' blocks gathered into a window padded to the longest context,
+    one SDPA under a key-padding mask. Returns [D, H, hd] (f32 where the dtype is emulated)."""
+    D, H, hd = q.shape[0], q.shape[1], q.shape[2]
+    kvh = k_cache.shape[1]
+    assert meta.decode_block_ids is not None
+    # GQA without repeating K/V: the G query heads of one KV head become G query rows.
+    qd = q[:D].reshape(D, kvh, H // kvh, hd)
+    # index_select over whole blocks (flat ids) is a row memcpy; 2-D fancy indexing is ~2x slower.
+    kd = k_cache.view(-1, block_size, kvh, hd).index_select(0, meta.decode_block_ids)
+    vd = v_cache.view(-1, block_size, kvh, hd).index_select(0, meta.decode_block_ids)
+    if needs_upcast(q.dtype):
+        qd, kd, vd = qd.float(), kd.float(), vd.float()
+    kd = kd.view(D, -1, kvh, hd).transpose(1, 2)
+    vd = vd.view(D, -1, kvh, hd).transpose(1, 2)
+    return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+
+
+def kernel_decodes(
+    kern: kernels.Kernels,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_size: int,
+) -> torch.Tensor:
+    """Rows [0, D) through iterserve's paged decode kernel: each decode reads only its own
+    context, in place, softmax vectorised on every thread (docs/SPEED.md, "Decode attention").
+    Returns [D, H, hd]."""
+    D = q.shape[0]
+    assert meta.decode_block_ids is not None
+    assert meta.decode_ctx_lens is not None and meta.decode_starts is not None
+    return kern.paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.decode_block_ids.view(D, -1),
+        meta.decode_ctx_lens,
+        meta.decode_starts,
+        block_size,
+    )
+
+
+def sdpa_prefills(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -139,65 +202,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     block_size: int,
-    kern: kernels.Kernels | None = None,
-) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KvH, D] (post-RoPE) -> attention output [T, H * D]. ``kern``:
-    iterserve's kernels, for the decodes (f32 or bf16 caches).
-
-    Writes every new K/V of the step before reading, so sequences sharing prefix blocks within
-    one step see each other's writes.
-
-    Decodes go through iterserve's paged decode kernel (``kernels.paged_decode_attention``):
-    each decode reads only its own context, in place in the cache, and the softmax runs
-    vectorised on every thread. bench-134m shapes (12 heads x 64), 2 threads, bf16 cache, ms
-    per layer, kernel vs torch.compile of gather + upcast + softmax + reductions (the previous
-    path), the same call repeated (cache-warm): 8 decodes x 128 keys 0.13 vs 0.31; 32 x 128:
-    0.54 vs 1.02; 128 x 128: 2.7 vs 5.4; 32 x 512: 2.7 vs 6.2. Inside decode steps (cold, with
-    the kernel's prefetching): 32 x 128 0.75, 128 x 128 3.1. Without the kernels
-    (``ITERSERVE_KERNELS=0``, no C++ compiler) the decodes' blocks are gathered into a window
-    padded to the longest context and run as one SDPA under a key-padding mask.
-
-    Where this CPU only emulates the model dtype (bf16 without AVX512-BF16), attention computes
-    in f32 on the same bf16 values: SDPA's bf16 kernel converts inside its loops, and at 32
-    decodes x 128 keys x 12 heads took 5.2 ms a layer against 0.7 ms in f32.
-    """
+) -> list[torch.Tensor]:
+    """One SDPA per prefill chunk (causal, shifted by its start position); [n, H * hd] each.
+    Where this CPU only emulates the dtype, attention computes in f32 on the same values
+    (docs/SPEED.md, "Decode attention")."""
     f32 = needs_upcast(q.dtype)
-
-    T, H, hd = q.shape
+    H, hd = q.shape[1], q.shape[2]
     kvh = k.shape[1]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
     k_blocks = k_cache.view(-1, block_size, kvh, hd)
     v_blocks = v_cache.view(-1, block_size, kvh, hd)
-
     outs: list[torch.Tensor] = []
-    D = meta.num_decodes
-    if D:
-        assert meta.decode_block_ids is not None
-        if kern is not None:
-            assert meta.decode_ctx_lens is not None and meta.decode_starts is not None
-            out = kern.paged_decode_attention(
-                q[:D],
-                k_cache,
-                v_cache,
-                meta.decode_block_ids.view(D, -1),
-                meta.decode_ctx_lens,
-                meta.decode_starts,
-                block_size,
-            )
-        else:
-            # GQA without repeating K/V: the G query heads of one KV head become G query rows.
-            qd = q[:D].reshape(D, kvh, H // kvh, hd)
-            # index_select over whole blocks (flat ids) is a row memcpy; 2-D fancy indexing is
-            # ~2x slower.
-            kd = k_blocks.index_select(0, meta.decode_block_ids)
-            vd = v_blocks.index_select(0, meta.decode_block_ids)
-            if f32:
-                qd, kd, vd = qd.float(), kd.float(), vd.float()
-            kd = kd.view(D, -1, kvh, hd).transpose(1, 2)
-            vd = vd.view(D, -1, kvh, hd).transpose(1, 2)
-            out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-        outs.append(out.reshape(D, H * hd).to(q.dtype))
     for c in meta.prefills:
         qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
         if c.block_ids is None:
@@ -216,4 +230,30 @@ def paged_attention(
             enable_gqa=kvh != H,
         )
         outs.append(out[0].transpose(0, 1).reshape(c.end - c.start, H * hd).to(q.dtype))
+    return outs
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_size: int,
+    kern: kernels.Kernels | None = None,
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KvH, D] (post-RoPE) -> attention output [T, H * D]. ``kern``:
+    iterserve's kernels for the decodes (f32 or bf16 caches), else SDPA. The model calls an
+    attention backend (attention_backends.py) instead; this is the same path in one call."""
+    write_new_kv(k, v, k_cache, v_cache, meta)
+    D = meta.num_decodes
+    outs: list[torch.Tensor] = []
+    if D:
+        if kern is not None:
+            out = kernel_decodes(kern, q[:D], k_cache, v_cache, meta, block_size)
+        else:
+            out = sdpa_decodes(q[:D], k_cache, v_cache, meta, block_size)
+        outs.append(out.reshape(D, -1).to(q.dtype))
+    outs += sdpa_prefills(q, k, v, k_cache, v_cache, meta, block_size)
     return outs[0] if len(outs) == 1 else torch.cat(outs)

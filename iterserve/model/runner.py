@@ -41,10 +41,17 @@ import torch
 from iterserve import config
 from iterserve.config import CacheConfig
 from iterserve.model import kernels
-from iterserve.model.attention import StepItem, build_attention_metadata
+from iterserve.model.attention import StepItem
+from iterserve.model.attention_backends import (
+    AttentionBackend,
+    StepMetadata,
+    backend_setting,
+    select_backend,
+)
 from iterserve.model.builtin import resolve_model
 from iterserve.model.cpu import needs_upcast, tune_allocator
-from iterserve.model.llama import DecoderModel, RotaryTable, packing_available
+from iterserve.model.layers import packing_available
+from iterserve.model.llama import DecoderModel, RotaryTable, Strategies
 from iterserve.model.loader import load_weights
 from iterserve.model.model_config import ModelConfig
 
@@ -116,6 +123,7 @@ class ModelRunner:
             load_weights(self.model, self.model_path)
             self.rope = RotaryTable(cfg.head_dim, cfg.rope, self.max_model_len, self.dtype)
         self.num_params: int = sum(p.numel() for p in self.model.parameters())  # tied counted once
+        self.device = torch.device("cpu")
         self.packed_weights: bool = self._should_pack()
         # iterserve's C++ kernels, built the first time on this machine (a few seconds), loaded
         # here rather than in the first step; None: torch's kernels (see kernels.py).
@@ -124,16 +132,24 @@ class ModelRunner:
         if kern is not None:
             logger.info("C++ kernels ready in %.1f s", time.perf_counter() - t0)
         self.kernels: kernels.Kernels | None = kern  # also the sampler's (see LLMEngine.step)
-        self.model.use_kernels(kern)
-        # bf16 on a CPU that emulates it: panels (llama.py) serve up to PANEL_MAX_ROWS rows and
-        # replace the bf16 originals; the packed f32 copy, where it fits, serves more rows.
-        panel_kern = kern if self.dtype == torch.bfloat16 and needs_upcast(self.dtype) else None
+        self.attention: AttentionBackend[Any] = select_backend(
+            backend_setting(), self.dtype, self.device, kern
+        )
+        logger.info("attention backend: %s", self.attention.name)
+        upcast = needs_upcast(self.dtype)
+        # bf16 on a CPU that emulates it: panels serve up to PANEL_MAX_ROWS rows and replace the
+        # bf16 originals; the packed f32 copy, where it fits, serves more rows (layers.py).
+        panel_kern = kern if self.dtype == torch.bfloat16 and upcast else None
         self.panel_weights: bool = panel_kern is not None
+        strategies = Strategies(
+            attention=self.attention,
+            pack=self.packed_weights,
+            upcast=upcast,
+            panel_kern=panel_kern,
+            fused=kern if self.dtype == torch.bfloat16 else None,
+        )
         with torch.inference_mode():
-            if self.packed_weights:
-                self.model.pack_weights(keep_original=self.dtype != torch.float32)
-            if panel_kern is not None:
-                self.model.pack_panels(panel_kern)
+            self.model.select_strategies(strategies)
 
         self.block_size: int = cache_config.block_size
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -195,7 +211,7 @@ class ModelRunner:
         if not items:
             return torch.empty(0, self.vocab_size)
         bs = self.block_size
-        # Decode-first row order (see attention.py): one batched SDPA for all single-token items.
+        # Decode-first row order (see attention.py): one batched call for all single-token items.
         order = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
         num_decodes = len(order)
         order += [i for i, it in enumerate(items) if len(it.token_ids) != 1]
@@ -225,15 +241,19 @@ class ModelRunner:
         with torch.inference_mode():
             pos = torch.tensor(positions, dtype=torch.int64)
             cos, sin = self.rope.gather(pos)
-            meta = build_attention_metadata(
-                step_items, num_decodes, bs, self.model_config.sliding_window, self.dtype
+            step = StepMetadata(
+                step_items,
+                num_decodes,
+                bs,
+                self.model_config.sliding_window,
+                self.dtype,
+                self.device,
             )
             return self.model(
                 torch.tensor(ids, dtype=torch.int64),
                 cos,
                 sin,
-                meta,
+                self.attention.build_metadata(step),  # once per step, shared by all layers
                 self.kv_caches,
-                bs,
                 torch.tensor(logit_rows, dtype=torch.int64),
             )

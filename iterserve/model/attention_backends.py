@@ -1,0 +1,248 @@
+"""Attention backends: one interface, chosen once at ModelRunner set-up.
+
+    torch   the readable reference, any device: SDPA over gathered blocks (attention.py)
+    cpu     iterserve's C++ paged decode kernel for the decodes, SDPA for prefill chunks
+    triton  iterserve's Triton kernels (triton_attention.py): GPU, or CPU under
+            TRITON_INTERPRET=1 (tests)
+
+Per step the runner builds ONE backend-neutral ``StepMetadata``; the backend turns it into its
+own metadata once (``build_metadata``), and every layer then calls ``backend(q, k, v, k_cache,
+v_cache, meta)``. ``ITERSERVE_ATTENTION_BACKEND=auto|torch|cpu|triton`` picks one (auto: cpu
+where the C++ kernels built and the dtype is f32/bf16, triton on CUDA, else torch).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from iterserve.model import attention, kernels
+from iterserve.model.attention import AttentionMetadata, StepItem
+
+BACKENDS = ("auto", "torch", "cpu", "triton")
+ENV = "ITERSERVE_ATTENTION_BACKEND"
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """What every backend needs to know about a step, built once by the runner.
+
+    ``items`` are in row order, decode-first: ``items[:num_decodes]`` have one token each, and
+    item i's rows follow item i - 1's in the flattened batch."""
+
+    items: Sequence[StepItem]
+    num_decodes: int
+    block_size: int
+    sliding_window: int | None
+    dtype: torch.dtype  # the model's (and KV cache's) dtype
+    device: torch.device
+
+
+M = TypeVar("M")
+
+
+class AttentionBackend(ABC, Generic[M]):
+    """CONTRACT: ``build_metadata`` once per step; ``__call__`` once per layer with q [T, H, hd]
+    and k/v [T, KvH, hd] (post-RoPE), writing the step's new K/V into the layer's caches
+    ([slots, KvH, hd]) before reading any, and returning [T, H * hd] in q's dtype."""
+
+    name: str
+
+    @abstractmethod
+    def build_metadata(self, step: StepMetadata) -> M: ...
+
+    @abstractmethod
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: M,
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class TorchMetadata:
+    attn: AttentionMetadata
+    block_size: int
+
+
+class TorchBackend(AttentionBackend[TorchMetadata]):
+    name = "torch"
+
+    def build_metadata(self, step: StepMetadata) -> TorchMetadata:
+        meta = attention.build_attention_metadata(
+            step.items, step.num_decodes, step.block_size, step.sliding_window, step.dtype
+        )
+        return TorchMetadata(meta, step.block_size)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TorchMetadata,
+    ) -> torch.Tensor:
+        m, bs = meta.attn, meta.block_size
+        attention.write_new_kv(k, v, k_cache, v_cache, m)
+        outs = attention.sdpa_prefills(q, k, v, k_cache, v_cache, m, bs)
+        D = m.num_decodes
+        if D:
+            out = self._decodes(q[:D], k_cache, v_cache, m, bs)
+            outs.insert(0, out.reshape(D, -1).to(q.dtype))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decodes(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        block_size: int,
+    ) -> torch.Tensor:
+        return attention.sdpa_decodes(q, k_cache, v_cache, meta, block_size)
+
+
+class CpuBackend(TorchBackend):
+    """The torch backend with its decodes through iterserve's C++ kernel."""
+
+    name = "cpu"
+
+    def __init__(self, kern: kernels.Kernels) -> None:
+        self.kern = kern
+
+    def _decodes(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        block_size: int,
+    ) -> torch.Tensor:
+        return attention.kernel_decodes(self.kern, q, k_cache, v_cache, meta, block_size)
+
+
+@dataclass
+class TritonMetadata:
+    """The ragged batch as triton_attention.py's launchers take it (int32, on the device)."""
+
+    slot_mapping: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [B, max_blocks], padded with block 0
+    query_start_loc: torch.Tensor  # [B + 1]
+    seq_lens: torch.Tensor  # [B]: positions per sequence including this step's
+    max_query_len: int
+    decode_only: bool  # every item has one token: the split-KV decode kernel
+    block_size: int
+    sliding_window: int | None
+
+
+class TritonBackend(AttentionBackend[TritonMetadata]):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from iterserve.model import triton_attention
+
+        triton_attention._require_triton()
+        self.ta = triton_attention
+
+    def build_metadata(self, step: StepMetadata) -> TritonMetadata:
+        bs, items = step.block_size, step.items
+        slots: list[int] = []
+        starts, lens, tables = [0], [], []
+        for it in items:
+            p0, n = it.start_pos, it.num_tokens
+            bt = it.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(p0, p0 + n))
+            starts.append(starts[-1] + n)
+            lens.append(p0 + n)
+            tables.append(list(bt[: (p0 + n - 1) // bs + 1]))
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+
+        def dev(x: list[Any]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int32, device=step.device)
+
+        return TritonMetadata(
+            slot_mapping=dev(slots),
+            block_tables=dev(padded),
+            query_start_loc=dev(starts),
+            seq_lens=dev(lens),
+            max_query_len=max(it.num_tokens for it in items),
+            decode_only=step.num_decodes == len(items),
+            block_size=bs,
+            sliding_window=step.sliding_window,
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TritonMetadata,
+    ) -> torch.Tensor:
+        ta, bs = self.ta, meta.block_size
+        ta.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            out = ta.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, bs,
+                sliding_window=meta.sliding_window,
+            )  # fmt: skip
+        else:
+            out = ta.paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, bs,
+                meta.max_query_len, sliding_window=meta.sliding_window,
+            )  # fmt: skip
+        return out.reshape(q.shape[0], -1)
+
+
+def backend_setting() -> str:
+    """``ITERSERVE_ATTENTION_BACKEND``, checked (default auto)."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV} must be one of {', '.join(BACKENDS)}, got {value!r}")
+    return value
+
+
+def select_backend(
+    name: str, dtype: torch.dtype, device: torch.device, kern: kernels.Kernels | None
+) -> AttentionBackend[Any]:
+    """The backend called ``name`` (one of BACKENDS) for this dtype and device; a clear
+    ValueError where it cannot run here."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    cpu_ok = device.type == "cpu" and kern is not None and dtype in (torch.float32, torch.bfloat16)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "cpu" if cpu_ok else "torch"
+    if name == "torch":
+        return TorchBackend()
+    if name == "cpu":
+        if not cpu_ok:
+            raise ValueError(
+                f"the cpu attention backend needs iterserve's C++ kernels (built: "
+                f"{kern is not None}; ITERSERVE_KERNELS=0 or no C++ compiler turns them off), a "
+                f"CPU device (got {device.type}) and a float32/bfloat16 model (got {dtype}); "
+                f"set {ENV}=torch or auto"
+            )
+        assert kern is not None
+        return CpuBackend(kern)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"the triton attention backend runs on a CUDA device; on CPU it needs "
+            f"TRITON_INTERPRET=1 (slow, for tests) set before iterserve is imported; set "
+            f"{ENV}=torch, cpu or auto"
+        )
+    try:
+        return TritonBackend()
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from exc

@@ -1,0 +1,286 @@
+"""The decoder's building blocks as strategy modules, each with ONE forward.
+
+What differs by device, dtype or CPU kind is decided once at load (``choose_linear`` and
+friends, called by ``DecoderModel.select_strategies``), as gpt-fast swaps ``nn.Linear`` for its
+quantized modules: the model code calls ``self.qkv(x)`` and never learns which GEMM ran. A
+strategy may still look at the row count inside its own forward (e.g. panels up to N rows,
+packed above): that is its business, not the model's. Measurements behind every threshold
+here: docs/SPEED.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iterserve.model import kernels
+
+# Emulated bf16/f16 GEMMs lose to f32 from this many rows on (docs/SPEED.md, "Low precision").
+UPCAST_MIN_ROWS = 8
+UPCAST_SLICE_ROWS = 512  # an f32 weight slice of this many rows stays in cache
+# Panels beat the packed f32 copy up to this many rows (docs/SPEED.md, "Panels").
+PANEL_MAX_ROWS = 256
+# oneDNN builds a primitive per (weight, row count): above this many rows, GEMMs run at one of
+# 16 row counts per octave so creation stops (docs/SPEED.md, "Row buckets").
+EXACT_ROWS = 32
+
+
+def bucket_rows(m: int) -> int:
+    """The row count a GEMM of ``m`` rows runs at: ``m`` up to EXACT_ROWS, else ``m`` rounded
+    up to a multiple of 2**(k - 4) for m in (2**k, 2**(k + 1)]."""
+    if m <= EXACT_ROWS:
+        return m
+    step = 1 << ((m - 1).bit_length() - 5)
+    return -(-m // step) * step
+
+
+def bucketed_rows(x: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``gemm(x)`` run on ``x`` padded with zero rows to ``bucket_rows`` (rows are independent,
+    so the real rows' results are those of ``gemm`` on them alone)."""
+    m = x.shape[0]
+    mb = bucket_rows(m)
+    if mb == m:
+        return gemm(x)
+    padded = x.new_empty(mb, x.shape[1])
+    padded[:m] = x
+    padded[m:].zero_()
+    return gemm(padded)[:m]
+
+
+# --- Linear strategies: forward(x [rows, in]) -> [rows, out] in x's dtype -------------------
+
+
+class TorchLinear(nn.Module):
+    """``F.linear``: any device; on CPU f32 it is MKL's sgemm (no per-shape set-up)."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias = w, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class BucketedLinear(TorchLinear):
+    """``F.linear`` at bucketed row counts: oneDNN's low-precision GEMM, which builds a
+    primitive per row count."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return bucketed_rows(x, self._gemm)
+
+    def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, self.weight, self.bias)
+
+
+class UpcastLinear(BucketedLinear):
+    """A bf16/f16 weight on a CPU that only emulates it, not packed: few rows run oneDNN's
+    GEMM (memory bound, half the bytes); more rows upcast the weight a slice at a time into a
+    small f32 scratch, so memory stays that of the low-precision weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < UPCAST_MIN_ROWS:
+            return bucketed_rows(x, self._gemm)
+        w, b = self.weight, self.bias
+        x32 = x.float()
+        n = w.shape[0]
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        scratch = torch.empty(min(n, UPCAST_SLICE_ROWS), w.shape[1])
+        for r0 in range(0, n, UPCAST_SLICE_ROWS):
+            r1 = min(r0 + UPCAST_SLICE_ROWS, n)
+            w32 = scratch[: r1 - r0].copy_(w[r0:r1])
+            out[:, r0:r1] = (
+                torch.mm(x32, w32.t()) if b is None else torch.addmm(b[r0:r1].float(), x32, w32.t())
+            )
+        return out
+
+
+class PackedLinear(nn.Module):
+    """An f32 copy of the weight prepacked for oneDNN's inner product (plain F.linear on an f32
+    weight repacks it every call). ``single_row``: the original low-precision weight, kept for
+    one-row calls, which are bound by weight bytes (half those of the f32 copy)."""
+
+    def __init__(
+        self, w: torch.Tensor, b: torch.Tensor | None, single_row: nn.Module | None = None
+    ) -> None:
+        super().__init__()
+        # The batch-size hint only picks the blocked layout; calls with any row count work.
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32)
+        self.bias = None if b is None else b.float().contiguous()
+        self.single_row = single_row
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.single_row is not None and x.shape[0] == 1:
+            return self.single_row(x)  # type: ignore[no-any-return]
+        x32 = x if x.dtype == torch.float32 else x.float()
+        out = bucketed_rows(x32, self._run)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def _run(self, x32: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x32, self.weight, self.bias, "none", [], ""
+        )
+        return out
+
+
+def packing_available() -> bool:
+    """oneDNN's packed inner product (an internal op of torch's CPU build) works here."""
+    try:
+        PackedLinear(torch.ones(2, 2), None)(torch.ones(1, 2))
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PanelLinear(nn.Module):
+    """A bf16 weight laid out in iterserve's 32-column panels (widened to f32 in registers: 2
+    bytes per weight streamed). ``many_rows``: the packed f32 strategy, faster above
+    PANEL_MAX_ROWS rows."""
+
+    def __init__(
+        self,
+        kern: kernels.Kernels,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        many_rows: PackedLinear | None = None,
+    ) -> None:
+        super().__init__()
+        self.kern = kern
+        self.panels = kern.pack_panels(w)
+        self.out_features = w.shape[0]
+        self.bias = None if b is None else b.contiguous()
+        self.many_rows = many_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.many_rows is not None and x.shape[0] > PANEL_MAX_ROWS:
+            return self.many_rows(x)  # type: ignore[no-any-return]
+        return self.kern.gemm_panels(x, self.panels, self.out_features, self.bias)
+
+
+def choose_linear(
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    *,
+    pack: bool,
+    upcast: bool,
+    panel_kern: kernels.Kernels | None,
+) -> nn.Module:
+    """The GEMM strategy of one weight. ``pack``: make the f32 oneDNN copy; ``upcast``: the
+    CPU only emulates the weight's dtype; ``panel_kern``: lay a bf16 weight out in panels."""
+    low = w.dtype != torch.float32
+    keep = None
+    if low and not upcast:
+        keep = BucketedLinear(w, b)  # oneDNN's native bf16/f16 GEMM
+    elif low:
+        keep = UpcastLinear(w, b)
+    packed = PackedLinear(w, b, single_row=keep) if pack else None
+    if panel_kern is not None:
+        if packed is not None:
+            packed.single_row = None  # panels serve single rows, with the same bytes
+        return PanelLinear(panel_kern, w, b, many_rows=packed)
+    if packed is not None:
+        return packed
+    return keep if keep is not None else TorchLinear(w, b)
+
+
+# --- Norms: forward(x) -> normed x; add(h, o) -> (h + o, norm(h + o)) -----------------------
+
+
+class RMSNorm(nn.Module):
+    """float32: one ``F.rms_norm``."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add(self, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h + o
+        return h, self(h)
+
+
+class RoundedRMSNorm(RMSNorm):
+    """Low precision: round the normalised value before the weight multiply, as transformers
+    does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape[-1:], None, self.eps) * self.weight
+
+
+class FusedRMSNorm(RMSNorm):
+    """bf16 through iterserve's kernel: one call instead of ~10 torch ops, the same roundings;
+    ``add`` adds the residual in place inside the same call."""
+
+    def __init__(self, kern: kernels.Kernels, weight: torch.Tensor, eps: float) -> None:
+        super().__init__(weight, eps)
+        self.kern = kern
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kern.rms_norm(x, self.weight, self.eps)
+
+    def add(self, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h, self.kern.rms_norm(h, self.weight, self.eps, add=o)  # h += o in place
+
+
+class HeadRMSNorm(nn.Module):
+    """Qwen3's per-head RMSNorm of q and k: one [H + KvH, hd] weight, one multiply."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, qk: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(qk, self.weight.shape[-1:], None, self.eps) * self.weight
+
+
+def choose_norm(weight: torch.Tensor, eps: float, fused: kernels.Kernels | None) -> RMSNorm:
+    if fused is not None:
+        return FusedRMSNorm(fused, weight, eps)
+    return RMSNorm(weight, eps) if weight.dtype == torch.float32 else RoundedRMSNorm(weight, eps)
+
+
+# --- Rotary embedding and the MLP activation -------------------------------------------------
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, hd]; ``sin_signed`` = [-sin_lo, sin_hi] (see ``RotaryTable``)."""
+    T, n, hd = x.shape
+    flipped = x.reshape(T, n, 2, hd // 2).flip(2).view(T, n, hd)
+    return x * cos + flipped * sin_signed
+
+
+class Rotary(nn.Module):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, cos, sin)
+
+
+class FusedRotary(nn.Module):
+    def __init__(self, kern: kernels.Kernels) -> None:
+        super().__init__()
+        self.kern = kern
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.kern.rope(x, cos, sin)
+
+
+class SiluMul(nn.Module):
+    """SwiGLU's ``silu(gate) * up`` for gate_up = [gate | up]."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        n = gate_up.shape[1] // 2
+        return F.silu(gate_up[:, :n]) * gate_up[:, n:]
+
+
+class FusedSiluMul(nn.Module):
+    """The same roundings as ``SiluMul``, in one kernel call."""
+
+    def __init__(self, kern: kernels.Kernels) -> None:
+        super().__init__()
+        self.kern = kern
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kern.silu_mul(gate_up)

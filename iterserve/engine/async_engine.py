@@ -138,6 +138,8 @@ class _AddCmd:
     priority: int
     arrival_time: float
     stream: RequestStream
+    tenant: str = ""
+    slo_ttft_s: float | None = None
 
 
 @dataclass
@@ -531,13 +533,16 @@ class AsyncEngine:
         *,
         num_prompt_tokens: int | None = None,
         arrival_time: float | None = None,
+        tenant: str = "",
+        slo_ttft_s: float | None = None,
     ) -> RequestStream:
         """Submits a request and waits until the engine accepted it.
 
         Raises ``ValueError`` (invalid request: the engine's message), QueueFullError,
         EngineShuttingDownError or EngineDeadError. ``num_prompt_tokens`` (if known) feeds
         ``max_queued_tokens``; it defaults to ``len(prompt)`` for token-id prompts and to a
-        tokenization of the string otherwise (only when that limit is set).
+        tokenization of the string otherwise (only when that limit is set). ``tenant`` and
+        ``slo_ttft_s`` go to the engine (``EngineInterface.add_request``).
         """
         if self._thread is None:
             raise EngineDeadError("engine is not started")
@@ -567,6 +572,8 @@ class AsyncEngine:
                 priority=priority,
                 arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                 stream=stream,
+                tenant=tenant,
+                slo_ttft_s=slo_ttft_s,
             )
         )
         thread = self._thread
@@ -748,6 +755,8 @@ class AsyncEngine:
                         cmd.params,
                         arrival_time=cmd.arrival_time,
                         priority=cmd.priority,
+                        tenant=cmd.tenant,
+                        slo_ttft_s=cmd.slo_ttft_s,
                     )
                 except ValueError as e:
                     self._release(cmd.request_id)

@@ -143,9 +143,16 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        tenant: str = "",
+        slo_ttft_s: float | None = None,
     ) -> None:
-        """Queues a request. Raises ValueError (changing nothing) for bad input."""
+        """Queues a request. Raises ValueError (changing nothing) for bad input.
+
+        ``tenant`` is who sent it (the ``fair`` policy's unit); ``slo_ttft_s`` its own TTFT
+        target for the ``slo`` policy (None: the scheduler's ``slo_ttft_ms``)."""
         params = params or SamplingParams()
+        if slo_ttft_s is not None and not (0 < slo_ttft_s < float("inf")):
+            raise ValueError(f"slo_ttft_s must be a positive number of seconds, got {slo_ttft_s}")
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
@@ -173,6 +180,8 @@ class LLMEngine:
                 self.eos_token_ids,
                 parent.metrics.arrival_time,
                 priority,
+                tenant=tenant,
+                slo_ttft_s=slo_ttft_s,
             )
             seq = _Seq(
                 req,

@@ -84,8 +84,12 @@ class EngineInterface(Protocol):
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        tenant: str = "",
+        slo_ttft_s: float | None = None,
     ) -> None:
-        """Queues a request; raises ValueError (changing nothing) when it is invalid."""
+        """Queues a request; raises ValueError (changing nothing) when it is invalid.
+        ``tenant`` feeds the ``fair`` policy, ``slo_ttft_s`` (None: the engine's default)
+        the ``slo`` policy, which may end the request with an error output instead."""
         ...
 
     def abort_request(self, request_id: str) -> None:

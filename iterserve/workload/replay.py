@@ -33,6 +33,8 @@ class ReplayEngine(Protocol):
         prompt: list[int],
         params: SamplingParams,
         arrival_time: float | None = ...,
+        tenant: str = ...,
+        slo_ttft_s: float | None = ...,
     ) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -54,6 +56,17 @@ class ReplayResult:
 def bench_params(output_len: int) -> SamplingParams:
     """Exactly ``output_len`` tokens (ignore_eos), greedy, as ``bench serve`` asks a server."""
     return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+
+
+def _routing(spec: RequestSpec) -> dict[str, Any]:
+    """The spec's tenant and TTFT target as ``add_request`` keywords, only where set, so an
+    engine without tenants still replays a workload that names none."""
+    kw: dict[str, Any] = {}
+    if spec.tenant:
+        kw["tenant"] = spec.tenant
+    if spec.slo_ttft_s is not None:
+        kw["slo_ttft_s"] = spec.slo_ttft_s
+    return kw
 
 
 def _engine_steps(engine: ReplayEngine) -> int:
@@ -109,6 +122,7 @@ def replay(
                     spec.prompt_token_ids,
                     bench_params(spec.output_len),
                     arrival_time=start + spec.arrival_time,
+                    **_routing(spec),
                 )
             except ValueError as e:
                 t.error = f"rejected: {e}"

@@ -59,6 +59,7 @@ class _Req:
     ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    slo_ttft_s: float | None = None
     out: list[list[int]] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
 
@@ -95,6 +96,9 @@ class FakeEngine:
         self.raise_in_step = 0  # next N steps raise (an engine bug escaping step())
         self.fail_model_step = 0  # next N steps fail the model forward (contract path)
         self.fail_prompts_containing: str | None = None  # such requests fail alone
+        # As the slo policy: a request whose TTFT target is below this is rejected.
+        self.min_ttft_s: float | None = None
+        self.routing: dict[str, tuple[str, float | None]] = {}  # id -> (tenant, slo_ttft_s)
 
     # ---- contract --------------------------------------------------------------------------
     def add_request(
@@ -104,6 +108,8 @@ class FakeEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        tenant: str = "",
+        slo_ttft_s: float | None = None,
     ) -> None:
         if request_id in self.reqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -130,7 +136,9 @@ class FakeEngine:
             ids,
             params,
             RequestMetrics(arrival_time=arrival_time or now, num_prompt_tokens=len(ids)),
+            slo_ttft_s,
         )
+        self.routing[request_id] = (tenant, slo_ttft_s)
         r.out = [[] for _ in range(params.n)]
         r.finish = [None] * params.n
         self.reqs[request_id] = r
@@ -215,14 +223,22 @@ class FakeEngine:
         for r in running:
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = now
+            error = None
             if (
                 self.fail_prompts_containing
                 and self.fail_prompts_containing in self.tokenizer.decode(r.ids)
             ):
-                r.finish = ["error"] * len(r.finish)
-                outs.append(
-                    self._output(r, [[] for _ in r.out], error="injected per-request failure")
+                error = "injected per-request failure"
+            slo, least = r.slo_ttft_s, self.min_ttft_s
+            if slo is not None and least is not None and slo < least and not any(r.out):
+                error = (  # the wording of core/policies.py's SloPolicy
+                    f"cannot meet its time-to-first-token target of {slo:.3f} s: the first "
+                    f"token would come {least:.3f} s after arrival; retry later, or raise "
+                    "the target"
                 )
+            if error is not None:
+                r.finish = ["error"] * len(r.finish)
+                outs.append(self._output(r, [[] for _ in r.out], error=error))
                 del self.reqs[r.rid]
                 continue
             new: list[list[int]] = []

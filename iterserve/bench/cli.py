@@ -206,22 +206,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _local_model_folder(name: str | None) -> str | None:
-    """A folder for a built-in model name or an existing checkpoint folder, else None."""
+    """The local checkpoint folder for anything ``--model`` takes (a built-in name, a folder, a
+    .gguf file, a Hub id), resolved as the engine resolves it; None for no name."""
     if not name:
         return None
-    if os.path.isdir(name):
-        return name
-    from iterserve.model.builtin import BUILTINS, resolve_model
+    from iterserve.model.builtin import resolve_model
 
-    return resolve_model(name) if name in BUILTINS else None
+    return resolve_model(name)
 
 
 def _load_tokenizer(name: str) -> Any:
     from iterserve.engine.tokenizer import load_tokenizer
 
     folder = _local_model_folder(name)
-    if folder is None:
-        raise ValueError(f"--tokenizer {name!r} is neither a folder nor a built-in model name")
+    assert folder is not None
     return load_tokenizer(folder)
 
 

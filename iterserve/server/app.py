@@ -44,6 +44,7 @@ from iterserve.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from iterserve.server.routing import routing
 from iterserve.server.serving import Serving
 
 logger = logging.getLogger("iterserve.server")
@@ -270,15 +271,19 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
+    route = routing(request.headers, req.user, req.slo_ttft_ms)
     return _to_response(
-        request, await cancel_on_disconnect(request, _serving(request).completions(req))
+        request, await cancel_on_disconnect(request, _serving(request).completions(req, route))
     )
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
-    return _to_response(request, await cancel_on_disconnect(request, _serving(request).chat(req)))
+    route = routing(request.headers, req.user, req.slo_ttft_ms)
+    return _to_response(
+        request, await cancel_on_disconnect(request, _serving(request).chat(req, route))
+    )
 
 
 @router.get("/v1/models")

@@ -43,6 +43,8 @@ class ServerMetrics:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._preemptions_seen = 0
+        self._recomputed_seen = 0
+        self._engine_rejected_seen = 0
         labels = ["model_name"]
         r = self.registry
 
@@ -94,9 +96,21 @@ class ServerMetrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
+        self.recomputed_tokens = counter(
+            "recomputed_tokens",
+            "Tokens computed again after a preemption threw their KV-cache blocks away.",
+        )
+        self.num_rejected = counter(
+            "num_rejected",
+            "Requests ended by the scheduling policy's admission filter (e.g. slo).",
+        )
+        self.recompute_tax = gauge(
+            "recompute_tax", "Recomputed tokens / useful (first-time) tokens, since start."
+        )
         self.requests_rejected = counter(
             "num_requests_rejected",
-            "Requests refused before reaching the engine, by reason.",
+            "Requests refused, by reason: before reaching the engine (queue_full, "
+            "shutting_down, engine_dead) or by the slo policy (ttft_unreachable).",
             ("reason",),
         )
         # ---- histograms ----
@@ -140,6 +154,8 @@ class ServerMetrics:
         self._c_preempt = self.num_preemptions.labels(m)
         self._c_pq = self.prefix_cache_queries.labels(m)
         self._c_ph = self.prefix_cache_hits.labels(m)
+        self._c_recomputed = self.recomputed_tokens.labels(m)
+        self._c_engine_rejected = self.num_rejected.labels(m)
         self._h_ttft = self.time_to_first_token.labels(m)
         self._h_itl = self.inter_token_latency.labels(m)
         self._h_e2e = self.e2e_request_latency.labels(m)
@@ -149,7 +165,7 @@ class ServerMetrics:
         self._h_gen = self.request_generation_tokens.labels(m)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(m, reason)  # export zeros so dashboards see the series
-        for reason in ("queue_full", "shutting_down", "engine_dead"):
+        for reason in ("queue_full", "shutting_down", "engine_dead", "ttft_unreachable"):
             self.requests_rejected.labels(m, reason)
         self._last_token_time: dict[str, list[float | None]] = {}
 
@@ -163,6 +179,9 @@ class ServerMetrics:
         self.prefix_cache_hit_rate.labels(m).set_function(self._hit_rate)
         self.num_requests_in_flight.labels(m).set_function(lambda: engine.num_active)
         self.engine_healthy.labels(m).set_function(lambda: 1.0 if engine.healthy else 0.0)
+        self.recompute_tax.labels(m).set_function(
+            lambda: float(engine.snapshot.stats.get("recompute_tax", 0.0) or 0.0)
+        )
 
     def _hit_rate(self) -> float:
         with self._lock:
@@ -183,14 +202,22 @@ class ServerMetrics:
             q = int(s.get("prefix_cache_query_tokens", 0) or 0)
             h = int(s.get("prefix_cache_hit_tokens", 0) or 0)
             p = int(s.get("num_preemptions", 0) or 0)
+            r = int(s.get("recomputed_tokens", 0) or 0)
+            j = int(s.get("num_rejected", 0) or 0)
             dq, dh, dp = q - self._prefix_queries, h - self._prefix_hits, p - self._preemptions_seen
+            dr, dj = r - self._recomputed_seen, j - self._engine_rejected_seen
             self._prefix_queries, self._prefix_hits, self._preemptions_seen = q, h, p
-        if dq > 0:
-            self._c_pq.inc(dq)
-        if dh > 0:
-            self._c_ph.inc(dh)
-        if dp > 0:
-            self._c_preempt.inc(dp)
+            self._recomputed_seen, self._engine_rejected_seen = r, j
+        # The engine's counters are cumulative; Prometheus counters only go up by deltas.
+        for c, d in (
+            (self._c_pq, dq),
+            (self._c_ph, dh),
+            (self._c_preempt, dp),
+            (self._c_recomputed, dr),
+            (self._c_engine_rejected, dj),
+        ):
+            if d > 0:
+                c.inc(d)
 
     def on_request_output(self, output: RequestOutput, first: bool) -> None:
         rid = output.request_id

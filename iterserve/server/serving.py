@@ -34,6 +34,7 @@ from iterserve.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from iterserve.server.routing import Routing, slo_rejection
 from iterserve.server.templates import TemplateSandbox
 
 if TYPE_CHECKING:
@@ -125,14 +126,24 @@ class Serving:
         return req.sampling_params()
 
     async def add_streams(
-        self, prefix: str, prompts: Sequence[str | list[int]], params: SamplingParams, priority: int
+        self,
+        prefix: str,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        priority: int,
+        route: Routing | None = None,
     ) -> list[RequestStream]:
         base = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
+        route = route or Routing()
         try:
             for i, p in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
-                streams.append(await self.engine.add_request(rid, p, params, priority))
+                streams.append(
+                    await self.engine.add_request(
+                        rid, p, params, priority, tenant=route.tenant, slo_ttft_s=route.slo_ttft_s
+                    )
+                )
         except Exception as e:
             for s in streams:
                 await s.aclose()
@@ -170,6 +181,15 @@ class Serving:
             return APIError(500, e.message, code="request_failed")
         return e
 
+    def request_failed(self, e: RequestFailedError) -> APIError:
+        """A request that ended with an error: 503 (counted) when the ``slo`` policy refused
+        it, else 500."""
+        refused = slo_rejection(e.message, self.retry_after_s)
+        if refused is not None:
+            self.metrics.rejected("ttft_unreachable")
+            return refused
+        return APIError(500, f"request failed: {e.message}", code="request_failed")
+
     def token_str(self, tid: int, lp: Logprob | None, as_ids: bool) -> str:
         if as_ids:
             return f"token_id:{tid}"
@@ -183,7 +203,7 @@ class Serving:
         return s
 
     # ---- /v1/completions -------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest) -> Any:
+    async def completions(self, req: CompletionRequest, route: Routing | None = None) -> Any:
         self.check_model(req.model)
         if req.suffix:
             raise bad_request(
@@ -201,12 +221,12 @@ class Serving:
         self.limits.check_request(req, len(prompts), self.engine.max_model_len)
         params = self.sampling_params(req)
         ids = await self.completion_prompt_ids(prompts)
-        streams = await self.add_streams("cmpl", list(ids), params, req.priority)
+        streams = await self.add_streams("cmpl", list(ids), params, req.priority, route)
         fmt = _CompletionFormat(self, req, params, prompts)
         return await self._respond(streams, fmt, bool(req.stream))
 
     # ---- /v1/chat/completions -------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest) -> Any:
+    async def chat(self, req: ChatCompletionRequest, route: Routing | None = None) -> Any:
         self.check_model(req.model)
         if req.tools:
             raise bad_request(
@@ -225,7 +245,7 @@ class Serving:
         self.limits.check_request(req, 1, self.engine.max_model_len)
         params = self.sampling_params(req)
         ids = await self.render_chat(req)
-        streams = await self.add_streams("chatcmpl", [ids], params, req.priority)
+        streams = await self.add_streams("chatcmpl", [ids], params, req.priority, route)
         fmt = _ChatFormat(self, req, params)
         return await self._respond(streams, fmt, bool(req.stream))
 
@@ -414,7 +434,7 @@ class Serving:
                 async for i, out in merged:
                     finals[i] = out
             except RequestFailedError as e:
-                raise APIError(500, f"request failed: {e.message}", code="request_failed") from None
+                raise self.request_failed(e) from None
             finally:
                 await merged.aclose()
             outs = [finals[i] for i in range(len(streams))]
@@ -434,7 +454,7 @@ class Serving:
             first = await merged.__anext__()
         except RequestFailedError as e:
             await merged.aclose()
-            raise APIError(500, f"request failed: {e.message}", code="request_failed") from None
+            raise self.request_failed(e) from None
         except StopAsyncIteration:
             first = None
         except BaseException:
@@ -508,9 +528,8 @@ async def sse_stream(
         usage = fmt.final_usage_chunk()
         if usage is not None:
             yield f"data: {dumps(usage)}\n\n"
-    except RequestFailedError as e:
-        err = error_body(f"request failed: {e.message}", "server_error", None, "request_failed")
-        yield f"data: {dumps(err)}\n\n"
+    except RequestFailedError as e:  # after the 200 went out: the error is an event
+        yield f"data: {dumps(fmt.s.request_failed(e).body())}\n\n"
     except Exception as e:  # noqa: BLE001 - a bug here must end this stream only, visibly
         logger.exception("streaming response failed")
         msg = f"internal error: {type(e).__name__}: {e}"

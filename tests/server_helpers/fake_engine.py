@@ -99,6 +99,9 @@ class FakeEngine:
         # As the slo policy: a request whose TTFT target is below this is rejected.
         self.min_ttft_s: float | None = None
         self.routing: dict[str, tuple[str, float | None]] = {}  # id -> (tenant, slo_ttft_s)
+        self.num_rejected = 0
+        self.recomputed_tokens = 0  # reported by stats() as set (the fake never preempts)
+        self.recompute_tax = 0.0
 
     # ---- contract --------------------------------------------------------------------------
     def add_request(
@@ -191,9 +194,9 @@ class FakeEngine:
             "max_kv_usage": 0.0,
             "finished_by_reason": {},
             "healthy": self.healthy,
-            "num_rejected": 0,
-            "recomputed_tokens": 0,
-            "recompute_tax": 0.0,
+            "num_rejected": self.num_rejected,
+            "recomputed_tokens": self.recomputed_tokens,
+            "recompute_tax": self.recompute_tax,
         }
 
     def step(self) -> list[RequestOutput]:
@@ -231,6 +234,7 @@ class FakeEngine:
                 error = "injected per-request failure"
             slo, least = r.slo_ttft_s, self.min_ttft_s
             if slo is not None and least is not None and slo < least and not any(r.out):
+                self.num_rejected += 1
                 error = (  # the wording of core/policies.py's SloPolicy
                     f"cannot meet its time-to-first-token target of {slo:.3f} s: the first "
                     f"token would come {least:.3f} s after arrival; retry later, or raise "

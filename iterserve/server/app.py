@@ -268,22 +268,22 @@ router = APIRouter()
 
 
 # ---- OpenAI routes ----------------------------------------------------------------------------
+async def _generation(request: Request, work: Awaitable[Any]) -> Response:
+    return _to_response(request, await cancel_on_disconnect(request, work))
+
+
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     route = routing(request.headers, req.user, req.slo_ttft_ms)
-    return _to_response(
-        request, await cancel_on_disconnect(request, _serving(request).completions(req, route))
-    )
+    return await _generation(request, _serving(request).completions(req, route))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     route = routing(request.headers, req.user, req.slo_ttft_ms)
-    return _to_response(
-        request, await cancel_on_disconnect(request, _serving(request).chat(req, route))
-    )
+    return await _generation(request, _serving(request).chat(req, route))
 
 
 @router.get("/v1/models")

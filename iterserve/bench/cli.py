@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+from iterserve.bench.client import RequestOptions
 from iterserve.workload.datasets import (
     LengthReport,
     RequestSpec,
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--label", help="name of this run in the result file and plots (default: the model)"
     )
+    RequestOptions.add_cli_args(s.add_argument_group("requests (RequestOptions)"))
     WorkloadConfig.add_cli_args(s)
     _add_common(s)
     s.set_defaults(func=cmd_serve)
@@ -261,9 +263,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     slos = parse_goodput(ns.goodput)
     cfg = WorkloadConfig.from_cli_args(ns)
+    options = RequestOptions.from_cli_args(ns)
     served: list[dict[str, Any]] = []
     try:
-        served = fetch_models(ns.base_url)
+        served = fetch_models(ns.base_url, headers=options.request_headers())
     except Exception as e:  # noqa: BLE001 - optional information; the run itself will report errors
         _err(f"note: GET /v1/models failed ({type(e).__name__}: {e}); using flag values")
     model = ns.model or (served[0]["id"] if served else None)
@@ -311,6 +314,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             prompts=prompts,
             max_concurrency=ns.max_concurrency,
             request_timeout_s=ns.request_timeout,
+            options=options,
             on_done=on_done,
         )
     summary = summarize(res.timings, res.duration_s, slos)
@@ -340,7 +344,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def _config(ns: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(ns).items() if k != "func"}
+    """The flags for the result file, secrets out: the API key, and header values."""
+    config = {k: v for k, v in vars(ns).items() if k != "func"}
+    if config.get("api_key"):
+        config["api_key"] = "<set>"
+    if config.get("headers"):
+        config["headers"] = [f"{name}: <set>" for name, _ in config["headers"]]
+    return config
 
 
 def _workload_info(

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
     from iterserve.core.scheduler import SchedulerOutput
 
 
+# How SloPolicy's rejection reasons start: the server answers such a request 503 (retry later),
+# not 500, so it must tell them apart from failures (iterserve/server/routing.py).
+SLO_REJECTION = "cannot meet its time-to-first-token target"
+
+
 class WaitingQueue:
     """FCFS: arrival order; preempted requests go back to the head."""
 
@@ -366,7 +371,7 @@ class SloPolicy(Policy):
             return ADMIT
         return Admission(
             Verdict.REJECT,
-            f"cannot meet its time-to-first-token target of {self.ttft_target(req) or 0:.3f} s: "
+            f"{SLO_REJECTION} of {self.ttft_target(req) or 0:.3f} s: "
             f"the first token would come {predicted - req.arrival_time:.3f} s after arrival; "
             "retry later, or raise the target",
         )

@@ -13,13 +13,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from iterserve.core.policies import SLO_REJECTION
 from iterserve.server.errors import APIError, bad_request
 
 TENANT_HEADER = "x-tenant"
 SLO_HEADER = "x-slo-ttft-ms"
-# The start of SloPolicy's rejection reason (iterserve/core/policies.py): a request ended
-# with it was refused for capacity, which the client may retry, not failed.
-SLO_REJECTION = "cannot meet its time-to-first-token target"
 
 
 @dataclass(frozen=True)

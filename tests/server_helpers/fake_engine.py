@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from iterserve.core.books import EngineStats
 from iterserve.core.kv_cache_manager import cdiv
+from iterserve.core.policies import SLO_REJECTION
 from iterserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
 from iterserve.sampling_params import SamplingParams
 
@@ -236,7 +237,7 @@ class FakeEngine:
             if slo is not None and least is not None and slo < least and not any(r.out):
                 self.num_rejected += 1
                 error = (  # the wording of core/policies.py's SloPolicy
-                    f"cannot meet its time-to-first-token target of {slo:.3f} s: the first "
+                    f"{SLO_REJECTION} of {slo:.3f} s: the first "
                     f"token would come {least:.3f} s after arrival; retry later, or raise "
                     "the target"
                 )

@@ -78,7 +78,7 @@ def test_build_is_cached_and_reports_compiler_errors(
 def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit() -> None:
     """RMSNorm, SwiGLU and RoPE in one call each round exactly as the torch ops they replace
     (llama.py), vector and scalar paths (widths multiple of 16 and not)."""
-    from iterserve.model.llama import apply_rope
+    from iterserve.model.layers import apply_rope
 
     kern = _kern()
     torch.manual_seed(0)

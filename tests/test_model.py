@@ -292,7 +292,7 @@ def test_packed_and_plain_weights_match_transformers(
 ) -> None:
     """Both GEMM paths (prepacked f32 oneDNN weights, plain F.linear) give transformers' logits,
     for a decode batch and a prefill, with a bias (qwen2) and without."""
-    from iterserve.model.llama import packing_available
+    from iterserve.model.layers import packing_available
 
     monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", pack)
     for name in ("llama", "qwen2-bias"):

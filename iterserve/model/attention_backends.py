@@ -13,9 +13,10 @@ where the C++ kernels built and the dtype is f32/bf16, triton on CUDA, else torc
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -74,8 +75,17 @@ class TorchMetadata:
     block_size: int
 
 
+# Decodes [D, H, hd] -> [D, H, hd] (attention.sdpa_decodes or kernel_decodes).
+DecodeFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, int], torch.Tensor
+]
+
+
 class TorchBackend(AttentionBackend[TorchMetadata]):
     name = "torch"
+
+    def __init__(self, decodes: DecodeFn = attention.sdpa_decodes) -> None:
+        self.decodes = decodes
 
     def build_metadata(self, step: StepMetadata) -> TorchMetadata:
         meta = attention.build_attention_metadata(
@@ -97,19 +107,9 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
         outs = attention.sdpa_prefills(q, k, v, k_cache, v_cache, m, bs)
         D = m.num_decodes
         if D:
-            out = self._decodes(q[:D], k_cache, v_cache, m, bs)
+            out = self.decodes(q[:D], k_cache, v_cache, m, bs)
             outs.insert(0, out.reshape(D, -1).to(q.dtype))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _decodes(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        block_size: int,
-    ) -> torch.Tensor:
-        return attention.sdpa_decodes(q, k_cache, v_cache, meta, block_size)
 
 
 class CpuBackend(TorchBackend):
@@ -118,17 +118,7 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def __init__(self, kern: kernels.Kernels) -> None:
-        self.kern = kern
-
-    def _decodes(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        block_size: int,
-    ) -> torch.Tensor:
-        return attention.kernel_decodes(self.kern, q, k_cache, v_cache, meta, block_size)
+        super().__init__(functools.partial(attention.kernel_decodes, kern))
 
 
 @dataclass

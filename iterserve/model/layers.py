@@ -11,10 +11,10 @@ here: docs/SPEED.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from iterserve.model import kernels
 
@@ -50,17 +50,20 @@ def bucketed_rows(x: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor])
     return gemm(padded)[:m]
 
 
-# --- Linear strategies: forward(x [rows, in]) -> [rows, out] in x's dtype -------------------
+# --- Linear strategies: x [rows, in] -> [rows, out] in x's dtype ----------------------------
+# Plain callables, not nn.Modules: nn.Module's call dispatch and attribute lookup cost ~1 us a
+# call, a tenth of a tiny model's decode step over its ~10 calls per layer (docs/SPEED.md).
+
+Linear: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
 
 
-class TorchLinear(nn.Module):
+class TorchLinear:
     """``F.linear``: any device; on CPU f32 it is MKL's sgemm (no per-shape set-up)."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
-        super().__init__()
         self.weight, self.bias = w, b
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
@@ -68,7 +71,7 @@ class BucketedLinear(TorchLinear):
     """``F.linear`` at bucketed row counts: oneDNN's low-precision GEMM, which builds a
     primitive per row count."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return bucketed_rows(x, self._gemm)
 
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
@@ -80,7 +83,7 @@ class UpcastLinear(BucketedLinear):
     GEMM (memory bound, half the bytes); more rows upcast the weight a slice at a time into a
     small f32 scratch, so memory stays that of the low-precision weight."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < UPCAST_MIN_ROWS:
             return bucketed_rows(x, self._gemm)
         w, b = self.weight, self.bias
@@ -97,23 +100,22 @@ class UpcastLinear(BucketedLinear):
         return out
 
 
-class PackedLinear(nn.Module):
+class PackedLinear:
     """An f32 copy of the weight prepacked for oneDNN's inner product (plain F.linear on an f32
     weight repacks it every call). ``single_row``: the original low-precision weight, kept for
     one-row calls, which are bound by weight bytes (half those of the f32 copy)."""
 
     def __init__(
-        self, w: torch.Tensor, b: torch.Tensor | None, single_row: nn.Module | None = None
+        self, w: torch.Tensor, b: torch.Tensor | None, single_row: Linear | None = None
     ) -> None:
-        super().__init__()
         # The batch-size hint only picks the blocked layout; calls with any row count work.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32)
         self.bias = None if b is None else b.float().contiguous()
         self.single_row = single_row
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.single_row is not None and x.shape[0] == 1:
-            return self.single_row(x)  # type: ignore[no-any-return]
+            return self.single_row(x)
         x32 = x if x.dtype == torch.float32 else x.float()
         out = bucketed_rows(x32, self._run)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -134,7 +136,7 @@ def packing_available() -> bool:
         return False
 
 
-class PanelLinear(nn.Module):
+class PanelLinear:
     """A bf16 weight laid out in iterserve's 32-column panels (widened to f32 in registers: 2
     bytes per weight streamed). ``many_rows``: the packed f32 strategy, faster above
     PANEL_MAX_ROWS rows."""
@@ -146,16 +148,15 @@ class PanelLinear(nn.Module):
         b: torch.Tensor | None,
         many_rows: PackedLinear | None = None,
     ) -> None:
-        super().__init__()
         self.kern = kern
         self.panels = kern.pack_panels(w)
         self.out_features = w.shape[0]
         self.bias = None if b is None else b.contiguous()
         self.many_rows = many_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.many_rows is not None and x.shape[0] > PANEL_MAX_ROWS:
-            return self.many_rows(x)  # type: ignore[no-any-return]
+            return self.many_rows(x)
         return self.kern.gemm_panels(x, self.panels, self.out_features, self.bias)
 
 
@@ -166,36 +167,31 @@ def choose_linear(
     pack: bool,
     upcast: bool,
     panel_kern: kernels.Kernels | None,
-) -> nn.Module:
+) -> Linear:
     """The GEMM strategy of one weight. ``pack``: make the f32 oneDNN copy; ``upcast``: the
     CPU only emulates the weight's dtype; ``panel_kern``: lay a bf16 weight out in panels."""
-    low = w.dtype != torch.float32
-    keep = None
-    if low and not upcast:
-        keep = BucketedLinear(w, b)  # oneDNN's native bf16/f16 GEMM
-    elif low:
-        keep = UpcastLinear(w, b)
-    packed = PackedLinear(w, b, single_row=keep) if pack else None
-    if panel_kern is not None:
-        if packed is not None:
-            packed.single_row = None  # panels serve single rows, with the same bytes
-        return PanelLinear(panel_kern, w, b, many_rows=packed)
-    if packed is not None:
-        return packed
-    return keep if keep is not None else TorchLinear(w, b)
+    if panel_kern is not None:  # panels serve single rows too, with the same bytes
+        return PanelLinear(panel_kern, w, b, many_rows=PackedLinear(w, b) if pack else None)
+    native: Linear
+    if w.dtype == torch.float32:
+        native = TorchLinear(w, b)
+    else:
+        native = UpcastLinear(w, b) if upcast else BucketedLinear(w, b)
+    if pack:
+        return PackedLinear(w, b, single_row=None if w.dtype == torch.float32 else native)
+    return native
 
 
-# --- Norms: forward(x) -> normed x; add(h, o) -> (h + o, norm(h + o)) -----------------------
+# --- Norms: norm(x) -> normed x; add(h, o) -> (h + o, norm(h + o)) -----------------------
 
 
-class RMSNorm(nn.Module):
+class RMSNorm:
     """float32: one ``F.rms_norm``."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
         self.weight, self.eps = weight, eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def add(self, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +203,7 @@ class RoundedRMSNorm(RMSNorm):
     """Low precision: round the normalised value before the weight multiply, as transformers
     does."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape[-1:], None, self.eps) * self.weight
 
 
@@ -219,21 +215,20 @@ class FusedRMSNorm(RMSNorm):
         super().__init__(weight, eps)
         self.kern = kern
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kern.rms_norm(x, self.weight, self.eps)
 
     def add(self, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return h, self.kern.rms_norm(h, self.weight, self.eps, add=o)  # h += o in place
 
 
-class HeadRMSNorm(nn.Module):
+class HeadRMSNorm:
     """Qwen3's per-head RMSNorm of q and k: one [H + KvH, hd] weight, one multiply."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
         self.weight, self.eps = weight, eps
 
-    def forward(self, qk: torch.Tensor) -> torch.Tensor:
+    def __call__(self, qk: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(qk, self.weight.shape[-1:], None, self.eps) * self.weight
 
 
@@ -253,34 +248,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + flipped * sin_signed
 
 
-class Rotary(nn.Module):
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+class Rotary:
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rope(x, cos, sin)
 
 
-class FusedRotary(nn.Module):
+class FusedRotary:
     def __init__(self, kern: kernels.Kernels) -> None:
-        super().__init__()
         self.kern = kern
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.kern.rope(x, cos, sin)
 
 
-class SiluMul(nn.Module):
+class SiluMul:
     """SwiGLU's ``silu(gate) * up`` for gate_up = [gate | up]."""
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         n = gate_up.shape[1] // 2
         return F.silu(gate_up[:, :n]) * gate_up[:, n:]
 
 
-class FusedSiluMul(nn.Module):
+class FusedSiluMul:
     """The same roundings as ``SiluMul``, in one kernel call."""
 
     def __init__(self, kern: kernels.Kernels) -> None:
-        super().__init__()
         self.kern = kern
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kern.silu_mul(gate_up)

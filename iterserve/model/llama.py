@@ -1,9 +1,11 @@
 """One decoder for the Llama / Mistral / Qwen2 / Qwen3 families, over a flattened batch.
 
 Every linear layer runs on [total_tokens, hidden] at once; only attention looks at sequence
-boundaries (through ``AttentionMetadata``). Per layer the projections are fused (q|k|v into
-one matrix, gate|up into one) so a decode step issues few, larger GEMMs: on CPU, per-op
-dispatch overhead is a real share of a small-batch step.
+boundaries (through the attention backend's per-step metadata). How each piece runs (GEMM
+strategy, fused kernels, attention backend) is chosen once at load: ``select_strategies``.
+Per layer the projections are fused (q|k|v into one matrix, gate|up into one) so a decode
+step issues few, larger GEMMs: on CPU, per-op dispatch overhead is a real share of a
+small-batch step.
 
 Numerics follow transformers: RMSNorm normalises in float32 and rounds before the weight
 multiply; RoPE cos/sin come from float32 ``position * inv_freq``, then the dtype cast.
@@ -12,6 +14,7 @@ multiply; RoPE cos/sin come from float32 ``position * inv_freq``, then the dtype
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -21,20 +24,17 @@ from torch import nn
 
 from iterserve.model import kernels
 from iterserve.model.attention_backends import AttentionBackend
-from iterserve.model.layers import (  # noqa: F401 (re-exported for benchmarks and tests)
-    EXACT_ROWS,
+from iterserve.model.layers import (
     FusedRotary,
     FusedSiluMul,
     HeadRMSNorm,
-    PackedLinear,
+    Linear,
     Rotary,
     SiluMul,
-    apply_rope,
-    bucket_rows,
     choose_linear,
     choose_norm,
-    packing_available,
 )
+from iterserve.model.layers import PackedLinear as PackedLinear  # benchmarks/kernels.py's name
 from iterserve.model.model_config import ModelConfig, RopeConfig
 
 
@@ -82,6 +82,10 @@ class RotaryTable:
         return cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, hd]
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
@@ -103,12 +107,13 @@ class DecoderLayer(nn.Module):
 
     LINEARS = ("qkv", "o", "gate_up", "down")
     # Set by select_strategies:
-    qkv: nn.Module
-    o: nn.Module
-    gate_up: nn.Module
-    down: nn.Module
-    rotary: nn.Module
-    act: nn.Module
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    qk_norm: Any  # the loader's parameter (or None), then a Linear-shaped callable
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    act: Linear
     attn: AttentionBackend[Any]
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
@@ -124,7 +129,7 @@ class DecoderLayer(nn.Module):
             _param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.qkv_bias else None
         )
         # Qwen3 per-head RMSNorm of q and k: one [H + KvH, hd] weight so it is one multiply.
-        self.qk_norm: Any = (
+        self.qk_norm = (
             _param(cfg.num_heads + cfg.num_kv_heads, hd, dtype=dtype) if cfg.qk_norm else None
         )
         self.o_proj = _param(h, self.q_size, dtype=dtype)
@@ -150,7 +155,7 @@ class DecoderLayer(nn.Module):
             setattr(self, name, choose_norm(w, self.eps, s.fused))
         w = self.qk_norm
         del self.qk_norm
-        self.qk_norm = nn.Identity() if w is None else HeadRMSNorm(w, self.eps)
+        self.qk_norm = _identity if w is None else HeadRMSNorm(w, self.eps)
         self.rotary = Rotary() if s.fused is None else FusedRotary(s.fused)
         self.act = SiluMul() if s.fused is None else FusedSiluMul(s.fused)
         self.attn = s.attention

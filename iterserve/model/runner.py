@@ -14,9 +14,10 @@ CONTRACT (the engine relies on exactly this):
     logits = runner.execute(items)   # float32 [num items with need_logits, vocab_size]
 
     Also: runner.reset_kv_cache() (zero fill after a failed step), runner.kv_bytes_per_block,
-    runner.num_layers, runner.num_params, runner.hf_config (config.json as a dict) and
-    runner.model_config (the parsed ``ModelConfig``). A built-in name (``tiny-random``) is
-    accepted as model_path and resolved to its folder.
+    runner.num_layers, runner.num_params, runner.hf_config (config.json as a dict),
+    runner.model_config (the parsed ``ModelConfig``) and runner.attention (the attention
+    backend, chosen once here from ``ITERSERVE_ATTENTION_BACKEND``: attention_backends.py).
+    A built-in name (``tiny-random``) is accepted as model_path and resolved to its folder.
 
 Each ``BatchItem`` asks to compute the KV of ``token_ids`` at positions
 ``start_pos .. start_pos + len(token_ids) - 1`` for one sequence, whose earlier positions

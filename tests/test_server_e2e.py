@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 import time
@@ -102,6 +103,9 @@ def test_openai_client_completions_chat_streaming_n_logprobs_stop_usage(
     client: openai.OpenAI, main_server: ServerProcess
 ) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
+    # root is the resolved checkpoint folder, so vLLM's client can load the tokenizer from it
+    root = client.models.list().data[0].to_dict()["root"]
+    assert os.path.isfile(os.path.join(root, "config.json")), root
     prompt = "The capital of France is"
     n_prompt = httpx.post(main_server.url + "/tokenize", json={"prompt": prompt}).json()["count"]
 

@@ -407,7 +407,8 @@ def test_tokenize_shares_the_json_parser_and_model_cards_agree() -> None:
         assert [card["id"] for card in cards] == ["fake-model", "alias"]
         for card in cards:
             assert c.get(f"/v1/models/{card['id']}").json() == card
-            assert card["root"] == "fake-model" and card["max_model_len"] == 128
+            # root is the resolved checkpoint folder (issue 16), as vLLM gives it
+            assert card["root"] == "/models/fake-model" and card["max_model_len"] == 128
         r = c.get("/v1/models/gpt-5")
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 

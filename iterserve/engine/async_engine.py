@@ -417,6 +417,7 @@ class AsyncEngine:
         engine.check_pool_holds_max_model_len()
         self.engine = engine
         self.model_name = engine.model_name
+        self.model_path = engine.model_path
         self.max_model_len = engine.max_model_len
         # The engine thread uses engine.tokenizer; the event loop gets its own copy so the
         # two threads never share one (HF fast tokenizers are not safe to share).

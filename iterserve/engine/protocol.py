@@ -51,6 +51,9 @@ class EngineInterface(Protocol):
     def model_name(self) -> str: ...
 
     @property
+    def model_path(self) -> str: ...  # the local checkpoint folder the name resolved to
+
+    @property
     def max_model_len(self) -> int: ...
 
     @property

@@ -102,7 +102,9 @@ class Serving:
             "object": "model",
             "created": self.created,
             "owned_by": "iterserve",
-            "root": self.engine.model_name,
+            # The resolved folder, as vLLM gives it: clients (vLLM's benchmark) load the
+            # tokenizer from it; a bare built-in name would send them to a hub.
+            "root": self.engine.model_path,
             "parent": None,
             "max_model_len": self.engine.max_model_len,
         }

@@ -81,6 +81,7 @@ class FakeEngine:
     ) -> None:
         self.tokenizer = FakeTokenizer(chat_template)
         self.model_name = "fake-model"
+        self.model_path = "/models/fake-model"
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.num_blocks = num_blocks

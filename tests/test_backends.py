@@ -147,6 +147,9 @@ def test_backend_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="float32/bfloat16"):
         ab.select_backend("cpu", torch.float16, cpu, kernels.Kernels.__new__(kernels.Kernels))
+    with pytest.raises(ValueError, match="attention backend must be one of auto"):
+        ModelRunner("tiny-random", attention_backend="sdpa")
+    assert ModelRunner("tiny-random", attention_backend="torch").attention.name == "torch"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         ab.select_backend("triton", torch.float32, cpu, None)

@@ -3,7 +3,8 @@
 CONTRACT (the engine relies on exactly this):
 
     runner = ModelRunner(model_path, dtype="float32", cache_config=CacheConfig(...),
-                         max_model_len=None, seed=0, num_threads=None)
+                         max_model_len=None, seed=0, num_threads=None,
+                         attention_backend=None)
     runner.num_kv_blocks   # int: blocks in the pool (cache_config.num_kv_blocks, or sized
                            # from cache_config.kv_cache_memory // bytes per block)
     runner.block_size      # int
@@ -95,7 +96,10 @@ class ModelRunner:
         max_model_len: int | None = None,
         seed: int = 0,
         num_threads: int | None = None,
+        attention_backend: str | None = None,
     ) -> None:
+        """``attention_backend``: auto|torch|cpu|triton; None reads ITERSERVE_ATTENTION_BACKEND
+        (default auto)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if num_threads is not None:
@@ -134,7 +138,7 @@ class ModelRunner:
             logger.info("C++ kernels ready in %.1f s", time.perf_counter() - t0)
         self.kernels: kernels.Kernels | None = kern  # also the sampler's (see LLMEngine.step)
         self.attention: AttentionBackend[Any] = select_backend(
-            backend_setting(), self.dtype, self.device, kern
+            attention_backend or backend_setting(), self.dtype, self.device, kern
         )
         logger.info("attention backend: %s", self.attention.name)
         upcast = needs_upcast(self.dtype)

@@ -27,7 +27,7 @@ import torch
 from iterserve.core.kv_cache_manager import cdiv
 from iterserve.model import kernels
 from iterserve.model.cpu import tune_allocator
-from iterserve.model.llama import PackedLinear
+from iterserve.model.layers import PackedLinear
 
 HIDDEN, INTER, LAYERS, HEADS, HEAD_DIM, VOCAB = 768, 2048, 12, 12, 64, 32000
 

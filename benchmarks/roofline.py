@@ -13,8 +13,8 @@ bandwidth and FLOP/s this script measures (``iterserve.sim.roofline``), and besi
 
 The peak used for the bound is max(bf16, fp32) matmul FLOP/s measured here: on a CPU without
 native bf16 dot products (no AVX512-BF16/AMX) oneDNN emulates bf16 GEMMs far below fp32, and
-iterserve's ``linear`` then upcasts weights slice-wise and runs fp32 GEMMs, so fp32 is the
-attainable peak for bf16 weights.
+iterserve's GEMM strategy (``model/layers.py``) then upcasts weights slice-wise and runs fp32
+GEMMs, so fp32 is the attainable peak for bf16 weights.
 
 Overhead: the share of each decode step at ``--overhead-batch`` running requests spent outside
 ``forward_s`` (schedule + sample + output handling; note ``forward_s`` includes the runner's input

@@ -16,6 +16,9 @@ from typing import Any
 # Bytes per element of each dtype name; the runner maps the names onto torch dtypes.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPES = tuple(DTYPE_BYTES)
+# Attention backends (iterserve/model/attention_backends.py); auto: triton on CUDA, the C++
+# kernels on CPU where they build, else the torch reference.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def policy_names() -> tuple[str, ...]:
@@ -144,10 +147,17 @@ class EngineArgs:
     max_long_partial_prefills: int = 1
     tenant_weights: str = ""
     slo_ttft_ms: float | None = None
+    # None: $ITERSERVE_ATTENTION_BACKEND, else auto.
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         _check_policy(self.policy)
         _check_scheduler_knobs(self)
         parse_size(self.kv_cache_memory)
@@ -179,7 +189,12 @@ class EngineArgs:
         as the simulator's comma-separated list does)."""
         overrides = options.pop("choices", {})
         arg_types = {} if "policy" in overrides else {"policy": _policy_arg}
-        choices = {"dtype": DTYPES, **_scheduler_choices(), **overrides}
+        choices = {
+            "dtype": DTYPES,
+            "attention_backend": ATTENTION_BACKENDS,
+            **_scheduler_choices(),
+            **overrides,
+        }
         helps = {
             "policy": f"one of {', '.join(policy_names())}, or module:Class (a Policy subclass)",
             **options.pop("helps", {}),

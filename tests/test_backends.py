@@ -187,3 +187,15 @@ def test_strategies_are_chosen_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
         assert type(fused.down) is layers.PanelLinear
         assert type(fused.post_norm) is layers.FusedRMSNorm
         assert type(fused.act) is layers.FusedSiluMul
+
+
+def test_engine_args_choose_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--attention-backend (EngineArgs) reaches the runner and wins over the environment."""
+    from iterserve.config import EngineArgs
+    from iterserve.engine.llm_engine import LLMEngine
+
+    monkeypatch.setenv(ab.ENV, "cpu")
+    engine = LLMEngine(EngineArgs(attention_backend="torch", num_kv_blocks=16))
+    assert engine.runner.attention.name == "torch"
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineArgs(attention_backend="sdpa")

@@ -76,6 +76,7 @@ class LLMEngine:
             max_model_len=a.max_model_len,
             seed=a.seed,
             num_threads=a.num_threads,
+            attention_backend=a.attention_backend,
         )
         self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len: int = self.runner.max_model_len

@@ -22,10 +22,11 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from iterserve.config import ATTENTION_BACKENDS
 from iterserve.model import attention, kernels
 from iterserve.model.attention import AttentionMetadata, StepItem
 
-BACKENDS = ("auto", "torch", "cpu", "triton")
+BACKENDS = ATTENTION_BACKENDS
 ENV = "ITERSERVE_ATTENTION_BACKEND"
 
 

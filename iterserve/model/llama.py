@@ -34,7 +34,6 @@ from iterserve.model.layers import (
     choose_linear,
     choose_norm,
 )
-from iterserve.model.layers import PackedLinear as PackedLinear  # benchmarks/kernels.py's name
 from iterserve.model.model_config import ModelConfig, RopeConfig
 
 

@@ -275,15 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="bench-134m", help="built-in model name or checkpoint folder")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="torch threads (default: torch's); use the same value when validating",
+    EngineArgs.add_cli_args(
+        p,
+        only=("model", "dtype", "block_size", "num_threads"),
+        defaults={"model": "bench-134m"},
+        helps={
+            "model": "built-in model name or checkpoint folder",
+            "num_threads": "torch threads (default: torch's); use the same value when validating",
+        },
     )
-    p.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     p.add_argument("--prefill", default=DEFAULT_PREFILL, help="prefill chunk sizes (tokens)")
     p.add_argument("--decode", default=DEFAULT_DECODE, help="numbers of decoding requests")
     p.add_argument(

@@ -17,7 +17,8 @@ CONTRACT (the engine relies on exactly this):
     Also: runner.reset_kv_cache() (zero fill after a failed step), runner.kv_bytes_per_block,
     runner.num_layers, runner.num_params, runner.hf_config (config.json as a dict),
     runner.model_config (the parsed ``ModelConfig``) and runner.attention (the attention
-    backend, chosen once here from ``ITERSERVE_ATTENTION_BACKEND``: attention_backends.py).
+    backend, chosen once here from ``attention_backend``, else ``ITERSERVE_ATTENTION_BACKEND``:
+    attention_backends.py).
     A built-in name (``tiny-random``) is accepted as model_path and resolved to its folder.
 
 Each ``BatchItem`` asks to compute the KV of ``token_ids`` at positions

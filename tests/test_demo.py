@@ -71,6 +71,13 @@ def test_demo_tells_the_story(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert [r["label"] for r in doc["runs"]] == list(runs)
     assert [p for p, _ in out["completions"]] == list(demo.COMPLETION_PROMPTS[:2])
     assert all(text for _, text in out["completions"])
+    # Step files are named from the labels without their commas and spaces.
+    names = sorted(p.name for p in tmp_path.glob("*.jsonl"))
+    assert names == [
+        "demo_continuous.jsonl",
+        "demo_continuous_small_KV_pool.jsonl",
+        "demo_static.jsonl",
+    ]
     printed = capsys.readouterr().out
     assert (
         "wasted slot-steps" in printed and "continuous vs static" in printed and str(png) in printed

@@ -197,7 +197,7 @@ def _run(
         RunOptions(record_steps_dir=str(out_dir)),
         policy=label,
         request_rate=rate,
-        steps_name=f"demo_{label.replace(' ', '_')}",
+        steps_name=f"demo_{label}",
     )
     steps = run["steps"] = read_steps(run["steps_file"])
     # From this run's steps: the engine's counters also hold its warm-up.

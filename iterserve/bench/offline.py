@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,6 +58,11 @@ def reset_prefix_cache(engine: Any) -> None:
         kv.reset_prefix_cache()
 
 
+def file_stem(name: str) -> str:
+    """`name` as a file name without commas, spaces or slashes (labels are free text)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "run"
+
+
 @dataclass
 class RunOptions:
     goodput_slos: dict[str, float] | None = None
@@ -78,7 +84,7 @@ def run_on_engine(
     steps_file = None
     if opts.record_steps_dir:
         Path(opts.record_steps_dir).mkdir(parents=True, exist_ok=True)
-        steps_file = str(Path(opts.record_steps_dir) / f"{steps_name}.jsonl")
+        steps_file = str(Path(opts.record_steps_dir) / f"{file_stem(steps_name)}.jsonl")
         engine.record_steps(steps_file)
     reset_prefix_cache(engine)
     try:

@@ -1,27 +1,51 @@
-"""Prometheus metrics for the server, named after vLLM's (``vllm:X`` -> ``iterserve:X``).
+"""Prometheus metrics for the server, under two name sets: ``iterserve:*`` and vLLM's own.
+
+Every vLLM-compatible fact is exported twice, as ``iterserve:X`` (label ``model_name``,
+buckets sized for a CPU engine) and as ``vllm:X`` with vLLM's label set (``model_name``,
+``engine``) and vLLM's buckets (vllm/v1/metrics/loggers.py), so vLLM's Grafana dashboard,
+autoscalers and routers read an iterserve server unchanged. Each fact is computed once and
+recorded into both (:class:`_Both`); what vLLM has no name for (``recompute_tax``,
+``engine_healthy``, ``num_requests_rejected``...) is ``iterserve:*`` only. docs/METRICS.md
+says why both rather than a flag.
 
 Every server app gets its own ``CollectorRegistry`` so several servers (or tests) in one
 process never clash. Engine-side events arrive through the :class:`EngineObserver` hooks,
 called on the engine thread (prometheus-client's metric objects are thread-safe); gauges
-are read from the engine's latest published snapshot at scrape time.
+are read from the engine's latest published snapshot at scrape time. Times come from the
+engine's ``RequestMetrics`` (one clock, the engine's), never from the observer's own calls.
 """
 
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from iterserve.outputs import RequestOutput, StepStats
 
 if TYPE_CHECKING:
     from iterserve.engine.async_engine import AsyncEngine, EngineSnapshot
+    from iterserve.sampling_params import SamplingParams
 
 PREFIX = "iterserve:"
+VLLM_PREFIX = "vllm:"
+VLLM_ENGINE = "0"  # vLLM's ``engine`` label: the data-parallel engine index (one engine here)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
-# Buckets follow vLLM's choices (seconds / tokens), trimmed for a CPU engine's range.
+# iterserve's buckets follow vLLM's choices (seconds / tokens), finer at the low end for a
+# CPU engine's range.
 # fmt: off
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -31,12 +55,67 @@ LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 # fmt: on
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+# vLLM's buckets, as vllm/v1/metrics/loggers.py declares them.
+# fmt: off
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                        50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# fmt: on
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+class _Both:
+    """One fact, recorded into its ``iterserve:`` and its ``vllm:`` child metric."""
+
+    def __init__(self, *children: Counter | Histogram) -> None:
+        self.children = children
+
+    def inc(self, amount: float = 1.0) -> None:
+        for c in self.children:
+            c.inc(amount)  # type: ignore[union-attr]
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)  # type: ignore[union-attr]
+
+
+@dataclass
+class _SeqTimes:
+    """Per-sequence times (engine clock) until the sequence finishes."""
+
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+    done: bool = False
 
 
 class ServerMetrics:
-    """All ``iterserve:*`` metrics of one server, in ``self.registry``."""
+    """All metrics of one server, in ``self.registry``: the ``iterserve:*`` and ``vllm:*``
+    sets, ``process_*`` / ``python_*``, and (once app.py instruments the app) ``http_*``."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        max_model_len: int = 20000,
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         self._lock = threading.Lock()
@@ -45,24 +124,44 @@ class ServerMetrics:
         self._preemptions_seen = 0
         self._recomputed_seen = 0
         self._engine_rejected_seen = 0
-        labels = ["model_name"]
         r = self.registry
+        m = model_name
+        ProcessCollector(registry=r)
+        for collector in (PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)  # stateless: safe to share across registries
+        vllm_tokens = buckets_1_2_5(max_model_len)
+        self._gauges: list[tuple[Gauge, Gauge | None]] = []
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=r)
+        def gauge(name: str, doc: str, vllm: bool = True) -> tuple[Gauge, Gauge | None]:
+            g = Gauge(PREFIX + name, doc, ["model_name"], registry=r)
+            v = (
+                Gauge(VLLM_PREFIX + name, doc, ["model_name", "engine"], registry=r)
+                if vllm
+                else None
+            )
+            return g, v
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, labels + list(extra), registry=r)
+        def counter(name: str, doc: str) -> _Both:
+            c = Counter(PREFIX + name, doc, ["model_name"], registry=r)
+            v = Counter(VLLM_PREFIX + name, doc, ["model_name", "engine"], registry=r)
+            return _Both(c.labels(m), v.labels(m, VLLM_ENGINE))
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+        def counter_only(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name"], registry=r)
+
+        def hist(name: str, doc: str, ours: Sequence[float], theirs: Sequence[float]) -> _Both:
+            h = Histogram(PREFIX + name, doc, ["model_name"], buckets=ours, registry=r)
+            v = Histogram(
+                VLLM_PREFIX + name, doc, ["model_name", "engine"], buckets=theirs, registry=r
+            )
+            return _Both(h.labels(m), v.labels(m, VLLM_ENGINE))
 
         # ---- gauges (read from the engine snapshot at scrape time) ----
         self.num_requests_running = gauge(
-            "num_requests_running", "Requests (sequences) in the running batch."
+            "num_requests_running", "Sequences in the running batch (each of n counts)."
         )
         self.num_requests_waiting = gauge(
-            "num_requests_waiting", "Requests (sequences) waiting to be scheduled."
+            "num_requests_waiting", "Sequences waiting to be scheduled (each of n counts)."
         )
         self.kv_cache_usage_perc = gauge(
             "kv_cache_usage_perc", "KV-cache usage: used blocks / total blocks (0..1)."
@@ -70,118 +169,169 @@ class ServerMetrics:
         self.prefix_cache_hit_rate = gauge(
             "prefix_cache_hit_rate",
             "Prefix-cache hit rate over all prompt tokens looked up (0..1).",
+            vllm=False,
         )
         self.num_requests_in_flight = gauge(
-            "num_requests_in_flight", "HTTP-side requests with a live engine stream."
+            "num_requests_in_flight", "HTTP-side requests with a live engine stream.", vllm=False
         )
         self.engine_healthy = gauge(
-            "engine_healthy", "1 when the engine is healthy, 0 after a model-step failure."
+            "engine_healthy",
+            "1 when the engine is healthy, 0 after a model-step failure.",
+            vllm=False,
+        )
+        self.recompute_tax = gauge(
+            "recompute_tax",
+            "Recomputed tokens / useful (first-time) tokens, since start.",
+            vllm=False,
         )
         # ---- counters ----
-        self.prompt_tokens = counter(
-            "prompt_tokens", "Prompt tokens of requests that reached the engine's first token."
+        self._c_prompt = counter(
+            "prompt_tokens", "Prompt tokens prefilled: each of a request's n sequences counts."
         )
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.num_preemptions = counter(
-            "num_preemptions", "Preemptions (a running request evicted to free KV blocks)."
+        self._c_gen = counter("generation_tokens", "Generated tokens.")
+        self._c_preempt = counter(
+            "num_preemptions", "Preemptions (a running sequence evicted to free KV blocks)."
         )
-        self.request_success = counter(
-            "request_success",
-            "Finished requests by finish reason (stop, length, abort, error).",
-            ("finished_reason",),
+        self._c_pq = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self._c_ph = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        success = "Finished sequences by finish reason (stop, length, abort, error)."
+        it_success = Counter(
+            PREFIX + "request_success", success, ["model_name", "finished_reason"], registry=r
         )
-        self.prefix_cache_queries = counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        vl_success = Counter(
+            VLLM_PREFIX + "request_success",
+            success,
+            ["model_name", "engine", "finished_reason"],
+            registry=r,
         )
-        self.prefix_cache_hits = counter(
-            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        self._success_of: Callable[[str], _Both] = lambda reason: _Both(
+            it_success.labels(m, reason), vl_success.labels(m, VLLM_ENGINE, reason)
         )
-        self.recomputed_tokens = counter(
+        self._success = {reason: self._success_of(reason) for reason in FINISH_REASONS}
+        self.recomputed_tokens = counter_only(
             "recomputed_tokens",
             "Tokens computed again after a preemption threw their KV-cache blocks away.",
         )
-        self.num_rejected = counter(
+        self.num_rejected = counter_only(
             "num_rejected",
             "Requests ended by the scheduling policy's admission filter (e.g. slo).",
         )
-        self.recompute_tax = gauge(
-            "recompute_tax", "Recomputed tokens / useful (first-time) tokens, since start."
-        )
-        self.requests_rejected = counter(
-            "num_requests_rejected",
+        self.requests_rejected = Counter(
+            PREFIX + "num_requests_rejected",
             "Requests refused, by reason: before reaching the engine (queue_full, "
             "shutting_down, engine_dead) or by the slo policy (ttft_unreachable).",
-            ("reason",),
+            ["model_name", "reason"],
+            registry=r,
         )
-        # ---- histograms ----
-        self.time_to_first_token = hist(
+        self._c_recomputed = self.recomputed_tokens.labels(m)
+        self._c_engine_rejected = self.num_rejected.labels(m)
+        for reason in ("queue_full", "shutting_down", "engine_dead", "ttft_unreachable"):
+            self.requests_rejected.labels(m, reason)  # export zeros so dashboards see them
+        # ---- histograms (per sequence, as vLLM counts each of n) ----
+        self._h_ttft = hist(
             "time_to_first_token_seconds",
-            "Time from arrival to the first generated token.",
+            "Time from arrival to the sequence's first generated token.",
             TTFT_BUCKETS,
+            VLLM_TTFT_BUCKETS,
         )
-        self.inter_token_latency = hist(
+        self._h_itl = hist(
             "inter_token_latency_seconds",
             "Time between consecutive generated tokens of a sequence.",
             ITL_BUCKETS,
+            VLLM_ITL_BUCKETS,
         )
-        self.e2e_request_latency = hist(
+        self._h_tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Per sequence: decode time / (generated tokens - 1); 0 with one token or none.",
+            ITL_BUCKETS,
+            VLLM_ITL_BUCKETS,
+        )
+        self._h_e2e = hist(
             "e2e_request_latency_seconds",
-            "Time from arrival to the end of the request.",
+            "Time from arrival to the end of the sequence.",
             LATENCY_BUCKETS,
+            VLLM_LATENCY_BUCKETS,
         )
-        self.request_queue_time = hist(
+        self._h_queue = hist(
             "request_queue_time_seconds",
-            "Time from arrival to the first scheduling.",
+            "Time from arrival to the first scheduling (WAITING phase).",
             LATENCY_BUCKETS,
+            VLLM_LATENCY_BUCKETS,
         )
-        self.iteration_tokens = hist(
+        self._h_prefill = hist(
+            "request_prefill_time_seconds",
+            "Time from the first scheduling to the first token (PREFILL phase).",
+            LATENCY_BUCKETS,
+            VLLM_LATENCY_BUCKETS,
+        )
+        self._h_decode = hist(
+            "request_decode_time_seconds",
+            "Time from the first token to the last (DECODE phase).",
+            LATENCY_BUCKETS,
+            VLLM_LATENCY_BUCKETS,
+        )
+        self._h_inference = hist(
+            "request_inference_time_seconds",
+            "Time from the first scheduling to the last token (RUNNING phase).",
+            LATENCY_BUCKETS,
+            VLLM_LATENCY_BUCKETS,
+        )
+        self._h_iter = hist(
             "iteration_tokens_total",
             "Tokens (prefill + decode) computed per engine step.",
             TOKEN_BUCKETS,
+            VLLM_ITERATION_BUCKETS,
         )
-        self.request_prompt_tokens = hist(
-            "request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS
-        )
-        self.request_generation_tokens = hist(
-            "request_generation_tokens",
-            "Generated tokens of finished requests (all n sequences).",
+        self._h_prompt = hist(
+            "request_prompt_tokens",
+            "Prompt length of finished sequences.",
             TOKEN_BUCKETS,
+            vllm_tokens,
         )
-
-        m = model_name
-        self._c_prompt = self.prompt_tokens.labels(m)
-        self._c_gen = self.generation_tokens.labels(m)
-        self._c_preempt = self.num_preemptions.labels(m)
-        self._c_pq = self.prefix_cache_queries.labels(m)
-        self._c_ph = self.prefix_cache_hits.labels(m)
-        self._c_recomputed = self.recomputed_tokens.labels(m)
-        self._c_engine_rejected = self.num_rejected.labels(m)
-        self._h_ttft = self.time_to_first_token.labels(m)
-        self._h_itl = self.inter_token_latency.labels(m)
-        self._h_e2e = self.e2e_request_latency.labels(m)
-        self._h_queue = self.request_queue_time.labels(m)
-        self._h_iter = self.iteration_tokens.labels(m)
-        self._h_prompt = self.request_prompt_tokens.labels(m)
-        self._h_gen = self.request_generation_tokens.labels(m)
-        for reason in ("stop", "length", "abort", "error"):
-            self.request_success.labels(m, reason)  # export zeros so dashboards see the series
-        for reason in ("queue_full", "shutting_down", "engine_dead", "ttft_unreachable"):
-            self.requests_rejected.labels(m, reason)
-        self._last_token_time: dict[str, list[float | None]] = {}
+        self._h_gen = hist(
+            "request_generation_tokens",
+            "Generated tokens of finished sequences.",
+            TOKEN_BUCKETS,
+            vllm_tokens,
+        )
+        self._h_max_gen = hist(
+            "request_max_num_generation_tokens",
+            "Per finished request: the most tokens any of its n sequences generated.",
+            TOKEN_BUCKETS,
+            vllm_tokens,
+        )
+        self._h_n = hist(
+            "request_params_n", "The n request parameter (at admission).", N_BUCKETS, N_BUCKETS
+        )
+        self._h_max_tokens = hist(
+            "request_params_max_tokens",
+            "The max_tokens request parameter, per sequence, when the request set it "
+            "(at admission).",
+            TOKEN_BUCKETS,
+            vllm_tokens,
+        )
+        self._seqs: dict[str, list[_SeqTimes]] = {}
 
     # ---- wiring -----------------------------------------------------------------------
     def bind(self, engine: AsyncEngine) -> None:
         """Reads gauges from ``engine`` at scrape time."""
+        sources: list[tuple[tuple[Gauge, Gauge | None], Callable[[], float]]] = [
+            (self.num_requests_running, lambda: engine.snapshot.num_running),
+            (self.num_requests_waiting, lambda: engine.snapshot.num_waiting),
+            (self.kv_cache_usage_perc, lambda: engine.snapshot.kv_usage),
+            (self.prefix_cache_hit_rate, self._hit_rate),
+            (self.num_requests_in_flight, lambda: engine.num_active),
+            (self.engine_healthy, lambda: 1.0 if engine.healthy else 0.0),
+            (
+                self.recompute_tax,
+                lambda: float(engine.snapshot.stats.get("recompute_tax", 0.0) or 0.0),
+            ),
+        ]
         m = self.model_name
-        self.num_requests_running.labels(m).set_function(lambda: engine.snapshot.num_running)
-        self.num_requests_waiting.labels(m).set_function(lambda: engine.snapshot.num_waiting)
-        self.kv_cache_usage_perc.labels(m).set_function(lambda: engine.snapshot.kv_usage)
-        self.prefix_cache_hit_rate.labels(m).set_function(self._hit_rate)
-        self.num_requests_in_flight.labels(m).set_function(lambda: engine.num_active)
-        self.engine_healthy.labels(m).set_function(lambda: 1.0 if engine.healthy else 0.0)
-        self.recompute_tax.labels(m).set_function(
-            lambda: float(engine.snapshot.stats.get("recompute_tax", 0.0) or 0.0)
-        )
+        for (ours, theirs), fn in sources:
+            ours.labels(m).set_function(fn)
+            if theirs is not None:
+                theirs.labels(m, VLLM_ENGINE).set_function(fn)
 
     def _hit_rate(self) -> float:
         with self._lock:
@@ -192,6 +342,20 @@ class ServerMetrics:
 
     def rejected(self, reason: str) -> None:
         self.requests_rejected.labels(self.model_name, reason).inc()
+
+    def admitted(self, params: SamplingParams, num_prompts: int) -> None:
+        """The request parameters of an accepted request (``num_prompts`` engine requests)."""
+        for _ in range(num_prompts):
+            self._h_n.observe(params.n)
+            if params.max_tokens is not None:
+                for _ in range(params.n):
+                    self._h_max_tokens.observe(params.max_tokens)
+
+    def _success_for(self, reason: str) -> _Both:
+        s = self._success.get(reason)
+        if s is None:
+            s = self._success[reason] = self._success_of(reason)
+        return s
 
     # ---- EngineObserver (engine thread) ---------------------------------------------------
     def on_step(self, stats: StepStats | None, snapshot: EngineSnapshot) -> None:
@@ -220,44 +384,70 @@ class ServerMetrics:
                 c.inc(d)
 
     def on_request_output(self, output: RequestOutput, first: bool) -> None:
-        rid = output.request_id
-        if first:
-            self._c_prompt.inc(len(output.prompt_token_ids))
-            m = output.metrics
-            if m.ttft is not None:
-                self._h_ttft.observe(max(0.0, m.ttft))
-            if m.queue_time is not None:
-                self._h_queue.observe(max(0.0, m.queue_time))
+        seqs = self._seqs.get(output.request_id)
+        if seqs is None:
+            seqs = self._seqs[output.request_id] = [_SeqTimes() for _ in output.outputs]
+        m = output.metrics
+        # Every token of this step carries the step's time (the engine sets last_token_time
+        # for the step's tokens); outputs are observed step by step, before any merging.
+        now = m.last_token_time
         new = 0
-        now = time.monotonic()
-        last = self._last_token_time.setdefault(rid, [None] * len(output.outputs))
         for c in output.outputs:
-            k = len(c.new_token_ids)
-            if not k:
+            if c.index >= len(seqs):
                 continue
-            new += k
-            if c.index < len(last):
-                prev = last[c.index]
-                if prev is not None:
-                    # k tokens arrived since prev: spread the gap over them.
-                    gap = (now - prev) / k
+            st = seqs[c.index]
+            k = len(c.new_token_ids)
+            if k and now is not None:
+                new += k
+                if st.first_token is None:
+                    st.first_token = now
+                    self._c_prompt.inc(len(output.prompt_token_ids))
+                    self._h_ttft.observe(max(0.0, now - m.arrival_time))
+                    if m.queue_time is not None:
+                        self._h_queue.observe(max(0.0, m.queue_time))
+                elif st.last_token is not None:
+                    # k tokens since the previous output: spread the gap over them.
+                    gap = max(0.0, now - st.last_token) / k
                     for _ in range(k):
                         self._h_itl.observe(gap)
-                last[c.index] = now
+                st.last_token = now
+                st.num_tokens += len(c.new_token_ids)
+            if c.finish_reason is not None and not st.done:
+                self._finish_seq(output, st, c.finish_reason, len(c.token_ids))
         if new:
             self._c_gen.inc(new)
+
+    def _finish_seq(self, output: RequestOutput, st: _SeqTimes, reason: str, n_gen: int) -> None:
+        """Per-sequence histograms, vLLM's definitions (vllm/v1/metrics/stats.py)."""
+        st.done = True
+        self._success_for(reason).inc()
+        m = output.metrics
+        end = st.last_token if st.last_token is not None else m.finished_time
+        if end is None:
+            end = m.last_token_time if m.last_token_time is not None else m.arrival_time
+        self._h_e2e.observe(max(0.0, end - m.arrival_time))
+        self._h_prompt.observe(len(output.prompt_token_ids))
+        self._h_gen.observe(n_gen)
+        sched = m.first_scheduled_time
+        if st.first_token is None or st.last_token is None or sched is None:
+            return  # never produced a token: no phases to time
+        decode = max(0.0, st.last_token - st.first_token)
+        self._h_prefill.observe(max(0.0, st.first_token - sched))
+        self._h_decode.observe(decode)
+        self._h_inference.observe(max(0.0, st.last_token - sched))
+        self._h_tpot.observe(decode / (n_gen - 1) if n_gen > 1 else 0.0)
 
     def on_request_finished(
         self, request_id: str, reason: str, output: RequestOutput | None
     ) -> None:
-        self._last_token_time.pop(request_id, None)
-        self.request_success.labels(self.model_name, reason).inc()
+        seqs = self._seqs.pop(request_id, None)
         if output is None:
+            self._success_for(reason).inc()  # ended before any output: one sequence known
             return
-        m = output.metrics
-        e2e = m.e2e_latency
-        if e2e is None:
-            e2e = time.monotonic() - m.arrival_time
-        self._h_e2e.observe(max(0.0, e2e))
-        self._h_prompt.observe(len(output.prompt_token_ids))
-        self._h_gen.observe(sum(len(c.token_ids) for c in output.outputs))
+        if seqs is None:
+            seqs = [_SeqTimes() for _ in output.outputs]
+        # Sequences still running when the request ended (abort, error) end with its reason.
+        for c in output.outputs:
+            if c.index < len(seqs) and not seqs[c.index].done:
+                self._finish_seq(output, seqs[c.index], reason, len(c.token_ids))
+        self._h_max_gen.observe(max((len(c.token_ids) for c in output.outputs), default=0))

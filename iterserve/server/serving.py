@@ -154,6 +154,7 @@ class Serving:
             for s in streams:
                 await s.aclose()
             raise
+        self.metrics.admitted(params, len(streams))
         return streams
 
     def _admission_error(self, e: Exception) -> Exception:

@@ -1,0 +1,462 @@
+"""vLLM-compatible /metrics, against an in-process server over the real engine (``tiny-random``).
+
+The dashboard test evaluates every PromQL expression of vLLM's published Grafana dashboard
+against two scrapes of /metrics taken around a few requests (the scrapes play Prometheus's
+samples: ``rate`` / ``increase`` over the window between them), with a small evaluator for
+the subset of PromQL the dashboard uses, and requires each to return finite data.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers.servers import ThreadServer, wait_for
+
+MODEL = "tiny-random"
+
+# The expressions of vLLM's Grafana dashboard, verbatim ("$model_name" and
+# "$__rate_interval" are Grafana variables). Source: vllm-project/vllm,
+# examples/observability/prometheus_grafana/grafana.json, as published at
+# https://docs.vllm.ai/en/latest/examples/observability/prometheus_grafana/ (2026-09-23),
+# Apache-2.0. Panels: E2E latency, token throughput, ITL, TPOT, scheduler state, TTFT,
+# cache utilization, prompt / generation length, finish reason, queue time, prefill and
+# decode time, max generation tokens.
+_SEL = '{model_name="$model_name"}'
+_Q = ("0.99", "0.95", "0.9", "0.5")
+
+
+def _quantiles(hist: str) -> list[str]:
+    return [
+        f"histogram_quantile({q}, sum by(le) (rate({hist}_bucket{_SEL}[$__rate_interval])))"
+        for q in _Q
+    ]
+
+
+def _mean(hist: str) -> str:
+    return (
+        f"rate({hist}_sum{_SEL}[$__rate_interval])\n/\nrate({hist}_count{_SEL}[$__rate_interval])"
+    )
+
+
+DASHBOARD_EXPRESSIONS: list[str] = [
+    *_quantiles("vllm:e2e_request_latency_seconds"),
+    _mean("vllm:e2e_request_latency_seconds"),
+    f"rate(vllm:prompt_tokens_total{_SEL}[$__rate_interval])",
+    f"rate(vllm:generation_tokens_total{_SEL}[$__rate_interval])",
+    *_quantiles("vllm:inter_token_latency_seconds"),
+    _mean("vllm:inter_token_latency_seconds"),
+    *_quantiles("vllm:request_time_per_output_token_seconds"),
+    _mean("vllm:request_time_per_output_token_seconds"),
+    f"vllm:num_requests_running{_SEL}",
+    f"vllm:num_requests_waiting{_SEL}",
+    *_quantiles("vllm:time_to_first_token_seconds"),
+    _mean("vllm:time_to_first_token_seconds"),
+    f"vllm:kv_cache_usage_perc{_SEL}",
+    f"sum by(le) (increase(vllm:request_prompt_tokens_bucket{_SEL}[$__rate_interval]))",
+    f"sum by(le) (increase(vllm:request_generation_tokens_bucket{_SEL}[$__rate_interval]))",
+    f"sum by(finished_reason) (increase(vllm:request_success_total{_SEL}[$__rate_interval]))",
+    f"rate(vllm:request_queue_time_seconds_sum{_SEL}[$__rate_interval])",
+    f"rate(vllm:request_prefill_time_seconds_sum{_SEL}[$__rate_interval])",
+    f"rate(vllm:request_decode_time_seconds_sum{_SEL}[$__rate_interval])",
+    f"rate(vllm:request_max_num_generation_tokens_sum{_SEL}[$__rate_interval])",
+]
+# The dashboard's model_name variable.
+DASHBOARD_VARIABLE = 'label_values({__name__=~"vllm:.*"},model_name)'
+
+# Name -> (type, labels besides model_name and engine), as vllm/v1/metrics/loggers.py
+# declares them, for everything iterserve exports under vLLM's names.
+VLLM_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "vllm:num_requests_running": ("gauge", ()),
+    "vllm:num_requests_waiting": ("gauge", ()),
+    "vllm:kv_cache_usage_perc": ("gauge", ()),
+    "vllm:prefix_cache_queries": ("counter", ()),
+    "vllm:prefix_cache_hits": ("counter", ()),
+    "vllm:num_preemptions": ("counter", ()),
+    "vllm:prompt_tokens": ("counter", ()),
+    "vllm:generation_tokens": ("counter", ()),
+    "vllm:request_success": ("counter", ("finished_reason",)),
+    "vllm:time_to_first_token_seconds": ("histogram", ()),
+    "vllm:inter_token_latency_seconds": ("histogram", ()),
+    "vllm:request_time_per_output_token_seconds": ("histogram", ()),
+    "vllm:e2e_request_latency_seconds": ("histogram", ()),
+    "vllm:request_queue_time_seconds": ("histogram", ()),
+    "vllm:request_prefill_time_seconds": ("histogram", ()),
+    "vllm:request_decode_time_seconds": ("histogram", ()),
+    "vllm:request_inference_time_seconds": ("histogram", ()),
+    "vllm:request_prompt_tokens": ("histogram", ()),
+    "vllm:request_generation_tokens": ("histogram", ()),
+    "vllm:request_max_num_generation_tokens": ("histogram", ()),
+    "vllm:iteration_tokens_total": ("histogram", ()),
+    "vllm:request_params_n": ("histogram", ()),
+    "vllm:request_params_max_tokens": ("histogram", ()),
+}
+
+
+# ---- a scrape and a PromQL subset ------------------------------------------------------------
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass
+class Scrape:
+    at: float
+    samples: dict[str, dict[Labels, float]]  # sample name -> labels -> value
+    types: dict[str, str]  # family name -> type
+    family_labels: dict[str, set[str]]
+
+
+def scrape(url: str) -> Scrape:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    samples: dict[str, dict[Labels, float]] = {}
+    types: dict[str, str] = {}
+    labels: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(text):
+        types[fam.name] = fam.type
+        for s in fam.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+            labels.setdefault(fam.name, set()).update(s.labels)
+    return Scrape(time.monotonic(), samples, types, labels)
+
+
+Vector = dict[Labels, float]
+_TOKEN = re.compile(
+    r'\s*(?:(?P<num>\d+(?:\.\d+)?)|(?P<str>"(?:[^"\\]|\\.)*")|(?P<op>=~|!=|[(){}\[\],/=])'
+    r"|(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)|(?P<var>\$[A-Za-z_]+))"
+)
+
+
+class PromQL:
+    """The PromQL the dashboard uses: selectors with = / =~ matchers, range selectors,
+    rate, increase, sum by(...), histogram_quantile and ``/``, over two scrapes."""
+
+    def __init__(self, before: Scrape, after: Scrape, variables: dict[str, str]) -> None:
+        self.before, self.after, self.vars = before, after, variables
+
+    def eval(self, expr: str) -> Vector:
+        self.toks = [m.group(0).strip() for m in _TOKEN.finditer(expr)]
+        assert "".join(self.toks) == re.sub(r"\s+", "", expr), f"cannot tokenize {expr!r}"
+        self.i = 0
+        v = self._expr()
+        assert self.i == len(self.toks), f"trailing tokens in {expr!r}: {self.toks[self.i :]}"
+        assert isinstance(v, dict)
+        return v
+
+    def _peek(self) -> str | None:
+        return self.toks[self.i] if self.i < len(self.toks) else None
+
+    def _take(self, want: str | None = None) -> str:
+        t = self.toks[self.i]
+        assert want is None or t == want, f"expected {want!r}, got {t!r}"
+        self.i += 1
+        return t
+
+    def _expr(self) -> Any:
+        left = self._term()
+        while self._peek() == "/":
+            self._take()
+            right = self._term()
+            left = {k: left[k] / right[k] if right[k] else math.nan for k in left if k in right}
+        return left
+
+    def _term(self) -> Any:
+        t = self._take()
+        if re.fullmatch(r"\d+(\.\d+)?", t):
+            return float(t)
+        if t in ("rate", "increase"):
+            self._take("(")
+            before, after = self._range()
+            self._take(")")
+            dt = self.after.at - self.before.at
+            return {
+                k: (after[k] - before[k]) / (dt if t == "rate" else 1.0)
+                for k in after
+                if k in before
+            }
+        if t == "sum":
+            by: list[str] = []
+            if self._peek() == "by":
+                self._take()
+                self._take("(")
+                while self._peek() != ")":
+                    by.append(self._take())
+                    if self._peek() == ",":
+                        self._take()
+                self._take(")")
+            self._take("(")
+            inner = self._expr()
+            self._take(")")
+            out: Vector = {}
+            for k, v in inner.items():
+                g = tuple((n, x) for n, x in k if n in by)
+                out[g] = out.get(g, 0.0) + v
+            return out
+        if t == "histogram_quantile":
+            self._take("(")
+            q = self._term()
+            self._take(",")
+            inner = self._expr()
+            self._take(")")
+            return _histogram_quantile(q, inner)
+        self.i -= 1
+        return self._selector(self.after)
+
+    def _matchers(self) -> tuple[str | None, list[tuple[str, str, str]]]:
+        name = None
+        if self._peek() != "{":
+            name = self._take()
+        ms = []
+        if self._peek() == "{":
+            self._take()
+            while self._peek() != "}":
+                label, op, raw = self._take(), self._take(), self._take()
+                val = raw[1:-1]
+                for var, sub in self.vars.items():
+                    val = val.replace(var, sub)
+                ms.append((label, op, val))
+                if self._peek() == ",":
+                    self._take()
+            self._take("}")
+        return name, ms
+
+    def _select(self, s: Scrape, name: str | None, ms: list[tuple[str, str, str]]) -> Vector:
+        out: Vector = {}
+        for sample_name, series in s.samples.items():
+            if name is not None and sample_name != name:
+                continue
+            for labels, v in series.items():
+                d = dict(labels, __name__=sample_name)
+                if all(_match(d.get(lab, ""), op, val) for lab, op, val in ms):
+                    out[labels] = v
+        return out
+
+    def _selector(self, s: Scrape) -> Vector:
+        name, ms = self._matchers()
+        return self._select(s, name, ms)
+
+    def _range(self) -> tuple[Vector, Vector]:
+        name, ms = self._matchers()
+        self._take("[")
+        while self._take() != "]":  # the window is the time between the two scrapes
+            pass
+        return self._select(self.before, name, ms), self._select(self.after, name, ms)
+
+    def label_values(self, expr: str) -> set[str]:
+        m = re.fullmatch(r"label_values\((\{.*\}),\s*(\w+)\)", expr)
+        assert m, expr
+        self.toks = [t.group(0).strip() for t in _TOKEN.finditer(m.group(1))]
+        self.i = 0
+        series = self._selector(self.after)
+        return {dict(k)[m.group(2)] for k in series if m.group(2) in dict(k)}
+
+
+def _match(value: str, op: str, want: str) -> bool:
+    if op == "=":
+        return value == want
+    if op == "!=":
+        return value != want
+    return re.fullmatch(want, value) is not None
+
+
+def _histogram_quantile(q: float, buckets: Vector) -> Vector:
+    """Prometheus's histogram_quantile: linear interpolation inside the bucket the rank
+    falls in; the +Inf bucket answers the highest finite bound."""
+    groups: dict[Labels, list[tuple[float, float]]] = {}
+    for k, v in buckets.items():
+        d = dict(k)
+        le = float(d.pop("le"))
+        groups.setdefault(tuple(sorted(d.items())), []).append((le, v))
+    out: Vector = {}
+    for g, bs in groups.items():
+        bs.sort()
+        total = bs[-1][1]
+        if total <= 0:
+            out[g] = math.nan
+            continue
+        rank = q * total
+        prev_le, prev_count = 0.0, 0.0
+        for le, count in bs:
+            if count >= rank:
+                if math.isinf(le):
+                    out[g] = prev_le
+                else:
+                    frac = (rank - prev_count) / (count - prev_count) if count > prev_count else 0
+                    out[g] = prev_le + (le - prev_le) * frac
+                break
+            prev_le, prev_count = le, count
+    return out
+
+
+# ---- the server ------------------------------------------------------------------------------
+@dataclass
+class Served:
+    url: str
+    client: openai.OpenAI
+    engine: Any
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    from iterserve.config import EngineArgs
+    from iterserve.engine.async_engine import AsyncEngine
+    from iterserve.engine.llm_engine import LLMEngine
+    from iterserve.server.app import create_app
+
+    llm = LLMEngine(EngineArgs(model=MODEL, max_model_len=1024, num_kv_blocks=512))
+    engine = AsyncEngine(llm)
+    with ThreadServer(create_app(engine)) as server:
+        client = openai.OpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60
+        )
+        yield Served(server.url, client, engine)
+
+
+def _idle(s: Served) -> None:
+    """Waits until the engine went idle and published its final counters."""
+    wait_for(
+        lambda: (
+            s.engine.num_active == 0
+            and s.engine.snapshot.num_running == 0
+            and not s.engine.engine.has_unfinished_requests()
+        ),
+        timeout=30,
+        what="engine idle",
+    )
+    time.sleep(0.2)  # the idle transition publishes the full stats right after
+
+
+def _load(s: Served) -> None:
+    c = s.client
+    for p in ("Hello there", "Machine learning models learn", "Numbers: 1 2 3 4"):
+        c.completions.create(
+            model=MODEL, prompt=p, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
+    for _ in c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
+        pass
+    c.completions.create(
+        model=MODEL, prompt="Two at once", max_tokens=3, n=2, extra_body={"ignore_eos": True}
+    )
+
+
+def test_vllm_dashboard_expressions_all_return_data(served: Served) -> None:
+    _idle(served)
+    before = scrape(served.url)
+    time.sleep(0.05)
+    _load(served)
+    _idle(served)
+    after = scrape(served.url)
+    ql = PromQL(before, after, {"$model_name": MODEL})
+    assert ql.label_values(DASHBOARD_VARIABLE) == {MODEL}
+    for expr in DASHBOARD_EXPRESSIONS:
+        result = ql.eval(expr)
+        assert result, f"no data: {expr}"
+        bad = {k: v for k, v in result.items() if not math.isfinite(v)}
+        assert not bad, f"{expr} -> {bad}"
+    # What the panels show is what was sent: 6 sequences ended by length (n=2 counts twice).
+    reasons = ql.eval(DASHBOARD_EXPRESSIONS[-5])
+    assert reasons[(("finished_reason", "length"),)] == 6
+    assert sum(reasons.values()) == 6
+
+
+def test_vllm_names_types_and_labels(served: Served) -> None:
+    _load(served)
+    _idle(served)
+    s = scrape(served.url)
+    for name, (typ, extra) in VLLM_METRICS.items():
+        assert s.types.get(name) == typ, (name, s.types.get(name))
+        want = {"model_name", "engine", *extra} | ({"le"} if typ == "histogram" else set())
+        assert s.family_labels[name] == want, (name, s.family_labels[name])
+    # vLLM's own buckets (vllm/v1/metrics/loggers.py), e.g. TTFT's and the 1-2-5 token ones.
+    ttft = {dict(k)["le"] for k in s.samples["vllm:time_to_first_token_seconds_bucket"]}
+    assert "2560.0" in ttft and "0.001" in ttft and len(ttft) == 23
+    gen = {dict(k)["le"] for k in s.samples["vllm:request_generation_tokens_bucket"]}
+    assert gen == {"1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0"} | {
+        "1000.0",
+        "+Inf",
+    }  # max_model_len 1024
+    # The iterserve:* names still carry the same facts.
+    it = s.samples["iterserve:generation_tokens_total"][(("model_name", MODEL),)]
+    vl = s.samples["vllm:generation_tokens_total"][(("engine", "0"), ("model_name", MODEL))]
+    assert it == vl > 0
+    # process_* (prometheus_client's ProcessCollector) and python_*.
+    assert s.samples["process_resident_memory_bytes"][()] > 0
+    assert "process_cpu_seconds_total" in s.samples and "python_info" in s.samples
+
+
+def _series(s: Scrape, name: str, **labels: str) -> float:
+    want = {"model_name": MODEL, "engine": "0", **labels}
+    return sum(v for k, v in s.samples.get(name, {}).items() if want.items() <= dict(k).items())
+
+
+def test_n_counts_each_sequence_as_vllm_does(served: Served) -> None:
+    _idle(served)
+    before = scrape(served.url)
+    r = served.client.completions.create(
+        model=MODEL, prompt="Three sequences", max_tokens=4, n=3, extra_body={"ignore_eos": True}
+    )
+    assert r.usage is not None and r.usage.completion_tokens == 12
+    _idle(served)
+    after = scrape(served.url)
+
+    def d(name: str, **labels: str) -> float:
+        return _series(after, name, **labels) - _series(before, name, **labels)
+
+    assert d("vllm:request_success_total", finished_reason="length") == 3
+    for h in (
+        "e2e_request_latency_seconds",
+        "time_to_first_token_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "request_time_per_output_token_seconds",
+        "request_generation_tokens",
+        "request_prompt_tokens",
+    ):
+        assert d(f"vllm:{h}_count") == 3, h
+    assert d("vllm:request_generation_tokens_sum") == 12
+    assert d("vllm:prompt_tokens_total") == 3 * r.usage.prompt_tokens  # each sequence prefills
+    assert d("vllm:generation_tokens_total") == 12
+    assert d("vllm:inter_token_latency_seconds_count") == 3 * (4 - 1)
+    # Once per request: its n, and the most tokens any of its sequences generated.
+    assert d("vllm:request_params_n_count") == 1 and d("vllm:request_params_n_sum") == 3
+    assert d("vllm:request_params_max_tokens_count") == 3
+    assert d("vllm:request_max_num_generation_tokens_count") == 1
+    assert d("vllm:request_max_num_generation_tokens_sum") == 4
+
+
+def test_http_metrics_by_handler_method_status(served: Served) -> None:
+    before = scrape(served.url)
+    ok = httpx.post(served.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    bad = httpx.post(served.url + "/v1/completions", json={"prompt": "hi", "max_tokens": -1})
+    assert ok.status_code == 200 and bad.status_code == 400
+    after = scrape(served.url)
+
+    def d(name: str, **labels: str) -> float:
+        def one(s: Scrape) -> float:
+            return sum(
+                v for k, v in s.samples.get(name, {}).items() if labels.items() <= dict(k).items()
+            )
+
+        return one(after) - one(before)
+
+    h = {"handler": "/v1/completions", "method": "POST"}
+    assert d("http_requests_total", status="2xx", **h) == 1
+    assert d("http_requests_total", status="4xx", **h) == 1
+    assert d("http_request_duration_seconds_count", **h) == 2
+    assert d("http_request_duration_seconds_sum", **h) > 0
+    assert not any(
+        dict(k).get("handler") == "/metrics" for k in after.samples["http_requests_total"]
+    )

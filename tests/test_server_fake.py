@@ -288,7 +288,12 @@ def test_n_batch_prompts_echo_and_sse_shape() -> None:
         assert body["choices"][0]["text"].startswith("ab") and body["choices"][2][
             "text"
         ].startswith("cd")
-        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+        assert body["usage"] == {
+            "prompt_tokens": 4,
+            "completion_tokens": 12,
+            "total_tokens": 16,
+            "prompt_tokens_details": {"cached_tokens": 0},  # the fake has no prefix cache
+        }
         r = c.post(
             "/v1/completions",
             json={

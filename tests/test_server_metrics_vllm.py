@@ -1,4 +1,5 @@
-"""vLLM-compatible /metrics, against an in-process server over the real engine (``tiny-random``).
+"""vLLM-compatible /metrics, usage.prompt_tokens_details.cached_tokens and system_fingerprint,
+against an in-process server over the real engine (``tiny-random``).
 
 The dashboard test evaluates every PromQL expression of vLLM's published Grafana dashboard
 against two scrapes of /metrics taken around a few requests (the scrapes play Prometheus's
@@ -19,7 +20,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers.servers import ThreadServer, wait_for
+from server_helpers.servers import ThreadServer, parse_sse, wait_for
 
 MODEL = "tiny-random"
 
@@ -460,3 +461,95 @@ def test_http_metrics_by_handler_method_status(served: Served) -> None:
     assert not any(
         dict(k).get("handler") == "/metrics" for k in after.samples["http_requests_total"]
     )
+
+
+# ---- usage.prompt_tokens_details.cached_tokens and system_fingerprint ----------------------
+def _hits(s: Served) -> int:
+    return int(s.engine.snapshot.stats["prefix_cache_hit_tokens"])
+
+
+def _cached_twice(s: Served, send: Any) -> tuple[int, int, int]:
+    """Sends the same request twice; returns (first cached, second cached, engine hits of
+    the second)."""
+    first = send()
+    _idle(s)
+    h0 = _hits(s)
+    second = send()
+    _idle(s)
+    return first, second, _hits(s) - h0
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog near the quiet river bank. " * 6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_tokens_completions(served: Served, stream: bool) -> None:
+    prompt = f"{'Streamed' if stream else 'Plain'}: {PROMPT}"  # no prefix shared with others
+
+    def send() -> int:
+        kw: dict[str, Any] = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+        if not stream:
+            r = served.client.completions.create(**kw)
+            assert r.system_fingerprint and r.system_fingerprint.startswith("fp_")
+            assert r.usage is not None and r.usage.prompt_tokens_details is not None
+            return int(r.usage.prompt_tokens_details.cached_tokens or 0)
+        chunks = list(
+            served.client.completions.create(
+                **kw, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        assert {c.system_fingerprint for c in chunks} == {_fingerprint(served)}
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return int(usage.prompt_tokens_details.cached_tokens or 0)
+
+    first, second, hits = _cached_twice(served, send)
+    assert first == 0
+    assert second > 0 and second == hits
+    assert second % 16 == 0  # whole blocks (block_size 16)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_tokens_chat(served: Served, stream: bool) -> None:
+    messages = [{"role": "user", "content": f"Chat {stream}: {PROMPT}"}]
+
+    def send() -> int:
+        if not stream:
+            r = served.client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=3,  # type: ignore[arg-type]
+            )
+            assert r.system_fingerprint == _fingerprint(served)
+            assert r.usage is not None and r.usage.prompt_tokens_details is not None
+            return int(r.usage.prompt_tokens_details.cached_tokens or 0)
+        body = {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        events = parse_sse(httpx.post(served.url + "/v1/chat/completions", json=body).text)
+        chunks = [e for e in events if e != "[DONE]"]
+        assert {c["system_fingerprint"] for c in chunks} == {_fingerprint(served)}
+        return int(chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    first, second, hits = _cached_twice(served, send)
+    assert first == 0
+    assert second > 0 and second == hits
+
+
+def _fingerprint(s: Served) -> str:
+    return str(
+        s.client.completions.create(model=MODEL, prompt="fp", max_tokens=1).system_fingerprint
+    )
+
+
+def test_system_fingerprint_is_stable_and_names_the_configuration(served: Served) -> None:
+    from iterserve.server.serving import system_fingerprint
+
+    fp = _fingerprint(served)
+    assert re.fullmatch(r"fp_[0-9a-f]{12}", fp)
+    assert fp == _fingerprint(served) == system_fingerprint(served.engine, [MODEL])
+    assert system_fingerprint(served.engine, ["another-name"]) != fp

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import time
 import uuid
@@ -11,6 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from iterserve import __version__
 from iterserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -75,6 +77,7 @@ class Serving:
         self._tok: Tokenizer = _private_copy(engine.tokenizer)
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="iterserve-tokenizer")
         self._templates: TemplateSandbox | None = None
+        self.system_fingerprint = system_fingerprint(engine, self.served_model_names)
 
     @property
     def model_name(self) -> str:
@@ -565,24 +568,38 @@ class _Format:
         self.model = req.model or serving.model_name
         self.as_ids = req.return_tokens_as_token_ids
         self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
         self.finished: set[int] = set()
         so = req.stream_options
         self.include_usage = bool(so and so.include_usage)
         self.continuous_usage = bool(so and so.include_usage and so.continuous_usage_stats)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         p = sum(self.prompt_tokens.values())
         c = sum(self.completion_tokens.values())
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            # The prompt tokens the prefix cache served (known once a prompt is scheduled).
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }
 
     def _track(self, pidx: int, out: RequestOutput) -> None:
         self.prompt_tokens[pidx] = len(out.prompt_token_ids)
+        self.cached_tokens[pidx] = out.metrics.num_cached_prompt_tokens
         for c in out.outputs:
             self.completion_tokens[pidx * self.n + c.index] = len(c.token_ids)
 
     def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.s.system_fingerprint,
+        }
 
     def start_chunks(self) -> list[dict[str, Any]]:
         return []
@@ -823,6 +840,15 @@ class _ChatFormat(_Format):
             choice["token_ids"] = list(c.token_ids)
             choice["prompt_token_ids"] = list(out.prompt_token_ids)
         return choice
+
+
+def system_fingerprint(engine: AsyncEngine, served_model_names: Sequence[str]) -> str:
+    """OpenAI's ``system_fingerprint``: the same for every response of one server build and
+    configuration (version, checkpoint, served names, engine arguments: dtype, seed, block
+    size, threads...), different when any of them changes what the model may answer."""
+    args = getattr(engine.engine, "args", None)  # LLMEngine's EngineArgs; a fake has none
+    basis = "|".join((__version__, engine.model_path, ",".join(served_model_names), repr(args)))
+    return "fp_" + hashlib.sha256(basis.encode()).hexdigest()[:12]
 
 
 # --------------------------------------------------------------------------------------------

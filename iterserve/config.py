@@ -19,6 +19,10 @@ DTYPES = tuple(DTYPE_BYTES)
 # Attention backends (iterserve/model/attention_backends.py); auto: triton on CUDA, the C++
 # kernels on CPU where they build, else the torch reference.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# auto: cuda when torch.cuda.is_available(), else cpu (iterserve/model/device.py).
+DEVICES = ("auto", "cpu", "cuda")
+# kv_cache_memory on CPU when neither it nor num_kv_blocks is given.
+DEFAULT_CPU_KV_MEMORY = "2GiB"
 
 
 def policy_names() -> tuple[str, ...]:
@@ -65,10 +69,14 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 2 * 1024**3
     enable_prefix_caching: bool = True
+    # Set (on a GPU, with neither num_kv_blocks nor kv_cache_memory given): the runner sizes
+    # the pool by profiling, from this fraction of the card (device.kv_pool_from_memory).
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        _check_utilization(self.gpu_memory_utilization)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(
                 "num_kv_blocks must be >= 1 (or None to size from kv_cache_memory), "
@@ -134,7 +142,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory: str = "2GiB"
+    # None: DEFAULT_CPU_KV_MEMORY on CPU, gpu_memory_utilization on CUDA.
+    kv_cache_memory: str | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     seed: int = 0
@@ -149,8 +158,17 @@ class EngineArgs:
     slo_ttft_ms: float | None = None
     # None: $ITERSERVE_ATTENTION_BACKEND, else auto.
     attention_backend: str | None = None
+    device: str = "auto"
+    # Fraction of the GPU for weights, activations and the KV pool (used when neither
+    # num_kv_blocks nor kv_cache_memory is given).
+    gpu_memory_utilization: float = 0.9
+    # No CUDA graphs: every step runs eagerly (CPU steps always do).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        _check_utilization(self.gpu_memory_utilization)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
@@ -160,16 +178,22 @@ class EngineArgs:
             )
         _check_policy(self.policy)
         _check_scheduler_knobs(self)
-        parse_size(self.kv_cache_memory)
+        if self.kv_cache_memory is not None:
+            parse_size(self.kv_cache_memory)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
-    def cache_config(self) -> CacheConfig:
+    def cache_config(self, device_type: str = "cpu") -> CacheConfig:
+        """On ``cuda`` with neither ``num_kv_blocks`` nor ``kv_cache_memory`` the pool is sized
+        from ``gpu_memory_utilization`` by the runner."""
+        profile = device_type == "cuda" and self.num_kv_blocks is None
+        profile = profile and self.kv_cache_memory is None
         return CacheConfig(
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory=parse_size(self.kv_cache_memory),
+            kv_cache_memory=parse_size(self.kv_cache_memory or DEFAULT_CPU_KV_MEMORY),
             enable_prefix_caching=self.enable_prefix_caching,
+            gpu_memory_utilization=self.gpu_memory_utilization if profile else None,
         )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -192,6 +216,7 @@ class EngineArgs:
         choices = {
             "dtype": DTYPES,
             "attention_backend": ATTENTION_BACKENDS,
+            "device": DEVICES,
             **_scheduler_choices(),
             **overrides,
         }
@@ -208,6 +233,11 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+
+def _check_utilization(value: float | None) -> None:
+    if value is not None and not 0 < value <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value}")
 
 
 def _check_policy(name: str) -> None:

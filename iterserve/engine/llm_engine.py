@@ -60,6 +60,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: object) -> None:
         from iterserve.engine.tokenizer import load_tokenizer
         from iterserve.model.builtin import resolve_model
+        from iterserve.model.device import resolve_device
         from iterserve.model.runner import ModelRunner
 
         self.args = (args or EngineArgs()).replace(**kwargs)
@@ -68,7 +69,8 @@ class LLMEngine:
             torch.set_num_threads(a.num_threads)
         self.model_name = a.model
         self.model_path = resolve_model(a.model)
-        cache_config = self._size_kv_pool(a)
+        device = resolve_device(a.device)
+        cache_config = self._size_kv_pool(a, device.type)
         self.runner = ModelRunner(
             self.model_path,
             dtype=a.dtype,
@@ -77,6 +79,10 @@ class LLMEngine:
             seed=a.seed,
             num_threads=a.num_threads,
             attention_backend=a.attention_backend,
+            device=device.type,
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            enforce_eager=a.enforce_eager,
         )
         self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len: int = self.runner.max_model_len
@@ -102,22 +108,23 @@ class LLMEngine:
         if a.record_steps:
             self.record_steps(a.record_steps)
 
-    def _size_kv_pool(self, a: EngineArgs) -> CacheConfig:
-        """Blocks from kv_cache_memory, but never more than every sequence at full length
-        could use at once (x2 to leave room for cached prefixes): a 2 GiB budget for a tiny
-        model would otherwise mean hundreds of thousands of blocks to track."""
+    def _size_kv_pool(self, a: EngineArgs, device_type: str) -> CacheConfig:
+        """Blocks from kv_cache_memory, but never more than ``kv_block_cap`` (every sequence
+        at full length at once, x2). On a GPU without either size the runner profiles
+        (gpu_memory_utilization) and applies the same cap."""
         import dataclasses
 
+        from iterserve.model.device import kv_block_cap
         from iterserve.model.model_config import ModelConfig
 
-        cc = a.cache_config()
-        if cc.num_kv_blocks is not None:
+        cc = a.cache_config(device_type)
+        if cc.num_kv_blocks is not None or cc.gpu_memory_utilization is not None:
             return cc
         cfg = ModelConfig.from_pretrained(self.model_path)
         elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
         per_block = 2 * cfg.num_layers * cc.block_size * cfg.num_kv_heads * cfg.head_dim * elem
         max_len = min(a.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        cap = 2 * a.max_num_seqs * cdiv(max_len, cc.block_size)
+        cap = kv_block_cap(a.max_num_seqs, max_len, cc.block_size)
         blocks = min(cc.kv_cache_memory // per_block, cap)
         return dataclasses.replace(cc, num_kv_blocks=blocks) if blocks >= 1 else cc
 
@@ -172,7 +179,9 @@ class LLMEngine:
             sid = request_id if params.n == 1 else f"{request_id}#{i}"
             gen = None
             if params.seed is not None and not params.greedy:
-                gen = torch.Generator().manual_seed(params.seed + i)
+                # On the runner's device: the sampler draws the noise there (one seed, the
+                # same tokens on the same device; CPU and CUDA streams differ).
+                gen = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             req = Request(
                 sid,
                 ids,

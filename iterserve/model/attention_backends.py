@@ -13,6 +13,7 @@ where the C++ kernels built and the dtype is f32/bf16, triton on CUDA, else torc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from abc import ABC, abstractmethod
@@ -25,6 +26,7 @@ import torch
 from iterserve.config import ATTENTION_BACKENDS
 from iterserve.model import attention, kernels
 from iterserve.model.attention import AttentionMetadata, StepItem
+from iterserve.model.device import to_device_int32
 
 BACKENDS = ATTENTION_BACKENDS
 ENV = "ITERSERVE_ATTENTION_BACKEND"
@@ -92,6 +94,8 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
         meta = attention.build_attention_metadata(
             step.items, step.num_decodes, step.block_size, step.sliding_window, step.dtype
         )
+        if step.device.type != "cpu":  # the reference on a GPU: built on the host, then moved
+            meta = _to_device(meta, step.device)
         return TorchMetadata(meta, step.block_size)
 
     def __call__(
@@ -111,6 +115,25 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
             out = self.decodes(q[:D], k_cache, v_cache, m, bs)
             outs.insert(0, out.reshape(D, -1).to(q.dtype))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    prefills = [
+        dataclasses.replace(c, block_ids=move(c.block_ids), mask=move(c.mask))
+        for c in meta.prefills
+    ]
+    return dataclasses.replace(
+        meta,
+        slot_mapping=meta.slot_mapping.to(device),
+        decode_block_ids=move(meta.decode_block_ids),
+        decode_mask=move(meta.decode_mask),
+        prefills=prefills,
+        decode_ctx_lens=move(meta.decode_ctx_lens),
+        decode_starts=move(meta.decode_starts),
+    )
 
 
 class CpuBackend(TorchBackend):
@@ -157,16 +180,15 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
             lens.append(p0 + n)
             tables.append(list(bt[: (p0 + n - 1) // bs + 1]))
         width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-
-        def dev(x: list[Any]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int32, device=step.device)
-
+        flat_tables = [b for t in tables for b in (*t, *[0] * (width - len(t)))]
+        slot_t, tables_t, starts_t, lens_t = to_device_int32(
+            [slots, flat_tables, starts, lens], step.device
+        )
         return TritonMetadata(
-            slot_mapping=dev(slots),
-            block_tables=dev(padded),
-            query_start_loc=dev(starts),
-            seq_lens=dev(lens),
+            slot_mapping=slot_t,
+            block_tables=tables_t.view(len(tables), width),
+            query_start_loc=starts_t,
+            seq_lens=lens_t,
             max_query_len=max(it.num_tokens for it in items),
             decode_only=step.num_decodes == len(items),
             block_size=bs,

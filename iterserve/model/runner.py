@@ -4,9 +4,12 @@ CONTRACT (the engine relies on exactly this):
 
     runner = ModelRunner(model_path, dtype="float32", cache_config=CacheConfig(...),
                          max_model_len=None, seed=0, num_threads=None,
-                         attention_backend=None)
+                         attention_backend=None, device="cpu", max_num_seqs=64,
+                         max_num_batched_tokens=512, enforce_eager=False)
     runner.num_kv_blocks   # int: blocks in the pool (cache_config.num_kv_blocks, or sized
-                           # from cache_config.kv_cache_memory // bytes per block)
+                           # from cache_config.kv_cache_memory // bytes per block, or on a
+                           # GPU from cache_config.gpu_memory_utilization by profiling)
+    runner.device          # torch.device: where weights, KV cache and logits live
     runner.block_size      # int
     runner.max_model_len   # int: min(user value, config max_position_embeddings)
     runner.vocab_size      # int
@@ -20,6 +23,10 @@ CONTRACT (the engine relies on exactly this):
     backend, chosen once here from ``attention_backend``, else ``ITERSERVE_ATTENTION_BACKEND``:
     attention_backends.py).
     A built-in name (``tiny-random``) is accepted as model_path and resolved to its folder.
+
+On CUDA (``device``: cpu|cuda|auto, device.py), decode-only steps replay CUDA graphs captured
+at batch sizes up to ``max_num_seqs`` (cuda_graphs.py) unless ``enforce_eager``; every other
+step runs eagerly. ``max_num_batched_tokens`` sizes the profiling forward of the memory budget.
 
 Each ``BatchItem`` asks to compute the KV of ``token_ids`` at positions
 ``start_pos .. start_pos + len(token_ids) - 1`` for one sequence, whose earlier positions
@@ -48,11 +55,23 @@ from iterserve.model.attention import StepItem
 from iterserve.model.attention_backends import (
     AttentionBackend,
     StepMetadata,
+    TritonBackend,
+    TritonMetadata,
     backend_setting,
     select_backend,
 )
 from iterserve.model.builtin import resolve_model
 from iterserve.model.cpu import needs_upcast, tune_allocator
+from iterserve.model.cuda_graphs import DecodeGraphs, GraphInputs, capture_sizes
+from iterserve.model.device import (
+    GiB,
+    GpuMemory,
+    check_dtype,
+    kv_block_cap,
+    kv_pool_from_memory,
+    resolve_device,
+    to_device_int32,
+)
 from iterserve.model.layers import packing_available
 from iterserve.model.llama import DecoderModel, RotaryTable, Strategies
 from iterserve.model.loader import load_weights
@@ -98,9 +117,13 @@ class ModelRunner:
         seed: int = 0,
         num_threads: int | None = None,
         attention_backend: str | None = None,
+        device: str = "cpu",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enforce_eager: bool = False,
     ) -> None:
         """``attention_backend``: auto|torch|cpu|triton; None reads ITERSERVE_ATTENTION_BACKEND
-        (default auto)."""
+        (default auto: cpu kernels on CPU, triton on CUDA)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if num_threads is not None:
@@ -123,26 +146,34 @@ class ModelRunner:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
 
+        self.device: torch.device = resolve_device(device)
+        check_dtype(self.device, self.dtype)
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.set_device(self.device)
+            self._free_at_start, self._total_memory = torch.cuda.mem_get_info(self.device)
         tune_allocator()
-        with torch.inference_mode():
+        # Built and filled on the device (the loader copies from the safetensors on the host).
+        with torch.inference_mode(), self.device:
             self.model = DecoderModel(cfg, self.dtype)
             load_weights(self.model, self.model_path)
             self.rope = RotaryTable(cfg.head_dim, cfg.rope, self.max_model_len, self.dtype)
         self.num_params: int = sum(p.numel() for p in self.model.parameters())  # tied counted once
-        self.device = torch.device("cpu")
-        self.packed_weights: bool = self._should_pack()
-        # iterserve's C++ kernels, built the first time on this machine (a few seconds), loaded
-        # here rather than in the first step; None: torch's kernels (see kernels.py).
-        t0 = time.perf_counter()
-        kern = kernels.load()
-        if kern is not None:
-            logger.info("C++ kernels ready in %.1f s", time.perf_counter() - t0)
+        self.packed_weights: bool = not on_cuda and self._should_pack()
+        # iterserve's C++ kernels (CPU only), built the first time on this machine (a few
+        # seconds), loaded here rather than in the first step; None: torch's (see kernels.py).
+        kern = None
+        if not on_cuda:
+            t0 = time.perf_counter()
+            kern = kernels.load()
+            if kern is not None:
+                logger.info("C++ kernels ready in %.1f s", time.perf_counter() - t0)
         self.kernels: kernels.Kernels | None = kern  # also the sampler's (see LLMEngine.step)
         self.attention: AttentionBackend[Any] = select_backend(
             attention_backend or backend_setting(), self.dtype, self.device, kern
         )
-        logger.info("attention backend: %s", self.attention.name)
-        upcast = needs_upcast(self.dtype)
+        logger.info("attention backend: %s on %s", self.attention.name, self.device)
+        upcast = not on_cuda and needs_upcast(self.dtype)
         # bf16 on a CPU that emulates it: panels serve up to PANEL_MAX_ROWS rows and replace the
         # bf16 originals; the packed f32 copy, where it fits, serves more rows (layers.py).
         panel_kern = kern if self.dtype == torch.bfloat16 and upcast else None
@@ -162,9 +193,17 @@ class ModelRunner:
         self.kv_bytes_per_block: int = (
             2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
         )
-        self.num_kv_blocks: int = (
-            cache_config.num_kv_blocks or cache_config.kv_cache_memory // self.kv_bytes_per_block
-        )
+        self.max_num_seqs = max_num_seqs
+        self.graphs: DecodeGraphs | None = None  # set after the pool (execute reads it)
+        if cache_config.gpu_memory_utilization is not None and on_cuda:
+            self.num_kv_blocks: int = self._blocks_from_gpu_memory(
+                cache_config.gpu_memory_utilization, max_num_batched_tokens
+            )
+        else:
+            self.num_kv_blocks = (
+                cache_config.num_kv_blocks
+                or cache_config.kv_cache_memory // self.kv_bytes_per_block
+            )
         if self.num_kv_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={cache_config.kv_cache_memory} bytes holds no KV block: one "
@@ -173,14 +212,128 @@ class ModelRunner:
             )
         # Allocated once; zero-filled (not empty) because padded decode windows read unused slots
         # with a zero attention weight, and 0 * NaN garbage would still be NaN.
-        slots = self.num_kv_blocks * self.block_size
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = self._allocate_kv(
+            self.num_kv_blocks
+        )
+        logger.info(
+            "KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB on %s",
+            self.num_kv_blocks,
+            self.block_size,
+            self.num_kv_blocks * self.block_size,
+            self.num_kv_blocks * self.kv_bytes_per_block / GiB,
+            self.device,
+        )
+        if on_cuda and not enforce_eager:
+            self.graphs = self._decode_graphs(capture=True)
+
+    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg, slots = self.model_config, num_blocks * self.block_size
+        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        return [
             (
-                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype),
-                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(cfg.num_layers)
         ]
+
+    # ---- GPU: memory budget and CUDA graphs -------------------------------------------------
+
+    def _blocks_from_gpu_memory(self, utilization: float, max_num_batched_tokens: int) -> int:
+        """vLLM's rule (device.kv_pool_from_memory) on this card's measured memory, capped at
+        ``kv_block_cap`` (the rest of the budget then stays free)."""
+        mem = self._measure_gpu_memory(max_num_batched_tokens)
+        pool = kv_pool_from_memory(mem, utilization, self.kv_bytes_per_block, self.block_size)
+        cap = kv_block_cap(self.max_num_seqs, self.max_model_len, self.block_size)
+        logger.info(
+            "GPU memory: %.2f GiB x gpu_memory_utilization %.2f = %.2f GiB; weights %.2f GiB, "
+            "peak activations %.2f GiB, non-torch %.2f GiB -> %.2f GiB for the KV cache (%d "
+            "blocks%s)",
+            mem.total / GiB,
+            utilization,
+            pool.budget / GiB,
+            mem.weights / GiB,
+            mem.peak_activation / GiB,
+            mem.non_torch / GiB,
+            pool.kv_bytes / GiB,
+            pool.num_blocks,
+            f"; capped at {cap}, all max_num_seqs at max_model_len x2"
+            if cap < pool.num_blocks
+            else "",
+        )
+        return min(pool.num_blocks, cap)
+
+    def _measure_gpu_memory(self, max_num_batched_tokens: int) -> GpuMemory:
+        """One profiling forward of ``max_num_batched_tokens`` tokens (split over up to
+        ``max_num_seqs`` prompts, each with logits, then the sampler's softmax and sort) over a
+        temporary KV cache just big enough; its peak, less weights and that cache, is the
+        activation memory every later step fits in."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        weights = torch.cuda.memory_allocated(dev)
+        tokens = max(1, min(max_num_batched_tokens, self.max_num_seqs * self.max_model_len))
+        num_seqs = min(self.max_num_seqs, tokens)
+        lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+        per_seq = [-(-n // self.block_size) for n in lens]
+        self.kv_caches = self._allocate_kv(sum(per_seq))  # replaced by the real pool after
+        tmp_kv = torch.cuda.memory_allocated(dev) - weights
+        torch.cuda.reset_peak_memory_stats(dev)
+        items, first = [], 0
+        for i, (n, nb) in enumerate(zip(lens, per_seq)):
+            items.append(
+                BatchItem(f"profile-{i}", [0] * n, 0, list(range(first, first + nb)), True)
+            )
+            first += nb
+        logits = self.execute(items)
+        logits.log_softmax(-1).sort(dim=-1, descending=True)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - weights - tmp_kv
+        del logits, self.kv_caches
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        others = self._total_memory - self._free_at_start  # held before we started
+        non_torch = max(0, (total - free) - others - torch.cuda.memory_reserved(dev))
+        return GpuMemory(total, self._free_at_start, weights, max(peak, 0), non_torch)
+
+    def _decode_graphs(self, capture: bool) -> DecodeGraphs | None:
+        """Graphs need the triton backend (its launchers take grids from shapes only)."""
+        if not isinstance(self.attention, TritonBackend):
+            logger.info("CUDA graphs off: they need the triton attention backend")
+            return None
+        max_blocks = -(-self.max_model_len // self.block_size)
+        graphs = DecodeGraphs(
+            self._graph_forward,
+            capture_sizes(self.max_num_seqs),
+            max_blocks,
+            self.device,
+            capture=capture,
+        )
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            graphs.capture()
+        if capture:
+            logger.info(
+                "CUDA graphs captured for decode batches %s in %.1f s",
+                graphs.sizes,
+                time.perf_counter() - t0,
+            )
+        return graphs
+
+    def _graph_forward(self, g: GraphInputs) -> torch.Tensor:
+        """The decode forward over static inputs: no host values, so it can be captured."""
+        cos, sin = self.rope.gather(g.positions)
+        meta = TritonMetadata(
+            slot_mapping=g.slot_mapping,
+            block_tables=g.block_tables,
+            query_start_loc=g.query_start_loc,
+            seq_lens=g.seq_lens,
+            max_query_len=1,
+            decode_only=True,
+            block_size=self.block_size,
+            sliding_window=self.model_config.sliding_window,
+        )
+        out: torch.Tensor = self.model(g.input_ids, cos, sin, meta, self.kv_caches, g.logit_rows)
+        return out
 
     def _should_pack(self) -> bool:
         """Prepack GEMM weights as f32 (``PackedLinear``) for f32 models, and for bf16/f16 ones
@@ -215,7 +368,7 @@ class ModelRunner:
         """Runs one forward over all items; float32 logits [num items with need_logits, vocab],
         in the order those items appear in ``items`` (for each, the logits of its last token)."""
         if not items:
-            return torch.empty(0, self.vocab_size)
+            return torch.empty(0, self.vocab_size, device=self.device)
         bs = self.block_size
         # Decode-first row order (see attention.py): one batched call for all single-token items.
         order = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
@@ -244,8 +397,19 @@ class ModelRunner:
             step_items.append(StepItem(n, p0, it.block_table))
         logit_rows = [last_row[i] for i, it in enumerate(items) if it.need_logits]
 
+        if (
+            self.graphs is not None
+            and num_decodes == len(items)
+            and self.graphs.can_run(len(items), max(positions) // bs + 1)
+        ):
+            return self._replay_decodes(ids, positions, step_items, logit_rows)
         with torch.inference_mode():
-            pos = torch.tensor(positions, dtype=torch.int64)
+            if self.device.type == "cpu":
+                pos = torch.tensor(positions, dtype=torch.int64)
+                ids_t = torch.tensor(ids, dtype=torch.int64)
+                rows_t = torch.tensor(logit_rows, dtype=torch.int64)
+            else:  # one pinned copy for the runner's inputs (the backend's metadata is another)
+                pos, ids_t, rows_t = to_device_int32([positions, ids, logit_rows], self.device)
             cos, sin = self.rope.gather(pos)
             step = StepMetadata(
                 step_items,
@@ -255,11 +419,29 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
-            return self.model(
-                torch.tensor(ids, dtype=torch.int64),
+            return self.model(  # type: ignore[no-any-return]
+                ids_t,
                 cos,
                 sin,
                 self.attention.build_metadata(step),  # once per step, shared by all layers
                 self.kv_caches,
-                torch.tensor(logit_rows, dtype=torch.int64),
+                rows_t,
             )
+
+    def _replay_decodes(
+        self,
+        ids: list[int],
+        positions: list[int],
+        items: Sequence[StepItem],
+        logit_rows: list[int],
+    ) -> torch.Tensor:
+        assert self.graphs is not None
+        bs = self.block_size
+        tables = [it.block_table[: p // bs + 1] for it, p in zip(items, positions)]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        with torch.inference_mode():
+            logits = self.graphs.run(ids, positions, slots, tables)
+            if len(logit_rows) == len(ids):
+                return logits.clone()  # the graph's buffer is overwritten by the next replay
+            rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            return logits.index_select(0, rows)

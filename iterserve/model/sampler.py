@@ -48,15 +48,17 @@ class SampleRow:
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], idx: Sequence[int]) -> None:
-    vocab = logits.shape[-1]
+    vocab, dev = logits.shape[-1], logits.device
     for i in idx:
         p = rows[i].params
         row = logits[i]
-        out = torch.tensor([t for t in rows[i].output_token_ids if t < vocab], dtype=torch.long)
+        out_ids = [t for t in rows[i].output_token_ids if t < vocab]
+        out = torch.tensor(out_ids, dtype=torch.long, device=dev)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(
-                sorted({t for t in rows[i].prompt_token_ids if t < vocab} | set(out.tolist())),
+                sorted({t for t in rows[i].prompt_token_ids if t < vocab} | set(out_ids)),
                 dtype=torch.long,
+                device=dev,
             )
             if seen.numel():
                 vals = row[seen]
@@ -81,7 +83,8 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
 
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks (rows with none skip the sort)."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
     logits = logits / temps.unsqueeze(1)
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
@@ -90,19 +93,19 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
-        mask |= torch.arange(vocab).unsqueeze(0) >= ks.unsqueeze(1)
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+        mask |= torch.arange(vocab, device=dev).unsqueeze(0) >= ks.unsqueeze(1)
         if any(tp < 1.0 for tp in top_p):
             probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(-1)
             # Drop a token once the mass before it already reaches top_p (the first always stays).
             before = probs.cumsum(-1) - probs
-            mask |= before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+            mask |= before >= torch.tensor(top_p, dtype=probs.dtype, device=dev).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if any(mp > 0.0 for mp in min_p):
         probs = logits.softmax(-1)
         thresh = probs.max(-1, keepdim=True).values * torch.tensor(
-            min_p, dtype=probs.dtype
+            min_p, dtype=probs.dtype, device=dev
         ).unsqueeze(1)
         logits = logits.masked_fill(probs < thresh, float("-inf"))
     return logits
@@ -125,8 +128,10 @@ def sample(
         _mask_stop_tokens(logits, rows)
 
     rand = [i for i, p in enumerate(params) if not p.greedy]
+    dev = logits.device
     if (
         kern is not None
+        and dev.type == "cpu"
         and logits.dtype == torch.float32
         and logits.dim() == 2
         and logits.shape[1] > 0
@@ -135,33 +140,41 @@ def sample(
     else:
         tokens = logits.argmax(-1)
     if rand:
-        ridx = torch.tensor(rand)
+        ridx = torch.tensor(rand, device=dev)
         probs = _filter(logits[ridx], [params[i] for i in rand]).softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(rand) if rows[i].generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_()
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_()
         for j, i in enumerate(rand):
             gen = rows[i].generator
             if gen is not None:
-                noise[j] = torch.empty(probs.shape[1]).exponential_(generator=gen)
+                noise[j] = torch.empty(probs.shape[1], device=dev).exponential_(generator=gen)
         tokens[ridx] = (probs / noise).argmax(-1)
-    token_list: list[int] = tokens.tolist()
-
     lps: list[TokenLogprobs | None] = [None] * len(rows)
-    if raw_logprobs is not None:
-        for i, want in enumerate(want_logprobs):
-            if not want:
-                continue
-            row = raw_logprobs[i]
-            tok = token_list[i]
-            lp = float(row[tok])
-            rank = int((row > lp).sum()) + 1
-            n = params[i].logprobs or 0
-            top: list[tuple[int, float]] = []
-            if n:
-                vals, ids = row.topk(n)
-                top = list(zip(ids.tolist(), vals.tolist()))
-            lps[i] = (tok, lp, rank, top)
+    if raw_logprobs is None:
+        token_list: list[int] = tokens.tolist()  # the step's one device-to-host sync
+        return token_list, lps
+    # Logprobs of every row that asked, computed together on the device and fetched with the
+    # tokens in ONE transfer (float64 holds token ids and ranks exactly).
+    want = [i for i, w in enumerate(want_logprobs) if w]
+    rl = raw_logprobs[torch.tensor(want, device=dev)]
+    chosen = rl.gather(1, tokens[want].unsqueeze(1)).squeeze(1)
+    ranks = (rl > chosen.unsqueeze(1)).sum(-1) + 1
+    k = max(params[i].logprobs or 0 for i in want)
+    vals, ids = rl.topk(k) if k else (rl[:, :0], rl[:, :0])
+    packed = torch.cat(
+        [t.double().flatten() for t in (tokens, chosen, ranks, vals, ids)]
+    ).tolist()  # the step's one device-to-host sync
+    n_rows, n_want = len(rows), len(want)
+    token_list = [int(t) for t in packed[:n_rows]]
+    lp_vals = packed[n_rows : n_rows + n_want]
+    rank_vals = packed[n_rows + n_want : n_rows + 2 * n_want]
+    top_vals = packed[n_rows + 2 * n_want : n_rows + 2 * n_want + n_want * k]
+    top_ids = packed[n_rows + 2 * n_want + n_want * k :]
+    for j, i in enumerate(want):
+        n = params[i].logprobs or 0
+        top = [(int(top_ids[j * k + r]), top_vals[j * k + r]) for r in range(n)]
+        lps[i] = (token_list[i], lp_vals[j], int(rank_vals[j]), top)
     return token_list, lps

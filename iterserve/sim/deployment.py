@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.config import EngineArgs, parse_size
+from iterserve.config import DEFAULT_CPU_KV_MEMORY, EngineArgs, parse_size
 from iterserve.model.model_config import ModelConfig
 from iterserve.sim.cost_model import CostModel, RooflineCostModel
 from iterserve.sim.cpu_profile import CpuProfile, CpuProfileCostModel
@@ -204,7 +204,7 @@ def _cpu_deployment(
             }
         )
     blocks = num_kv_blocks or int(
-        parse_size(kv_cache_memory or EngineArgs.kv_cache_memory) // prof.kv_bytes_per_block
+        parse_size(kv_cache_memory or DEFAULT_CPU_KV_MEMORY) // prof.kv_bytes_per_block
     )
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     return Deployment(

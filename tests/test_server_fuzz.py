@@ -111,7 +111,7 @@ def _post(server: ThreadServer, path: str, body: bytes) -> httpx.Response:
     return r
 
 
-PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
 
 
 @FUZZ

@@ -44,6 +44,7 @@ from iterserve.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from iterserve.server.responses import ResponsesAPI, ResponsesRequest
 from iterserve.server.routing import routing
 from iterserve.server.serving import Serving
 
@@ -286,6 +287,25 @@ async def chat_completions(request: Request) -> Response:
     return await _generation(request, _serving(request).chat(req, route))
 
 
+@router.post("/v1/responses")
+async def responses_create(request: Request) -> Response:
+    req = await parse_body(request, ResponsesRequest)
+    api: ResponsesAPI = request.app.state.responses
+    return await _generation(request, api.create(req, request.headers))
+
+
+@router.get("/v1/responses/{response_id}")
+async def responses_retrieve(request: Request, response_id: str) -> Response:
+    api: ResponsesAPI = request.app.state.responses
+    return json_response(api.retrieve(response_id, request.query_params))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def responses_delete(request: Request, response_id: str) -> Response:
+    api: ResponsesAPI = request.app.state.responses
+    return json_response(api.delete(response_id))
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
     serving = _serving(request)
@@ -396,6 +416,7 @@ _EXCEPTION_HANDLERS: dict[int | type[Exception], ExceptionHandler] = {
 _REQUEST_MODELS: dict[str, list[type[BaseModel]]] = {
     "/v1/completions": [CompletionRequest],
     "/v1/chat/completions": [ChatCompletionRequest],
+    "/v1/responses": [ResponsesRequest],
     "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
     "/detokenize": [DetokenizeRequest],
 }
@@ -470,6 +491,7 @@ def create_app(
     app.openapi = functools.partial(_openapi_schema, app)  # type: ignore[method-assign]
     app.state.engine = engine
     app.state.serving = Serving(engine, names, metrics, retry_after_s, limits)
+    app.state.responses = ResponsesAPI(app.state.serving)
     app.state.metrics = metrics
     app.state.draining = False
     app.state.shutdown_timeout = shutdown_timeout

@@ -43,6 +43,9 @@ _HELPS = {
     "body_timeout": "seconds a client may take between two pieces of a request body",
     "keep_alive_timeout": "seconds an idle keep-alive connection stays open",
     "max_connections": "most concurrent connections; past it new ones get 503",
+    "max_stored_responses": "most /v1/responses responses kept in memory for "
+    "previous_response_id and GET /v1/responses/{id} (oldest evicted first)",
+    "max_stored_response_bytes": "most bytes (of JSON) the stored responses may take together",
 }
 
 
@@ -66,6 +69,8 @@ class ServerLimits:
     body_timeout: float = 30.0
     keep_alive_timeout: float = 5.0
     max_connections: int = 2048
+    max_stored_responses: int = 1000
+    max_stored_response_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -232,7 +232,15 @@ class Serving:
         return await self._respond(streams, fmt, bool(req.stream))
 
     # ---- /v1/chat/completions -------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, route: Routing | None = None) -> Any:
+    async def chat(
+        self,
+        req: ChatCompletionRequest,
+        route: Routing | None = None,
+        make_format: Callable[[Serving, ChatCompletionRequest, SamplingParams], _Format]
+        | None = None,
+    ) -> Any:
+        """``make_format`` lets another API over the chat path (``/v1/responses``) answer in
+        its own wire format."""
         self.check_model(req.model)
         if req.tools:
             raise bad_request(
@@ -252,7 +260,7 @@ class Serving:
         params = self.sampling_params(req)
         ids = await self.render_chat(req)
         streams = await self.add_streams("chatcmpl", [ids], params, req.priority, route)
-        fmt = _ChatFormat(self, req, params)
+        fmt = (make_format or _ChatFormat)(self, req, params)
         return await self._respond(streams, fmt, bool(req.stream))
 
     # ---- tokenization: off the event loop and off the engine thread -------------------------
@@ -466,7 +474,7 @@ class Serving:
         except BaseException:
             await merged.aclose()
             raise
-        return sse_stream(fmt, first, merged)
+        return fmt.sse(first, merged)
 
 
 # --------------------------------------------------------------------------------------------
@@ -600,6 +608,14 @@ class _Format:
             "model": self.model,
             "system_fingerprint": self.s.system_fingerprint,
         }
+
+    def sse(
+        self,
+        first: tuple[int, RequestOutput] | None,
+        rest: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[str]:
+        """The body of a streaming response (the Responses API overrides it: its own events)."""
+        return sse_stream(self, first, rest)
 
     def start_chunks(self) -> list[dict[str, Any]]:
         return []

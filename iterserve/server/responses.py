@@ -1,0 +1,538 @@
+"""``/v1/responses``: OpenAI's Responses API, built on the chat path.
+
+A request's ``instructions`` (a system message), the stored conversation its
+``previous_response_id`` names, and its ``input`` items become chat messages; from there it
+is a chat completion (``Serving.chat``: the model's chat template, the same sampling,
+limits, admission, disconnect handling and errors), answered in the Responses wire format:
+a ``response`` object, or, streaming, the Responses event sequence (``event:`` lines, a
+``sequence_number`` on every event, no ``[DONE]``).
+
+What this server cannot honour is refused with a 400 naming the field (tools, reasoning,
+background, prompt templates, conversations, truncation ``auto``, non-text input parts),
+never ignored. ``store`` (OpenAI's default: true) keeps the response in a bounded in-memory
+store (``--max-stored-responses``, ``--max-stored-response-bytes``; oldest evicted first),
+so ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}`` work until it is
+evicted or the server restarts.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from iterserve.engine.async_engine import RequestFailedError
+from iterserve.outputs import CompletionOutput, RequestOutput
+from iterserve.sampling_params import SamplingParams
+from iterserve.server.errors import APIError, bad_request, dumps, validation_error
+from iterserve.server.protocol import ChatCompletionRequest, OpenAIModel, SamplingExtras
+from iterserve.server.routing import routing
+from iterserve.server.serving import Serving, _ChatFormat
+
+logger = logging.getLogger(__name__)
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+# vLLM's sampling extras pass through to the chat path (honoured or refused there); these
+# have a Responses spelling of their own, or no meaning here.
+_NOT_FORWARDED = {
+    "model",
+    "n",
+    "temperature",
+    "top_p",
+    "user",
+    "stream",
+    "stream_options",
+    "return_token_ids",
+    "request_id",
+}
+FORWARDED_EXTRAS = tuple(sorted(set(SamplingExtras.model_fields) - _NOT_FORWARDED))
+# The chat path's names for fields that have another name (or none) in this API.
+_PARAM_NAMES = {
+    "messages": "input",
+    "prompt": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "logprobs": "include",
+}
+
+
+class ResponsesRequest(OpenAIModel):
+    """``POST /v1/responses``. Fields that exist only to be refused unless unset are
+    declared, so the schema and the refusals name them."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    store: bool | None = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    text: dict[str, Any] | None = None
+    # refused unless unset (or the value that means "nothing")
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = None
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    truncation: str | None = None
+    prompt: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    service_tier: str | None = None
+
+
+def _unsupported(param: str, why: str) -> APIError:
+    return bad_request(
+        f"{param} is not supported by this server: {why}", param=param, code="unsupported_parameter"
+    )
+
+
+def _check_supported(req: ResponsesRequest) -> None:
+    if req.tools:
+        raise _unsupported("tools", "/v1/responses has no tool calling here; send no tools")
+    if req.tool_choice not in (None, "auto", "none"):
+        raise _unsupported("tool_choice", "there are no tools; send auto, none or nothing")
+    if req.max_tool_calls is not None:
+        raise _unsupported("max_tool_calls", "there are no tools")
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise _unsupported("reasoning", "the served models have no reasoning controls")
+    if req.background:
+        raise _unsupported("background", "responses run in the foreground only")
+    if req.truncation not in (None, "disabled"):
+        raise _unsupported(
+            "truncation", "an input longer than the context is a 400, never truncated"
+        )
+    if req.prompt is not None:
+        raise _unsupported("prompt", "there are no stored prompt templates; send input")
+    if req.conversation is not None:
+        raise _unsupported("conversation", "use previous_response_id to continue a conversation")
+    if req.service_tier not in (None, "auto", "default"):
+        raise _unsupported("service_tier", "there is one tier; send auto, default or nothing")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    if (req.stream_options or {}).get("include_obfuscation"):
+        raise _unsupported("stream_options.include_obfuscation", "deltas are not padded")
+    for value in req.include or []:
+        if value != LOGPROBS_INCLUDE:
+            raise _unsupported("include", f"{value!r} (only {LOGPROBS_INCLUDE!r})")
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as the chat path's ``response_format``."""
+    text = text or {}
+    if text.get("verbosity") is not None:
+        raise _unsupported("text.verbosity", "the served models have no verbosity control")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise bad_request("text.format must be an object with a type", param="text.format")
+    kind = fmt["type"]
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        keys = ("name", "schema", "strict", "description")
+        return {"type": kind, "json_schema": {k: fmt[k] for k in keys if k in fmt}}
+    raise bad_request(
+        f"text.format.type must be text, json_object or json_schema, got {kind!r}",
+        param="text.format.type",
+    )
+
+
+def _content_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(
+            f"input[{i}].content must be a string or a list of content parts",
+            param=f"input.{i}.content",
+        )
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"input[{i}].content[{j}]: only text parts ({', '.join(_TEXT_PARTS)}) are "
+                f"supported, got type {kind!r}",
+                param=f"input.{i}.content.{j}",
+                code="unsupported_content",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The request's ``input`` as chat messages (``developer`` is the template's system)."""
+    if isinstance(input, str):
+        return [{"role": "user", "content": input}]
+    if not input:
+        raise bad_request("input must not be empty", param="input")
+    messages = []
+    for i, item in enumerate(input):
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise _unsupported(
+                f"input.{i}.type", f"items of type {kind!r} (only messages: no tool calls)"
+            )
+        role = item.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise bad_request(
+                f"input[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}",
+                param=f"input.{i}.role",
+            )
+        messages.append({"role": _ROLES[role], "content": _content_text(item.get("content"), i)})
+    return messages
+
+
+def _renamed(e: APIError) -> APIError:
+    """A chat-path error with the field named as this API names it."""
+    if e.param:
+        head = e.param.split(".", 1)[0]
+        new = _PARAM_NAMES.get(head)
+        if new is not None:
+            e.message = re.sub(rf"\b{re.escape(head)}\b(\.[\w.]+)?", new, e.message)
+            e.param = new
+    return e
+
+
+# ---- the store ---------------------------------------------------------------------------------
+@dataclass
+class _Stored:
+    response: dict[str, Any]
+    turn: list[dict[str, str]]  # this response's input messages and its answer
+    previous_id: str | None
+    size: int
+
+
+class ResponseStore:
+    """The most recent stored responses, bounded in count and in bytes (of their JSON);
+    the oldest go first. Used from the event loop only."""
+
+    def __init__(self, max_responses: int, max_bytes: int) -> None:
+        self.max_responses = max_responses
+        self.max_bytes = max_bytes
+        self._items: collections.OrderedDict[str, _Stored] = collections.OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(
+        self, response: dict[str, Any], turn: list[dict[str, str]], previous_id: str | None
+    ) -> None:
+        size = len(dumps(response)) + len(dumps(turn))
+        if size > self.max_bytes:
+            logger.info("response %s not stored: %d bytes is over the store", response["id"], size)
+            return
+        self._items[response["id"]] = _Stored(response, turn, previous_id, size)
+        self.bytes += size
+        while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
+            _, old = self._items.popitem(last=False)
+            self.bytes -= old.size
+
+    def get(self, response_id: str) -> _Stored | None:
+        return self._items.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        old = self._items.pop(response_id, None)
+        if old is not None:
+            self.bytes -= old.size
+        return old is not None
+
+    def conversation(self, response_id: str) -> list[dict[str, str]] | None:
+        """The messages of the chain that ends with ``response_id``, oldest first; None
+        when a response of the chain is not stored (any more)."""
+        turns = []
+        rid: str | None = response_id
+        while rid is not None:
+            item = self._items.get(rid)
+            if item is None:
+                return None
+            turns.append(item.turn)
+            rid = item.previous_id
+        return [m for turn in reversed(turns) for m in turn]
+
+
+# ---- the endpoint ------------------------------------------------------------------------------
+class ResponsesAPI:
+    """What the ``/v1/responses`` routes call (``app.state.responses``)."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        lim = serving.limits
+        self.store = ResponseStore(lim.max_stored_responses, lim.max_stored_response_bytes)
+
+    def _gone(self, response_id: str, param: str | None = None) -> APIError:
+        lim = self.serving.limits
+        return APIError(
+            404,
+            f"no stored response with id {response_id!r}: it was created with store false, "
+            f"deleted, or evicted (this server keeps the last {lim.max_stored_responses} "
+            f"responses, at most {lim.max_stored_response_bytes} bytes, in memory until it "
+            "restarts: --max-stored-responses, --max-stored-response-bytes)",
+            param=param,
+            code="response_not_found",
+        )
+
+    async def create(self, req: ResponsesRequest, headers: Mapping[str, str]) -> Any:
+        _check_supported(req)
+        history: list[dict[str, str]] = []
+        if req.previous_response_id is not None:
+            found = self.store.conversation(req.previous_response_id)
+            if found is None:
+                raise self._gone(req.previous_response_id, "previous_response_id")
+            history = found
+        turn = input_messages(req.input)
+        system = (
+            [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
+        )
+        wants_logprobs = LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
+        extras = req.model_extra or {}
+        body: dict[str, Any] = {k: v for k, v in extras.items() if k in FORWARDED_EXTRAS}
+        if len(body) < len(extras):
+            logger.debug("ignoring unknown request fields: %s", sorted(set(extras) - set(body)))
+        body.update(
+            model=req.model,
+            messages=system + history + turn,
+            max_tokens=req.max_output_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            logprobs=wants_logprobs,
+            top_logprobs=req.top_logprobs,
+            user=req.user,
+            stream=req.stream,
+            response_format=_response_format(req.text),
+        )
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise _renamed(validation_error(e)) from None
+        route = routing(headers, chat.user, chat.slo_ttft_ms)
+
+        def make_format(
+            serving: Serving, creq: ChatCompletionRequest, params: SamplingParams
+        ) -> ResponsesFormat:
+            return ResponsesFormat(serving, creq, params, req, self.store, turn)
+
+        try:
+            return await self.serving.chat(chat, route, make_format)
+        except APIError as e:
+            raise _renamed(e) from None
+
+    def retrieve(self, response_id: str, query: Mapping[str, str]) -> dict[str, Any]:
+        if query.get("stream", "false").lower() not in ("false", "0"):
+            raise _unsupported("stream", "a stored response is returned whole")
+        item = self.store.get(response_id)
+        if item is None:
+            raise self._gone(response_id)
+        return item.response
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        if not self.store.delete(response_id):
+            raise self._gone(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def _chain(
+    first: tuple[int, RequestOutput] | None, rest: AsyncIterator[tuple[int, RequestOutput]]
+) -> AsyncIterator[RequestOutput]:
+    if first is not None:
+        yield first[1]
+    async for _, out in rest:
+        yield out
+
+
+class ResponsesFormat(_ChatFormat):
+    """One response (n is 1): a ``response`` object with one assistant message."""
+
+    def __init__(
+        self,
+        serving: Serving,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        rreq: ResponsesRequest,
+        store: ResponseStore,
+        turn: list[dict[str, str]],
+    ) -> None:
+        super().__init__(serving, req, params)
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.rreq = rreq
+        self.store = store
+        self.turn = turn
+        self.cached_tokens = 0
+
+    def _track(self, pidx: int, out: RequestOutput) -> None:
+        super()._track(pidx, out)
+        self.cached_tokens = out.metrics.num_cached_prompt_tokens
+
+    def _logprob_list(self, c: CompletionOutput, new: bool) -> list[dict[str, Any]]:
+        ids, lps = (c.new_token_ids, c.new_logprobs) if new else (c.token_ids, c.logprobs)
+        got = self._logprobs(ids, lps)
+        return got["content"] if got else []
+
+    def _usage(self) -> dict[str, Any]:
+        u = self.usage()
+        return {
+            "input_tokens": u["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"],
+        }
+
+    def _response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        *,
+        usage: bool = False,
+        incomplete: bool = False,
+        error: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        r = self.rreq
+        text_format = r.text.get("format") if r.text else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "background": False,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens,
+            "max_tool_calls": None,
+            "metadata": r.metadata or {},
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
+            "previous_response_id": r.previous_response_id,
+            "reasoning": None,
+            "service_tier": "default",
+            "temperature": self.params.temperature,
+            "text": {"format": text_format or {"type": "text"}},
+            "tool_choice": r.tool_choice or "auto",
+            "tools": [],
+            "top_logprobs": r.top_logprobs,
+            "top_p": self.params.top_p,
+            "truncation": "disabled",
+            "usage": self._usage() if usage else None,
+            "user": r.user,
+        }
+
+    def _message(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.msg_id,
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        }
+
+    @staticmethod
+    def _part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    def _final(self, c: CompletionOutput) -> dict[str, Any]:
+        """The finished response (stored when asked to)."""
+        incomplete = c.finish_reason == "length"
+        status = "incomplete" if incomplete else "completed"
+        msg = self._message(status, [self._part(c.text, self._logprob_list(c, new=False))])
+        resp = self._response(status, [msg], usage=True, incomplete=incomplete)
+        if self.rreq.store:
+            answer = {"role": "assistant", "content": c.text}
+            self.store.put(resp, [*self.turn, answer], self.rreq.previous_response_id)
+        return resp
+
+    def full_response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        self._track(0, finals[0])
+        return self._final(finals[0].outputs[0])
+
+    async def sse(
+        self,
+        first: tuple[int, RequestOutput] | None,
+        rest: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[str]:
+        seq = itertools.count()
+
+        def event(kind: str, **fields: Any) -> str:
+            obj = {"type": kind, "sequence_number": next(seq), **fields}
+            return f"event: {kind}\ndata: {dumps(obj)}\n\n"
+
+        where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+        try:
+            yield event("response.created", response=self._response("in_progress", []))
+            yield event("response.in_progress", response=self._response("in_progress", []))
+            item = self._message("in_progress", [])
+            yield event("response.output_item.added", output_index=0, item=item)
+            yield event("response.content_part.added", **where, part=self._part("", []))
+            last: CompletionOutput | None = None
+            async for out in _chain(first, rest):
+                self._track(0, out)
+                last = out.outputs[0]
+                lps = self._logprob_list(last, new=True)
+                if last.new_text or lps:
+                    yield event(
+                        "response.output_text.delta", **where, delta=last.new_text, logprobs=lps
+                    )
+            if last is None or last.finish_reason in (None, "abort"):
+                msg = "the request was aborted before it finished (the server is shutting down)"
+                for e in self._failed("aborted", msg, event):
+                    yield e
+                return
+            final = self._final(last)
+            msg_item = final["output"][0]
+            part = msg_item["content"][0]
+            yield event(
+                "response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]
+            )
+            yield event("response.content_part.done", **where, part=part)
+            yield event("response.output_item.done", output_index=0, item=msg_item)
+            done = "response.completed" if final["status"] == "completed" else "response.incomplete"
+            yield event(done, response=final)
+        except RequestFailedError as e:  # after the 200 went out: the error is an event
+            err = self.s.request_failed(e)
+            for ev in self._failed(err.code or "request_failed", err.message, event):
+                yield ev
+        except Exception as e:  # noqa: BLE001 - a bug here must end this stream only, visibly
+            logger.exception("streaming response failed")
+            for ev in self._failed("internal_error", f"{type(e).__name__}: {e}", event):
+                yield ev
+        finally:
+            aclose = getattr(rest, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _failed(self, code: str, message: str, event: Any) -> list[str]:
+        return [
+            event("error", code=code, message=message, param=None),
+            event(
+                "response.failed",
+                response=self._response(
+                    "failed", [], usage=True, error={"code": code, "message": message}
+                ),
+            ),
+        ]
+
+
+__all__ = ["ResponseStore", "ResponsesAPI", "ResponsesFormat", "ResponsesRequest"]

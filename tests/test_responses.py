@@ -445,6 +445,14 @@ def test_tiny_random_greedy_responses_equal_chat_streamed_or_not() -> None:
         assert r.usage.output_tokens == chat.usage.completion_tokens
         want = "completed" if chat.choices[0].finish_reason == "stop" else "incomplete"
         assert r.status == want
+        # The same prompt again: the prefix cache's hit, reported as chat reports it.
+        again = c.chat.completions.create(
+            model="tiny-random", messages=messages, max_tokens=1, temperature=0
+        )
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        hit = again.usage.prompt_tokens_details.cached_tokens
+        assert hit and hit > 0
+        assert r.usage.input_tokens_details.cached_tokens == hit
         deltas = [
             e.delta
             for e in c.responses.create(

@@ -379,11 +379,6 @@ class ResponsesFormat(_ChatFormat):
         self.rreq = rreq
         self.store = store
         self.turn = turn
-        self.cached_tokens = 0
-
-    def _track(self, pidx: int, out: RequestOutput) -> None:
-        super()._track(pidx, out)
-        self.cached_tokens = out.metrics.num_cached_prompt_tokens
 
     def _logprob_list(self, c: CompletionOutput, new: bool) -> list[dict[str, Any]]:
         ids, lps = (c.new_token_ids, c.new_logprobs) if new else (c.token_ids, c.logprobs)
@@ -394,7 +389,7 @@ class ResponsesFormat(_ChatFormat):
         u = self.usage()
         return {
             "input_tokens": u["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": u["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u["total_tokens"],

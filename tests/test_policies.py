@@ -20,6 +20,7 @@ from iterserve.core import KVCacheManager, Request, Scheduler, SchedulerOutput
 from iterserve.core.books import Books
 from iterserve.core.policies import (
     RESERVATIONS,
+    VICTIM_SCORES,
     VICTIMS,
     SloPolicy,
     make_policy,
@@ -171,6 +172,77 @@ def test_property_recomputed_tokens_are_exactly_the_repeated_work(
     assert (c["recomputed_tokens"] > 0) == (c["recompute_tax"] > 0)
     if s.num_preemptions == 0:
         assert c["recomputed_tokens"] == 0
+
+
+@PROPERTY
+@given(
+    data=st.data(),
+    victim=st.sampled_from(VICTIMS),
+    num_blocks=st.integers(6, 40),
+    budget=st.integers(4, 48),
+    prefix=st.booleans(),
+)
+def test_property_victim_is_the_rules_choice_among_all_running(
+    data: st.DataObject, victim: str, num_blocks: int, budget: int, prefix: bool
+) -> None:
+    """Each preemption takes the highest-scoring request among every request running when
+    the step began (those already scheduled this step too), less the step's earlier
+    victims; a victim runs nothing in that step; every request ends (no livelock)."""
+    s = sched(
+        num_blocks=num_blocks,
+        block_size=2,
+        prefix=prefix,
+        max_num_batched_tokens=budget,
+        preemption_victim=victim,
+    )
+    score = VICTIM_SCORES[victim]
+    pending = sorted(workload(data), key=lambda a: a[0])
+    arrivals = list(pending)
+    ended: dict[str, int] = {}
+    step = 0
+    while pending or s.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            s.add_request(pending.pop(0)[1])
+        step += 1
+        assert step < 5000, "no progress: livelock, deadlock or starvation"
+        scores = {r.request_id: score(r) for r in s.running}
+        out, fin = step_once(s)
+        left = dict(scores)
+        for v in out.preempted:
+            assert scores[v.request_id] == max(left.values())
+            del left[v.request_id]
+            assert v not in out.requests
+        ended.update({r.request_id: step for r in fin})
+    assert_all_ended(arrivals, ended)
+
+
+def test_a_victim_scheduled_earlier_in_the_step_gives_its_tokens_back() -> None:
+    """'b' (short) decodes first in the step; then 'a' (long) needs a block the pool lacks.
+    least-computed preempts b, though already scheduled: b leaves the step, its counters
+    are undone, and the block it filled this step is not left as a prefix hit."""
+    s = sched(
+        num_blocks=6, block_size=4, max_num_batched_tokens=64, preemption_victim="least-computed"
+    )
+    s.add_request(make_req("b", 3, 20, seed=2))
+    s.add_request(make_req("a", 14, 20, seed=1))
+    for _ in range(20):
+        b = s.requests["b"]
+        b_state = (b.num_computed_tokens, b.max_computed_tokens)
+        out = s.schedule()
+        if out.preempted:
+            break
+        s.update_from_output(out, {r.request_id: 5 for r in out.requests})
+        s.check_integrity()
+    else:
+        raise AssertionError("expected a preemption")
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert [r.request_id for r in out.requests] == ["a"]
+    assert (out.num_decode_tokens, out.num_prefill_tokens) == (1, 0)
+    assert b.max_computed_tokens == b_state[1]  # its high-water mark is as before the step
+    _, hit = s.kv.get_computed_blocks(b)
+    assert hit <= b_state[0]  # no block of tokens it never computed is reused
+    s.update_from_output(out, {"a": 5})
+    s.check_integrity()
 
 
 # ---- anti-thrash protection -------------------------------------------------------------

@@ -109,6 +109,13 @@ class BlockPool:
         blk.token_ids = tuple(token_ids)
         self._cached[block_hash] = block_id
 
+    def forget(self, block_ids: Iterable[int]) -> None:
+        """Unregisters these blocks' cached contents (their KV was never written)."""
+        for bid in block_ids:
+            blk = self.blocks[bid]
+            if blk.block_hash is not None:
+                self._evict(blk)
+
     def _evict(self, blk: KVBlock) -> None:
         assert blk.block_hash is not None
         del self._cached[blk.block_hash]

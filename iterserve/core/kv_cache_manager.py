@@ -136,9 +136,15 @@ class KVCacheManager:
             self.pool.cache(blocks[i], parent, hashes[i], req.all_token_ids[i * bs : (i + 1) * bs])
         self._num_registered[rid] = num_full
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Request, discard_uncomputed: bool = False) -> None:
+        """Drops ``req``'s blocks (cached prefixes stay for later hits). With
+        ``discard_uncomputed`` the step that was to write the KV of its tokens past
+        ``num_computed_tokens`` will not run (the scheduler took them back), so the blocks
+        registered for those tokens are forgotten rather than left as false prefix hits."""
         blocks = self.req_blocks.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
+        if blocks and discard_uncomputed:
+            self.pool.forget(blocks[req.num_computed_tokens // self.block_size :])
         if blocks:
             self.pool.free(reversed(blocks))
 

@@ -188,9 +188,9 @@ class Policy:
         return ADMIT
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
-        """Which running request to preempt when the pool is short. ``candidates`` are the
-        running requests not yet scheduled this step, in admission order (the one asking
-        for a block is first). The highest ``victim_score`` goes."""
+        """Which running request to preempt when the pool is short. ``candidates`` are all
+        running requests, the one asking for a block first; one already scheduled this
+        step gives its tokens back. The highest ``victim_score`` goes."""
         return max(candidates, key=self.victim_score)
 
     def split_budget(self, budget: int) -> BudgetSplit:

@@ -133,10 +133,12 @@ class Scheduler:
         del self.requests[req.request_id]
         self.policy.on_finish(req)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, scheduled: bool = False) -> None:
         # Its full blocks stay in the prefix cache; on resume it recomputes what was evicted.
+        # ``scheduled``: it was already given tokens this step, which will not run now, so
+        # the blocks registered for them must not be found as prefix hits.
         self.running.remove(req)
-        self.kv.free(req)
+        self.kv.free(req, discard_uncomputed=scheduled)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -146,6 +148,8 @@ class Scheduler:
             self.reservation.on_preempt()
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
+        """The policy's victim among ``candidates`` (every running request, the one asking
+        first), sparing recently resumed ones under preemption protection."""
         protect = self.config.preemption_protect_steps
         if protect:
             # Anti-thrash: spare recently resumed requests unless nobody else can go.
@@ -178,7 +182,10 @@ class Scheduler:
             self.running,
             key=lambda r: (len(r.all_token_ids) - r.num_computed_tokens > 1, r.admit_seq),
         )
-        for i, req in enumerate(order):
+        # Requests scheduled so far this step -> what _unschedule needs to take it back:
+        # (its high-water mark before, the recomputed tokens it added, whether it was long).
+        done: dict[str, tuple[int, int, bool]] = {}
+        for req in order:
             if budget == 0:
                 break
             if req.status is not running:
@@ -198,18 +205,29 @@ class Scheduler:
                 continue
             num_new = min(num_new, budget)
             while not allocate(req, num_new):
-                candidates = [r for r in order[i:] if r.status is RequestStatus.RUNNING]
-                victim = self._pick_victim(candidates)
+                # Every running request is a candidate, those already given tokens this step
+                # too (as in vLLM): otherwise the rule could only choose among the few not
+                # yet reached, and the asking request itself was the victim most of the time.
+                victim = self._pick_victim([req, *(r for r in self.running if r is not req)])
                 if victim is req and len(self.running) == 1:
                     self._fail(req, out, self._too_big_message(req, num_new))
                     break
-                self._preempt(victim)
+                undo = done.pop(victim.request_id, None)
+                if undo is not None:  # it gives back what it was scheduled this step
+                    n, was_long = self._unschedule(out, victim, undo)
+                    budget += n
+                    long_left += was_long
+                    if prefill_left is not None and n > 1:
+                        prefill_left += n
+                self._preempt(victim, scheduled=undo is not None)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
+            high, recomputed = req.max_computed_tokens, out.recomputed_tokens
             self._add_to_output(out, req, num_new)
+            done[req.request_id] = (high, out.recomputed_tokens - recomputed, is_long)
             budget -= num_new
             long_left -= is_long
             if prefill_left is not None and num_new > 1:
@@ -288,6 +306,24 @@ class Scheduler:
                     new_left -= num_new
         for req in reversed(passed_over):
             self.waiting.push_front(req)  # back in their places, ahead of later arrivals
+
+    def _unschedule(
+        self, out: SchedulerOutput, req: Request, undo: tuple[int, int, bool]
+    ) -> tuple[int, bool]:
+        """Takes ``req``'s tokens out of this step (it is about to be preempted); returns
+        them and whether they ran as a long prompt, so the step's caps get them back."""
+        i = next(k for k, r in enumerate(out.requests) if r is req)
+        out.requests.pop(i)
+        n = out.num_tokens.pop(i)
+        if out.is_prefill.pop(i):
+            out.num_prefill_tokens -= n
+        else:
+            out.num_decode_tokens -= n
+        high, redo, was_long = undo
+        req.max_computed_tokens = high
+        out.recomputed_tokens -= redo
+        self.recomputed_tokens -= redo
+        return n, was_long
 
     def _add_to_output(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         # A decode is one new token right after a sampled one; anything else computes

@@ -1,0 +1,111 @@
+"""Third-party clients, unchanged, against ``iterserve serve`` (a subprocess on 127.0.0.1,
+``tiny-random``, behind an API key): what each one gets must be what the official ``openai``
+client gets for the same greedy request. docs/COMPATIBILITY.md cites these tests.
+
+litellm is driven through its ``openai/`` provider with ``api_base``, as its docs tell
+users of an OpenAI-compatible server to do.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from server_helpers.servers import ServerProcess
+
+API_KEY = "sk-clients-test"
+MODEL = "tiny-random"
+MESSAGES: Any = [{"role": "user", "content": "Name three colours."}]
+
+pytestmark = pytest.mark.slow  # a server start plus litellm's import (~15 s on a busy box)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = ServerProcess(
+        "--model", MODEL, "--api-key", API_KEY, "--max-model-len", "512", "--num-kv-blocks", "256"
+    )
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def litellm(server: ServerProcess) -> Any:
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
+    return pytest.importorskip("litellm")
+
+
+def _kw(server: ServerProcess) -> dict[str, Any]:
+    return {"model": f"openai/{MODEL}", "api_base": server.url + "/v1", "api_key": API_KEY}
+
+
+def test_litellm_chat_completion_streaming_n_logprobs(
+    server: ServerProcess, oai: openai.OpenAI, litellm: Any
+) -> None:
+    want = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    text = want.choices[0].message.content
+    assert text
+    got = litellm.completion(messages=MESSAGES, max_tokens=12, temperature=0, **_kw(server))
+    assert got.choices[0].message.content == text
+    assert got.choices[0].finish_reason == want.choices[0].finish_reason
+    assert want.usage is not None
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    assert got.usage.completion_tokens == want.usage.completion_tokens
+    chunks = list(
+        litellm.completion(
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            **_kw(server),
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+    two = litellm.completion(
+        messages=MESSAGES, max_tokens=4, n=2, seed=1, temperature=1.0, **_kw(server)
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    lp = litellm.completion(
+        messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, **_kw(server)
+    )
+    content = lp.choices[0].logprobs["content"]
+    assert len(content) == 4 and all(len(t["top_logprobs"]) == 2 for t in content)
+    assert "".join(t["token"] for t in content) == lp.choices[0].message.content
+
+
+def test_litellm_text_completion(server: ServerProcess, oai: openai.OpenAI, litellm: Any) -> None:
+    want = oai.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0
+    )
+    got = litellm.text_completion(
+        prompt="Once upon a time", max_tokens=10, temperature=0, **_kw(server)
+    )
+    assert want.choices[0].text and got.choices[0].text == want.choices[0].text
+
+
+def test_litellm_responses(server: ServerProcess, oai: openai.OpenAI, litellm: Any) -> None:
+    # 16: litellm raises a smaller max_output_tokens to OpenAI's minimum of 16.
+    want = oai.responses.create(model=MODEL, input="Hi", max_output_tokens=16, temperature=0)
+    got = litellm.responses(input="Hi", max_output_tokens=16, temperature=0, **_kw(server))
+    assert want.output_text and got.output[0].content[0].text == want.output_text
+    assert got.status == want.status and got.usage.output_tokens == want.usage.output_tokens  # type: ignore[union-attr]
+    events = list(
+        litellm.responses(
+            input="Hi", max_output_tokens=16, temperature=0, stream=True, **_kw(server)
+        )
+    )
+    deltas = "".join(e.delta for e in events if getattr(e, "delta", None))
+    assert deltas == want.output_text
+    assert events[-1].response.status == want.status

@@ -126,9 +126,10 @@ class ServerMetrics:
         self._engine_rejected_seen = 0
         r = self.registry
         m = model_name
-        ProcessCollector(registry=r)
-        for collector in (PLATFORM_COLLECTOR, GC_COLLECTOR):
-            r.register(collector)  # stateless: safe to share across registries
+        if registry is None:  # a caller's registry (prometheus_client.REGISTRY) has them
+            ProcessCollector(registry=r)
+            for collector in (PLATFORM_COLLECTOR, GC_COLLECTOR):
+                r.register(collector)  # stateless: safe to share across registries
         vllm_tokens = buckets_1_2_5(max_model_len)
         self._gauges: list[tuple[Gauge, Gauge | None]] = []
 

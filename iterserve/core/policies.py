@@ -10,6 +10,8 @@ four questions, each a method with a default that is continuous batching, FCFS:
                            (the highest score goes first)
     split_budget           how one step's token budget splits between running decodes,
                            running partial prefills and newly admitted prompts
+    defer_prefill          whether a running partial prefill waits until this step's
+                           admissions have had the budget (it then gets what they left)
 
 ``continuous``, ``static`` and ``priority`` are instances. A user policy is any subclass,
 loaded by name from ``POLICY_CLASSES`` or as ``module:Class`` (``--policy module:Class``);
@@ -197,6 +199,17 @@ class Policy:
         """How this step's ``budget`` tokens split (see BudgetSplit); default: no caps."""
         return BudgetSplit()
 
+    def defer_prefill(self, req: Request) -> bool:
+        """Should running ``req``, which has more than one token to compute, wait until the
+        waiting requests admitted this step got their share of the budget? It then runs on
+        what they left, in the same step (never by preempting). Default: no, running
+        prefills go first."""
+        return False
+
+    def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
+        """A step is being decided (before ``split_budget``): the running requests and the
+        waiting queue as they stand."""
+
     # Hooks, for policies that keep books of their own (default: nothing).
     def on_arrival(self, req: Request) -> None:
         """``req`` was just added (before it is queued)."""
@@ -295,7 +308,13 @@ class FairPolicy(Policy):
     with the smallest counter. A tenant that arrives with nothing live is lifted to the
     smallest counter among live tenants, so idle time earns no credit. Work-conserving: a
     lone tenant gets everything. Every scheduled token is charged, prompt, output or
-    recomputed alike (VTC weighs output tokens more; one weight keeps the bound simple)."""
+    recomputed alike (VTC weighs output tokens more; one weight keeps the bound simple).
+
+    The counters also order prefill work within a step: a running partial prefill whose
+    tenant's counter is above that of some waiting request or other running prefill is
+    deferred until admission has had the budget (it gets what is left, so nothing idles).
+    Otherwise a light tenant's request waits behind a heavy tenant's long prompts already
+    being prefilled, which take the whole budget step after step."""
 
     name = "fair"
 
@@ -304,9 +323,19 @@ class FairPolicy(Policy):
         self.weights = parse_tenant_weights(config.tenant_weights) if config else {}
         self.counters: dict[str, float] = {}
         self.live: dict[str, int] = {}  # tenant -> requests waiting or running
+        self.floor = math.inf  # this step's smallest counter among tenants with prefill work
 
     def make_waiting_queue(self) -> WaitingQueue:
         return FairWaitingQueue(self.counters)
+
+    def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
+        c = self.counters
+        prefilling = {r.tenant for r in running if len(r.all_token_ids) - r.num_computed_tokens > 1}
+        tenants = prefilling | {r.tenant for r in waiting}
+        self.floor = min((c.get(t, 0.0) for t in tenants), default=math.inf)
+
+    def defer_prefill(self, req: Request) -> bool:
+        return self.counters.get(req.tenant, 0.0) > self.floor
 
     def on_arrival(self, req: Request) -> None:
         t, live = req.tenant, self.live

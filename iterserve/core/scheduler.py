@@ -164,13 +164,12 @@ class Scheduler:
         out = SchedulerOutput()
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        chunked = cfg.enable_chunked_prefill
         self.num_schedules += 1
         if self.reservation is not None:
             self.reservation.on_step()
+        self.policy.on_schedule(self.running, self.waiting)
         split = self.policy.split_budget(budget)
         prefill_left = split.partial_prefill  # None: no cap
-        long_thr = cfg.long_prefill_threshold  # 0: long-prompt mode off
         long_left = cfg.max_long_partial_prefills
 
         running = RequestStatus.RUNNING
@@ -185,6 +184,8 @@ class Scheduler:
         # Requests scheduled so far this step -> what _unschedule needs to take it back:
         # (its high-water mark before, the recomputed tokens it added, whether it was long).
         done: dict[str, tuple[int, int, bool]] = {}
+        defer = self.policy.defer_prefill
+        later: list[Request] = []  # prefills the policy put after this step's admissions
         for req in order:
             if budget == 0:
                 break
@@ -192,18 +193,13 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = len(req.all_token_ids) - req.num_computed_tokens
             is_long = False
-            if num_new > 1 and (long_thr or prefill_left is not None):
-                if long_thr and num_new > long_thr:
-                    if long_left == 0:
-                        continue  # enough long prompts this step
-                    is_long, num_new = True, long_thr
-                if prefill_left is not None:
-                    if prefill_left == 0 or (num_new > prefill_left and not chunked):
-                        continue
-                    num_new = min(num_new, prefill_left)
-            if num_new > budget and not chunked:
-                continue
-            num_new = min(num_new, budget)
+            if num_new > 1:
+                if defer(req):
+                    later.append(req)
+                    continue
+                num_new, is_long = self._chunk(num_new, budget, prefill_left, long_left)
+                if num_new == 0:
+                    continue
             while not allocate(req, num_new):
                 # Every running request is a candidate, those already given tokens this step
                 # too (as in vLLM): otherwise the rule could only choose among the few not
@@ -234,14 +230,49 @@ class Scheduler:
                 prefill_left -= num_new
 
         if not out.preempted and self.policy.can_admit(len(self.running)):
-            self._admit(out, budget, split.new_prompt, long_left)
+            budget, long_left = self._admit(out, budget, split.new_prompt, long_left)
+        for req in later:  # what admission left; never by preempting
+            if budget == 0:
+                break
+            if req.status is not running:
+                continue
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            num_new, is_long = self._chunk(num_new, budget, prefill_left, long_left)
+            if num_new == 0 or not allocate(req, num_new):
+                continue
+            self._add_to_output(out, req, num_new)
+            budget -= num_new
+            long_left -= is_long
+            if prefill_left is not None and num_new > 1:
+                prefill_left -= num_new
         self.policy.on_step(out)
         return out
 
+    def _chunk(
+        self, num_new: int, budget: int, prefill_left: int | None, long_left: int
+    ) -> tuple[int, bool]:
+        """How many of a running prefill's ``num_new`` uncomputed tokens fit this step's caps,
+        and whether it runs as a long prompt; (0, False) if a cap leaves it none."""
+        cfg = self.config
+        chunked, long_thr = cfg.enable_chunked_prefill, cfg.long_prefill_threshold
+        is_long = False
+        if long_thr and num_new > long_thr:
+            if long_left == 0:
+                return 0, False  # enough long prompts this step
+            is_long, num_new = True, long_thr
+        if prefill_left is not None:
+            if prefill_left == 0 or (num_new > prefill_left and not chunked):
+                return 0, False
+            num_new = min(num_new, prefill_left)
+        if num_new > budget and not chunked:
+            return 0, False
+        return min(num_new, budget), is_long
+
     def _admit(
         self, out: SchedulerOutput, budget: int, new_left: int | None, long_left: int
-    ) -> None:
-        """Admits waiting requests in queue order into what is left of this step."""
+    ) -> tuple[int, int]:
+        """Admits waiting requests in queue order into what is left of this step; returns
+        the budget and the long-prompt places left."""
         cfg = self.config
         chunked = cfg.enable_chunked_prefill
         long_thr = cfg.long_prefill_threshold
@@ -306,6 +337,7 @@ class Scheduler:
                     new_left -= num_new
         for req in reversed(passed_over):
             self.waiting.push_front(req)  # back in their places, ahead of later arrivals
+        return budget, long_left
 
     def _unschedule(
         self, out: SchedulerOutput, req: Request, undo: tuple[int, int, bool]

@@ -152,8 +152,10 @@ def test_stream_true_emits_the_responses_event_sequence(
     types = [e.type for e in events]
     n_delta = types.count("response.output_text.delta")
     assert n_delta >= 1
+    # Cut off by max_output_tokens: response.completed whose status says incomplete (as vLLM;
+    # OpenAI sends response.incomplete, which aiperf and responses.stream() do not take).
     assert types == STREAM_EVENTS + ["response.output_text.delta"] * n_delta + DONE_EVENTS + [
-        "response.incomplete"  # cut off by max_output_tokens, as OpenAI reports it
+        "response.completed"
     ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -200,6 +202,11 @@ def test_stream_helper_gives_the_completed_response(
     assert final.output_text == chat["choices"][0]["message"]["content"]
     assert final.usage is not None
     assert final.usage.output_tokens == chat["usage"]["completion_tokens"] < 30
+    # Cut off by max_output_tokens, the helper still gives the final response.
+    with client.responses.stream(model=MODEL, input="helper", max_output_tokens=5) as stream:
+        cut = stream.get_final_response()
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens" and len(cut.output_text) == 5
 
 
 def test_a_failure_mid_stream_is_an_error_event_then_response_failed(

@@ -503,8 +503,10 @@ class ResponsesFormat(_ChatFormat):
             )
             yield event("response.content_part.done", **where, part=part)
             yield event("response.output_item.done", output_index=0, item=msg_item)
-            done = "response.completed" if final["status"] == "completed" else "response.incomplete"
-            yield event(done, response=final)
+            # response.completed even when cut off by max_output_tokens (status says so), as
+            # vLLM sends it: OpenAI's response.incomplete there left aiperf without usage and
+            # the openai client's responses.stream() without a final response.
+            yield event("response.completed", response=final)
         except RequestFailedError as e:  # after the 200 went out: the error is an event
             err = self.s.request_failed(e)
             for ev in self._failed(err.code or "request_failed", err.message, event):

@@ -96,7 +96,8 @@ class SchedulerConfig:
     this is long; it is prefilled at most this many tokens a step, and at most
     ``max_long_partial_prefills`` long prompts run per step, so short prompts pass them.
     ``tenant_weights`` ('alice=2,bob=1'; others weigh 1): the ``fair`` policy's shares.
-    ``slo_ttft_ms``: the ``slo`` policy's TTFT target for requests that carry none.
+    ``slo_ttft_ms`` / ``slo_tpot_ms``: the ``slo`` policy's TTFT / TPOT targets for
+    requests that carry none.
     """
 
     policy: str = "continuous"
@@ -111,6 +112,7 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 1
     tenant_weights: str = ""
     slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         _check_policy(self.policy)
@@ -156,6 +158,7 @@ class EngineArgs:
     max_long_partial_prefills: int = 1
     tenant_weights: str = ""
     slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     # None: $ITERSERVE_ATTENTION_BACKEND, else auto.
     attention_backend: str | None = None
     device: str = "auto"
@@ -275,6 +278,8 @@ def _check_scheduler_knobs(c: SchedulerConfig | EngineArgs) -> None:
     parse_tenant_weights(c.tenant_weights)
     if c.slo_ttft_ms is not None and not c.slo_ttft_ms > 0:
         raise ValueError(f"slo_ttft_ms must be > 0 (or None: no default), got {c.slo_ttft_ms}")
+    if c.slo_tpot_ms is not None and not c.slo_tpot_ms > 0:
+        raise ValueError(f"slo_tpot_ms must be > 0 (or None: no default), got {c.slo_tpot_ms}")
     if c.long_prefill_threshold and not c.enable_chunked_prefill:
         raise ValueError(
             "long_prefill_threshold needs chunked prefill (long prompts run in chunks); "

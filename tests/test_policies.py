@@ -6,6 +6,7 @@ after every step and that every request ends within a stated bound."""
 from __future__ import annotations
 
 import argparse
+import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -721,3 +722,119 @@ def test_slo_raises_goodput_under_overload_in_the_simulator() -> None:
         res = Simulator(SimConfig(cfg, num_kv_blocks=4000), LinearSteps()).run(specs)
         good[policy] = sum(1 for t in res.timings if t.success and (t.ttft or 9e9) <= 1.0)
     assert good["slo"] >= 1.3 * good["continuous"]
+
+
+# ---- SLO-aware: TPOT targets hold prefill work back -------------------------------------
+
+
+def linear_step_s(tokens: int) -> float:
+    """A step takes 5 ms plus 0.1 ms a token (so a 8 ms TPOT target leaves 30 tokens)."""
+    return 0.005 + 1e-4 * tokens
+
+
+class LinearSteps:  # the same, as the simulator's cost model
+    def step_time(self, shape: Any) -> float:
+        return linear_step_s(shape.num_tokens)
+
+
+def test_step_time_fit_recovers_a_linear_cost() -> None:
+    from iterserve.core.policies import StepTimeFit
+
+    fit = StepTimeFit()
+    assert fit.predict(10) is None and fit.max_tokens_within(1.0) == math.inf
+    fit.add(8, 0.0058)
+    assert fit.coefficients() == pytest.approx((0.0058, 0.0))  # one point: no slope yet
+    for n in (1, 40, 7, 64, 20):
+        fit.add(n, 0.005 + 1e-4 * n)
+    assert fit.coefficients() == pytest.approx((0.005, 1e-4))
+    assert fit.max_tokens_within(0.008) == pytest.approx(30)
+    assert fit.max_tokens_within(0.004) == -1.0
+
+
+@PROPERTY
+@given(
+    data=st.data(),
+    budget=st.integers(8, 64),
+    tpot_ms=st.sampled_from([5.5, 6.0, 7.0, 9.0, 12.0]),
+)
+def test_property_tpot_holds_back_only_what_would_push_past_the_target(
+    data: st.DataObject, budget: int, tpot_ms: float
+) -> None:
+    """With ample KV and sequence slots, each step's prefill tokens stay within the room
+    the fitted cost gives under the tightest running TPOT target (so the predicted step
+    meets it), and fill that room whenever prefill work is left: nothing is deferred that
+    the cost model says fits. Nothing is rejected for TPOT; every request ends."""
+    s = sched(
+        num_blocks=2000,
+        policy="slo",
+        max_num_batched_tokens=budget,
+        max_num_seqs=64,
+        slo_tpot_ms=tpot_ms,
+    )
+    policy = s.policy
+    assert isinstance(policy, SloPolicy)
+    books = Books(s)
+    arrivals = workload(data)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    steps = 0
+    while pending or s.has_unfinished_requests():
+        while pending and pending[0][0] <= steps:
+            s.add_request(pending.pop(0)[1])
+        steps += 1
+        assert steps < 5000
+        # One token each for requests with one left (decodes), which are never held back.
+        ones = sum(1 for r in s.running if r.num_tokens - r.num_computed_tokens == 1)
+        tight = min((policy.tpot_target(r) or math.inf for r in s.running), default=math.inf)
+        out = s.schedule()
+        room = policy.prefill_room
+        total = out.total_tokens
+        if room is not None:
+            fit = policy.fit.predict(total)
+            assert total <= ones + room and fit is not None and fit <= tight + 1e-12
+            left_work = any(
+                r.num_tokens - r.num_computed_tokens > n
+                for r, n in zip(out.requests, out.num_tokens)
+            ) or bool(s.waiting)
+            if left_work:
+                assert total == min(budget, ones + room)
+        sampled = {
+            r.request_id: 3
+            for r, n in zip(out.requests, out.num_tokens)
+            if r.num_computed_tokens + n == r.num_tokens
+        }
+        fin = s.update_from_output(out, sampled)
+        books.record_step(out, 0.0, linear_step_s(out.total_tokens) if out.requests else 0.0, 0)
+        s.check_integrity()
+        del fin
+    assert s.num_rejected == 0
+    assert all(r.status is RequestStatus.FINISHED for _, r in arrivals)
+
+
+def test_tpot_target_keeps_running_requests_tpot_in_the_simulator() -> None:
+    """A stream of prompts against running decodes: with a 9 ms TPOT target the slo policy
+    holds prefill chunks back so decodes keep within it; FCFS lets prompts stretch the
+    decode steps (p99 TPOT 11.3 ms)."""
+    from iterserve.sim.simulator import SimConfig, Simulator
+    from iterserve.workload.datasets import RequestSpec
+
+    rng = random.Random(0)
+    specs = [
+        RequestSpec([rng.randrange(1, 100) for _ in range(rng.randint(100, 300))], 64, i / 20)
+        for i in range(200)
+    ]
+    p99 = {}
+    for policy in ("continuous", "slo"):
+        cfg = SchedulerConfig(
+            policy=policy,
+            max_num_seqs=64,
+            max_num_batched_tokens=64,
+            max_model_len=4096,
+            slo_tpot_ms=9.0,
+        )
+        res = Simulator(SimConfig(cfg, num_kv_blocks=4000), LinearSteps()).run(specs)
+        assert all(t.success for t in res.timings)
+        tpots = sorted(t.tpot for t in res.timings if t.tpot is not None)
+        p99[policy] = tpots[int(0.99 * len(tpots))]
+    assert p99["continuous"] > 0.011
+    # Within 1% of the target: until the fit has seen two step sizes nothing is held back.
+    assert p99["slo"] <= 0.009 * 1.01

@@ -77,4 +77,6 @@ def test_add_request_refuses_a_target_that_is_not_a_positive_time(ckpt: str) -> 
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="slo_ttft_s must be a positive number"):
             engine.add_request("r", PROMPT, PARAMS, slo_ttft_s=bad)
+        with pytest.raises(ValueError, match="slo_tpot_s must be a positive number"):
+            engine.add_request("r", PROMPT, PARAMS, slo_tpot_s=bad)
     assert not engine.has_unfinished_requests()

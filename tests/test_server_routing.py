@@ -110,3 +110,26 @@ def test_metrics_export_the_engines_recompute_and_rejection_counters() -> None:
         fake.recomputed_tokens = 50
         assert c.post("/v1/completions", json=BODY).status_code == 200
         wait_for(lambda: scraped()["iterserve:recomputed_tokens_total"] == 50, what="delta")
+
+
+def test_tpot_target_comes_from_the_header_over_the_body() -> None:
+    fake = FakeEngine()
+    engine, server = serve(fake)
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        cases = [
+            ("/v1/completions", BODY, {}, None),
+            ("/v1/completions", {**BODY, "slo_tpot_ms": 40}, {}, 0.04),
+            ("/v1/chat/completions", {**CHAT, "slo_tpot_ms": 40}, {"x-slo-tpot-ms": "25"}, 0.025),
+        ]
+        for path, body, headers, want in cases:
+            before = set(fake.tpot_targets)
+            r = c.post(path, json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            (rid,) = set(fake.tpot_targets) - before
+            assert fake.tpot_targets[rid] == want, (body, headers)
+        r = c.post("/v1/completions", json=BODY, headers={"x-slo-tpot-ms": "fast"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "x-slo-tpot-ms" and "time-per-output-token" in err["message"]
+        r = c.post("/v1/completions", json={**BODY, "slo_tpot_ms": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "slo_tpot_ms"

@@ -355,16 +355,69 @@ class FairPolicy(Policy):
         self.live[req.tenant] -= 1
 
 
-class SloPolicy(Policy):
-    """Deadline-aware: earliest TTFT deadline first, and admission that rejects a request
-    which can no longer meet its TTFT target, so the capacity goes to those that can.
+class StepTimeFit:
+    """A step's duration as ``a + b * tokens``, fitted to the steps that ran by least
+    squares with exponentially decaying weights (the latest ~1/(1-DECAY) steps count)."""
 
-    A request's target is ``Request.slo_ttft_s``, else ``SchedulerConfig.slo_ttft_ms``;
+    DECAY = 0.98
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, tokens: int, duration_s: float) -> None:
+        d = self.DECAY
+        self.w = d * self.w + 1.0
+        self.x = d * self.x + tokens
+        self.y = d * self.y + duration_s
+        self.xx = d * self.xx + tokens * tokens
+        self.xy = d * self.xy + tokens * duration_s
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b) with b >= 0; None before any step. With one token count seen so far
+        there is no slope: b is 0 and a the mean step."""
+        if self.w == 0.0:
+            return None
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        b = max(0.0, (self.xy / self.w - mx * my) / var) if var > 1e-9 else 0.0
+        return my - b * mx, b
+
+    def predict(self, tokens: int) -> float | None:
+        ab = self.coefficients()
+        return None if ab is None else ab[0] + ab[1] * tokens
+
+    def max_tokens_within(self, seconds: float) -> float:
+        """The most tokens a step may hold and still take at most ``seconds`` (inf: no
+        limit the fit knows of; -1: not even an empty step)."""
+        ab = self.coefficients()
+        if ab is None:
+            return math.inf
+        a, b = ab
+        if a > seconds:
+            return -1.0
+        return math.inf if b == 0.0 else (seconds - a) / b
+
+
+class SloPolicy(Policy):
+    """Deadline-aware: earliest TTFT deadline first, admission that rejects a request which
+    can no longer meet its TTFT target, and prefill work held back where it would push
+    running requests past their TPOT targets.
+
+    TTFT: a request's target is ``Request.slo_ttft_s``, else ``SchedulerConfig.slo_ttft_ms``;
     without either it is served after every request with a deadline, FCFS. The first token
     is predicted at ``now + ceil(uncomputed prompt / token budget) * step time`` with the
     step time a running average of the engine's measured steps (the cost model's in the
     simulator), so the prediction is optimistic: a request is rejected only when even an
-    uncontended prefill would miss its deadline."""
+    uncontended prefill would miss its deadline.
+
+    TPOT: a request's target is ``Request.slo_tpot_s``, else ``SchedulerConfig.slo_tpot_ms``.
+    A running request gets one token per step, so its TPOT is the step time. Each step,
+    the tightest target among running requests bounds the step: with ``d`` decodes
+    scheduled, prefill work (running partial prefills, then new prompts) gets at most the
+    tokens that keep ``a + b * (d + prefill tokens)`` within it (``StepTimeFit`` over the
+    steps run). A prompt that finds no such room waits (deferred, keeping its place; it is
+    never rejected for TPOT). When the decodes alone already exceed the target, prefill work
+    is not what pushes it over and is not held back; before any step ran, nothing is."""
 
     name = "slo"
     EMA = 0.2  # weight of the latest step in the step-time average
@@ -373,11 +426,21 @@ class SloPolicy(Policy):
         super().__init__(config)
         ms = config.slo_ttft_ms if config is not None else None
         self.default_ttft_s = ms / 1000 if ms is not None else None
+        tpot_ms = config.slo_tpot_ms if config is not None else None
+        self.default_tpot_s = tpot_ms / 1000 if tpot_ms is not None else None
         self.budget = config.max_num_batched_tokens if config is not None else 512
         self.step_s = 0.0  # 0 until a step has run: nothing is rejected before
+        self.fit = StepTimeFit()
+        # This step's prefill room under the tightest running TPOT target (None: no bound),
+        # and how much of it running partial prefills may take first.
+        self.prefill_room: int | None = None
+        self.running_prefill = 0
 
     def ttft_target(self, req: Request) -> float | None:
         return req.slo_ttft_s if req.slo_ttft_s is not None else self.default_ttft_s
+
+    def tpot_target(self, req: Request) -> float | None:
+        return req.slo_tpot_s if req.slo_tpot_s is not None else self.default_tpot_s
 
     def deadline(self, req: Request) -> float:
         target = self.ttft_target(req)
@@ -405,9 +468,35 @@ class SloPolicy(Policy):
             "retry later, or raise the target",
         )
 
+    def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
+        self.prefill_room = None
+        targets = [t for r in running if (t := self.tpot_target(r)) is not None]
+        if not targets:
+            return
+        decodes = prefill = 0
+        for r in running:
+            left = len(r.all_token_ids) - r.num_computed_tokens
+            if left == 1:
+                decodes += 1
+            else:
+                prefill += left
+        room = self.fit.max_tokens_within(min(targets)) - decodes
+        if room < 0 or room == math.inf:
+            return  # decodes alone miss it (or no bound known): prefills are not the cause
+        self.prefill_room = int(room)
+        self.running_prefill = min(prefill, self.prefill_room)
+
+    def split_budget(self, budget: int) -> BudgetSplit:
+        room = self.prefill_room
+        if room is None:
+            return BudgetSplit()
+        return BudgetSplit(partial_prefill=room, new_prompt=room - self.running_prefill)
+
     def on_step_end(self, out: SchedulerOutput, duration_s: float) -> None:
         a = self.EMA
         self.step_s = duration_s if self.step_s == 0.0 else (1 - a) * self.step_s + a * duration_s
+        if not out.is_empty:
+            self.fit.add(out.total_tokens, duration_s)
 
 
 # The one registry of policy names: config validation, every CLI and the simulator read it.

@@ -51,6 +51,7 @@ class Request:
         "resumed_at",
         "tenant",
         "slo_ttft_s",
+        "slo_tpot_s",
     )
 
     def __init__(
@@ -65,6 +66,7 @@ class Request:
         arrival_seq: int = 0,
         tenant: str = "",
         slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -90,6 +92,7 @@ class Request:
         self.resumed_at = -1  # the scheduler step that re-admitted it after a preemption
         self.tenant = tenant  # who sent it (OpenAI ``user``): the fair policy's unit
         self.slo_ttft_s = slo_ttft_s  # its time-to-first-token target (the slo policy's)
+        self.slo_tpot_s = slo_tpot_s  # its time-per-output-token target (likewise)
 
     @property
     def num_tokens(self) -> int:

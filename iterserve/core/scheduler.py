@@ -193,7 +193,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = len(req.all_token_ids) - req.num_computed_tokens
             is_long = False
-            if num_new > 1:
+            prefilling = num_new > 1  # its chunk counts against the prefill cap, even of 1
+            if prefilling:
                 if defer(req):
                     later.append(req)
                     continue
@@ -226,7 +227,7 @@ class Scheduler:
             done[req.request_id] = (high, out.recomputed_tokens - recomputed, is_long)
             budget -= num_new
             long_left -= is_long
-            if prefill_left is not None and num_new > 1:
+            if prefill_left is not None and prefilling:
                 prefill_left -= num_new
 
         if not out.preempted and self.policy.can_admit(len(self.running)):
@@ -243,7 +244,7 @@ class Scheduler:
             self._add_to_output(out, req, num_new)
             budget -= num_new
             long_left -= is_long
-            if prefill_left is not None and num_new > 1:
+            if prefill_left is not None:
                 prefill_left -= num_new
         self.policy.on_step(out)
         return out

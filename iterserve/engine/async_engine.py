@@ -140,6 +140,7 @@ class _AddCmd:
     stream: RequestStream
     tenant: str = ""
     slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
 
 @dataclass
@@ -536,14 +537,15 @@ class AsyncEngine:
         arrival_time: float | None = None,
         tenant: str = "",
         slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> RequestStream:
         """Submits a request and waits until the engine accepted it.
 
         Raises ``ValueError`` (invalid request: the engine's message), QueueFullError,
         EngineShuttingDownError or EngineDeadError. ``num_prompt_tokens`` (if known) feeds
         ``max_queued_tokens``; it defaults to ``len(prompt)`` for token-id prompts and to a
-        tokenization of the string otherwise (only when that limit is set). ``tenant`` and
-        ``slo_ttft_s`` go to the engine (``EngineInterface.add_request``).
+        tokenization of the string otherwise (only when that limit is set). ``tenant``,
+        ``slo_ttft_s`` and ``slo_tpot_s`` go to the engine (``EngineInterface.add_request``).
         """
         if self._thread is None:
             raise EngineDeadError("engine is not started")
@@ -575,6 +577,7 @@ class AsyncEngine:
                 stream=stream,
                 tenant=tenant,
                 slo_ttft_s=slo_ttft_s,
+                slo_tpot_s=slo_tpot_s,
             )
         )
         thread = self._thread
@@ -758,6 +761,7 @@ class AsyncEngine:
                         priority=cmd.priority,
                         tenant=cmd.tenant,
                         slo_ttft_s=cmd.slo_ttft_s,
+                        slo_tpot_s=cmd.slo_tpot_s,
                     )
                 except ValueError as e:
                     self._release(cmd.request_id)

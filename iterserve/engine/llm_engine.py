@@ -153,14 +153,17 @@ class LLMEngine:
         priority: int = 0,
         tenant: str = "",
         slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> None:
         """Queues a request. Raises ValueError (changing nothing) for bad input.
 
-        ``tenant`` is who sent it (the ``fair`` policy's unit); ``slo_ttft_s`` its own TTFT
-        target for the ``slo`` policy (None: the scheduler's ``slo_ttft_ms``)."""
+        ``tenant`` is who sent it (the ``fair`` policy's unit); ``slo_ttft_s`` /
+        ``slo_tpot_s`` its own TTFT / TPOT targets for the ``slo`` policy (None: the
+        scheduler's ``slo_ttft_ms`` / ``slo_tpot_ms``)."""
         params = params or SamplingParams()
-        if slo_ttft_s is not None and not (0 < slo_ttft_s < float("inf")):
-            raise ValueError(f"slo_ttft_s must be a positive number of seconds, got {slo_ttft_s}")
+        for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
+            if v is not None and not (0 < v < float("inf")):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v}")
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
@@ -192,6 +195,7 @@ class LLMEngine:
                 priority,
                 tenant=tenant,
                 slo_ttft_s=slo_ttft_s,
+                slo_tpot_s=slo_tpot_s,
             )
             seq = _Seq(
                 req,

@@ -89,10 +89,12 @@ class EngineInterface(Protocol):
         priority: int = 0,
         tenant: str = "",
         slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> None:
         """Queues a request; raises ValueError (changing nothing) when it is invalid.
-        ``tenant`` feeds the ``fair`` policy, ``slo_ttft_s`` (None: the engine's default)
-        the ``slo`` policy, which may end the request with an error output instead."""
+        ``tenant`` feeds the ``fair`` policy, ``slo_ttft_s`` / ``slo_tpot_s`` (None: the
+        engine's defaults) the ``slo`` policy, which may end the request with an error
+        output instead."""
         ...
 
     def abort_request(self, request_id: str) -> None:

@@ -276,14 +276,14 @@ async def _generation(request: Request, work: Awaitable[Any]) -> Response:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
-    route = routing(request.headers, req.user, req.slo_ttft_ms)
+    route = routing(request.headers, req.user, req.slo_ttft_ms, req.slo_tpot_ms)
     return await _generation(request, _serving(request).completions(req, route))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
-    route = routing(request.headers, req.user, req.slo_ttft_ms)
+    route = routing(request.headers, req.user, req.slo_ttft_ms, req.slo_tpot_ms)
     return await _generation(request, _serving(request).chat(req, route))
 
 

@@ -64,6 +64,8 @@ class SamplingExtras(OpenAIModel):
     priority: int = 0
     # the slo policy's TTFT target for this request; the x-slo-ttft-ms header wins
     slo_ttft_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    # its TPOT target (ms per output token after the first); the x-slo-tpot-ms header wins
+    slo_tpot_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False

@@ -326,7 +326,7 @@ class ResponsesAPI:
             chat = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise _renamed(validation_error(e)) from None
-        route = routing(headers, chat.user, chat.slo_ttft_ms)
+        route = routing(headers, chat.user, chat.slo_ttft_ms, chat.slo_tpot_ms)
 
         def make_format(
             serving: Serving, creq: ChatCompletionRequest, params: SamplingParams

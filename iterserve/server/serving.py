@@ -146,7 +146,13 @@ class Serving:
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
                 streams.append(
                     await self.engine.add_request(
-                        rid, p, params, priority, tenant=route.tenant, slo_ttft_s=route.slo_ttft_s
+                        rid,
+                        p,
+                        params,
+                        priority,
+                        tenant=route.tenant,
+                        slo_ttft_s=route.slo_ttft_s,
+                        slo_tpot_s=route.slo_tpot_s,
                     )
                 )
         except Exception as e:

@@ -58,6 +58,7 @@ SCHEDULER_FLAGS = (
     "max_long_partial_prefills",
     "tenant_weights",
     "slo_ttft_ms",
+    "slo_tpot_ms",
 )
 KV_SERIES_POINTS = 1000
 

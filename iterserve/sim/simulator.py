@@ -134,6 +134,7 @@ class _Replica:
             arrival_time=spec.arrival_time,
             tenant=spec.tenant,
             slo_ttft_s=spec.slo_ttft_s,
+            slo_tpot_s=spec.slo_tpot_s,
         )
         self.scheduler.add_request(req)
         return None

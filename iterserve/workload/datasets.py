@@ -53,6 +53,7 @@ class RequestSpec:
     arrival_time: float = 0.0
     tenant: str = ""  # who sent it (the fair policy's unit of fairness)
     slo_ttft_s: float | None = None  # its TTFT target (the slo policy's; None: the default)
+    slo_tpot_s: float | None = None  # its TPOT target (likewise)
 
     @property
     def prompt_len(self) -> int:

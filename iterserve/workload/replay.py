@@ -35,6 +35,7 @@ class ReplayEngine(Protocol):
         arrival_time: float | None = ...,
         tenant: str = ...,
         slo_ttft_s: float | None = ...,
+        slo_tpot_s: float | None = ...,
     ) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -59,13 +60,15 @@ def bench_params(output_len: int) -> SamplingParams:
 
 
 def _routing(spec: RequestSpec) -> dict[str, Any]:
-    """The spec's tenant and TTFT target as ``add_request`` keywords, only where set, so an
+    """The spec's tenant and TTFT / TPOT targets as ``add_request`` keywords, only where set, so an
     engine without tenants still replays a workload that names none."""
     kw: dict[str, Any] = {}
     if spec.tenant:
         kw["tenant"] = spec.tenant
     if spec.slo_ttft_s is not None:
         kw["slo_ttft_s"] = spec.slo_ttft_s
+    if spec.slo_tpot_s is not None:
+        kw["slo_tpot_s"] = spec.slo_tpot_s
     return kw
 
 

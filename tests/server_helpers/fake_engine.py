@@ -101,6 +101,7 @@ class FakeEngine:
         # As the slo policy: a request whose TTFT target is below this is rejected.
         self.min_ttft_s: float | None = None
         self.routing: dict[str, tuple[str, float | None]] = {}  # id -> (tenant, slo_ttft_s)
+        self.tpot_targets: dict[str, float | None] = {}  # id -> slo_tpot_s
         self.num_rejected = 0
         self.recomputed_tokens = 0  # reported by stats() as set (the fake never preempts)
         self.recompute_tax = 0.0
@@ -115,6 +116,7 @@ class FakeEngine:
         priority: int = 0,
         tenant: str = "",
         slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> None:
         if request_id in self.reqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -144,6 +146,7 @@ class FakeEngine:
             slo_ttft_s,
         )
         self.routing[request_id] = (tenant, slo_ttft_s)
+        self.tpot_targets[request_id] = slo_tpot_s
         r.out = [[] for _ in range(params.n)]
         r.finish = [None] * params.n
         self.reqs[request_id] = r

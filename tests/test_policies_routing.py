@@ -80,3 +80,32 @@ def test_add_request_refuses_a_target_that_is_not_a_positive_time(ckpt: str) -> 
         with pytest.raises(ValueError, match="slo_tpot_s must be a positive number"):
             engine.add_request("r", PROMPT, PARAMS, slo_tpot_s=bad)
     assert not engine.has_unfinished_requests()
+
+
+def test_llm_generate_takes_tenants_and_targets_per_prompt(ckpt: str) -> None:
+    from iterserve import LLM
+
+    llm = LLM(ckpt, dtype="float32", seed=0, policy="slo", slo_ttft_ms=600_000.0)
+    seen: list[tuple[str, float | None, float | None]] = []
+    arrive = llm.engine.scheduler.policy.on_arrival
+
+    def record(req: Any) -> None:
+        seen.append((req.tenant, req.slo_ttft_s, req.slo_tpot_s))
+        arrive(req)
+
+    llm.engine.scheduler.policy.on_arrival = record  # type: ignore[method-assign]
+    llm.generate([PROMPT], PARAMS)  # times a step: the policy rejects nothing before
+    outs = llm.generate(
+        [PROMPT, PROMPT, PROMPT],
+        PARAMS,
+        tenants=["a", "b", "a"],
+        slo_ttft_s=[None, 1e-9, 600.0],
+        slo_tpot_s=0.5,
+    )
+    assert seen[1:] == [("a", None, 0.5), ("b", 1e-9, 0.5), ("a", 600.0, 0.5)]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "length"]
+    assert outs[1].error is not None and "time-to-first-token" in outs[1].error
+    with pytest.raises(ValueError, match="got 1 tenants for 2 prompts"):
+        llm.generate([PROMPT, PROMPT], PARAMS, tenants=["a"])
+    with pytest.raises(ValueError, match="slo_tpot_s must be a positive number"):
+        llm.generate([PROMPT], PARAMS, slo_tpot_s=-1.0)

@@ -5,7 +5,11 @@ TRITON_INTERPRET=1). What only a GPU can check is in benchmarks/gpu_check.sh."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -170,17 +174,23 @@ def test_static_buffers_hold_padding() -> None:
         DecodeGraphs(forward, [1], 1, torch.device("cpu"))
 
 
+CUDA = torch.cuda.is_available()
+
+
 @needs_triton
-def test_padded_graph_decodes_equal_eager_ones() -> None:
-    """The runner's captured decode forward (static buffers, padded to a captured size) run
-    eagerly gives the eager step's logits and KV writes for the real rows, and writes nothing
-    for the padding rows."""
+@pytest.mark.parametrize("capture", [False, True] if CUDA else [False])
+def test_padded_graph_decodes_equal_eager_ones(capture: bool) -> None:
+    """The runner's captured decode forward (static buffers, padded to a captured size), run
+    eagerly (CPU) or captured and replayed (CUDA), gives the eager step's logits and KV writes
+    for the real rows, and writes nothing for the padding rows."""
     bs = 4
     runner = ModelRunner(
         "tiny-random",
         cache_config=CacheConfig(block_size=bs, num_kv_blocks=32),
         attention_backend="triton",
         max_num_seqs=8,
+        device="cuda" if CUDA else "cpu",
+        enforce_eager=True,
     )
     prompts = [[5, 6, 7, 8, 9], [11, 12], [3, 1, 4, 1, 5, 9, 2]]
     tables = [[0, 1, 2], [3, 4], [5, 6, 7]]
@@ -199,7 +209,7 @@ def test_padded_graph_decodes_equal_eager_ones() -> None:
     for (k, v), (k0, v0) in zip(runner.kv_caches, snapshot):
         k.copy_(k0)
         v.copy_(v0)
-    runner.graphs = runner._decode_graphs(capture=False)
+    runner.graphs = runner._decode_graphs(capture=capture)
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
     graphed = runner.execute(decodes())  # 3 rows padded to 4
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
@@ -213,3 +223,32 @@ def test_padded_graph_decodes_equal_eager_ones() -> None:
         v.copy_(v0)
     some = runner.execute(decodes(last=False))
     torch.testing.assert_close(some, eager[[0, 2]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_engine_on_cuda_sizes_its_pool_and_captures_graphs() -> None:
+    llm = LLM("tiny-random", device="cuda", max_num_seqs=8, gpu_memory_utilization=0.5)
+    runner = llm.engine.runner
+    assert runner.device.type == "cuda" and runner.graphs is not None
+    assert runner.num_kv_blocks == dv.kv_block_cap(8, runner.max_model_len, runner.block_size)
+    assert llm.engine.runner.kv_caches[0][0].is_cuda
+
+
+# ---- the GPU check's scripts, dry run ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_gpu_check_decode_part_dry_runs_on_cpu(tmp_path: Path) -> None:
+    """One part of benchmarks/gpu_check.sh end to end on CPU (--tiny): it writes its report
+    section and its numbers (the whole dry run takes minutes: docs/GPU.md has the command)."""
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    argv = [sys.executable, str(root / "benchmarks/gpu/decode_roofline.py"), "--device", "cpu",
+            "--tiny", "--out", str(tmp_path)]  # fmt: skip
+    subprocess.run(argv, check=True, env=env, cwd=root, timeout=300, capture_output=True)
+    report = (tmp_path / "report.md").read_text()
+    assert "## 2. Decode step time against the HBM roofline" in report
+    assert "--tiny dry run: not a GPU figure" in report
+    data = json.loads((tmp_path / "decode_roofline.json").read_text())
+    assert [s["batch"] for s in data["steps"]] == [1, 4]
+    assert all(s["eager"] > 0 and "graphs" not in s for s in data["steps"])  # no graphs on CPU

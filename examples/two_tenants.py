@@ -21,11 +21,7 @@ from iterserve.config import SchedulerConfig
 from iterserve.sim.deployment import Deployment, build_deployment
 from iterserve.sim.simulator import SimConfig, SimResult, Simulator
 from iterserve.workload.datasets import RequestSpec, WorkloadConfig, build_workload, load_trace
-
-
-def jain(xs: list[float]) -> float:
-    """Jain's fairness index: 1 when every share is equal, 1/n when one takes all."""
-    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if any(xs) else 1.0
+from iterserve.workload.tenants import fairness_index, served_tokens
 
 
 def run(specs: list[RequestSpec], policy: str, dep: Deployment, max_num_seqs: int) -> SimResult:
@@ -37,17 +33,6 @@ def run(specs: list[RequestSpec], policy: str, dep: Deployment, max_num_seqs: in
     )
     sim = SimConfig(cfg, num_kv_blocks=dep.num_kv_blocks)
     return Simulator(sim, dep.cost).run(specs)
-
-
-def served(res: SimResult, specs: list[RequestSpec], until: float) -> dict[str, int]:
-    """Output tokens each tenant received by simulated time ``until``."""
-    out = {"heavy": 0, "light": 0}
-    for t, s in zip(res.timings, specs):
-        if t.ttft is None:
-            continue
-        times = t.send_time + t.ttft + np.concatenate([[0.0], np.cumsum(t.itl)])
-        out[s.tenant] += int(np.searchsorted(times, until, side="right"))
-    return out
 
 
 def light_ttft(res: SimResult, specs: list[RequestSpec]) -> tuple[float, float]:
@@ -89,16 +74,11 @@ def main() -> None:
     for policy in ("continuous", "fair"):
         res = run(specs, policy, dep, ns.max_num_seqs)
         p50, p99 = light_ttft(res, specs)
-        tput = {k: v / res.duration_s for k, v in served(res, specs, res.duration_s).items()}
+        got = served_tokens(res.timings, specs, res.duration_s)
+        tput = {k: v / res.duration_s for k, v in got.items()}
         # Fairness while the backlog lasts: by mid-run, each tenant's share of the output
         # tokens it had asked for (requests arrived by then) that it got.
-        mid = specs[len(specs) // 2].arrival_time
-        got = served(res, specs, mid)
-        asked = {
-            k: sum(s.output_len for s in specs if s.tenant == k and s.arrival_time <= mid)
-            for k in got
-        }
-        index = jain([got[k] / asked[k] for k in got if asked[k]])
+        index = fairness_index(res.timings, specs)
         print(
             f"| {policy} | {p50:.3f} / {p99:.3f} | {p99 / alone[1]:.2f}x | "
             f"{tput['heavy']:.0f} / {tput['light']:.0f} | {index:.3f} |"

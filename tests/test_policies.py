@@ -838,3 +838,37 @@ def test_tpot_target_keeps_running_requests_tpot_in_the_simulator() -> None:
     assert p99["continuous"] > 0.011
     # Within 1% of the target: until the fit has seen two step sizes nothing is held back.
     assert p99["slo"] <= 0.009 * 1.01
+
+
+# ---- tenants in the simulator's CLI -----------------------------------------------------
+
+
+def test_simulate_tenants_reports_each_tenant_and_jain(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from iterserve.sim.cli import main as simulate_main
+    from iterserve.workload.tenants import jain
+
+    out = tmp_path / "r.json"
+    args = ["--workload", "random", "--num-prompts", "300", "--request-rate", "200"]
+    args += ["--model", "llama-3-8b", "--random-input-len", "256", "--random-output-len", "32"]
+    args += ["--tenants", "heavy=10,light=1", "--policy", "continuous,fair"]
+    assert simulate_main([*args, "--result-file", str(out)]) == 0
+    assert "tenants (Jain" in capsys.readouterr().out
+    runs = {r["policy"]: r["summary"]["tenants"] for r in json.loads(out.read_text())["runs"]}
+    for rep in runs.values():
+        t = rep["tenants"]
+        assert set(t) == {"heavy", "light"}
+        assert t["heavy"]["requests"] + t["light"]["requests"] == 300
+        assert 5 < t["heavy"]["requests"] / t["light"]["requests"] < 20  # drawn 10 to 1
+        assert 0.5 <= rep["jain_index"] <= 1.0
+    # Under this overload fair serves the light tenant's first tokens sooner than FCFS.
+    assert (
+        runs["fair"]["tenants"]["light"]["p99_ttft_ms"]
+        < (runs["continuous"]["tenants"]["light"]["p99_ttft_ms"])
+    )
+    assert jain([1.0, 1.0]) == 1.0 and jain([1.0, 0.0]) == 0.5
+    assert simulate_main([*args[:6], "--model", "llama-3-8b", "--tenants", "heavy=0"]) == 2
+    assert "NAME=SHARE" in capsys.readouterr().err

@@ -7,10 +7,14 @@
                        --replicas 2 --router least-loaded --find-max-rate \\
                        --slo ttft_p99:2000,tpot_p99:100
     iterserve simulate --workload random --hardware cpu:cpu_profile.json --request-rate 2
+    iterserve simulate --workload azure-conv --time-scale 0.5 --policy continuous,fair \\
+                       --tenants heavy=10,light=1
 
 Prints the same summary as ``iterserve bench`` and writes the same result file
 (``--result-file``), plus simulated busy time, KV usage over time and preemptions;
 ``--record-steps`` writes every step with the fields of the engine's ``StepStats``.
+``--tenants`` splits the workload between tenants and adds each tenant's TTFT and output
+rate and Jain's fairness index between them.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from iterserve.workload.datasets import (
 )
 from iterserve.workload.metrics import format_summary, parse_goodput, summarize
 from iterserve.workload.results import make_run, write_result
+from iterserve.workload.tenants import assign_tenants, parse_tenant_shares, tenant_report
 
 DEFAULT_RANDOM_PROMPTS = 1000
 # The EngineArgs fields the simulated scheduler takes from the command line.
@@ -88,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
             "num_prompts": "number of requests (default: the whole trace; "
             f"{DEFAULT_RANDOM_PROMPTS} for random)"
         },
+    )
+
+    w.add_argument(
+        "--tenants",
+        metavar="NAME=SHARE,...",
+        help="give each request to a tenant at random, in these rate shares (e.g. "
+        "heavy=10,light=1; --seed fixes the draw); reports per-tenant TTFT and Jain's index",
     )
 
     d = p.add_argument_group("deployment")
@@ -354,6 +366,32 @@ def print_table(runs: list[tuple[str, dict[str, Any]]]) -> None:
     Console(width=None if sys.stdout.isatty() else 160).print(t)
 
 
+def print_tenants(runs: list[tuple[str, dict[str, Any]]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="tenants (Jain: served / asked output tokens by mid-run, 1.0 = fair)")
+    for col in ("policy", "tenant", "ok/requests", "TTFT p50 ms", "TTFT p99 ms", "output tok/s"):
+        t.add_column(col, justify="left" if col in ("policy", "tenant") else "right")
+    t.add_column("Jain", justify="right")
+
+    def f(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.1f}"
+
+    for pol, rep in runs:
+        for i, (name, x) in enumerate(rep["tenants"].items()):
+            t.add_row(
+                pol if i == 0 else "",
+                name,
+                f"{x['completed']}/{x['requests']}",
+                f(x["median_ttft_ms"]),
+                f(x["p99_ttft_ms"]),
+                f(x["output_throughput"]),
+                f"{rep['jain_index']:.3f}" if i == 0 else "",
+            )
+    Console(width=None if sys.stdout.isatty() else 160).print(t)
+
+
 def print_capacity(rows: list[tuple[str, CapacityResult]], slos: list[Slo]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -395,6 +433,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     if ns.find_max_rate and not ns.slo:
         raise ValueError("--find-max-rate needs --slo, e.g. --slo ttft_p99:500,tpot_p99:50")
     slos = parse_slos(ns.slo) if ns.find_max_rate else []
+    if ns.tenants:
+        parse_tenant_shares(ns.tenants)  # a bad value fails before any work
     goodput = parse_goodput(ns.goodput)
     dep = build_deployment(
         model=ns.model,
@@ -415,6 +455,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     specs, report = build_workload(
         cfg, vocab_size=dep.model.vocab_size, max_model_len=dep.max_model_len
     )
+    if ns.tenants:
+        specs = assign_tenants(specs, parse_tenant_shares(ns.tenants), seed=cfg.seed)
     info = {
         "config": dataclasses.asdict(cfg),
         "arrivals": cfg.arrivals,
@@ -493,12 +535,16 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         summary = summarize(res.timings, res.duration_s, goodput)
         summary["num_steps"] = res.num_steps
         summary["sim"] = sim_extras(res, wall, dep, ns.replicas)
+        if ns.tenants:
+            summary["tenants"] = tenant_report(res.timings, specs, res.duration_s)
         results.append((pol, summary, res, sp))
         if len(policies) == 1:
             print(format_summary(summary, title=f"Simulation: {pol}"))
             print_extra(summary)
     if len(policies) > 1:
         print_table([(pol, summary) for pol, summary, _, _ in results])
+    if ns.tenants:
+        print_tenants([(pol, summary["tenants"]) for pol, summary, _, _ in results])
     if ns.result_file:
         runs = [
             make_run(

@@ -25,6 +25,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] | str | None = None
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: sampled only)
@@ -76,6 +77,8 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
             raise bad("logprobs", "an integer in [0, 20]")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", "true or false")
         assert isinstance(self.stop, list)
         for s in self.stop:
             if not isinstance(s, str) or not s:

@@ -352,14 +352,14 @@ def test_health_is_503_while_the_engine_loop_is_stalled() -> None:
     with server, httpx.Client(base_url=server.url, timeout=30) as c:
         assert c.get("/health").status_code == 200
         # A request in flight, then a step that hangs for 3 s.
-        real_step = fake.step
+        real_step = fake.step_core
 
         def slow_step() -> list[object]:
             time.sleep(3.0)
-            fake.step = real_step  # type: ignore[method-assign]
+            fake.step_core = real_step  # type: ignore[method-assign]
             return real_step()  # type: ignore[return-value]
 
-        fake.step = slow_step  # type: ignore[assignment,method-assign]
+        fake.step_core = slow_step  # type: ignore[assignment,method-assign]
         import threading as th
 
         done: list[httpx.Response] = []

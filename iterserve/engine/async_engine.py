@@ -3,16 +3,28 @@
 Threading model
 ---------------
 * ONE background thread (the *engine thread*) owns the ``LLMEngine``: it is the only thread
-  that ever calls ``add_request``, ``abort_request``, ``step`` or reads engine state.
+  that ever calls ``add_request``, ``abort_request``, ``step_core`` or reads engine state.
 * The event-loop thread talks to it through a thread-safe command queue (add / abort / stop)
   that the engine thread drains before every step, and wakes it with a ``threading.Event``.
   When no request is live the engine thread sleeps on that event (no busy loop).
+* The engine thread emits token ids only. A second thread (the *output thread*, with a
+  tokenizer of its own) runs the ``OutputProcessor`` (iterserve/engine/output_processor.py):
+  detokenization, stop strings, logprob strings, as vLLM v1's API-server process does, so a
+  slow decode slows neither the event loop nor the engine's steps. A stop string it finds
+  goes back to the engine thread as a command (``finish_sequence``: the KV is freed); tokens
+  generated past it meanwhile are dropped, so outputs equal the offline ``LLMEngine.step()``'s.
+  What the engine thread sends about a live request (its outputs, its end by abort or
+  failure) goes through the output thread's FIFO, so a stream sees it in the engine's order;
+  an add's acknowledgement or refusal goes straight to the loop (before any output of the
+  request exists), so a slow decode never holds up admission. At most ``max_pending_steps``
+  steps wait for the output thread (past that the engine thread waits: bounded memory).
 * Outputs go back to per-request mailboxes (``_Mailbox``): one
   ``loop.call_soon_threadsafe`` per engine step delivers the whole step's batch. Unread
   outputs merge into one, and past ``stream_buffer_tokens`` / ``stream_buffer_bytes`` of
   unread deltas the request is aborted, so a client that does not read costs O(buffer).
 * ``/health`` turns unhealthy when no step completed within ``stall_timeout_s`` while
-  requests are pending (a stalled loop is not a healthy one).
+  requests are pending (a stalled loop is not a healthy one), or when the output thread has
+  had work waiting for that long without finishing any.
 * ``add_request`` is validated *by the engine thread*: the caller awaits an acknowledgement
   (or the ``ValueError`` the engine raised), so the HTTP layer can answer 400 before it
   starts a response, without ever touching scheduler state from the event loop.
@@ -35,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import queue
 import threading
 import time
 import traceback
@@ -42,6 +55,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
+from iterserve.engine.output_processor import CoreOutput, OutputProcessor
 from iterserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 
 if TYPE_CHECKING:
@@ -96,7 +110,8 @@ class EngineSnapshot:
 
 
 class EngineObserver(Protocol):
-    """Receives engine events, called ON THE ENGINE THREAD (keep it cheap and thread-safe)."""
+    """Receives engine events: ``on_step`` ON THE ENGINE THREAD, the per-request ones ON THE
+    OUTPUT THREAD (keep them cheap and thread-safe)."""
 
     def on_step(self, stats: StepStats | None, snapshot: EngineSnapshot) -> None: ...
 
@@ -154,8 +169,49 @@ class _StopCmd:
 
 
 @dataclass
+class _FinishSeqCmd:
+    """From the output thread: it ended a sequence (stop string, failure) the engine runs."""
+
+    request_id: str
+    index: int
+    reason: str
+    stop_reason: str | None
+    error: str | None
+
+
+# Engine thread -> output thread (one FIFO, so a stream's items keep the engine's order).
+@dataclass
+class _OutAccept:
+    """A request the engine took (its acknowledgement went to the loop directly)."""
+
+    request_id: str
+    stream: RequestStream
+
+
+@dataclass
+class _OutStep:
+    outputs: list[CoreOutput]
+
+
+@dataclass
+class _OutEnd:
+    """The engine thread ended a request (abort, failure): tell observers, deliver ``item``."""
+
+    request_id: str
+    reason: str
+    item: _Item | None
+
+
+class _OutStop:
+    pass
+
+
+_OutMsg = _OutAccept | _OutStep | _OutEnd | _OutStop
+
+
+@dataclass
 class _EngineSide:
-    """What the engine thread keeps per live request."""
+    """What the output thread keeps per live request."""
 
     stream: RequestStream
     num_outputs: int = 0
@@ -408,6 +464,7 @@ class AsyncEngine:
         stream_buffer_tokens: int = 4096,
         stream_buffer_bytes: int = 1 << 20,
         stall_timeout_s: float = 60.0,
+        max_pending_steps: int = 256,
     ) -> None:
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
@@ -420,9 +477,11 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.model_path = engine.model_path
         self.max_model_len = engine.max_model_len
-        # The engine thread uses engine.tokenizer; the event loop gets its own copy so the
-        # two threads never share one (HF fast tokenizers are not safe to share).
+        # The engine thread uses engine.tokenizer; the event loop and the output thread get
+        # their own copies so no two threads share one (HF fast tokenizers are not safe to
+        # share).
         self.tokenizer = _private_copy(engine.tokenizer)
+        self.processor = OutputProcessor(_private_copy(engine.tokenizer))
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self.observers: list[EngineObserver] = list(observers)
@@ -437,9 +496,15 @@ class AsyncEngine:
         self._stats: EngineStats = engine.stats()
         self._stats_time = float("-inf")
 
-        self._cmds: collections.deque[_AddCmd | _AbortCmd | _StopCmd] = collections.deque()
+        self._cmds: collections.deque[_AddCmd | _AbortCmd | _StopCmd | _FinishSeqCmd] = (
+            collections.deque()
+        )
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._out_q: queue.SimpleQueue[_OutMsg] = queue.SimpleQueue()
+        self._out_slots = threading.Semaphore(max_pending_steps)
+        self._out_thread: threading.Thread | None = None
+        self._out_busy_since: float | None = None  # when the output thread took its message
         self._loop: asyncio.AbstractEventLoop | None = None
 
         # Loop-thread state.
@@ -469,6 +534,10 @@ class AsyncEngine:
             return
         self._loop = loop or asyncio.get_running_loop()
         self._publish_snapshot(full_stats=True)
+        self._out_thread = threading.Thread(
+            target=self._out_main, name="iterserve-output", daemon=True
+        )
+        self._out_thread.start()
         self._thread = threading.Thread(
             target=self._thread_main, name="iterserve-engine", daemon=True
         )
@@ -494,6 +563,9 @@ class AsyncEngine:
                 logger.warning(
                     "engine thread did not stop within %.1fs (a step is still running)", timeout
                 )
+        out = self._out_thread
+        if out is not None and out.is_alive() and not (thread and thread.is_alive()):
+            await asyncio.to_thread(out.join, timeout)
 
     # ---- health / state ------------------------------------------------------------
     @property
@@ -507,6 +579,8 @@ class AsyncEngine:
             return f"engine is dead: {self._dead}"
         if self._thread is not None and not self._thread.is_alive():
             return "engine thread is not running"
+        if self._out_thread is not None and not self._out_thread.is_alive():
+            return "output thread is not running"
         if self._step_error is not None:
             return f"model step failed: {self._step_error}"
         snap = self.snapshot
@@ -518,6 +592,33 @@ class AsyncEngine:
                 f"engine loop stalled: no step completed in {stalled:.1f}s while "
                 f"{len(self._active)} request(s) are pending (limit {self.stall_timeout_s}s)"
             )
+        busy = self._out_busy_since
+        if busy is not None and time.monotonic() - busy > self.stall_timeout_s:
+            return (
+                f"output thread stalled: one batch has taken {time.monotonic() - busy:.1f}s "
+                f"to detokenize (limit {self.stall_timeout_s}s)"
+            )
+        return None
+
+    @property
+    def ready_error(self) -> str | None:
+        """Why a new request would be refused now (not started, shutting down, unhealthy,
+        queue full), or None when it would be taken: what ``/ready`` reports."""
+        if self._thread is None:
+            return "engine is not started"
+        if not self._accepting:
+            return "server is shutting down"
+        err = self.health_error
+        if err is not None:
+            return err
+        if self.max_queued_requests is not None:
+            with self._adm_lock:
+                queued = len(self._pending_adds) + self.snapshot.num_waiting
+            if queued >= self.max_queued_requests:
+                return (
+                    f"the queue is full ({queued} waiting, --max-queued-requests "
+                    f"{self.max_queued_requests})"
+                )
         return None
 
     @property
@@ -676,13 +777,13 @@ class AsyncEngine:
                 self._queued_tokens -= n
 
     # ---- command queue -----------------------------------------------------------------
-    def _post(self, cmd: _AddCmd | _AbortCmd | _StopCmd) -> None:
+    def _post(self, cmd: _AddCmd | _AbortCmd | _StopCmd | _FinishSeqCmd) -> None:
         self._cmds.append(cmd)  # deque.append is atomic
         self._wake.set()
 
     # ---- engine thread ---------------------------------------------------------------
     def _thread_main(self) -> None:
-        streams: dict[str, _EngineSide] = {}
+        streams: dict[str, RequestStream] = {}  # requests live in the engine
         try:
             self._run(streams)
         except BaseException as e:  # noqa: BLE001 - the thread must never die silently
@@ -698,8 +799,12 @@ class AsyncEngine:
                     self._release(cmd.request_id)
                     self._deliver([(cmd.stream, _Failed(reason, EngineDeadError(reason)))])
             self._fail_all(streams, reason)
+            self._to_out(_OutStop())
 
-    def _run(self, streams: dict[str, _EngineSide]) -> None:
+    def _to_out(self, msg: _OutMsg) -> None:
+        self._out_q.put(msg)
+
+    def _run(self, streams: dict[str, RequestStream]) -> None:
         engine = self.engine
         consecutive_failures = 0
         busy = False
@@ -721,7 +826,7 @@ class AsyncEngine:
                 continue
             busy = True
             try:
-                outputs = engine.step()
+                outputs = engine.step_core()
             except Exception as e:  # noqa: BLE001
                 consecutive_failures += 1
                 self._on_step_exception(streams, e)
@@ -734,10 +839,11 @@ class AsyncEngine:
             self.num_steps += 1
             self._dispatch(streams, outputs)
 
-    def _drain(self, streams: dict[str, _EngineSide]) -> bool:
+    def _drain(self, streams: dict[str, RequestStream]) -> bool:
         """Applies queued commands in order; True when asked to stop."""
         engine = self.engine
-        batch: list[tuple[RequestStream, _Item]] = []
+        batch: list[tuple[RequestStream, _Item]] = []  # to the loop directly
+        msgs: list[_OutMsg] = []  # through the output thread
         added: list[str] = []
         stop = False
         changed = False
@@ -748,9 +854,8 @@ class AsyncEngine:
             elif isinstance(cmd, _AddCmd):
                 if stop or self._dead is not None:
                     self._release(cmd.request_id)
-                    batch.append(
-                        (cmd.stream, _Failed("engine stopped", EngineDeadError("engine stopped")))
-                    )
+                    failed = _Failed("engine stopped", EngineDeadError("engine stopped"))
+                    batch.append((cmd.stream, failed))
                     continue
                 try:
                     engine.add_request(
@@ -771,43 +876,56 @@ class AsyncEngine:
                     logger.exception("add_request(%s) failed", cmd.request_id)
                     batch.append((cmd.stream, _Failed(f"{type(e).__name__}: {e}")))
                 else:
-                    streams[cmd.request_id] = _EngineSide(cmd.stream)
+                    streams[cmd.request_id] = cmd.stream
+                    msgs.append(_OutAccept(cmd.request_id, cmd.stream))
                     batch.append((cmd.stream, _ACCEPTED))
                     added.append(cmd.request_id)
                     changed = True
             elif isinstance(cmd, _AbortCmd):
-                side = streams.pop(cmd.request_id, None)
                 self._release(cmd.request_id)
-                if side is None:
+                if streams.pop(cmd.request_id, None) is None:
                     continue
                 try:
                     engine.abort_request(cmd.request_id)
                 except Exception:  # noqa: BLE001
                     logger.exception("abort_request(%s) failed", cmd.request_id)
                 changed = True
-                self._notify_finished(cmd.request_id, "abort", side.last)
-                if cmd.notify:
-                    batch.append((side.stream, _ABORTED))
+                msgs.append(_OutEnd(cmd.request_id, "abort", _ABORTED if cmd.notify else None))
+            elif isinstance(cmd, _FinishSeqCmd):
+                if cmd.request_id not in streams:
+                    continue  # ended in the engine meanwhile
+                try:
+                    done = engine.finish_sequence(
+                        cmd.request_id, cmd.index, cmd.reason, cmd.stop_reason, cmd.error
+                    )
+                except Exception:  # noqa: BLE001
+                    logger.exception("finish_sequence(%s) failed", cmd.request_id)
+                    done = False
+                if done:
+                    del streams[cmd.request_id]
+                    self._release(cmd.request_id)
+                changed = True
         if changed:
             self._publish_snapshot()
         self._added(added)
+        # Acknowledgements first, so that nothing the output thread delivers for the same
+        # request (an abort) can overtake them; its outputs come from later steps.
         self._deliver(batch)
-        batch = []
+        for msg in msgs:
+            self._to_out(msg)
         if stop:
             # Abort whatever is left so the engine frees it, and end the streams.
-            for rid, side in list(streams.items()):
+            for rid in list(streams):
                 try:
                     engine.abort_request(rid)
                 except Exception:  # noqa: BLE001
                     logger.exception("abort_request(%s) failed", rid)
                 self._release(rid)
-                self._notify_finished(rid, "abort", side.last)
-                batch.append((side.stream, _ABORTED))
+                self._to_out(_OutEnd(rid, "abort", _ABORTED))
             streams.clear()
-            self._deliver(batch)
         return stop
 
-    def _dispatch(self, streams: dict[str, _EngineSide], outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, streams: dict[str, RequestStream], outputs: list[CoreOutput]) -> None:
         stats = self.engine.last_step_stats
         if stats is not None and stats is self._last_stats:
             stats = None  # the step scheduled nothing (the engine keeps the previous stats)
@@ -819,30 +937,100 @@ class AsyncEngine:
                 obs.on_step(stats, snap)
             except Exception:  # noqa: BLE001
                 logger.exception("observer.on_step failed")
-        batch: list[tuple[RequestStream, _Item]] = []
+        live = []
         for out in outputs:
-            side = streams.get(out.request_id)
-            if side is None:
+            rid = out.request_id
+            if rid not in streams:
                 continue  # aborted meanwhile
-            self._release(out.request_id)
-            first = side.num_outputs == 0
-            side.num_outputs += 1
-            side.last = out
-            for obs in self.observers:
-                try:
-                    obs.on_request_output(out, first)
-                except Exception:  # noqa: BLE001
-                    logger.exception("observer.on_request_output failed")
-            failed = out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
-            if out.finished or failed:
-                del streams[out.request_id]
-                self._notify_finished(out.request_id, "error" if failed else _reason(out), out)
-                if failed and out.error is not None:
-                    logger.warning("request %s failed: %s", out.request_id, out.error)
-            batch.append((side.stream, out))
+            self._release(rid)
+            live.append(out)
+            if out.finished or out.error is not None:
+                del streams[rid]
+                if not out.finished:  # failed, with sequences still in the engine: free them
+                    try:
+                        self.engine.abort_request(rid)
+                    except Exception:  # noqa: BLE001
+                        logger.exception("abort_request(%s) failed", rid)
+        # Wait (bounded memory) while the output thread is that far behind.
+        while not self._out_slots.acquire(timeout=1.0):
+            if self._out_thread is None or not self._out_thread.is_alive():
+                raise RuntimeError("the output thread is not running")
+        self._to_out(_OutStep(live))
+
+    # ---- output thread ---------------------------------------------------------------
+    def _out_main(self) -> None:
+        sides: dict[str, _EngineSide] = {}
+        while True:
+            msg = self._out_q.get()
+            self._out_busy_since = time.monotonic()
+            try:
+                if isinstance(msg, _OutStop):
+                    return
+                self._out_handle(sides, msg)
+            except Exception:  # noqa: BLE001 - the thread must keep serving the others
+                logger.exception("output thread: handling %s failed", type(msg).__name__)
+            finally:
+                if isinstance(msg, _OutStep):
+                    self._out_slots.release()
+                self._out_busy_since = None
+
+    def _out_handle(self, sides: dict[str, _EngineSide], msg: _OutMsg) -> None:
+        proc = self.processor
+        if isinstance(msg, _OutAccept):
+            sides[msg.request_id] = _EngineSide(msg.stream)
+            proc.add_request(msg.request_id)
+        elif isinstance(msg, _OutEnd):
+            proc.abort_request(msg.request_id)
+            side = sides.pop(msg.request_id, None)
+            if side is not None:
+                self._notify_finished(msg.request_id, msg.reason, side.last)
+                if msg.item is not None:
+                    self._deliver([(side.stream, msg.item)])
+        elif isinstance(msg, _OutStep):
+            self._out_step(sides, msg.outputs)
+
+    def _out_step(self, sides: dict[str, _EngineSide], outputs: list[CoreOutput]) -> None:
+        batch: list[tuple[RequestStream, _Item]] = []
+        for core in outputs:
+            rid = core.request_id
+            side = sides.get(rid)
+            if side is None:
+                continue  # ended here already (a stop string, an abort)
+            try:  # one request at a time: a failure here fails that request alone
+                results, finishes = self.processor.process([core])
+            except Exception as e:  # noqa: BLE001
+                logger.exception("output processing failed for %s", rid)
+                msg = f"output processing failed: {type(e).__name__}: {e}"
+                self.processor.abort_request(rid)
+                del sides[rid]
+                self._notify_finished(rid, "error", side.last)
+                batch.append((side.stream, _Failed(msg)))
+                self._post(_AbortCmd(rid, notify=False))
+                continue
+            for f in finishes:
+                self._post(_FinishSeqCmd(rid, f.index, f.reason, f.stop_reason, f.error))
+            for out in results:
+                first = side.num_outputs == 0
+                side.num_outputs += 1
+                side.last = out
+                for obs in self.observers:
+                    try:
+                        obs.on_request_output(out, first)
+                    except Exception:  # noqa: BLE001
+                        logger.exception("observer.on_request_output failed")
+                failed = out.error is not None or any(
+                    c.finish_reason == "error" for c in out.outputs
+                )
+                if out.finished or failed:
+                    del sides[rid]
+                    self.processor.abort_request(rid)
+                    self._notify_finished(rid, "error" if failed else _reason(out), out)
+                    if failed and out.error is not None:
+                        logger.warning("request %s failed: %s", rid, out.error)
+                batch.append((side.stream, out))
         self._deliver(batch)
 
-    def _on_step_exception(self, streams: dict[str, _EngineSide], e: Exception) -> None:
+    def _on_step_exception(self, streams: dict[str, RequestStream], e: Exception) -> None:
         msg = f"model step failed: {type(e).__name__}: {e}"
         logger.error(
             "engine.step() raised; failing %d in-flight request(s)\n%s",
@@ -858,14 +1046,11 @@ class AsyncEngine:
         self._fail_all(streams, msg)
         self._publish_snapshot()
 
-    def _fail_all(self, streams: dict[str, _EngineSide], msg: str) -> None:
-        batch: list[tuple[RequestStream, _Item]] = []
-        for rid, side in list(streams.items()):
+    def _fail_all(self, streams: dict[str, RequestStream], msg: str) -> None:
+        for rid in list(streams):
             self._release(rid)
-            self._notify_finished(rid, "error", side.last)
-            batch.append((side.stream, _Failed(msg)))
+            self._to_out(_OutEnd(rid, "error", _Failed(msg)))
         streams.clear()
-        self._deliver(batch)
 
     def _notify_finished(self, rid: str, reason: str, out: RequestOutput | None) -> None:
         for obs in self.observers:

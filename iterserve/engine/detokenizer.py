@@ -3,7 +3,11 @@
 Decoding one token alone breaks multi-byte characters and word-boundary spaces, so each
 step decodes a short window (a few tokens of context before the unread ones) and keeps the
 part past the context. Text that could still turn out to be the start of a stop string is
-held back from streaming until it is known not to be.
+held back from streaming until it is known not to be (unless the stop string is to be kept in
+the output anyway: ``include_stop_str_in_output``, as in vLLM).
+
+The one implementation of both, used by iterserve/engine/output_processor.py for the offline
+engine and the server alike.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)
-        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.include_stop = include_stop_str_in_output
+        # Text that may start a stop string waits, unless that string is kept anyway.
+        self._holdback = 0 if self.include_stop else max((len(s) for s in self.stop), default=1) - 1
         self._ids = list(prompt_token_ids[-_CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
@@ -40,7 +47,8 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str | None:
         """Adds one generated token; returns the stop string if the text now contains one
-        (the text is then cut just before it)."""
+        (the text is then cut just before it, or just after it with
+        ``include_stop_str_in_output``)."""
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         full_text = self._decode(self._ids[self._prefix :])
@@ -58,7 +66,7 @@ class IncrementalDetokenizer:
         for s in self.stop:
             idx = self.text.find(s, max(0, old_len - len(s) + 1))
             if idx >= 0:
-                self.text = self.text[:idx]
+                self.text = self.text[: idx + len(s) if self.include_stop else idx]
                 return s
         return None
 
@@ -66,7 +74,7 @@ class IncrementalDetokenizer:
         """Text not yet handed out, minus what might still become a stop string."""
         end = (
             len(self.text)
-            if finished or not self.stop
+            if finished or not self._holdback
             else max(self._emitted, len(self.text) - self._holdback)
         )
         delta = self.text[self._emitted : end]

@@ -1,11 +1,14 @@
 """LLMEngine: schedule -> execute -> update, one iteration per ``step()``.
 
 Synchronous and single-threaded. The async server wraps it (iterserve/engine/async_engine.py)
-and only ever calls it from one thread.
+and only ever calls it from one thread. ``step_core()`` emits token ids and raw logprobs;
+``step()`` (offline use) also runs them through the output processor (detokenization, stop
+strings: iterserve/engine/output_processor.py), which the server runs on a thread of its own.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,10 +20,10 @@ from iterserve.core.books import Books, EngineStats
 from iterserve.core.kv_cache_manager import KVCacheManager, cdiv
 from iterserve.core.request import FinishReason, Request
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
-from iterserve.engine.detokenizer import IncrementalDetokenizer
+from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
 from iterserve.model.runner import BatchItem
 from iterserve.model.sampler import SampleRow, TokenLogprobs, sample
-from iterserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
+from iterserve.outputs import RequestMetrics, RequestOutput, StepStats
 from iterserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,11 +37,8 @@ class _Seq:
     parent: _Parent
     index: int
     generator: torch.Generator | None
-    detok: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
+    new_logprobs: list[TokenLogprobs] | None  # this step's raw logprobs (None: not asked)
     new_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finished: bool = False
 
 
@@ -47,6 +47,7 @@ class _Parent:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    params: SamplingParams
     metrics: RequestMetrics
     seqs: list[_Seq] = field(default_factory=list)
     error: str | None = None
@@ -85,6 +86,8 @@ class LLMEngine:
             enforce_eager=a.enforce_eager,
         )
         self.tokenizer = load_tokenizer(self.model_path)
+        # step()'s; the server's AsyncEngine runs one of its own on its output thread.
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.vocab_size
         eos = list(self.runner.eos_token_ids)
@@ -173,6 +176,7 @@ class LLMEngine:
             request_id,
             text,
             ids,
+            params,
             RequestMetrics(
                 arrival_time=arrival_time if arrival_time is not None else now,
                 num_prompt_tokens=len(ids),
@@ -197,25 +201,17 @@ class LLMEngine:
                 slo_ttft_s=slo_ttft_s,
                 slo_tpot_s=slo_tpot_s,
             )
-            seq = _Seq(
-                req,
-                parent,
-                i,
-                gen,
-                IncrementalDetokenizer(
-                    self.tokenizer, ids, params.skip_special_tokens, params.stop or ()
-                ),
-                [] if params.logprobs is not None else None,
-                0.0 if params.logprobs is not None else None,
-            )
+            seq = _Seq(req, parent, i, gen, [] if params.logprobs is not None else None)
             parent.seqs.append(seq)
         for seq in parent.seqs:
             self.scheduler.add_request(seq.req)
             self._seqs[seq.req.request_id] = seq
         self._parents[request_id] = parent
+        self.output_processor.add_request(request_id)
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its KV blocks; it produces no further output."""
+        self.output_processor.abort_request(request_id)
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return
@@ -226,6 +222,29 @@ class LLMEngine:
             self._seqs.pop(seq.req.request_id, None)
         self.books.finished_by_reason["abort"] += 1
         parent.metrics.finished_time = time.monotonic()
+
+    def finish_sequence(
+        self,
+        request_id: str,
+        index: int,
+        reason: str,
+        stop_reason: str | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Ends sequence ``index`` of a request (the output processor found a stop string,
+        or failed to detokenize it) and frees its KV blocks; no-op if it already ended.
+        Returns True when the request has no live sequence left."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return True
+        seq = parent.seqs[index]
+        if not seq.finished:
+            req = seq.req
+            self.scheduler.finish_request(
+                req.request_id, FinishReason(reason), stop_reason=stop_reason, error=error
+            )
+            self._end_seq(req, {}, time.monotonic())
+        return request_id not in self._parents
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -256,6 +275,15 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration with its outputs detokenized here (offline use)."""
+        outputs, finishes = self.output_processor.process(self.step_core())
+        for f in finishes:
+            self.finish_sequence(f.request_id, f.index, f.reason, f.stop_reason, f.error)
+        return outputs
+
+    def step_core(self) -> list[CoreOutput]:
+        """One iteration: schedule -> execute -> update. Returns the token ids (and raw
+        logprobs) of every request it advanced or ended, for an ``OutputProcessor``."""
         t0 = time.monotonic()
         sched = self.scheduler.schedule()
         t1 = time.monotonic()
@@ -292,7 +320,7 @@ class LLMEngine:
                     self._seqs[rid], tok, lp_by_id.get(rid), rid in finished, touched, t3
                 )
         outputs = [self._make_output(p) for p in touched.values()]
-        t4 = time.monotonic()
+        t4 = time.monotonic()  # output_s: building CoreOutputs (detokenization is not here)
 
         if not sched.is_empty:
             self.books.record_step(
@@ -340,36 +368,11 @@ class LLMEngine:
         m.token_times.append(now)
         m.num_generated_tokens += 1
         seq.new_ids.append(tok)
-        if lp is not None and seq.logprobs is not None:
-            sampled_id, sampled_lp, rank, top = lp
-            entry = {sampled_id: Logprob(sampled_lp, rank, self._decode_one(sampled_id))}
-            for r, (tid, val) in enumerate(top, 1):
-                entry.setdefault(tid, Logprob(val, r, self._decode_one(tid)))
-            seq.logprobs.append(entry)
-            seq.new_logprobs.append(entry)
-            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sampled_lp
-        try:
-            # A token that ended the request (EOS, stop token) adds no text.
-            ended_by_token = finished and req.finish_reason is FinishReason.STOP
-            hit = None if ended_by_token else seq.detok.add_token(tok)
-        except Exception as exc:  # one request's processing failed: fail it alone
-            logger.exception("detokenization failed for %s", req.request_id)
-            self.scheduler.finish_request(
-                req.request_id, FinishReason.ERROR, error=f"detokenization failed: {exc}"
-            )
-            parent.error = f"detokenization failed: {exc}"
-            finished = True
-            req.finish_reason = FinishReason.ERROR
-            hit = None
-        if hit is not None and not finished:
-            self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=hit)
-            finished = True
+        if lp is not None and seq.new_logprobs is not None:
+            seq.new_logprobs.append(lp)
         if finished:
             self._end_seq(req, touched, now)
         touched[parent.request_id] = parent
-
-    def _decode_one(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id]))
 
     def _end_seq(self, req: Request, touched: dict[str, _Parent], now: float) -> None:
         seq = self._seqs.pop(req.request_id)
@@ -384,38 +387,30 @@ class LLMEngine:
             reason = req.finish_reason.value if req.finish_reason else "stop"
             self.books.finished_by_reason[reason] += 1
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
-        comps = []
+    def _make_output(self, parent: _Parent) -> CoreOutput:
+        seqs = []
         for s in parent.seqs:
             r = s.req
             fr = r.finish_reason.value if (s.finished and r.finish_reason) else None
-            comps.append(
-                CompletionOutput(
-                    index=s.index,
-                    text=s.detok.text,
-                    token_ids=r.output_token_ids,
-                    new_token_ids=s.new_ids,
-                    new_text=s.detok.take_new_text(s.finished),
-                    cumulative_logprob=s.cumulative_logprob,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                    new_logprobs=s.new_logprobs if s.logprobs is not None else None,
-                    finish_reason=fr,
-                    stop_reason=r.stop_reason,
-                )
+            seqs.append(
+                CoreSeqOutput(s.index, s.new_ids, s.new_logprobs, fr, r.stop_reason if fr else None)
             )
             s.new_ids = []
-            s.new_logprobs = []
-        return RequestOutput(
+            if s.new_logprobs is not None:
+                s.new_logprobs = []
+        return CoreOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            outputs=comps,
+            params=parent.params,
+            seqs=seqs,
             finished=parent.finished,
-            metrics=parent.metrics,
+            # As of this step: the server reads it on another thread while this one runs on.
+            metrics=copy.copy(parent.metrics),
             error=parent.error,
         )
 
-    def _fail_all(self, exc: BaseException, touched: dict[str, _Parent]) -> list[RequestOutput]:
+    def _fail_all(self, exc: BaseException, touched: dict[str, _Parent]) -> list[CoreOutput]:
         msg = f"model step failed: {type(exc).__name__}: {exc}"
         logger.exception("model step failed; failing %d in-flight requests", len(self._seqs))
         self.healthy = False

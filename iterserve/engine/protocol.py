@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from iterserve.core.books import EngineStats
-    from iterserve.outputs import RequestOutput, StepStats
+    from iterserve.engine.output_processor import CoreOutput
+    from iterserve.outputs import StepStats
     from iterserve.sampling_params import SamplingParams
 
 
@@ -101,10 +102,25 @@ class EngineInterface(Protocol):
         """Ends a request at once (no-op if unknown); it produces no further output."""
         ...
 
+    def finish_sequence(
+        self,
+        request_id: str,
+        index: int,
+        reason: str,
+        stop_reason: str | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Ends sequence ``index`` of a request and frees its KV (the output processor found
+        a stop string, ``reason`` "stop", or failed, "error"); no-op if it already ended.
+        True when the request has no live sequence left."""
+        ...
+
     def has_unfinished_requests(self) -> bool: ...
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one iteration; returns an output for every request it advanced or ended."""
+    def step_core(self) -> list[CoreOutput]:
+        """Runs one iteration; returns the new token ids (and raw logprobs) of every request
+        it advanced or ended. Detokenization and stop strings are not the engine's: an
+        ``OutputProcessor`` (iterserve/engine/output_processor.py) does them elsewhere."""
         ...
 
     def kv_usage(self) -> float:

@@ -90,6 +90,7 @@ class SamplingExtras(OpenAIModel):
             stop_token_ids=v["stop_token_ids"],
             ignore_eos=v["ignore_eos"],
             skip_special_tokens=v["skip_special_tokens"],
+            include_stop_str_in_output=v["include_stop_str_in_output"],
         )
 
     def sampling_params(self) -> SamplingParams:

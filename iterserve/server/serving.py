@@ -119,7 +119,7 @@ class Serving:
             raise bad_request(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
-        for name in ("logit_bias", "include_stop_str_in_output"):
+        for name in ("logit_bias",):
             if getattr(req, name):
                 raise bad_request(
                     f"{name} is not supported by this server",

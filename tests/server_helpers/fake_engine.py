@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from iterserve.core.books import EngineStats
 from iterserve.core.kv_cache_manager import cdiv
 from iterserve.core.policies import SLO_REJECTION
-from iterserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
+from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput
+from iterserve.model.sampler import TokenLogprobs
+from iterserve.outputs import RequestMetrics, StepStats
 from iterserve.sampling_params import SamplingParams
 
 OFFSET = 3  # ids 0..2 are pad, bos, eos; byte b is id b + 3
@@ -63,11 +65,13 @@ class _Req:
     slo_ttft_s: float | None = None
     out: list[list[int]] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
+    stop_reason: list[int | str | None] = field(default_factory=list)
 
 
 class FakeEngine:
     """Every scheduled request gains one token per step: a lowercase letter derived from
-    the prompt and position (so outputs are reproducible)."""
+    the prompt and position (so outputs are reproducible). Like the real engine it emits
+    token ids only; stop strings are the output processor's (``finish_sequence``)."""
 
     def __init__(
         self,
@@ -92,6 +96,7 @@ class FakeEngine:
         self.last_step_stats: StepStats | None = None
         self.reqs: dict[str, _Req] = {}
         self.aborted: list[str] = []
+        self.finished_seqs: list[tuple[str, int, str]] = []  # finish_sequence calls
         self.steps = 0
         # fault / timing knobs (set from the test thread)
         self.paused = threading.Event()
@@ -149,11 +154,31 @@ class FakeEngine:
         self.tpot_targets[request_id] = slo_tpot_s
         r.out = [[] for _ in range(params.n)]
         r.finish = [None] * params.n
+        r.stop_reason = [None] * params.n
         self.reqs[request_id] = r
 
     def abort_request(self, request_id: str) -> None:
         if self.reqs.pop(request_id, None) is not None:
             self.aborted.append(request_id)
+
+    def finish_sequence(
+        self,
+        request_id: str,
+        index: int,
+        reason: str,
+        stop_reason: str | None = None,
+        error: str | None = None,
+    ) -> bool:
+        r = self.reqs.get(request_id)
+        if r is None:
+            return True
+        if r.finish[index] is None:
+            self.finished_seqs.append((request_id, index, reason))
+            r.finish[index], r.stop_reason[index] = reason, stop_reason
+        if all(f is not None for f in r.finish):
+            del self.reqs[request_id]
+            return True
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
@@ -204,7 +229,7 @@ class FakeEngine:
             "recompute_tax": self.recompute_tax,
         }
 
-    def step(self) -> list[RequestOutput]:
+    def step_core(self) -> list[CoreOutput]:
         if self.paused.is_set():
             time.sleep(0.005)
             return []
@@ -261,11 +286,8 @@ class FakeEngine:
                 ntok += 1
                 new.append([tok])
                 limit = r.params.max_tokens or (self.max_model_len - len(r.ids))
-                text = self.tokenizer.decode(toks)
-                if any(s in text for s in (r.params.stop or [])):
-                    r.finish[i] = "stop"
-                elif tok in (r.params.stop_token_ids or []):
-                    r.finish[i] = "stop"
+                if tok in (r.params.stop_token_ids or []):
+                    r.finish[i], r.stop_reason[i] = "stop", tok
                 elif len(toks) >= limit or len(r.ids) + len(toks) >= self.max_model_len:
                     r.finish[i] = "length"
             if r.metrics.first_token_time is None:
@@ -287,42 +309,28 @@ class FakeEngine:
         )
         return outs
 
-    def _output(self, r: _Req, new: list[list[int]], error: str | None = None) -> RequestOutput:
-        comps = []
-        for i, toks in enumerate(r.out):
+    def _output(self, r: _Req, new: list[list[int]], error: str | None = None) -> CoreOutput:
+        seqs = []
+        for i in range(len(r.out)):
             lps = None
-            new_lps = None
             if r.params.logprobs is not None:
-                lps = [self._lp(t, r.params.logprobs) for t in toks]
-                new_lps = lps[len(toks) - len(new[i]) :] if new[i] else []
-            comps.append(
-                CompletionOutput(
-                    index=i,
-                    text=self.tokenizer.decode(toks),
-                    token_ids=list(toks),
-                    new_token_ids=list(new[i]),
-                    new_text=self.tokenizer.decode(new[i]),
-                    logprobs=lps,
-                    new_logprobs=new_lps,
-                    finish_reason=r.finish[i],
-                )
-            )
-        return RequestOutput(
+                lps = [self._lp(t, r.params.logprobs) for t in new[i]]
+            seqs.append(CoreSeqOutput(i, list(new[i]), lps, r.finish[i], r.stop_reason[i]))
+        return CoreOutput(
             r.rid,
             r.prompt,
             list(r.ids),
-            comps,
+            r.params,
+            seqs,
             all(f is not None for f in r.finish),
-            r.metrics,
+            replace(r.metrics),  # as of this step, as the real engine hands it over
             error,
         )
 
-    def _lp(self, tok: int, n: int) -> dict[int, Logprob]:
-        d = {tok: Logprob(-0.5, 1, self.tokenizer.decode([tok]))}
-        for k in range(1, n):
-            alt = OFFSET + 97 + (tok - OFFSET - 97 + k) % 26
-            d.setdefault(alt, Logprob(-1.0 - k, k + 1, self.tokenizer.decode([alt])))
-        return d
+    def _lp(self, tok: int, n: int) -> TokenLogprobs:
+        """The sampled token at rank 1, then n - 1 alternatives (ranks 2..n)."""
+        alts = [(OFFSET + 97 + (tok - OFFSET - 97 + k) % 26, -1.0 - k) for k in range(1, n)]
+        return (tok, -0.5, 1, [(tok, -0.5), *alts])
 
 
 if TYPE_CHECKING:

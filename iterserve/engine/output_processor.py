@@ -1,0 +1,234 @@
+"""The output stage: the engine's token ids -> text, stop strings and logprob strings.
+
+vLLM v1's split. The engine core emits, per step, each request's new token ids and raw
+logprobs (:class:`CoreOutput`); an :class:`OutputProcessor` turns those into
+``RequestOutput``s: it detokenizes (iterserve/engine/detokenizer.py), matches stop strings and
+decodes the logprob tokens. The offline ``LLMEngine.step()`` runs both in one thread; the
+server's ``AsyncEngine`` runs the processor on a thread of its own, so detokenization slows
+neither the event loop nor the engine loop.
+
+A stop string is found here, possibly a step or two after the engine produced the token
+(the server's lag): the processor ends that sequence in its own outputs at once, drops
+whatever tokens the engine generated past it, and returns a :class:`SeqFinish` that the
+caller hands to ``engine.finish_sequence`` to free the sequence's KV. Text, token ids,
+logprobs and finish/stop reasons are therefore the same whichever thread runs the processor.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from iterserve.engine.detokenizer import IncrementalDetokenizer
+from iterserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+if TYPE_CHECKING:
+    from iterserve.engine.protocol import Tokenizer
+    from iterserve.model.sampler import TokenLogprobs
+    from iterserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CoreSeqOutput:
+    """One sequence (of a request's ``n``) in one engine step: its new tokens only."""
+
+    index: int
+    new_token_ids: list[int]
+    # One (sampled id, logprob, rank, top [(id, logprob)]) per new token; None: not asked.
+    new_logprobs: list[TokenLogprobs] | None = None
+    # Set by the engine once the sequence ended there (EOS / stop token: "stop", "length",
+    # "error"); stop strings are the processor's.
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class CoreOutput:
+    """What the engine core emits for one request it advanced or ended in a step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[CoreSeqOutput]  # every sequence of the request, in index order
+    finished: bool
+    metrics: RequestMetrics  # a copy as of this step (token_times is shared, append-only)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SeqFinish:
+    """The processor ended a sequence that the engine may still run: free it there."""
+
+    request_id: str
+    index: int
+    reason: str  # "stop" (a stop string) | "error" (its detokenization failed)
+    stop_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Seq:
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    token_ids: list[int] = field(default_factory=list)
+    new_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Req:
+    seqs: list[_Seq]
+    error: str | None = None
+
+
+class OutputProcessor:
+    """Per-request detokenization state; used by one thread at a time (it owns ``tokenizer``).
+
+    ``add_request`` registers an id; outputs for ids not registered (or already finished or
+    aborted here) are ignored, which is how tokens generated past a stop string are dropped.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._reqs: dict[str, _Req | None] = {}  # None: registered, no output yet
+        self._pieces: dict[int, str] = {}  # token id -> its text alone (logprob tokens)
+
+    def add_request(self, request_id: str) -> None:
+        self._reqs[request_id] = None
+
+    def abort_request(self, request_id: str) -> None:
+        self._reqs.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[SeqFinish]]:
+        """The request outputs for one engine step, and the sequences the engine must end."""
+        results: list[RequestOutput] = []
+        finishes: list[SeqFinish] = []
+        for out in outputs:
+            rid = out.request_id
+            if rid not in self._reqs:
+                continue
+            st = self._reqs[rid] or self._new_state(out)
+            self._reqs[rid] = st
+            for cs in out.seqs:
+                s = st.seqs[cs.index]
+                if s.finish_reason is None:
+                    self._add(rid, st, s, cs, finishes)
+            if out.error is not None and st.error is None:
+                st.error = out.error
+            finished = all(s.finish_reason is not None for s in st.seqs)
+            if finished and out.metrics.finished_time is None:
+                out.metrics.finished_time = out.metrics.last_token_time  # ended by a stop string
+            results.append(self._output(out, st, finished))
+            if finished:
+                del self._reqs[rid]
+        return results, finishes
+
+    def _new_state(self, out: CoreOutput) -> _Req:
+        p = out.params
+        want_lp = p.logprobs is not None
+        return _Req(
+            [
+                _Seq(
+                    IncrementalDetokenizer(
+                        self.tokenizer,
+                        out.prompt_token_ids,
+                        p.skip_special_tokens,
+                        p.stop or (),
+                        p.include_stop_str_in_output,
+                    ),
+                    [] if want_lp else None,
+                    0.0 if want_lp else None,
+                )
+                for _ in range(p.n)
+            ]
+        )
+
+    def _piece(self, token_id: int) -> str:
+        s = self._pieces.get(token_id)
+        if s is None:
+            s = self._pieces[token_id] = str(self.tokenizer.decode([token_id]))
+        return s
+
+    def _add(
+        self, rid: str, st: _Req, s: _Seq, cs: CoreSeqOutput, finishes: list[SeqFinish]
+    ) -> None:
+        toks = cs.new_token_ids
+        last = len(toks) - 1
+        for j, tok in enumerate(toks):
+            s.token_ids.append(tok)
+            s.new_ids.append(tok)
+            if cs.new_logprobs is not None and s.logprobs is not None:
+                sampled_id, sampled_lp, rank, top = cs.new_logprobs[j]
+                entry = {sampled_id: Logprob(sampled_lp, rank, self._piece(sampled_id))}
+                for r, (tid, val) in enumerate(top, 1):
+                    entry.setdefault(tid, Logprob(val, r, self._piece(tid)))
+                s.logprobs.append(entry)
+                s.new_logprobs.append(entry)
+                s.cumulative_logprob = (s.cumulative_logprob or 0.0) + sampled_lp
+            ended = cs.finish_reason if j == last else None
+            if ended == "stop":  # EOS or a stop token: it adds no text
+                break
+            try:
+                hit = s.detok.add_token(tok)
+            except Exception as exc:  # one request's processing failed: fail it alone
+                logger.exception("detokenization failed for %s", rid)
+                self._fail(rid, st, f"detokenization failed: {exc}", finishes)
+                return
+            if hit is not None:
+                # Text, tokens and logprobs end here (a stop string wins over "length", as
+                # in vLLM: the text was cut at it); the engine frees the sequence.
+                s.finish_reason, s.stop_reason = "stop", hit
+                if ended is None:
+                    finishes.append(SeqFinish(rid, cs.index, "stop", stop_reason=hit))
+                return
+        if cs.finish_reason is not None:
+            s.finish_reason, s.stop_reason = cs.finish_reason, cs.stop_reason
+
+    def _fail(self, rid: str, st: _Req, msg: str, finishes: list[SeqFinish]) -> None:
+        st.error = msg
+        for i, s in enumerate(st.seqs):
+            if s.finish_reason is None:
+                s.finish_reason, s.stop_reason = "error", None
+                finishes.append(SeqFinish(rid, i, "error", error=msg))
+
+    def _output(self, out: CoreOutput, st: _Req, finished: bool) -> RequestOutput:
+        comps = []
+        for i, s in enumerate(st.seqs):
+            comps.append(
+                CompletionOutput(
+                    index=i,
+                    text=s.detok.text,
+                    token_ids=list(s.token_ids),
+                    new_token_ids=s.new_ids,
+                    new_text=s.detok.take_new_text(s.finish_reason is not None),
+                    cumulative_logprob=s.cumulative_logprob,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    new_logprobs=s.new_logprobs if s.logprobs is not None else None,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+            )
+            s.new_ids = []
+            s.new_logprobs = []
+        return RequestOutput(
+            request_id=out.request_id,
+            prompt=out.prompt,
+            prompt_token_ids=out.prompt_token_ids,
+            outputs=comps,
+            finished=finished,
+            metrics=out.metrics,
+            error=st.error,
+        )

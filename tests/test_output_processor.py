@@ -1,0 +1,151 @@
+"""The output processor (iterserve/engine/output_processor.py): stop strings, the lag window
+after one, n > 1, include_stop_str_in_output, failures; on the byte-level fake tokenizer, so
+every expected text is known exactly."""
+
+from __future__ import annotations
+
+import pytest
+from server_helpers.fake_engine import EOS, OFFSET, FakeTokenizer
+
+from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
+from iterserve.outputs import RequestMetrics
+from iterserve.sampling_params import SamplingParams
+
+
+def ids(text: str) -> list[int]:
+    return [b + OFFSET for b in text.encode()]
+
+
+def core(
+    rid: str,
+    params: SamplingParams,
+    new: list[list[int]],
+    finish: list[str | None] | None = None,
+    stop_reason: list[int | str | None] | None = None,
+    logprobs: bool = False,
+) -> CoreOutput:
+    finish = finish or [None] * len(new)
+    stop_reason = stop_reason or [None] * len(new)
+    seqs = [
+        CoreSeqOutput(
+            i,
+            toks,
+            [(t, -0.25, 1, [(t, -0.25), (t + 1, -2.0)]) for t in toks] if logprobs else None,
+            finish[i],
+            stop_reason[i],
+        )
+        for i, toks in enumerate(new)
+    ]
+    return CoreOutput(
+        rid,
+        None,
+        ids("prompt: "),
+        params,
+        seqs,
+        all(f is not None for f in finish),
+        RequestMetrics(arrival_time=0.0),
+    )
+
+
+def feed(proc: OutputProcessor, rid: str, params: SamplingParams, text: str) -> list:  # type: ignore[type-arg]
+    """One token per step, as the engine emits them; returns every step's results."""
+    steps = []
+    for t in ids(text):
+        steps.append(proc.process([core(rid, params, [[t]], logprobs=params.logprobs is not None)]))
+    return steps
+
+
+def test_stop_string_spanning_tokens_cuts_text_tokens_and_logprobs_and_drops_the_lag() -> None:
+    proc = OutputProcessor(FakeTokenizer())
+    params = SamplingParams(stop=["cde"], logprobs=1, max_tokens=50)
+    proc.add_request("r")
+    steps = feed(proc, "r", params, "abcdefgh")  # the engine ran past the stop (the lag)
+    finishes = [f for _, fs in steps for f in fs]
+    assert [(f.request_id, f.index, f.reason, f.stop_reason) for f in finishes] == [
+        ("r", 0, "stop", "cde")
+    ]
+    outs = [o for os_, _ in steps for o in os_]
+    assert len(outs) == 5 and outs[-1].finished  # nothing after the final output
+    c = outs[-1].outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == ("ab", "stop", "cde")
+    assert c.token_ids == ids("abcde")  # tokens up to the one completing the stop string
+    assert c.logprobs is not None and len(c.logprobs) == 5
+    assert c.logprobs[2][ids("c")[0]].decoded_token == "c"
+    assert c.logprobs[2][ids("d")[0]].rank == 2
+    # What streamed: "a" once "b" showed no stop could start there, then "b" at the end.
+    assert "".join(o.outputs[0].new_text for o in outs) == "ab"
+    assert sum(len(o.outputs[0].new_token_ids) for o in outs) == 5
+    assert "r" not in proc and len(proc) == 0
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string() -> None:
+    proc = OutputProcessor(FakeTokenizer())
+    params = SamplingParams(stop=["cd"], include_stop_str_in_output=True)
+    proc.add_request("r")
+    outs = [o for os_, _ in feed(proc, "r", params, "abcdef") for o in os_]
+    c = outs[-1].outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == ("abcd", "stop", "cd")
+    # Nothing is held back: the stop string is part of the output either way.
+    assert [o.outputs[0].new_text for o in outs] == ["a", "b", "c", "d"]
+
+
+def test_n2_one_sequence_stops_the_other_runs_on() -> None:
+    proc = OutputProcessor(FakeTokenizer())
+    params = SamplingParams(n=2, stop=["x"])
+    proc.add_request("r")
+    res, fin = proc.process([core("r", params, [ids("x"), ids("a")])])
+    assert [(f.index, f.reason) for f in fin] == [(0, "stop")]
+    assert not res[0].finished and res[0].outputs[0].finish_reason == "stop"
+    # The engine had not yet freed sequence 0: its next token is dropped.
+    res, fin = proc.process([core("r", params, [ids("y"), ids("b")])])
+    assert fin == [] and res[0].outputs[0].token_ids == ids("x")
+    res, _ = proc.process([core("r", params, [[], ids("c")], finish=["stop", "length"])])
+    assert res[0].finished
+    assert [(c.text, c.finish_reason) for c in res[0].outputs] == [("", "stop"), ("abc", "length")]
+
+
+def test_eos_adds_no_text_a_stop_string_wins_over_length_unknown_ids_are_ignored() -> None:
+    proc = OutputProcessor(FakeTokenizer())
+    p = SamplingParams(stop=["zz"])
+    proc.add_request("eos")
+    proc.process([core("eos", p, [ids("q")])])
+    res, fin = proc.process([core("eos", p, [[EOS]], finish=["stop"], stop_reason=[None])])
+    c = res[0].outputs[0]
+    assert (c.text, c.token_ids, c.finish_reason, fin) == ("q", [*ids("q"), EOS], "stop", [])
+    proc.add_request("len")
+    proc.process([core("len", p, [ids("z")])])
+    res, fin = proc.process([core("len", p, [ids("z")], finish=["length"])])
+    c = res[0].outputs[0]
+    # The engine ended it at max_tokens with the same token: no finish to send back.
+    assert (c.text, c.finish_reason, c.stop_reason, fin) == ("", "stop", "zz", [])
+    assert proc.process([core("never-added", p, [ids("a")])]) == ([], [])
+
+
+def test_a_failing_decode_fails_that_request_alone() -> None:
+    class Broken(FakeTokenizer):
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            if ids("!")[0] in token_ids:
+                raise RuntimeError("boom")
+            return super().decode(token_ids, skip_special_tokens)
+
+    proc = OutputProcessor(Broken())
+    p = SamplingParams(n=2)
+    proc.add_request("bad")
+    proc.add_request("good")
+    res, fin = proc.process(
+        [core("bad", p, [ids("!"), ids("a")]), core("good", p, [ids("a"), ids("b")])]
+    )
+    bad, good = res
+    assert bad.finished and bad.error is not None and "boom" in bad.error
+    assert [c.finish_reason for c in bad.outputs] == ["error", "error"]
+    assert sorted((f.request_id, f.index, f.reason) for f in fin) == [
+        ("bad", 0, "error"),
+        ("bad", 1, "error"),
+    ]
+    assert not good.finished and [c.text for c in good.outputs] == ["a", "b"]
+
+
+def test_sampling_params_include_stop_str_in_output_is_a_bool() -> None:
+    assert SamplingParams(include_stop_str_in_output=True).include_stop_str_in_output
+    with pytest.raises(ValueError, match="include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output="yes")  # type: ignore[arg-type]

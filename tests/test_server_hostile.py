@@ -549,3 +549,74 @@ def test_limit_flags_are_validated_and_default_to_finite_values() -> None:
     assert limits.max_logprobs == 20 and limits.stream_write_timeout == 30.0
     assert ns.max_queued_requests == 1024 and ns.max_request_body_bytes == 4 * 1024 * 1024
     assert build_parser().parse_args(["--max-request-bytes", "10"]).max_request_body_bytes == 10
+
+
+# ---- JSON decoding limits are flags ----------------------------------------------------------
+def test_json_depth_and_integer_digit_caps_are_server_limit_flags() -> None:
+    from iterserve.server.cli import build_parser
+    from iterserve.server.limits import ServerLimits
+
+    ns = build_parser().parse_args(["--max-json-depth", "3", "--max-json-int-digits", "5"])
+    limits = ServerLimits.from_cli_args(ns)
+    assert (limits.max_json_depth, limits.max_json_int_digits) == (3, 5)
+    assert (ServerLimits().max_json_depth, ServerLimits().max_json_int_digits) == (32, 40)
+    with pytest.raises(ValueError, match="--max-json-depth must be > 0"):
+        ServerLimits(max_json_depth=0)
+    _, server = serve(FakeEngine(), limits=limits)
+    base = {"prompt": "x", "max_tokens": 2}
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.post("/v1/completions", json={**base, "a": [[1]]}).status_code == 200
+        err = _error(c.post("/v1/completions", json={**base, "a": [[[1]]]}), 400)
+        assert "deeper than 3 levels" in str(err["message"]) and "--max-json-depth" in str(
+            err["message"]
+        )
+        assert c.post("/v1/completions", json={**base, "seed": 12345}).status_code == 200
+        err = _error(c.post("/v1/completions", json={**base, "seed": 123456}), 400)
+        assert "6 digits" in str(err["message"]) and "--max-json-int-digits" in str(err["message"])
+    # The defaults take what the small caps refused.
+    _, server = serve(FakeEngine())
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        body = {**base, "a": [[[[[1]]]]], "seed": 123456}
+        assert c.post("/v1/completions", json=body).status_code == 200
+
+
+# ---- /ready apart from /health ---------------------------------------------------------------
+def test_ready_is_503_while_requests_would_be_refused_and_health_stays_200() -> None:
+    fake = FakeEngine(max_num_seqs=1)
+    engine, server = serve(fake, max_queued_requests=1)
+    assert engine.ready_error == "engine is not started"
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.get("/ready").json() == {"status": "ready"}
+        # One running, one waiting: the queue is full, so not ready; still alive.
+        fake.paused.set()
+        done: list[httpx.Response] = []
+        body = {"prompt": "x", "max_tokens": 2}
+        ts = [
+            threading.Thread(
+                target=lambda: done.append(httpx.post(server.url + "/v1/completions", json=body))
+            )
+            for _ in range(2)
+        ]
+        for t in ts:
+            t.start()
+            time.sleep(0.3)
+        err = _error(c.get("/ready"), 503)
+        assert err["code"] == "not_ready" and "queue is full" in str(err["message"]), err
+        assert c.get("/health").status_code == 200
+        fake.paused.clear()
+        for t in ts:
+            t.join(30)
+        assert [r.status_code for r in done] == [200, 200]
+        assert c.get("/ready").status_code == 200
+        # Shutting down: refuses work, so not ready, though still alive.
+        engine.stop_accepting()
+        err = _error(c.get("/ready"), 503)
+        assert "shutting down" in str(err["message"]) and c.get("/health").status_code == 200
+    # A failed model step: neither alive nor ready.
+    fake = FakeEngine()
+    _, server = serve(fake)
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        fake.fail_model_step = 1
+        assert c.post("/v1/completions", json=body).status_code == 500
+        assert _error(c.get("/ready"), 503)["code"] == "not_ready"
+        assert _error(c.get("/health"), 503)["code"] == "engine_unhealthy"

@@ -196,7 +196,10 @@ class GuardMiddleware:
 
 async def read_json_object(request: Request) -> dict[str, Any]:
     """The request body as a JSON object: every route's one body parser."""
-    return decode_json_object(await request.body())
+    limits = _serving(request).limits
+    return decode_json_object(
+        await request.body(), limits.max_json_depth, limits.max_json_int_digits
+    )
 
 
 def validate(model: type[M], obj: dict[str, Any]) -> M:
@@ -321,16 +324,26 @@ async def model(request: Request, model_id: str) -> Response:
 
 
 # ---- vLLM-style utility routes ----------------------------------------------------------------
+def _probe(request: Request, err: str | None, code: str, ok: dict[str, Any]) -> Response:
+    if request.app.state.draining:
+        err, code = "server is shutting down", "shutting_down"
+    if err is not None:
+        return json_response(error_body(err, "server_error", None, code), 503)
+    return json_response(ok)
+
+
 @router.get("/health")
 async def health(request: Request) -> Response:
-    if request.app.state.draining:
-        body = error_body("server is shutting down", "server_error", None, "shutting_down")
-        return json_response(body, 503)
     engine: AsyncEngine = request.app.state.engine
-    err = engine.health_error
-    if err is not None:
-        return json_response(error_body(err, "server_error", None, "engine_unhealthy"), 503)
-    return json_response({"status": "ok"})
+    return _probe(request, engine.health_error, "engine_unhealthy", {"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> Response:
+    """Readiness, apart from liveness (/health): 503 too while the server would refuse a new
+    request (not started, draining, queue full), so a load balancer sends work elsewhere."""
+    engine: AsyncEngine = request.app.state.engine
+    return _probe(request, engine.ready_error, "not_ready", {"status": "ready"})
 
 
 @router.get("/version")

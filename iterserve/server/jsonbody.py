@@ -10,24 +10,25 @@ puts the offending text itself into the message.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
 
 from iterserve.server.errors import bad_request
 
-MAX_JSON_DEPTH = 32  # the deepest real request (chat content parts) nests 4 levels
-MAX_INT_DIGITS = 40  # a 128-bit integer has 39 digits; seeds and token ids need far fewer
-
 
 class _Refused(ValueError):
     pass
 
 
-def _parse_int(text: str) -> int:
+def _parse_int(max_digits: int, text: str) -> int:
     digits = len(text) - text.startswith("-")
-    if digits > MAX_INT_DIGITS:
-        raise _Refused(f"an integer has {digits} digits; at most {MAX_INT_DIGITS} are accepted")
+    if digits > max_digits:
+        raise _Refused(
+            f"an integer has {digits} digits; at most {max_digits} are accepted "
+            "(--max-json-int-digits)"
+        )
     return int(text)
 
 
@@ -61,17 +62,20 @@ def _check_text(s: str, parts: list[str | int]) -> None:
         ) from None
 
 
-def _walk(obj: Any) -> None:
+def _too_deep(max_depth: int, where: str = "") -> Exception:
+    return bad_request(
+        f"request body nests deeper than {max_depth} levels{where}; flatten it (--max-json-depth)",
+        code="invalid_json",
+    )
+
+
+def _walk(obj: Any, max_depth: int) -> None:
     """Depth and text checks without recursion (the object may be deep)."""
     stack: list[tuple[Any, list[str | int]]] = [(obj, [])]
     while stack:
         value, parts = stack.pop()
-        if len(parts) > MAX_JSON_DEPTH:
-            raise bad_request(
-                f"request body nests deeper than {MAX_JSON_DEPTH} levels (at "
-                f"{_path(parts[:4])}...); flatten it",
-                code="invalid_json",
-            )
+        if len(parts) > max_depth:
+            raise _too_deep(max_depth, f" (at {_path(parts[:4])}...)")
         if isinstance(value, str):
             _check_text(value, parts)
         elif isinstance(value, dict):
@@ -82,8 +86,10 @@ def _walk(obj: Any) -> None:
             stack.extend((v, [*parts, i]) for i, v in enumerate(value))
 
 
-def decode_json_object(raw: bytes) -> dict[str, Any]:
-    """``raw`` as a JSON object; raises an ``APIError`` (400) for anything else."""
+def decode_json_object(raw: bytes, max_depth: int, max_int_digits: int) -> dict[str, Any]:
+    """``raw`` as a JSON object; raises an ``APIError`` (400) for anything else, including
+    nesting past ``max_depth`` levels and integers of more than ``max_int_digits`` digits
+    (``ServerLimits.max_json_depth`` / ``max_json_int_digits``, the flags' one home)."""
     if not raw:
         raise bad_request("request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -96,7 +102,7 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(
             text,
-            parse_int=_parse_int,
+            parse_int=functools.partial(_parse_int, max_int_digits),
             parse_float=_parse_float,
             parse_constant=_parse_constant,
         )
@@ -109,16 +115,13 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
             code="invalid_json",
         ) from None
     except RecursionError:
-        raise bad_request(
-            f"request body nests deeper than {MAX_JSON_DEPTH} levels; flatten it",
-            code="invalid_json",
-        ) from None
+        raise _too_deep(max_depth) from None
     if not isinstance(obj, dict):
         raise bad_request(
             f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
         )
-    _walk(obj)
+    _walk(obj, max_depth)
     return obj
 
 
-__all__ = ["MAX_INT_DIGITS", "MAX_JSON_DEPTH", "decode_json_object"]
+__all__ = ["decode_json_object"]

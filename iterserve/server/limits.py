@@ -46,6 +46,8 @@ _HELPS = {
     "max_stored_responses": "most /v1/responses responses kept in memory for "
     "previous_response_id and GET /v1/responses/{id} (oldest evicted first)",
     "max_stored_response_bytes": "most bytes (of JSON) the stored responses may take together",
+    "max_json_depth": "deepest nesting a request body may have (deeper: 400)",
+    "max_json_int_digits": "most digits an integer in a request body may have (more: 400)",
 }
 
 
@@ -71,6 +73,10 @@ class ServerLimits:
     max_connections: int = 2048
     max_stored_responses: int = 1000
     max_stored_response_bytes: int = 64 << 20
+    # The deepest real request (chat content parts) nests 4 levels; a 128-bit integer has 39
+    # digits, and seeds and token ids need far fewer.
+    max_json_depth: int = 32
+    max_json_int_digits: int = 40
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

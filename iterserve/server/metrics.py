@@ -10,7 +10,8 @@ says why both rather than a flag.
 
 Every server app gets its own ``CollectorRegistry`` so several servers (or tests) in one
 process never clash. Engine-side events arrive through the :class:`EngineObserver` hooks,
-called on the engine thread (prometheus-client's metric objects are thread-safe); gauges
+``on_step`` on the engine thread and the per-request ones on AsyncEngine's output thread
+(prometheus-client's metric objects are thread-safe; each hook keeps to its own state); gauges
 are read from the engine's latest published snapshot at scrape time. Times come from the
 engine's ``RequestMetrics`` (one clock, the engine's), never from the observer's own calls.
 """
@@ -358,7 +359,7 @@ class ServerMetrics:
             s = self._success[reason] = self._success_of(reason)
         return s
 
-    # ---- EngineObserver (engine thread) ---------------------------------------------------
+    # ---- EngineObserver (on_step: engine thread; on_request_*: output thread) -------------
     def on_step(self, stats: StepStats | None, snapshot: EngineSnapshot) -> None:
         if stats is not None:
             self._h_iter.observe(stats.num_tokens)

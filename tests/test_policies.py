@@ -872,3 +872,29 @@ def test_simulate_tenants_reports_each_tenant_and_jain(
     assert jain([1.0, 1.0]) == 1.0 and jain([1.0, 0.0]) == 0.5
     assert simulate_main([*args[:6], "--model", "llama-3-8b", "--tenants", "heavy=0"]) == 2
     assert "NAME=SHARE" in capsys.readouterr().err
+
+
+def test_simulate_at_capacity_runs_every_policy_at_a_multiple_of_the_baselines(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from iterserve.sim.cli import main as simulate_main
+
+    out = tmp_path / "r.json"
+    args = ["--workload", "random", "--num-prompts", "200", "--request-rate", "20"]
+    args += ["--model", "llama-3-8b", "--random-input-len", "512", "--random-output-len", "16"]
+    args += ["--policy", "continuous,slo", "--slo-ttft-ms", "300", "--goodput", "ttft:300"]
+    args += ["--slo", "ttft_p99:300", "--tolerance", "0.1"]
+    assert simulate_main([*args, "--at-capacity", "1.5", "--result-file", str(out)]) == 0
+    assert "running every policy at 1.5x" in capsys.readouterr().err
+    res = json.loads(out.read_text())
+    cap = res["config"]["capacity"]
+    assert cap["baseline"] == "continuous" and cap["multiple"] == 1.5
+    rates = [r["request_rate"] for r in res["runs"]]
+    assert rates[0] == rates[1] == pytest.approx(1.5 * cap["max_rate"], rel=1e-6)
+    fcfs, slo = (r["summary"] for r in res["runs"])
+    assert fcfs["p99_ttft_ms"] > 300  # past capacity the baseline misses its SLO
+    assert slo["request_goodput"] > fcfs["request_goodput"]
+    assert simulate_main([*args, "--at-capacity", "1.5", "--find-max-rate"]) == 2
+    assert "not both" in capsys.readouterr().err

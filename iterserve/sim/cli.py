@@ -29,7 +29,15 @@ from typing import Any
 
 from iterserve.config import EngineArgs, parse_policies, variant_args
 from iterserve.core.policies import POLICY_VARIANTS
-from iterserve.sim.capacity import CapacityResult, Probe, Slo, find_max_rate, mean_rate, parse_slos
+from iterserve.sim.capacity import (
+    CapacityResult,
+    Probe,
+    Slo,
+    find_max_rate,
+    mean_rate,
+    parse_slos,
+    scaled,
+)
 from iterserve.sim.deployment import Deployment, build_deployment, parse_efficiency
 from iterserve.sim.hardware import HARDWARE
 from iterserve.sim.models import MODEL_TABLE
@@ -167,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--find-max-rate",
         action="store_true",
         help="binary-search the highest request-rate scale meeting --slo, per policy",
+    )
+    c.add_argument(
+        "--at-capacity",
+        type=float,
+        metavar="MULT",
+        help="find the first --policy's highest rate meeting --slo, then run every policy "
+        "at MULT times it (e.g. 1.2 with --policy continuous,slo --goodput ttft:500)",
     )
     c.add_argument(
         "--slo", help="e.g. ttft_p99:500,tpot_p99:50 (milliseconds; stats p50..p99, median, mean)"
@@ -430,9 +445,16 @@ def print_capacity(rows: list[tuple[str, CapacityResult]], slos: list[Slo]) -> N
 
 def cmd_simulate(ns: argparse.Namespace) -> int:
     policies = parse_policies(ns.policy, flag="--policy")
-    if ns.find_max_rate and not ns.slo:
-        raise ValueError("--find-max-rate needs --slo, e.g. --slo ttft_p99:500,tpot_p99:50")
-    slos = parse_slos(ns.slo) if ns.find_max_rate else []
+    searching = ns.find_max_rate or ns.at_capacity is not None
+    if searching and not ns.slo:
+        raise ValueError(
+            "--find-max-rate and --at-capacity need --slo, e.g. --slo ttft_p99:500,tpot_p99:50"
+        )
+    if ns.find_max_rate and ns.at_capacity is not None:
+        raise ValueError("give --find-max-rate or --at-capacity, not both")
+    if ns.at_capacity is not None and not ns.at_capacity > 0:
+        raise ValueError(f"--at-capacity must be a positive multiple, got {ns.at_capacity}")
+    slos = parse_slos(ns.slo) if searching else []
     if ns.tenants:
         parse_tenant_shares(ns.tenants)  # a bad value fails before any work
     goodput = parse_goodput(ns.goodput)
@@ -525,6 +547,29 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
             _err(f"wrote {write_result(ns.result_file, 'simulate-capacity', runs, config, info)}")
         return 0
 
+    if ns.at_capacity is not None:
+        # The capacity of the first policy (the baseline), found as --find-max-rate finds it.
+        sc = sim_config(policies[0], base, dep, ns.replicas, ns.router)
+        cap = find_max_rate(
+            specs,
+            lambda s, stop: Simulator(sc, dep.cost).run(s, stop=stop),
+            slos,
+            tolerance=ns.tolerance,
+        )
+        scale = cap.max_scale * ns.at_capacity
+        _err(
+            f"capacity of {policies[0]} under {', '.join(str(x) for x in slos)}: "
+            f"{cap.max_rate:.4g} req/s (rate scale {cap.max_scale:.4g}); running every "
+            f"policy at {ns.at_capacity:g}x: {cap.max_rate * ns.at_capacity:.4g} req/s"
+        )
+        specs = scaled(specs, scale)
+        config["capacity"] = {
+            "baseline": policies[0],
+            "max_rate": cap.max_rate,
+            "max_scale": cap.max_scale,
+            "multiple": ns.at_capacity,
+        }
+
     results: list[tuple[str, dict[str, Any], SimResult, str | None]] = []
     for pol in policies:
         sc = sim_config(pol, base, dep, ns.replicas, ns.router)
@@ -552,7 +597,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                 summary,
                 res.timings,
                 policy=pol,
-                request_rate=cfg.request_rate,
+                request_rate=mean_rate(specs) if ns.at_capacity is not None else cfg.request_rate,
                 steps_file=sp,
                 clock_start=0.0,
                 engine_stats=res.stats,

@@ -41,7 +41,8 @@ def test_auto_picks_cuda_only_when_torch_sees_one(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ValueError, match="device must be one of"):
         dv.resolve_device("tpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert dv.resolve_device("auto").type == "cuda"
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert dv.resolve_device("auto") == torch.device("cuda", 0)  # with its index
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")

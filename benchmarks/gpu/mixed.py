@@ -103,8 +103,12 @@ def run_hf(path: str, wl: list[tuple[list[int], int]], device: str) -> dict[str,
         do_sample=False, max_new_tokens=max(o for _, o in wl), eos_token_id=-1, pad_token_id=0
     )
     kw: dict[str, Any] = {}
+    takes = inspect.signature(model.init_continuous_batching).parameters
     try:  # transformers' CB settings object, where this version has one
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        if "continuous_batching_config" not in takes:
+            raise ImportError("init_continuous_batching takes no continuous_batching_config")
 
         # The same token budget per step as iterserve's; a small cache in a CPU dry run (by
         # default transformers sizes it from free memory).

@@ -24,16 +24,18 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"device must be one of {DEVICES}, got {name!r}")
     has_cuda = torch.cuda.is_available()
     if name == "auto":
-        device = torch.device("cuda" if has_cuda else "cpu")
-        logger.info("device auto: %s (torch.cuda.is_available() is %s)", device.type, has_cuda)
-        return device
+        name = "cuda" if has_cuda else "cpu"
+        logger.info("device auto: %s (torch.cuda.is_available() is %s)", name, has_cuda)
     if name == "cuda" and not has_cuda:
         raise ValueError(
             "device='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() is False; "
             f"this torch is {torch.__version__}, built for CUDA {torch.version.cuda}); use "
             "device='cpu' or 'auto', or install a CUDA build of torch on a machine with a GPU"
         )
-    return torch.device(name)
+    # With its index: torch.cuda.set_device and mem_get_info refuse a bare "cuda".
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
+    )
 
 
 def check_dtype(device: torch.device, dtype: torch.dtype) -> None:

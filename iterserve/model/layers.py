@@ -172,6 +172,8 @@ def choose_linear(
     CPU only emulates the weight's dtype; ``panel_kern``: lay a bf16 weight out in panels."""
     if panel_kern is not None:  # panels serve single rows too, with the same bytes
         return PanelLinear(panel_kern, w, b, many_rows=PackedLinear(w, b) if pack else None)
+    if w.device.type != "cpu":  # cuBLAS: no per-row-count set-up to bucket for
+        return TorchLinear(w, b)
     native: Linear
     if w.dtype == torch.float32:
         native = TorchLinear(w, b)

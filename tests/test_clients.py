@@ -109,3 +109,40 @@ def test_litellm_responses(server: ServerProcess, oai: openai.OpenAI, litellm: A
     deltas = "".join(e.delta for e in events if getattr(e, "delta", None))
     assert deltas == want.output_text
     assert events[-1].response.status == want.status
+
+
+def test_langchain_openai_chat_invoke_stream_batch_responses_completions(
+    server: ServerProcess, oai: openai.OpenAI
+) -> None:
+    lc = pytest.importorskip("langchain_openai")
+    kw: dict[str, Any] = dict(
+        model=MODEL, base_url=server.url + "/v1", api_key=API_KEY, temperature=0, max_retries=0
+    )
+    prompt = "Name three colours."
+    want = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    text = want.choices[0].message.content
+    chat = lc.ChatOpenAI(max_tokens=12, **kw)
+    got = chat.invoke(prompt)
+    assert got.content == text
+    assert want.usage is not None
+    assert got.usage_metadata["output_tokens"] == want.usage.completion_tokens
+    assert "".join(str(c.content) for c in chat.stream(prompt)) == text
+    assert [m.content for m in chat.batch([prompt, prompt])] == [text, text]
+    # use_responses_api: the same request through /v1/responses.
+    r_want = oai.responses.create(model=MODEL, input=prompt, max_output_tokens=12, temperature=0)
+    responses = lc.ChatOpenAI(max_tokens=12, use_responses_api=True, **kw)
+    got_r = responses.invoke(prompt)
+    assert got_r.text == r_want.output_text
+    assert got_r.response_metadata["status"] == r_want.status
+    streamed = "".join(c.text for c in responses.stream(prompt))
+    assert streamed == r_want.output_text
+    # The completions LLM.
+    c_want = oai.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0
+    )
+    assert lc.OpenAI(max_tokens=8, **kw).invoke("Once upon a time") == c_want.choices[0].text
+
+
+def test_embeddings_are_not_served(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="no route POST /v1/embeddings"):
+        oai.embeddings.create(model=MODEL, input="hello")

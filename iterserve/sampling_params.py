@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from iterserve.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -30,6 +32,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: sampled only)
     skip_special_tokens: bool = True
+    # guided decoding: the output follows this JSON schema / regex / choice / grammar
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -79,6 +83,10 @@ class SamplingParams:
             raise bad("logprobs", "an integer in [0, 20]")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad("include_stop_str_in_output", "true or false")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "a StructuredOutputsParams (or None)")
         assert isinstance(self.stop, list)
         for s in self.stop:
             if not isinstance(s, str) or not s:

@@ -77,6 +77,9 @@ class LLM:
         who = _per_prompt(tenants, n, "tenants") if tenants is not None else [""] * n
         ttft = _targets(slo_ttft_s, n, "slo_ttft_s")
         tpot = _targets(slo_tpot_s, n, "slo_tpot_s")
+        for sp in param_list:
+            if sp.structured_outputs is not None:  # a spec that does not compile: ValueError
+                self.engine.grammar_compiler.compile(sp.structured_outputs)
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompt_list, param_list)):

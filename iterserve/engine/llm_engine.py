@@ -8,10 +8,13 @@ strings: iterserve/engine/output_processor.py), which the server runs on a threa
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,9 +25,13 @@ from iterserve.core.request import FinishReason, Request
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
 from iterserve.model.runner import BatchItem
-from iterserve.model.sampler import SampleRow, TokenLogprobs, sample
+from iterserve.model.sampler import GrammarMask, SampleRow, TokenLogprobs, sample
 from iterserve.outputs import RequestMetrics, RequestOutput, StepStats
 from iterserve.sampling_params import SamplingParams
+from iterserve.structured.grammar import GrammarCompiler, TokenBitmask
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +47,8 @@ class _Seq:
     new_logprobs: list[TokenLogprobs] | None  # this step's raw logprobs (None: not asked)
     new_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    # structured outputs: advanced on every sampled token, from the engine thread
+    matcher: xgr.GrammarMatcher | None = None
 
 
 @dataclass
@@ -51,6 +60,8 @@ class _Parent:
     metrics: RequestMetrics
     seqs: list[_Seq] = field(default_factory=list)
     error: str | None = None
+    # structured outputs: the grammar being compiled; the seqs are scheduled once it is done
+    grammar: concurrent.futures.Future[xgr.CompiledGrammar] | None = None
 
     @property
     def finished(self) -> bool:
@@ -101,6 +112,10 @@ class LLMEngine:
         self.books = Books(self.scheduler)
         self._seqs: dict[str, _Seq] = {}
         self._parents: dict[str, _Parent] = {}
+        self._grammar_wait: list[_Parent] = []  # requests whose grammar still compiles
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        self._bitmask = TokenBitmask(self.vocab_size)
         self._torch_gen = torch.Generator().manual_seed(a.seed)
         torch.manual_seed(a.seed)
         self.healthy = True
@@ -110,6 +125,17 @@ class LLMEngine:
         self.last_error: str | None = None
         if a.record_steps:
             self.record_steps(a.record_steps)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output specs (thread-safe: the server compiles a request's
+        spec on its own thread first, so a bad one is a 400 and the engine's is a cache hit)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
+            return self._grammar_compiler
 
     def _size_kv_pool(self, a: EngineArgs, device_type: str) -> CacheConfig:
         """Blocks from kv_cache_memory, but never more than ``kv_block_cap`` (every sequence
@@ -203,11 +229,51 @@ class LLMEngine:
             )
             seq = _Seq(req, parent, i, gen, [] if params.logprobs is not None else None)
             parent.seqs.append(seq)
+        spec = params.structured_outputs
+        if spec is not None:
+            parent.grammar = self.grammar_compiler.submit(spec)
+            if parent.grammar.done() and parent.grammar.exception() is not None:
+                raise ValueError(str(parent.grammar.exception()))
         for seq in parent.seqs:
-            self.scheduler.add_request(seq.req)
             self._seqs[seq.req.request_id] = seq
         self._parents[request_id] = parent
         self.output_processor.add_request(request_id)
+        if parent.grammar is not None and not parent.grammar.done():
+            # Compiling on the grammar thread: schedule it once done, stall nobody.
+            self._grammar_wait.append(parent)
+        else:
+            self._schedule_parent(parent)
+
+    def _schedule_parent(self, parent: _Parent) -> None:
+        if parent.grammar is not None:
+            compiled = parent.grammar.result()
+            for seq in parent.seqs:
+                seq.matcher = self.grammar_compiler.matcher(compiled)
+        for seq in parent.seqs:
+            self.scheduler.add_request(seq.req)
+
+    def _admit_compiled(self, touched: dict[str, _Parent]) -> None:
+        """Schedules the requests whose grammar finished compiling; fails the ones whose
+        grammar did not compile. When nothing else can run, waits briefly for a compile
+        instead of spinning the engine loop."""
+        if not self.scheduler.requests:
+            futs = [p.grammar for p in self._grammar_wait if p.grammar is not None]
+            concurrent.futures.wait(futs, timeout=0.01, return_when="FIRST_COMPLETED")
+        waiting = []
+        for parent in self._grammar_wait:
+            fut = parent.grammar
+            assert fut is not None
+            if not fut.done():
+                waiting.append(parent)
+            elif fut.exception() is not None:
+                now = time.monotonic()
+                for seq in parent.seqs:
+                    seq.req.finish_reason = FinishReason.ERROR
+                    seq.req.error = str(fut.exception())
+                    self._end_seq(seq.req, touched, now)
+            else:
+                self._schedule_parent(parent)
+        self._grammar_wait = waiting
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its KV blocks; it produces no further output."""
@@ -215,6 +281,8 @@ class LLMEngine:
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return
+        if parent in self._grammar_wait:
+            self._grammar_wait.remove(parent)
         for seq in parent.seqs:
             if not seq.finished:
                 self.scheduler.finish_request(seq.req.request_id, FinishReason.ABORT)
@@ -285,9 +353,11 @@ class LLMEngine:
         """One iteration: schedule -> execute -> update. Returns the token ids (and raw
         logprobs) of every request it advanced or ended, for an ``OutputProcessor``."""
         t0 = time.monotonic()
+        touched: dict[str, _Parent] = {}
+        if self._grammar_wait:
+            self._admit_compiled(touched)
         sched = self.scheduler.schedule()
         t1 = time.monotonic()
-        touched: dict[str, _Parent] = {}
         for req in sched.failed:
             self._end_seq(req, touched, t1)
         for req in sched.new_requests:
@@ -305,7 +375,12 @@ class LLMEngine:
                 logits = self.runner.execute(items)
                 t2 = time.monotonic()
                 tokens, lps = (
-                    sample(logits, [self._sample_row(r) for r in sample_reqs], self.runner.kernels)
+                    sample(
+                        logits,
+                        [self._sample_row(r) for r in sample_reqs],
+                        self.runner.kernels,
+                        self._grammar_mask(sample_reqs),
+                    )
                     if sample_reqs
                     else ([], [])
                 )
@@ -315,6 +390,7 @@ class LLMEngine:
             sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
             lp_by_id = {r.request_id: lp for r, lp in zip(sample_reqs, lps) if lp is not None}
             finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+            self._advance_matchers(sampled, finished)
             for rid, tok in sampled.items():
                 self._on_token(
                     self._seqs[rid], tok, lp_by_id.get(rid), rid in finished, touched, t3
@@ -346,6 +422,38 @@ class LLMEngine:
             if need_logits:
                 sample_reqs.append(req)
         return items, sample_reqs
+
+    def _grammar_mask(self, sample_reqs: list[Request]) -> GrammarMask | None:
+        """The step's token bitmask, filled by each constrained row's matcher."""
+        idx = [i for i, r in enumerate(sample_reqs) if self._seqs[r.request_id].matcher]
+        if not idx:
+            return None
+        bitmask = self._bitmask.rows(len(sample_reqs))
+        for i in idx:
+            matcher = self._seqs[sample_reqs[i].request_id].matcher
+            assert matcher is not None
+            matcher.fill_next_token_bitmask(bitmask, i)
+        return bitmask, idx
+
+    def _advance_matchers(self, sampled: dict[str, int], finished: set[str]) -> None:
+        """Each constrained sequence's matcher accepts its new token (recompute after a
+        preemption samples nothing, so matchers never see a token twice). A terminated
+        grammar ends the request: its last token was a stop token, as after an EOS."""
+        for rid, tok in sampled.items():
+            matcher = self._seqs[rid].matcher
+            if matcher is None or rid in finished:
+                continue
+            if not matcher.accept_token(tok):
+                msg = (
+                    f"structured output: the grammar rejected token {tok} (min_tokens or "
+                    "stop_token_ids may forbid the only tokens the grammar allows)"
+                )
+                self.scheduler.finish_request(rid, FinishReason.ERROR, error=msg)
+                self._seqs[rid].parent.error = msg
+                finished.add(rid)
+            elif matcher.is_terminated():
+                self.scheduler.finish_request(rid, FinishReason.STOP)
+                finished.add(rid)
 
     def _sample_row(self, req: Request) -> SampleRow:
         seq = self._seqs[req.request_id]
@@ -416,6 +524,7 @@ class LLMEngine:
         self.healthy = False
         self.last_error = msg
         now = time.monotonic()
+        self._grammar_wait = []
         for rid in list(self._seqs):
             req = (
                 self.scheduler.finish_request(rid, FinishReason.ERROR, error=msg)
@@ -449,7 +558,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        live = {sid for sid, seq in self._seqs.items() if not seq.finished}
+        compiling = {s.req.request_id for p in self._grammar_wait for s in p.seqs}
+        live = {sid for sid, seq in self._seqs.items() if not seq.finished} - compiling
         if live != set(self.scheduler.requests):
             raise AssertionError(
                 f"engine sequences {live} != scheduler requests {set(self.scheduler.requests)}"

@@ -81,6 +81,22 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
                 logits[i, ids] = float("-inf")
 
 
+# (bitmask [len(rows), ceil(vocab / 32)] int32, the rows it applies to)
+GrammarMask = tuple[torch.Tensor, list[int]]
+
+
+def _apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
+    """Structured outputs: tokens the row's grammar forbids become -inf, after penalties and
+    before any choice (greedy, temperature, top-k/p), so every path picks an allowed token.
+    Rows not listed are untouched: an unconstrained request samples exactly as without it."""
+    from iterserve.structured.grammar import apply_token_bitmask
+
+    bitmask, idx = mask
+    if idx:
+        # Matchers fill the bitmask on the CPU; a GPU's kernel reads it on the device.
+        apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), idx)
+
+
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks (rows with none skip the sort)."""
     dev = logits.device
@@ -113,10 +129,14 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
 
 @torch.inference_mode()
 def sample(
-    logits: torch.Tensor, rows: Sequence[SampleRow], kern: kernels.Kernels | None = None
+    logits: torch.Tensor,
+    rows: Sequence[SampleRow],
+    kern: kernels.Kernels | None = None,
+    grammar_mask: GrammarMask | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Picks one token per row of ``logits`` (float32 [len(rows), vocab]); may modify it.
-    ``kern``: iterserve's kernels (the runner's), for the greedy argmax."""
+    ``kern``: iterserve's kernels (the runner's), for the greedy argmax. ``grammar_mask``:
+    the structured-output rows' allowed tokens (see :func:`_apply_grammar_mask`)."""
     params = [r.params for r in rows]
     want_logprobs = [p.logprobs is not None for p in params]
     raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
@@ -126,6 +146,8 @@ def sample(
         _apply_penalties(logits, rows, pen)
     if any(p.min_tokens for p in params):
         _mask_stop_tokens(logits, rows)
+    if grammar_mask is not None:
+        _apply_grammar_mask(logits, grammar_mask)
 
     rand = [i for i, p in enumerate(params) if not p.greedy]
     dev = logits.device

@@ -486,7 +486,10 @@ def create_app(
     shutdown_timeout: float = 10.0,
     metrics: ServerMetrics | None = None,
     limits: ServerLimits | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
+    """``tool_call_parser``: how ``tool_choice: "auto"`` finds tool calls in the model's text
+    (iterserve/server/tools.py: hermes, llama3_json; None refuses "auto")."""
     names = list(served_model_names or [engine.model_name])
     metrics = metrics or ServerMetrics(names[0], max_model_len=engine.max_model_len)
     metrics.bind(engine)
@@ -503,7 +506,9 @@ def create_app(
     )
     app.openapi = functools.partial(_openapi_schema, app)  # type: ignore[method-assign]
     app.state.engine = engine
-    app.state.serving = Serving(engine, names, metrics, retry_after_s, limits)
+    app.state.serving = Serving(
+        engine, names, metrics, retry_after_s, limits, tool_call_parser=tool_call_parser
+    )
     app.state.responses = ResponsesAPI(app.state.serving)
     app.state.metrics = metrics
     app.state.draining = False

@@ -22,6 +22,7 @@ from typing import Any
 
 from iterserve.config import EngineArgs
 from iterserve.server.limits import ServerLimits, uvicorn_config
+from iterserve.server.tools import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a few MB: 413 beyond, before any tokenization
@@ -86,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     g.add_argument("--disable-access-log", action="store_true")
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help='how tool_choice "auto" finds tool calls in the model\'s text: hermes '
+        "(Hermes/Qwen <tool_call>{...}</tool_call>) or llama3_json (Llama 3 JSON calls); "
+        'without it "auto" is refused (required and named functions need no parser)',
+    )
     ServerLimits.add_cli_args(p.add_argument_group("per-request limits and timeouts"))
     EngineArgs.add_cli_args(p)
     return p
@@ -188,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         retry_after_s=ns.retry_after,
         shutdown_timeout=ns.shutdown_timeout,
         limits=limits,
+        tool_call_parser=ns.tool_call_parser,
     )
     config = uvicorn_config(
         app,

@@ -71,6 +71,13 @@ class SamplingExtras(OpenAIModel):
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
     request_id: str | None = None
+    # structured outputs (iterserve/server/tools.py turns them into one constraint)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @classmethod
     def sampling_kwargs(cls, v: Mapping[str, Any]) -> dict[str, Any]:
@@ -137,6 +144,8 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn answers this call
 
 
 class ChatCompletionRequest(SamplingExtras):
@@ -148,7 +157,7 @@ class ChatCompletionRequest(SamplingExtras):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # chat-template controls (vLLM)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import json
 import logging
 import time
 import uuid
@@ -38,6 +39,7 @@ from iterserve.server.protocol import (
 )
 from iterserve.server.routing import Routing, slo_rejection
 from iterserve.server.templates import TemplateSandbox
+from iterserve.server.tools import ToolCallStream, ToolPlan, final_message, request_spec, tool_plan
 
 if TYPE_CHECKING:
     from iterserve.engine.protocol import Tokenizer
@@ -63,8 +65,10 @@ class Serving:
         metrics: ServerMetrics,
         retry_after_s: int = 1,
         limits: ServerLimits | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser
         self.limits = limits or ServerLimits()
         self.served_model_names = list(served_model_names)
         self.metrics = metrics
@@ -129,6 +133,37 @@ class Serving:
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
         return req.sampling_params()
+
+    async def constrain(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        params: SamplingParams,
+        plan: ToolPlan | None = None,
+    ) -> None:
+        """Sets ``params.structured_outputs`` from the request's response_format /
+        structured_outputs / guided_* / tool_choice, compiled before the request reaches the
+        engine: a spec that does not compile is a 400 naming its field, and the engine then
+        finds it in the compile cache (no wait there)."""
+        guided = {k: getattr(req, k) for k in ("guided_json", "guided_regex", "guided_choice",
+                                               "guided_grammar")}  # fmt: skip
+        found = request_spec(req.response_format, req.structured_outputs, guided, plan)
+        if found is None:
+            return
+        param, spec = found
+        get = getattr(self.engine.engine, "grammar_compiler", None)
+        if get is None:
+            raise bad_request(
+                f"{param}: this engine does not support structured outputs",
+                param=param,
+                code="unsupported_parameter",
+            )
+        try:
+            # The compiler is built on first use (it copies the tokenizer): not on the loop.
+            fut = await asyncio.to_thread(lambda: self.engine.engine.grammar_compiler.submit(spec))  # type: ignore[attr-defined]
+            await asyncio.wrap_future(fut)
+        except ValueError as e:
+            raise bad_request(f"{param}: {e}", param=param, code="invalid_value") from None
+        params.structured_outputs = spec
 
     async def add_streams(
         self,
@@ -232,6 +267,7 @@ class Serving:
         prompts = _completion_prompts(req.prompt)
         self.limits.check_request(req, len(prompts), self.engine.max_model_len)
         params = self.sampling_params(req)
+        await self.constrain(req, params)
         ids = await self.completion_prompt_ids(prompts)
         streams = await self.add_streams("cmpl", list(ids), params, req.priority, route)
         fmt = _CompletionFormat(self, req, params, prompts)
@@ -248,25 +284,19 @@ class Serving:
         """``make_format`` lets another API over the chat path (``/v1/responses``) answer in
         its own wire format."""
         self.check_model(req.model)
-        if req.tools:
-            raise bad_request(
-                "tools / function calling is not supported by this server",
-                param="tools",
-                code="unsupported_parameter",
-            )
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request(
-                "response_format other than text is not supported",
-                param="response_format",
-                code="unsupported_parameter",
-            )
+        plan = tool_plan(req.tools, req.tool_choice, self.tool_call_parser, req.parallel_tool_calls)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.limits.check_request(req, 1, self.engine.max_model_len)
         params = self.sampling_params(req)
+        await self.constrain(req, params, plan)
         ids = await self.render_chat(req)
         streams = await self.add_streams("chatcmpl", [ids], params, req.priority, route)
-        fmt = (make_format or _ChatFormat)(self, req, params)
+        fmt = (
+            make_format(self, req, params)
+            if make_format is not None
+            else _ChatFormat(self, req, params, plan)
+        )
         return await self._respond(streams, fmt, bool(req.stream))
 
     # ---- tokenization: off the event loop and off the engine thread -------------------------
@@ -360,11 +390,14 @@ class Serving:
                 "add_generation_prompt and continue_final_message cannot both be true",
                 param="continue_final_message",
             )
-        conv = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
-        flags = dict(
+        conv = [_template_message(m, i) for i, m in enumerate(messages)]
+        flags: dict[str, Any] = dict(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
+        tools = getattr(req, "tools", None)
+        if tools:  # also with tool_choice "none", as vLLM: the template decides
+            kwargs["tools"] = tools
         try:
             if chat_template is not None:
                 variables = {
@@ -636,8 +669,11 @@ class _Format:
                 continue
             if newly_finished:
                 self.finished.add(idx)
+            choice = self.chunk_choice(idx, pidx, out, c, newly_finished)
+            if choice is None:  # nothing to say yet (a tool call is still being written)
+                continue
             chunk = self._base(self.object_chunk)
-            chunk["choices"] = [self.chunk_choice(idx, pidx, out, c, newly_finished)]
+            chunk["choices"] = [choice]
             if self.include_usage:
                 chunk["usage"] = self.usage() if self.continuous_usage else None
             result.append(chunk)
@@ -664,7 +700,7 @@ class _Format:
 
     def chunk_choice(
         self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         raise NotImplementedError
 
     def full_choice(
@@ -777,10 +813,24 @@ class _ChatFormat(_Format):
     object_chunk = "chat.completion.chunk"
 
     def __init__(
-        self, serving: Serving, req: ChatCompletionRequest, params: SamplingParams
+        self,
+        serving: Serving,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        plan: ToolPlan | None = None,
     ) -> None:
         super().__init__(serving, req, params, "chatcmpl")
         self.top_n = req.top_logprobs or 0
+        self.plan = plan if plan is not None and plan.mode != "none" else None
+        self.tool_streams: dict[int, ToolCallStream] = {}
+
+    def _finish_reason(self, c: CompletionOutput, num_calls: int) -> str | None:
+        # OpenAI: "tool_calls" when the model chose to call (auto, required); a forced
+        # named function ends with "stop".
+        assert self.plan is not None
+        if c.finish_reason == "stop" and num_calls and self.plan.mode in ("auto", "required"):
+            return "tool_calls"
+        return c.finish_reason
 
     def _logprobs(
         self, token_ids: list[int], lps: list[dict[int, Logprob]] | None
@@ -835,13 +885,22 @@ class _ChatFormat(_Format):
 
     def chunk_choice(
         self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool
-    ) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": c.new_text} if (c.new_text or not finished) else {}
+    ) -> dict[str, Any] | None:
+        finish = c.finish_reason if finished else None
+        if self.plan is not None:
+            ts = self.tool_streams.setdefault(idx, ToolCallStream(self.plan))
+            delta = ts.delta(c.new_text, finished)
+            if not delta and not finished and not c.new_logprobs:
+                return None
+            if finished:
+                finish = self._finish_reason(c, ts.num_calls)
+        else:
+            delta = {"content": c.new_text} if (c.new_text or not finished) else {}
         choice: dict[str, Any] = {
             "index": idx,
             "delta": delta,
             "logprobs": self._logprobs(c.new_token_ids, c.new_logprobs),
-            "finish_reason": c.finish_reason if finished else None,
+            "finish_reason": finish,
             "stop_reason": _stop_reason(c) if finished else None,
         }
         if self.req.return_token_ids:
@@ -851,11 +910,13 @@ class _ChatFormat(_Format):
     def full_choice(
         self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput
     ) -> dict[str, Any]:
+        content, calls = final_message(self.plan, c.text)
+        message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
         choice: dict[str, Any] = {
             "index": idx,
-            "message": {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []},
+            "message": message,
             "logprobs": self._logprobs(c.token_ids, c.logprobs),
-            "finish_reason": c.finish_reason,
+            "finish_reason": self._finish_reason(c, len(calls)) if self.plan else c.finish_reason,
             "stop_reason": c.stop_reason,
         }
         if self.req.return_token_ids:
@@ -900,6 +961,28 @@ def _completion_prompts(
         "token-id lists",
         param="prompt",
     )
+
+
+def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
+    """A message as chat templates read it; an assistant turn's tool-call arguments become
+    objects (templates write them with tojson), as vLLM passes them."""
+    msg: dict[str, Any] = {"role": m.role, "content": _message_text(m, i)}
+    if m.name is not None:
+        msg["name"] = m.name
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for tc in m.tool_calls:
+            fn = dict(tc.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    pass  # the template gets the string as sent
+            calls.append({**tc, "function": fn})
+        msg["tool_calls"] = calls
+    return msg
 
 
 def _message_text(m: ChatMessage, i: int) -> str:

@@ -1,0 +1,353 @@
+"""Structured outputs and tool calling over the OpenAI API.
+
+``request_spec`` turns ``response_format``, vLLM's ``structured_outputs`` (and its older
+``guided_*`` names) and ``tools`` + ``tool_choice`` into the one
+:class:`StructuredOutputsParams` the engine enforces; anything it cannot honour is a 400
+naming the field. ``tool_choice`` "required" constrains the output to a JSON array of
+``{"name", "parameters"}`` calls, a named function to that function's parameters; "auto"
+lets the model write freely and a ``--tool-call-parser`` (hermes, llama3_json) finds the
+calls in its text. ``ToolCallStream`` turns one choice's text into OpenAI deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from iterserve.server.errors import APIError, bad_request
+from iterserve.structured import StructuredOutputsParams
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_SO_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _unsupported(msg: str, param: str) -> APIError:
+    return bad_request(msg, param=param, code="unsupported_parameter")
+
+
+@dataclass
+class ToolPlan:
+    """How a chat request's ``tools`` are used: ``mode`` none | auto | required | named."""
+
+    mode: str
+    tools: list[dict[str, Any]]
+    name: str | None = None  # the named function
+    parser: str | None = None  # auto: the server's --tool-call-parser
+    parallel: bool = True
+
+
+def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    by_name: dict[str, dict[str, Any]] = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise bad_request(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}',
+                param=f"tools.{i}",
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"tools[{i}].function.name must be a string", param=f"tools.{i}")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise bad_request(
+                f"tools[{i}].function.parameters must be a JSON schema object",
+                param=f"tools.{i}.function.parameters",
+            )
+        by_name[name] = params
+    return by_name
+
+
+def tool_plan(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    parser: str | None,
+    parallel_tool_calls: bool | None = None,
+) -> ToolPlan | None:
+    """The plan for ``tools`` / ``tool_choice`` (None: no tools), or a 400 naming the field."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise bad_request("tool_choice requires tools", param="tool_choice")
+        return None
+    by_name = _check_tools(tools)
+    choice = "auto" if tool_choice is None else tool_choice
+    parallel = parallel_tool_calls is not False
+    if choice == "none":
+        return ToolPlan("none", tools)
+    if choice == "required":
+        return ToolPlan("required", tools, parallel=parallel)
+    if choice == "auto":
+        if parser is None:
+            raise _unsupported(
+                'tool_choice "auto" needs a server started with --tool-call-parser '
+                f'({" or ".join(TOOL_CALL_PARSERS)}); send tool_choice "required" or a '
+                "named function instead",
+                "tool_choice",
+            )
+        return ToolPlan("auto", tools, parser=parser, parallel=parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in by_name:
+            raise bad_request(
+                f"tool_choice names function {name!r}, which is not in tools "
+                f"({', '.join(by_name)})",
+                param="tool_choice",
+            )
+        return ToolPlan("named", tools, name=name)
+    raise bad_request(
+        'tool_choice must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
+
+
+def _required_schema(plan: ToolPlan) -> dict[str, Any]:
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": params},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, params in _check_tools(plan.tools).items()
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not plan.parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _from_response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                param="response_format.json_schema.schema",
+            )
+        return StructuredOutputsParams(json=schema)
+    raise _unsupported(
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+        "response_format",
+    )
+
+
+def _from_structured_outputs(so: dict[str, Any], param: str) -> StructuredOutputsParams:
+    kw: dict[str, Any] = {}
+    for k, v in so.items():
+        if v is None or (k == "disable_fallback"):  # no fallback backend to disable
+            continue
+        if k == "disable_any_whitespace" and v is True:  # always so (see grammar.py)
+            continue
+        if k not in _SO_KEYS:
+            raise _unsupported(
+                f"{param}.{k} is not supported (supported: {', '.join(_SO_KEYS)})",
+                f"{param}.{k}",
+            )
+        kw[k] = v
+    return StructuredOutputsParams(**kw)
+
+
+def request_spec(
+    response_format: dict[str, Any] | None,
+    structured_outputs: dict[str, Any] | None,
+    guided: dict[str, Any],
+    plan: ToolPlan | None = None,
+) -> tuple[str, StructuredOutputsParams] | None:
+    """The one output constraint a request asks for and the field it came from (None: free
+    text); a 400 naming the field when it is malformed or two fields constrain the output."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    try:
+        if response_format:
+            spec = _from_response_format(response_format)
+            if spec is not None:
+                found.append(("response_format", spec))
+        if structured_outputs:
+            found.append(
+                (
+                    "structured_outputs",
+                    _from_structured_outputs(structured_outputs, "structured_outputs"),
+                )
+            )
+        g = {_GUIDED[k]: v for k, v in guided.items() if v is not None}
+        if g:
+            found.append((next(k for k, v in guided.items() if v is not None),
+                          StructuredOutputsParams(**g)))  # fmt: skip
+    except ValueError as e:
+        raise bad_request(str(e), param=found[-1][0] if found else "structured_outputs") from None
+    if plan is not None and plan.mode in ("required", "named"):
+        if plan.mode == "named":
+            assert plan.name is not None
+            spec = StructuredOutputsParams(json=_check_tools(plan.tools)[plan.name])
+        else:
+            spec = StructuredOutputsParams(json=_required_schema(plan))
+        found.insert(0, ("tool_choice", spec))
+    if plan is not None and plan.mode == "auto" and found:
+        raise _unsupported(f'{found[0][0]} cannot be combined with tool_choice "auto"', found[0][0])
+    if len(found) > 1:
+        raise _unsupported(
+            f"{found[1][0]} cannot be combined with {found[0][0]}: send one output constraint",
+            found[1][0],
+        )
+    return found[0] if found else None
+
+
+# ---- tool calls in the output ---------------------------------------------------------------
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+HERMES_START = "<tool_call>"
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
+    Text outside the blocks is the content; a block that is not such JSON leaves the whole
+    text as content (no calls)."""
+    start = text.find(HERMES_START)
+    if start < 0:
+        return text, []
+    calls = []
+    for m in _HERMES.finditer(text, start):
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
+    rest = text[:start] + _HERMES.sub("", text[start:])
+    return (rest if rest.strip() else None), calls
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Llama 3 JSON tool calls: ``{"name": ..., "parameters": {...}}`` (several separated by
+    ``;``), optionally after ``<|python_tag|>``; any other text is content (no calls)."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    dec = json.JSONDecoder()
+    calls, pos = [], 0
+    while pos < len(body):
+        try:
+            obj, end = dec.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        calls.append(_call(obj["name"], obj.get("parameters", obj.get("arguments", {}))))
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+    return None, calls
+
+
+PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+
+
+def parse_required(text: str) -> list[dict[str, Any]] | None:
+    """tool_choice "required": the constrained output is a JSON array of calls."""
+    try:
+        arr = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(arr, list):
+        return None
+    return [_call(c["name"], c.get("parameters", {})) for c in arr if isinstance(c, dict)]
+
+
+def final_message(plan: ToolPlan | None, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of a finished choice."""
+    if plan is None or plan.mode == "none":
+        return text, []
+    if plan.mode == "named":
+        assert plan.name is not None
+        return None, [_call(plan.name, text)]
+    if plan.mode == "required":
+        calls = parse_required(text)
+        return (None, calls) if calls else (text, [])
+    assert plan.parser is not None
+    return PARSERS[plan.parser](text)
+
+
+def _held_back(parser: str, text: str) -> int:
+    """How many characters of ``text`` may already stream as content under ``parser``
+    (the rest might be the start of a tool call)."""
+    if parser == "llama3_json":
+        head = text.lstrip()
+        if not head or head.startswith("{") or "<|python_tag|>".startswith(head[:14]):
+            return 0
+        return len(text)
+    start = text.find(HERMES_START)
+    if start >= 0:
+        return start
+    for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
+        if HERMES_START.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+@dataclass
+class ToolCallStream:
+    """One streamed choice under a tool plan: each ``delta`` is an OpenAI chat delta."""
+
+    plan: ToolPlan
+    text: str = ""
+    sent: int = 0  # characters of text already sent as content (auto)
+    started: bool = False
+    num_calls: int = 0
+    call_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def delta(self, new_text: str, finished: bool) -> dict[str, Any]:
+        self.text += new_text
+        mode = self.plan.mode
+        if mode == "named":  # the text is the arguments: stream it as it comes
+            tc: dict[str, Any] = {"index": 0, "function": {"arguments": new_text}}
+            if not self.started:
+                self.started = True
+                self.num_calls = 1
+                tc.update(id=self.call_id, type="function")
+                tc["function"] = {"name": self.plan.name, "arguments": new_text}
+            elif not new_text:
+                return {}
+            return {"tool_calls": [tc]}
+        if not finished:
+            if mode == "required":
+                return {}
+            assert self.plan.parser is not None
+            safe = max(self.sent, _held_back(self.plan.parser, self.text))
+            chunk, self.sent = self.text[self.sent : safe], safe
+            return {"content": chunk} if chunk else {}
+        content, calls = final_message(self.plan, self.text)
+        out: dict[str, Any] = {}
+        if calls:
+            self.num_calls = len(calls)
+            out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            rest = (content or "")[self.sent :] if content else ""
+        else:
+            rest = self.text[self.sent :]
+        if rest:
+            out["content"] = rest
+        return out

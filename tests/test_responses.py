@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+import jsonschema
 import openai
+import pydantic
 import pytest
 from server_helpers.fake_engine import FakeEngine
 from server_helpers.servers import ThreadServer, serve, wait_for
@@ -357,7 +359,7 @@ REFUSED: list[tuple[dict[str, Any], int, str]] = [
     ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
     ({"text": {"verbosity": "low"}}, 400, "text.verbosity"),
     ({"text": {"format": {"type": "grammar"}}}, 400, "text.format.type"),
-    # until the chat path has structured outputs
+    # the fake engine has no grammar compiler (tiny-random honours it: the tests at the end)
     ({"text": {"format": {"type": "json_object"}}}, 400, "text.format"),
     ({"stream_options": {"include_obfuscation": False}}, 400, "stream_options"),
     (
@@ -421,58 +423,65 @@ def test_routes_behind_the_api_key() -> None:
 
 
 # ---- the real model --------------------------------------------------------------------------
-@pytest.mark.slow
-def test_tiny_random_greedy_responses_equal_chat_streamed_or_not() -> None:
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[openai.OpenAI]:
     from iterserve import LLM
     from iterserve.engine.async_engine import AsyncEngine
     from iterserve.server.app import create_app
 
     llm = LLM("tiny-random", max_model_len=512, num_kv_blocks=256)
     with ThreadServer(create_app(AsyncEngine(llm.engine))) as server:
-        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        messages: Any = [
-            {"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Name three colours."},
-        ]
-        chat = c.chat.completions.create(
-            model="tiny-random", messages=messages, max_tokens=24, temperature=0
+        yield openai.OpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
         )
-        r = c.responses.create(
+
+
+@pytest.mark.slow
+def test_tiny_random_greedy_responses_equal_chat_streamed_or_not(tiny: openai.OpenAI) -> None:
+    c = tiny
+    messages: Any = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three colours."},
+    ]
+    chat = c.chat.completions.create(
+        model="tiny-random", messages=messages, max_tokens=24, temperature=0
+    )
+    r = c.responses.create(
+        model="tiny-random",
+        instructions="You are terse.",
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Name three colours."}]}
+        ],
+        max_output_tokens=24,
+        temperature=0,
+    )
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage is not None and chat.usage is not None
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    want = "completed" if chat.choices[0].finish_reason == "stop" else "incomplete"
+    assert r.status == want
+    # The same prompt again: the prefix cache's hit, reported as chat reports it.
+    again = c.chat.completions.create(
+        model="tiny-random", messages=messages, max_tokens=1, temperature=0
+    )
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    hit = again.usage.prompt_tokens_details.cached_tokens
+    assert hit and hit > 0
+    assert r.usage.input_tokens_details.cached_tokens == hit
+    deltas = [
+        e.delta
+        for e in c.responses.create(
             model="tiny-random",
             instructions="You are terse.",
-            input=[
-                {"role": "user", "content": [{"type": "input_text", "text": "Name three colours."}]}
-            ],
+            input="Name three colours.",
             max_output_tokens=24,
             temperature=0,
+            stream=True,
         )
-        assert r.output_text == chat.choices[0].message.content
-        assert r.usage is not None and chat.usage is not None
-        assert r.usage.input_tokens == chat.usage.prompt_tokens
-        assert r.usage.output_tokens == chat.usage.completion_tokens
-        want = "completed" if chat.choices[0].finish_reason == "stop" else "incomplete"
-        assert r.status == want
-        # The same prompt again: the prefix cache's hit, reported as chat reports it.
-        again = c.chat.completions.create(
-            model="tiny-random", messages=messages, max_tokens=1, temperature=0
-        )
-        assert again.usage is not None and again.usage.prompt_tokens_details is not None
-        hit = again.usage.prompt_tokens_details.cached_tokens
-        assert hit and hit > 0
-        assert r.usage.input_tokens_details.cached_tokens == hit
-        deltas = [
-            e.delta
-            for e in c.responses.create(
-                model="tiny-random",
-                instructions="You are terse.",
-                input="Name three colours.",
-                max_output_tokens=24,
-                temperature=0,
-                stream=True,
-            )
-            if e.type == "response.output_text.delta"
-        ]
-        assert "".join(deltas) == r.output_text
+        if e.type == "response.output_text.delta"
+    ]
+    assert "".join(deltas) == r.output_text
 
 
 def test_odd_item_shapes_are_400s_not_500s(live: tuple[ThreadServer, FakeEngine]) -> None:
@@ -481,3 +490,52 @@ def test_odd_item_shapes_are_400s_not_500s(live: tuple[ThreadServer, FakeEngine]
             live[0].url + "/v1/responses", json={"model": MODEL, "input": [item]}, timeout=30
         )
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("input.0"), r.text
+
+
+# Bounded (enums, a small integer): a random model cannot leave it open until max tokens.
+FORECAST = {
+    "type": "object",
+    "properties": {
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["unit", "days"],
+    "additionalProperties": False,
+}
+
+
+class Forecast(pydantic.BaseModel):
+    unit: Literal["c", "f"]
+    sky: Literal["clear", "rain", "snow"]
+
+
+@pytest.mark.slow
+def test_tiny_random_text_format_json_schema_streamed_or_not_and_parse(tiny: openai.OpenAI) -> None:
+    fmt: Any = {"type": "json_schema", "name": "forecast", "schema": FORECAST, "strict": True}
+    r = tiny.responses.create(
+        model="tiny-random", input="Forecast?", max_output_tokens=100, text={"format": fmt}
+    )
+    assert r.status == "completed", r.output_text
+    jsonschema.validate(json.loads(r.output_text), FORECAST)
+    assert r.text is not None and r.text.format is not None
+    assert r.text.format.type == "json_schema"
+    events = list(
+        tiny.responses.create(
+            model="tiny-random",
+            input="Forecast?",
+            max_output_tokens=100,
+            text={"format": fmt},
+            stream=True,
+            temperature=1.0,
+        )
+    )
+    final = events[-1].response  # type: ignore[union-attr]
+    assert events[-1].type == "response.completed" and final.status == "completed"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text
+    jsonschema.validate(json.loads(deltas), FORECAST)
+    # The openai client's parse: the pydantic model as a strict schema, parsed back.
+    parsed = tiny.responses.parse(
+        model="tiny-random", input="Forecast?", max_output_tokens=100, text_format=Forecast
+    )
+    assert isinstance(parsed.output_parsed, Forecast)

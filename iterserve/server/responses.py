@@ -7,12 +7,14 @@ limits, admission, disconnect handling and errors), answered in the Responses wi
 a ``response`` object, or, streaming, the Responses event sequence (``event:`` lines, a
 ``sequence_number`` on every event, no ``[DONE]``).
 
-What this server cannot honour is refused with a 400 naming the field (tools, reasoning,
-background, prompt templates, conversations, truncation ``auto``, non-text input parts),
-never ignored. ``store`` (OpenAI's default: true) keeps the response in a bounded in-memory
-store (``--max-stored-responses``, ``--max-stored-response-bytes``; oldest evicted first),
-so ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}`` work until it is
-evicted or the server restarts.
+``text.format`` (json_object, json_schema) is the chat path's ``response_format``: the
+output is constrained by the structured-outputs grammar. What this server cannot honour is
+refused with a 400 naming the field (tools, reasoning, background, prompt templates,
+conversations, truncation ``auto``, non-text input parts), never ignored. ``store``
+(OpenAI's default: true) keeps the response in a bounded in-memory store
+(``--max-stored-responses``, ``--max-stored-response-bytes``; oldest evicted first), so
+``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}`` work until it is evicted
+or the server restarts.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ _NOT_FORWARDED = {
     "stream_options",
     "return_token_ids",
     "request_id",
+    "response_format",  # text.format here
 }
 FORWARDED_EXTRAS = tuple(sorted(set(SamplingExtras.model_fields) - _NOT_FORWARDED))
 # The chat path's names for fields that have another name (or none) in this API.

@@ -32,8 +32,8 @@ scheduler's clock and its measured step times (the ``slo`` policy reads both) us
 
 Metrics per row: completed / failed (rejected by ``slo`` included), goodput (requests with TTFT
 <= the SLO, per second of the run), TTFT p50 / p99 of short requests (prompt <= --short-len),
-recompute tax, preemptions, Jain's index between tenants (served / asked output tokens by
-mid-run, as examples/two_tenants.py), the light tenant's TTFT p99, output throughput.
+recompute tax, preemptions, Jain's index between tenants (``workload.tenants.fairness_index``:
+served / asked output tokens by mid-run), the light tenant's TTFT p99, output throughput.
 Targets are checked per repeat (ratios within one repeat) and the median is reported.
 """
 
@@ -45,7 +45,6 @@ import gc
 import json
 import math
 import os
-import random
 import statistics
 import sys
 import time
@@ -66,6 +65,7 @@ from iterserve.sim.cost_model import CostModel, StepShape, step_shape  # noqa: E
 from iterserve.sim.simulator import SimConfig, Simulator  # noqa: E402
 from iterserve.workload.datasets import RequestSpec, WorkloadConfig, build_workload  # noqa: E402
 from iterserve.workload.metrics import RequestTiming, summarize  # noqa: E402
+from iterserve.workload.tenants import assign_tenants, tenant_report  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -73,19 +73,6 @@ def log(msg: str) -> None:
 
 
 # ---- what is measured -----------------------------------------------------------------------
-
-
-def jain(xs: list[float]) -> float:
-    """Jain's fairness index: 1 when every share is equal, 1/n when one takes all."""
-    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if any(xs) else 1.0
-
-
-def tokens_by(t: RequestTiming, until: float) -> int:
-    """Output tokens ``t`` had received by ``until`` (seconds from the start of the run)."""
-    if t.ttft is None:
-        return 0
-    times = t.arrival_time + t.ttft + np.concatenate([[0.0], np.cumsum(t.itl)])
-    return int(np.searchsorted(times, until, side="right"))
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -122,24 +109,11 @@ def measure(
         "output_throughput": s["output_throughput"],
         "duration_s": duration_s,
     }
-    tenants = sorted({x.tenant for x in specs if x.tenant})
-    if tenants:
-        # Fairness while the backlog lasts: by mid-run, each tenant's share of the output
-        # tokens it had asked for (requests arrived by then) that it got.
-        mid = specs[len(specs) // 2].arrival_time
-        got = dict.fromkeys(tenants, 0)
-        asked = dict.fromkeys(tenants, 0)
-        light: list[float] = []
-        for t, x in zip(timings, specs):
-            if x.arrival_time <= mid:
-                asked[x.tenant] += x.output_len
-            got[x.tenant] += tokens_by(t, mid)
-            if x.tenant == "light" and t.success and t.ttft is not None:
-                light.append(t.ttft)
-        shares = [got[k] / asked[k] for k in tenants if asked[k]]
-        row["jain"] = jain(shares) if len(shares) > 1 else None
-        row["light_ttft_p50"] = pct(light, 50)
-        row["light_ttft_p99"] = pct(light, 99)
+    if any(x.tenant for x in specs):
+        rep = tenant_report(timings, specs, duration_s)
+        light = rep["tenants"].get("light", {}).get("p99_ttft_ms")
+        row["jain"] = rep["jain_index"] if len(rep["tenants"]) > 1 else None
+        row["light_ttft_p99"] = None if light is None else light / 1000
     return row
 
 
@@ -257,15 +231,6 @@ def trace_specs(
     return out
 
 
-def with_tenants(specs: list[RequestSpec], heavy_share: float, seed: int) -> list[RequestSpec]:
-    """Each request to ``heavy`` or ``light`` at random, ``heavy_share`` to 1."""
-    rng = random.Random(seed)
-    p_light = 1 / (1 + heavy_share)
-    return [
-        dataclasses.replace(s, tenant="light" if rng.random() < p_light else "heavy") for s in specs
-    ]
-
-
 def with_long_prompts(
     specs: list[RequestSpec], num_long: int, long_len: int, vocab: int, seed: int
 ) -> list[RequestSpec]:
@@ -364,11 +329,11 @@ def build_scenarios(
             )
         )
     if "tenants" in names:
-        specs = with_tenants(
+        specs = assign_tenants(
             trace_specs(
                 "azure-conv", size.tenant_prompts, size, size.tenants_load, vocab, max_len, seed
             ),
-            10.0,
+            {"heavy": 10, "light": 1},
             seed,
         )
         light = [s for s in specs if s.tenant == "light"]

@@ -30,12 +30,18 @@ def sched() -> Any:
     return mod
 
 
-def test_jain_and_tokens_by(sched: Any) -> None:
-    assert sched.jain([1.0, 1.0]) == pytest.approx(1.0)
-    assert sched.jain([1.0, 0.0]) == pytest.approx(0.5)
-    t = RequestTiming("r", 4, 3, arrival_time=1.0, ttft=0.5, itl=[0.25, 0.25])
+def test_served_tokens_count_from_arrival() -> None:
+    """TTFT counts from the arrival, so a request added late (send_time after its arrival:
+    it arrived during a step) still has its tokens at arrival + TTFT + gaps."""
+    from iterserve.workload.tenants import jain, served_tokens
+
+    assert jain([1.0, 1.0]) == pytest.approx(1.0)
+    assert jain([1.0, 0.0]) == pytest.approx(0.5)
+    t = RequestTiming("r", 4, 3, arrival_time=1.0, send_time=1.2, ttft=0.5, itl=[0.25, 0.25])
+    specs = [RequestSpec([1] * 4, 3, 1.0, tenant="a")]
     # tokens at 1.5, 1.75, 2.0
-    assert [sched.tokens_by(t, x) for x in (1.4, 1.5, 1.8, 5.0)] == [0, 1, 2, 3]
+    got = [served_tokens([t], specs, x)["a"] for x in (1.4, 1.5, 1.8, 5.0)]
+    assert got == [0, 1, 2, 3]
 
 
 def timing(i: int, prompt: int, ttft: float, arrival: float = 0.0) -> RequestTiming:

@@ -60,7 +60,9 @@ def served_tokens(
     for t, s in zip(timings, specs):
         if t.ttft is None:
             continue
-        times = t.send_time + t.ttft + np.concatenate([[0.0], np.cumsum(t.itl)])
+        # TTFT counts from the arrival (TokenClock), not from send_time, which is later when
+        # the request arrived during a step.
+        times = t.arrival_time + t.ttft + np.concatenate([[0.0], np.cumsum(t.itl)])
         out[s.tenant] += int(np.searchsorted(times, until, side="right"))
     return out
 

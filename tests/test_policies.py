@@ -28,6 +28,7 @@ from iterserve.core.policies import (
     policy_class,
 )
 from iterserve.core.request import FinishReason, RequestStatus
+from iterserve.workload.metrics import RequestTiming
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -693,40 +694,6 @@ def test_property_slo_rejects_only_what_the_estimate_says_will_miss(
         assert s.num_rejected == 0
 
 
-def test_slo_raises_goodput_under_overload_in_the_simulator() -> None:
-    """The same overloaded workload (every request has a 1 s TTFT target): FCFS makes
-    nearly every late request miss; slo drops those it cannot serve in time instead."""
-    from iterserve.sim.cost_model import StepShape
-    from iterserve.sim.simulator import SimConfig, Simulator
-    from iterserve.workload.datasets import RequestSpec
-
-    class LinearSteps:  # 5 ms a step plus 0.1 ms a token
-        def step_time(self, shape: StepShape) -> float:
-            return 0.005 + 1e-4 * shape.num_tokens
-
-    rng = random.Random(0)
-    # 50 req/s of ~230 tokens each, against an engine that serves ~40 req/s of them.
-    specs = [
-        RequestSpec([rng.randrange(1, 100) for _ in range(rng.randint(100, 300))], 32, i / 50)
-        for i in range(400)
-    ]
-    good = {}
-    for policy in ("continuous", "slo"):
-        cfg = SchedulerConfig(
-            policy=policy,
-            max_num_seqs=32,
-            max_num_batched_tokens=512,
-            max_model_len=4096,
-            slo_ttft_ms=1000.0,
-        )
-        res = Simulator(SimConfig(cfg, num_kv_blocks=4000), LinearSteps()).run(specs)
-        good[policy] = sum(1 for t in res.timings if t.success and (t.ttft or 9e9) <= 1.0)
-    assert good["slo"] >= 1.3 * good["continuous"]
-
-
-# ---- SLO-aware: TPOT targets hold prefill work back -------------------------------------
-
-
 def linear_step_s(tokens: int) -> float:
     """A step takes 5 ms plus 0.1 ms a token (so a 8 ms TPOT target leaves 30 tokens)."""
     return 0.005 + 1e-4 * tokens
@@ -735,6 +702,47 @@ def linear_step_s(tokens: int) -> float:
 class LinearSteps:  # the same, as the simulator's cost model
     def step_time(self, shape: Any) -> float:
         return linear_step_s(shape.num_tokens)
+
+
+def simulate_both(
+    rate: float, n: int, output_len: int, **knobs: Any
+) -> dict[str, list[RequestTiming]]:
+    """``n`` prompts of 100-300 tokens at ``rate`` req/s, simulated under continuous and
+    slo with these SchedulerConfig knobs and LinearSteps' cost."""
+    from iterserve.sim.simulator import SimConfig, Simulator
+    from iterserve.workload.datasets import RequestSpec
+
+    rng = random.Random(0)
+    specs = [
+        RequestSpec(
+            [rng.randrange(1, 100) for _ in range(rng.randint(100, 300))], output_len, i / rate
+        )
+        for i in range(n)
+    ]
+    out = {}
+    for policy in ("continuous", "slo"):
+        cfg = SchedulerConfig(policy=policy, max_model_len=4096, **knobs)
+        out[policy] = (
+            Simulator(SimConfig(cfg, num_kv_blocks=4000), LinearSteps()).run(specs).timings
+        )
+    return out
+
+
+def test_slo_raises_goodput_under_overload_in_the_simulator() -> None:
+    """The same overloaded workload (every request has a 1 s TTFT target): FCFS makes
+    nearly every late request miss; slo drops those it cannot serve in time instead."""
+    # 50 req/s of ~230 tokens each, against an engine that serves ~40 req/s of them.
+    runs = simulate_both(
+        50, 400, 32, max_num_seqs=32, max_num_batched_tokens=512, slo_ttft_ms=1000.0
+    )
+    good = {
+        policy: sum(1 for t in timings if t.success and (t.ttft or 9e9) <= 1.0)
+        for policy, timings in runs.items()
+    }
+    assert good["slo"] >= 1.3 * good["continuous"]
+
+
+# ---- SLO-aware: TPOT targets hold prefill work back -------------------------------------
 
 
 def test_step_time_fit_recovers_a_linear_cost() -> None:
@@ -814,33 +822,27 @@ def test_tpot_target_keeps_running_requests_tpot_in_the_simulator() -> None:
     """A stream of prompts against running decodes: with a 9 ms TPOT target the slo policy
     holds prefill chunks back so decodes keep within it; FCFS lets prompts stretch the
     decode steps (p99 TPOT 11.3 ms)."""
-    from iterserve.sim.simulator import SimConfig, Simulator
-    from iterserve.workload.datasets import RequestSpec
-
-    rng = random.Random(0)
-    specs = [
-        RequestSpec([rng.randrange(1, 100) for _ in range(rng.randint(100, 300))], 64, i / 20)
-        for i in range(200)
-    ]
+    runs = simulate_both(20, 200, 64, max_num_seqs=64, max_num_batched_tokens=64, slo_tpot_ms=9.0)
     p99 = {}
-    for policy in ("continuous", "slo"):
-        cfg = SchedulerConfig(
-            policy=policy,
-            max_num_seqs=64,
-            max_num_batched_tokens=64,
-            max_model_len=4096,
-            slo_tpot_ms=9.0,
-        )
-        res = Simulator(SimConfig(cfg, num_kv_blocks=4000), LinearSteps()).run(specs)
-        assert all(t.success for t in res.timings)
-        tpots = sorted(t.tpot for t in res.timings if t.tpot is not None)
+    for policy, timings in runs.items():
+        assert all(t.success for t in timings)
+        tpots = sorted(t.tpot for t in timings if t.tpot is not None)
         p99[policy] = tpots[int(0.99 * len(tpots))]
     assert p99["continuous"] > 0.011
     # Within 1% of the target: until the fit has seen two step sizes nothing is held back.
     assert p99["slo"] <= 0.009 * 1.01
 
 
-# ---- tenants in the simulator's CLI -----------------------------------------------------
+# ---- the simulator's CLI: tenants, capacity multiples -----------------------------------
+
+
+def random_sim(n: int, rate: float, input_len: int, output_len: int) -> list[str]:
+    """``iterserve simulate`` flags for a random workload on Llama-3-8B / H100."""
+    return [
+        *("--workload", "random", "--num-prompts", str(n), "--request-rate", str(rate)),
+        *("--model", "llama-3-8b", "--random-input-len", str(input_len)),
+        *("--random-output-len", str(output_len)),
+    ]
 
 
 def test_simulate_tenants_reports_each_tenant_and_jain(
@@ -852,8 +854,7 @@ def test_simulate_tenants_reports_each_tenant_and_jain(
     from iterserve.workload.tenants import jain
 
     out = tmp_path / "r.json"
-    args = ["--workload", "random", "--num-prompts", "300", "--request-rate", "200"]
-    args += ["--model", "llama-3-8b", "--random-input-len", "256", "--random-output-len", "32"]
+    args = random_sim(300, 200, 256, 32)
     args += ["--tenants", "heavy=10,light=1", "--policy", "continuous,fair"]
     assert simulate_main([*args, "--result-file", str(out)]) == 0
     assert "tenants (Jain" in capsys.readouterr().out
@@ -870,7 +871,7 @@ def test_simulate_tenants_reports_each_tenant_and_jain(
         < (runs["continuous"]["tenants"]["light"]["p99_ttft_ms"])
     )
     assert jain([1.0, 1.0]) == 1.0 and jain([1.0, 0.0]) == 0.5
-    assert simulate_main([*args[:6], "--model", "llama-3-8b", "--tenants", "heavy=0"]) == 2
+    assert simulate_main([*random_sim(10, 10, 8, 4), "--tenants", "heavy=0"]) == 2
     assert "NAME=SHARE" in capsys.readouterr().err
 
 
@@ -882,8 +883,7 @@ def test_simulate_at_capacity_runs_every_policy_at_a_multiple_of_the_baselines(
     from iterserve.sim.cli import main as simulate_main
 
     out = tmp_path / "r.json"
-    args = ["--workload", "random", "--num-prompts", "200", "--request-rate", "20"]
-    args += ["--model", "llama-3-8b", "--random-input-len", "512", "--random-output-len", "16"]
+    args = random_sim(200, 20, 512, 16)
     args += ["--policy", "continuous,slo", "--slo-ttft-ms", "300", "--goodput", "ttft:300"]
     args += ["--slo", "ttft_p99:300", "--tolerance", "0.1"]
     assert simulate_main([*args, "--at-capacity", "1.5", "--result-file", str(out)]) == 0

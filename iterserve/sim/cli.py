@@ -356,6 +356,9 @@ def print_table(runs: list[tuple[str, dict[str, Any]]]) -> None:
         "wall s",
     ):
         t.add_column(col, justify="left" if col == "policy" else "right")
+    goodput = any("request_goodput" in s for _, s in runs)
+    if goodput:
+        t.add_column("goodput req/s", justify="right")
 
     def f(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
         return "n/a" if v is None else f"{v * scale:.{digits}f}"
@@ -377,6 +380,7 @@ def print_table(runs: list[tuple[str, dict[str, Any]]]) -> None:
             f"{x['recompute_tax']:.1%}",
             f"{x['max_kv_usage']:.0%}",
             f(x["wall_s"]),
+            *([f(s.get("request_goodput"), digits=3)] if goodput else []),
         )
     Console(width=None if sys.stdout.isatty() else 160).print(t)
 

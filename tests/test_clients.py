@@ -8,11 +8,14 @@ users of an OpenAI-compatible server to do.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
+import jsonschema
 import openai
+import pydantic
 import pytest
 from server_helpers.servers import ServerProcess
 
@@ -146,3 +149,33 @@ def test_langchain_openai_chat_invoke_stream_batch_responses_completions(
 def test_embeddings_are_not_served(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="no route POST /v1/embeddings"):
         oai.embeddings.create(model=MODEL, input="hello")
+
+
+class Sky(pydantic.BaseModel):
+    sky: Literal["clear", "rain", "snow"]
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+ZONE = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["utc", "cet", "pst"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+
+
+def test_openai_client_parse_and_tool_calls(oai: openai.OpenAI) -> None:
+    """Structured outputs and tools through the openai client's own helpers (random weights:
+    the grammar alone keeps the output valid)."""
+    parsed = oai.chat.completions.parse(
+        model=MODEL, messages=MESSAGES, response_format=Sky, max_tokens=60, temperature=0
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Sky)
+    tools: Any = [{"type": "function", "function": {"name": "get_time", "parameters": ZONE}}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        out = oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=tools, tool_choice=choice, max_tokens=200
+        )
+        calls = out.choices[0].message.tool_calls
+        assert calls and calls[0].function.name == "get_time"  # type: ignore[union-attr]
+        jsonschema.validate(json.loads(calls[0].function.arguments), ZONE)  # type: ignore[union-attr]

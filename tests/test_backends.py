@@ -167,7 +167,7 @@ def test_auto_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_strategies_are_chosen_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each projection is one strategy module after load and the raw parameters are gone; the
-    choice follows dtype, packing and the kernels."""
+    choice follows ITERSERVE_KERNELS (fixed paths here; measured ones: test_autotune.py)."""
     monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", "0")
     monkeypatch.setenv("ITERSERVE_KERNELS", "0")
     layer = ModelRunner("tiny-random").model.layers[0]
@@ -175,18 +175,30 @@ def test_strategies_are_chosen_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not hasattr(layer, "qkv_proj") and not hasattr(layer, "qkv_bias")
     assert all(type(getattr(layer, n)) is layers.TorchLinear for n in DecoderLayer.LINEARS)
     assert type(layer.input_norm) is layers.RMSNorm and type(layer.rotary) is layers.Rotary
+    bf16 = ModelRunner("tiny-random", dtype="bfloat16").model.layers[0]  # torch's, measured
+    assert type(bf16.qkv) in (layers.UpcastLinear, layers.BucketedLinear)
+    assert type(bf16.input_norm) is layers.RoundedRMSNorm
+    monkeypatch.setenv("ITERSERVE_KERNELS", "flags")
     bf16 = ModelRunner("tiny-random", dtype="bfloat16").model.layers[0]
     want = layers.UpcastLinear if needs_upcast(torch.bfloat16) else layers.BucketedLinear
-    assert type(bf16.qkv) is want and type(bf16.input_norm) is layers.RoundedRMSNorm
+    assert type(bf16.qkv) is want
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=upcast")
+    bf16 = ModelRunner("tiny-random", dtype="bfloat16").model.layers[0]
+    assert type(bf16.o) is layers.UpcastLinear
     if layers.packing_available():
         monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", "1")
+        monkeypatch.setenv("ITERSERVE_KERNELS", "flags")
         assert type(ModelRunner("tiny-random").model.layers[0].o) is layers.PackedLinear
-    monkeypatch.setenv("ITERSERVE_KERNELS", "1")
-    if kernels.load() is not None and needs_upcast(torch.bfloat16):
+        monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=packed")
+        assert type(ModelRunner("tiny-random").model.layers[0].o) is layers.PackedLinear
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=panels,attn=cpu")
+    if kernels.load() is not None:
         fused = ModelRunner("tiny-random", dtype="bfloat16").model.layers[0]
         assert type(fused.down) is layers.PanelLinear
         assert type(fused.post_norm) is layers.FusedRMSNorm
         assert type(fused.act) is layers.FusedSiluMul
+        with pytest.raises(ValueError, match="gemm=panels, which cannot run here"):
+            ModelRunner("tiny-random")  # f32: no panels
 
 
 def test_engine_args_choose_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:

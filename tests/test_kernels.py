@@ -59,7 +59,7 @@ def test_setting_is_checked_and_turns_kernels_off(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("ITERSERVE_KERNELS", "0")
     assert kernels.load() is None
     monkeypatch.setenv("ITERSERVE_KERNELS", "yes")
-    with pytest.raises(ValueError, match="ITERSERVE_KERNELS must be 0 or 1"):
+    with pytest.raises(ValueError, match="ITERSERVE_KERNELS must be 0 .*got 'yes'"):
         kernels.load()
 
 

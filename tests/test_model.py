@@ -286,19 +286,24 @@ def test_unknown_builtin() -> None:
         resolve_model("no-such-model")
 
 
-@pytest.mark.parametrize("pack", ["0", "1"])
+@pytest.mark.parametrize("kern", ["gemm=torch,attn=torch", "gemm=packed,attn=cpu", "0", "flags"])
 def test_packed_and_plain_weights_match_transformers(
-    case: Callable[[str], Case], pack: str, monkeypatch: pytest.MonkeyPatch
+    case: Callable[[str], Case], kern: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both GEMM paths (prepacked f32 oneDNN weights, plain F.linear) give transformers' logits,
-    for a decode batch and a prefill, with a bias (qwen2) and without."""
+    """Both f32 GEMM paths (prepacked f32 oneDNN weights, plain F.linear) and both decode
+    attention paths, fixed by ITERSERVE_KERNELS, give transformers' logits, for a decode batch
+    and a prefill, with a bias (qwen2) and without."""
     from iterserve.model.layers import packing_available
 
-    monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", pack)
+    if "packed" in kern and not packing_available():
+        pytest.skip("oneDNN packing is not in this torch build")
+    monkeypatch.setenv("ITERSERVE_KERNELS", kern)
+    monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", "1")
     for name in ("llama", "qwen2-bias"):
         c = case(name)
         runner = c.runner()
-        assert runner.packed_weights == (pack == "1" and packing_available())
+        if kern != "0":  # 0: torch's paths, measured
+            assert runner.packed_weights == ("packed" in kern or kern == "flags")
         prompts = [prompt(9 + i, seed=40 + i) for i in range(10)]
         tables = [[8 * i + j for j in range(5)] for i in range(10)]
         runner.execute(
@@ -314,24 +319,29 @@ def test_packed_and_plain_weights_match_transformers(
 def test_low_precision_paths_agree(
     case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bf16 with packed f32 weights or the sliced upcast, with iterserve's kernels (bf16 panel
-    GEMM, paged decode attention) or torch's: the same logits up to bf16 rounding of
-    intermediate activations. Prefill (~150 rows: packed f32 where packed) and decodes of 9
-    and 5."""
+    """bf16 through every GEMM path (torch's oneDNN, the sliced upcast, iterserve's panels, the
+    packed f32 copy; ITERSERVE_KERNELS=gemm=...) and both decode attention paths, with
+    iterserve's kernels or torch's, and the fixed CPU-flag rules: the same logits up to bf16
+    rounding of intermediate activations. Prefill (~150 rows) and decodes of 9 and 5."""
     from iterserve.model import kernels
     from iterserve.model.cpu import needs_upcast
+    from iterserve.model.layers import packing_available
 
     c = case("llama")
     prompts = [prompt(12 + i, seed=50 + i) for i in range(9)]
     tables = [[6 * i + j for j in range(6)] for i in range(9)]
     outs = []
-    for pack, kern in (("0", "0"), ("1", "0"), ("1", "1"), ("0", "1")):
-        monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", pack)
+    monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", "1")
+    settings = ["gemm=torch,attn=torch", "gemm=upcast,attn=cpu", "gemm=panels,attn=cpu", "0"]
+    settings += ["gemm=packed,attn=torch"] if packing_available() else []
+    for kern in [*settings, "flags"]:
         monkeypatch.setenv("ITERSERVE_KERNELS", kern)
-        assert (kernels.load() is not None) == (kern == "1")
+        assert (kernels.load() is not None) == (kern != "0")
         runner = c.runner(dtype="bfloat16")
         assert runner.kv_caches[0][0].dtype == torch.bfloat16
-        assert runner.panel_weights == (kern == "1" and needs_upcast(torch.bfloat16))
+        want_panels = "panels" in kern or (kern == "flags" and needs_upcast(torch.bfloat16))
+        assert runner.panel_weights == want_panels
+        assert runner.attention.name == ("torch" if kern == "0" else "cpu")
         runner.execute(
             [BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts)]
         )

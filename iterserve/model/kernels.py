@@ -6,6 +6,12 @@ The library is compiled once per (source, compiler flags, CPU) into
 ``$ITERSERVE_CACHE/kernels/`` (about two seconds) and loaded from there afterwards. Where there
 is no compiler, or it fails, ``load()`` returns None and the model uses torch's kernels; so does
 ``ITERSERVE_KERNELS=0``. Results agree with torch's to f32 rounding (tests/test_kernels.py).
+
+``ITERSERVE_KERNELS`` (parsed by ``parse_setting``) also says how the GEMM and decode-attention
+paths are chosen (autotune.py): ``1`` / ``measure`` (default) times them at first start on a
+machine and caches the choice; ``flags`` uses the fixed CPU-flag rules; ``gemm=<path>`` and/or
+``attn=<path>`` (comma-joined) fix a path for every row count; ``0``: torch's kernels only
+(the torch paths still measured).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,11 +49,57 @@ def _cpu_id() -> str:
         return os.uname().machine
 
 
+# GEMM paths (layers.py): torch's F.linear (oneDNN for bf16/f16, MKL for f32), the sliced f32
+# upcast of a low-precision weight, iterserve's bf16 panels, oneDNN's prepacked f32 copy.
+GEMM_PATHS = ("torch", "upcast", "panels", "packed")
+# Decode attention paths of the cpu backend: iterserve's paged kernel, or SDPA over a gather.
+ATTN_PATHS = ("cpu", "torch")
+SETTING_FORMS = (
+    "ITERSERVE_KERNELS must be 0 (torch's kernels only), 1 or measure (time the paths at first "
+    "start, cached; the default), flags (the CPU-flag rules), or gemm=<"
+    + "|".join(GEMM_PATHS)
+    + "> and/or attn=<"
+    + "|".join(ATTN_PATHS)
+    + "> joined by a comma (e.g. gemm=panels,attn=cpu)"
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """``ITERSERVE_KERNELS``, parsed: ``enabled`` builds the C++ kernels; ``mode`` is measure or
+    flags; ``gemm`` / ``attn`` fix that path (None: measured)."""
+
+    enabled: bool = True
+    mode: str = "measure"
+    gemm: str | None = None
+    attn: str | None = None
+
+
+def parse_setting(value: str) -> Setting:
+    """A clear ValueError naming the accepted forms for anything else."""
+    v = value.strip().lower()
+    if v in ("", "1", "measure"):
+        return Setting()
+    if v == "0":
+        return Setting(enabled=False)
+    if v == "flags":
+        return Setting(mode="flags")
+    fixed: dict[str, str] = {}
+    for part in v.split(","):
+        key, eq, path = (s.strip() for s in part.partition("="))
+        allowed = {"gemm": GEMM_PATHS, "attn": ATTN_PATHS}.get(key)
+        if not eq or allowed is None or path not in allowed or key in fixed:
+            raise ValueError(f"{SETTING_FORMS}; got {value!r}")
+        fixed[key] = path
+    return Setting(gemm=fixed.get("gemm"), attn=fixed.get("attn"))
+
+
+def setting() -> Setting:
+    return parse_setting(os.environ.get("ITERSERVE_KERNELS", "1"))
+
+
 def _setting() -> bool:
-    value = os.environ.get("ITERSERVE_KERNELS", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"ITERSERVE_KERNELS must be 0 or 1, got {value!r}")
-    return value == "1"
+    return setting().enabled
 
 
 def build(out_dir: str | Path | None = None) -> Path:

@@ -98,6 +98,14 @@ class Strategies:
     upcast: bool = False  # the CPU only emulates the model's dtype
     panel_kern: kernels.Kernels | None = None  # bf16 weights in panels (``PanelLinear``)
     fused: kernels.Kernels | None = None  # bf16 RMSNorm / RoPE / SwiGLU through the C++ kernels
+    # (kind, weight, bias) -> the GEMM strategy (autotune.py's measured choice); None: the
+    # fixed rules of ``choose_linear`` from pack / upcast / panel_kern.
+    linear: Callable[[str, torch.Tensor, torch.Tensor | None], Linear] | None = None
+
+    def make_linear(self, kind: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+        if self.linear is not None:
+            return self.linear(kind, w, b)
+        return choose_linear(w, b, pack=self.pack, upcast=self.upcast, panel_kern=self.panel_kern)
 
 
 class DecoderLayer(nn.Module):
@@ -146,8 +154,7 @@ class DecoderLayer(nn.Module):
             w, b = getattr(self, f"{name}_proj"), getattr(self, f"{name}_bias")
             delattr(self, f"{name}_proj")
             delattr(self, f"{name}_bias")
-            linear = choose_linear(w, b, pack=s.pack, upcast=s.upcast, panel_kern=s.panel_kern)
-            setattr(self, name, linear)
+            setattr(self, name, s.make_linear(name, w, b))
         for name in ("input_norm", "post_norm"):
             w = getattr(self, name)
             delattr(self, name)
@@ -210,7 +217,7 @@ class DecoderModel(nn.Module):
             cast(DecoderLayer, layer).select_strategies(s)
         w = self.lm_head
         del self.lm_head
-        self.lm_head = choose_linear(w, None, pack=s.pack, upcast=s.upcast, panel_kern=s.panel_kern)
+        self.lm_head = s.make_linear("lm_head", w, None)
         w = self.norm
         del self.norm
         self.norm = choose_norm(w, self.cfg.rms_norm_eps, s.fused)

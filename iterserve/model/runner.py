@@ -50,10 +50,11 @@ import torch
 
 from iterserve import config
 from iterserve.config import CacheConfig
-from iterserve.model import kernels
+from iterserve.model import autotune, kernels
 from iterserve.model.attention import StepItem
 from iterserve.model.attention_backends import (
     AttentionBackend,
+    CpuBackend,
     StepMetadata,
     TritonBackend,
     TritonMetadata,
@@ -61,7 +62,7 @@ from iterserve.model.attention_backends import (
     select_backend,
 )
 from iterserve.model.builtin import resolve_model
-from iterserve.model.cpu import needs_upcast, tune_allocator
+from iterserve.model.cpu import needs_upcast, setup_threads, tune_allocator
 from iterserve.model.cuda_graphs import DecodeGraphs, GraphInputs, capture_sizes
 from iterserve.model.device import (
     GiB,
@@ -72,8 +73,8 @@ from iterserve.model.device import (
     resolve_device,
     to_device_int32,
 )
-from iterserve.model.layers import packing_available
-from iterserve.model.llama import DecoderModel, RotaryTable, Strategies
+from iterserve.model.layers import Linear, packing_available
+from iterserve.model.llama import DecoderLayer, DecoderModel, RotaryTable, Strategies
 from iterserve.model.loader import load_weights
 from iterserve.model.model_config import ModelConfig
 
@@ -126,12 +127,7 @@ class ModelRunner:
         (default auto: cpu kernels on CPU, triton on CUDA)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-        if num_threads is not None:
-            if num_threads < 1:
-                raise ValueError(
-                    f"num_threads must be >= 1 (or None for torch's default), got {num_threads}"
-                )
-            torch.set_num_threads(num_threads)
+        self.num_threads: int = setup_threads(num_threads)
         torch.manual_seed(seed)
         self.model_path: str = resolve_model(model_path)
         self.model_config = cfg = ModelConfig.from_pretrained(self.model_path)
@@ -159,9 +155,9 @@ class ModelRunner:
             load_weights(self.model, self.model_path)
             self.rope = RotaryTable(cfg.head_dim, cfg.rope, self.max_model_len, self.dtype)
         self.num_params: int = sum(p.numel() for p in self.model.parameters())  # tied counted once
-        self.packed_weights: bool = not on_cuda and self._should_pack()
         # iterserve's C++ kernels (CPU only), built the first time on this machine (a few
         # seconds), loaded here rather than in the first step; None: torch's (see kernels.py).
+        setting = kernels.setting()
         kern = None
         if not on_cuda:
             t0 = time.perf_counter()
@@ -173,18 +169,25 @@ class ModelRunner:
             attention_backend or backend_setting(), self.dtype, self.device, kern
         )
         logger.info("attention backend: %s on %s", self.attention.name, self.device)
-        upcast = not on_cuda and needs_upcast(self.dtype)
-        # bf16 on a CPU that emulates it: panels serve up to PANEL_MAX_ROWS rows and replace the
-        # bf16 originals; the packed f32 copy, where it fits, serves more rows (layers.py).
-        panel_kern = kern if self.dtype == torch.bfloat16 and upcast else None
-        self.panel_weights: bool = panel_kern is not None
-        strategies = Strategies(
-            attention=self.attention,
-            pack=self.packed_weights,
-            upcast=upcast,
-            panel_kern=panel_kern,
-            fused=kern if self.dtype == torch.bfloat16 else None,
-        )
+        fused = kern if self.dtype == torch.bfloat16 else None
+        # The GEMM / decode paths measured here (autotune.py), or ITERSERVE_KERNELS=flags' rules.
+        self.kernel_choice: autotune.Choice | None = None
+        if on_cuda or setting.mode == "flags":
+            upcast = not on_cuda and needs_upcast(self.dtype)
+            self.packed_weights: bool = not on_cuda and self._pack_allowed(flags=True)
+            # bf16 on a CPU that emulates it: panels serve up to PANEL_MAX_ROWS rows and replace
+            # the bf16 originals; the packed f32 copy, where it fits, serves more rows.
+            panel_kern = kern if self.dtype == torch.bfloat16 and upcast else None
+            self.panel_weights: bool = panel_kern is not None
+            strategies = Strategies(
+                attention=self.attention,
+                pack=self.packed_weights,
+                upcast=upcast,
+                panel_kern=panel_kern,
+                fused=fused,
+            )
+        else:
+            strategies = self._measured_strategies(setting, kern, fused, cache_config.block_size)
         with torch.inference_mode():
             self.model.select_strategies(strategies)
 
@@ -335,18 +338,66 @@ class ModelRunner:
         out: torch.Tensor = self.model(g.input_ids, cos, sin, meta, self.kv_caches, g.logit_rows)
         return out
 
-    def _should_pack(self) -> bool:
-        """Prepack GEMM weights as f32 (``PackedLinear``) for f32 models, and for bf16/f16 ones
-        on CPUs that only emulate them when the f32 copy takes at most half the free memory.
-        ``ITERSERVE_PACK_WEIGHTS=0`` / ``=1`` forces it off / on."""
+    def _measured_strategies(
+        self,
+        setting: kernels.Setting,
+        kern: kernels.Kernels | None,
+        fused: kernels.Kernels | None,
+        block_size: int,
+    ) -> Strategies:
+        """Times the GEMM and decode-attention paths on this model's shapes (or takes the cached
+        or ITERSERVE_KERNELS-fixed choice), logs it, and returns the strategies that run it."""
+        cfg, layer0, kinds = self.model_config, self.model.layers[0], DecoderLayer.LINEARS
+        weights = {k: (getattr(layer0, f"{k}_proj"), getattr(layer0, f"{k}_bias")) for k in kinds}
+        weights["lm_head"] = (self.model.lm_head, None)
+        prob = autotune.Problem(
+            weights=weights,
+            dtype=self.dtype,
+            max_rows={
+                **dict.fromkeys(kinds, autotune.ROW_BUCKETS[-1]),
+                "lm_head": autotune.LOGIT_ROWS,
+            },
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=block_size,
+            max_decodes=autotune.DECODE_BUCKETS[-1],
+            max_ctx=self.max_model_len,
+        )
+        builders = autotune.gemm_builders(self.dtype, kern, self._pack_allowed(flags=False))
+        cpu = isinstance(self.attention, CpuBackend)
+        with torch.inference_mode():
+            choice = autotune.choose(prob, builders, kern, cpu, setting)
+        for line in choice.log_lines():
+            logger.info("kernel choice (%s): %s", choice.source, line)
+        self.kernel_choice = choice
+        used = {p for paths in choice.gemm.values() for p in paths}
+        self.packed_weights = "packed" in used
+        self.panel_weights = "panels" in used
+        if choice.attn and isinstance(self.attention, CpuBackend):
+            assert kern is not None
+            self.attention.decodes = autotune.decode_router(kern, choice.attn)
+
+        def linear(kind: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+            return autotune.route(  # type: ignore[no-any-return]
+                choice.gemm[kind], autotune.ROW_BUCKETS, lambda p: builders[p](w, b)
+            )
+
+        return Strategies(attention=self.attention, fused=fused, linear=linear)
+
+    def _pack_allowed(self, flags: bool) -> bool:
+        """Whether GEMM weights may get a prepacked f32 copy (``PackedLinear``): where the copy
+        takes at most half the free memory (``flags``: the fixed rules, which pack every f32
+        model and low-precision ones on CPUs that only emulate them).
+        ``ITERSERVE_PACK_WEIGHTS=0`` / ``=1`` forces it off / on (measured: only allows it)."""
         env = os.environ.get("ITERSERVE_PACK_WEIGHTS", "auto").strip().lower()
         if env not in ("0", "1", "auto"):
             raise ValueError(f"ITERSERVE_PACK_WEIGHTS must be 0, 1 or auto, got {env!r}")
         if env == "0" or not packing_available():
             return False
-        if env == "1" or self.dtype == torch.float32:
+        if env == "1" or (flags and self.dtype == torch.float32):
             return True
-        if not needs_upcast(self.dtype):
+        if flags and not needs_upcast(self.dtype):
             return False
         need = self.model.linear_weight_bytes()
         free = _available_memory()

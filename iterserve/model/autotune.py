@@ -1,0 +1,437 @@
+"""GEMM and decode-attention paths chosen by measurement on this machine (issue 18).
+
+At the first start of a model on a machine, ``choose`` times every GEMM path this dtype, CPU
+and memory allow (layers.py: torch, upcast, panels, packed) on the model's own weights of each
+kind (qkv, o, gate_up, down, lm_head; layer 0's) at a few row counts (``ROW_BUCKETS``), and the
+cpu backend's decode attention (C++ kernel vs SDPA) at a few decode counts, within a time
+budget (a few seconds for a ~100M model; milliseconds for the tests' tiny one). The choice per
+kind and row range is cached in ``$ITERSERVE_CACHE/autotune/`` keyed by CPU model and flags,
+torch version, model shapes, dtype, threads and the candidate paths, and logged one line per
+layer kind. ``ITERSERVE_KERNELS`` (kernels.parse_setting) fixes a path or skips measuring.
+
+``pick`` (timings -> path per bucket) is a pure function: tests feed it fake timings.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from iterserve.model import attention, kernels
+from iterserve.model.builtin import cache_dir
+from iterserve.model.layers import (
+    UPCAST_MIN_ROWS,
+    BucketedLinear,
+    Linear,
+    PackedLinear,
+    PanelLinear,
+    TorchLinear,
+    UpcastLinear,
+)
+
+logger = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 8, 32, 128, 512)  # GEMM rows timed
+LOGIT_ROWS = 128  # the LM head sees one row per sequence: timed up to this bucket
+DECODE_BUCKETS = (1, 8, 32, 128)  # decodes per step timed for attention
+KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
+# A path replaces the first (simplest) candidate only when faster by this share: on a busy
+# machine smaller differences are noise, and the first path needs no extra copy of the weights.
+MARGIN = 0.05
+PRUNE = 2.0  # a path this many times slower than the best at one bucket is not timed above it
+BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
+ATTN_CTX = 256  # context per sequence when timing decode attention
+VERSION = 1  # bump when what is measured or how changes
+
+Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
+Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
+
+
+def pick(timings: Timings, margin: float = MARGIN) -> tuple[str, ...]:
+    """The path per bucket: the fastest, where it beats the first path (the baseline, listed
+    first) by ``margin``; a bucket nobody timed keeps the previous bucket's choice."""
+    paths = list(timings)
+    if not paths:
+        raise ValueError("pick needs at least one path")
+    n = len(timings[paths[0]])
+    if any(len(t) != n for t in timings.values()):
+        raise ValueError("every path needs one timing per bucket")
+    out: list[str] = []
+    for i in range(n):
+        timed = {p: t[i] for p, t in timings.items() if t[i] is not None}
+        if not timed:
+            out.append(out[-1] if out else paths[0])
+            continue
+        best = min(timed, key=lambda p: timed[p])  # type: ignore[arg-type,return-value]
+        base = timed.get(paths[0])
+        if base is not None and timed[best] > base * (1 - margin):  # type: ignore[operator]
+            best = paths[0]
+        out.append(best)
+    return tuple(out)
+
+
+def bucket_limits(buckets: Sequence[int]) -> tuple[int, ...]:
+    """Upper row count served by each bucket's choice: the geometric midpoint to the next
+    bucket (a call of m rows takes the choice timed nearest to m on a log scale)."""
+    mids = [math.isqrt(a * b) for a, b in zip(buckets, buckets[1:])]
+    return (*mids, sys.maxsize)
+
+
+def _runs(paths: Sequence[str], buckets: Sequence[int]) -> list[tuple[int, str]]:
+    """(upper row count, path) per run of equal consecutive choices."""
+    runs: list[tuple[int, str]] = []
+    for limit, p in zip(bucket_limits(buckets), paths):
+        if runs and runs[-1][1] == p:
+            runs[-1] = (limit, p)
+        else:
+            runs.append((limit, p))
+    return runs
+
+
+class ByRows:
+    """Runs ``fns[i]`` for calls whose first argument has up to ``limits[i]`` rows (a linear's
+    x, or the decodes' q)."""
+
+    def __init__(self, limits: Sequence[int], fns: Sequence[Callable[..., Any]]) -> None:
+        self.table = list(zip(limits, fns))
+
+    def __call__(self, x: torch.Tensor, *rest: Any) -> Any:
+        m = x.shape[0]
+        for limit, fn in self.table:
+            if m <= limit:
+                return fn(x, *rest)
+        return self.table[-1][1](x, *rest)
+
+
+def route(paths: Sequence[str], buckets: Sequence[int], make: Callable[[str], Any]) -> Any:
+    """``make(path)`` where one path serves every bucket, else a ``ByRows`` over the runs of
+    ``paths`` (each path built once)."""
+    runs = _runs(paths, buckets)
+    built = {p: make(p) for p in dict.fromkeys(paths)}
+    if len(built) == 1:
+        return built[paths[0]]
+    return ByRows([lim for lim, _ in runs], [built[p] for _, p in runs])
+
+
+def describe(paths: Sequence[str], buckets: Sequence[int]) -> str:
+    """``panels up to 90 rows, packed above`` style."""
+    runs = _runs(paths, buckets)
+    if len(runs) == 1:
+        return f"{runs[0][1]} at every count"
+    return ", ".join(f"{p} up to {lim}" for lim, p in runs[:-1]) + f", {runs[-1][1]} above"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Per layer kind, one GEMM path per ROW_BUCKETS entry; the cpu backend's decode path per
+    DECODE_BUCKETS entry (empty when the backend is not cpu)."""
+
+    gemm: dict[str, tuple[str, ...]]
+    attn: tuple[str, ...]
+    source: str = "measured"  # measured | cached | fixed
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gemm": {k: list(v) for k, v in self.gemm.items()}, "attn": list(self.attn)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], source: str = "cached") -> Choice:
+        gemm = {str(k): tuple(str(p) for p in v) for k, v in d["gemm"].items()}
+        attn = tuple(str(p) for p in d["attn"])
+        ok = set(gemm) == set(KINDS) and all(
+            len(v) == len(ROW_BUCKETS) and set(v) <= set(kernels.GEMM_PATHS) for v in gemm.values()
+        )
+        if not ok or len(attn) not in (0, len(DECODE_BUCKETS)) or not set(attn) <= {"cpu", "torch"}:
+            raise ValueError(f"not a kernel choice: {dict(d)!r}")
+        return cls(gemm, attn, source)
+
+    def log_lines(self) -> list[str]:
+        lines = [f"{k} GEMM: {describe(v, ROW_BUCKETS)} of rows" for k, v in self.gemm.items()]
+        if self.attn:
+            lines.append(f"decode attention: {describe(self.attn, DECODE_BUCKETS)} of decodes")
+        return lines
+
+
+# ---- the cache ------------------------------------------------------------------------------
+
+
+def cache_key(
+    shapes: Mapping[str, tuple[int, int]],
+    dtype: torch.dtype,
+    gemm_paths: Sequence[str],
+    attn_paths: Sequence[str],
+    attn_shape: tuple[int, int, int, int],
+) -> dict[str, Any]:
+    """Everything a measured choice depends on."""
+    return {
+        "version": VERSION,
+        "cpu": kernels._cpu_id(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype),
+        "shapes": {k: list(v) for k, v in shapes.items()},
+        "gemm_paths": list(gemm_paths),
+        "attn_paths": list(attn_paths),
+        "attn_shape": list(attn_shape),  # heads, kv heads, head_dim, block size
+        "kernels_source": hashlib.sha256(kernels.SOURCE.read_bytes()).hexdigest()[:16],
+    }
+
+
+def cache_file(key: Mapping[str, Any], folder: str | Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(folder or Path(cache_dir()) / "autotune") / f"choice-{digest}.json"
+
+
+def load_cached(key: Mapping[str, Any], folder: str | Path | None = None) -> Choice | None:
+    path = cache_file(key, folder)
+    try:
+        d = json.loads(path.read_text())
+        if d.get("key") != json.loads(json.dumps(key)):
+            return None
+        return Choice.from_json(d["choice"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # absent or unreadable: measure again
+
+
+def save(key: Mapping[str, Any], choice: Choice, folder: str | Path | None = None) -> Path:
+    path = cache_file(key, folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, "choice": choice.to_json()}, indent=1))
+    os.replace(tmp, path)  # atomic: concurrent starts each write a complete file
+    return path
+
+
+# ---- measuring ------------------------------------------------------------------------------
+
+
+def time_paths(
+    calls: Mapping[str, Callable[[], object]], deadline: float, reps: int = 3
+) -> dict[str, float | None]:
+    """Best of ``reps`` wall times of each call, the paths interleaved (a warm-up call each
+    first); None for a path not timed before ``deadline``."""
+    best: dict[str, float | None] = dict.fromkeys(calls)
+    for fn in calls.values():
+        if time.perf_counter() > deadline:
+            return best
+        fn()
+    for _ in range(reps):
+        for p, fn in calls.items():
+            if time.perf_counter() > deadline:
+                return best
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            prev = best[p]
+            best[p] = dt if prev is None else min(prev, dt)
+    return best
+
+
+def gemm_builders(
+    dtype: torch.dtype, kern: kernels.Kernels | None, pack: bool
+) -> dict[str, Builder]:
+    """The GEMM paths possible here, the baseline first."""
+    out: dict[str, Builder] = {"torch": TorchLinear if dtype == torch.float32 else BucketedLinear}
+    if dtype != torch.float32:
+        out["upcast"] = UpcastLinear
+    if dtype == torch.bfloat16 and kern is not None:
+        out["panels"] = lambda w, b: PanelLinear(kern, w, b)
+    if pack:
+        out["packed"] = PackedLinear
+    return out
+
+
+def measure_gemms(
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
+    builders: Mapping[str, Builder],
+    max_rows: Mapping[str, int],
+    deadline: float,
+) -> dict[str, dict[str, list[float | None]]]:
+    """kind -> path -> seconds per ROW_BUCKETS entry. Bucket by bucket, smallest first, so a
+    deadline that cuts it short leaves the decode-sized buckets timed. None: past the deadline,
+    above the first bucket >= ``max_rows[kind]`` (no call gets there), or upcast below
+    UPCAST_MIN_ROWS (it runs the torch path there), or PRUNE times slower than the best at the
+    previous bucket."""
+    fns = {k: {p: make(w, b) for p, make in builders.items()} for k, (w, b) in weights.items()}
+    out: dict[str, dict[str, list[float | None]]] = {
+        k: {p: [None] * len(ROW_BUCKETS) for p in builders} for k in weights
+    }
+    for i, rows in enumerate(ROW_BUCKETS):
+        for kind, (w, _) in weights.items():
+            if i and ROW_BUCKETS[i - 1] >= max_rows[kind]:
+                continue
+            x = torch.randn(rows, w.shape[1]).to(w.dtype)
+            prev: dict[str, float] = {
+                p: t for p, ts in out[kind].items() if i and (t := ts[i - 1]) is not None
+            }
+            best = min(prev.values(), default=None)
+            calls = {
+                p: functools.partial(f, x)
+                for p, f in fns[kind].items()
+                if not (p == "upcast" and rows < UPCAST_MIN_ROWS)
+                and not (best is not None and p in prev and prev[p] > PRUNE * best)
+            }
+            for p, t in time_paths(calls, deadline).items():
+                out[kind][p][i] = t
+    return out
+
+
+def measure_decodes(
+    kern: kernels.Kernels,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    max_decodes: int,
+    ctx: int,
+    deadline: float,
+) -> dict[str, list[float | None]]:
+    """path -> seconds per DECODE_BUCKETS entry: one layer's decode attention of D sequences of
+    ``ctx`` keys each."""
+    per: dict[str, list[float | None]] = {"cpu": [], "torch": []}
+    nb = -(-ctx // block_size)
+    reached = False
+    for d in DECODE_BUCKETS:
+        if reached:
+            for p in per:
+                per[p].append(None)
+            continue
+        reached = d >= max_decodes
+        k_cache = torch.randn(d * nb * block_size, kv_heads, head_dim).to(dtype)
+        v_cache = torch.randn_like(k_cache)
+        items = [attention.StepItem(1, ctx - 1, range(i * nb, (i + 1) * nb)) for i in range(d)]
+        meta = attention.build_attention_metadata(items, d, block_size, None, dtype)
+        q = torch.randn(d, heads, head_dim).to(dtype)
+        got = time_paths(
+            {
+                "cpu": functools.partial(
+                    attention.kernel_decodes, kern, q, k_cache, v_cache, meta, block_size
+                ),
+                "torch": functools.partial(
+                    attention.sdpa_decodes, q, k_cache, v_cache, meta, block_size
+                ),
+            },
+            deadline,
+        )
+        for p, t in got.items():
+            per[p].append(t)
+    return per
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What ``choose`` needs to know about the model and the runner."""
+
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]]  # one weight per kind
+    dtype: torch.dtype
+    max_rows: Mapping[str, int]  # the most rows a call of each kind gets
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    max_decodes: int
+    max_ctx: int
+
+
+def choose(
+    prob: Problem,
+    builders: Mapping[str, Builder],
+    kern: kernels.Kernels | None,
+    cpu_backend: bool,
+    setting: kernels.Setting,
+    cache: bool = True,
+    budget_s: float = BUDGET_S,
+) -> Choice:
+    """The choice for this model here: fixed by ``setting``, else cached, else measured (and
+    cached). ``cpu_backend``: the attention backend is cpu (its decode path is chosen)."""
+    if setting.gemm is not None and setting.gemm not in builders:
+        raise ValueError(
+            f"ITERSERVE_KERNELS asks gemm={setting.gemm}, which cannot run here; possible: "
+            f"{', '.join(builders)} (panels: a bfloat16 model and the C++ kernels; packed: "
+            "oneDNN packing, ITERSERVE_PACK_WEIGHTS not 0 and the f32 copy within half the free "
+            "memory; upcast: a bfloat16/float16 model)"
+        )
+    attn_paths = ("cpu", "torch") if cpu_backend and kern is not None else ()
+    if setting.attn == "cpu" and not attn_paths:
+        raise ValueError(
+            "ITERSERVE_KERNELS asks attn=cpu, which needs the cpu attention backend (the C++ "
+            "kernels built, a CPU device, float32/bfloat16): set attn=torch, or drop attn="
+        )
+    gemm_fixed = setting.gemm is not None or len(builders) == 1
+    attn_fixed = setting.attn is not None or not attn_paths
+    fixed_gemm = setting.gemm or next(iter(builders))
+    fixed_attn = setting.attn or "cpu"
+    if gemm_fixed and attn_fixed:
+        return Choice(
+            {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS},
+            (fixed_attn,) * len(DECODE_BUCKETS) if attn_paths else (),
+            "fixed",
+        )
+    shapes = {k: (int(w.shape[0]), int(w.shape[1])) for k, (w, _) in prob.weights.items()}
+    attn_shape = (prob.heads, prob.kv_heads, prob.head_dim, prob.block_size)
+    key = cache_key(shapes, prob.dtype, list(builders), attn_paths, attn_shape)
+    key["max_rows"] = dict(prob.max_rows)
+    key["max_decodes"] = prob.max_decodes
+    key["max_ctx"] = min(ATTN_CTX, prob.max_ctx)
+    key["fixed"] = [setting.gemm, setting.attn]
+    choice = load_cached(key) if cache else None
+    if choice is None:
+        t0 = time.perf_counter()
+        deadline = t0 + budget_s
+        gemm: dict[str, tuple[str, ...]] = {}
+        if gemm_fixed:
+            gemm = {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS}
+        else:
+            timed = measure_gemms(prob.weights, builders, prob.max_rows, deadline)
+            gemm = {k: pick(timed[k]) for k in KINDS}
+        attn: tuple[str, ...] = ()
+        if attn_paths:
+            if attn_fixed:
+                attn = (fixed_attn,) * len(DECODE_BUCKETS)
+            else:
+                assert kern is not None
+                ctx = max(1, min(ATTN_CTX, prob.max_ctx))
+                attn = pick(
+                    measure_decodes(
+                        kern, prob.heads, prob.kv_heads, prob.head_dim, prob.block_size,
+                        prob.dtype, prob.max_decodes, ctx, deadline,
+                    )
+                )  # fmt: skip
+        took = time.perf_counter() - t0
+        choice = Choice(gemm, attn, "measured")
+        if time.perf_counter() > deadline:
+            logger.warning(
+                "kernel measurement stopped at its %.0f s budget (a busy machine?): buckets not "
+                "timed keep the previous bucket's choice; not cached, measured again next start",
+                budget_s,
+            )
+        elif cache:
+            path = save(key, choice)
+            logger.info("kernel choice measured in %.1f s, cached in %s", took, path)
+    else:
+        logger.info("kernel choice from the cache (%s)", cache_file(key))
+    return choice
+
+
+def decode_router(kern: kernels.Kernels, paths: Sequence[str]) -> Any:
+    """The cpu backend's decodes function (attention_backends.DecodeFn) for a per-bucket
+    choice."""
+
+    def make(p: str) -> Any:
+        if p == "cpu":
+            return functools.partial(attention.kernel_decodes, kern)
+        return attention.sdpa_decodes
+
+    return route(paths, DECODE_BUCKETS, make)

@@ -1,0 +1,197 @@
+"""Kernel choice by measurement (iterserve/model/autotune.py): the pure choice from fake
+timings, routing by row count, the cache round trip, ITERSERVE_KERNELS parsing, and a runner
+that measures (tiny shapes, milliseconds) then reuses its cached choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from iterserve.model import autotune, kernels
+from iterserve.model.autotune import DECODE_BUCKETS, KINDS, ROW_BUCKETS, Choice, pick
+from iterserve.model.kernels import Setting, parse_setting
+
+
+def test_pick_from_fake_timings() -> None:
+    # The baseline (first) stays unless another beats it by the margin; None is not timed.
+    t = {
+        "torch": [1.0, 1.0, 1.0, 1.0],
+        "panels": [0.5, 0.97, None, 2.0],
+        "packed": [0.6, 2, 3, 0.1],
+    }
+    assert pick(t, margin=0.05) == ("panels", "torch", "torch", "packed")
+    assert pick(t, margin=0.0) == ("panels", "panels", "torch", "packed")
+    # Nothing timed in a bucket: the previous bucket's choice (the baseline at the first).
+    assert pick({"torch": [None, 2.0, None], "packed": [None, 1.0, None]}) == (
+        "torch",
+        "packed",
+        "packed",
+    )
+    # The baseline not timed (e.g. upcast below its minimum rows is the torch path): the fastest.
+    assert pick({"torch": [None, 1.0], "upcast": [0.5, None]}) == ("upcast", "torch")
+    with pytest.raises(ValueError, match="one timing per bucket"):
+        pick({"torch": [1.0], "packed": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="at least one path"):
+        pick({})
+
+
+def test_route_by_rows() -> None:
+    limits = autotune.bucket_limits(ROW_BUCKETS)
+    assert limits[:-1] == (2, 16, 64, 256) and limits[-1] > 10**9  # log-scale midpoints
+    made: list[str] = []
+
+    def make(p: str) -> Any:
+        made.append(p)
+        return lambda x: p
+
+    fn = autotune.route(("a", "a", "b", "b", "a"), ROW_BUCKETS, make)
+    assert sorted(made) == ["a", "b"]  # each path built once
+    rows = {m: fn(torch.empty(m, 1)) for m in (1, 2, 3, 16, 17, 64, 256, 257, 5000)}
+    assert rows == {
+        1: "a",
+        2: "a",
+        3: "a",
+        16: "a",
+        17: "b",
+        64: "b",
+        256: "b",
+        257: "a",
+        5000: "a",
+    }
+    one = autotune.route(("c",) * 5, ROW_BUCKETS, make)
+    assert one(torch.empty(1, 1)) == "c" and not isinstance(one, autotune.ByRows)
+    assert (
+        autotune.describe(("a", "a", "b", "b", "a"), ROW_BUCKETS)
+        == "a up to 16, b up to 256, a above"
+    )
+    assert autotune.describe(("c",) * 5, ROW_BUCKETS) == "c at every count"
+
+
+def test_setting_parsing() -> None:
+    assert parse_setting("1") == parse_setting("measure") == parse_setting(" ") == Setting()
+    assert parse_setting("0") == Setting(enabled=False)
+    assert parse_setting("flags") == Setting(mode="flags")
+    assert parse_setting("gemm=panels,attn=cpu") == Setting(gemm="panels", attn="cpu")
+    assert parse_setting("ATTN=torch") == Setting(attn="torch")
+    for bad in ("yes", "gemm=fast", "gemm=panels,gemm=torch", "attn", "gemm=torch;attn=cpu", "2"):
+        with pytest.raises(ValueError, match="ITERSERVE_KERNELS must be 0 .*gemm=<torch"):
+            parse_setting(bad)
+
+
+def _choice() -> Choice:
+    gemm = {k: ("torch", "torch", "panels", "packed", "packed") for k in KINDS}
+    return Choice(gemm, ("cpu", "cpu", "torch", "torch"))
+
+
+def test_cache_round_trip(tmp_path: Path) -> None:
+    key = {"cpu": "x", "threads": 2, "shapes": {"qkv": [3, 4]}}
+    assert autotune.load_cached(key, tmp_path) is None
+    path = autotune.save(key, _choice(), tmp_path)
+    back = autotune.load_cached(key, tmp_path)
+    assert back is not None and back.source == "cached"
+    assert back.gemm == _choice().gemm and back.attn == _choice().attn
+    assert autotune.load_cached({**key, "threads": 1}, tmp_path) is None  # another key
+    d = json.loads(path.read_text())
+    d["choice"]["gemm"]["qkv"] = ["warp"] * len(ROW_BUCKETS)
+    path.write_text(json.dumps(d))
+    assert autotune.load_cached(key, tmp_path) is None  # not a valid choice: measured again
+    path.write_text("{not json")
+    assert autotune.load_cached(key, tmp_path) is None
+
+
+def _problem() -> autotune.Problem:
+    w = torch.randn(8, 16)
+    return autotune.Problem(
+        weights={k: (w, None) for k in KINDS},
+        dtype=torch.float32,
+        max_rows={**dict.fromkeys(KINDS, 512), "lm_head": 128},
+        heads=2,
+        kv_heads=1,
+        head_dim=8,
+        block_size=4,
+        max_decodes=128,
+        max_ctx=64,
+    )
+
+
+def test_choose_measures_once_then_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake timings in, the picked choice out and cached; the second start does not measure."""
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float) -> Any:
+        calls.append("gemm")
+        fake = {"torch": [1.0, 1.0, 1.0, 1.0, 1.0], "packed": [2.0, 2.0, 0.5, 0.5, 0.5]}
+        return {k: fake for k in weights}
+
+    def fake_decodes(*args: Any) -> Any:
+        calls.append("attn")
+        return {"cpu": [1.0, 1.0, 1.0, 1.0], "torch": [0.5, 2.0, 2.0, 2.0]}
+
+    monkeypatch.setattr(autotune, "measure_gemms", fake_gemms)
+    monkeypatch.setattr(autotune, "measure_decodes", fake_decodes)
+    builders = autotune.gemm_builders(torch.float32, None, pack=True)
+    assert list(builders) == ["torch", "packed"]
+    kern = object()  # never called: timings are fake
+    got = autotune.choose(_problem(), builders, kern, True, Setting())  # type: ignore[arg-type]
+    assert got.source == "measured" and calls == ["gemm", "attn"]
+    assert got.gemm["o"] == ("torch", "torch", "packed", "packed", "packed")
+    assert got.attn == ("torch", "cpu", "cpu", "cpu")
+    again = autotune.choose(_problem(), builders, kern, True, Setting())  # type: ignore[arg-type]
+    assert again.source == "cached" and calls == ["gemm", "attn"]
+    assert again.gemm == got.gemm and again.attn == got.attn
+    # A fixed gemm path measures only attention, under its own cache key.
+    fixed = autotune.choose(_problem(), builders, kern, True, Setting(gemm="torch"))  # type: ignore[arg-type]
+    assert set(fixed.gemm["qkv"]) == {"torch"} and calls[-1] == "attn"
+    both = autotune.choose(_problem(), builders, kern, True, Setting(gemm="packed", attn="cpu"))  # type: ignore[arg-type]
+    assert both.source == "fixed" and set(both.attn) == {"cpu"}
+
+
+def test_choose_errors_and_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    builders = autotune.gemm_builders(torch.float32, None, pack=False)
+    with pytest.raises(ValueError, match="gemm=panels, which cannot run here; possible: torch"):
+        autotune.choose(_problem(), builders, None, False, Setting(gemm="panels"))
+    with pytest.raises(ValueError, match="attn=cpu, which needs the cpu attention backend"):
+        autotune.choose(_problem(), builders, None, False, Setting(attn="cpu"))
+    # Real (tiny) measurement with no time left: nothing timed, the baseline, and not cached.
+    pack = autotune.gemm_builders(torch.float32, None, pack=True)
+    got = autotune.choose(_problem(), pack, None, False, Setting(), budget_s=0.0)
+    assert all(set(v) == {"torch"} for v in got.gemm.values()) and got.attn == ()
+    assert not list(tmp_path.glob("autotune/*.json"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_measures_and_stays_exact(
+    dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real measurement on the tiny model (milliseconds per path), cached and logged; the
+    measured model's greedy tokens equal those with the torch paths fixed."""
+    from iterserve.config import CacheConfig
+    from iterserve.model.runner import BatchItem, ModelRunner
+
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("ITERSERVE_KERNELS", "measure")
+    cc = CacheConfig(num_kv_blocks=16)
+    runner = ModelRunner("tiny-random", dtype=dtype, cache_config=cc)
+    assert runner.kernel_choice is not None and runner.kernel_choice.source == "measured"
+    assert len(list(tmp_path.glob("autotune/choice-*.json"))) == 1
+    again = ModelRunner("tiny-random", dtype=dtype, cache_config=cc)
+    assert again.kernel_choice is not None and again.kernel_choice.source == "cached"
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=torch,attn=torch")
+    ref = ModelRunner("tiny-random", dtype=dtype, cache_config=cc)
+    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+    outs = []
+    for r in (runner, ref):
+        tokens = list(ids)
+        r.execute([BatchItem("a", tokens[:-1], 0, [0, 1, 2, 3], False)])
+        for _ in range(6):
+            logits = r.execute([BatchItem("a", tokens[-1:], len(tokens) - 1, [0, 1, 2, 3], True)])
+            tokens.append(int(logits[0].argmax()))
+        outs.append(tokens)
+    assert outs[0] == outs[1]
+    assert set(DECODE_BUCKETS) and runner.attention.name == "cpu" if kernels.load() else True

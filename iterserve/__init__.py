@@ -1,10 +1,22 @@
 """iterserve: an LLM serving engine built around iteration-level (continuous) batching."""
 
+import os
+import sys
 from typing import TYPE_CHECKING
 
 from iterserve.config import EngineArgs
 from iterserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from iterserve.sampling_params import SamplingParams
+
+# OpenMP threads that spin at barriers hold their core while the thread they wait for queues
+# behind another process: with one busy process beside it on 2 cores, bench-134m's decode
+# throughput fell ~20x with libgomp's default waiting, not with passive waiting (docs/SPEED.md,
+# "Contention"). libgomp reads this once, when torch loads, so it only takes effect when
+# iterserve is imported first; a value the user set wins. The engine takes it out of the
+# environment again at start (``cpu.setup_threads``) so child processes get their own default.
+OMP_WAIT_POLICY_SET = "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules
+if OMP_WAIT_POLICY_SET:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 if TYPE_CHECKING:  # imported lazily below at run time (torch is heavy)
     from iterserve.engine import LLM, LLMEngine

@@ -6,6 +6,10 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
+import os
+import statistics
+import time
 
 import torch
 
@@ -54,3 +58,80 @@ def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 31)
             "mallopt refused the allocator settings; large per-step temporaries will page-fault"
         )
     return ok
+
+
+def available_cores() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (torch's
+    default thread count is the machine's physical cores, which ignores both)."""
+    n = len(os.sched_getaffinity(0))
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def other_runnable(samples: int = 5, interval_s: float = 0.005) -> float:
+    """Tasks running machine-wide besides the caller: the median of ``procs_running`` in
+    /proc/stat over a few samples, less one (NaN where there is no /proc/stat)."""
+    seen: list[int] = []
+    for i in range(samples):
+        try:
+            with open("/proc/stat") as f:
+                seen += [int(ln.split()[1]) - 1 for ln in f if ln.startswith("procs_running")]
+        except (OSError, ValueError):
+            return math.nan
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return float(statistics.median(seen)) if seen else math.nan
+
+
+def setup_threads(num_threads: int | None) -> int:
+    """Sets torch's intra-op threads at engine start and logs what it sees: ``num_threads`` if
+    given, else ``OMP_NUM_THREADS`` if set (torch already took it), else the cores this process
+    may use (``available_cores``). Under contention, passive OpenMP waiting (iterserve's default,
+    ``iterserve/__init__.py``) kept more throughput than fewer threads (docs/SPEED.md,
+    "Contention"), so the count does not shrink with the machine's load; a warning says when
+    threads wait actively on a busy machine. Returns the thread count."""
+    import iterserve
+
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ValueError(
+                f"num_threads must be >= 1 (or None for the cores available), got {num_threads}"
+            )
+        threads, why = num_threads, "num_threads"
+    elif os.environ.get("OMP_NUM_THREADS"):
+        threads, why = torch.get_num_threads(), "OMP_NUM_THREADS"
+    else:
+        threads, why = min(torch.get_num_threads(), available_cores()), "cores available"
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    policy = os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins, then sleeps)")
+    if iterserve.OMP_WAIT_POLICY_SET:
+        os.environ.pop("OMP_WAIT_POLICY", None)  # read by libgomp already; not for children
+        policy = "PASSIVE (iterserve's default)"
+    others = other_runnable()
+    logger.info(
+        "torch threads: %d (%s; %d cores available, %s other tasks running); OMP_WAIT_POLICY %s",
+        threads,
+        why,
+        available_cores(),
+        "?" if math.isnan(others) else f"{others:.0f}",
+        policy,
+    )
+    if (
+        threads > 1
+        and others >= 1
+        and not iterserve.OMP_WAIT_POLICY_SET
+        and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
+    ):
+        logger.warning(
+            "OpenMP threads wait actively on a machine with other work: throughput can collapse "
+            "(docs/SPEED.md, Contention); set OMP_WAIT_POLICY=PASSIVE before start, or import "
+            "iterserve before torch"
+        )
+    return threads

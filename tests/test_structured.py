@@ -200,7 +200,7 @@ def test_real_model_json_schema_and_choice() -> None:
         resolve_model("smollm2-135m")
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"smollm2-135m is not available here: {e}")
-    llm = LLM("smollm2-135m", seed=0)
+    llm = LLM("smollm2-135m", seed=0, num_kv_blocks=256)
     tok = llm.tokenizer
 
     def chat(text: str) -> str:

@@ -301,7 +301,9 @@ def test_langchain_json_mode_real_model() -> None:
         resolve_model("smollm2-135m")
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"smollm2-135m is not available here: {e}")
-    proc = ServerProcess("--model", "smollm2-135m", "--max-model-len", "512")
+    proc = ServerProcess(
+        "--model", "smollm2-135m", "--max-model-len", "512", "--num-kv-blocks", "256"
+    )
     try:
         proc.wait_ready(timeout=300)
         llm = ChatOpenAI(
@@ -312,7 +314,8 @@ def test_langchain_json_mode_real_model() -> None:
             "Give the weather in Paris as a JSON object with keys city and temp."
         )
         assert isinstance(got, dict) and got, got
-        got = llm.with_structured_output(WEATHER, method="json_schema").invoke(
+        titled = {"title": "weather", "description": "A forecast.", **WEATHER}
+        got = llm.with_structured_output(titled, method="json_schema").invoke(
             "What is the weather in Paris for the next 3 days?"
         )
         jsonschema.validate(got, WEATHER)

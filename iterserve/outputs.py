@@ -77,6 +77,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed (finish_reason "error")
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # predicts it), else {token_id: Logprob} with the prompt token and the top-k
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

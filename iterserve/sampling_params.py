@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from iterserve.structured.params import StructuredOutputsParams
+
+
+def _token_bias(bias: Mapping[Any, Any]) -> dict[int, float]:
+    """``logit_bias`` with integer keys: OpenAI sends token ids as JSON strings."""
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        try:
+            tid = int(k) if isinstance(k, (int, str)) and not isinstance(k, bool) else -1
+        except ValueError:
+            tid = -1
+        if tid < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r}")
+        out[tid] = float(v)
+    return out
 
 
 @dataclass
@@ -31,9 +49,18 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: sampled only)
+    # top-k logprobs per prompt token (0: the prompt token's own only); the first is None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # guided decoding: the output follows this JSON schema / regex / choice / grammar
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    # words never generated (vLLM semantics: each word's token sequence, with and without a
+    # leading space; its last token is banned when the output ends with the ones before it)
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: the context)
+    best_of: int | None = None  # candidates generated; the n best by cumulative logprob return
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -43,6 +70,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = _token_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -87,6 +116,11 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise bad("structured_outputs", "a StructuredOutputsParams (or None)")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "an integer in [0, 20]")
+        self._validate_extras(bad)
         assert isinstance(self.stop, list)
         for s in self.stop:
             if not isinstance(s, str) or not s:
@@ -97,6 +131,43 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
                 )
+
+    def _validate_extras(self, bad: Callable[[str, str], ValueError]) -> None:
+        if self.logit_bias is not None:
+            for v in self.logit_bias.values():
+                if not -100.0 <= v <= 100.0:
+                    raise bad("logit_bias", "a map of token ids to values in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            ):
+                raise bad("allowed_token_ids", "a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list)
+            or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise bad("bad_words", "a list of non-blank strings")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or (t < 1 and t != -1)):
+            raise bad("truncate_prompt_tokens", "an integer >= 1, or -1 for the context length")
+        if self.best_of is not None:
+            if not isinstance(self.best_of, int) or not self.n <= self.best_of <= 128:
+                raise ValueError(
+                    f"best_of must be an integer in [n, 128] (n={self.n}), got {self.best_of!r}"
+                )
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences generated: ``best_of`` when set, else ``n``."""
+        return self.best_of or self.n
+
+    @property
+    def needs_cumulative_logprob(self) -> bool:
+        """best_of > n ranks candidates by their cumulative logprob, so it is always computed."""
+        return self.num_candidates > self.n
 
     @property
     def greedy(self) -> bool:

@@ -57,8 +57,12 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of ``req`` (whole blocks), never covering its last token,
-        which is always recomputed so the step yields logits to sample from."""
-        if not self.enable_prefix_caching:
+        which is always recomputed so the step yields logits to sample from. A request that
+        wants prompt logprobs and has generated nothing yet gets no hit (as in vLLM): its
+        prompt is recomputed, since the logprobs come out of the prefill forward."""
+        if not self.enable_prefix_caching or (
+            req.params.prompt_logprobs is not None and not req.num_output_tokens
+        ):
             return [], 0
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs

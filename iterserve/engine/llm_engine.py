@@ -13,6 +13,7 @@ import copy
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ from iterserve.core.kv_cache_manager import KVCacheManager, cdiv
 from iterserve.core.request import FinishReason, Request
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
-from iterserve.model.runner import BatchItem
+from iterserve.model.runner import BatchItem, PromptLogprobs
 from iterserve.model.sampler import GrammarMask, SampleRow, TokenLogprobs, sample
 from iterserve.outputs import RequestMetrics, RequestOutput, StepStats
 from iterserve.sampling_params import SamplingParams
@@ -49,6 +50,7 @@ class _Seq:
     finished: bool = False
     # structured outputs: advanced on every sampled token, from the engine thread
     matcher: xgr.GrammarMatcher | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -62,6 +64,10 @@ class _Parent:
     error: str | None = None
     # structured outputs: the grammar being compiled; the seqs are scheduled once it is done
     grammar: concurrent.futures.Future[xgr.CompiledGrammar] | None = None
+    # Raw prompt logprobs so far, position by position (the first token has none; each
+    # (token, logprob, rank, top-k)); None: not asked. Sent once, complete (prompt_sent).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -196,6 +202,9 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
+        ids = self._truncate_prompt(ids, params.truncate_prompt_tokens)
+        self._check_token_ids(params)
+        bad_words = self._bad_words_token_ids(params.bad_words or ())
         max_tokens = self.books.admit(len(ids), params.max_tokens, self.reject_overlong_max_tokens)
         now = time.monotonic()
         parent = _Parent(
@@ -207,9 +216,13 @@ class LLMEngine:
                 arrival_time=arrival_time if arrival_time is not None else now,
                 num_prompt_tokens=len(ids),
             ),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
-        for i in range(params.n):
-            sid = request_id if params.n == 1 else f"{request_id}#{i}"
+        # best_of > n: best_of candidates (the output processor returns the n best)
+        num_seqs = params.num_candidates
+        want_lps = params.logprobs is not None or params.needs_cumulative_logprob
+        for i in range(num_seqs):
+            sid = request_id if num_seqs == 1 else f"{request_id}#{i}"
             gen = None
             if params.seed is not None and not params.greedy:
                 # On the runner's device: the sampler draws the noise there (one seed, the
@@ -227,7 +240,7 @@ class LLMEngine:
                 slo_ttft_s=slo_ttft_s,
                 slo_tpot_s=slo_tpot_s,
             )
-            seq = _Seq(req, parent, i, gen, [] if params.logprobs is not None else None)
+            seq = _Seq(req, parent, i, gen, [] if want_lps else None, bad_words_token_ids=bad_words)
             parent.seqs.append(seq)
         spec = params.structured_outputs
         if spec is not None:
@@ -274,6 +287,40 @@ class LLMEngine:
             else:
                 self._schedule_parent(parent)
         self._grammar_wait = waiting
+
+    def _truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens: the last ``keep`` tokens (-1: as many as leave one
+        position of the context to generate into)."""
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.max_model_len - 1
+        return ids[-keep:]
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        for name, toks in (
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = [t for t in toks if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} names token ids outside the vocabulary [0, {self.vocab_size}): "
+                    f"{bad[:5]}"
+                )
+
+    def _bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each bad word's token sequence, and (as vLLM does) the one with a leading space
+        where that is a different word token of the same length."""
+        out: list[list[int]] = []
+        for w in words:
+            plain = list(self.tokenizer.encode(w.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + w.lstrip(), add_special_tokens=False))
+            if plain:
+                out.append(plain)
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                out.append(spaced)
+        return out
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its KV blocks; it produces no further output."""
@@ -372,7 +419,11 @@ class LLMEngine:
         if not sched.is_empty:
             try:
                 items, sample_reqs = self._batch_items(sched)
-                logits = self.runner.execute(items)
+                if any(it.prompt_targets for it in items):
+                    logits, prompt_lps = self.runner.execute_with_prompt_logprobs(items)
+                    self._record_prompt_logprobs(items, prompt_lps)
+                else:
+                    logits = self.runner.execute(items)
                 t2 = time.monotonic()
                 tokens, lps = (
                     sample(
@@ -421,6 +472,7 @@ class LLMEngine:
             )
             if need_logits:
                 sample_reqs.append(req)
+            self._ask_prompt_logprobs(req, items[-1])
         return items, sample_reqs
 
     def _grammar_mask(self, sample_reqs: list[Request]) -> GrammarMask | None:
@@ -455,9 +507,40 @@ class LLMEngine:
                 self.scheduler.finish_request(rid, FinishReason.STOP)
                 finished.add(rid)
 
+    def _ask_prompt_logprobs(self, req: Request, item: BatchItem) -> None:
+        """Asks the runner for the logprobs of the prompt tokens that follow ``item``'s
+        positions, where this request wants them and its first sequence has not got them
+        yet (a recompute after preemption asks for none twice)."""
+        seq = self._seqs[req.request_id]
+        got = seq.parent.prompt_logprobs
+        if got is None or seq.index != 0:
+            return
+        num_prompt = len(req.prompt_token_ids)
+        start, end = item.start_pos, min(item.start_pos + len(item.token_ids), num_prompt - 1)
+        if end <= start or end < len(got) or start + 1 > len(got):
+            return
+        item.prompt_targets = req.prompt_token_ids[start + 1 : end + 1]
+        item.prompt_top_k = req.params.prompt_logprobs or 0
+
+    def _record_prompt_logprobs(
+        self, items: list[BatchItem], results: dict[str, PromptLogprobs]
+    ) -> None:
+        for it in items:
+            res = results.get(it.request_id)
+            if res is None:
+                continue
+            got = self._seqs[it.request_id].parent.prompt_logprobs
+            assert got is not None and it.prompt_targets is not None
+            lps, ranks = res.logprobs.tolist(), res.ranks.tolist()
+            top_v, top_i = res.top_logprobs.tolist(), res.top_ids.tolist()
+            for j, tok in enumerate(it.prompt_targets):
+                if it.start_pos + 1 + j < len(got):
+                    continue  # already recorded (a recomputed chunk)
+                got.append((tok, lps[j], ranks[j], list(zip(top_i[j], top_v[j]))))
+
     def _sample_row(self, req: Request) -> SampleRow:
         seq = self._seqs[req.request_id]
-        return SampleRow(req.params, seq.generator, req)
+        return SampleRow(req.params, seq.generator, req, seq.bad_words_token_ids)
 
     def _on_token(
         self,
@@ -506,6 +589,15 @@ class LLMEngine:
             s.new_ids = []
             if s.new_logprobs is not None:
                 s.new_logprobs = []
+        prompt_lps = None
+        pl = parent.prompt_logprobs
+        if (
+            pl is not None
+            and not parent.prompt_sent
+            and (len(pl) == len(parent.prompt_token_ids) or parent.finished)
+        ):
+            parent.prompt_sent = True  # complete (or all there will be): sent once
+            prompt_lps = list(pl)
         return CoreOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -516,6 +608,7 @@ class LLMEngine:
             # As of this step: the server reads it on another thread while this one runs on.
             metrics=copy.copy(parent.metrics),
             error=parent.error,
+            prompt_logprobs=prompt_lps,
         )
 
     def _fail_all(self, exc: BaseException, touched: dict[str, _Parent]) -> list[CoreOutput]:

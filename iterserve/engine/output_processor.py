@@ -17,7 +17,7 @@ logprobs and finish/stop reasons are therefore the same whichever thread runs th
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from iterserve.engine.detokenizer import IncrementalDetokenizer
@@ -57,6 +57,8 @@ class CoreOutput:
     finished: bool
     metrics: RequestMetrics  # a copy as of this step (token_times is shared, append-only)
     error: str | None = None
+    # SamplingParams.prompt_logprobs, raw, once: in the first output after the prefill
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class _Seq:
 class _Req:
     seqs: list[_Seq]
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputProcessor:
@@ -128,6 +131,10 @@ class OutputProcessor:
                     self._add(rid, st, s, cs, finishes)
             if out.error is not None and st.error is None:
                 st.error = out.error
+            if out.prompt_logprobs is not None and st.prompt_logprobs is None:
+                st.prompt_logprobs = [
+                    None if lp is None else self._entry(lp) for lp in out.prompt_logprobs
+                ]
             finished = all(s.finish_reason is not None for s in st.seqs)
             if finished and out.metrics.finished_time is None:
                 out.metrics.finished_time = out.metrics.last_token_time  # ended by a stop string
@@ -139,6 +146,8 @@ class OutputProcessor:
     def _new_state(self, out: CoreOutput) -> _Req:
         p = out.params
         want_lp = p.logprobs is not None
+        # best_of > n ranks its candidates by cumulative logprob, asked for or not
+        cumulative = want_lp or p.needs_cumulative_logprob
         return _Req(
             [
                 _Seq(
@@ -150,9 +159,9 @@ class OutputProcessor:
                         p.include_stop_str_in_output,
                     ),
                     [] if want_lp else None,
-                    0.0 if want_lp else None,
+                    0.0 if cumulative else None,
                 )
-                for _ in range(p.n)
+                for _ in range(p.num_candidates)
             ]
         )
 
@@ -162,6 +171,14 @@ class OutputProcessor:
             s = self._pieces[token_id] = str(self.tokenizer.decode([token_id]))
         return s
 
+    def _entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """{token: Logprob} of one position: the token itself, then the top-n."""
+        tok, val, rank, top = lp
+        entry = {tok: Logprob(val, rank, self._piece(tok))}
+        for r, (tid, v) in enumerate(top, 1):
+            entry.setdefault(tid, Logprob(v, r, self._piece(tid)))
+        return entry
+
     def _add(
         self, rid: str, st: _Req, s: _Seq, cs: CoreSeqOutput, finishes: list[SeqFinish]
     ) -> None:
@@ -170,14 +187,12 @@ class OutputProcessor:
         for j, tok in enumerate(toks):
             s.token_ids.append(tok)
             s.new_ids.append(tok)
-            if cs.new_logprobs is not None and s.logprobs is not None:
-                sampled_id, sampled_lp, rank, top = cs.new_logprobs[j]
-                entry = {sampled_id: Logprob(sampled_lp, rank, self._piece(sampled_id))}
-                for r, (tid, val) in enumerate(top, 1):
-                    entry.setdefault(tid, Logprob(val, r, self._piece(tid)))
-                s.logprobs.append(entry)
-                s.new_logprobs.append(entry)
-                s.cumulative_logprob = (s.cumulative_logprob or 0.0) + sampled_lp
+            if cs.new_logprobs is not None and s.cumulative_logprob is not None:
+                s.cumulative_logprob += cs.new_logprobs[j][1]
+                if s.logprobs is not None:
+                    entry = self._entry(cs.new_logprobs[j])
+                    s.logprobs.append(entry)
+                    s.new_logprobs.append(entry)
             ended = cs.finish_reason if j == last else None
             if ended == "stop":  # EOS or a stop token: it adds no text
                 break
@@ -223,6 +238,8 @@ class OutputProcessor:
             )
             s.new_ids = []
             s.new_logprobs = []
+        if len(comps) > out.params.n:
+            comps = _best_of(comps, out.params.n, finished)
         return RequestOutput(
             request_id=out.request_id,
             prompt=out.prompt,
@@ -231,4 +248,23 @@ class OutputProcessor:
             finished=finished,
             metrics=out.metrics,
             error=st.error,
+            prompt_logprobs=list(st.prompt_logprobs) if st.prompt_logprobs is not None else None,
         )
+
+
+def _best_of(comps: list[CompletionOutput], n: int, finished: bool) -> list[CompletionOutput]:
+    """best_of > n: nothing until every candidate finished, then the ``n`` with the highest
+    cumulative logprob, renumbered 0..n-1, each whole (its deltas are all it generated)."""
+    if not finished:
+        return []
+    ranked = sorted(comps, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
+    return [
+        replace(
+            c,
+            index=i,
+            new_token_ids=list(c.token_ids),
+            new_text=c.text,
+            new_logprobs=list(c.logprobs) if c.logprobs is not None else None,
+        )
+        for i, c in enumerate(ranked)
+    ]

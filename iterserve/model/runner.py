@@ -16,6 +16,8 @@ CONTRACT (the engine relies on exactly this):
     runner.eos_token_ids   # list[int] from generation_config.json / config.json
     runner.model_path      # str: folder holding config.json, weights and tokenizer files
     logits = runner.execute(items)   # float32 [num items with need_logits, vocab_size]
+    logits, prompt = runner.execute_with_prompt_logprobs(items)
+                    # and {request_id: PromptLogprobs} for the items with prompt_targets
 
     Also: runner.reset_kv_cache() (zero fill after a failed step), runner.kv_bytes_per_block,
     runner.num_layers, runner.num_params, runner.hf_config (config.json as a dict),
@@ -104,6 +106,21 @@ class BatchItem:
     start_pos: int
     block_table: list[int]
     need_logits: bool
+    # Prompt logprobs: the tokens that follow this item's first len(prompt_targets) positions
+    # (the next prompt tokens); their logprobs and the top ``prompt_top_k`` come back.
+    prompt_targets: list[int] | None = None
+    prompt_top_k: int = 0
+
+
+@dataclass
+class PromptLogprobs:
+    """Per target of one item: the target's logprob and rank (1 = most likely), and the top-k
+    (logprob, token id) rows, from the log-softmax of the float32 logits."""
+
+    logprobs: torch.Tensor  # [m]
+    ranks: torch.Tensor  # [m] int64
+    top_logprobs: torch.Tensor  # [m, k]
+    top_ids: torch.Tensor  # [m, k] int64
 
 
 class ModelRunner:
@@ -418,8 +435,15 @@ class ModelRunner:
     def execute(self, items: Sequence[BatchItem]) -> torch.Tensor:
         """Runs one forward over all items; float32 logits [num items with need_logits, vocab],
         in the order those items appear in ``items`` (for each, the logits of its last token)."""
+        return self.execute_with_prompt_logprobs(items)[0]
+
+    def execute_with_prompt_logprobs(
+        self, items: Sequence[BatchItem]
+    ) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
+        """``execute``, plus the prompt logprobs of the items with ``prompt_targets``: the
+        lm_head also runs on those items' prompt rows, in the same forward."""
         if not items:
-            return torch.empty(0, self.vocab_size, device=self.device)
+            return torch.empty(0, self.vocab_size, device=self.device), {}
         bs = self.block_size
         # Decode-first row order (see attention.py): one batched call for all single-token items.
         order = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
@@ -429,6 +453,7 @@ class ModelRunner:
         positions: list[int] = []
         step_items: list[StepItem] = []
         last_row = [0] * len(items)
+        first_row = [0] * len(items)
         for i in order:
             it = items[i]
             n, p0 = len(it.token_ids), it.start_pos
@@ -442,18 +467,30 @@ class ModelRunner:
                     f"request {it.request_id}: block_table has {len(it.block_table)} blocks of "
                     f"{bs} tokens, too few for position {p0 + n - 1}"
                 )
+            if it.prompt_targets is not None and len(it.prompt_targets) > n:
+                raise ValueError(
+                    f"request {it.request_id}: {len(it.prompt_targets)} prompt targets for "
+                    f"{n} tokens"
+                )
+            first_row[i] = len(ids)
             ids.extend(it.token_ids)
             positions.extend(range(p0, p0 + n))
             last_row[i] = len(ids) - 1
             step_items.append(StepItem(n, p0, it.block_table))
         logit_rows = [last_row[i] for i, it in enumerate(items) if it.need_logits]
+        num_sampled = len(logit_rows)
+        prompt_items = [(i, it) for i, it in enumerate(items) if it.prompt_targets]
+        for i, it in prompt_items:
+            assert it.prompt_targets is not None
+            logit_rows.extend(range(first_row[i], first_row[i] + len(it.prompt_targets)))
 
         if (
             self.graphs is not None
+            and not prompt_items
             and num_decodes == len(items)
             and self.graphs.can_run(len(items), max(positions) // bs + 1)
         ):
-            return self._replay_decodes(ids, positions, step_items, logit_rows)
+            return self._replay_decodes(ids, positions, step_items, logit_rows), {}
         with torch.inference_mode():
             if self.device.type == "cpu":
                 pos = torch.tensor(positions, dtype=torch.int64)
@@ -470,7 +507,7 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
-            return self.model(  # type: ignore[no-any-return]
+            logits = self.model(
                 ids_t,
                 cos,
                 sin,
@@ -478,6 +515,9 @@ class ModelRunner:
                 self.kv_caches,
                 rows_t,
             )
+            if not prompt_items:
+                return logits, {}
+            return logits[:num_sampled], _prompt_logprobs(logits[num_sampled:], prompt_items)
 
     def _replay_decodes(
         self,
@@ -496,3 +536,29 @@ class ModelRunner:
                 return logits.clone()  # the graph's buffer is overwritten by the next replay
             rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
             return logits.index_select(0, rows)
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, prompt_items: list[tuple[int, BatchItem]]
+) -> dict[str, PromptLogprobs]:
+    """Splits the prompt rows' logits ([sum of targets, vocab], in ``prompt_items`` order)
+    into each item's logprobs of its targets, their ranks and the top-k."""
+    lps = logits.log_softmax(-1)
+    targets = torch.tensor(
+        [t for _, it in prompt_items for t in it.prompt_targets or ()], dtype=torch.int64
+    ).to(lps.device)
+    tlp = lps.gather(1, targets.unsqueeze(1))
+    ranks = (lps > tlp).sum(-1) + 1
+    k = max(it.prompt_top_k for _, it in prompt_items)
+    if k:
+        top_v, top_i = lps.topk(k, dim=-1)
+    else:
+        top_v, top_i = lps[:, :0], torch.empty(len(lps), 0, dtype=torch.int64, device=lps.device)
+    out: dict[str, PromptLogprobs] = {}
+    r = 0
+    for _, it in prompt_items:
+        m, kk = len(it.prompt_targets or ()), it.prompt_top_k
+        sl = slice(r, r + m)
+        out[it.request_id] = PromptLogprobs(tlp[sl, 0], ranks[sl], top_v[sl, :kk], top_i[sl, :kk])
+        r += m
+    return out

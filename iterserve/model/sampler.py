@@ -1,5 +1,6 @@
-"""Vectorised sampling: penalties, min_tokens, greedy, temperature / top-k / top-p / min-p,
-per-request seeds and logprobs, for one row of logits per sequence.
+"""Vectorised sampling: allowed_token_ids, bad_words, logit_bias, penalties, min_tokens,
+greedy, temperature / top-k / top-p / min-p, per-request seeds and logprobs, for one row of
+logits per sequence.
 
 Greedy rows without penalties or logprobs (the common benchmark case) cost one argmax.
 Seeded rows draw their noise from their own ``torch.Generator`` so a seed gives the same
@@ -29,6 +30,8 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None
     request: Request
+    # params.bad_words as token sequences (the engine tokenizes them once per request)
+    bad_words_token_ids: Sequence[Sequence[int]] = ()
 
     @property
     def prompt_token_ids(self) -> Sequence[int]:
@@ -97,6 +100,68 @@ def _apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
         apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), idx)
 
 
+def _apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+    """allowed_token_ids: every other token of the row becomes impossible."""
+    idx = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    if not idx:
+        return
+    vocab = logits.shape[-1]
+    dev = logits.device
+    keep = torch.zeros(len(idx), vocab, dtype=torch.bool, device=dev)
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    for j, i in enumerate(idx):
+        toks = [t for t in rows[i].params.allowed_token_ids or () if t < vocab]
+        r_idx += [j] * len(toks)
+        t_idx += toks
+    keep[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = True
+    rsel = torch.tensor(idx, device=dev)
+    logits[rsel] = logits[rsel].masked_fill(~keep, float("-inf"))
+
+
+def _ban_bad_words(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+    """bad_words: a word's last token is banned where the output already ends with the
+    tokens before it (a one-token word is always banned), so no word is ever completed."""
+    vocab = logits.shape[-1]
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    for i, r in enumerate(rows):
+        if not r.bad_words_token_ids:
+            continue
+        out = r.output_token_ids
+        for word in r.bad_words_token_ids:
+            *head, last = word
+            if last >= vocab:
+                continue
+            if not head or (len(out) >= len(head) and list(out[len(out) - len(head) :]) == head):
+                r_idx.append(i)
+                t_idx.append(last)
+    if r_idx:
+        dev = logits.device
+        logits[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+    """logit_bias (OpenAI): each listed token's value is added to its logit."""
+    vocab = logits.shape[-1]
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    vals: list[float] = []
+    for i, r in enumerate(rows):
+        for t, v in (r.params.logit_bias or {}).items():
+            if t < vocab:
+                r_idx.append(i)
+                t_idx.append(t)
+                vals.append(v)
+    if r_idx:
+        dev = logits.device
+        logits.index_put_(
+            (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+            torch.tensor(vals, dtype=logits.dtype, device=dev),
+            accumulate=True,
+        )
+
+
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks (rows with none skip the sort)."""
     dev = logits.device
@@ -138,9 +203,16 @@ def sample(
     ``kern``: iterserve's kernels (the runner's), for the greedy argmax. ``grammar_mask``:
     the structured-output rows' allowed tokens (see :func:`_apply_grammar_mask`)."""
     params = [r.params for r in rows]
-    want_logprobs = [p.logprobs is not None for p in params]
+    # best_of > n ranks its candidates by cumulative logprob: computed even if none was asked
+    want_logprobs = [p.logprobs is not None or p.needs_cumulative_logprob for p in params]
     raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
 
+    if any(p.allowed_token_ids for p in params):
+        _apply_allowed_token_ids(logits, rows)
+    if any(r.bad_words_token_ids for r in rows):
+        _ban_bad_words(logits, rows)
+    if any(p.logit_bias for p in params):
+        _apply_logit_bias(logits, rows)
     pen = [i for i, p in enumerate(params) if p.needs_penalties]
     if pen:
         _apply_penalties(logits, rows, pen)

@@ -151,6 +151,10 @@ class ServerLimits:
 
         if req.n > self.max_n:
             self._refuse("n", f"n is {req.n}", "max-n", self.max_n)
+        # best_of candidates cost as n sequences do
+        best_of = getattr(req, "best_of", None) or req.n
+        if best_of > self.max_n:
+            self._refuse("best_of", f"best_of is {best_of}", "max-n", self.max_n)
         self._check_sizes(num_prompts, [req.stop] if isinstance(req.stop, str) else req.stop or [])
         if isinstance(req, CompletionRequest):
             logprobs, lp_param = req.logprobs, "logprobs"
@@ -160,12 +164,19 @@ class ServerLimits:
             max_tokens = req.max_completion_tokens or req.max_tokens
         if logprobs is not None and logprobs > self.max_logprobs:
             self._refuse(lp_param, f"{lp_param} is {logprobs}", "max-logprobs", self.max_logprobs)
+        if req.prompt_logprobs is not None and req.prompt_logprobs > self.max_logprobs:
+            self._refuse(
+                "prompt_logprobs",
+                f"prompt_logprobs is {req.prompt_logprobs}",
+                "max-logprobs",
+                self.max_logprobs,
+            )
         per_seq = max_model_len if max_tokens is None else min(max_tokens, max_model_len)
-        total = num_prompts * req.n * per_seq
+        total = num_prompts * best_of * per_seq
         if total > self.max_request_tokens:
             self._refuse(
                 "max_tokens",
-                f"the request may generate {total} tokens ({num_prompts} prompts x n {req.n} x "
+                f"the request may generate {total} tokens ({num_prompts} prompts x n {best_of} x "
                 f"{per_seq} max tokens); lower n, max_tokens or the number of prompts",
                 "max-request-tokens",
                 self.max_request_tokens,

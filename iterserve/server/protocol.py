@@ -67,6 +67,10 @@ class SamplingExtras(OpenAIModel):
     # its TPOT target (ms per output token after the first); the x-slo-tpot-ms header wins
     slo_tpot_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     skip_special_tokens: bool = True
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
@@ -98,6 +102,11 @@ class SamplingExtras(OpenAIModel):
             ignore_eos=v["ignore_eos"],
             skip_special_tokens=v["skip_special_tokens"],
             include_stop_str_in_output=v["include_stop_str_in_output"],
+            logit_bias=v["logit_bias"],
+            allowed_token_ids=v["allowed_token_ids"],
+            bad_words=v["bad_words"],
+            truncate_prompt_tokens=v["truncate_prompt_tokens"],
+            prompt_logprobs=v["prompt_logprobs"],
         )
 
     def sampling_params(self) -> SamplingParams:
@@ -137,6 +146,11 @@ class CompletionRequest(SamplingExtras):
             **super().sampling_kwargs(v),
             "max_tokens": v["max_tokens"],
             "logprobs": v["logprobs"],
+            "best_of": v["best_of"],
+            # echo + logprobs: the echoed prompt's tokens come with logprobs too (as in vLLM)
+            "prompt_logprobs": max(v["logprobs"], v["prompt_logprobs"] or 0)
+            if v["echo"] and v["logprobs"] is not None
+            else v["prompt_logprobs"],
         }
 
 
@@ -158,6 +172,8 @@ class ChatCompletionRequest(SamplingExtras):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM: the reply starts with the last message's content when it has the reply's role
+    echo: bool = False
     # chat-template controls (vLLM)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

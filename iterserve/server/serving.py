@@ -123,13 +123,13 @@ class Serving:
             raise bad_request(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
-        for name in ("logit_bias",):
-            if getattr(req, name):
-                raise bad_request(
-                    f"{name} is not supported by this server",
-                    param=name,
-                    code="unsupported_parameter",
-                )
+        if req.prompt_logprobs is not None and req.stream:
+            raise bad_request(
+                "prompt_logprobs cannot be streamed (as in vLLM); drop stream or "
+                "prompt_logprobs (completions: echo with logprobs streams the prompt's)",
+                param="prompt_logprobs",
+                code="unsupported_parameter",
+            )
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
         return req.sampling_params()
@@ -258,9 +258,10 @@ class Serving:
                 param="suffix",
                 code="unsupported_parameter",
             )
-        if req.best_of is not None and req.best_of != req.n:
+        if req.best_of is not None and req.best_of > req.n and req.stream:
+            # the n best are known only once every candidate has finished (OpenAI, vLLM)
             raise bad_request(
-                "best_of is not supported (only best_of == n)",
+                "best_of > n cannot be streamed; drop stream or best_of",
                 param="best_of",
                 code="unsupported_parameter",
             )
@@ -268,7 +269,7 @@ class Serving:
         self.limits.check_request(req, len(prompts), self.engine.max_model_len)
         params = self.sampling_params(req)
         await self.constrain(req, params)
-        ids = await self.completion_prompt_ids(prompts)
+        ids = await self.completion_prompt_ids(prompts, params.truncate_prompt_tokens)
         streams = await self.add_streams("cmpl", list(ids), params, req.priority, route)
         fmt = _CompletionFormat(self, req, params, prompts)
         return await self._respond(streams, fmt, bool(req.stream))
@@ -320,15 +321,34 @@ class Serving:
             code="context_length_exceeded",
         )
 
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens: the last ``keep`` tokens (-1: all that leave one position
+        of the context to generate into), as the engine cuts them."""
+        if keep is None:
+            return ids
+        return ids[-(self.engine.max_model_len - 1 if keep == -1 else keep) :]
+
     async def encode_prompt(
-        self, text: str, *, param: str, add_special_tokens: bool = True, room: int = 1
+        self,
+        text: str,
+        *,
+        param: str,
+        add_special_tokens: bool = True,
+        room: int = 1,
+        truncate: int | None = None,
     ) -> list[int]:
         """``text``'s token ids, refused (400) when they leave fewer than ``room`` tokens of
         the context. A text far longer than the context is judged by its head alone, so a
         4 MB prompt costs a few thousand tokens' work, not a million (turning a million
-        tokens into Python ints holds the GIL, which stalls every stream)."""
+        tokens into Python ints holds the GIL, which stalls every stream). ``truncate``:
+        truncate_prompt_tokens, applied before the length check (the whole text is encoded)."""
         limit = self.engine.max_model_len - room
         cut = (limit + 1) * _MAX_CHARS_PER_TOKEN
+        if truncate is not None:
+            ids = self.truncate(await self.encode(text, add_special_tokens), truncate)
+            if len(ids) > limit:
+                raise self._too_long(len(ids), room, param)
+            return ids
         if len(text) > cut:
             head = await self.encode(text[:cut], add_special_tokens)
             if len(head) > limit + _BOUNDARY_TOKENS:
@@ -338,12 +358,16 @@ class Serving:
             raise self._too_long(len(ids), room, param)
         return ids
 
-    async def completion_prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+    async def completion_prompt_ids(
+        self, prompts: list[str | list[int]], truncate: int | None = None
+    ) -> list[list[int]]:
         out = []
         for p in prompts:
             if isinstance(p, str):
-                out.append(await self.encode_prompt(p, param="prompt"))
-            elif len(p) >= self.engine.max_model_len:
+                out.append(await self.encode_prompt(p, param="prompt", truncate=truncate))
+                continue
+            p = self.truncate(p, truncate)
+            if len(p) >= self.engine.max_model_len:
                 raise self._too_long(len(p), 1, "prompt")
             else:
                 out.append(p)
@@ -420,7 +444,11 @@ class Serving:
             ) from None
         room = 0 if isinstance(req, TokenizeChatRequest) else 1
         ids = await self.encode_prompt(
-            str(text), param="messages", add_special_tokens=add_special_tokens, room=room
+            str(text),
+            param="messages",
+            add_special_tokens=add_special_tokens,
+            room=room,
+            truncate=getattr(req, "truncate_prompt_tokens", None),
         )
         if not ids:
             raise bad_request("the rendered chat prompt is empty", param="messages")
@@ -479,6 +507,25 @@ class Serving:
         return {"prompt": await self._on_tokenizer_thread(self._tok.decode, req.tokens)}
 
     # ---- responses ----------------------------------------------------------------------------
+    def prompt_logprobs_json(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
+        """vLLM's prompt_logprobs: per prompt token (None for the first) its and the top-k
+        tokens' {id: {logprob, rank, decoded_token}}."""
+        if out.prompt_logprobs is None:
+            return None
+        return [
+            None
+            if entry is None
+            else {
+                str(t): {
+                    "logprob": _lp_value(lp),
+                    "rank": lp.rank,
+                    "decoded_token": self.token_str(t, lp, False),
+                }
+                for t, lp in entry.items()
+            }
+            for entry in out.prompt_logprobs
+        ]
+
     async def _respond(self, streams: list[RequestStream], fmt: _Format, stream: bool) -> Any:
         merged = merge_streams(streams)
         if not stream:
@@ -610,7 +657,8 @@ class _Format:
         self.req = req
         self.params = params
         self.n = params.n
-        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        # vLLM: the client's request_id names the response (the engine's own id stays unique)
+        self.id = f"{id_prefix}-{req.request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = req.model or serving.model_name
         self.as_ids = req.return_tokens_as_token_ids
@@ -740,17 +788,43 @@ class _CompletionFormat(_Format):
 
     def _prompt_text(self, pidx: int, out: RequestOutput) -> str:
         p = self.prompts[pidx]
-        if isinstance(p, str):
+        if isinstance(p, str) and self.params.truncate_prompt_tokens is None:
             return p
-        return str(self.s.tokenizer.decode(p)) if self.s.tokenizer is not None else ""
+        # token prompts, and text prompts cut by truncate_prompt_tokens: what the model saw
+        ids = out.prompt_token_ids or (p if isinstance(p, list) else [])
+        return str(self.s.tokenizer.decode(ids)) if self.s.tokenizer is not None else ""
 
     def _logprobs(
-        self, idx: int, token_ids: list[int], lps: list[dict[int, Logprob]] | None, offset: int
+        self,
+        idx: int,
+        token_ids: list[int],
+        lps: list[dict[int, Logprob]] | None,
+        offset: int,
+        echo_of: RequestOutput | None = None,
     ) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs object; ``echo_of``: the echoed prompt's tokens come
+        first (the first with a null logprob: nothing predicts it), offsets from 0."""
         if self.params.logprobs is None or lps is None:
             return None
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, entry in zip(token_ids, lps):
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        pairs: list[tuple[int, dict[int, Logprob] | None]] = []
+        if echo_of is not None and echo_of.prompt_logprobs is not None:
+            pairs = list(zip(echo_of.prompt_token_ids, echo_of.prompt_logprobs))
+            offset = 0
+        pairs += list(zip(token_ids, lps))
+        for tid, maybe in pairs:
+            if maybe is None:  # the first prompt token
+                s = self.s.token_str(tid, None, self.as_ids)
+                tokens.append(s)
+                token_lps.append(None)
+                tops.append(None)
+                offsets.append(offset)
+                offset += len(s)
+                continue
+            entry = maybe
             lp = entry.get(tid)
             s = self.s.token_str(tid, lp, self.as_ids)
             tokens.append(s)
@@ -772,14 +846,16 @@ class _CompletionFormat(_Format):
         self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool
     ) -> dict[str, Any]:
         text = c.new_text
+        echo_of = None
         if self.creq.echo and idx not in self.echoed:
             self.echoed.add(idx)
             text = self._prompt_text(pidx, out) + text
+            echo_of = out
         off = self.text_offset.get(idx, 0)
         choice: dict[str, Any] = {
             "index": idx,
             "text": text,
-            "logprobs": self._logprobs(idx, c.new_token_ids, c.new_logprobs, off),
+            "logprobs": self._logprobs(idx, c.new_token_ids, c.new_logprobs, off, echo_of),
             "finish_reason": c.finish_reason if finished else None,
             "stop_reason": _stop_reason(c) if finished else None,
         }
@@ -795,13 +871,16 @@ class _CompletionFormat(_Format):
         self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput
     ) -> dict[str, Any]:
         prefix = self._prompt_text(pidx, out) if self.creq.echo else ""
+        echo_of = out if self.creq.echo else None
         choice: dict[str, Any] = {
             "index": idx,
             "text": prefix + c.text,
-            "logprobs": self._logprobs(idx, c.token_ids, c.logprobs, len(prefix)),
+            "logprobs": self._logprobs(idx, c.token_ids, c.logprobs, len(prefix), echo_of),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.s.prompt_logprobs_json(out)
         if self.req.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
             choice["prompt_token_ids"] = list(out.prompt_token_ids)
@@ -823,6 +902,8 @@ class _ChatFormat(_Format):
         self.top_n = req.top_logprobs or 0
         self.plan = plan if plan is not None and plan.mode != "none" else None
         self.tool_streams: dict[int, ToolCallStream] = {}
+        self.echo_text = _chat_echo_text(req)
+        self.echoed: set[int] = set()
 
     def _finish_reason(self, c: CompletionOutput, num_calls: int) -> str | None:
         # OpenAI: "tool_calls" when the model chose to call (auto, required); a forced
@@ -866,6 +947,12 @@ class _ChatFormat(_Format):
             )
         return {"content": content, "refusal": None}
 
+    def full_response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        resp = super().full_response(finals)
+        if self.req.prompt_logprobs is not None:
+            resp["prompt_logprobs"] = self.s.prompt_logprobs_json(finals[0])
+        return resp
+
     def start_chunks(self) -> list[dict[str, Any]]:
         chunks = []
         for i in range(self.n):
@@ -895,7 +982,11 @@ class _ChatFormat(_Format):
             if finished:
                 finish = self._finish_reason(c, ts.num_calls)
         else:
-            delta = {"content": c.new_text} if (c.new_text or not finished) else {}
+            text = c.new_text
+            if self.echo_text and idx not in self.echoed:
+                self.echoed.add(idx)
+                text = self.echo_text + text
+            delta = {"content": text} if (text or not finished) else {}
         choice: dict[str, Any] = {
             "index": idx,
             "delta": delta,
@@ -911,6 +1002,8 @@ class _ChatFormat(_Format):
         self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput
     ) -> dict[str, Any]:
         content, calls = final_message(self.plan, c.text)
+        if self.echo_text and self.plan is None:
+            content = self.echo_text + (content or "")
         message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
         choice: dict[str, Any] = {
             "index": idx,
@@ -983,6 +1076,16 @@ def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
             calls.append({**tc, "function": fn})
         msg["tool_calls"] = calls
     return msg
+
+
+def _chat_echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content, when it has the reply's role (the
+    assistant's with a generation prompt, else the last message's own)."""
+    if not req.echo or not req.messages:
+        return ""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    return _message_text(last, len(req.messages) - 1) if last.role == role else ""
 
 
 def _message_text(m: ChatMessage, i: int) -> str:

@@ -173,12 +173,15 @@ def request_spec(
     """The one output constraint a request asks for and the field it came from (None: free
     text); a 400 naming the field when it is malformed or two fields constrain the output."""
     found: list[tuple[str, StructuredOutputsParams]] = []
+    current = "structured_outputs"  # the field being read: a ValueError names it
     try:
         if response_format:
+            current = "response_format"
             spec = _from_response_format(response_format)
             if spec is not None:
                 found.append(("response_format", spec))
         if structured_outputs:
+            current = "structured_outputs"
             found.append(
                 (
                     "structured_outputs",
@@ -187,10 +190,10 @@ def request_spec(
             )
         g = {_GUIDED[k]: v for k, v in guided.items() if v is not None}
         if g:
-            found.append((next(k for k, v in guided.items() if v is not None),
-                          StructuredOutputsParams(**g)))  # fmt: skip
+            current = next(k for k, v in guided.items() if v is not None)
+            found.append((current, StructuredOutputsParams(**g)))
     except ValueError as e:
-        raise bad_request(str(e), param=found[-1][0] if found else "structured_outputs") from None
+        raise bad_request(str(e), param=current) from None
     if plan is not None and plan.mode in ("required", "named"):
         if plan.mode == "named":
             assert plan.name is not None

@@ -26,6 +26,7 @@ from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.server.limits import ServerLimits
 from iterserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from iterserve.server.serving import UNHONOURED_VLLM_EXTRAS
 
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 CHAT = [{"role": "user", "content": "Tell me about foxes"}]
@@ -551,3 +552,14 @@ CASES = [(ep, f) for ep, (_, table) in TABLES.items() for f in table]
 @pytest.mark.parametrize(("ep", "field"), CASES, ids=[f"{ep}-{f}" for ep, f in CASES])
 def test_field_is_honoured_or_refused(ctx: Ctx, ep: str, field: str) -> None:
     TABLES[ep][1][field](ctx, ep)
+
+
+@pytest.mark.parametrize("field", list(UNHONOURED_VLLM_EXTRAS))
+def test_unimplemented_vllm_extras_are_refused_unless_default(ctx: Ctx, field: str) -> None:
+    """Undeclared fields are ignored (as vLLM does), except vLLM's that change the output."""
+    default = UNHONOURED_VLLM_EXTRAS[field]
+    other: Any = "x" if default is None else (not default if isinstance(default, bool) else 2.0)
+    for ep in PATHS:
+        ctx.refused(ep, field, **{field: other})
+        ctx.post(ep, **{field: default})
+    ctx.post("completions", some_future_openai_field=1)

@@ -54,6 +54,21 @@ _MAX_CHARS_PER_TOKEN = 16
 _BOUNDARY_TOKENS = 8  # the cut can change how the last few tokens of the head merge
 
 
+# vLLM request extras that would change the output and that this server does not implement:
+# refused unless they carry vLLM's default (other unknown fields are ignored, as vLLM does).
+UNHONOURED_VLLM_EXTRAS: dict[str, object] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "logits_processors": None,
+    "vllm_xargs": None,
+    "spaces_between_special_tokens": True,
+    "prompt_embeds": None,
+    "cache_salt": None,
+    "documents": None,
+    "mm_processor_kwargs": None,
+}
+
+
 class Serving:
     """What the route handlers call: one method per endpoint, over the engine, the served
     model names and the metrics (``app.state.serving``)."""
@@ -130,6 +145,14 @@ class Serving:
                 param="prompt_logprobs",
                 code="unsupported_parameter",
             )
+        for name, value in (req.model_extra or {}).items():
+            if name in UNHONOURED_VLLM_EXTRAS and value != UNHONOURED_VLLM_EXTRAS[name]:
+                raise bad_request(
+                    f"{name} is not supported by this server (only its default, "
+                    f"{UNHONOURED_VLLM_EXTRAS[name]!r})",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
         return req.sampling_params()

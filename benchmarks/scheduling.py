@@ -583,6 +583,8 @@ def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k in rows[0]:
         vals = [r.get(k) for r in rows]
+        if any(isinstance(v, dict) for v in vals):
+            continue  # a nested record (the calibrated simulation): not a figure
         nums = [v for v in vals if v is not None]
         if len(nums) < len(vals):
             out[k] = None

@@ -709,6 +709,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument(
+        "--kv-cache-memory",
+        default=EngineArgs.kv_cache_memory,
+        help="the engine's KV pool (the simulator gets the same number of blocks); every "
+        "scenario's workload fits in 512MiB",
+    )
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     p.add_argument("--profile", help="CPU profile to simulate with (default: fit one first)")
     p.add_argument("--profile-prefill", default="0,32,128,240")
@@ -767,6 +773,7 @@ def run_cpu(ns: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_model_len=ns.max_model_len,
+        kv_cache_memory=ns.kv_cache_memory,
         seed=ns.seed,
     )
     if ns.no_engine and not ns.profile:
@@ -783,7 +790,10 @@ def run_cpu(ns: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         from iterserve.sim.deployment import build_deployment
 
         dep = build_deployment(
-            model=None, hardware=f"cpu:{ns.profile}", max_model_len=ns.max_model_len
+            model=None,
+            hardware=f"cpu:{ns.profile}",
+            max_model_len=ns.max_model_len,
+            kv_cache_memory=ns.kv_cache_memory,
         )
         vocab, max_len, blocks = dep.model.vocab_size, dep.max_model_len, dep.num_kv_blocks
     base = args.scheduler_config(max_len)

@@ -757,7 +757,9 @@ def scenario_record(sc: Scenario) -> dict[str, Any]:
 def by_label(rec: list[dict[str, Any]], key: str, i: int | None = None) -> dict[str, Any]:
     return {
         sc["name"]: {
-            v["label"]: (v[key] if i is None else v[key][i]) for v in sc["variants"] if v.get(key)
+            v["label"]: (v[key] if i is None else v[key][i])
+            for v in sc["variants"]
+            if v.get(key) and (i is None or i < len(v[key]))
         }
         for sc in rec
     }
@@ -864,9 +866,10 @@ def run_cpu(ns: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
 
 
 def add_engine_targets(result: dict[str, Any]) -> None:
-    """The targets per engine repeat (each from that repeat's runs alone)."""
+    """The targets per engine repeat (each from that repeat's runs alone; a scenario with
+    fewer repeats has no value in the later ones)."""
     rec = result["scenarios"]
-    n = min((len(v["engine"]) for sc in rec for v in sc["variants"]), default=0)
+    n = max((len(v["engine"]) for sc in rec for v in sc["variants"]), default=0)
     result["targets_engine"] = [targets(by_label(rec, "engine", i)) for i in range(n)]
 
 
@@ -875,7 +878,21 @@ def merge(paths: list[str]) -> dict[str, Any]:
     -> one result, targets recomputed over all their scenarios."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     result = dict(parts[0])
-    result["scenarios"] = [sc for part in parts for sc in part["scenarios"]]
+    scenarios: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for sc in part["scenarios"]:
+            have = scenarios.get(sc["name"])
+            if have is None:
+                scenarios[sc["name"]] = sc
+                continue
+            # The same scenario run again: its engine runs are more repeats (the workload and
+            # the simulation, deterministic, must be the same).
+            if have["workloads"] != sc["workloads"]:
+                raise ValueError(f"scenario {sc['name']!r} has different workloads in {paths}")
+            for v, w in zip(have["variants"], sc["variants"]):
+                assert v["label"] == w["label"]
+                v["engine"] = v.get("engine", []) + w.get("engine", [])
+    result["scenarios"] = list(scenarios.values())
     result["command"] = " ; ".join(part.get("command", "?") for part in parts)
     result["merged_from"] = paths
     result["targets_sim"] = targets(by_label(result["scenarios"], "sim"))

@@ -611,7 +611,7 @@ def agreement(scenarios: list[dict[str, Any]]) -> list[str]:
     against that run (the median over repeats)."""
     head = ["scenario", "variant", *(c for c, _ in AGREEMENT), "preemptions engine / sim",
             "profile on the engine's steps"]  # fmt: skip
-    lines = ["### Simulator against engine: (a) the profile as fitted, sim / engine median - 1\n"]
+    lines = ["#### Simulator against engine: (a) the profile as fitted, sim / engine median - 1\n"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     cal_lines: list[str] = []
 
@@ -620,19 +620,19 @@ def agreement(scenarios: list[dict[str, Any]]) -> list[str]:
 
     for sc in scenarios:
         for v in sc["variants"]:
-            if not v.get("engine"):
+            if not steady(v.get("engine") or []):
                 continue
-            eng = median_row(v["engine"])
+            eng = median_row(steady(v["engine"]))
             cells = []
             for _, key in AGREEMENT:
                 r = ratio(eng.get(key), v["sim"].get(key))
                 cells.append("-" if r is None else f"{r:+.1%}")
-            pre = ",".join(str(r["preemptions"]) for r in v["engine"])
+            pre = ",".join(str(r["preemptions"]) for r in steady(v["engine"]))
             cells.append(f"{pre} / {v['sim']['preemptions']}")
             err = eng.get("profile_error_on_steps")
             cells.append("-" if err is None else f"{err:+.1%}")
             lines.append(f"| {sc['name']} | {v['label']} | " + " | ".join(cells) + " |")
-            runs = [r for r in v["engine"] if r.get("sim_calibrated")]
+            runs = [r for r in steady(v["engine"]) if r.get("sim_calibrated")]
             if runs:
                 cal = []
                 for _, key in AGREEMENT:
@@ -647,7 +647,7 @@ def agreement(scenarios: list[dict[str, Any]]) -> list[str]:
                 )
     if cal_lines:
         head_b = ["scenario", "variant", *(c for c, _ in AGREEMENT), "preemptions engine/sim"]
-        lines += ["", "### (b) calibrated: each run against the simulator at that run's measured "
+        lines += ["", "#### (b) calibrated: each run against the simulator at that run's measured "
                   "step speed (median over repeats of sim / engine - 1)\n"]  # fmt: skip
         lines += ["| " + " | ".join(head_b) + " |", "|" + "---|" * len(head_b), *cal_lines]
     return [*lines, ""]
@@ -656,18 +656,22 @@ def agreement(scenarios: list[dict[str, Any]]) -> list[str]:
 def markdown(report: dict[str, Any]) -> str:
     lines: list[str] = []
     for target, res in report["results"].items():
-        lines.append(f"## {target}: {res['machine']}\n")
+        lines.append(f"### {target}: {res['machine']}\n")
         for sc in res["scenarios"]:
-            lines.append(f"### {sc['name']} {json.dumps(sc['info'])}\n")
+            info = ", ".join(
+                f"{k} {fmt(v) if isinstance(v, float) else v}" for k, v in sc["info"].items()
+            )
+            lines.append(f"#### {sc['name']} ({info})\n")
             head = ["variant", "run"] + [c for c, _ in COLUMNS]
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "---|" * len(head))
             for v in sc["variants"]:
-                if v.get("engine"):
-                    n = len(v["engine"])
+                if runs := steady(v.get("engine") or []):
+                    n, left = len(runs), len(v["engine"]) - len(runs)
+                    n_txt = f"{n}" + (f"; {left} disturbed left out" if left else "")
                     lines.append(
-                        f"| {v['label']} | engine (median of {n}) | "
-                        + " | ".join(row_cells(median_row(v["engine"])))
+                        f"| {v['label']} | engine (median of {n_txt}) | "
+                        + " | ".join(row_cells(median_row(runs)))
                         + " |"
                     )
                 lines.append(
@@ -676,7 +680,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append("")
         if any(v.get("engine") for sc in res["scenarios"] for v in sc["variants"]):
             lines += agreement(res["scenarios"])
-        lines.append("### Targets\n")
+        lines.append("#### Targets\n")
         lines.append("| target | goal | simulator | engine (median of repeats; range) |")
         lines.append("|---|---|---|---|")
         for i, t in enumerate(res["targets_sim"]):
@@ -754,15 +758,34 @@ def scenario_record(sc: Scenario) -> dict[str, Any]:
     }
 
 
+# A run whose steps took in all more than this much longer (or shorter) than the profile
+# predicts for those very steps ran on a machine that changed speed during it (a stall of
+# the shared machine): no simulation at one speed can follow it, so the tables and targets
+# leave it out (it stays in the JSON, and the table says how many were left out).
+DISTURBED = 0.20
+
+
+def steady(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in runs
+        if r.get("profile_error_on_steps") is None or abs(r["profile_error_on_steps"]) <= DISTURBED
+    ]
+
+
 def by_label(rec: list[dict[str, Any]], key: str, i: int | None = None) -> dict[str, Any]:
-    return {
-        sc["name"]: {
-            v["label"]: (v[key] if i is None else v[key][i])
-            for v in sc["variants"]
-            if v.get(key) and (i is None or i < len(v[key]))
-        }
-        for sc in rec
-    }
+    """scenario -> label -> row: the simulator's, or the engine's i-th steady run."""
+    out: dict[str, Any] = {}
+    for sc in rec:
+        rows = {}
+        for v in sc["variants"]:
+            if i is None:
+                if v.get(key):
+                    rows[v["label"]] = v[key]
+            elif i < len(runs := steady(v.get(key) or [])):
+                rows[v["label"]] = runs[i]
+        out[sc["name"]] = rows
+    return out
 
 
 def run_cpu(ns: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
@@ -869,7 +892,7 @@ def add_engine_targets(result: dict[str, Any]) -> None:
     """The targets per engine repeat (each from that repeat's runs alone; a scenario with
     fewer repeats has no value in the later ones)."""
     rec = result["scenarios"]
-    n = max((len(v["engine"]) for sc in rec for v in sc["variants"]), default=0)
+    n = max((len(steady(v["engine"])) for sc in rec for v in sc["variants"]), default=0)
     result["targets_engine"] = [targets(by_label(rec, "engine", i)) for i in range(n)]
 
 

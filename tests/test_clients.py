@@ -179,3 +179,21 @@ def test_openai_client_parse_and_tool_calls(oai: openai.OpenAI) -> None:
         calls = out.choices[0].message.tool_calls
         assert calls and calls[0].function.name == "get_time"  # type: ignore[union-attr]
         jsonschema.validate(json.loads(calls[0].function.arguments), ZONE)  # type: ignore[union-attr]
+
+
+def test_openai_client_echo_logprobs_score_the_prompt(oai: openai.OpenAI) -> None:
+    """What lm-eval's loglikelihood needs: the prompt's tokens with their logprobs (the first
+    has none), then the generated one's."""
+    prompt = "Hello there"
+    usage = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage
+    assert usage is not None
+    n_prompt = usage.prompt_tokens
+    out = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert len(lp.tokens) == n_prompt + 1 and out.choices[0].text.startswith(prompt)
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.token_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])

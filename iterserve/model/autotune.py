@@ -396,6 +396,8 @@ def choose(
         else:
             timed = measure_gemms(prob.weights, builders, prob.max_rows, deadline)
             gemm = {k: pick(timed[k]) for k in KINDS}
+            for k in KINDS:
+                logger.debug("%s GEMM ms at rows %s: %s", k, ROW_BUCKETS, _ms(timed[k]))
         attn: tuple[str, ...] = ()
         if attn_paths:
             if attn_fixed:
@@ -403,11 +405,14 @@ def choose(
             else:
                 assert kern is not None
                 ctx = max(1, min(ATTN_CTX, prob.max_ctx))
-                attn = pick(
-                    measure_decodes(
-                        kern, prob.heads, prob.kv_heads, prob.head_dim, prob.block_size,
-                        prob.dtype, prob.max_decodes, ctx, deadline,
-                    )
+                attn_t = measure_decodes(
+                    kern, prob.heads, prob.kv_heads, prob.head_dim, prob.block_size,
+                    prob.dtype, prob.max_decodes, ctx, deadline,
+                )  # fmt: skip
+                attn = pick(attn_t)
+                logger.debug(
+                    "decode attention ms (%d keys) at decodes %s: %s", ctx, DECODE_BUCKETS,
+                    _ms(attn_t),
                 )  # fmt: skip
         took = time.perf_counter() - t0
         choice = Choice(gemm, attn, "measured")
@@ -423,6 +428,13 @@ def choose(
     else:
         logger.info("kernel choice from the cache (%s)", cache_file(key))
     return choice
+
+
+def _ms(timings: Timings) -> str:
+    return "; ".join(
+        f"{p} " + " / ".join("-" if t is None else f"{t * 1e3:.3f}" for t in ts)
+        for p, ts in timings.items()
+    )
 
 
 def decode_router(kern: kernels.Kernels, paths: Sequence[str]) -> Any:

@@ -556,8 +556,9 @@ def test_cli_errors_are_clear(capsys: pytest.CaptureFixture[str]) -> None:
         simulate_main(["--workload", "random", "--model", "llama-3-8b", "--hardware", "tpu"]) == 2
     )
     assert "--hardware must be one of" in capsys.readouterr().err
-    assert simulate_main(["--workload", "random", "--model", "llama-3-8b", "--find-max-rate"]) == 2
-    assert "needs --slo" in capsys.readouterr().err
+    for search in (["--find-max-rate"], ["--at-capacity", "1.2"]):
+        assert simulate_main(["--workload", "random", "--model", "llama-3-8b", *search]) == 2
+        assert "need --slo" in capsys.readouterr().err
 
 
 def test_scaled_poisson_equals_regenerated_rate() -> None:

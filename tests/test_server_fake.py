@@ -30,7 +30,9 @@ def test_async_engine_streams_validates_and_aborts_on_close() -> None:
         engine.start()
         params = SamplingParams(max_tokens=5, temperature=0)
         outs = [o async for o in engine.generate("a", "hello", params)]
-        assert outs[-1].finished and len(outs) == 5
+        # A reader slower than the 2 ms steps gets consecutive steps merged into one output.
+        assert outs[-1].finished and 1 <= len(outs) <= 5
+        assert sum(len(o.outputs[0].new_token_ids) for o in outs) == 5
         assert "".join(o.outputs[0].new_text for o in outs) == outs[-1].outputs[0].text
         # Validation errors of add_request reach the caller as the engine's ValueError.
         with pytest.raises(ValueError, match="max_model_len"):

@@ -163,8 +163,14 @@ def run_iterserve_proc(
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(job, f)
         f.flush()
+        # iterserve is imported before torch, as in a program that uses it, so the engine's
+        # OpenMP default (iterserve/__init__.py) applies.
+        boot = (
+            "import iterserve, runpy, sys; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')"
+        )
         proc = subprocess.run(
-            [sys.executable, __file__, "--job", f.name], capture_output=True, text=True
+            [sys.executable, "-c", boot, __file__, "--job", f.name], capture_output=True, text=True
         )
     for line in proc.stdout.splitlines():
         if line.startswith(_MARK):

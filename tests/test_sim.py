@@ -17,7 +17,14 @@ from iterserve.core import Request
 from iterserve.core.scheduler import SchedulerOutput
 from iterserve.model.model_config import ModelConfig
 from iterserve.sampling_params import SamplingParams
-from iterserve.sim.capacity import EarlyStop, find_max_rate, meets, parse_slos, scaled
+from iterserve.sim.capacity import (
+    EarlyStop,
+    find_max_rate,
+    find_throughput_capacity,
+    meets,
+    parse_slos,
+    scaled,
+)
 from iterserve.sim.cli import main as simulate_main
 from iterserve.sim.cost_model import RooflineCostModel, StepShape, step_shape
 from iterserve.sim.cpu_profile import (
@@ -346,6 +353,76 @@ def test_find_max_rate_brackets_the_boundary() -> None:
     # The boundary is real: just above it the same workload misses the SLO.
     above = _sim().run(scaled(specs, min(p.scale for p in bad)))
     assert not meets(_summary(above), slos)
+
+
+class _LinearCost:
+    """A step takes A + B x its tokens."""
+
+    A, B = 0.004, 1e-4
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.A + self.B * shape.num_tokens
+
+
+@pytest.mark.parametrize("seqs,prompt,output", [(4, 30, 5), (8, 12, 20), (1, 50, 3)])
+def test_throughput_capacity_is_the_closed_form_rate_of_a_linear_cost(
+    seqs: int, prompt: int, output: int
+) -> None:
+    """``seqs`` slots, prompts of ``prompt`` tokens, ``output`` tokens each, a budget that
+    prefills a whole batch in one step: at saturation the requests run in waves of ``seqs``;
+    a wave is one prefill step (``seqs x prompt`` tokens, which also gives each its first
+    token) and ``output - 1`` decode steps of ``seqs`` tokens, so the capacity is ``seqs`` /
+    the wave's time."""
+    sc = SchedulerConfig(
+        max_num_seqs=seqs, max_num_batched_tokens=seqs * prompt, max_model_len=4096
+    )
+    sim = Simulator(SimConfig(scheduler=sc, num_kv_blocks=4000), _LinearCost())
+    c = _LinearCost
+    wave_s = c.A + c.B * seqs * prompt + (output - 1) * (c.A + c.B * seqs)
+    # Poisson arrivals at 3 req/s: the capacity does not depend on them, only its scale does.
+    # Distinct prompts (no prefix-cache hits).
+    specs = [
+        RequestSpec([100 + i] * prompt, output, t)
+        for i, t in enumerate(synth_arrivals(seqs * 12, 3.0, 1.0, np.random.default_rng(0)))
+    ]
+    cap = find_throughput_capacity(specs, lambda s, stop: sim.run(s, stop=stop))
+    assert cap.max_rate == pytest.approx(seqs / wave_s, rel=1e-9)
+    base_rate = (len(specs) - 1) / specs[-1].arrival_time
+    assert cap.max_scale == pytest.approx(cap.max_rate / base_rate)
+    assert cap.completed % seqs == 0 and cap.completed > 0  # whole waves only
+
+
+def test_throughput_capacity_is_where_the_queue_starts_to_grow() -> None:
+    """Below the throughput capacity the engine keeps up (TTFT stays near a step's time, the
+    run ends with the arrivals); above it the queue, and with it TTFT, grows through the
+    run."""
+    specs = _specs(n=300, rate=5.0)
+    sim = _sim()
+    cap = find_throughput_capacity(specs, lambda s, stop: sim.run(s, stop=stop))
+    ttfts = {}
+    for mult in (0.7, 1.3):
+        res = sim.run(scaled(specs, mult * cap.max_scale))
+        ts = [t.ttft for t in res.timings if t.ttft is not None]
+        ttfts[mult] = (float(np.mean(ts[:50])), float(np.mean(ts[-50:])))
+    early, late = ttfts[0.7]
+    assert late < 3 * early + 0.5
+    early, late = ttfts[1.3]
+    assert late > 5 * early  # the backlog builds up
+
+
+def test_throughput_capacity_rejects_what_it_cannot_measure() -> None:
+    sim = _sim()
+
+    def run(s: list[RequestSpec], stop: object) -> SimResult:
+        return sim.run(s)
+
+    with pytest.raises(ValueError, match="at least 2"):
+        find_throughput_capacity(_specs(n=1), run)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="trim"):
+        find_throughput_capacity(_specs(n=10), run, trim=0.5)  # type: ignore[arg-type]
+    one_step = [RequestSpec([5] * 4, 1, 0.1 * i) for i in range(3)]
+    with pytest.raises(ValueError, match="same time"):
+        find_throughput_capacity(one_step, run)  # type: ignore[arg-type]
 
 
 # ---- CPU profile --------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""Capacity search: the highest request rate at which a deployment still meets its SLOs.
+"""Capacity: the highest request rate at which a deployment still meets its SLOs
+(``find_max_rate``, *attainment* capacity), or that it can serve at all
+(``find_throughput_capacity``, *throughput* capacity).
 
 The workload is built once; a rate scale ``s`` divides every arrival time by ``s`` (for
 Poisson arrivals that is exactly the workload at ``s`` times the rate, since the gaps are
@@ -9,6 +11,11 @@ bracket is narrower than ``tolerance``.
 
 A run stops early once its outcome is certain: any failed request, or, for a percentile SLO,
 more requests over the limit than the percentile allows.
+
+Throughput capacity is the rate past which the queue grows without bound: the rate at which
+requests complete while the engine is saturated. Every request arrives at once (in the
+workload's order), and the completions are counted between two completion times that trim
+the ramp-up (batches filling) and the drain (batches emptying) off.
 """
 
 from __future__ import annotations
@@ -207,3 +214,53 @@ def find_max_rate(
         res.max_scale = lo
     res.max_rate = base_rate * res.max_scale
     return res
+
+
+# The two definitions ``iterserve simulate --capacity`` and benchmarks/scheduling.py offer.
+CAPACITY_KINDS = ("attainment", "throughput")
+
+
+@dataclass
+class ThroughputCapacity:
+    max_rate: float  # requests completed per second while the engine was saturated
+    max_scale: float  # max_rate / mean_rate(specs): the rate scale of the workload it is
+    completed: int  # completions inside the window
+    window_s: float  # the window's length (simulated seconds)
+    wall_s: float
+
+
+def find_throughput_capacity(
+    specs: list[RequestSpec],
+    run: Callable[[list[RequestSpec], Callable[[RequestTiming], bool] | None], SimResult],
+    *,
+    trim: float = 0.1,
+) -> ThroughputCapacity:
+    """The served request rate under a saturating load: ``run`` simulates ``specs`` with every
+    arrival moved to the first one's time (their order kept); the rate is the number of
+    completions after the ``trim`` quantile of completion times up to the ``1 - trim`` one,
+    over the time between them. Counting by time, not by index, keeps a batch that finishes
+    in one step whole (in or out)."""
+    if not 0.0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+    if len(specs) < 2:
+        raise ValueError("the throughput capacity needs a workload of at least 2 requests")
+    base_rate = mean_rate(specs)
+    t0 = time.perf_counter()
+    start = min(s.arrival_time for s in specs)
+    res = run([replace(s, arrival_time=start) for s in specs], None)
+    ends = sorted(
+        t.arrival_time + t.latency for t in res.timings if t.success and t.latency is not None
+    )
+    if len(ends) < 2:
+        raise ValueError(f"only {len(ends)} of {len(specs)} requests completed at saturation")
+    lo = ends[math.floor(trim * (len(ends) - 1))]
+    hi = ends[math.ceil((1 - trim) * (len(ends) - 1))]
+    if hi <= lo:  # everything finished in one step: the window is that step's batch
+        raise ValueError(
+            "every request finished at the same time at saturation: use a larger workload "
+            "(--num-prompts) for a throughput capacity"
+        )
+    done = sum(1 for e in ends if lo < e <= hi)
+    rate = done / (hi - lo)
+    scale = rate / base_rate if math.isfinite(base_rate) else math.nan
+    return ThroughputCapacity(rate, scale, done, hi - lo, time.perf_counter() - t0)

@@ -30,10 +30,12 @@ from typing import Any
 from iterserve.config import EngineArgs, parse_policies, variant_args
 from iterserve.core.policies import POLICY_VARIANTS
 from iterserve.sim.capacity import (
+    CAPACITY_KINDS,
     CapacityResult,
     Probe,
     Slo,
     find_max_rate,
+    find_throughput_capacity,
     mean_rate,
     parse_slos,
     scaled,
@@ -180,8 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--at-capacity",
         type=float,
         metavar="MULT",
-        help="find the first --policy's highest rate meeting --slo, then run every policy "
+        help="find the first --policy's capacity (--capacity), then run every policy "
         "at MULT times it (e.g. 1.2 with --policy continuous,slo --goodput ttft:500)",
+    )
+    c.add_argument(
+        "--capacity",
+        choices=CAPACITY_KINDS,
+        help="which capacity --at-capacity multiplies: attainment (default: the highest rate "
+        "meeting --slo, as --find-max-rate) or throughput (the request rate served under a "
+        "saturating load, past which the queue grows without bound; needs no --slo)",
     )
     c.add_argument(
         "--slo", help="e.g. ttft_p99:500,tpot_p99:50 (milliseconds; stats p50..p99, median, mean)"
@@ -449,10 +458,14 @@ def print_capacity(rows: list[tuple[str, CapacityResult]], slos: list[Slo]) -> N
 
 def cmd_simulate(ns: argparse.Namespace) -> int:
     policies = parse_policies(ns.policy, flag="--policy")
-    searching = ns.find_max_rate or ns.at_capacity is not None
+    if ns.capacity is not None and ns.at_capacity is None:
+        raise ValueError("--capacity chooses what --at-capacity multiplies: give --at-capacity")
+    throughput = ns.capacity == "throughput"
+    searching = ns.find_max_rate or (ns.at_capacity is not None and not throughput)
     if searching and not ns.slo:
         raise ValueError(
-            "--find-max-rate and --at-capacity need --slo, e.g. --slo ttft_p99:500,tpot_p99:50"
+            "--find-max-rate and --at-capacity need --slo, e.g. --slo ttft_p99:500,tpot_p99:50 "
+            "(or --capacity throughput, which needs none)"
         )
     if ns.find_max_rate and ns.at_capacity is not None:
         raise ValueError("give --find-max-rate or --at-capacity, not both")
@@ -552,25 +565,31 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         return 0
 
     if ns.at_capacity is not None:
-        # The capacity of the first policy (the baseline), found as --find-max-rate finds it.
+        # The capacity of the first policy (the baseline).
         sc = sim_config(policies[0], base, dep, ns.replicas, ns.router)
-        cap = find_max_rate(
-            specs,
-            lambda s, stop: Simulator(sc, dep.cost).run(s, stop=stop),
-            slos,
-            tolerance=ns.tolerance,
-        )
-        scale = cap.max_scale * ns.at_capacity
+
+        def run_base(s: list[RequestSpec], stop: Any) -> SimResult:
+            return Simulator(sc, dep.cost).run(s, stop=stop)
+
+        if throughput:
+            tc = find_throughput_capacity(specs, run_base)
+            max_rate, max_scale = tc.max_rate, tc.max_scale
+            what = "served under a saturating load"
+        else:
+            cap = find_max_rate(specs, run_base, slos, tolerance=ns.tolerance)
+            max_rate, max_scale = cap.max_rate, cap.max_scale
+            what = "under " + ", ".join(str(x) for x in slos)
         _err(
-            f"capacity of {policies[0]} under {', '.join(str(x) for x in slos)}: "
-            f"{cap.max_rate:.4g} req/s (rate scale {cap.max_scale:.4g}); running every "
-            f"policy at {ns.at_capacity:g}x: {cap.max_rate * ns.at_capacity:.4g} req/s"
+            f"{ns.capacity or 'attainment'} capacity of {policies[0]} ({what}): "
+            f"{max_rate:.4g} req/s (rate scale {max_scale:.4g}); running every "
+            f"policy at {ns.at_capacity:g}x: {max_rate * ns.at_capacity:.4g} req/s"
         )
-        specs = scaled(specs, scale)
+        specs = scaled(specs, max_scale * ns.at_capacity)
         config["capacity"] = {
+            "kind": ns.capacity or "attainment",
             "baseline": policies[0],
-            "max_rate": cap.max_rate,
-            "max_scale": cap.max_scale,
+            "max_rate": max_rate,
+            "max_scale": max_scale,
             "multiple": ns.at_capacity,
         }
 

@@ -7,9 +7,12 @@ H100 with the full-size traces. Writes a markdown table and JSON (docs/SCHEDULIN
 
 Scenarios (each runs every variant on one workload, built once):
 
-  overload  the Azure code trace; first the capacity: the highest rate scale at which FCFS
-            (``continuous``) meets TTFT p99 <= --slo-ms (``find_max_rate``, in the simulator);
-            then ``continuous`` at 1.0x and 1.2x that capacity and ``slo`` at 1.2x
+  overload  the Azure code trace; first FCFS's (``continuous``'s) capacity in the simulator, as
+            --capacity says: attainment (the highest rate scale at which TTFT
+            --capacity-stat <= the SLO, ``find_max_rate``) and/or throughput (the request rate
+            served under a saturating load, past which the queue grows without bound,
+            ``find_throughput_capacity``); then ``continuous`` and ``slo`` at
+            --capacity-multiples (1.0, 1.2, 2) of each
   kv        the Azure conversation trace on a small KV pool (--kv-blocks): victim rules
             newest / least-computed / fewest-generated, anti-thrash (protect 8 steps),
             reservations estimate / reserve-max
@@ -60,7 +63,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_fidelity import PINNED_ALLOCATOR, CpuClock, fit_profile_here  # noqa: E402
 
 from iterserve.config import EngineArgs, SchedulerConfig  # noqa: E402
-from iterserve.sim.capacity import Slo, find_max_rate, mean_rate, scaled  # noqa: E402
+from iterserve.sim.capacity import (  # noqa: E402
+    CAPACITY_KINDS,
+    Slo,
+    find_max_rate,
+    find_throughput_capacity,
+    mean_rate,
+    scaled,
+)
 from iterserve.sim.cost_model import CostModel, StepShape, step_shape  # noqa: E402
 from iterserve.sim.simulator import SimConfig, Simulator  # noqa: E402
 from iterserve.workload.datasets import RequestSpec, WorkloadConfig, build_workload  # noqa: E402
@@ -253,6 +263,10 @@ def with_long_prompts(
 SimFn = Callable[..., Any]  # (specs, knobs, num_kv_blocks, stop=None) -> SimResult
 
 
+def overload_label(policy: str, mult: float, kind: str) -> str:
+    return f"{policy} @ {mult:g}x {kind} capacity"
+
+
 def build_scenarios(
     names: list[str],
     size: Size,
@@ -262,49 +276,52 @@ def build_scenarios(
     simulate: SimFn,
     seed: int,
     capacity_stat: str = "p90",
+    capacities: tuple[str, ...] = ("attainment", "throughput"),
+    multiples: tuple[float, ...] = (1.0, 1.2, 2.0),
 ) -> list[Scenario]:
     out: list[Scenario] = []
     if "overload" in names:
         base = trace_specs(
             "azure-code", size.code_prompts, size, size.code_load, vocab, max_len, seed
         )
-        t0 = time.perf_counter()
-        slos = [Slo("ttft", capacity_stat, slo_ms)]
 
         def run(specs: list[RequestSpec], stop: Any) -> Any:
             return simulate(specs, {"policy": "continuous"}, None, stop=stop)
 
-        cap = find_max_rate(base, run, slos, tolerance=0.02)
-        if cap.max_scale <= 0:
-            raise RuntimeError(f"FCFS meets {slos[0]} at no rate tried")
-        log(
-            f"overload: FCFS capacity {cap.max_rate:.3g} req/s (trace rate x{cap.max_scale:.3g}) "
-            f"at {slos[0]}, {len(cap.probes)} probes, "
-            f"{time.perf_counter() - t0:.0f} s"
-        )
-        at = {
-            "cap1.0": scaled(base, cap.max_scale),
-            "cap1.2": scaled(base, 1.2 * cap.max_scale),
-        }
-        out.append(
-            Scenario(
-                "overload",
-                at,
-                [
-                    Variant("continuous @ 1.0x capacity", {"policy": "continuous"}, "cap1.0"),
-                    Variant("continuous @ 1.2x capacity", {"policy": "continuous"}, "cap1.2"),
-                    Variant(
-                        "slo @ 1.2x capacity", {"policy": "slo", "slo_ttft_ms": slo_ms}, "cap1.2"
-                    ),
-                ],
-                info={
-                    "capacity_req_s": cap.max_rate,
-                    "capacity_trace_scale": cap.max_scale,
-                    "capacity_slo": f"{slos[0]} (FCFS continuous, simulator)",
-                    "rate_1.2x_req_s": mean_rate(at["cap1.2"]),
-                },
+        workloads: dict[str, list[RequestSpec]] = {}
+        variants: list[Variant] = []
+        info: dict[str, Any] = {}
+        for kind in capacities:
+            t0 = time.perf_counter()
+            if kind == "attainment":
+                slos = [Slo("ttft", capacity_stat, slo_ms)]
+                cap = find_max_rate(base, run, slos, tolerance=0.02)
+                if cap.max_scale <= 0:
+                    raise RuntimeError(f"FCFS meets {slos[0]} at no rate tried")
+                rate, scale = cap.max_rate, cap.max_scale
+                info["attainment_capacity_slo"] = f"{slos[0]} (FCFS continuous, simulator)"
+            else:
+                tc = find_throughput_capacity(base, run)
+                rate, scale = tc.max_rate, tc.max_scale
+            log(
+                f"overload: FCFS {kind} capacity {rate:.3g} req/s (trace rate x{scale:.3g}), "
+                f"{time.perf_counter() - t0:.0f} s"
             )
-        )
+            info[f"{kind}_capacity_req_s"] = rate
+            for m in multiples:
+                key = f"{kind}{m:g}"
+                workloads[key] = scaled(base, m * scale)
+                info[f"{kind}_{m:g}x_req_s"] = mean_rate(workloads[key])
+                variants.append(
+                    Variant(overload_label("continuous", m, kind), {"policy": "continuous"}, key)
+                )
+                variants.append(
+                    Variant(
+                        overload_label("slo", m, kind), {"policy": "slo", "slo_ttft_ms": slo_ms},
+                        key,
+                    )
+                )  # fmt: skip
+        out.append(Scenario("overload", workloads, variants, info=info))
     if "kv" in names:
         specs = trace_specs(
             "azure-conv", size.conv_prompts, size, size.kv_load, vocab, max_len, seed
@@ -520,7 +537,13 @@ def targets(by_label: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, An
     def target(name: str, value: float | None, goal: str, ok: bool | None) -> dict[str, Any]:
         return {"target": name, "value": value, "goal": goal, "met": ok}
 
-    slo = ratio("overload", "slo @ 1.2x capacity", "continuous @ 1.2x capacity", "goodput")
+    def slo_gain(kind: str) -> float | None:
+        return ratio(
+            "overload", overload_label("slo", 1.2, kind), overload_label("continuous", 1.2, kind),
+            "goodput",
+        )  # fmt: skip
+
+    slo, slo_thr = slo_gain("attainment"), slo_gain("throughput")
     tax = ratio("kv", "least-computed", "newest", "recompute_tax")
     cut = None if tax is None else 1 - tax
     fair = ratio("tenants", "fair", "light alone (continuous)", "light_ttft_p99")
@@ -528,7 +551,7 @@ def targets(by_label: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, An
     long_on = ratio("long", thr, "short requests only", "short_ttft_p99")
     long_off = ratio("long", "+ long prompts", "short requests only", "short_ttft_p99")
     return [
-        target("slo goodput / FCFS goodput at 1.2x capacity", slo, ">= 1.3",
+        target("slo goodput / FCFS goodput at 1.2x attainment capacity", slo, ">= 1.3",
                None if slo is None else slo >= 1.3),
         target("least-computed recompute tax cut vs newest", cut, ">= 0.30",
                None if cut is None else cut >= 0.30),
@@ -537,6 +560,8 @@ def targets(by_label: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, An
         target("long-prompt mode: short p99 TTFT / short-only load", long_on, "<= 2",
                None if long_on is None else long_on <= 2),
         target("(no long-prompt mode: short p99 TTFT / short-only load)", long_off, "-", None),
+        target("slo goodput / FCFS goodput at 1.2x throughput capacity", slo_thr, ">= 1.3",
+               None if slo_thr is None else slo_thr >= 1.3),
     ]  # fmt: skip
 
 
@@ -735,6 +760,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="capacity: the highest rate at which FCFS keeps this TTFT percentile within the "
         "SLO (p90: 90%% of requests meet it, DistServe's attainment goal)",
     )
+    p.add_argument(
+        "--capacity",
+        default="attainment,throughput",
+        help="overload: which FCFS capacities the load is a multiple of (attainment: the TTFT "
+        "percentile within the SLO; throughput: the rate served at saturation)",
+    )
+    p.add_argument(
+        "--capacity-multiples", default="1,1.2,2", help="overload: loads, as capacity multiples"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="scheduling_out")
     p.add_argument(
@@ -745,6 +779,23 @@ def build_parser() -> argparse.ArgumentParser:
         "processes) into OUT_DIR/merged.json and .md",
     )
     return p
+
+
+def overload_options(ns: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """--capacity and --capacity-multiples, checked."""
+    kinds = tuple(k.strip() for k in ns.capacity.split(",") if k.strip())
+    if not kinds or set(kinds) - set(CAPACITY_KINDS):
+        raise SystemExit(f"--capacity takes {' and/or '.join(CAPACITY_KINDS)}, got {ns.capacity!r}")
+    try:
+        mults = tuple(float(x) for x in ns.capacity_multiples.split(",") if x.strip())
+    except ValueError:
+        mults = ()
+    if not mults or any(not m > 0 for m in mults):
+        raise SystemExit(
+            f"--capacity-multiples takes positive numbers, e.g. 1,1.2,2; got "
+            f"{ns.capacity_multiples!r}"
+        )
+    return kinds, mults
 
 
 def scenario_record(sc: Scenario) -> dict[str, Any]:
@@ -834,6 +885,7 @@ def run_cpu(ns: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         simulate,
         ns.seed,
         ns.capacity_stat,
+        *overload_options(ns),
     )
     rec = [scenario_record(sc) for sc in scenarios]
     for sc, r in zip(scenarios, rec):
@@ -933,7 +985,7 @@ def run_h100(ns: argparse.Namespace) -> dict[str, Any]:
     names = [s.strip() for s in ns.scenarios.split(",") if s.strip()]
     scenarios = build_scenarios(
         names, SIZES["h100"], dep.model.vocab_size, dep.max_model_len, ns.h100_slo_ms, simulate,
-        ns.seed, ns.capacity_stat,
+        ns.seed, ns.capacity_stat, *overload_options(ns),
     )  # fmt: skip
     rec = [scenario_record(sc) for sc in scenarios]
     for sc, r in zip(scenarios, rec):

@@ -78,8 +78,10 @@ def test_measure_short_goodput_and_tenants(sched: Any) -> None:
 def test_targets_from_rows(sched: Any) -> None:
     rows = {
         "overload": {
-            "continuous @ 1.2x capacity": {"goodput": 1.0},
-            "slo @ 1.2x capacity": {"goodput": 1.4},
+            "continuous @ 1.2x attainment capacity": {"goodput": 1.0},
+            "slo @ 1.2x attainment capacity": {"goodput": 1.4},
+            "continuous @ 1.2x throughput capacity": {"goodput": 0.5},
+            "slo @ 1.2x throughput capacity": {"goodput": 0.6},
         },
         "kv": {"newest": {"recompute_tax": 0.10}, "least-computed": {"recompute_tax": 0.08}},
         "tenants": {
@@ -99,6 +101,7 @@ def test_targets_from_rows(sched: Any) -> None:
     assert vals[2] == (pytest.approx(2.5), False)
     assert vals[3] == (pytest.approx(1.5), True)
     assert vals[4][0] == pytest.approx(4.0)
+    assert vals[5] == (pytest.approx(1.2), False)
 
 
 class FixedCost:

@@ -631,8 +631,9 @@ def test_slo_serves_the_earliest_deadline_first() -> None:
 def test_property_slo_rejects_only_what_the_estimate_says_will_miss(
     data: st.DataObject, budget: int, max_seqs: int, default_ms: float | None
 ) -> None:
-    """Every rejection happened when the predicted first token was past the deadline, and
-    every admission of a request with a deadline when it was not; every request ends."""
+    """Every rejection happened when the predicted first token (as the policy saw the step
+    at that admission) was past the deadline, and every admission of a request with a
+    deadline when it was not; every request ends."""
     s = sched(
         num_blocks=200,
         policy="slo",
@@ -645,6 +646,14 @@ def test_property_slo_rejects_only_what_the_estimate_says_will_miss(
     policy = s.policy
     assert isinstance(policy, SloPolicy)
     books = Books(s)
+    asked: dict[str, float] = {}  # request -> its predicted first token when admit was asked
+    admission = policy._admission
+
+    def spy(req: Request, clock: Any) -> Any:
+        asked[req.request_id] = policy.predicted_first_token(req, clock())
+        return admission(req, clock)
+
+    policy._admission = spy  # type: ignore[method-assign]
     n = data.draw(st.integers(1, 16))
     pending = sorted(
         (
@@ -667,14 +676,14 @@ def test_property_slo_rejects_only_what_the_estimate_says_will_miss(
             now[0] = queue[0].arrival_time
             continue
         step_s = policy.step_s
-        before = {r.request_id: policy.predicted_first_token(r, now[0]) for r in s.waiting}
+        asked.clear()
         out = s.schedule()
         for r in out.failed:
             assert r.error and "time-to-first-token target" in r.error
-            assert before[r.request_id] > policy.deadline(r)
+            assert asked[r.request_id] > policy.deadline(r)
         for r in out.new_requests:
             if r.num_output_tokens == 0:
-                assert before[r.request_id] <= policy.deadline(r)
+                assert asked[r.request_id] <= policy.deadline(r)
         sampled = {
             r.request_id: 3
             for r, k in zip(out.requests, out.num_tokens)
@@ -692,6 +701,61 @@ def test_property_slo_rejects_only_what_the_estimate_says_will_miss(
     assert books.counters()["num_rejected"] == s.num_rejected
     if default_ms is None and all(r.slo_ttft_s is None for r in reqs):
         assert s.num_rejected == 0
+
+
+def test_slo_predicts_the_first_token_the_cost_model_gives() -> None:
+    """Three requests decoding, then a 150- and a 100-token prompt, steps timed by a linear
+    cost: the prediction at admission (decodes first, the prefill work ahead, the fitted
+    a + b x tokens, full steps while a request waits behind) is the first token's time
+    exactly for the first prompt (the second fills its last step); for the second, with
+    nothing behind it, it is off only by the first one's decode, which joins after its
+    prefill (one token a step)."""
+    s = sched(num_blocks=400, policy="slo", max_num_batched_tokens=64, max_num_seqs=8,
+              slo_ttft_ms=10_000.0)  # fmt: skip
+    policy = s.policy
+    assert isinstance(policy, SloPolicy)
+    books = Books(s)
+    now = [0.0]
+    s.clock = lambda: now[0]
+    predicted: dict[str, tuple[float, int]] = {}  # id -> (time, steps)
+    admission = policy._admission
+
+    def spy(req: Request, clock: Any) -> Any:
+        t = policy.predicted_first_token(req, clock())
+        work = policy.prefill_ahead + req.num_tokens - req.num_computed_tokens
+        predicted[req.request_id] = (t, math.ceil(work / (policy.budget - policy.decodes)))
+        return admission(req, clock)
+
+    policy._admission = spy  # type: ignore[method-assign]
+    first: dict[str, float] = {}
+
+    def step() -> None:
+        out = s.schedule()
+        sampled = {r.request_id: 3 for r, k in zip(out.requests, out.num_tokens)
+                   if r.num_computed_tokens + k == r.num_tokens}  # fmt: skip
+        s.update_from_output(out, sampled)
+        dt = linear_step_s(out.total_tokens)
+        books.record_step(out, now[0], dt, 0)
+        now[0] += dt
+        for rid in sampled:
+            first.setdefault(rid, now[0])
+
+    for i in range(3):
+        req = slo_req(f"long{i}", 10, 0.0, 10.0, seed=i)
+        req.max_tokens = 200  # still decoding when the prompts are done
+        s.add_request(req)
+    for _ in range(5):
+        step()  # the fit now has seen two step sizes (the prefill, the decodes)
+    t0 = now[0]
+    s.add_request(slo_req("a", 150, t0, 10.0, seed=10))
+    s.add_request(slo_req("b", 100, t0, 10.0, seed=11))
+    while "b" not in first:
+        step()
+    assert policy.fit.coefficients() == pytest.approx((0.005, 1e-4))
+    assert first["a"] == pytest.approx(predicted["a"][0], abs=1e-12)
+    assert predicted["a"][0] > t0 + 3 * 0.005  # three steps, not the uncontended one
+    steps_b = predicted["b"][1]
+    assert 0 < first["b"] - predicted["b"][0] <= steps_b * 1e-4 + 1e-12
 
 
 def linear_step_s(tokens: int) -> float:

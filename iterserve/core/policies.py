@@ -404,11 +404,16 @@ class SloPolicy(Policy):
     running requests past their TPOT targets.
 
     TTFT: a request's target is ``Request.slo_ttft_s``, else ``SchedulerConfig.slo_ttft_ms``;
-    without either it is served after every request with a deadline, FCFS. The first token
-    is predicted at ``now + ceil(uncomputed prompt / token budget) * step time`` with the
-    step time a running average of the engine's measured steps (the cost model's in the
-    simulator), so the prediction is optimistic: a request is rejected only when even an
-    uncontended prefill would miss its deadline.
+    without either it is served after every request with a deadline, FCFS. Its prompt is
+    computed after the running decodes (one token each, every step) and the prefill work
+    ahead of it (running partial prefills, and prompts admitted before it this step), so
+    with ``d`` decodes and ``W`` prefill tokens up to its own last one the first token comes
+    after ``k = ceil(W / (budget - d))`` steps, predicted at
+    ``now + k * a + b * (k * d + W)`` with ``a + b * tokens`` the fitted step time
+    (``StepTimeFit`` over the steps run: measured in the engine, the cost model's in the
+    simulator); when more requests wait behind it, they fill its last step, and the
+    prediction is ``now + k * (a + b * budget)``. Before the fit has a slope, ``now + k *``
+    the running mean step. A request is rejected when that prediction is past its deadline.
 
     TPOT: a request's target is ``Request.slo_tpot_s``, else ``SchedulerConfig.slo_tpot_ms``.
     A running request gets one token per step, so its TPOT is the step time. Each step,
@@ -435,6 +440,10 @@ class SloPolicy(Policy):
         # and how much of it running partial prefills may take first.
         self.prefill_room: int | None = None
         self.running_prefill = 0
+        # This step's running decodes and the prefill tokens ahead of the next admission.
+        self.decodes = 0
+        self.prefill_ahead = 0
+        self.waiting_behind = 0  # requests waiting behind the next admission
 
     def ttft_target(self, req: Request) -> float | None:
         return req.slo_ttft_s if req.slo_ttft_s is not None else self.default_ttft_s
@@ -450,10 +459,29 @@ class SloPolicy(Policy):
         return KeyedWaitingQueue(lambda r: (self.deadline(r), r.arrival_seq))
 
     def predicted_first_token(self, req: Request, now: float) -> float:
-        uncomputed = max(1, len(req.all_token_ids) - req.num_computed_tokens)
-        return now + math.ceil(uncomputed / self.budget) * self.step_s
+        """When ``req``'s first token would come if admitted now (see the class doc)."""
+        work = self.prefill_ahead + max(1, len(req.all_token_ids) - req.num_computed_tokens)
+        per_step = self.budget - self.decodes
+        if self.prefill_room is not None:
+            per_step = min(per_step, self.prefill_room)
+        per_step = max(1, per_step)
+        steps = math.ceil(work / per_step)
+        ab = self.fit.coefficients()
+        if ab is None or ab[1] == 0.0:
+            return now + steps * self.step_s
+        a, b = ab
+        full = self.waiting_behind > 0  # what waits behind it fills its last step
+        tokens = steps * (self.decodes + per_step) if full else steps * self.decodes + work
+        return now + steps * a + b * tokens
 
     def admit(self, req: Request, clock: Callable[[], float]) -> Admission:
+        verdict = self._admission(req, clock)
+        self.waiting_behind -= 1
+        if verdict is ADMIT:  # its prompt is ahead of the next admission's
+            self.prefill_ahead += len(req.all_token_ids) - req.num_computed_tokens
+        return verdict
+
+    def _admission(self, req: Request, clock: Callable[[], float]) -> Admission:
         deadline = self.deadline(req)
         if deadline == math.inf or len(req.all_token_ids) > len(req.prompt_token_ids):
             return ADMIT  # no target, or its first token is already out
@@ -470,9 +498,6 @@ class SloPolicy(Policy):
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
         self.prefill_room = None
-        targets = [t for r in running if (t := self.tpot_target(r)) is not None]
-        if not targets:
-            return
         decodes = prefill = 0
         for r in running:
             left = len(r.all_token_ids) - r.num_computed_tokens
@@ -480,6 +505,11 @@ class SloPolicy(Policy):
                 decodes += 1
             else:
                 prefill += left
+        self.decodes, self.prefill_ahead = decodes, prefill
+        self.waiting_behind = len(waiting) - 1
+        targets = [t for r in running if (t := self.tpot_target(r)) is not None]
+        if not targets:
+            return
         room = self.fit.max_tokens_within(min(targets)) - decodes
         if room < 0 or room == math.inf:
             return  # decodes alone miss it (or no bound known): prefills are not the cause

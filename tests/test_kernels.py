@@ -111,3 +111,75 @@ def test_argmax_equals_torch() -> None:
     x[1, 50] = x[2, 3] = x[2, 90] = x[4, 99] = float("nan")
     x[3, :] = float("-inf")
     assert torch.equal(kern.argmax(x), x.argmax(-1))
+
+
+def _prefill_case(
+    n: int, p0: int, H: int, kvh: int, hd: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [n, H, hd] as a strided view (the layer's qk tensor), bf16 caches with the chunk's
+    blocks scattered, and the f32 SDPA reference [n, H * hd] over the gathered keys."""
+    g = torch.Generator().manual_seed(seed)
+    bs, ctx = 4, p0 + n
+    nblocks = -(-ctx // bs) + 5
+    k_cache = (torch.randn(nblocks * bs, kvh, hd, generator=g) * 2).bfloat16()
+    v_cache = torch.randn(nblocks * bs, kvh, hd, generator=g).bfloat16()
+    table = torch.randperm(nblocks, generator=g)[: -(-ctx // bs)].contiguous()
+    q = torch.randn(n, H + kvh, hd, generator=g).bfloat16()[:, :H]
+    k, v = (c.view(-1, bs, kvh, hd)[table].reshape(-1, kvh, hd)[:ctx] for c in (k_cache, v_cache))
+    mask = torch.full((n, ctx), float("-inf")).triu_(p0 + 1)
+    ref = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
+        attn_mask=mask, enable_gqa=kvh != H,
+    )  # fmt: skip
+    return q, k_cache, v_cache, table, ref.transpose(0, 1).reshape(n, H * hd)
+
+
+def test_prefill_attention_matches_sdpa() -> None:
+    """iterserve's causal prefill kernel over the paged cache against f32 SDPA: fresh prompts
+    and continued chunks, rows not a multiple of the 4-row tile or the 64-row task, contexts
+    past several 64-key blocks, GQA, head_dim 64 and 128; within bf16 rounding of P (torch's
+    own bf16 SDPA is the yardstick)."""
+    kern = _kern()
+    if not kern.has_prefill_attention:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16")
+    for n, p0, H, kvh, hd in [
+        (1, 0, 4, 4, 64), (5, 0, 4, 2, 64), (67, 3, 4, 4, 64), (130, 61, 6, 2, 64),
+        (64, 200, 2, 1, 128), (9, 0, 4, 1, 128),
+    ]:  # fmt: skip
+        q, k_cache, v_cache, table, ref = _prefill_case(n, p0, H, kvh, hd, seed=n + p0)
+        out = kern.paged_prefill_attention(q, k_cache, v_cache, table, p0, 4)
+        assert out.dtype == torch.bfloat16 and out.shape == (n, H * hd)
+        err = (out.float() - ref).abs().max().item()
+        assert err < 0.03, (n, p0, H, kvh, hd, err)
+        # the first query sees key 0 alone: its output is that key's V, exactly
+        if p0 == 0:
+            v0 = v_cache.view(-1, 4, kvh, hd)[table[0], 0]
+            assert torch.equal(out[0].view(H, hd), v0.repeat_interleave(H // kvh, 0))
+
+
+def test_prefill_attention_checks_its_inputs() -> None:
+    kern = _kern()
+    if not kern.has_prefill_attention:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16")
+    q, k_cache, v_cache, table, _ = _prefill_case(8, 0, 2, 2, 64, seed=0)
+    with pytest.raises(ValueError, match="hd a multiple of 64"):
+        kern.paged_prefill_attention(q.float(), k_cache, v_cache, table, 0, 4)
+    with pytest.raises(ValueError, match="covering 3 blocks"):
+        kern.paged_prefill_attention(q, k_cache, v_cache, table[:1], 4, 4)
+
+
+def test_write_rows_equals_index_copy() -> None:
+    """The cache write from strided K / V columns, bf16 and f32, against index_copy_."""
+    kern = _kern()
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for T in (0, 3, 100):
+            fused = torch.randn(T, 7, 16).to(dtype)
+            src = fused[:, 2:5]  # rows 7 * 16 elements apart
+            slots = torch.randperm(200)[:T]
+            cache, ref = torch.randn(200, 3, 16).to(dtype), None
+            ref = cache.clone().index_copy_(0, slots, src)
+            kern.write_rows(src, cache, slots)
+            assert torch.equal(cache, ref)
+    with pytest.raises(ValueError, match="do not match"):
+        kern.write_rows(torch.zeros(2, 3, 8), torch.zeros(9, 3, 16), torch.zeros(2).long())

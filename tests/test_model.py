@@ -40,6 +40,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+# Not in the parametrized runs: head_dim 64, what iterserve's bf16 prefill kernel takes.
+EXTRA_CASES = {"llama-hd64": ("llama", {"head_dim": 64})}
+
 
 class Case:
     def __init__(self, path: str):
@@ -67,7 +70,7 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
 
     def get(name: str) -> Case:
         if name not in built:
-            arch, overrides = CASES[name]
+            arch, overrides = {**CASES, **EXTRA_CASES}[name]
             path = str(tmp_path_factory.mktemp(name))
             make_test_checkpoint(path, arch, seed=len(built), **overrides)
             built[name] = Case(path)
@@ -475,3 +478,36 @@ def test_allocator_is_tuned_on_glibc() -> None:
         assert tune_allocator() is True
     else:
         assert tune_allocator() in (True, False)
+
+
+def test_bf16_prefill_kernel_through_the_runner(case: Callable[[str], Case]) -> None:
+    """bf16 prefill, in one step and in chunks continued from the cache, through iterserve's
+    prefill kernel where this CPU has it (else SDPA, which the same assertions then cover):
+    close to transformers' f32 logits, and to the same runner's SDPA prefill."""
+    from iterserve.model import attention, kernels
+    from iterserve.model.attention_backends import CpuBackend
+
+    c = case("llama-hd64")
+    runner = c.runner(dtype="bfloat16")
+    kern = kernels.load()
+    assert kern is not None
+    assert isinstance(runner.attention, CpuBackend)
+    assert runner.attention.prefill_kernel == kern.has_prefill_attention
+    ids = prompt(150, seed=9)
+    ref = c.ref(ids)[-1]
+    one_table, chunk_table = list(range(38)), list(range(40, 78))
+
+    def run() -> torch.Tensor:
+        one = runner.execute([BatchItem("a", ids, 0, one_table, True)])[0]
+        runner.execute([BatchItem("b", ids[:61], 0, chunk_table, False)])
+        runner.execute([BatchItem("b", ids[61:128], 61, chunk_table, False)])
+        chunked = runner.execute([BatchItem("b", ids[128:], 128, chunk_table, True)])[0]
+        return torch.stack([one, chunked])
+
+    outs = run()
+    runner.attention.prefills = attention.sdpa_prefills
+    sdpa = run()
+    cos = torch.nn.functional.cosine_similarity
+    for i in range(2):
+        assert cos(outs[i], ref, dim=0).item() > 0.995
+        assert cos(outs[i], sdpa[i], dim=0).item() > 0.9999

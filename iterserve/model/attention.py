@@ -38,6 +38,10 @@ class PrefillChunk:
     # fresh K/V are the whole context and nothing needs gathering from the cache.
     block_ids: torch.Tensor | None
     mask: torch.Tensor | None  # [n, ctx_len] additive (0 / -inf); None = plain causal
+    start_pos: int = 0
+    # Blocks holding positions [0, ctx_len), whatever the start (iterserve's prefill kernel
+    # reads every key from the cache); None: not built (a sliding window: SDPA only).
+    table: torch.Tensor | None = None
 
 
 @dataclass
@@ -111,11 +115,8 @@ def build_attention_metadata(
     for it in items[num_decodes:]:
         n, p0 = it.num_tokens, it.start_pos
         ctx = p0 + n
-        block_ids = None
-        if p0 > 0:
-            block_ids = torch.tensor(
-                it.block_table[: (ctx - 1) // block_size + 1], dtype=torch.int64
-            )
+        table = torch.tensor(it.block_table[: (ctx - 1) // block_size + 1], dtype=torch.int64)
+        block_ids = table if p0 > 0 else None
         chunk_mask = None
         if sliding_window is not None and (p0 > 0 or n > sliding_window):
             q_pos = torch.arange(p0, ctx)[:, None]
@@ -125,7 +126,10 @@ def build_attention_metadata(
             # Query i (position p0 + i) sees keys 0 .. p0 + i: -inf above diagonal p0. Two ops
             # instead of six; at 497 x 1009 (a continued chunk of 512) 0.16 against 0.48 ms.
             chunk_mask = torch.full((n, ctx), float("-inf"), dtype=dtype).triu_(p0 + 1)
-        prefills.append(PrefillChunk(row, row + n, ctx, block_ids, chunk_mask))
+        windowed = sliding_window is not None and (p0 > 0 or n > sliding_window)
+        prefills.append(
+            PrefillChunk(row, row + n, ctx, block_ids, chunk_mask, p0, None if windowed else table)
+        )
         row += n
     return AttentionMetadata(
         slot_mapping, num_decodes, decode_block_ids, decode_mask, prefills, ctx_lens, starts
@@ -143,6 +147,20 @@ def write_new_kv(
     within one step see each other's writes."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+
+
+def kernel_write_new_kv(
+    kern: kernels.Kernels,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """``write_new_kv`` through iterserve's row copy (a parallel memcpy per row: at 2,048 rows
+    it takes a fraction of index_copy_'s time, docs/SPEED.md, "Prefill")."""
+    kern.write_rows(k, k_cache, meta.slot_mapping)
+    kern.write_rows(v, v_cache, meta.slot_mapping)
 
 
 def sdpa_decodes(
@@ -194,6 +212,40 @@ def kernel_decodes(
     )
 
 
+def sdpa_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    c: PrefillChunk,
+    block_size: int,
+) -> torch.Tensor:
+    """One prefill chunk through SDPA (causal, shifted by its start position): [n, H * hd].
+    Where this CPU only emulates the dtype, attention computes in f32 on the same values
+    (docs/SPEED.md, "Decode attention")."""
+    H, hd = q.shape[1], q.shape[2]
+    kvh = k.shape[1]
+    qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+    if c.block_ids is None:
+        kc, vc = k[c.start : c.end], v[c.start : c.end]
+    else:
+        kc = k_cache.view(-1, block_size, kvh, hd).index_select(0, c.block_ids)
+        vc = v_cache.view(-1, block_size, kvh, hd).index_select(0, c.block_ids)
+        kc, vc = kc.view(-1, kvh, hd)[: c.ctx_len], vc.view(-1, kvh, hd)[: c.ctx_len]
+    if needs_upcast(q.dtype):
+        qc, kc, vc = qc.float(), kc.float(), vc.float()
+    out = F.scaled_dot_product_attention(
+        qc,
+        kc.transpose(0, 1).unsqueeze(0),
+        vc.transpose(0, 1).unsqueeze(0),
+        attn_mask=c.mask,
+        is_causal=c.mask is None,
+        enable_gqa=kvh != H,
+    )
+    return out[0].transpose(0, 1).reshape(c.end - c.start, H * hd).to(q.dtype)
+
+
 def sdpa_prefills(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -203,34 +255,39 @@ def sdpa_prefills(
     meta: AttentionMetadata,
     block_size: int,
 ) -> list[torch.Tensor]:
-    """One SDPA per prefill chunk (causal, shifted by its start position); [n, H * hd] each.
-    Where this CPU only emulates the dtype, attention computes in f32 on the same values
-    (docs/SPEED.md, "Decode attention")."""
-    f32 = needs_upcast(q.dtype)
-    H, hd = q.shape[1], q.shape[2]
-    kvh = k.shape[1]
-    k_blocks = k_cache.view(-1, block_size, kvh, hd)
-    v_blocks = v_cache.view(-1, block_size, kvh, hd)
+    """One SDPA per prefill chunk; [n, H * hd] each."""
+    return [sdpa_chunk(q, k, v, k_cache, v_cache, c, block_size) for c in meta.prefills]
+
+
+def kernel_prefills(
+    kern: kernels.Kernels,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_size: int,
+) -> list[torch.Tensor]:
+    """Plain causal bf16 chunks through iterserve's prefill kernel (keys read from the cache in
+    place, no gather; docs/SPEED.md, "Prefill attention"); sliding-window chunks through SDPA."""
     outs: list[torch.Tensor] = []
     for c in meta.prefills:
-        qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
-        if c.block_ids is None:
-            kc, vc = k[c.start : c.end], v[c.start : c.end]
+        if c.table is None:
+            outs.append(sdpa_chunk(q, k, v, k_cache, v_cache, c, block_size))
         else:
-            kc = k_blocks.index_select(0, c.block_ids).view(-1, kvh, hd)[: c.ctx_len]
-            vc = v_blocks.index_select(0, c.block_ids).view(-1, kvh, hd)[: c.ctx_len]
-        if f32:
-            qc, kc, vc = qc.float(), kc.float(), vc.float()
-        out = F.scaled_dot_product_attention(
-            qc,
-            kc.transpose(0, 1).unsqueeze(0),
-            vc.transpose(0, 1).unsqueeze(0),
-            attn_mask=c.mask,
-            is_causal=c.mask is None,
-            enable_gqa=kvh != H,
-        )
-        outs.append(out[0].transpose(0, 1).reshape(c.end - c.start, H * hd).to(q.dtype))
+            outs.append(
+                kern.paged_prefill_attention(
+                    q[c.start : c.end], k_cache, v_cache, c.table, c.start_pos, block_size
+                )
+            )
     return outs
+
+
+def prefill_kernel_fits(kern: kernels.Kernels, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``kernel_prefills`` can run this model: bf16, head_dim a multiple of 64, and a
+    CPU with AVX512-BF16 (the kernel is compiled in only there)."""
+    return kern.has_prefill_attention and dtype == torch.bfloat16 and head_dim % 64 == 0
 
 
 def paged_attention(

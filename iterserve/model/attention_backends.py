@@ -82,13 +82,36 @@ class TorchMetadata:
 DecodeFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, int], torch.Tensor
 ]
+# k, v, k_cache, v_cache, meta: the step's new K/V into the caches.
+WriteFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], None
+]
+# Prefill chunks -> [n, H * hd] each (attention.sdpa_prefills or kernel_prefills).
+PrefillFn = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        AttentionMetadata,
+        int,
+    ],
+    list[torch.Tensor],
+]
 
 
 class TorchBackend(AttentionBackend[TorchMetadata]):
     name = "torch"
 
-    def __init__(self, decodes: DecodeFn = attention.sdpa_decodes) -> None:
+    def __init__(
+        self,
+        decodes: DecodeFn = attention.sdpa_decodes,
+        prefills: PrefillFn = attention.sdpa_prefills,
+    ) -> None:
         self.decodes = decodes
+        self.prefills = prefills
+        self.write: WriteFn = attention.write_new_kv
 
     def build_metadata(self, step: StepMetadata) -> TorchMetadata:
         meta = attention.build_attention_metadata(
@@ -108,8 +131,8 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
         meta: TorchMetadata,
     ) -> torch.Tensor:
         m, bs = meta.attn, meta.block_size
-        attention.write_new_kv(k, v, k_cache, v_cache, m)
-        outs = attention.sdpa_prefills(q, k, v, k_cache, v_cache, m, bs)
+        self.write(k, v, k_cache, v_cache, m)
+        outs = self.prefills(q, k, v, k_cache, v_cache, m, bs) if m.prefills else []
         D = m.num_decodes
         if D:
             out = self.decodes(q[:D], k_cache, v_cache, m, bs)
@@ -137,12 +160,21 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
 
 
 class CpuBackend(TorchBackend):
-    """The torch backend with its decodes through iterserve's C++ kernel."""
+    """The torch backend with its decodes through iterserve's C++ kernel, and its plain causal
+    bf16 prefill chunks too where ``prefill_kernel`` (a CPU with AVX512-BF16; the runner sets it
+    from the model's dtype and head_dim, ``attention.prefill_kernel_fits``)."""
 
     name = "cpu"
 
-    def __init__(self, kern: kernels.Kernels) -> None:
-        super().__init__(functools.partial(attention.kernel_decodes, kern))
+    def __init__(self, kern: kernels.Kernels, prefill_kernel: bool = False) -> None:
+        self.prefill_kernel = prefill_kernel
+        super().__init__(
+            functools.partial(attention.kernel_decodes, kern),
+            functools.partial(attention.kernel_prefills, kern)
+            if prefill_kernel
+            else attention.sdpa_prefills,
+        )
+        self.write = functools.partial(attention.kernel_write_new_kv, kern)
 
 
 @dataclass
@@ -228,10 +260,15 @@ def backend_setting() -> str:
 
 
 def select_backend(
-    name: str, dtype: torch.dtype, device: torch.device, kern: kernels.Kernels | None
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    kern: kernels.Kernels | None,
+    head_dim: int = 0,
 ) -> AttentionBackend[Any]:
-    """The backend called ``name`` (one of BACKENDS) for this dtype and device; a clear
-    ValueError where it cannot run here."""
+    """The backend called ``name`` (one of BACKENDS) for this dtype and device (and the model's
+    ``head_dim``, for the cpu backend's prefill kernel); a clear ValueError where it cannot
+    run here."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     cpu_ok = device.type == "cpu" and kern is not None and dtype in (torch.float32, torch.bfloat16)
@@ -248,7 +285,7 @@ def select_backend(
                 f"set {ENV}=torch or auto"
             )
         assert kern is not None
-        return CpuBackend(kern)
+        return CpuBackend(kern, attention.prefill_kernel_fits(kern, dtype, head_dim))
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"the triton attention backend runs on a CUDA device; on CPU it needs "

@@ -169,6 +169,16 @@ class Kernels:
             ctypes.c_float,
         ]
         self.lib.paged_decode_attention.restype = None
+        self.lib.has_prefill_attention.argtypes = []
+        self.lib.has_prefill_attention.restype = _I
+        self.lib.paged_prefill_attention.argtypes = [
+            _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P,
+        ]  # fmt: skip
+        self.lib.paged_prefill_attention.restype = _I
+        self.lib.write_rows.argtypes = [_P, ctypes.c_int64, _P, _P, _I, ctypes.c_int64]
+        self.lib.write_rows.restype = None
+        # Compiled in only where the compiler targets AVX512-BF16 (vdpbf16ps).
+        self.has_prefill_attention = bool(self.lib.has_prefill_attention())
         self.path = path
 
     def pack_panels(self, w: torch.Tensor) -> torch.Tensor:
@@ -363,6 +373,82 @@ class Kernels:
             float(hd**-0.5),
         )
         return out
+
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        start_pos: int,
+        block_size: int,
+    ) -> torch.Tensor:
+        """Causal attention of one prefill chunk: q [n, H, hd] bf16 (heads contiguous; rows may
+        be strided) at positions start_pos .. start_pos + n - 1, against keys 0 .. start_pos +
+        n - 1 in the bf16 caches [slots, KvH, hd], found through ``block_ids`` (int64, the blocks
+        covering those positions). hd must be a multiple of 64. Returns [n, H * hd] bf16."""
+        n, H, hd = q.shape
+        kvh = k_cache.shape[1]
+        if not self.has_prefill_attention:
+            raise ValueError("paged_prefill_attention needs a CPU with AVX512-BF16")
+        if (
+            q.dtype != torch.bfloat16
+            or k_cache.dtype != torch.bfloat16
+            or v_cache.dtype != torch.bfloat16
+            or hd % 64
+            or H % kvh
+            or k_cache.shape[2] != hd
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        ):
+            raise ValueError(
+                "paged_prefill_attention takes bf16 q [n, H, hd] and contiguous bf16 caches "
+                f"[slots, KvH, hd] with hd a multiple of 64, got q {q.dtype} {tuple(q.shape)}, "
+                f"caches {k_cache.dtype} {tuple(k_cache.shape)}"
+            )
+        need = (start_pos + n - 1) // block_size + 1
+        ids_ok = block_ids.dtype == torch.int64 and block_ids.is_contiguous()
+        if not ids_ok or block_ids.numel() < need:
+            raise ValueError(
+                f"paged_prefill_attention: block_ids must be contiguous int64 covering {need} "
+                f"blocks, got {block_ids.dtype} {tuple(block_ids.shape)}"
+            )
+        if q.stride(2) != 1 or q.stride(1) != hd:
+            q = q.contiguous()
+        out = torch.empty(n, H * hd, dtype=torch.bfloat16)
+        self.lib.paged_prefill_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_ids.data_ptr(), block_size, n, start_pos, H, kvh, hd, float(hd**-0.5),
+            out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    def write_rows(self, src: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """``cache.index_copy_(0, slots, src)`` for src [T, ...] whose rows are contiguous (a
+        row stride is fine, as for the K / V columns of a fused projection) and a contiguous
+        cache of the same dtype and row shape; slots [T] int64, each within the cache."""
+        T = src.shape[0]
+        row = src[0].numel() if T else 0
+        if (
+            src.dtype != cache.dtype
+            or src.shape[1:] != cache.shape[1:]
+            or not cache.is_contiguous()
+            or slots.dtype != torch.int64
+            or slots.shape != (T,)
+            or not slots.is_contiguous()
+        ):
+            raise ValueError(
+                f"write_rows: src {src.dtype} {tuple(src.shape)}, cache {cache.dtype} "
+                f"{tuple(cache.shape)} (contiguous: {cache.is_contiguous()}), slots "
+                f"{slots.dtype} {tuple(slots.shape)} do not match"
+            )
+        if T == 0:
+            return
+        if not src[0].is_contiguous():
+            src = src.contiguous()
+        self.lib.write_rows(
+            src.data_ptr(), src.stride(0) * src.element_size(), cache.data_ptr(),
+            slots.data_ptr(), T, row * src.element_size(),
+        )  # fmt: skip
 
 
 @functools.cache

@@ -169,20 +169,28 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        pending: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: object,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pending``: the previous layer's MLP output, not yet added to the residual ``h``: the
+        add runs inside this layer's input norm (one pass, no extra tensor). Returns (h, this
+        layer's MLP output)."""
         T, nq, nkv, hd = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(self.input_norm(h))
+        if pending is None:
+            normed = self.input_norm(h)
+        else:
+            h, normed = self.input_norm.add(h, pending)
+        qkv = self.qkv(normed)
         qk = self.qk_norm(qkv[:, : self.q_size + self.kv_size].view(T, nq + nkv, hd))
         qk = self.rotary(qk, cos, sin)  # q and k rotated together: one set of ops for both
         v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, hd)
         attn = self.attn(qk[:, :nq], qk[:, nq:], v, k_cache, v_cache, meta)
         h, normed = self.post_norm.add(h, self.o(attn))
-        return h + self.down(self.act(self.gate_up(normed)))
+        return h, self.down(self.act(self.gate_up(normed)))
 
 
 class DecoderModel(nn.Module):
@@ -235,6 +243,11 @@ class DecoderModel(nn.Module):
         the other rows before it changes nothing). ``meta``: the attention backend's metadata
         for this step."""
         h = F.embedding(input_ids, self.embed_tokens)
+        pending: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, meta, k_cache, v_cache)
-        return self.lm_head(self.norm(h[logit_rows])).float()  # type: ignore[no-any-return]
+            h, pending = layer(h, pending, cos, sin, meta, k_cache, v_cache)
+        if pending is None:  # no layers
+            normed = self.norm(h[logit_rows])
+        else:
+            _, normed = self.norm.add(h[logit_rows], pending[logit_rows])
+        return self.lm_head(normed).float()  # type: ignore[no-any-return]

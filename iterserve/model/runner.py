@@ -183,9 +183,14 @@ class ModelRunner:
                 logger.info("C++ kernels ready in %.1f s", time.perf_counter() - t0)
         self.kernels: kernels.Kernels | None = kern  # also the sampler's (see LLMEngine.step)
         self.attention: AttentionBackend[Any] = select_backend(
-            attention_backend or backend_setting(), self.dtype, self.device, kern
-        )
-        logger.info("attention backend: %s on %s", self.attention.name, self.device)
+            attention_backend or backend_setting(), self.dtype, self.device, kern,
+            self.model_config.head_dim,
+        )  # fmt: skip
+        pf = getattr(self.attention, "prefill_kernel", False)
+        logger.info(
+            "attention backend: %s on %s%s", self.attention.name, self.device,
+            ", prefill through iterserve's kernel" if pf else "",
+        )  # fmt: skip
         fused = kern if self.dtype == torch.bfloat16 else None
         # The GEMM / decode paths measured here (autotune.py), or ITERSERVE_KERNELS=flags' rules.
         self.kernel_choice: autotune.Choice | None = None

@@ -15,6 +15,7 @@
 //
 // Accumulation is f32 throughout; results are rounded to bf16 (nearest even) only on output.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -418,6 +419,116 @@ inline DecodeTask decode_task_for(int hd) {
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// --- Causal prefill attention over the paged cache (bf16, AVX512-BF16 dot products) ----------
+// One chunk of n queries (positions p0 .. p0 + n - 1) against keys 0 .. p0 + n - 1, flash
+// style: keys in blocks of PF_KB with a running max and sum per query row, so the scores stay
+// in registers. K and V are first copied out of the cache into the pair layout vdpbf16ps
+// takes: K per 16 keys as [hd / 2][16 keys][2], V per 2 keys as [hd][2]. Scores and the output
+// accumulate in f32; P is rounded to bf16 for P.V, as torch's flash attention does.
+constexpr int PF_KB = 64;  // keys per block: 4 vectors of scores per row
+constexpr int PF_QB = 64;  // query rows per task
+constexpr int PF_R = 4;    // query rows per register tile
+
+inline __m512bh pair_bcast(const uint16_t* p) {  // the bf16 pair at p, in every 32-bit lane
+    int32_t w;
+    std::memcpy(&w, p, 4);
+    return reinterpret_cast<__m512bh>(_mm512_set1_epi32(w));
+}
+
+inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+
+// Rows [r0, r1) (at most PF_QB) of query head h against its KV head's packed Kp / Vp (keys
+// padded to a multiple of PF_KB with zeros). O, m, l: scratch for r1 - r0 + PF_R rows (a short
+// last tile computes duplicates of its last row into the spare slots, never stored).
+void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const uint16_t* Vp, int h, int r0, int r1, int p0,
+                  int hd, float scale, uint16_t* out, int64_t out_stride, float* O, float* m, float* l) {
+    const int nrows = r1 - r0;
+    for (int i = 0; i < nrows + PF_R; ++i) {
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+    }
+    std::memset(O, 0, sizeof(float) * static_cast<size_t>(nrows + PF_R) * hd);
+    const int hp = hd / 2;
+    const int last_key = p0 + r1 - 1;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    alignas(64) uint16_t Pb[PF_R][PF_KB];
+    for (int k0 = 0; k0 <= last_key; k0 += PF_KB) {
+        const uint16_t* kblk = Kp + static_cast<int64_t>(k0) * hd;
+        const uint16_t* vblk = Vp + static_cast<int64_t>(k0) * hd;
+        for (int t0 = 0; t0 < nrows; t0 += PF_R) {
+            int row[PF_R];
+            for (int k = 0; k < PF_R; ++k) row[k] = r0 + (t0 + k < nrows ? t0 + k : nrows - 1);
+            if (k0 > p0 + row[PF_R - 1]) continue;  // no row of the tile sees this block yet
+            const uint16_t* qrow[PF_R];
+            __m512 s[PF_R][4];
+            for (int k = 0; k < PF_R; ++k) {
+                qrow[k] = q + row[k] * q_stride + static_cast<int64_t>(h) * hd;
+                for (int c = 0; c < 4; ++c) s[k][c] = _mm512_setzero_ps();
+            }
+            for (int d = 0; d < hp; ++d) {
+                __m512bh kv[4];
+                for (int c = 0; c < 4; ++c) kv[c] = load_bh(kblk + (static_cast<int64_t>(c) * hp + d) * 32);
+                for (int k = 0; k < PF_R; ++k) {
+                    const __m512bh qb = pair_bcast(qrow[k] + 2 * d);
+                    for (int c = 0; c < 4; ++c) s[k][c] = _mm512_dpbf16_ps(s[k][c], qb, kv[c]);
+                }
+            }
+            __m512 corr[PF_R];
+            for (int k = 0; k < PF_R; ++k) {
+                const int pos = p0 + row[k], i = t0 + k;
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int c = 0; c < 4; ++c) {
+                    s[k][c] = _mm512_mul_ps(s[k][c], _mm512_set1_ps(scale));
+                    if (k0 + PF_KB - 1 > pos) {  // the diagonal block: hide keys past the query
+                        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(k0 + 16 * c));
+                        const __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos));
+                        s[k][c] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(-INFINITY), s[k][c]);
+                    }
+                    mx = _mm512_max_ps(mx, s[k][c]);
+                }
+                // Key k0 <= pos here, so the block's max is finite.
+                const float m_new = std::max(m[i], _mm512_reduce_max_ps(mx));
+                const __m512 mv = _mm512_set1_ps(m_new);
+                __m512 sum = _mm512_setzero_ps();
+                for (int c = 0; c < 4; ++c) {
+                    s[k][c] = exp_ps(_mm512_sub_ps(s[k][c], mv));
+                    sum = _mm512_add_ps(sum, s[k][c]);
+                }
+                const float cf = m[i] == -INFINITY ? 0.f : std::exp(m[i] - m_new);
+                l[i] = l[i] * cf + _mm512_reduce_add_ps(sum);
+                m[i] = m_new;
+                corr[k] = _mm512_set1_ps(cf);
+                _mm512_storeu_si512(Pb[k], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[k][1], s[k][0])));
+                _mm512_storeu_si512(Pb[k] + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[k][3], s[k][2])));
+            }
+            // O[i] = O[i] * corr + P[i] . V, 64 output columns at a time.
+            for (int e0 = 0; e0 < hd; e0 += 64) {
+                __m512 o[PF_R][4];
+                for (int k = 0; k < PF_R; ++k)
+                    for (int c = 0; c < 4; ++c)
+                        o[k][c] = _mm512_mul_ps(_mm512_loadu_ps(O + static_cast<int64_t>(t0 + k) * hd + e0 + 16 * c), corr[k]);
+                for (int j = 0; j < PF_KB / 2; ++j) {
+                    __m512bh vv[4];
+                    for (int c = 0; c < 4; ++c) vv[c] = load_bh(vblk + (static_cast<int64_t>(j) * hd + e0 + 16 * c) * 2);
+                    for (int k = 0; k < PF_R; ++k) {
+                        const __m512bh pb = pair_bcast(Pb[k] + 2 * j);
+                        for (int c = 0; c < 4; ++c) o[k][c] = _mm512_dpbf16_ps(o[k][c], pb, vv[c]);
+                    }
+                }
+                for (int k = 0; k < PF_R; ++k)
+                    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(O + static_cast<int64_t>(t0 + k) * hd + e0 + 16 * c, o[k][c]);
+            }
+        }
+    }
+    for (int i = 0; i < nrows; ++i) {
+        const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+        uint16_t* dst = out + static_cast<int64_t>(r0 + i) * out_stride + static_cast<int64_t>(h) * hd;
+        for (int e = 0; e < hd; e += 16) narrow16(dst + e, _mm512_mul_ps(_mm512_loadu_ps(O + static_cast<int64_t>(i) * hd + e), inv));
+    }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -704,6 +815,95 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
             store_row(out, io_f32, od, nq * hd, acc.data());
         }
     }
+}
+
+// 1 when paged_prefill_attention is compiled in (AVX512-BF16), else 0.
+int has_prefill_attention() {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Causal attention of one prefill chunk, bf16: q [n, H, hd] (rows q_row_stride apart, heads
+// contiguous) at positions p0 .. p0 + n - 1, against keys 0 .. p0 + n - 1 read from the paged
+// caches [slots, KvH, hd] through block_ids (the chunk's blocks covering those positions);
+// out [n, H * hd]. hd must be a multiple of 64. Returns 0, or -1 where not compiled in.
+int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                            const int64_t* block_ids, int block_size, int n, int p0, int H, int KvH, int hd, float scale,
+                            uint16_t* out) {
+#if defined(__AVX512BF16__)
+    const int ctx = p0 + n;
+    const int ctx_pad = (ctx + PF_KB - 1) / PF_KB * PF_KB;
+    const int G = H / KvH;
+    const int64_t head_elems = static_cast<int64_t>(ctx_pad) * hd;
+    std::vector<uint16_t> Kp(static_cast<size_t>(KvH) * head_elems), Vp(static_cast<size_t>(KvH) * head_elems);
+    const int groups = ctx_pad / 16;
+    // Pack: task = (KV head, 16 keys).
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < KvH * groups; ++t) {
+        const int kh = t / groups, g = t % groups;
+        uint32_t* kd = reinterpret_cast<uint32_t*>(Kp.data() + kh * head_elems + static_cast<int64_t>(g) * 16 * hd);
+        uint32_t* vd = reinterpret_cast<uint32_t*>(Vp.data() + kh * head_elems + static_cast<int64_t>(g) * 16 * hd);
+        const int hp = hd / 2;
+        for (int kk = 0; kk < 16; kk += 2) {
+            const uint16_t* src_k[2];
+            const uint16_t* src_v[2];
+            for (int u = 0; u < 2; ++u) {
+                const int key = g * 16 + kk + u;
+                if (key < ctx) {
+                    const int64_t slot = block_ids[key / block_size] * block_size + key % block_size;
+                    src_k[u] = k_cache + (slot * KvH + kh) * hd;
+                    src_v[u] = v_cache + (slot * KvH + kh) * hd;
+                } else {
+                    src_k[u] = src_v[u] = nullptr;
+                }
+            }
+            for (int u = 0; u < 2; ++u)
+                for (int d = 0; d < hp; ++d) {
+                    uint32_t w = 0;
+                    if (src_k[u]) std::memcpy(&w, src_k[u] + 2 * d, 4);
+                    kd[d * 16 + kk + u] = w;
+                }
+            // V: keys kk, kk + 1 interleaved per output column.
+            uint32_t* vrow = vd + (kk / 2) * hd;
+            for (int e = 0; e < hd; e += 16) {
+                const __m512i a = src_v[0] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src_v[0] + e))) : _mm512_setzero_si512();
+                const __m512i b = src_v[1] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src_v[1] + e))) : _mm512_setzero_si512();
+                _mm512_storeu_si512(vrow + e, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+        }
+    }
+    const int qblocks = (n + PF_QB - 1) / PF_QB;
+    const int tasks = H * qblocks;
+#pragma omp parallel
+    {
+        std::vector<float> O(static_cast<size_t>(PF_QB + PF_R) * hd), m(PF_QB + PF_R), l(PF_QB + PF_R);
+        // Later query blocks see more keys: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < tasks; ++t) {
+            const int b = qblocks - 1 - t / H, h = t % H;
+            const int r0 = b * PF_QB, r1 = std::min(n, r0 + PF_QB);
+            const int kh = h / G;
+            prefill_task(q, q_row_stride, Kp.data() + kh * head_elems, Vp.data() + kh * head_elems, h, r0, r1, p0, hd, scale, out,
+                         static_cast<int64_t>(H) * hd, O.data(), m.data(), l.data());
+        }
+    }
+    return 0;
+#else
+    (void)q; (void)q_row_stride; (void)k_cache; (void)v_cache; (void)block_ids; (void)block_size; (void)n; (void)p0;
+    (void)H; (void)KvH; (void)hd; (void)scale; (void)out;
+    return -1;
+#endif
+}
+
+// cache[slots[t]] = src[t] for t < T: rows of row_bytes, src rows src_stride_bytes apart (the
+// K or V columns of a fused projection). torch's index_copy_ moves ~1 GB/s here.
+void write_rows(const void* src, int64_t src_stride_bytes, void* cache, const int64_t* slots, int T, int64_t row_bytes) {
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int t = 0; t < T; ++t)
+        std::memcpy(static_cast<char*>(cache) + slots[t] * row_bytes, static_cast<const char*>(src) + t * src_stride_bytes, row_bytes);
 }
 
 }  // extern "C"

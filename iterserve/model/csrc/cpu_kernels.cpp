@@ -30,6 +30,11 @@
 
 namespace {
 
+// Row-wise elementwise kernels (RMSNorm, SwiGLU, RoPE, argmax) run on one thread below this
+// many elements: waking the second thread costs more than it saves up to ~512 x 768
+// (docs/SPEED.md, "Elementwise kernels on one thread").
+constexpr int64_t PAR_MIN_ELEMS = int64_t(1) << 20;
+
 inline float bf16_to_f32(uint16_t v) {
     uint32_t u = static_cast<uint32_t>(v) << 16;
     float f;
@@ -587,7 +592,7 @@ void gemm_panels(const uint16_t* P, const void* x, void* y, const void* bias, in
 // + eps)), out = bf16(y * w), with f32 arithmetic in between (as torch's bf16 ops). With `add`,
 // first x = bf16(x + add) in place (the residual add before the norm).
 void rms_norm_bf16(uint16_t* x, const uint16_t* add, const uint16_t* w, uint16_t* out, int rows, int n, float eps) {
-#pragma omp parallel for schedule(static) if (rows >= 4)
+#pragma omp parallel for schedule(static) if (int64_t(rows) * n >= PAR_MIN_ELEMS)
     for (int r = 0; r < rows; ++r) {
         uint16_t* xr = x + static_cast<int64_t>(r) * n;
         const uint16_t* ar = add ? add + static_cast<int64_t>(r) * n : nullptr;
@@ -622,7 +627,7 @@ void rms_norm_bf16(uint16_t* x, const uint16_t* add, const uint16_t* w, uint16_t
 
 // SwiGLU on bf16 rows [gate | up] of width 2 * n: out = bf16(bf16(silu(gate)) * up).
 void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n) {
-#pragma omp parallel for schedule(static) if (rows >= 4)
+#pragma omp parallel for schedule(static) if (int64_t(rows) * 2 * n >= PAR_MIN_ELEMS)
     for (int r = 0; r < rows; ++r) {
         const uint16_t* g = gu + static_cast<int64_t>(r) * 2 * n;
         const uint16_t* u = g + n;
@@ -649,7 +654,7 @@ void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n) {
 // cos) + bf16(x_rotated_half * sin_signed)), the roundings of the three torch ops it replaces.
 void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int T, int n, int hd) {
     const int half = hd / 2;
-#pragma omp parallel for schedule(static) if (T >= 4)
+#pragma omp parallel for schedule(static) if (int64_t(T) * n * hd >= PAR_MIN_ELEMS)
     for (int t = 0; t < T; ++t) {
         const uint16_t* c = cos + static_cast<int64_t>(t) * hd;
         const uint16_t* sn = sin + static_cast<int64_t>(t) * hd;
@@ -680,7 +685,7 @@ void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const
 // Index of each row's largest value, the first one on ties, a NaN counting as the largest (as
 // torch.argmax). x [rows, n] f32 contiguous.
 void argmax_f32(const float* x, int rows, int n, int64_t* out) {
-#pragma omp parallel for schedule(static) if (rows >= 4)
+#pragma omp parallel for schedule(static) if (int64_t(rows) * n >= PAR_MIN_ELEMS)
     for (int r = 0; r < rows; ++r) {
         const float* xr = x + static_cast<int64_t>(r) * n;
         int64_t best = -1;
@@ -901,7 +906,7 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
 // cache[slots[t]] = src[t] for t < T: rows of row_bytes, src rows src_stride_bytes apart (the
 // K or V columns of a fused projection). torch's index_copy_ moves ~1 GB/s here.
 void write_rows(const void* src, int64_t src_stride_bytes, void* cache, const int64_t* slots, int T, int64_t row_bytes) {
-#pragma omp parallel for schedule(static) if (T >= 64)
+#pragma omp parallel for schedule(static) if (int64_t(T) * row_bytes >= 2 * PAR_MIN_ELEMS)
     for (int t = 0; t < T; ++t)
         std::memcpy(static_cast<char*>(cache) + slots[t] * row_bytes, static_cast<const char*>(src) + t * src_stride_bytes, row_bytes);
 }

@@ -432,8 +432,8 @@ inline DecodeTask decode_task_for(int hd) {
 // takes: K per 16 keys as [hd / 2][16 keys][2], V per 2 keys as [hd][2]. Scores and the output
 // accumulate in f32; P is rounded to bf16 for P.V, as torch's flash attention does.
 constexpr int PF_KB = 64;  // keys per block: 4 vectors of scores per row
-constexpr int PF_QB = 64;  // query rows per task
-constexpr int PF_R = 4;    // query rows per register tile
+constexpr int PF_QB = 96;  // query rows per task (16 tiles)
+constexpr int PF_R = 6;    // query rows per register tile: 24 accumulators (6 beat 4 by ~1.3x)
 
 inline __m512bh pair_bcast(const uint16_t* p) {  // the bf16 pair at p, in every 32-bit lane
     int32_t w;

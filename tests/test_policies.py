@@ -538,6 +538,57 @@ def test_fair_puts_a_light_prompt_ahead_of_heavy_prefills_already_running() -> N
     assert first_token["continuous"] > 10
 
 
+def test_fair_runs_a_light_prompt_ahead_of_heavy_decodes() -> None:
+    """Eight heavy requests decode; a light prompt of 30 tokens arrives with a 32-token
+    budget. Under fair it takes the budget before the heavy decodes (which get the 2 tokens
+    left), so its first token comes after one step; under FCFS the decodes go first and
+    its prompt needs two."""
+    first_token = {}
+    for policy in ("fair", "continuous"):
+        s = sched(num_blocks=400, policy=policy, max_num_batched_tokens=32, max_num_seqs=9)
+        for i in range(8):
+            s.add_request(tenant_req(f"h{i}", "heavy", 4, 40, seed=i))
+        for _ in range(3):
+            step_once(s)
+        assert all(r.num_output_tokens for r in s.running)  # all decoding
+        s.add_request(tenant_req("l0", "light", 30, 4, seed=99))
+        for step in range(1, 10):
+            out, _ = step_once(s)
+            if step == 1:
+                assert out.total_tokens == 32  # work-conserving
+            if s.requests["l0"].num_output_tokens:
+                first_token[policy] = step
+                break
+    assert first_token == {"fair": 1, "continuous": 2}
+
+
+def test_fair_preempts_the_flooding_tenant_for_a_slot() -> None:
+    """Every slot is held by the heavy tenant's long requests when a light one arrives:
+    fair preempts one heavy request (the newest) for it at once; the victim's full blocks
+    stay in the prefix cache, so it resumes on hits. Under FCFS the light request waits
+    for a heavy one to end."""
+    waits = {}
+    for policy in ("fair", "continuous"):
+        s = sched(num_blocks=400, policy=policy, max_num_seqs=4, max_num_batched_tokens=64)
+        for i in range(12):
+            s.add_request(tenant_req(f"h{i}", "heavy", 16, 30, seed=i))
+        for _ in range(5):
+            step_once(s)
+        s.add_request(tenant_req("l0", "light", 8, 4, seed=99))
+        waits[policy] = 0
+        while s.requests["l0"].status is not RequestStatus.RUNNING:
+            out, _ = step_once(s)
+            waits[policy] += 1
+        assert s.num_preemptions == (1 if policy == "fair" else 0)
+        if policy == "fair":
+            victim = out.preempted[0]
+            assert victim.tenant == "heavy" and victim.request_id == "h3"  # the newest
+            ended = drive(s, [])
+            assert "h3" in ended and s.prefix_hit_tokens >= 16  # resumed on its cached blocks
+    assert waits["fair"] == 1
+    assert waits["continuous"] > 10
+
+
 @PROPERTY
 @given(
     data=st.data(),
@@ -550,7 +601,9 @@ def test_property_vtc_service_difference_stays_bounded(
 ) -> None:
     """Two backlogged tenants, one sending 10x the other's requests: while both have
     requests waiting, their weighted services differ by at most what one admission round
-    can add (max_num_seqs requests of at most max_len tokens, plus one step's budget)."""
+    can add (max_num_seqs requests of at most max_len tokens, plus one step's budget) plus
+    the policy's tolerance; a preemption for a slot is never reversed the next step; every
+    request ends."""
     s = sched(
         num_blocks=1000,
         policy="fair",
@@ -565,13 +618,23 @@ def test_property_vtc_service_difference_stays_bounded(
         plen = data.draw(st.integers(1, max_prompt))
         out = data.draw(st.integers(1, max_out))
         arrivals.append((0, tenant_req(f"r{i}", tenant, plen, out, seed=i)))
-    bound = (max_seqs + 1) * (max_prompt + max_out) + budget
+    tolerance = s.policy.tolerance  # type: ignore[attr-defined]
+    bound = (max_seqs + 1) * (max_prompt + max_out) + budget + tolerance
     counters = s.policy.counters  # type: ignore[attr-defined]
+    swaps: list[tuple[str, str] | None] = []  # per step: (victim's tenant, admitted tenant)
 
     def check(out: SchedulerOutput) -> None:
         waiting = {r.tenant for r in s.waiting}
         if waiting == {"light", "heavy"}:
             assert abs(counters["light"] - counters["heavy"]) <= bound
+        # A preemption for a slot is never undone by the next step's.
+        assert len(out.preempted) <= 1 or not out.new_requests
+        swap = None
+        if out.preempted and out.new_requests:
+            swap = (out.preempted[0].tenant, out.new_requests[0].tenant)
+            assert swap[0] != swap[1]
+            assert not swaps or swaps[-1] != swap[::-1]
+        swaps.append(swap)
 
     ended = drive(s, arrivals, check=check)
     assert_all_ended(arrivals, ended)

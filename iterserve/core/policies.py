@@ -10,8 +10,9 @@ four questions, each a method with a default that is continuous batching, FCFS:
                            (the highest score goes first)
     split_budget           how one step's token budget splits between running decodes,
                            running partial prefills and newly admitted prompts
-    defer_prefill          whether a running partial prefill waits until this step's
-                           admissions have had the budget (it then gets what they left)
+    defer_prefill          whether a running partial prefill (defer_decode: a decode) waits
+                           until this step's admissions have had the budget (it then gets
+                           what they left)
 
 ``continuous``, ``static`` and ``priority`` are instances. A user policy is any subclass,
 loaded by name from ``POLICY_CLASSES`` or as ``module:Class`` (``--policy module:Class``);
@@ -206,6 +207,19 @@ class Policy:
         prefills go first."""
         return False
 
+    def defer_decode(self, req: Request) -> bool:
+        """As ``defer_prefill``, for running ``req`` with one token to compute (a decode):
+        should it run on what this step's admissions leave? Default: no, decodes go first."""
+        return False
+
+    def preempt_for_waiting(
+        self, running: Sequence[Request], waiting: WaitingQueue
+    ) -> Sequence[Request]:
+        """Running requests to preempt before this step is decided (after ``on_schedule``),
+        so that a waiting request gets their place; admission then runs as usual. Their
+        full blocks stay in the prefix cache. Default: none."""
+        return ()
+
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
         """A step is being decided (before ``split_budget``): the running requests and the
         waiting queue as they stand."""
@@ -246,20 +260,28 @@ class PriorityPolicy(Policy):
 
 
 class FairWaitingQueue(WaitingQueue):
-    """The waiting request of the tenant with the least service so far, first; arrival
-    order within a tenant. The counters change every step, so the head is found per peek
-    (a scan of the waiting requests)."""
+    """The waiting request of the tenant ranked first by ``rank(tenant)`` (FairPolicy's:
+    least service), first; arrival order within a tenant. The counters change every step,
+    so the head is found per peek (a scan of the waiting requests).
 
-    def __init__(self, counters: dict[str, float]) -> None:
+    A request taken from the queue counts against its tenant at once, for its uncomputed
+    tokens over the tenant's weight, in ``pending`` (as VTC charges a prompt on dispatch):
+    the counters are charged only once the step is decided, and without this one step
+    admitted a tenant's whole backlog ahead of another ranked just behind it. The owner
+    clears ``pending`` when it charges the step."""
+
+    def __init__(
+        self, rank: Callable[[str], tuple[float, ...]], weights: dict[str, float] | None = None
+    ) -> None:
         self._items: list[Request] = []
-        self._counters = counters
+        self._rank = rank
+        self._weights = weights or {}
+        self.pending: dict[str, float] = {}
+        self.admitted: dict[str, int] = {}  # tenant -> requests taken from the queue
 
     def _head(self) -> int:
-        c = self._counters
-        items = self._items
-        return min(
-            range(len(items)), key=lambda i: (c.get(items[i].tenant, 0.0), items[i].arrival_seq)
-        )
+        rank, items = self._rank, self._items
+        return min(range(len(items)), key=lambda i: (rank(items[i].tenant), items[i].arrival_seq))
 
     def push(self, req: Request) -> None:
         self._items.append(req)
@@ -270,7 +292,12 @@ class FairWaitingQueue(WaitingQueue):
         return self._items[self._head()]
 
     def pop(self) -> Request:
-        return self._items.pop(self._head())
+        req = self._items.pop(self._head())
+        t = req.tenant
+        tokens = len(req.all_token_ids) - req.num_computed_tokens
+        self.pending[t] = self.pending.get(t, 0.0) + tokens / self._weights.get(t, 1.0)
+        self.admitted[t] = self.admitted.get(t, 0) + 1
+        return req
 
     def remove(self, req: Request) -> None:
         self._items.remove(req)
@@ -304,38 +331,93 @@ class FairPolicy(Policy):
     """Fair share between tenants (Virtual Token Counter, Sheng et al., OSDI'24).
 
     Each tenant has a counter of the tokens computed for it, divided by its weight
-    (``SchedulerConfig.tenant_weights``). Admission takes the waiting request of the tenant
-    with the smallest counter. A tenant that arrives with nothing live is lifted to the
-    smallest counter among live tenants, so idle time earns no credit. Work-conserving: a
-    lone tenant gets everything. Every scheduled token is charged, prompt, output or
-    recomputed alike (VTC weighs output tokens more; one weight keeps the bound simple).
+    (``SchedulerConfig.tenant_weights``). A tenant that arrives with nothing live is lifted
+    to the smallest counter among live tenants, so idle time earns no credit. Every
+    scheduled token is charged, prompt, output or recomputed alike (VTC weighs output
+    tokens more; one weight keeps the bound simple). Work-conserving: a lone tenant gets
+    everything.
 
-    The counters also order prefill work within a step: a running partial prefill whose
-    tenant's counter is above that of some waiting request or other running prefill is
-    deferred until admission has had the budget (it gets what is left, so nothing idles).
-    Otherwise a light tenant's request waits behind a heavy tenant's long prompts already
-    being prefilled, which take the whole budget step after step."""
+    Tenants are ranked by their counters with a tolerance of ``TOLERANCE_STEPS`` steps'
+    token budget: a tenant whose counter is within it of the smallest live one counts as
+    not over-served, and among those the tenant holding fewer sequence slots per weight
+    goes first (then the smaller counter). Without the tolerance, one request of a light
+    tenant puts its counter above the flooding tenant's until that one's decodes catch
+    up, which with every slot held takes many steps: the light tenant's next request
+    waited that long although it asks for a tenth of the service.
+
+    The rank orders admission (the waiting request of the first tenant), and the work of
+    a step: a running request (partial prefill or decode) of a tenant ranked after some
+    tenant with a waiting request or a running prefill is deferred until admission has had
+    the budget (it gets what is left in the same step, so nothing idles). And when every
+    sequence slot is taken, one running request of the last-ranked tenant is preempted
+    for the first-ranked waiting one, if that tenant still holds fewer slots than the
+    victim's after the swap (so a swap is never undone at once); at most one a step, a
+    request not yet preempted if the tenant has one; its full blocks stay in the prefix
+    cache."""
 
     name = "fair"
+    TOLERANCE_STEPS = 2
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         super().__init__(config)
         self.weights = parse_tenant_weights(config.tenant_weights) if config else {}
         self.counters: dict[str, float] = {}
         self.live: dict[str, int] = {}  # tenant -> requests waiting or running
-        self.floor = math.inf  # this step's smallest counter among tenants with prefill work
+        self.slots: dict[str, int] = {}  # tenant -> requests running as this step began
+        self.max_num_seqs = config.max_num_seqs if config is not None else 1 << 30
+        budget = config.max_num_batched_tokens if config is not None else 512
+        self.tolerance = self.TOLERANCE_STEPS * budget
+        self.least = 0.0  # this step's smallest counter among live tenants
+        # This step's first rank among tenants with a waiting request or a running prefill.
+        self.floor: tuple[float, ...] = (math.inf,)
+        self.queue: FairWaitingQueue | None = None
 
     def make_waiting_queue(self) -> WaitingQueue:
-        return FairWaitingQueue(self.counters)
+        self.queue = FairWaitingQueue(self._rank, self.weights)
+        return self.queue
+
+    def _rank(self, tenant: str) -> tuple[float, ...]:
+        c = self.counters.get(tenant, 0.0)
+        slots = self.slots.get(tenant, 0)
+        if self.queue is not None:
+            c += self.queue.pending.get(tenant, 0.0)
+            slots += self.queue.admitted.get(tenant, 0)
+        w = self.weights.get(tenant, 1.0)
+        return float(c > self.least + self.tolerance), slots / w, c
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
-        c = self.counters
+        c, slots = self.counters, self.slots
+        self.least = min((c.get(t, 0.0) for t, n in self.live.items() if n), default=0.0)
+        slots.clear()
+        for r in running:
+            slots[r.tenant] = slots.get(r.tenant, 0) + 1
         prefilling = {r.tenant for r in running if len(r.all_token_ids) - r.num_computed_tokens > 1}
         tenants = prefilling | {r.tenant for r in waiting}
-        self.floor = min((c.get(t, 0.0) for t in tenants), default=math.inf)
+        self.floor = min((self._rank(t) for t in tenants), default=(math.inf,))
 
     def defer_prefill(self, req: Request) -> bool:
-        return self.counters.get(req.tenant, 0.0) > self.floor
+        return self._rank(req.tenant) > self.floor
+
+    defer_decode = defer_prefill
+
+    def preempt_for_waiting(
+        self, running: Sequence[Request], waiting: WaitingQueue
+    ) -> Sequence[Request]:
+        if not waiting or len(running) < self.max_num_seqs:
+            return ()
+        low = waiting.peek().tenant
+        high = max(self.slots, key=self._rank)
+        w, slots = self.weights, self.slots
+        # Anti-thrash: after the swap the waiting tenant still holds fewer slots per weight
+        # than the victim's tenant, so the swap can never be undone at once.
+        after_low = (slots.get(low, 0) + 1) / w.get(low, 1.0)
+        after_high = (slots[high] - 1) / w.get(high, 1.0)
+        if not (self._rank(low) < self._rank(high) and after_low < after_high):
+            return ()
+        mine = [r for r in running if r.tenant == high]
+        victim = self.pick_victim([r for r in mine if not r.num_preemptions] or mine)
+        slots[high] -= 1
+        return (victim,)
 
     def on_arrival(self, req: Request) -> None:
         t, live = req.tenant, self.live
@@ -347,6 +429,9 @@ class FairPolicy(Policy):
 
     def on_step(self, out: SchedulerOutput) -> None:
         c, w = self.counters, self.weights
+        if self.queue is not None:
+            self.queue.pending.clear()  # admission's provisional charges: now charged for real
+            self.queue.admitted.clear()
         for req, n in zip(out.requests, out.num_tokens):
             t = req.tenant
             c[t] = c.get(t, 0.0) + n / w.get(t, 1.0)

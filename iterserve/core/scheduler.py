@@ -168,6 +168,10 @@ class Scheduler:
         if self.reservation is not None:
             self.reservation.on_step()
         self.policy.on_schedule(self.running, self.waiting)
+        for victim in self.policy.preempt_for_waiting(self.running, self.waiting):
+            self._preempt(victim)  # before anything is scheduled: nothing to give back
+            out.preempted.append(victim)
+        made_room = len(out.preempted)  # admission still runs after these
         split = self.policy.split_budget(budget)
         prefill_left = split.partial_prefill  # None: no cap
         long_left = cfg.max_long_partial_prefills
@@ -184,8 +188,8 @@ class Scheduler:
         # Requests scheduled so far this step -> what _unschedule needs to take it back:
         # (its high-water mark before, the recomputed tokens it added, whether it was long).
         done: dict[str, tuple[int, int, bool]] = {}
-        defer = self.policy.defer_prefill
-        later: list[Request] = []  # prefills the policy put after this step's admissions
+        defer, defer_decode = self.policy.defer_prefill, self.policy.defer_decode
+        later: list[Request] = []  # running work the policy put after this step's admissions
         for req in order:
             if budget == 0:
                 break
@@ -194,10 +198,10 @@ class Scheduler:
             num_new = len(req.all_token_ids) - req.num_computed_tokens
             is_long = False
             prefilling = num_new > 1  # its chunk counts against the prefill cap, even of 1
+            if defer(req) if prefilling else defer_decode(req):
+                later.append(req)
+                continue
             if prefilling:
-                if defer(req):
-                    later.append(req)
-                    continue
                 num_new, is_long = self._chunk(num_new, budget, prefill_left, long_left)
                 if num_new == 0:
                     continue
@@ -230,7 +234,7 @@ class Scheduler:
             if prefill_left is not None and prefilling:
                 prefill_left -= num_new
 
-        if not out.preempted and self.policy.can_admit(len(self.running)):
+        if len(out.preempted) == made_room and self.policy.can_admit(len(self.running)):
             budget, long_left = self._admit(out, budget, split.new_prompt, long_left)
         for req in later:  # what admission left; never by preempting
             if budget == 0:
@@ -238,13 +242,15 @@ class Scheduler:
             if req.status is not running:
                 continue
             num_new = len(req.all_token_ids) - req.num_computed_tokens
-            num_new, is_long = self._chunk(num_new, budget, prefill_left, long_left)
+            prefilling, is_long = num_new > 1, False
+            if prefilling:
+                num_new, is_long = self._chunk(num_new, budget, prefill_left, long_left)
             if num_new == 0 or not allocate(req, num_new):
                 continue
             self._add_to_output(out, req, num_new)
             budget -= num_new
             long_left -= is_long
-            if prefill_left is not None:
+            if prefill_left is not None and prefilling:
                 prefill_left -= num_new
         self.policy.on_step(out)
         return out

@@ -24,6 +24,22 @@ from iterserve.workload.datasets import RequestSpec, WorkloadConfig, build_workl
 from iterserve.workload.tenants import fairness_index, served_tokens
 
 
+def two_tenant_specs(
+    workload: str, time_scale: float, heavy_share: float, seed: int, dep: Deployment
+) -> list[RequestSpec]:
+    """The whole trace at ``time_scale``, each request given to heavy or light at random,
+    ``heavy_share`` to 1."""
+    wl = WorkloadConfig(
+        dataset=workload, num_prompts=len(load_trace(workload)), time_scale=time_scale, seed=seed
+    )
+    specs, _ = build_workload(wl, vocab_size=dep.model.vocab_size, max_model_len=dep.max_model_len)
+    rng = random.Random(seed)
+    p_light = 1 / (1 + heavy_share)
+    return [
+        dataclasses.replace(s, tenant="light" if rng.random() < p_light else "heavy") for s in specs
+    ]
+
+
 def run(specs: list[RequestSpec], policy: str, dep: Deployment, max_num_seqs: int) -> SimResult:
     cfg = SchedulerConfig(
         policy=policy,
@@ -51,18 +67,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args()
     dep = build_deployment(model=ns.model, hardware=ns.hardware)
-    wl = WorkloadConfig(
-        dataset=ns.workload,
-        num_prompts=len(load_trace(ns.workload)),
-        time_scale=ns.time_scale,
-        seed=ns.seed,
-    )
-    specs, _ = build_workload(wl, vocab_size=dep.model.vocab_size, max_model_len=dep.max_model_len)
-    rng = random.Random(ns.seed)
-    p_light = 1 / (1 + ns.heavy_share)
-    specs = [
-        dataclasses.replace(s, tenant="light" if rng.random() < p_light else "heavy") for s in specs
-    ]
+    specs = two_tenant_specs(ns.workload, ns.time_scale, ns.heavy_share, ns.seed, dep)
     light = [s for s in specs if s.tenant == "light"]
     alone = light_ttft(run(light, "continuous", dep, ns.max_num_seqs), light)
     print(

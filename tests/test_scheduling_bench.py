@@ -70,6 +70,7 @@ def test_measure_short_goodput_and_tenants(sched: Any) -> None:
     assert row["num_short"] == 3 and row["short_ttft_p50"] == pytest.approx(0.4)
     assert row["preemptions"] == 2 and row["recompute_tax"] == pytest.approx(0.1)
     assert row["light_ttft_p99"] == pytest.approx(0.4)
+    assert row["light_ttft_p50"] == pytest.approx(0.4) and row["num_light"] == 1
     # By mid-run (t = 1, the third arrival) heavy had asked 4 tokens and got 2 (request 0's,
     # at 0.2 and 0.3 s), light had asked 2 and got none: shares 0.5 and 0 -> index 0.5.
     assert row["jain"] == pytest.approx(0.5)

@@ -17,7 +17,10 @@ light request between its arrival and its first token, each step's time goes to 
                     (the decodes' and other prefills' shares go to the budget causes)
 
 Prints, per policy, the totals over all light requests and over the slowest 1% (at least 3),
-and the slowest requests one by one.
+and the slowest requests one by one. ``fair`` without each of its parts, for comparisons
+(``--policies fair,tenant_waits:FairDecodesFirst``; also ``examples/two_tenants.py
+--policies``, with ``benchmarks`` on PYTHONPATH): ``FairDecodesFirst``,
+``FairDecodesToFinish``, ``FairNoSlotPreemption``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scheduling as S  # noqa: E402
 
 from iterserve.config import EngineArgs, SchedulerConfig  # noqa: E402
+from iterserve.core.policies import FairPolicy  # noqa: E402
 from iterserve.core.request import Request, RequestStatus  # noqa: E402
 from iterserve.core.scheduler import Scheduler  # noqa: E402
 from iterserve.sim import simulator as simmod  # noqa: E402
@@ -148,6 +152,28 @@ class Observer:
                 b["kv blocks"] += dt
             else:
                 b["queue"] += dt
+
+
+class FairDecodesFirst(FairPolicy):
+    """``fair`` whose decodes never make way for prefills (as before this fix)."""
+
+    def defer_decode(self, req: Request) -> bool:
+        return False
+
+
+class FairDecodesToFinish(FairPolicy):
+    """``fair`` whose decodes make way only when that lets the first-ranked tenants'
+    prefill work end within the step."""
+
+    def defer_decode(self, req: Request) -> bool:
+        return self.first_work <= self.budget and self.defer_prefill(req)
+
+
+class FairNoSlotPreemption(FairPolicy):
+    """``fair`` that never preempts for a waiting request."""
+
+    def preempt_for_waiting(self, running: Any, waiting: Any) -> tuple[Request, ...]:
+        return ()
 
 
 def run(specs: list[RequestSpec], cfg: SimConfig, cost: Any, trace: bool = False) -> Any:

@@ -65,6 +65,9 @@ def main() -> None:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--policies", default="continuous,fair", help="comma-separated; module:Class too"
+    )
     ns = p.parse_args()
     dep = build_deployment(model=ns.model, hardware=ns.hardware)
     specs = two_tenant_specs(ns.workload, ns.time_scale, ns.heavy_share, ns.seed, dep)
@@ -76,7 +79,7 @@ def main() -> None:
     )
     print("| policy | light TTFT p50 / p99 s | p99 vs alone | heavy / light output tok/s | Jain |")
     print("|---|---|---|---|---|")
-    for policy in ("continuous", "fair"):
+    for policy in ns.policies.split(","):
         res = run(specs, policy, dep, ns.max_num_seqs)
         p50, p99 = light_ttft(res, specs)
         got = served_tokens(res.timings, specs, res.duration_s)

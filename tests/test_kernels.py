@@ -140,7 +140,7 @@ def test_prefill_attention_matches_sdpa() -> None:
     past several 64-key blocks, GQA, head_dim 64 and 128; within bf16 rounding of P (torch's
     own bf16 SDPA is the yardstick)."""
     kern = _kern()
-    if not kern.has_prefill_attention:
+    if not kern.has_bf16_dot:
         pytest.skip("compiled in only where the CPU has AVX512-BF16")
     for n, p0, H, kvh, hd in [
         (1, 0, 4, 4, 64), (5, 0, 4, 2, 64), (67, 3, 4, 4, 64), (130, 61, 6, 2, 64),
@@ -159,7 +159,7 @@ def test_prefill_attention_matches_sdpa() -> None:
 
 def test_prefill_attention_checks_its_inputs() -> None:
     kern = _kern()
-    if not kern.has_prefill_attention:
+    if not kern.has_bf16_dot:
         pytest.skip("compiled in only where the CPU has AVX512-BF16")
     q, k_cache, v_cache, table, _ = _prefill_case(8, 0, 2, 2, 64, seed=0)
     with pytest.raises(ValueError, match="hd a multiple of 64"):
@@ -183,3 +183,30 @@ def test_write_rows_equals_index_copy() -> None:
             assert torch.equal(cache, ref)
     with pytest.raises(ValueError, match="do not match"):
         kern.write_rows(torch.zeros(2, 3, 8), torch.zeros(9, 3, 16), torch.zeros(2).long())
+
+
+def test_pair_gemm_matches_torch() -> None:
+    """iterserve's bf16 dot-product GEMM: every row tile (6, 4, 2, 1 and mixes), N not a
+    multiple of the 64-column panel, odd K through ``PairLinear``'s zero column, with and
+    without bias: within one bf16 rounding of the f32 result."""
+    from iterserve.model.layers import PairLinear
+
+    kern = _kern()
+    if not kern.has_bf16_dot:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16")
+    torch.manual_seed(0)
+    for K in (48, 41):
+        for M in (1, 2, 3, 5, 6, 7, 13, 64):
+            for N in (37, 64, 130):
+                x = torch.randn(M, K).bfloat16()
+                w = torch.randn(N, K).bfloat16()
+                b = torch.randn(N).bfloat16()
+                for bias in (None, b):
+                    y = PairLinear(kern, w, bias)(x)
+                    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+                    ref = F.linear(x.float(), w.float(), None if bias is None else b.float())
+                    # one rounding of the f32 result: half a bf16 ulp, plus f32 summation order
+                    tol = ref.abs() * 2**-8 + 1e-3
+                    assert ((y.float() - ref).abs() <= tol).all(), (K, M, N)
+    with pytest.raises(ValueError, match="K even"):
+        kern.gemm_pairs(torch.zeros(2, 41).bfloat16(), kern.pack_pairs(w), N)

@@ -323,8 +323,9 @@ def test_low_precision_paths_agree(
     case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 through every GEMM path (torch's oneDNN, the sliced upcast, iterserve's panels, the
-    packed f32 copy; ITERSERVE_KERNELS=gemm=...) and both decode attention paths, with
-    iterserve's kernels or torch's, and the fixed CPU-flag rules: the same logits up to bf16
+    packed f32 copy, the bf16 dot-product pairs where the CPU has them;
+    ITERSERVE_KERNELS=gemm=...) and both decode attention paths, with iterserve's kernels or
+    torch's, and the fixed CPU-flag rules: the same logits up to bf16
     rounding of intermediate activations. Prefill (~150 rows) and decodes of 9 and 5."""
     from iterserve.model import kernels
     from iterserve.model.cpu import needs_upcast
@@ -337,6 +338,8 @@ def test_low_precision_paths_agree(
     monkeypatch.setenv("ITERSERVE_PACK_WEIGHTS", "1")
     settings = ["gemm=torch,attn=torch", "gemm=upcast,attn=cpu", "gemm=panels,attn=cpu", "0"]
     settings += ["gemm=packed,attn=torch"] if packing_available() else []
+    k = kernels.load()
+    settings += ["gemm=pairs,attn=cpu"] if k is not None and k.has_bf16_dot else []
     for kern in [*settings, "flags"]:
         monkeypatch.setenv("ITERSERVE_KERNELS", kern)
         assert (kernels.load() is not None) == (kern != "0")
@@ -492,7 +495,7 @@ def test_bf16_prefill_kernel_through_the_runner(case: Callable[[str], Case]) -> 
     kern = kernels.load()
     assert kern is not None
     assert isinstance(runner.attention, CpuBackend)
-    assert runner.attention.prefill_kernel == kern.has_prefill_attention
+    assert runner.attention.prefill_kernel == kern.has_bf16_dot
     ids = prompt(150, seed=9)
     ref = c.ref(ids)[-1]
     one_table, chunk_table = list(range(38)), list(range(40, 78))

@@ -287,7 +287,7 @@ def kernel_prefills(
 def prefill_kernel_fits(kern: kernels.Kernels, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether ``kernel_prefills`` can run this model: bf16, head_dim a multiple of 64, and a
     CPU with AVX512-BF16 (the kernel is compiled in only there)."""
-    return kern.has_prefill_attention and dtype == torch.bfloat16 and head_dim % 64 == 0
+    return kern.has_bf16_dot and dtype == torch.bfloat16 and head_dim % 64 == 0
 
 
 def paged_attention(

@@ -36,6 +36,7 @@ from iterserve.model.layers import (
     BucketedLinear,
     Linear,
     PackedLinear,
+    PairLinear,
     PanelLinear,
     TorchLinear,
     UpcastLinear,
@@ -247,6 +248,8 @@ def gemm_builders(
         out["upcast"] = UpcastLinear
     if dtype == torch.bfloat16 and kern is not None:
         out["panels"] = lambda w, b: PanelLinear(kern, w, b)
+        if kern.has_bf16_dot:
+            out["pairs"] = lambda w, b: PairLinear(kern, w, b)
     if pack:
         out["packed"] = PackedLinear
     return out

@@ -50,8 +50,9 @@ def _cpu_id() -> str:
 
 
 # GEMM paths (layers.py): torch's F.linear (oneDNN for bf16/f16, MKL for f32), the sliced f32
-# upcast of a low-precision weight, iterserve's bf16 panels, oneDNN's prepacked f32 copy.
-GEMM_PATHS = ("torch", "upcast", "panels", "packed")
+# upcast of a low-precision weight, iterserve's bf16 panels, oneDNN's prepacked f32 copy,
+# iterserve's bf16 dot-product GEMM over pair panels (AVX512-BF16 only).
+GEMM_PATHS = ("torch", "upcast", "panels", "packed", "pairs")
 # Decode attention paths of the cpu backend: iterserve's paged kernel, or SDPA over a gather.
 ATTN_PATHS = ("cpu", "torch")
 SETTING_FORMS = (
@@ -169,16 +170,21 @@ class Kernels:
             ctypes.c_float,
         ]
         self.lib.paged_decode_attention.restype = None
-        self.lib.has_prefill_attention.argtypes = []
-        self.lib.has_prefill_attention.restype = _I
+        self.lib.has_bf16_dot.argtypes = []
+        self.lib.has_bf16_dot.restype = _I
+        self.lib.pack_bf16_pairs.argtypes = [_P, _P, _I, _I]
+        self.lib.pack_bf16_pairs.restype = None
+        self.lib.gemm_pairs.argtypes = [_P, _P, _P, _P, _I, _I, _I]
+        self.lib.gemm_pairs.restype = _I
         self.lib.paged_prefill_attention.argtypes = [
             _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P,
         ]  # fmt: skip
         self.lib.paged_prefill_attention.restype = _I
         self.lib.write_rows.argtypes = [_P, ctypes.c_int64, _P, _P, _I, ctypes.c_int64]
         self.lib.write_rows.restype = None
-        # Compiled in only where the compiler targets AVX512-BF16 (vdpbf16ps).
-        self.has_prefill_attention = bool(self.lib.has_prefill_attention())
+        # The prefill attention and the pair GEMM are compiled in only where the compiler
+        # targets AVX512-BF16 (vdpbf16ps).
+        self.has_bf16_dot = bool(self.lib.has_bf16_dot())
         self.path = path
 
     def pack_panels(self, w: torch.Tensor) -> torch.Tensor:
@@ -389,7 +395,7 @@ class Kernels:
         covering those positions). hd must be a multiple of 64. Returns [n, H * hd] bf16."""
         n, H, hd = q.shape
         kvh = k_cache.shape[1]
-        if not self.has_prefill_attention:
+        if not self.has_bf16_dot:
             raise ValueError("paged_prefill_attention needs a CPU with AVX512-BF16")
         if (
             q.dtype != torch.bfloat16
@@ -421,6 +427,46 @@ class Kernels:
             out.data_ptr(),
         )  # fmt: skip
         return out
+
+    def pack_pairs(self, w: torch.Tensor) -> torch.Tensor:
+        """A bf16 weight [N, K] laid out for ``gemm_pairs``: ceil(N / 64) * ceil(K / 2) * 128
+        bf16."""
+        if w.dtype != torch.bfloat16 or w.dim() != 2:
+            raise ValueError(f"pack_pairs takes a 2-D bf16 weight, got {w.dtype} {tuple(w.shape)}")
+        N, K = w.shape
+        w = w.contiguous()
+        out = torch.empty(-(-N // 64) * -(-K // 2) * 128, dtype=torch.bfloat16)
+        self.lib.pack_bf16_pairs(w.data_ptr(), out.data_ptr(), N, K)
+        return out
+
+    def gemm_pairs(
+        self, x: torch.Tensor, pairs: torch.Tensor, N: int, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``F.linear(x, w, b)`` on bf16 dot products with ``pairs = pack_pairs(w)``, N =
+        w.shape[0]; x [M, K] bf16 with K even, b [N] bf16; the result is bf16 (f32 accumulation,
+        one rounding)."""
+        if not self.has_bf16_dot:
+            raise ValueError("gemm_pairs needs a CPU with AVX512-BF16")
+        M, K = x.shape if x.dim() == 2 else (0, 1)
+        if (
+            x.dtype != torch.bfloat16
+            or x.dim() != 2
+            or K % 2
+            or pairs.numel() != -(-N // 64) * (K // 2) * 128
+            or (b is not None and (b.dtype != torch.bfloat16 or b.numel() != N))
+        ):
+            raise ValueError(
+                f"gemm_pairs takes bf16 x [M, K even] and pack_pairs of a [N, K] weight, got x "
+                f"{x.dtype} {tuple(x.shape)}, {pairs.numel()} packed elements for N={N}, b "
+                f"{None if b is None else tuple(b.shape)}"
+            )
+        x = x.contiguous()
+        y = torch.empty(M, N, dtype=torch.bfloat16)
+        self.lib.gemm_pairs(
+            pairs.data_ptr(), x.data_ptr(), y.data_ptr(),
+            None if b is None else b.contiguous().data_ptr(), M, N, K,
+        )  # fmt: skip
+        return y
 
     def write_rows(self, src: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         """``cache.index_copy_(0, slots, src)`` for src [T, ...] whose rows are contiguous (a

@@ -160,6 +160,24 @@ class PanelLinear:
         return self.kern.gemm_panels(x, self.panels, self.out_features, self.bias)
 
 
+class PairLinear:
+    """A bf16 weight in iterserve's pair panels, run on bf16 dot products (vdpbf16ps, AVX512-BF16
+    only): the weight streams once per call in its 2-byte form at any row count, and the
+    arithmetic runs at the bf16 rate, where the f32 panels run at the f32 one."""
+
+    def __init__(self, kern: kernels.Kernels, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        self.kern = kern
+        self.pairs = kern.pack_pairs(w)
+        self.out_features = w.shape[0]
+        self.bias = None if b is None else b.contiguous()
+        self.odd = w.shape[1] % 2 == 1  # x gets a zero column (the packed weight has one)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.odd:
+            x = F.pad(x, (0, 1))
+        return self.kern.gemm_pairs(x, self.pairs, self.out_features, self.bias)
+
+
 def choose_linear(
     w: torch.Tensor,
     b: torch.Tensor | None,

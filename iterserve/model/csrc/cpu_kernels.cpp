@@ -34,6 +34,7 @@ namespace {
 // many elements: waking the second thread costs more than it saves up to ~512 x 768
 // (docs/SPEED.md, "Elementwise kernels on one thread").
 constexpr int64_t PAR_MIN_ELEMS = int64_t(1) << 20;
+constexpr int GP_COLS = 64;  // output columns per pair panel (gemm_pairs)
 
 inline float bf16_to_f32(uint16_t v) {
     uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -532,6 +533,43 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
         for (int e = 0; e < hd; e += 16) narrow16(dst + e, _mm512_mul_ps(_mm512_loadu_ps(O + static_cast<int64_t>(i) * hd + e), inv));
     }
 }
+
+// --- bf16 GEMM on bf16 dot products (vdpbf16ps) over a weight in pair panels -----------------
+// W [N, K] laid out per 64 output columns and per pair of K: 4 vectors of 16 columns x 2 K
+// values (the pair layout vdpbf16ps takes), so the weight streams once per call in its 2-byte
+// form and every x row pair broadcasts against it. Tiles of up to 6 rows x 64 columns (24 f32
+// accumulators); a task is one panel for every row, so the panel (K x 128 bytes) stays in L2.
+
+template <int R>
+void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t* bias, uint16_t* y, int64_t ldy, int N, int K2, int n0,
+               int m0) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    const uint16_t* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = x + static_cast<int64_t>(m0 + r) * ldx;
+    for (int j = 0; j < K2; ++j) {
+        __m512bh w[4];
+        for (int c = 0; c < 4; ++c) w[c] = load_bh(P + (static_cast<int64_t>(j) * 4 + c) * 32);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh xb = pair_bcast(xr[r] + 2 * j);
+            for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
+        }
+    }
+    for (int c = 0; c < 4; ++c) {
+        const int col = n0 + 16 * c;
+        if (col >= N) break;
+        const int valid = N - col < 16 ? N - col : 16;
+        const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
+        __m512 b = _mm512_setzero_ps();
+        if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + col)), 16));
+        for (int r = 0; r < R; ++r) {
+            const __m512 v = round_bf16(_mm512_add_ps(acc[r][c], b));
+            _mm256_mask_storeu_epi16(y + static_cast<int64_t>(m0 + r) * ldy + col, mk,
+                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+        }
+    }
+}
 #endif
 
 }  // namespace
@@ -822,8 +860,9 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
     }
 }
 
-// 1 when paged_prefill_attention is compiled in (AVX512-BF16), else 0.
-int has_prefill_attention() {
+// 1 when the bf16 dot-product kernels (paged_prefill_attention, gemm_pairs) are compiled in
+// (AVX512-BF16), else 0.
+int has_bf16_dot() {
 #if defined(__AVX512BF16__)
     return 1;
 #else
@@ -909,6 +948,42 @@ void write_rows(const void* src, int64_t src_stride_bytes, void* cache, const in
 #pragma omp parallel for schedule(static) if (int64_t(T) * row_bytes >= 2 * PAR_MIN_ELEMS)
     for (int t = 0; t < T; ++t)
         std::memcpy(static_cast<char*>(cache) + slots[t] * row_bytes, static_cast<const char*>(src) + t * src_stride_bytes, row_bytes);
+}
+
+// Lays out W [N, K] (bf16, row-major) as pair panels for gemm_pairs: ceil(N / 64) panels of
+// ceil(K / 2) x 64 x 2 bf16; columns past N and the K value past an odd K are zero.
+void pack_bf16_pairs(const uint16_t* W, uint16_t* P, int N, int K) {
+    const int K2 = (K + 1) / 2, panels = (N + GP_COLS - 1) / GP_COLS;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p)
+        for (int j = 0; j < K2; ++j)
+            for (int col = 0; col < GP_COLS; ++col)
+                for (int u = 0; u < 2; ++u) {
+                    const int n = p * GP_COLS + col, k = 2 * j + u;
+                    P[((static_cast<int64_t>(p) * K2 + j) * GP_COLS + col) * 2 + u] = n < N && k < K ? W[static_cast<int64_t>(n) * K + k] : 0;
+                }
+}
+
+// y[M, N] = x[M, K] . W^T (+ bias), bf16 in and out (f32 accumulation, one rounding), with P =
+// pack_bf16_pairs(W); K even. Returns -1 where not compiled in (no AVX512-BF16).
+int gemm_pairs(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t* bias, int M, int N, int K) {
+#if defined(__AVX512BF16__)
+    const int K2 = K / 2, panels = (N + GP_COLS - 1) / GP_COLS;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+        const uint16_t* Pp = P + static_cast<int64_t>(p) * K2 * GP_COLS * 2;
+        const int n0 = p * GP_COLS;
+        int m0 = 0;
+        for (; M - m0 >= 6; m0 += 6) pair_tile<6>(Pp, x, K, bias, y, N, N, K2, n0, m0);
+        if (M - m0 >= 4) { pair_tile<4>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 4; }
+        if (M - m0 >= 2) { pair_tile<2>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 2; }
+        if (M - m0 >= 1) pair_tile<1>(Pp, x, K, bias, y, N, N, K2, n0, m0);
+    }
+    return 0;
+#else
+    (void)P; (void)x; (void)y; (void)bias; (void)M; (void)N; (void)K;
+    return -1;
+#endif
 }
 
 }  // extern "C"

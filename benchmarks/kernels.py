@@ -2,16 +2,24 @@
 
     python benchmarks/kernels.py gemm --rows 1,8,32,128,512    # all 49 GEMMs: panels vs packed f32
     python benchmarks/kernels.py attention --batch 32 --ctx 136  # paged decode attention, one layer
+    python benchmarks/kernels.py prefill --tokens 2048 --start 0  # prefill attention, one layer
 
 gemm: the 49 bf16 weights of a bench-134m forward (12 layers x q/k/v fused, o, gate/up fused,
 down, plus the LM head; 219 MB, more than the caches, so every call streams its weight), random
 values, run back to back; the median over --repeats of the whole set, for the panel kernel
-(``gemm_panels``) and for oneDNN's packed f32 inner product (``PackedLinear``).
+(``gemm_panels``), oneDNN's packed f32 inner product (``PackedLinear``), oneDNN's bf16 GEMM
+(``F.linear``) and, on a CPU with AVX512-BF16, the bf16 dot-product pairs (``gemm_pairs``).
 
 attention: --batch sequences of --ctx keys each, blocks scattered over a pool three times the
 size needed (random block tables), bf16 cache, 12 query heads of 64 over --kv-heads heads; ms
 per call (one layer), median over --repeats of the mean of 12 calls, and the bandwidth its K and
 V bytes imply.
+
+prefill: one prompt chunk of --tokens queries at positions --start.. against all its keys
+(causal), 12 heads of 64, bf16, keys in a paged cache: iterserve's kernel
+(``paged_prefill_attention``, reading the cache in place) against SDPA on the gathered keys (the
+``torch`` path: a plain causal SDPA at --start 0, a shifted mask after); ms per layer (median of
+--repeats) and the GFLOP/s of the causal attention FLOPs.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from iterserve.core.kv_cache_manager import cdiv
 from iterserve.model import kernels
@@ -52,30 +61,35 @@ def bench_gemm(kern: kernels.Kernels, rows: list[int], repeats: int) -> None:
     ws = [torch.randn(*s).bfloat16() for s in shapes]
     panels = [kern.pack_panels(w) for w in ws]
     packed = [PackedLinear(w, None) for w in ws]
+    pairs = [kern.pack_pairs(w) for w in ws] if kern.has_bf16_dot else []
     params = sum(w.numel() for w in ws)
     print(
         f"49 GEMMs, {params / 1e6:.1f}M params, {2 * params / 1e6:.0f} MB bf16; "
         f"ms per set (median of {repeats}), GFLOP/s"
     )
-    print(f"{'rows':>5} {'panels ms':>10} {'GFLOP/s':>8} {'packed f32 ms':>14} {'GFLOP/s':>8}")
+    names = ["panels", "packed f32", "oneDNN bf16"] + (["pairs"] if pairs else [])
+    print(f"{'rows':>5} " + " ".join(f"{n + ' ms':>14} {'GFLOP/s':>8}" for n in names))
     for m in rows:
         xs = {k: torch.randn(m, k).bfloat16() for k in (HIDDEN, INTER)}
-
-        def run_panels(xs: dict[int, torch.Tensor] = xs) -> None:
-            for w, p in zip(ws, panels):
-                kern.gemm_panels(xs[w.shape[1]], p, w.shape[0])
-
-        def run_packed(xs: dict[int, torch.Tensor] = xs) -> None:
-            for w, f in zip(ws, packed):
-                f(xs[w.shape[1]])
-
-        t_pan = _median_ms(run_panels, repeats)
-        t_f32 = _median_ms(run_packed, repeats)
+        runs: list[Callable[[], object]] = [
+            lambda xs=xs: [
+                kern.gemm_panels(xs[w.shape[1]], p, w.shape[0]) for w, p in zip(ws, panels)
+            ],
+            lambda xs=xs: [f(xs[w.shape[1]]) for w, f in zip(ws, packed)],
+            lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in ws],
+        ]
+        if pairs:
+            runs.append(
+                lambda xs=xs: [
+                    kern.gemm_pairs(xs[w.shape[1]], p, w.shape[0]) for w, p in zip(ws, pairs)
+                ]
+            )
         gflop = 2 * m * params / 1e9
-        print(
-            f"{m:>5} {t_pan:>10.2f} {gflop / t_pan * 1e3:>8.0f} "
-            f"{t_f32:>14.2f} {gflop / t_f32 * 1e3:>8.0f}"
-        )
+        cells = []
+        for run in runs:
+            t = _median_ms(run, repeats)
+            cells.append(f"{t:>14.2f} {gflop / t * 1e3:>8.0f}")
+        print(f"{m:>5} " + " ".join(cells))
 
 
 def bench_attention(
@@ -103,11 +117,56 @@ def bench_attention(
     )
 
 
+def bench_prefill(
+    kern: kernels.Kernels, tokens: int, start: int, block_size: int, repeats: int
+) -> None:
+    if not kern.has_bf16_dot:
+        print("the prefill kernel is compiled in only where the CPU has AVX512-BF16")
+        return
+    ctx = start + tokens
+    per_seq = cdiv(ctx, block_size)
+    nblocks = 3 * per_seq
+    k_cache = torch.randn(nblocks * block_size, HEADS, HEAD_DIM).bfloat16()
+    v_cache = torch.randn(nblocks * block_size, HEADS, HEAD_DIM).bfloat16()
+    table = torch.randperm(nblocks)[:per_seq].contiguous()
+    q = torch.randn(tokens, 3 * HEADS, HEAD_DIM).bfloat16()[
+        :, :HEADS
+    ]  # a view of qkv, as in the model
+    mask = (
+        None if start == 0 else torch.full((tokens, ctx), float("-inf")).triu_(start + 1).bfloat16()
+    )
+
+    def sdpa() -> None:
+        k = (
+            k_cache.view(-1, block_size, HEADS, HEAD_DIM)
+            .index_select(0, table)
+            .view(-1, HEADS, HEAD_DIM)[:ctx]
+        )
+        v = (
+            v_cache.view(-1, block_size, HEADS, HEAD_DIM)
+            .index_select(0, table)
+            .view(-1, HEADS, HEAD_DIM)[:ctx]
+        )
+        qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None)
+
+    gflop = 4 * tokens * (start + (tokens + 1) / 2) * HEADS * HEAD_DIM / 1e9
+    t_k = _median_ms(
+        lambda: kern.paged_prefill_attention(q, k_cache, v_cache, table, start, block_size), repeats
+    )
+    t_s = _median_ms(sdpa, repeats)
+    print(
+        f"prefill attention, {tokens} queries from position {start}, {HEADS} x {HEAD_DIM}, bf16 "
+        f"(ms a layer, median of {repeats}): kernel {t_k:.2f} ({gflop / t_k * 1e3:.0f} GFLOP/s), "
+        f"SDPA {t_s:.2f} ({gflop / t_s * 1e3:.0f} GFLOP/s)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("what", choices=("gemm", "attention"))
+    ap.add_argument("what", choices=("gemm", "attention", "prefill"))
     ap.add_argument(
         "--rows", default="1,2,4,8,16,32,64,128,256,512", help="gemm: rows of x, comma-separated"
     )
@@ -119,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         default=HEADS,
         help="attention: KV heads (12 = bench-134m; 4 = GQA 3)",
     )
+    ap.add_argument("--tokens", type=int, default=2048, help="prefill: queries in the chunk")
+    ap.add_argument("--start", type=int, default=0, help="prefill: position of its first query")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
@@ -131,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     tune_allocator()
     if args.what == "gemm":
         bench_gemm(kern, [int(r) for r in args.rows.split(",")], args.repeats)
+    elif args.what == "prefill":
+        bench_prefill(kern, args.tokens, args.start, args.block_size, args.repeats)
     else:
         bench_attention(kern, args.batch, args.ctx, args.kv_heads, args.block_size, args.repeats)
     return 0

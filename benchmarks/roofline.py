@@ -3,6 +3,7 @@
     python benchmarks/roofline.py                 # decode B=1,8,32,128, overhead @64, prefill 2048
     python benchmarks/roofline.py --batches 1,8 --no-llamacpp --no-prefill
     python benchmarks/roofline.py --profile 32,64  # + torch.profiler of decode steps at B=32, 64
+    python benchmarks/roofline.py --batches 1 --profile-prefill  # + the 2,048-token prefill's ops
 
 Decode: B requests with ``--ctx``-token random prompts and ignore_eos go through the engine
 (``LLM("bench-134m", dtype="bfloat16")``); prefill steps are skipped and the median over
@@ -174,6 +175,52 @@ def profile_decode(llm: LLM, batch: int, ctx: int, steps: int, top: int) -> str:
     return "\n".join(lines)
 
 
+def profile_prefill(model: str, tokens: int, threads: int, chunk: int | None, top: int) -> str:
+    """torch.profiler over one ``tokens`` prefill (after a warm-up run), iterserve's C++ kernels
+    (called through ctypes, invisible to the profiler) wrapped in record_function."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from iterserve.model import kernels
+
+    names = ("paged_prefill_attention", "write_rows", "rms_norm", "silu_mul", "rope")
+    names += ("gemm_panels", "gemm_pairs", "paged_decode_attention", "argmax")
+    originals = {n: getattr(kernels.Kernels, n) for n in names}
+
+    def wrapped(name: str, fn: Any) -> Any:
+        def call(self: Any, *a: Any, **kw: Any) -> Any:
+            with record_function(f"iterserve::{name}"):
+                return fn(self, *a, **kw)
+
+        return call
+
+    for n, fn in originals.items():
+        setattr(kernels.Kernels, n, wrapped(n, fn))
+    try:
+        llm = make_llm(
+            model, 4, threads, max_num_batched_tokens=chunk or tokens,
+            max_model_len=max(2048, tokens + 16), enable_prefix_caching=False,
+        )  # fmt: skip
+        sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+        p0, p1 = _prompts(2, tokens, llm.engine.vocab_size, 101)
+        llm.generate([p0], sp)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            llm.generate([p1], sp)
+            wall = time.perf_counter() - t0
+    finally:
+        for n, fn in originals.items():
+            setattr(kernels.Kernels, n, fn)
+    lines = [
+        f"profile: prefill {tokens} tokens ({'one step' if chunk is None else f'chunks of {chunk}'}"
+        f"), {wall * 1e3:.0f} ms with the profiler on",
+        f"  {'op (self time, all threads)':<42} {'ms':>8} {'calls':>6}",
+    ]
+    evs = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    for e in evs[:top]:
+        lines.append(f"  {e.key[:42]:<42} {e.self_cpu_time_total / 1e3:8.1f} {e.count:6d}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -199,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
         "--profile", default="", help="batches to profile with torch.profiler, e.g. 32,64"
     )
     ap.add_argument("--profile-top", type=int, default=15)
+    ap.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="torch.profiler over the --prefill prompt, one step and in chunks of 512",
+    )
     a = ap.parse_args(argv)
 
     torch.set_num_threads(a.threads)
@@ -298,6 +350,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{a.prefill / med:.0f} tok/s, {med / bound:.2f}x the bound  "
                 f"(runs: {', '.join(f'{t * 1e3:.0f}' for t in ts)} ms)"
             )
+        if a.profile_prefill:
+            for chunk in (None, 512):
+                print(profile_prefill(a.model, a.prefill, a.threads, chunk, a.profile_top))
         lr = llama_rows.get(1)
         if lr:
             print(

@@ -91,6 +91,8 @@ class SchedulerConfig:
     ``preemption_victim``: None takes the policy's own (``newest``; ``lowest-priority`` for
     ``priority``). ``preemption_protect_steps``: a request resumed after preemption is not
     preempted again for this many steps unless no other running request can be.
+    ``preemption_resume_headroom`` (0: off): a preempted request resumes only when the free
+    KV blocks cover every running request's and its own prompt plus this many tokens more.
     ``admission_reservation``: KV blocks admission keeps back for running requests' future
     tokens. ``long_prefill_threshold`` (0: off): a prompt with more uncomputed tokens than
     this is long; it is prefilled at most this many tokens a step, and at most
@@ -107,6 +109,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     preemption_victim: str | None = None
     preemption_protect_steps: int = 0
+    preemption_resume_headroom: int = 32
     admission_reservation: str = "optimistic"
     long_prefill_threshold: int = 0
     max_long_partial_prefills: int = 1
@@ -153,6 +156,7 @@ class EngineArgs:
     record_steps: str | None = None
     preemption_victim: str | None = None
     preemption_protect_steps: int = 0
+    preemption_resume_headroom: int = 32
     admission_reservation: str = "optimistic"
     long_prefill_threshold: int = 0
     max_long_partial_prefills: int = 1
@@ -265,6 +269,10 @@ def _check_scheduler_knobs(c: SchedulerConfig | EngineArgs) -> None:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if c.preemption_protect_steps < 0:
         raise ValueError(f"preemption_protect_steps must be >= 0, got {c.preemption_protect_steps}")
+    if c.preemption_resume_headroom < 0:
+        raise ValueError(
+            f"preemption_resume_headroom must be >= 0 (0: off), got {c.preemption_resume_headroom}"
+        )
     if c.long_prefill_threshold < 0:
         raise ValueError(
             f"long_prefill_threshold must be >= 0 (0: off), got {c.long_prefill_threshold}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -198,6 +198,16 @@ def test_property_victim_is_the_rules_choice_among_all_running(
         preemption_victim=victim,
     )
     score = VICTIM_SCORES[victim]
+    # A loss-aware rule's score reads the estimate the scheduler sets just before each pick,
+    # so for it the scores are taken then (the candidates must still be all of them).
+    at_pick: list[dict[str, tuple[int, ...]]] = []
+    pick = s.policy.pick_victim
+
+    def recording_pick(candidates: Sequence[Request]) -> Request:
+        at_pick.append({r.request_id: score(r) for r in candidates})
+        return pick(candidates)
+
+    s.policy.pick_victim = recording_pick  # type: ignore[method-assign]
     pending = sorted(workload(data), key=lambda a: a[0])
     arrivals = list(pending)
     ended: dict[str, int] = {}
@@ -208,10 +218,16 @@ def test_property_victim_is_the_rules_choice_among_all_running(
         step += 1
         assert step < 5000, "no progress: livelock, deadlock or starvation"
         scores = {r.request_id: score(r) for r in s.running}
+        at_pick.clear()
         out, fin = step_once(s)
         left = dict(scores)
-        for v in out.preempted:
-            assert scores[v.request_id] == max(left.values())
+        picks = [p for p in at_pick if len(p) > 1]  # a lone asker is failed, not preempted
+        for v, seen in zip(out.preempted, picks, strict=True):
+            assert set(seen) == set(left)
+            if s.policy.victim_needs_loss:
+                assert seen[v.request_id] == max(seen.values())
+            else:
+                assert scores[v.request_id] == max(left.values())
             del left[v.request_id]
             assert v not in out.requests
         ended.update({r.request_id: step for r in fin})

@@ -20,9 +20,10 @@ TIGHT = {"block_size": 4, "num_kv_blocks": 48, "max_num_batched_tokens": 64}
 CONFIGS: dict[str, dict[str, Any]] = {
     **{
         f"victim_{v}": {**TIGHT, "preemption_victim": v}
-        for v in ("newest", "least-computed", "fewest-generated", "lowest-priority")
+        for v in ("newest", "least-computed", "least-lost", "fewest-generated", "lowest-priority")
     },
     "protect_4": {**TIGHT, "preemption_protect_steps": 4},
+    "protect_resume_headroom_0": {**TIGHT, "preemption_resume_headroom": 0},
     "reserve_estimate": {**TIGHT, "admission_reservation": "estimate"},
     "reserve_max": {**TIGHT, "admission_reservation": "reserve-max"},
     "long_prefill": {"max_num_batched_tokens": 32, "long_prefill_threshold": 8},

@@ -6,9 +6,11 @@ Block states (every block is in exactly one):
     cached  ref_cnt == 0, has a hash        free but still holding a reusable prefix
     empty   ref_cnt == 0, no hash           free and holding nothing useful
 
-Free blocks (cached + empty) sit in one LRU queue. Empty blocks are put at its front so
+Free blocks (cached + empty) sit in an LRU queue. Empty blocks are put at its front so
 they are reused before any cached prefix is evicted; cached blocks go to the back and are
-evicted oldest-first when a new block is needed.
+evicted oldest-first when a new block is needed. Cached blocks of a preempted request, which
+is certain to come back for them, sit in a second queue that is evicted only when the first
+is empty (oldest victim first: preempted requests resume newest first).
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._kept: OrderedDict[int, None] = OrderedDict()  # cached, freed by a preemption
         self._cached: dict[int, int] = {}  # block hash -> block id
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._kept)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - len(self._free) - len(self._kept)
 
     def lookup(
         self, parent_hash: int | None, block_hash: int, token_ids: Sequence[int]
@@ -64,10 +67,10 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Takes ``n`` free blocks (evicting cached prefixes LRU-first). Caller checks room."""
-        assert n <= len(self._free), f"asked for {n} blocks, {len(self._free)} free"
+        assert n <= self.num_free_blocks, f"asked for {n} blocks, {self.num_free_blocks} free"
         out = []
         for _ in range(n):
-            bid, _ = self._free.popitem(last=False)
+            bid, _ = (self._free or self._kept).popitem(last=False)
             blk = self.blocks[bid]
             if blk.block_hash is not None:
                 self._evict(blk)
@@ -80,20 +83,25 @@ class BlockPool:
         for bid in block_ids:
             blk = self.blocks[bid]
             if blk.ref_cnt == 0:
-                del self._free[bid]
+                (self._free if bid in self._free else self._kept).pop(bid)
             blk.ref_cnt += 1
 
-    def free(self, block_ids: Iterable[int]) -> None:
+    def free(self, block_ids: Iterable[int], keep: bool = False) -> None:
         """Drops a reference. Pass a request's blocks in reverse order so its tail blocks
-        (least likely to be shared) are evicted before its head."""
+        (least likely to be shared) are evicted before its head. ``keep``: blocks that come
+        free and hold a prefix go to the queue evicted last (a preempted request's)."""
         for bid in block_ids:
             blk = self.blocks[bid]
             assert blk.ref_cnt > 0, f"double free of block {bid}"
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
-                self._free[bid] = None
                 if blk.block_hash is None:
+                    self._free[bid] = None
                     self._free.move_to_end(bid, last=False)
+                elif keep:
+                    self._kept[bid] = None
+                else:
+                    self._free[bid] = None
 
     def cache(
         self, block_id: int, parent_hash: int | None, block_hash: int, token_ids: Sequence[int]
@@ -129,8 +137,8 @@ class BlockPool:
                 self._evict(blk)
 
     def check_integrity(self) -> None:
-        free = set(self._free)
-        assert len(free) == len(self._free)
+        free = set(self._free) | set(self._kept)
+        assert len(free) == len(self._free) + len(self._kept)
         for blk in self.blocks:
             if blk.ref_cnt < 0:
                 raise AssertionError(f"block {blk.block_id} has ref_cnt {blk.ref_cnt}")

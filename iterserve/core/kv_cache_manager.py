@@ -140,17 +140,47 @@ class KVCacheManager:
             self.pool.cache(blocks[i], parent, hashes[i], req.all_token_ids[i * bs : (i + 1) * bs])
         self._num_registered[rid] = num_full
 
-    def free(self, req: Request, discard_uncomputed: bool = False) -> None:
+    def free(self, req: Request, discard_uncomputed: bool = False, keep: bool = False) -> None:
         """Drops ``req``'s blocks (cached prefixes stay for later hits). With
         ``discard_uncomputed`` the step that was to write the KV of its tokens past
         ``num_computed_tokens`` will not run (the scheduler took them back), so the blocks
-        registered for those tokens are forgotten rather than left as false prefix hits."""
+        registered for those tokens are forgotten rather than left as false prefix hits.
+        ``keep`` (a preemption: ``req`` will come back for them): its cached blocks are
+        evicted only after every other free block."""
         blocks = self.req_blocks.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
         if blocks and discard_uncomputed:
             self.pool.forget(blocks[req.num_computed_tokens // self.block_size :])
         if blocks:
-            self.pool.free(reversed(blocks))
+            self.pool.free(reversed(blocks), keep=keep)
+
+    def blocks_to_grow(self, req: Request, num_tokens: int) -> int:
+        """New blocks ``req`` needs to hold all its tokens plus ``num_tokens`` more."""
+        return cdiv(req.num_tokens + num_tokens, self.block_size) - len(
+            self.block_table(req.request_id)
+        )
+
+    def preemption_loss(self, req: Request, shortage: int) -> int:
+        """``req``'s computed tokens that would not be found again in the prefix cache if it
+        were preempted now and ``shortage`` blocks were then taken before it resumes: its
+        partial last block at once, then its own blocks tail-first (blocks other requests
+        also hold stay); a hit ends at the first lost block."""
+        computed = req.num_computed_tokens
+        if not self.enable_prefix_caching or (
+            req.params.prompt_logprobs is not None and not req.num_output_tokens
+        ):
+            return computed  # no hit at resume (see get_computed_blocks)
+        bs = self.block_size
+        blocks = self.block_table(req.request_id)
+        first_lost = min(computed // bs, len(blocks))  # the first block not found again
+        ref = self.pool.blocks
+        for i in range(first_lost - 1, -1, -1):
+            if shortage <= 0:
+                break
+            if ref[blocks[i]].ref_cnt == 1:
+                first_lost = i
+                shortage -= 1
+        return computed - first_lost * bs
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

@@ -148,11 +148,17 @@ VICTIM_SCORES: dict[str, Callable[[Request], tuple[int, ...]]] = {
     "newest": lambda r: (r.admit_seq,),
     # The one that loses the least work (vLLM PR #53723), then the newest.
     "least-computed": lambda r: (-r.num_computed_tokens, r.admit_seq),
+    # The one expected to lose the fewest tokens, counting those its prefix-cached blocks
+    # keep until it resumes (``Request.lost_if_preempted``), then the newest.
+    "least-lost": lambda r: (-r.lost_if_preempted, r.admit_seq),
     # The one with the fewest tokens generated (SGLang's retraction order), then the newest.
     "fewest-generated": lambda r: (len(r.prompt_token_ids) - len(r.all_token_ids), r.admit_seq),
     # The least urgent: highest priority value, then latest arrival (vLLM's priority policy).
     "lowest-priority": lambda r: (r.priority, r.arrival_seq),
 }
+
+# Rules whose score reads ``Request.lost_if_preempted`` (set only for them: it walks tables).
+LOSS_AWARE_VICTIMS = frozenset({"least-lost"})
 
 
 class Policy:
@@ -174,6 +180,8 @@ class Policy:
         self.victim_score: Callable[[Request], tuple[int, ...]] = VICTIM_SCORES[
             victim or self.default_victim
         ]
+        # Whether the scheduler must estimate ``lost_if_preempted`` before each pick.
+        self.victim_needs_loss = (victim or self.default_victim) in LOSS_AWARE_VICTIMS
 
     def make_waiting_queue(self) -> WaitingQueue:
         """The waiting queue, which fixes the admission order."""

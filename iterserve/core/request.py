@@ -52,6 +52,7 @@ class Request:
         "tenant",
         "slo_ttft_s",
         "slo_tpot_s",
+        "lost_if_preempted",
     )
 
     def __init__(
@@ -93,6 +94,9 @@ class Request:
         self.tenant = tenant  # who sent it (OpenAI ``user``): the fair policy's unit
         self.slo_ttft_s = slo_ttft_s  # its time-to-first-token target (the slo policy's)
         self.slo_tpot_s = slo_tpot_s  # its time-per-output-token target (likewise)
+        # The scheduler's estimate, set on each candidate before a loss-aware victim rule
+        # picks: computed tokens a preemption now would make it recompute.
+        self.lost_if_preempted = 0
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,11 @@ from iterserve.core.policies import ADMIT, Policy, Verdict, make_policy
 from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.reservation import Reservation
 
+# How far ahead ``least-lost`` looks: the blocks every other running request needs to finish
+# its prompt and run this many tokens more are what a victim's cached blocks are expected to
+# lose before it resumes (docs/SCHEDULING.md: 8 did best of 0-32 on the KV-pressure run).
+LOSS_HORIZON_TOKENS = 8
+
 
 @dataclass
 class SchedulerOutput:
@@ -134,11 +139,12 @@ class Scheduler:
         self.policy.on_finish(req)
 
     def _preempt(self, req: Request, scheduled: bool = False) -> None:
-        # Its full blocks stay in the prefix cache; on resume it recomputes what was evicted.
+        # Its full blocks stay in the prefix cache, evicted only after every other free block
+        # (it is certain to come back); on resume it recomputes what was evicted.
         # ``scheduled``: it was already given tokens this step, which will not run now, so
         # the blocks registered for them must not be found as prefix hits.
         self.running.remove(req)
-        self.kv.free(req, discard_uncomputed=scheduled)
+        self.kv.free(req, discard_uncomputed=scheduled, keep=True)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -209,7 +215,10 @@ class Scheduler:
                 # Every running request is a candidate, those already given tokens this step
                 # too (as in vLLM): otherwise the rule could only choose among the few not
                 # yet reached, and the asking request itself was the victim most of the time.
-                victim = self._pick_victim([req, *(r for r in self.running if r is not req)])
+                candidates = [req, *(r for r in self.running if r is not req)]
+                if self.policy.victim_needs_loss:
+                    self._estimate_losses(candidates)
+                victim = self._pick_victim(candidates)
                 if victim is req and len(self.running) == 1:
                     self._fail(req, out, self._too_big_message(req, num_new))
                     break
@@ -319,6 +328,8 @@ class Scheduler:
             num_new = min(num_new, room)
             if reserve is not None and self.running and not reserve.fits(req, hits, outstanding):
                 break
+            if req.num_preemptions and self.running and not self._resume_fits(req, hits, num_new):
+                break  # it would only force the next preemption (ping-pong); wait for room
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
             self.waiting.pop()
@@ -345,6 +356,29 @@ class Scheduler:
         for req in reversed(passed_over):
             self.waiting.push_front(req)  # back in their places, ahead of later arrivals
         return budget, long_left
+
+    def _resume_fits(self, req: Request, hits: list[int], num_new: int) -> bool:
+        """May preempted ``req`` resume now? Only if, after its prefix hits, the free blocks
+        hold what every running request and ``req`` itself need to finish their prompts
+        and run ``preemption_resume_headroom`` tokens more (0: always)."""
+        headroom = self.config.preemption_resume_headroom
+        if not headroom:
+            return True
+        kv = self.kv
+        need = kv.blocks_for(req.num_tokens + headroom) - len(hits)
+        others = sum(kv.blocks_to_grow(r, headroom) for r in self.running)
+        return kv.num_free_after_hits(hits) >= need + others
+
+    def _estimate_losses(self, candidates: list[Request]) -> None:
+        """Sets each candidate's ``lost_if_preempted``: its computed tokens expected not to
+        come back from the prefix cache at resume. Preempted, its cached blocks go behind
+        every free block; the others' need over the loss horizon, beyond the free blocks,
+        is what they will eat (its tail first)."""
+        kv = self.kv
+        needs = [kv.blocks_to_grow(r, LOSS_HORIZON_TOKENS) for r in candidates]
+        total = sum(needs) - kv.num_free_blocks
+        for r, need in zip(candidates, needs):
+            r.lost_if_preempted = kv.preemption_loss(r, total - need)
 
     def _unschedule(
         self, out: SchedulerOutput, req: Request, undo: tuple[int, int, bool]

@@ -68,6 +68,7 @@ SCHEDULER_FLAGS = (
     "max_model_len",
     "preemption_victim",
     "preemption_protect_steps",
+    "preemption_resume_headroom",
     "admission_reservation",
     "long_prefill_threshold",
     "max_long_partial_prefills",

@@ -2,7 +2,9 @@
 docs/SCHEDULING.md, instrumented.
 
     PYTHONPATH=. python benchmarks/preemption_victims.py least-computed
+    PYTHONPATH=. python benchmarks/preemption_victims.py least-lost
     PYTHONPATH=. python benchmarks/preemption_victims.py newest --no-enable-prefix-caching
+    PYTHONPATH=. python benchmarks/preemption_victims.py newest --preemption-resume-headroom 0
 
 Runs ``iterserve simulate --model llama-3-8b --hardware h100-sxm --workload azure-conv
 --time-scale 0.5 --num-kv-blocks 1500 --preemption-victim RULE [FLAGS]`` with hooks on the
@@ -10,7 +12,8 @@ scheduler and prints: preemptions and the recompute tax; how often the victim wa
 request asking for a block; how often a request already scheduled in that step had fewer
 computed tokens than the victim (the rule could not see it); the victims' computed tokens,
 how many of them were found in the prefix cache when the victim resumed, and how long it
-waited. The hooks only observe; the decisions are the scheduler's own.
+waited; output throughput and TTFT p50 / p99 (what the victim rule and the resume gate
+must not cost). The hooks only observe; the decisions are the scheduler's own.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from iterserve.sim import cli
 from iterserve.sim.deployment import build_deployment, parse_efficiency
 from iterserve.sim.simulator import Simulator
 from iterserve.workload.datasets import build_workload
+from iterserve.workload.metrics import summarize
 
 BASE = ["--model", "llama-3-8b", "--hardware", "h100-sxm", "--workload", "azure-conv"]
 BASE += ["--time-scale", "0.5", "--num-kv-blocks", "1500"]
@@ -97,7 +101,8 @@ def main(argv: list[str]) -> None:
         cli.workload_config(ns), vocab_size=dep.model.vocab_size, max_model_len=dep.max_model_len
     )
     sc = cli.sim_config("continuous", cli.engine_args(ns), dep, 1, "round-robin")
-    st = Simulator(sc, dep.cost).run(specs).stats
+    res = Simulator(sc, dep.cost).run(specs)
+    st, summary = res.stats, summarize(res.timings, res.duration_s)
     n = max(1, len(picks))
     print(f"victim rule {argv[0]} {' '.join(argv[1:])}")
     print(
@@ -110,6 +115,12 @@ def main(argv: list[str]) -> None:
         f"{sum(p['fewer_elsewhere'] for p in picks) / n:.1%}; candidates per pick "
         f"{statistics.mean(p['candidates'] for p in picks or [{'candidates': 0}]):.1f} of "
         f"{statistics.mean(p['running'] for p in picks or [{'running': 0}]):.1f} running"
+    )
+    print(
+        f"completed {summary['completed']} / failed {summary['failed']} in "
+        f"{summary['duration_s']:.0f} s, output {summary['output_throughput']:.0f} tok/s, "
+        f"TTFT p50 / p99 {summary['median_ttft_ms'] / 1000:.1f} / "
+        f"{summary['p99_ttft_ms'] / 1000:.1f} s"
     )
     if resumes:
         print(

@@ -14,8 +14,9 @@ Scenarios (each runs every variant on one workload, built once):
             ``find_throughput_capacity``); then ``continuous`` and ``slo`` at
             --capacity-multiples (1.0, 1.2, 2) of each
   kv        the Azure conversation trace on a small KV pool (--kv-blocks): victim rules
-            newest / least-computed / fewest-generated, anti-thrash (protect 8 steps),
-            reservations estimate / reserve-max
+            newest / least-computed / least-lost / fewest-generated, newest and
+            least-computed without the resume gate (--preemption-resume-headroom 0),
+            anti-thrash (protect 8 steps), reservations estimate / reserve-max
   tenants   the conversation trace split between tenants ``heavy`` and ``light``, 10 to 1
             (as examples/two_tenants.py): the light tenant alone, then both under
             ``continuous`` and ``fair``
@@ -347,7 +348,16 @@ def build_scenarios(
                 [
                     Variant("newest", {"preemption_victim": "newest"}),
                     Variant("least-computed", {"preemption_victim": "least-computed"}),
+                    Variant("least-lost", {"preemption_victim": "least-lost"}),
                     Variant("fewest-generated", {"preemption_victim": "fewest-generated"}),
+                    Variant(
+                        "newest, no resume headroom",
+                        {"preemption_victim": "newest", "preemption_resume_headroom": 0},
+                    ),
+                    Variant(
+                        "least-computed, no resume headroom",
+                        {"preemption_victim": "least-computed", "preemption_resume_headroom": 0},
+                    ),
                     Variant(
                         "newest + protect 8",
                         {"preemption_victim": "newest", "preemption_protect_steps": 8},
@@ -554,6 +564,8 @@ def targets(by_label: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, An
     slo, slo_thr = slo_gain("attainment"), slo_gain("throughput")
     tax = ratio("kv", "least-computed", "newest", "recompute_tax")
     cut = None if tax is None else 1 - tax
+    lost = ratio("kv", "least-lost", "newest", "recompute_tax")
+    lost_cut = None if lost is None else 1 - lost
     fair = ratio("tenants", "fair", "light alone (continuous)", "light_ttft_p99")
     thr = next((k for k in by_label.get("long", {}) if "threshold" in k), "")
     long_on = ratio("long", thr, "short requests only", "short_ttft_p99")
@@ -570,6 +582,8 @@ def targets(by_label: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, An
         target("(no long-prompt mode: short p99 TTFT / short-only load)", long_off, "-", None),
         target("slo goodput / FCFS goodput at 1.2x throughput capacity", slo_thr, ">= 1.3",
                None if slo_thr is None else slo_thr >= 1.3),
+        target("(least-lost recompute tax cut vs newest)", lost_cut, ">= 0.30",
+               None if lost_cut is None else lost_cut >= 0.30),
     ]  # fmt: skip
 
 

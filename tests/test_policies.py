@@ -1041,3 +1041,29 @@ def test_simulate_at_capacity_runs_every_policy_at_a_multiple_of_the_baselines(
     assert slo["request_goodput"] > fcfs["request_goodput"]
     assert simulate_main([*args, "--at-capacity", "1.5", "--find-max-rate"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_simulate_at_throughput_capacity_overloads_fcfs_and_slo_keeps_goodput(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--capacity throughput``: 1.2x the rate FCFS serves at saturation (no --slo needed)
+    is real overload: FCFS's TTFT grows through the run, and slo keeps its goodput."""
+    import json
+
+    from iterserve.sim.cli import main as simulate_main
+
+    out = tmp_path / "r.json"
+    args = random_sim(300, 20, 512, 16)
+    args += ["--policy", "continuous,slo", "--slo-ttft-ms", "300", "--goodput", "ttft:300"]
+    args += ["--capacity", "throughput", "--at-capacity", "1.2"]
+    assert simulate_main([*args, "--result-file", str(out)]) == 0
+    assert "throughput capacity of continuous" in capsys.readouterr().err
+    res = json.loads(out.read_text())
+    cap = res["config"]["capacity"]
+    assert cap["kind"] == "throughput" and cap["max_rate"] > 0
+    rates = [r["request_rate"] for r in res["runs"]]
+    assert rates[0] == rates[1] == pytest.approx(1.2 * cap["max_rate"], rel=1e-6)
+    fcfs, slo = (r["summary"] for r in res["runs"])
+    assert slo["request_goodput"] >= 1.3 * fcfs["request_goodput"]
+    assert simulate_main([*random_sim(10, 10, 8, 4), "--capacity", "throughput"]) == 2
+    assert "give --at-capacity" in capsys.readouterr().err

@@ -193,7 +193,12 @@ def report(label: str, specs: list[RequestSpec], res: Any, obs: Observer) -> Non
     ttft = {i: res.timings[i].ttft for i in light if res.timings[i].ttft is not None}
     p99 = float(np.percentile(list(ttft.values()), 99))
     slow = sorted(ttft, key=lambda i: -ttft[i])[: max(3, len(light) // 100)]
-    print(f"\n## {label}: {len(light)} light requests, TTFT p99 {p99:.3f} s")
+    out = sum(t.output_tokens for t in res.timings if t.success)
+    print(
+        f"\n## {label}: {len(light)} light requests, TTFT p99 {p99:.3f} s; all requests: "
+        f"{out / res.duration_s:.1f} output tok/s, {res.stats['num_preemptions']} preemptions, "
+        f"recompute tax {100 * res.stats['recompute_tax']:.2f}%"
+    )
 
     def line(name: str, ids: list[int]) -> None:
         tot: collections.Counter[str] = collections.Counter()

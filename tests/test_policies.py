@@ -530,28 +530,35 @@ def test_fair_admits_the_light_tenant_ahead_of_a_flood() -> None:
     assert ended["l0"] > 70  # FCFS: behind all 20
 
 
+def light_first_token(
+    policy: str, heavy: tuple[int, int, int], light_prompt: int, seqs: int, full_steps: int
+) -> int:
+    """The step at which a light request gets its first token, arriving after 3 steps of
+    ``heavy`` = (requests, prompt, max_tokens) with a 32-token budget; the first
+    ``full_steps`` steps after it arrived must use the whole budget (work-conserving)."""
+    s = sched(num_blocks=400, policy=policy, max_num_batched_tokens=32, max_num_seqs=seqs)
+    n, prompt, out_len = heavy
+    for i in range(n):
+        s.add_request(tenant_req(f"h{i}", "heavy", prompt, out_len, seed=i))
+    for _ in range(3):
+        step_once(s)
+    s.add_request(tenant_req("l0", "light", light_prompt, 4, seed=99))
+    for step in range(1, 40):
+        out, _ = step_once(s)
+        if step <= full_steps:
+            assert out.total_tokens == 32
+        if s.requests["l0"].num_output_tokens:
+            return step
+    raise AssertionError("no first token in 40 steps")
+
+
 def test_fair_puts_a_light_prompt_ahead_of_heavy_prefills_already_running() -> None:
     """Heavy long prompts are mid-prefill, taking the whole budget each step. A light
-    request arriving then is lifted to the heavy counter (a tie, which the heavy prefills
-    win once), then admitted and prefilled ahead of them, while they get what it leaves:
-    every step stays full. Under FCFS it waits for their prefills."""
-    first_token = {}
-    for policy in ("fair", "continuous"):
-        s = sched(num_blocks=400, policy=policy, max_num_batched_tokens=32, max_num_seqs=8)
-        for i in range(3):
-            s.add_request(tenant_req(f"h{i}", "heavy", 200, 4, seed=i))
-        for _ in range(3):
-            step_once(s)
-        s.add_request(tenant_req("l0", "light", 20, 4, seed=99))
-        for step in range(1, 40):
-            out, _ = step_once(s)
-            if policy == "fair":  # work-conserving: the budget is used while work remains
-                assert out.total_tokens == 32
-            if s.requests["l0"].num_output_tokens:
-                first_token[policy] = step
-                break
-    assert first_token["fair"] <= 2
-    assert first_token["continuous"] > 10
+    request arriving then is lifted to the heavy counter, then admitted and prefilled ahead
+    of them, while they get what it leaves: every step stays full. Under FCFS it waits for
+    their prefills."""
+    assert light_first_token("fair", (3, 200, 4), 20, seqs=8, full_steps=2) <= 2
+    assert light_first_token("continuous", (3, 200, 4), 20, seqs=8, full_steps=0) > 10
 
 
 def test_fair_runs_a_light_prompt_ahead_of_heavy_decodes() -> None:
@@ -559,23 +566,8 @@ def test_fair_runs_a_light_prompt_ahead_of_heavy_decodes() -> None:
     budget. Under fair it takes the budget before the heavy decodes (which get the 2 tokens
     left), so its first token comes after one step; under FCFS the decodes go first and
     its prompt needs two."""
-    first_token = {}
-    for policy in ("fair", "continuous"):
-        s = sched(num_blocks=400, policy=policy, max_num_batched_tokens=32, max_num_seqs=9)
-        for i in range(8):
-            s.add_request(tenant_req(f"h{i}", "heavy", 4, 40, seed=i))
-        for _ in range(3):
-            step_once(s)
-        assert all(r.num_output_tokens for r in s.running)  # all decoding
-        s.add_request(tenant_req("l0", "light", 30, 4, seed=99))
-        for step in range(1, 10):
-            out, _ = step_once(s)
-            if step == 1:
-                assert out.total_tokens == 32  # work-conserving
-            if s.requests["l0"].num_output_tokens:
-                first_token[policy] = step
-                break
-    assert first_token == {"fair": 1, "continuous": 2}
+    assert light_first_token("fair", (8, 4, 40), 30, seqs=9, full_steps=1) == 1
+    assert light_first_token("continuous", (8, 4, 40), 30, seqs=9, full_steps=1) == 2
 
 
 def test_fair_preempts_the_flooding_tenant_for_a_slot() -> None:

@@ -58,3 +58,26 @@ def test_greedy_matches_transformers_under_each_policy(
         assert st["recomputed_tokens"] > 0 and st["recompute_tax"] > 0
     if config == "reserve_max":
         assert st["num_preemptions"] == 0 and st["recomputed_tokens"] == 0
+
+
+def test_greedy_matches_transformers_under_fair_with_two_tenants(case: dict[str, Any]) -> None:
+    """fair with two tenants on 3 slots: the heavy tenant's requests hold every slot when
+    the light ones arrive, so fair defers heavy work and preempts a heavy request for a
+    slot (paths a single tenant never takes); the tokens stay transformers'."""
+    llm = LLM(case["path"], dtype="float32", seed=0, **{**TIGHT, "max_num_seqs": 3}, policy="fair")
+    e, prompts = llm.engine, case["prompts"]
+    light = {i for i in range(len(prompts)) if i % 3 == 2}
+    for i in sorted(set(range(len(prompts))) - light):
+        e.add_request(f"r{i}", prompts[i], GREEDY, tenant="heavy")
+    done: dict[str, list[int]] = {}
+    for step in range(1000):
+        if step == 2:
+            for i in sorted(light):
+                e.add_request(f"r{i}", prompts[i], GREEDY, tenant="light")
+        for o in e.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+        if step > 2 and not e.has_unfinished_requests():
+            break
+    assert [done[f"r{i}"] for i in range(len(prompts))] == case["ref"]
+    assert e.stats()["num_preemptions"] > 0

@@ -165,8 +165,18 @@ class FairDecodesToFinish(FairPolicy):
     """``fair`` whose decodes make way only when that lets the first-ranked tenants'
     prefill work end within the step."""
 
+    def on_schedule(self, running: Any, waiting: Any) -> None:
+        super().on_schedule(running, waiting)
+        todo = [r for r in running if len(r.all_token_ids) - r.num_computed_tokens > 1]
+        first = sum(
+            len(r.all_token_ids) - r.num_computed_tokens
+            for r in (*todo, *waiting)
+            if self._rank(r.tenant) == self.floor
+        )
+        self.decodes_wait = first <= self.budget
+
     def defer_decode(self, req: Request) -> bool:
-        return self.first_work <= self.budget and self.defer_prefill(req)
+        return self.decodes_wait and self.defer_prefill(req)
 
 
 class FairNoSlotPreemption(FairPolicy):

@@ -375,10 +375,8 @@ class FairPolicy(Policy):
         self.max_num_seqs = config.max_num_seqs if config is not None else 1 << 30
         self.budget = config.max_num_batched_tokens if config is not None else 512
         self.tolerance = self.TOLERANCE_STEPS * self.budget
-        self.first_work = 0
         self.least = 0.0  # this step's smallest counter among live tenants
-        # This step's first rank among tenants with a waiting request or a running prefill
-        # (first_work: those tenants' uncomputed prefill tokens).
+        # This step's first rank among tenants with a waiting request or a running prefill.
         self.floor: tuple[float, ...] = (math.inf,)
         self.queue: FairWaitingQueue | None = None
 
@@ -401,14 +399,9 @@ class FairPolicy(Policy):
         slots.clear()
         for r in running:
             slots[r.tenant] = slots.get(r.tenant, 0) + 1
-        work: dict[str, int] = {}  # tenant -> uncomputed tokens of its prefill work
-        for r in running:
-            if (left := len(r.all_token_ids) - r.num_computed_tokens) > 1:
-                work[r.tenant] = work.get(r.tenant, 0) + left
-        for r in waiting:
-            work[r.tenant] = work.get(r.tenant, 0) + len(r.all_token_ids) - r.num_computed_tokens
-        self.floor = min((self._rank(t) for t in work), default=(math.inf,))
-        self.first_work = sum(n for t, n in work.items() if self._rank(t) == self.floor)
+        prefilling = {r.tenant for r in running if len(r.all_token_ids) - r.num_computed_tokens > 1}
+        tenants = prefilling | {r.tenant for r in waiting}
+        self.floor = min((self._rank(t) for t in tenants), default=(math.inf,))
 
     def defer_prefill(self, req: Request) -> bool:
         return self._rank(req.tenant) > self.floor

@@ -446,18 +446,18 @@ inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m512bh>(_
 
 // Rows [r0, r1) (at most PF_QB) of query head h against its KV head's packed Kp / Vp (keys
 // padded to a multiple of PF_KB with zeros). O, m, l: scratch for r1 - r0 + PF_R rows (a short
-// last tile computes duplicates of its last row into the spare slots, never stored).
+// last tile computes duplicates of its last row into the spare slots, never stored); l holds 16
+// partial sums per row.
 void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const uint16_t* Vp, int h, int r0, int r1, int p0,
                   int hd, float scale, uint16_t* out, int64_t out_stride, float* O, float* m, float* l) {
     const int nrows = r1 - r0;
-    for (int i = 0; i < nrows + PF_R; ++i) {
-        m[i] = -INFINITY;
-        l[i] = 0.f;
-    }
+    for (int i = 0; i < nrows + PF_R; ++i) m[i] = -INFINITY;
+    std::memset(l, 0, sizeof(float) * 16 * static_cast<size_t>(nrows + PF_R));
     std::memset(O, 0, sizeof(float) * static_cast<size_t>(nrows + PF_R) * hd);
     const int hp = hd / 2;
     const int last_key = p0 + r1 - 1;
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 sc = _mm512_set1_ps(scale);
     alignas(64) uint16_t Pb[PF_R][PF_KB];
     for (int k0 = 0; k0 <= last_key; k0 += PF_KB) {
         const uint16_t* kblk = Kp + static_cast<int64_t>(k0) * hd;
@@ -481,11 +481,11 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
                 }
             }
             __m512 corr[PF_R];
+            bool rescale = false;
             for (int k = 0; k < PF_R; ++k) {
                 const int pos = p0 + row[k], i = t0 + k;
                 __m512 mx = _mm512_set1_ps(-INFINITY);
                 for (int c = 0; c < 4; ++c) {
-                    s[k][c] = _mm512_mul_ps(s[k][c], _mm512_set1_ps(scale));
                     if (k0 + PF_KB - 1 > pos) {  // the diagonal block: hide keys past the query
                         const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(k0 + 16 * c));
                         const __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos));
@@ -493,18 +493,27 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
                     }
                     mx = _mm512_max_ps(mx, s[k][c]);
                 }
-                // Key k0 <= pos here, so the block's max is finite.
-                const float m_new = std::max(m[i], _mm512_reduce_max_ps(mx));
+                // Key k0 <= pos here, so the block's max is finite; scale > 0 commutes with max.
+                const float m_new = std::max(m[i], _mm512_reduce_max_ps(mx) * scale);
                 const __m512 mv = _mm512_set1_ps(m_new);
                 __m512 sum = _mm512_setzero_ps();
                 for (int c = 0; c < 4; ++c) {
-                    s[k][c] = exp_ps(_mm512_sub_ps(s[k][c], mv));
+                    s[k][c] = exp_ps(_mm512_fmsub_ps(s[k][c], sc, mv));
                     sum = _mm512_add_ps(sum, s[k][c]);
                 }
-                const float cf = m[i] == -INFINITY ? 0.f : std::exp(m[i] - m_new);
-                l[i] = l[i] * cf + _mm512_reduce_add_ps(sum);
+                // exp(-inf) on the first block is 0 (exp_ps clamps); past the first blocks the max
+                // rarely moves, and then neither l nor O needs rescaling. The row sum stays 16
+                // lanes wide until the end, so no horizontal add per block.
+                __m512 lv = _mm512_loadu_ps(l + 16 * i);
+                if (m_new != m[i]) {
+                    corr[k] = exp_ps(_mm512_set1_ps(m[i] - m_new));
+                    lv = _mm512_mul_ps(lv, corr[k]);
+                    rescale = true;
+                } else {
+                    corr[k] = _mm512_set1_ps(1.f);
+                }
+                _mm512_storeu_ps(l + 16 * i, _mm512_add_ps(lv, sum));
                 m[i] = m_new;
-                corr[k] = _mm512_set1_ps(cf);
                 _mm512_storeu_si512(Pb[k], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[k][1], s[k][0])));
                 _mm512_storeu_si512(Pb[k] + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[k][3], s[k][2])));
             }
@@ -512,8 +521,10 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
             for (int e0 = 0; e0 < hd; e0 += 64) {
                 __m512 o[PF_R][4];
                 for (int k = 0; k < PF_R; ++k)
-                    for (int c = 0; c < 4; ++c)
-                        o[k][c] = _mm512_mul_ps(_mm512_loadu_ps(O + static_cast<int64_t>(t0 + k) * hd + e0 + 16 * c), corr[k]);
+                    for (int c = 0; c < 4; ++c) {
+                        o[k][c] = _mm512_loadu_ps(O + static_cast<int64_t>(t0 + k) * hd + e0 + 16 * c);
+                        if (rescale) o[k][c] = _mm512_mul_ps(o[k][c], corr[k]);
+                    }
                 for (int j = 0; j < PF_KB / 2; ++j) {
                     __m512bh vv[4];
                     for (int c = 0; c < 4; ++c) vv[c] = load_bh(vblk + (static_cast<int64_t>(j) * hd + e0 + 16 * c) * 2);
@@ -528,7 +539,7 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
         }
     }
     for (int i = 0; i < nrows; ++i) {
-        const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(l + 16 * i)));
         uint16_t* dst = out + static_cast<int64_t>(r0 + i) * out_stride + static_cast<int64_t>(h) * hd;
         for (int e = 0; e < hd; e += 16) narrow16(dst + e, _mm512_mul_ps(_mm512_loadu_ps(O + static_cast<int64_t>(i) * hd + e), inv));
     }
@@ -923,7 +934,7 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     const int tasks = H * qblocks;
 #pragma omp parallel
     {
-        std::vector<float> O(static_cast<size_t>(PF_QB + PF_R) * hd), m(PF_QB + PF_R), l(PF_QB + PF_R);
+        std::vector<float> O(static_cast<size_t>(PF_QB + PF_R) * hd), m(PF_QB + PF_R), l(16 * (PF_QB + PF_R));
         // Later query blocks see more keys: hand them out first.
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tasks; ++t) {

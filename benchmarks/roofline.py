@@ -28,9 +28,11 @@ Prefill: one ``--prefill``-token prompt, (a) in a single step (max_num_batched_t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,7 +144,8 @@ def profile_decode(llm: LLM, batch: int, ctx: int, steps: int, top: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
-    res = measure_decode(llm, batch, ctx, steps, seed=7, profile=prof)
+    with named_kernels():
+        res = measure_decode(llm, batch, ctx, steps, seed=7, profile=prof)
     # The profiler also records ops that run on intra-op worker threads, so sums over all events
     # exceed wall time; the Python share is judged on the main (calling) thread only.
     events = [e for e in prof.events() if e.cpu_parent is None]
@@ -175,10 +178,11 @@ def profile_decode(llm: LLM, batch: int, ctx: int, steps: int, top: int) -> str:
     return "\n".join(lines)
 
 
-def profile_prefill(model: str, tokens: int, threads: int, chunk: int | None, top: int) -> str:
-    """torch.profiler over one ``tokens`` prefill (after a warm-up run), iterserve's C++ kernels
-    (called through ctypes, invisible to the profiler) wrapped in record_function."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+@contextlib.contextmanager
+def named_kernels() -> Iterator[None]:
+    """iterserve's C++ kernels (called through ctypes, invisible to torch.profiler) each inside a
+    record_function named ``iterserve::<kernel>`` while the block runs."""
+    from torch.profiler import record_function
 
     from iterserve.model import kernels
 
@@ -196,20 +200,27 @@ def profile_prefill(model: str, tokens: int, threads: int, chunk: int | None, to
     for n, fn in originals.items():
         setattr(kernels.Kernels, n, wrapped(n, fn))
     try:
-        llm = make_llm(
-            model, 4, threads, max_num_batched_tokens=chunk or tokens,
-            max_model_len=max(2048, tokens + 16), enable_prefix_caching=False,
-        )  # fmt: skip
-        sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
-        p0, p1 = _prompts(2, tokens, llm.engine.vocab_size, 101)
-        llm.generate([p0], sp)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            llm.generate([p1], sp)
-            wall = time.perf_counter() - t0
+        yield
     finally:
         for n, fn in originals.items():
             setattr(kernels.Kernels, n, fn)
+
+
+def profile_prefill(model: str, tokens: int, threads: int, chunk: int | None, top: int) -> str:
+    """torch.profiler over one ``tokens`` prefill (after a warm-up run), the C++ kernels named."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = make_llm(
+        model, 4, threads, max_num_batched_tokens=chunk or tokens,
+        max_model_len=max(2048, tokens + 16), enable_prefix_caching=False,
+    )  # fmt: skip
+    sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    p0, p1 = _prompts(2, tokens, llm.engine.vocab_size, 101)
+    llm.generate([p0], sp)
+    with named_kernels(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        llm.generate([p1], sp)
+        wall = time.perf_counter() - t0
     lines = [
         f"profile: prefill {tokens} tokens ({'one step' if chunk is None else f'chunks of {chunk}'}"
         f"), {wall * 1e3:.0f} ms with the profiler on",

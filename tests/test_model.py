@@ -508,7 +508,7 @@ def test_bf16_prefill_kernel_through_the_runner(case: Callable[[str], Case]) -> 
         return torch.stack([one, chunked])
 
     outs = run()
-    runner.attention.prefills = attention.sdpa_prefills
+    runner.attention.prefills = attention.prefill_chunks
     sdpa = run()
     cos = torch.nn.functional.cosine_similarity
     for i in range(2):

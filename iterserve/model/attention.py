@@ -246,7 +246,7 @@ def sdpa_chunk(
     return out[0].transpose(0, 1).reshape(c.end - c.start, H * hd).to(q.dtype)
 
 
-def sdpa_prefills(
+def prefill_chunks(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -254,39 +254,24 @@ def sdpa_prefills(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     block_size: int,
+    kern: kernels.Kernels | None = None,
 ) -> list[torch.Tensor]:
-    """One SDPA per prefill chunk; [n, H * hd] each."""
-    return [sdpa_chunk(q, k, v, k_cache, v_cache, c, block_size) for c in meta.prefills]
-
-
-def kernel_prefills(
-    kern: kernels.Kernels,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    block_size: int,
-) -> list[torch.Tensor]:
-    """Plain causal bf16 chunks through iterserve's prefill kernel (keys read from the cache in
-    place, no gather; docs/SPEED.md, "Prefill attention"); sliding-window chunks through SDPA."""
-    outs: list[torch.Tensor] = []
-    for c in meta.prefills:
-        if c.table is None:
-            outs.append(sdpa_chunk(q, k, v, k_cache, v_cache, c, block_size))
-        else:
-            outs.append(
-                kern.paged_prefill_attention(
-                    q[c.start : c.end], k_cache, v_cache, c.table, c.start_pos, block_size
-                )
-            )
-    return outs
+    """[n, H * hd] per prefill chunk: through iterserve's prefill kernel where ``kern`` is given
+    and the chunk is plain causal (keys read from the cache in place, no gather; docs/SPEED.md,
+    "Closing the roofline gap"), else one SDPA (sliding-window chunks always)."""
+    return [
+        sdpa_chunk(q, k, v, k_cache, v_cache, c, block_size)
+        if kern is None or c.table is None
+        else kern.paged_prefill_attention(
+            q[c.start : c.end], k_cache, v_cache, c.table, c.start_pos, block_size
+        )
+        for c in meta.prefills
+    ]
 
 
 def prefill_kernel_fits(kern: kernels.Kernels, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether ``kernel_prefills`` can run this model: bf16, head_dim a multiple of 64, and a
-    CPU with AVX512-BF16 (the kernel is compiled in only there)."""
+    """Whether ``prefill_chunks`` can take ``kern`` for this model: bf16, head_dim a multiple of
+    64, and a CPU with AVX512-BF16 (the kernel is compiled in only there)."""
     return kern.has_bf16_dot and dtype == torch.bfloat16 and head_dim % 64 == 0
 
 
@@ -312,5 +297,5 @@ def paged_attention(
         else:
             out = sdpa_decodes(q[:D], k_cache, v_cache, meta, block_size)
         outs.append(out.reshape(D, -1).to(q.dtype))
-    outs += sdpa_prefills(q, k, v, k_cache, v_cache, meta, block_size)
+    outs += prefill_chunks(q, k, v, k_cache, v_cache, meta, block_size)
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -86,7 +86,7 @@ DecodeFn = Callable[
 WriteFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], None
 ]
-# Prefill chunks -> [n, H * hd] each (attention.sdpa_prefills or kernel_prefills).
+# Prefill chunks -> [n, H * hd] each (attention.prefill_chunks, with or without the kernel).
 PrefillFn = Callable[
     [
         torch.Tensor,
@@ -107,7 +107,7 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
     def __init__(
         self,
         decodes: DecodeFn = attention.sdpa_decodes,
-        prefills: PrefillFn = attention.sdpa_prefills,
+        prefills: PrefillFn = attention.prefill_chunks,
     ) -> None:
         self.decodes = decodes
         self.prefills = prefills
@@ -170,9 +170,7 @@ class CpuBackend(TorchBackend):
         self.prefill_kernel = prefill_kernel
         super().__init__(
             functools.partial(attention.kernel_decodes, kern),
-            functools.partial(attention.kernel_prefills, kern)
-            if prefill_kernel
-            else attention.sdpa_prefills,
+            functools.partial(attention.prefill_chunks, kern=kern if prefill_kernel else None),
         )
         self.write = functools.partial(attention.kernel_write_new_kv, kern)
 

@@ -132,6 +132,22 @@ def build(out_dir: str | Path | None = None) -> Path:
     return lib
 
 
+def _check_packed(
+    name: str, x: torch.Tensor, packed: torch.Tensor, numel: int, N: int, b: torch.Tensor | None
+) -> None:
+    """A packed bf16 weight of ``numel`` elements for x's K and N outputs, and a bias of N in
+    x's dtype, or a ValueError naming the shapes."""
+    if (
+        packed.dtype != torch.bfloat16
+        or packed.numel() != numel
+        or (b is not None and (b.dtype != x.dtype or b.numel() != N))
+    ):
+        raise ValueError(
+            f"{name}: shapes do not match: x {tuple(x.shape)}, {packed.numel()} packed elements "
+            f"for N={N}, b {None if b is None else tuple(b.shape)}"
+        )
+
+
 class Kernels:
     """The loaded library, with typed wrappers."""
 
@@ -205,16 +221,7 @@ class Kernels:
         if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
             raise ValueError(f"gemm_panels takes a 2-D bf16/f32 x, got {x.dtype} {tuple(x.shape)}")
         M, K = x.shape
-        if (
-            panels.dtype != torch.bfloat16
-            or panels.numel() != -(-N // 32) * K * 32
-            or (b is not None and (b.dtype != x.dtype or b.numel() != N))
-        ):
-            raise ValueError(
-                f"shapes do not match: x {tuple(x.shape)}, {panels.numel()} panel elements for "
-                f"N={N}, "
-                f"b {None if b is None else tuple(b.shape)}"
-            )
+        _check_packed("gemm_panels", x, panels, -(-N // 32) * K * 32, N, b)
         x = x.contiguous()
         y = torch.empty(M, N, dtype=x.dtype)
         self.lib.gemm_panels(
@@ -447,19 +454,10 @@ class Kernels:
         one rounding)."""
         if not self.has_bf16_dot:
             raise ValueError("gemm_pairs needs a CPU with AVX512-BF16")
-        M, K = x.shape if x.dim() == 2 else (0, 1)
-        if (
-            x.dtype != torch.bfloat16
-            or x.dim() != 2
-            or K % 2
-            or pairs.numel() != -(-N // 64) * (K // 2) * 128
-            or (b is not None and (b.dtype != torch.bfloat16 or b.numel() != N))
-        ):
-            raise ValueError(
-                f"gemm_pairs takes bf16 x [M, K even] and pack_pairs of a [N, K] weight, got x "
-                f"{x.dtype} {tuple(x.shape)}, {pairs.numel()} packed elements for N={N}, b "
-                f"{None if b is None else tuple(b.shape)}"
-            )
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2:
+            raise ValueError(f"gemm_pairs takes bf16 x [M, K even], got {x.dtype} {tuple(x.shape)}")
+        M, K = x.shape
+        _check_packed("gemm_pairs", x, pairs, -(-N // 64) * (K // 2) * 128, N, b)
         x = x.contiguous()
         y = torch.empty(M, N, dtype=torch.bfloat16)
         self.lib.gemm_pairs(

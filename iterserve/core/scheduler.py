@@ -33,7 +33,7 @@ from iterserve.core.reservation import Reservation
 
 # How far ahead ``least-lost`` looks: the blocks every other running request needs to finish
 # its prompt and run this many tokens more are what a victim's cached blocks are expected to
-# lose before it resumes (docs/SCHEDULING.md: 8 did best of 0-32 on the KV-pressure run).
+# lose before it resumes (chosen among 0-64 tried on the KV-pressure run of docs/SCHEDULING.md).
 LOSS_HORIZON_TOKENS = 8
 
 

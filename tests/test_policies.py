@@ -293,17 +293,29 @@ def test_resumed_request_is_spared_within_its_window() -> None:
     num_blocks=st.integers(6, 30),
     budget=st.integers(4, 48),
     max_seqs=st.integers(1, 8),
+    headroom=st.sampled_from([0, 1, 4, 32, 1000]),
+    prefix=st.booleans(),
 )
 def test_property_protection_never_livelocks(
-    data: st.DataObject, protect: int, victim: str, num_blocks: int, budget: int, max_seqs: int
+    data: st.DataObject,
+    protect: int,
+    victim: str,
+    num_blocks: int,
+    budget: int,
+    max_seqs: int,
+    headroom: int,
+    prefix: bool,
 ) -> None:
+    """Neither protection nor the resume gate (any headroom) keeps a request from ending."""
     s = sched(
         num_blocks=num_blocks,
         block_size=2,
+        prefix=prefix,
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
         preemption_protect_steps=protect,
         preemption_victim=victim,
+        preemption_resume_headroom=headroom,
     )
     arrivals = workload(data)
     ended = drive(s, arrivals)

@@ -9,15 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 from test_core import make_req
-from test_policies import PROPERTY, assert_all_ended, drive, sched, step_once, workload
+from test_policies import sched, step_once
 
 from iterserve.config import SchedulerConfig
 from iterserve.core import KVCacheManager
 from iterserve.core.block_pool import BlockPool
-from iterserve.core.policies import VICTIMS
 from iterserve.core.request import Request, RequestStatus
 
 
@@ -142,30 +139,6 @@ def test_resume_gate_never_holds_back_a_request_when_nothing_runs() -> None:
     req.num_preemptions = 1  # as if it had been preempted: alone, it must still run
     out, _ = step_once(s)
     assert out.new_requests == [req] and req.status is RequestStatus.RUNNING
-
-
-@PROPERTY
-@given(
-    data=st.data(),
-    victim=st.sampled_from(VICTIMS),
-    headroom=st.sampled_from([0, 1, 4, 32, 1000]),
-    num_blocks=st.integers(6, 30),
-    budget=st.integers(4, 48),
-    prefix=st.booleans(),
-)
-def test_property_every_request_ends_under_any_resume_headroom(
-    data: st.DataObject, victim: str, headroom: int, num_blocks: int, budget: int, prefix: bool
-) -> None:
-    s = sched(
-        num_blocks=num_blocks,
-        block_size=2,
-        prefix=prefix,
-        max_num_batched_tokens=budget,
-        preemption_victim=victim,
-        preemption_resume_headroom=headroom,
-    )
-    arrivals = workload(data)
-    assert_all_ended(arrivals, drive(s, arrivals))
 
 
 @pytest.mark.parametrize(

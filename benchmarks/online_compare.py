@@ -138,9 +138,12 @@ def main(argv: list[str] | None = None) -> None:
             served = fetch_models(base)[0]["id"]
             procs[system] = (proc, base, served)
             print(f"{system}: ready at {base} serving {served!r}", flush=True)
+        # A whole sweep-sized burst at once: 8 short requests left the first rate's runs
+        # 4-5 s over the TTFT of the same rate run later (both servers; first batch sizes).
         warm_cfg = WorkloadConfig(
-            dataset="random", num_prompts=8, seed=a.seed + 1, random_input_len=a.input_len,
-            random_output_len=8, random_range_ratio=a.range_ratio,
+            dataset="random", num_prompts=a.num_prompts, seed=a.seed + 1,
+            random_input_len=a.input_len, random_output_len=a.output_len,
+            random_range_ratio=a.range_ratio,
         )  # fmt: skip
         warm, _ = build_workload(warm_cfg, vocab_size=vocab, max_model_len=a.max_model_len)
         for _, base, served in procs.values():  # first-request costs out of the first rate

@@ -170,6 +170,11 @@ class SamplingParams:
         return self.num_candidates > self.n
 
     @property
+    def needs_logprobs(self) -> bool:
+        """Whether the sampler must compute each token's logprob: asked for, or for best_of."""
+        return self.logprobs is not None or self.needs_cumulative_logprob
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 

@@ -220,7 +220,7 @@ class LLMEngine:
         )
         # best_of > n: best_of candidates (the output processor returns the n best)
         num_seqs = params.num_candidates
-        want_lps = params.logprobs is not None or params.needs_cumulative_logprob
+        want_lps = params.needs_logprobs
         for i in range(num_seqs):
             sid = request_id if num_seqs == 1 else f"{request_id}#{i}"
             gen = None

@@ -146,8 +146,7 @@ class OutputProcessor:
     def _new_state(self, out: CoreOutput) -> _Req:
         p = out.params
         want_lp = p.logprobs is not None
-        # best_of > n ranks its candidates by cumulative logprob, asked for or not
-        cumulative = want_lp or p.needs_cumulative_logprob
+        cumulative = p.needs_logprobs
         return _Req(
             [
                 _Seq(

@@ -153,7 +153,11 @@ class Choice:
         ok = set(gemm) == set(KINDS) and all(
             len(v) == len(ROW_BUCKETS) and set(v) <= set(kernels.GEMM_PATHS) for v in gemm.values()
         )
-        if not ok or len(attn) not in (0, len(DECODE_BUCKETS)) or not set(attn) <= {"cpu", "torch"}:
+        if (
+            not ok
+            or len(attn) not in (0, len(DECODE_BUCKETS))
+            or not set(attn) <= set(kernels.ATTN_PATHS)
+        ):
             raise ValueError(f"not a kernel choice: {dict(d)!r}")
         return cls(gemm, attn, source)
 
@@ -303,7 +307,7 @@ def measure_decodes(
 ) -> dict[str, list[float | None]]:
     """path -> seconds per DECODE_BUCKETS entry: one layer's decode attention of D sequences of
     ``ctx`` keys each."""
-    per: dict[str, list[float | None]] = {"cpu": [], "torch": []}
+    per: dict[str, list[float | None]] = {path: [] for path in kernels.ATTN_PATHS}
     nb = -(-ctx // block_size)
     reached = False
     for d in DECODE_BUCKETS:
@@ -366,7 +370,7 @@ def choose(
             "oneDNN packing, ITERSERVE_PACK_WEIGHTS not 0 and the f32 copy within half the free "
             "memory; upcast: a bfloat16/float16 model)"
         )
-    attn_paths = ("cpu", "torch") if cpu_backend and kern is not None else ()
+    attn_paths = kernels.ATTN_PATHS if cpu_backend and kern is not None else ()
     if setting.attn == "cpu" and not attn_paths:
         raise ValueError(
             "ITERSERVE_KERNELS asks attn=cpu, which needs the cpu attention backend (the C++ "

@@ -204,7 +204,7 @@ def sample(
     the structured-output rows' allowed tokens (see :func:`_apply_grammar_mask`)."""
     params = [r.params for r in rows]
     # best_of > n ranks its candidates by cumulative logprob: computed even if none was asked
-    want_logprobs = [p.logprobs is not None or p.needs_cumulative_logprob for p in params]
+    want_logprobs = [p.needs_logprobs for p in params]
     raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
 
     if any(p.allowed_token_ids for p in params):

@@ -385,6 +385,8 @@ REFUSED: list[tuple[dict[str, Any], int, str]] = [
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"temperature": -1}, 400, "temperature"),
     ({"top_logprobs": 50}, 400, "top_logprobs"),
+    ({"prompt_logprobs": 2}, 400, "prompt_logprobs"),  # a response has no place for them
+    ({"use_beam_search": True}, 400, "use_beam_search"),  # refused as the chat path does
     ({"model": "nope"}, 404, "model"),
     ({"previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
 ]

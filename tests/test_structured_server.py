@@ -194,6 +194,11 @@ def test_unsupported_and_bad_requests_are_400s_naming_the_field(server: ServerPr
         ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function",
                                   "function": {"name": "nope"}}}, "tool_choice"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        # not honoured, so refused: one call only under "auto"; echo beside tool calls
+        ("/v1/chat/completions", {"tools": TOOLS, "parallel_tool_calls": False},
+         "parallel_tool_calls"),
+        ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "echo": True},
+         "echo"),
         ("/v1/chat/completions", {"tools": [{"type": "retrieval"}]}, "tools.0"),
         ("/v1/completions", {"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
     ]  # fmt: skip

@@ -36,7 +36,7 @@ from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, bad_request, dumps, validation_error
 from iterserve.server.protocol import ChatCompletionRequest, OpenAIModel, SamplingExtras
 from iterserve.server.routing import routing
-from iterserve.server.serving import Serving, _ChatFormat
+from iterserve.server.serving import UNHONOURED_VLLM_EXTRAS, Serving, _ChatFormat
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ def _check_supported(req: ResponsesRequest) -> None:
         raise _unsupported(
             "truncation", "an input longer than the context is a 400, never truncated"
         )
+    if (req.model_extra or {}).get("prompt_logprobs") is not None:
+        raise _unsupported("prompt_logprobs", "responses carry no prompt logprobs; drop it")
     if req.prompt is not None:
         raise _unsupported("prompt", "there are no stored prompt templates; send input")
     if req.conversation is not None:
@@ -310,7 +312,10 @@ class ResponsesAPI:
         )
         wants_logprobs = LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
         extras = req.model_extra or {}
-        body: dict[str, Any] = {k: v for k, v in extras.items() if k in FORWARDED_EXTRAS}
+        # The unhonoured vLLM extras go on too, so the chat path refuses them as it does its own.
+        body: dict[str, Any] = {
+            k: v for k, v in extras.items() if k in FORWARDED_EXTRAS or k in UNHONOURED_VLLM_EXTRAS
+        }
         if len(body) < len(extras):
             logger.debug("ignoring unknown request fields: %s", sorted(set(extras) - set(body)))
         body.update(

@@ -309,6 +309,12 @@ class Serving:
         its own wire format."""
         self.check_model(req.model)
         plan = tool_plan(req.tools, req.tool_choice, self.tool_call_parser, req.parallel_tool_calls)
+        if req.echo and plan is not None and plan.mode != "none":
+            raise bad_request(
+                "echo is not combined with tool calls here; drop echo or send tool_choice none",
+                param="echo",
+                code="unsupported_parameter",
+            )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.limits.check_request(req, 1, self.engine.max_model_len)

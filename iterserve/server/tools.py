@@ -93,6 +93,13 @@ def tool_plan(
                 "named function instead",
                 "tool_choice",
             )
+        if not parallel:
+            # The parsers return every call the model wrote; cutting the rest is not built.
+            raise _unsupported(
+                'parallel_tool_calls false is only honoured with tool_choice "required" or a '
+                "named function here; drop it or change tool_choice",
+                "parallel_tool_calls",
+            )
         return ToolPlan("auto", tools, parser=parser, parallel=parallel)
     if isinstance(choice, dict) and choice.get("type") == "function":
         fn = choice.get("function")

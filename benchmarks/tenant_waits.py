@@ -182,7 +182,7 @@ class FairDecodesToFinish(FairPolicy):
 class FairNoSlotPreemption(FairPolicy):
     """``fair`` that never preempts for a waiting request."""
 
-    def preempt_for_waiting(self, running: Any, waiting: Any) -> tuple[Request, ...]:
+    def preempt_for_waiting(self, running: Any, waiting: Any) -> tuple[list[Request], ...]:
         return ()
 
 

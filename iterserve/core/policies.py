@@ -222,10 +222,12 @@ class Policy:
 
     def preempt_for_waiting(
         self, running: Sequence[Request], waiting: WaitingQueue
-    ) -> Sequence[Request]:
-        """Running requests to preempt before this step is decided (after ``on_schedule``),
-        so that a waiting request gets their place; admission then runs as usual. Their
-        full blocks stay in the prefix cache. Default: none."""
+    ) -> Sequence[list[Request]]:
+        """Preemptions before this step is decided (after ``on_schedule``), so that a waiting
+        request gets a place; admission then runs as usual. Each entry is a set of running
+        candidates, of which the scheduler preempts one by the victim rule (with preemption
+        protection and loss estimates, as for a block shortage). Their full blocks stay in
+        the prefix cache. Default: none."""
         return ()
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
@@ -410,7 +412,7 @@ class FairPolicy(Policy):
 
     def preempt_for_waiting(
         self, running: Sequence[Request], waiting: WaitingQueue
-    ) -> Sequence[Request]:
+    ) -> Sequence[list[Request]]:
         if not waiting or len(running) < self.max_num_seqs:
             return ()
         low = waiting.peek().tenant
@@ -423,9 +425,8 @@ class FairPolicy(Policy):
         if not (self._rank(low) < self._rank(high) and after_low < after_high):
             return ()
         mine = [r for r in running if r.tenant == high]
-        victim = self.pick_victim([r for r in mine if not r.num_preemptions] or mine)
         slots[high] -= 1
-        return (victim,)
+        return ([r for r in mine if not r.num_preemptions] or mine,)
 
     def on_arrival(self, req: Request) -> None:
         t, live = req.tenant, self.live

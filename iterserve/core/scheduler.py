@@ -174,7 +174,10 @@ class Scheduler:
         if self.reservation is not None:
             self.reservation.on_step()
         self.policy.on_schedule(self.running, self.waiting)
-        for victim in self.policy.preempt_for_waiting(self.running, self.waiting):
+        for candidates in self.policy.preempt_for_waiting(self.running, self.waiting):
+            if self.policy.victim_needs_loss:
+                self._estimate_losses(candidates)
+            victim = self._pick_victim(candidates)
             self._preempt(victim)  # before anything is scheduled: nothing to give back
             out.preempted.append(victim)
         made_room = len(out.preempted)  # admission still runs after these

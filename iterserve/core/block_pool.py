@@ -135,6 +135,11 @@ class BlockPool:
         for blk in self.blocks:
             if blk.block_hash is not None:
                 self._evict(blk)
+        # A victim's blocks were kept back only for their contents, which are gone now.
+        for bid in self._kept:
+            self._free[bid] = None
+            self._free.move_to_end(bid, last=False)
+        self._kept.clear()
 
     def check_integrity(self) -> None:
         free = set(self._free) | set(self._kept)

@@ -302,15 +302,16 @@ def final_message(plan: ToolPlan | None, text: str) -> tuple[str | None, list[di
     return PARSERS[plan.parser](text)
 
 
-def _held_back(parser: str, text: str) -> int:
+def _held_back(parser: str, text: str, since: int = 0) -> int:
     """How many characters of ``text`` may already stream as content under ``parser``
-    (the rest might be the start of a tool call)."""
+    (the rest might be the start of a tool call). No call starts before ``since`` (those
+    characters were sent), so the search starts there: a streamed reply costs linear time."""
     if parser == "llama3_json":
         head = text.lstrip()
         if not head or head.startswith("{") or "<|python_tag|>".startswith(head[:14]):
             return 0
         return len(text)
-    start = text.find(HERMES_START)
+    start = text.find(HERMES_START, since)
     if start >= 0:
         return start
     for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
@@ -347,7 +348,7 @@ class ToolCallStream:
             if mode == "required":
                 return {}
             assert self.plan.parser is not None
-            safe = max(self.sent, _held_back(self.plan.parser, self.text))
+            safe = max(self.sent, _held_back(self.plan.parser, self.text, self.sent))
             chunk, self.sent = self.text[self.sent : safe], safe
             return {"content": chunk} if chunk else {}
         content, calls = final_message(self.plan, self.text)

@@ -173,8 +173,8 @@ class Serving:
         if found is None:
             return
         param, spec = found
-        get = getattr(self.engine.engine, "grammar_compiler", None)
-        if get is None:
+        # Asked of the class: reading the property would build the compiler here, on the loop.
+        if not hasattr(type(self.engine.engine), "grammar_compiler"):
             raise bad_request(
                 f"{param}: this engine does not support structured outputs",
                 param=param,

@@ -14,7 +14,9 @@ taken side by side), not the absolute figures. ``auto``: the engine's own thread
 (``iterserve.model.cpu.default_threads``, no ``num_threads``). Policies: PASSIVE / ACTIVE set
 in the environment; ``libgomp``: none set and torch imported before iterserve (libgomp's own
 default, what a program that imports torch first gets); ``engine``: none set and iterserve
-imported first (iterserve's default, see ``iterserve/__init__.py``).
+imported first (iterserve's default, see ``iterserve/__init__.py``). A policy may end in
+``:spin=N`` to also set ``GOMP_SPINCOUNT=N`` (how many times libgomp spins at a barrier before
+it sleeps; libgomp reads it when torch loads), e.g. ``engine:spin=20000``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def stop_busy(procs: list[subprocess.Popen[bytes]]) -> None:
 
 def child(ns: argparse.Namespace) -> None:
     """One engine, quiet and contended runs alternated; prints one JSON line."""
-    if ns.policy == "libgomp":  # torch first: iterserve's OMP_WAIT_POLICY default comes too late
+    # torch first: iterserve's OMP_WAIT_POLICY default comes too late
+    if ns.policy.split(":")[0] == "libgomp":
         importlib.import_module("torch")
     importlib.import_module("iterserve")  # else first, so its OpenMP default applies
     import torch
@@ -57,6 +60,7 @@ def child(ns: argparse.Namespace) -> None:
 
     threads = None if ns.threads == "auto" else int(ns.threads)
     policy = os.environ.get("OMP_WAIT_POLICY")  # the engine takes its own default out at start
+    spin = os.environ.get("GOMP_SPINCOUNT")
     llm = LLM(ns.model, dtype=ns.dtype, num_threads=threads, seed=0, max_model_len=1024)
     g = torch.Generator().manual_seed(0)
     vocab = llm.engine.vocab_size
@@ -81,7 +85,7 @@ def child(ns: argparse.Namespace) -> None:
         json.dumps(
             {
                 "threads_used": torch.get_num_threads(),
-                "policy": policy,
+                "policy": policy if spin is None else f"{policy}, GOMP_SPINCOUNT={spin}",
                 "runs": runs,
                 "loadavg": os.getloadavg(),
             }
@@ -119,8 +123,12 @@ def main() -> None:
         for threads in ns.threads.split(","):
             env = dict(os.environ)
             env.pop("OMP_WAIT_POLICY", None)
-            if policy not in ("libgomp", "engine"):
-                env["OMP_WAIT_POLICY"] = policy
+            env.pop("GOMP_SPINCOUNT", None)
+            name, _, spin = policy.partition(":spin=")
+            if name not in ("libgomp", "engine"):
+                env["OMP_WAIT_POLICY"] = name
+            if spin:
+                env["GOMP_SPINCOUNT"] = spin
             keep = ("model", "dtype", "busy", "busy_max_s", "repeats", "num_requests")
             args = [f"--{k.replace('_', '-')}={getattr(ns, k)}" for k in keep]
             args += [f"--prompt-len={ns.prompt_len}", f"--output-len={ns.output_len}"]

@@ -10,13 +10,21 @@ from iterserve.sampling_params import SamplingParams
 
 # OpenMP threads that spin at barriers hold their core while the thread they wait for queues
 # behind another process: with one busy process beside it on 2 cores, bench-134m's decode
-# throughput fell ~20x with libgomp's default waiting, not with passive waiting (docs/SPEED.md,
-# "Contention"). libgomp reads this once, when torch loads, so it only takes effect when
-# iterserve is imported first; a value the user set wins. The engine takes it out of the
-# environment again at start (``cpu.setup_threads``) so child processes get their own default.
+# throughput fell ~20x with libgomp's default waiting (spin ~300k times, then sleep), not with
+# passive waiting (docs/SPEED.md, "Contention"). Passive waiting with no spin at all costs
+# ~25% on a quiet machine, paid at the ~100 barriers of every decode step; a short spin
+# (GOMP_SPINCOUNT, ~10 us) catches the next parallel region on a quiet machine and gives the
+# core up soon when it is shared. libgomp reads both once, when torch loads, so they only take
+# effect when iterserve is imported first; a value the user set wins. The engine takes them
+# out of the environment again at start (``cpu.setup_threads``) so child processes get their
+# own defaults.
+OMP_SPIN_COUNT = 1000
 OMP_WAIT_POLICY_SET = "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules
+GOMP_SPINCOUNT_SET = OMP_WAIT_POLICY_SET and "GOMP_SPINCOUNT" not in os.environ
 if OMP_WAIT_POLICY_SET:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+if GOMP_SPINCOUNT_SET:
+    os.environ["GOMP_SPINCOUNT"] = str(OMP_SPIN_COUNT)
 
 if TYPE_CHECKING:  # imported lazily below at run time (torch is heavy)
     from iterserve.engine import LLM, LLMEngine

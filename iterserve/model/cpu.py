@@ -114,6 +114,11 @@ def setup_threads(num_threads: int | None) -> int:
     if iterserve.OMP_WAIT_POLICY_SET:
         os.environ.pop("OMP_WAIT_POLICY", None)  # read by libgomp already; not for children
         policy = "PASSIVE (iterserve's default)"
+    if iterserve.GOMP_SPINCOUNT_SET:
+        os.environ.pop("GOMP_SPINCOUNT", None)
+        policy += f", after {iterserve.OMP_SPIN_COUNT} spins (iterserve's default)"
+    elif os.environ.get("GOMP_SPINCOUNT"):
+        policy += f", GOMP_SPINCOUNT {os.environ['GOMP_SPINCOUNT']}"
     others = other_runnable()
     logger.info(
         "torch threads: %d (%s; %d cores available, %s other tasks running); OMP_WAIT_POLICY %s",

@@ -55,6 +55,7 @@ def child(ns: argparse.Namespace) -> None:
     importlib.import_module("iterserve")  # else first, so its OpenMP default applies
     import torch
 
+    from iterserve.bench.offline import reset_prefix_cache
     from iterserve.engine.llm import LLM
     from iterserve.sampling_params import SamplingParams
 
@@ -73,6 +74,7 @@ def child(ns: argparse.Namespace) -> None:
     runs: dict[str, list[float]] = {"quiet": [], "contended": []}
     for _ in range(ns.repeats):
         for cond in ("quiet", "contended"):
+            reset_prefix_cache(llm.engine)  # every run computes its prompts
             busy = start_busy(ns.busy if cond == "contended" else 0, ns.busy_max_s)
             try:
                 t0 = time.perf_counter()

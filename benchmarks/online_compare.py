@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
             served = fetch_models(base)[0]["id"]
             procs[system] = (proc, base, served)
             print(f"{system}: ready at {base} serving {served!r}", flush=True)
-        # A whole sweep-sized burst at once: 8 short requests left the first rate's runs
-        # 4-5 s over the TTFT of the same rate run later (both servers; first batch sizes).
+        # First-request costs (both servers) out of the first rate: one sweep-sized burst of
+        # prompts that no rate uses.
         warm_cfg = WorkloadConfig(
             dataset="random", num_prompts=a.num_prompts, seed=a.seed + 1,
             random_input_len=a.input_len, random_output_len=a.output_len,
@@ -149,9 +149,12 @@ def main(argv: list[str] | None = None) -> None:
         for _, base, served in procs.values():  # first-request costs out of the first rate
             run_serve(warm, base_url=base, model=served)
         rows: list[dict[str, Any]] = []
-        for rate in [float(r) for r in a.rates.split(",")]:
+        # Fresh prompts at every rate (the same ones on each server): with one seed for the
+        # whole sweep, every rate after the first found its prompts in both servers' prefix
+        # caches and skipped most of their prefill.
+        for i, rate in enumerate(float(r) for r in a.rates.split(",")):
             cfg = WorkloadConfig(
-                dataset="random", num_prompts=a.num_prompts, seed=a.seed,
+                dataset="random", num_prompts=a.num_prompts, seed=a.seed + 2 + i,
                 random_input_len=a.input_len, random_output_len=a.output_len,
                 random_range_ratio=a.range_ratio, request_rate=rate,
             )  # fmt: skip

@@ -252,10 +252,13 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return (rest if rest.strip() else None), calls
 
 
+LLAMA3_TAG = "<|python_tag|>"
+
+
 def parse_llama3_json(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """Llama 3 JSON tool calls: ``{"name": ..., "parameters": {...}}`` (several separated by
     ``;``), optionally after ``<|python_tag|>``; any other text is content (no calls)."""
-    body = text.strip().removeprefix("<|python_tag|>").strip()
+    body = text.strip().removeprefix(LLAMA3_TAG).strip()
     if not body.startswith("{"):
         return text, []
     dec = json.JSONDecoder()
@@ -302,37 +305,40 @@ def final_message(plan: ToolPlan | None, text: str) -> tuple[str | None, list[di
     return PARSERS[plan.parser](text)
 
 
-def _held_back(parser: str, text: str, since: int = 0) -> int:
-    """How many characters of ``text`` may already stream as content under ``parser``
-    (the rest might be the start of a tool call). No call starts before ``since`` (those
-    characters were sent), so the search starts there: a streamed reply costs linear time."""
-    if parser == "llama3_json":
-        head = text.lstrip()
-        if not head or head.startswith("{") or "<|python_tag|>".startswith(head[:14]):
-            return 0
-        return len(text)
-    start = text.find(HERMES_START, since)
-    if start >= 0:
-        return start
-    for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
-        if HERMES_START.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
+def _hermes_sendable(unsent: str) -> int:
+    """How many characters of ``unsent`` may stream as content: those before ``<tool_call>``,
+    or before an end that may yet grow into it."""
+    for k in range(min(len(HERMES_START) - 1, len(unsent)), 0, -1):
+        if HERMES_START.startswith(unsent[-k:]):
+            return len(unsent) - k
+    return len(unsent)
 
 
 @dataclass
 class ToolCallStream:
-    """One streamed choice under a tool plan: each ``delta`` is an OpenAI chat delta."""
+    """One streamed choice under a tool plan: each ``delta`` is an OpenAI chat delta.
+
+    Under "auto" a token costs its own length, not the reply's: the reply is kept in pieces,
+    only its unsent end is searched for a call, and once a call has begun nothing more is
+    searched (no content streams after it)."""
 
     plan: ToolPlan
-    text: str = ""
-    sent: int = 0  # characters of text already sent as content (auto)
+    sent: int = 0  # characters of the reply already sent as content (auto)
     started: bool = False
     num_calls: int = 0
     call_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    _pieces: list[str] = field(default_factory=list)
+    _unsent: str = ""  # the reply past ``sent`` while no call has begun
+    _in_call: bool = False  # a call (possibly) began at ``sent``
+    _head: str = ""  # llama3_json: the reply's first non-whitespace characters
+
+    @property
+    def text(self) -> str:
+        """The reply so far."""
+        return "".join(self._pieces)
 
     def delta(self, new_text: str, finished: bool) -> dict[str, Any]:
-        self.text += new_text
+        self._pieces.append(new_text)
         mode = self.plan.mode
         if mode == "named":  # the text is the arguments: stream it as it comes
             tc: dict[str, Any] = {"index": 0, "function": {"arguments": new_text}}
@@ -345,20 +351,44 @@ class ToolCallStream:
                 return {}
             return {"tool_calls": [tc]}
         if not finished:
-            if mode == "required":
+            if mode == "required" or self._in_call:
                 return {}
-            assert self.plan.parser is not None
-            safe = max(self.sent, _held_back(self.plan.parser, self.text, self.sent))
-            chunk, self.sent = self.text[self.sent : safe], safe
+            self._unsent += new_text
+            n = self._sendable(new_text)
+            chunk, self._unsent = self._unsent[:n], self._unsent[n:]
+            self.sent += n
             return {"content": chunk} if chunk else {}
-        content, calls = final_message(self.plan, self.text)
+        text = self.text
+        content, calls = final_message(self.plan, text)
         out: dict[str, Any] = {}
         if calls:
             self.num_calls = len(calls)
             out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
             rest = (content or "")[self.sent :] if content else ""
         else:
-            rest = self.text[self.sent :]
+            rest = text[self.sent :]
         if rest:
             out["content"] = rest
         return out
+
+    def _sendable(self, new_text: str) -> int:
+        """How many characters of ``_unsent`` may stream as content; sets ``_in_call`` once
+        a call has begun (what follows it is never content)."""
+        if self.plan.parser == "llama3_json":
+            # A call only opens the reply: its first non-whitespace characters decide.
+            if self.sent:
+                return len(self._unsent)
+            if len(self._head) < len(LLAMA3_TAG):
+                more = new_text if self._head else new_text.lstrip()
+                self._head += more[: len(LLAMA3_TAG) - len(self._head)]
+            head = self._head
+            if head.startswith("{") or head == LLAMA3_TAG:
+                self._in_call = True
+            if not head or self._in_call or LLAMA3_TAG.startswith(head):
+                return 0
+            return len(self._unsent)
+        start = self._unsent.find(HERMES_START)
+        if start >= 0:
+            self._in_call = True
+            return start
+        return _hermes_sendable(self._unsent)

@@ -159,6 +159,26 @@ class SamplingParams:
                     f"best_of must be an integer in [n, 128] (n={self.n}), got {self.best_of!r}"
                 )
 
+    def kept_prompt_tokens(self, max_model_len: int) -> int | None:
+        """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps in a context
+        of ``max_model_len`` (None: all); a value that context cannot hold is a ValueError."""
+        k = self.truncate_prompt_tokens
+        if k == -1:
+            return max_model_len - 1
+        if k is not None and k >= max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens must be at most {max_model_len - 1} (max_model_len "
+                f"{max_model_len} less the position to generate into), or -1 for that many; "
+                f"got {k}"
+            )
+        return k
+
+    def truncate_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
+        """``ids`` as ``truncate_prompt_tokens`` cuts them: the one place a prompt is cut (by
+        the server where it tokenizes, by the engine for its other callers)."""
+        keep = self.kept_prompt_tokens(max_model_len)
+        return ids if keep is None else ids[-keep:]
+
     @property
     def num_candidates(self) -> int:
         """Sequences generated: ``best_of`` when set, else ``n``."""

@@ -202,7 +202,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
-        ids = self._truncate_prompt(ids, params.truncate_prompt_tokens)
+        ids = params.truncate_prompt(ids, self.max_model_len)
         self._check_token_ids(params)
         bad_words = self._bad_words_token_ids(params.bad_words or ())
         max_tokens = self.books.admit(len(ids), params.max_tokens, self.reject_overlong_max_tokens)
@@ -287,15 +287,6 @@ class LLMEngine:
             else:
                 self._schedule_parent(parent)
         self._grammar_wait = waiting
-
-    def _truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
-        """truncate_prompt_tokens: the last ``keep`` tokens (-1: as many as leave one
-        position of the context to generate into)."""
-        if keep is None:
-            return ids
-        if keep == -1:
-            keep = self.max_model_len - 1
-        return ids[-keep:]
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         for name, toks in (

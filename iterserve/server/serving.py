@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import json
@@ -155,7 +156,12 @@ class Serving:
                 )
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
-        return req.sampling_params()
+        params = req.sampling_params()
+        try:  # before any tokenizing: a value the context cannot hold is refused at once
+            params.kept_prompt_tokens(self.engine.max_model_len)
+        except ValueError as e:
+            raise bad_request(str(e), param="truncate_prompt_tokens") from None
+        return params
 
     async def constrain(
         self,
@@ -191,14 +197,18 @@ class Serving:
     async def add_streams(
         self,
         prefix: str,
-        prompts: Sequence[str | list[int]],
+        prompts: Sequence[list[int]],
         params: SamplingParams,
         priority: int,
         route: Routing | None = None,
     ) -> list[RequestStream]:
+        """Submits ``prompts``, already cut by ``params.truncate_prompt_tokens`` (where they
+        were tokenized), to the engine, which is told not to cut them again."""
         base = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         route = route or Routing()
+        if params.truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=None)
         try:
             for i, p in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
@@ -292,7 +302,7 @@ class Serving:
         self.limits.check_request(req, len(prompts), self.engine.max_model_len)
         params = self.sampling_params(req)
         await self.constrain(req, params)
-        ids = await self.completion_prompt_ids(prompts, params.truncate_prompt_tokens)
+        ids = await self.completion_prompt_ids(prompts, params)
         streams = await self.add_streams("cmpl", list(ids), params, req.priority, route)
         fmt = _CompletionFormat(self, req, params, prompts)
         return await self._respond(streams, fmt, bool(req.stream))
@@ -320,7 +330,7 @@ class Serving:
         self.limits.check_request(req, 1, self.engine.max_model_len)
         params = self.sampling_params(req)
         await self.constrain(req, params, plan)
-        ids = await self.render_chat(req)
+        ids = await self.render_chat(req, params=params)
         streams = await self.add_streams("chatcmpl", [ids], params, req.priority, route)
         fmt = (
             make_format(self, req, params)
@@ -350,13 +360,6 @@ class Serving:
             code="context_length_exceeded",
         )
 
-    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
-        """truncate_prompt_tokens: the last ``keep`` tokens (-1: all that leave one position
-        of the context to generate into), as the engine cuts them."""
-        if keep is None:
-            return ids
-        return ids[-(self.engine.max_model_len - 1 if keep == -1 else keep) :]
-
     async def encode_prompt(
         self,
         text: str,
@@ -364,20 +367,19 @@ class Serving:
         param: str,
         add_special_tokens: bool = True,
         room: int = 1,
-        truncate: int | None = None,
+        params: SamplingParams | None = None,
     ) -> list[int]:
         """``text``'s token ids, refused (400) when they leave fewer than ``room`` tokens of
         the context. A text far longer than the context is judged by its head alone, so a
         4 MB prompt costs a few thousand tokens' work, not a million (turning a million
-        tokens into Python ints holds the GIL, which stalls every stream). ``truncate``:
-        truncate_prompt_tokens, applied before the length check (the whole text is encoded)."""
+        tokens into Python ints holds the GIL, which stalls every stream). With ``params``'
+        truncate_prompt_tokens the whole text is encoded (its last tokens are known only
+        from all of it) and cut, which leaves room to generate (``sampling_params``)."""
         limit = self.engine.max_model_len - room
         cut = (limit + 1) * _MAX_CHARS_PER_TOKEN
-        if truncate is not None:
-            ids = self.truncate(await self.encode(text, add_special_tokens), truncate)
-            if len(ids) > limit:
-                raise self._too_long(len(ids), room, param)
-            return ids
+        if params is not None and params.truncate_prompt_tokens is not None:
+            ids = await self.encode(text, add_special_tokens)
+            return params.truncate_prompt(ids, self.engine.max_model_len)
         if len(text) > cut:
             head = await self.encode(text[:cut], add_special_tokens)
             if len(head) > limit + _BOUNDARY_TOKENS:
@@ -388,14 +390,14 @@ class Serving:
         return ids
 
     async def completion_prompt_ids(
-        self, prompts: list[str | list[int]], truncate: int | None = None
+        self, prompts: list[str | list[int]], params: SamplingParams
     ) -> list[list[int]]:
         out = []
         for p in prompts:
             if isinstance(p, str):
-                out.append(await self.encode_prompt(p, param="prompt", truncate=truncate))
+                out.append(await self.encode_prompt(p, param="prompt", params=params))
                 continue
-            p = self.truncate(p, truncate)
+            p = params.truncate_prompt(p, self.engine.max_model_len)
             if len(p) >= self.engine.max_model_len:
                 raise self._too_long(len(p), 1, "prompt")
             else:
@@ -403,10 +405,14 @@ class Serving:
         return out
 
     async def render_chat(
-        self, req: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False
+        self,
+        req: ChatCompletionRequest | TokenizeChatRequest,
+        add_special_tokens: bool = False,
+        params: SamplingParams | None = None,
     ) -> list[int]:
         """The token ids of ``req.messages`` rendered by the (request's or model's) template:
-        the model's on the tokenizer thread, a request's in the template sandbox."""
+        the model's on the tokenizer thread, a request's in the template sandbox; cut by
+        ``params``' truncate_prompt_tokens."""
         messages, chat_template = req.messages, req.chat_template
         add_generation_prompt = req.add_generation_prompt
         continue_final_message = req.continue_final_message
@@ -477,7 +483,7 @@ class Serving:
             param="messages",
             add_special_tokens=add_special_tokens,
             room=room,
-            truncate=getattr(req, "truncate_prompt_tokens", None),
+            params=params,
         )
         if not ids:
             raise bad_request("the rendered chat prompt is empty", param="messages")

@@ -1,0 +1,146 @@
+"""The prompt on the OpenAI endpoints: truncate_prompt_tokens cuts it once, where the server
+tokenizes it (the engine gets the kept ids and does not cut again), a value the context cannot
+hold is one 400 before any tokenizing, and prompt logprobs arrive where they did (whole in a
+non-streamed response, with the echoed prompt in the first chunk of a stream).
+
+On the real engine (tiny-random) with a 64-token context, in process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from server_helpers.servers import ThreadServer, parse_sse
+
+from iterserve.engine.async_engine import AsyncEngine
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.sampling_params import SamplingParams
+from iterserve.server.serving import Serving
+
+CONTEXT = 64
+LONG = "one two three four five six seven eight nine ten " * 10  # past the context
+SHORT = "The quick brown fox jumps over the lazy dog"
+CHAT = [{"role": "user", "content": "Tell me about foxes and dogs"}]
+BASE = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+
+
+class Client:
+    def __init__(self, url: str, engine: LLMEngine) -> None:
+        self.http = httpx.Client(base_url=url, timeout=60)
+        self.engine = engine
+
+    def raw(self, ep: str, **fields: Any) -> httpx.Response:
+        path = "/v1/completions" if ep == "completions" else "/v1/chat/completions"
+        body = {**BASE, **({"prompt": SHORT} if ep == "completions" else {"messages": CHAT})}
+        return self.http.post(path, json={**body, **fields})
+
+    def post(self, ep: str, **fields: Any) -> dict[str, Any]:
+        r = self.raw(ep, **fields)
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    def prompt_ids(self, ep: str, **fields: Any) -> list[int]:
+        return list(self.post(ep, **fields)["choices"][0]["prompt_token_ids"])
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Client]:
+    from iterserve.server.app import create_app
+
+    engine = LLMEngine(
+        model="tiny-random", dtype="float32", num_kv_blocks=64, max_model_len=CONTEXT
+    )
+    with ThreadServer(create_app(AsyncEngine(engine))) as server:
+        yield Client(server.url, engine)
+
+
+PROMPTS = [
+    ("completions", {"prompt": SHORT}),
+    ("completions", {"prompt": "tokens"}),  # replaced by SHORT's token ids below
+    ("chat", {}),
+]
+
+
+@pytest.mark.parametrize(("ep", "fields"), PROMPTS, ids=["text", "token-ids", "chat"])
+def test_the_prompt_is_cut_once(
+    client: Client, monkeypatch: pytest.MonkeyPatch, ep: str, fields: dict[str, Any]
+) -> None:
+    if fields.get("prompt") == "tokens":
+        fields = {"prompt": client.engine.tokenizer.encode(SHORT)}
+    full = client.prompt_ids(ep, **fields)
+    cuts: list[tuple[int | None, int]] = []
+    real = SamplingParams.truncate_prompt
+
+    def recording(self: SamplingParams, ids: list[int], max_model_len: int) -> list[int]:
+        cuts.append((self.truncate_prompt_tokens, len(ids)))
+        return real(self, ids, max_model_len)
+
+    monkeypatch.setattr(SamplingParams, "truncate_prompt", recording)
+    resp = client.post(ep, truncate_prompt_tokens=5, **fields)
+    assert resp["choices"][0]["prompt_token_ids"] == full[-5:]
+    assert resp["usage"]["prompt_tokens"] == 5
+    # the server cuts the whole prompt; the engine gets the 5 kept ids with nothing to cut
+    assert cuts == [(5, len(full)), (None, 5)]
+
+
+@pytest.mark.parametrize("ep", ["completions", "chat"])
+def test_a_value_the_context_cannot_hold_is_one_400_before_any_tokenizing(
+    client: Client, monkeypatch: pytest.MonkeyPatch, ep: str
+) -> None:
+    encoded: list[str] = []
+    real = Serving.encode
+
+    async def recording(self: Serving, text: str, add_special_tokens: bool = True) -> list[int]:
+        encoded.append(text)
+        return await real(self, text, add_special_tokens)
+
+    monkeypatch.setattr(Serving, "encode", recording)
+    long: dict[str, Any] = {"prompt": LONG}
+    if ep == "chat":
+        long = {"messages": [{"role": "user", "content": LONG}]}
+    for fields in ({}, long):
+        for keep in (CONTEXT, 10 * CONTEXT):
+            r = client.raw(ep, truncate_prompt_tokens=keep, **fields)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "truncate_prompt_tokens", err
+            assert f"at most {CONTEXT - 1}" in err["message"] and "-1" in err["message"], err
+    assert encoded == []
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be at most 63"):
+        client.engine.add_request("x", [1, 2, 3], SamplingParams(truncate_prompt_tokens=CONTEXT))
+
+
+def test_a_prompt_past_the_context_keeps_its_last_tokens(client: Client) -> None:
+    whole = client.engine.tokenizer.encode(LONG)
+    assert len(whole) > CONTEXT
+    for keep in (CONTEXT - 1, -1):
+        assert (
+            client.prompt_ids("completions", prompt=LONG, truncate_prompt_tokens=keep)
+            == (whole[-(CONTEXT - 1) :])
+        )
+    r = client.raw("completions", prompt=LONG)  # without truncation: too long
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("ep", ["completions", "chat"])
+def test_prompt_logprobs_come_whole_in_a_non_streamed_response(client: Client, ep: str) -> None:
+    resp = client.post(ep, prompt_logprobs=2)
+    pl = resp["prompt_logprobs"] if ep == "chat" else resp["choices"][0]["prompt_logprobs"]
+    ids = resp["choices"][0]["prompt_token_ids"]
+    assert len(pl) == len(ids) and pl[0] is None
+    assert all(str(t) in e and len(e) >= 2 for t, e in zip(ids[1:], pl[1:]))
+
+
+def test_a_streamed_echo_carries_the_prompt_logprobs_in_its_first_chunk(client: Client) -> None:
+    whole = client.post("completions", echo=True, logprobs=1)["choices"][0]["logprobs"]
+    r = client.raw("completions", echo=True, logprobs=1, stream=True)
+    chunks = [e for e in parse_sse(r.text) if e != "[DONE]" and e["choices"]]
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    n_prompt = len(client.prompt_ids("completions"))
+    assert len(lps[0]["tokens"]) == n_prompt + 1  # the echoed prompt, then the first token
+    assert all(len(lp["tokens"]) == 1 for lp in lps[1:])
+    streamed = [t for lp in lps for t in lp["token_logprobs"]]
+    assert streamed == whole["token_logprobs"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -78,8 +78,18 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed (finish_reason "error")
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
-    # predicts it), else {token_id: Logprob} with the prompt token and the top-k
+    # predicts it), else {token_id: Logprob} with the prompt token and the top-k. In one
+    # output of the request only, the first that has them (see with_prompt_logprobs).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def with_prompt_logprobs(out: RequestOutput, earlier: RequestOutput | None) -> RequestOutput:
+    """``out`` with ``earlier``'s prompt logprobs where it has none: they come once per
+    request, so whoever keeps a later output in place of earlier ones (the final output,
+    a merge of unread ones) carries them over."""
+    if out.prompt_logprobs is not None or earlier is None or earlier.prompt_logprobs is None:
+        return out
+    return replace(out, prompt_logprobs=earlier.prompt_logprobs)
 
 
 @dataclass

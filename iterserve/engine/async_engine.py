@@ -56,7 +56,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from iterserve.engine.output_processor import CoreOutput, OutputProcessor
-from iterserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
+from iterserve.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    StepStats,
+    with_prompt_logprobs,
+)
 
 if TYPE_CHECKING:
     from iterserve.core.books import EngineStats
@@ -242,7 +248,7 @@ def _merge(old: RequestOutput, new: RequestOutput, owned: bool) -> RequestOutput
         outs.append(
             replace(c, new_token_ids=ids, new_text=p.new_text + c.new_text, new_logprobs=lps)
         )
-    return replace(new, outputs=outs)
+    return with_prompt_logprobs(replace(new, outputs=outs), old)
 
 
 def _unread(item: _Item) -> tuple[int, int]:
@@ -440,7 +446,7 @@ def _aborted_output(stream: RequestStream) -> RequestOutput:
         )
         for c in last.outputs
     ]
-    return replace(last, outputs=outs, finished=True)
+    return replace(last, outputs=outs, finished=True, prompt_logprobs=None)  # sent with last
 
 
 # --------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from iterserve.config import EngineArgs
 from iterserve.engine.llm_engine import LLMEngine
-from iterserve.outputs import RequestOutput
+from iterserve.outputs import RequestOutput, with_prompt_logprobs
 from iterserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -99,12 +99,16 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
+        latest: dict[str, RequestOutput] = {}
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while wanted - final.keys():
             for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
+                rid = out.request_id
+                if rid in wanted:
+                    latest[rid] = out = with_prompt_logprobs(out, latest.get(rid))
+                    if out.finished:
+                        final[rid] = out
         return [final[rid] for rid in ids]
 
     def stats(self) -> EngineStats:

@@ -25,7 +25,7 @@ from iterserve.core.kv_cache_manager import KVCacheManager, cdiv
 from iterserve.core.request import FinishReason, Request
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
-from iterserve.model.runner import BatchItem, PromptLogprobs
+from iterserve.model.runner import BatchItem
 from iterserve.model.sampler import GrammarMask, SampleRow, TokenLogprobs, sample
 from iterserve.outputs import RequestMetrics, RequestOutput, StepStats
 from iterserve.sampling_params import SamplingParams
@@ -514,20 +514,17 @@ class LLMEngine:
         item.prompt_top_k = req.params.prompt_logprobs or 0
 
     def _record_prompt_logprobs(
-        self, items: list[BatchItem], results: dict[str, PromptLogprobs]
+        self, items: list[BatchItem], results: dict[str, list[TokenLogprobs]]
     ) -> None:
         for it in items:
             res = results.get(it.request_id)
             if res is None:
                 continue
             got = self._seqs[it.request_id].parent.prompt_logprobs
-            assert got is not None and it.prompt_targets is not None
-            lps, ranks = res.logprobs.tolist(), res.ranks.tolist()
-            top_v, top_i = res.top_logprobs.tolist(), res.top_ids.tolist()
-            for j, tok in enumerate(it.prompt_targets):
-                if it.start_pos + 1 + j < len(got):
-                    continue  # already recorded (a recomputed chunk)
-                got.append((tok, lps[j], ranks[j], list(zip(top_i[j], top_v[j]))))
+            # res[j] is position start_pos + 1 + j; got reaches that far (_ask_prompt_logprobs)
+            # and may hold some of them already (a recomputed chunk)
+            assert got is not None and len(got) >= it.start_pos + 1
+            got.extend(res[len(got) - it.start_pos - 1 :])
 
     def _sample_row(self, req: Request) -> SampleRow:
         seq = self._seqs[req.request_id]

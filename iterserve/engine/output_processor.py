@@ -88,7 +88,6 @@ class _Seq:
 class _Req:
     seqs: list[_Seq]
     error: str | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputProcessor:
@@ -131,10 +130,6 @@ class OutputProcessor:
                     self._add(rid, st, s, cs, finishes)
             if out.error is not None and st.error is None:
                 st.error = out.error
-            if out.prompt_logprobs is not None and st.prompt_logprobs is None:
-                st.prompt_logprobs = [
-                    None if lp is None else self._entry(lp) for lp in out.prompt_logprobs
-                ]
             finished = all(s.finish_reason is not None for s in st.seqs)
             if finished and out.metrics.finished_time is None:
                 out.metrics.finished_time = out.metrics.last_token_time  # ended by a stop string
@@ -219,6 +214,9 @@ class OutputProcessor:
                 finishes.append(SeqFinish(rid, i, "error", error=msg))
 
     def _output(self, out: CoreOutput, st: _Req, finished: bool) -> RequestOutput:
+        """``out`` as a RequestOutput: cumulative text, token ids and logprobs, this step's
+        deltas, and the prompt logprobs in this output only if the engine sent them in it
+        (it sends them once, so a stream carries them once)."""
         comps = []
         for i, s in enumerate(st.seqs):
             comps.append(
@@ -239,6 +237,9 @@ class OutputProcessor:
             s.new_logprobs = []
         if len(comps) > out.params.n:
             comps = _best_of(comps, out.params.n, finished)
+        prompt = None
+        if out.prompt_logprobs is not None:  # the engine sends them once, and so does this
+            prompt = [None if lp is None else self._entry(lp) for lp in out.prompt_logprobs]
         return RequestOutput(
             request_id=out.request_id,
             prompt=out.prompt,
@@ -247,7 +248,7 @@ class OutputProcessor:
             finished=finished,
             metrics=out.metrics,
             error=st.error,
-            prompt_logprobs=list(st.prompt_logprobs) if st.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt,
         )
 
 

@@ -17,7 +17,8 @@ CONTRACT (the engine relies on exactly this):
     runner.model_path      # str: folder holding config.json, weights and tokenizer files
     logits = runner.execute(items)   # float32 [num items with need_logits, vocab_size]
     logits, prompt = runner.execute_with_prompt_logprobs(items)
-                    # and {request_id: PromptLogprobs} for the items with prompt_targets
+                    # and {request_id: [TokenLogprobs per target]} for the items with
+                    # prompt_targets
 
     Also: runner.reset_kv_cache() (zero fill after a failed step), runner.kv_bytes_per_block,
     runner.num_layers, runner.num_params, runner.hf_config (config.json as a dict),
@@ -46,7 +47,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -80,6 +81,9 @@ from iterserve.model.llama import DecoderLayer, DecoderModel, RotaryTable, Strat
 from iterserve.model.loader import load_weights
 from iterserve.model.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    from iterserve.model.sampler import TokenLogprobs
+
 logger = logging.getLogger(__name__)
 
 
@@ -110,17 +114,6 @@ class BatchItem:
     # (the next prompt tokens); their logprobs and the top ``prompt_top_k`` come back.
     prompt_targets: list[int] | None = None
     prompt_top_k: int = 0
-
-
-@dataclass
-class PromptLogprobs:
-    """Per target of one item: the target's logprob and rank (1 = most likely), and the top-k
-    (logprob, token id) rows, from the log-softmax of the float32 logits."""
-
-    logprobs: torch.Tensor  # [m]
-    ranks: torch.Tensor  # [m] int64
-    top_logprobs: torch.Tensor  # [m, k]
-    top_ids: torch.Tensor  # [m, k] int64
 
 
 class ModelRunner:
@@ -444,7 +437,7 @@ class ModelRunner:
 
     def execute_with_prompt_logprobs(
         self, items: Sequence[BatchItem]
-    ) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
+    ) -> tuple[torch.Tensor, dict[str, list[TokenLogprobs]]]:
         """``execute``, plus the prompt logprobs of the items with ``prompt_targets``: the
         lm_head also runs on those items' prompt rows, in the same forward."""
         if not items:
@@ -545,25 +538,29 @@ class ModelRunner:
 
 def _prompt_logprobs(
     logits: torch.Tensor, prompt_items: list[tuple[int, BatchItem]]
-) -> dict[str, PromptLogprobs]:
+) -> dict[str, list[TokenLogprobs]]:
     """Splits the prompt rows' logits ([sum of targets, vocab], in ``prompt_items`` order)
-    into each item's logprobs of its targets, their ranks and the top-k."""
+    into each item's (target, logprob, rank (1 = most likely), top-k [(id, logprob)]) per
+    target, from the log-softmax of the float32 logits."""
     lps = logits.log_softmax(-1)
     targets = torch.tensor(
         [t for _, it in prompt_items for t in it.prompt_targets or ()], dtype=torch.int64
     ).to(lps.device)
     tlp = lps.gather(1, targets.unsqueeze(1))
-    ranks = (lps > tlp).sum(-1) + 1
+    ranks = (lps > tlp).sum(-1, keepdim=True) + 1
     k = max(it.prompt_top_k for _, it in prompt_items)
-    if k:
-        top_v, top_i = lps.topk(k, dim=-1)
-    else:
-        top_v, top_i = lps[:, :0], torch.empty(len(lps), 0, dtype=torch.int64, device=lps.device)
-    out: dict[str, PromptLogprobs] = {}
+    top_v, top_i = lps.topk(k, dim=-1) if k else (lps[:, :0], ranks[:, :0])
+    # The step's one device-to-host copy: float32 logprobs, ids and ranks (< 2**53) are all
+    # exact in float64.
+    table = torch.cat([t.double() for t in (tlp, ranks, top_v, top_i)], 1).tolist()
+    out: dict[str, list[TokenLogprobs]] = {}
     r = 0
     for _, it in prompt_items:
-        m, kk = len(it.prompt_targets or ()), it.prompt_top_k
-        sl = slice(r, r + m)
-        out[it.request_id] = PromptLogprobs(tlp[sl, 0], ranks[sl], top_v[sl, :kk], top_i[sl, :kk])
-        r += m
+        targets_i = it.prompt_targets or []
+        got: list[TokenLogprobs] = []
+        for t, row in zip(targets_i, table[r : r + len(targets_i)]):
+            top = [(int(row[2 + k + j]), row[2 + j]) for j in range(it.prompt_top_k)]
+            got.append((t, row[0], int(row[1]), top))
+        out[it.request_id] = got
+        r += len(targets_i)
     return out

@@ -24,7 +24,7 @@ from iterserve.engine.async_engine import (
     RequestStream,
     _private_copy,
 )
-from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
+from iterserve.outputs import CompletionOutput, Logprob, RequestOutput, with_prompt_logprobs
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, bad_request, dumps, error_body
 from iterserve.server.limits import ServerLimits
@@ -567,7 +567,7 @@ class Serving:
             finals: dict[int, RequestOutput] = {}
             try:
                 async for i, out in merged:
-                    finals[i] = out
+                    finals[i] = with_prompt_logprobs(out, finals.get(i))
             except RequestFailedError as e:
                 raise self.request_failed(e) from None
             finally:

@@ -125,11 +125,11 @@ def test_resume_gate_counts_every_running_requests_growth() -> None:
     back = make_req("back", 30, 20, seed=3)
     back.num_preemptions = 1
     # back needs 9 blocks for 30 + 4 tokens; run one more for its 7 + 4 (it holds 2).
-    assert s._resume_fits(back, [], 30)  # 9 + 1 <= 14 free
+    assert s._resume_fits(back, [])  # 9 + 1 <= 14 free
     big = make_req("big", 52, 20, seed=4)
     big.num_preemptions = 1
-    assert not s._resume_fits(big, [], 32)  # 14 + 1 > 14
-    assert sched(num_blocks=16, preemption_resume_headroom=0)._resume_fits(big, [], 32)
+    assert not s._resume_fits(big, [])  # 14 + 1 > 14
+    assert sched(num_blocks=16, preemption_resume_headroom=0)._resume_fits(big, [])
 
 
 def test_resume_gate_never_holds_back_a_request_when_nothing_runs() -> None:

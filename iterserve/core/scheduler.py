@@ -331,7 +331,7 @@ class Scheduler:
             num_new = min(num_new, room)
             if reserve is not None and self.running and not reserve.fits(req, hits, outstanding):
                 break
-            if req.num_preemptions and self.running and not self._resume_fits(req, hits, num_new):
+            if req.num_preemptions and self.running and not self._resume_fits(req, hits):
                 break  # it would only force the next preemption (ping-pong); wait for room
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
@@ -360,7 +360,7 @@ class Scheduler:
             self.waiting.push_front(req)  # back in their places, ahead of later arrivals
         return budget, long_left
 
-    def _resume_fits(self, req: Request, hits: list[int], num_new: int) -> bool:
+    def _resume_fits(self, req: Request, hits: list[int]) -> bool:
         """May preempted ``req`` resume now? Only if, after its prefix hits, the free blocks
         hold what every running request and ``req`` itself need to finish their prompts
         and run ``preemption_resume_headroom`` tokens more (0: always)."""

@@ -238,6 +238,12 @@ class Policy:
     def on_arrival(self, req: Request) -> None:
         """``req`` was just added (before it is queued)."""
 
+    def on_admit(self, req: Request, num_new: int) -> None:
+        """``req`` was just admitted: it holds its KV blocks, is running, and runs
+        ``num_new`` tokens this step (0: admitted beyond the budget). Asked about by
+        ``admit`` is not admitted: the scheduler may still fail it, pass it over or hold it
+        back, so books of admissions are charged here, not there."""
+
     def on_step(self, out: SchedulerOutput) -> None:
         """The scheduler just decided ``out``."""
 
@@ -272,22 +278,11 @@ class PriorityPolicy(Policy):
 class FairWaitingQueue(WaitingQueue):
     """The waiting request of the tenant ranked first by ``rank(tenant)`` (FairPolicy's:
     least service), first; arrival order within a tenant. The counters change every step,
-    so the head is found per peek (a scan of the waiting requests).
+    so the head is found per peek (a scan of the waiting requests)."""
 
-    A request taken from the queue counts against its tenant at once, for its uncomputed
-    tokens over the tenant's weight, in ``pending`` (as VTC charges a prompt on dispatch):
-    the counters are charged only once the step is decided, and without this one step
-    admitted a tenant's whole backlog ahead of another ranked just behind it. The owner
-    clears ``pending`` when it charges the step."""
-
-    def __init__(
-        self, rank: Callable[[str], tuple[float, ...]], weights: dict[str, float] | None = None
-    ) -> None:
+    def __init__(self, rank: Callable[[str], tuple[float, ...]]) -> None:
         self._items: list[Request] = []
         self._rank = rank
-        self._weights = weights or {}
-        self.pending: dict[str, float] = {}
-        self.admitted: dict[str, int] = {}  # tenant -> requests taken from the queue
 
     def _head(self) -> int:
         rank, items = self._rank, self._items
@@ -302,12 +297,7 @@ class FairWaitingQueue(WaitingQueue):
         return self._items[self._head()]
 
     def pop(self) -> Request:
-        req = self._items.pop(self._head())
-        t = req.tenant
-        tokens = len(req.all_token_ids) - req.num_computed_tokens
-        self.pending[t] = self.pending.get(t, 0.0) + tokens / self._weights.get(t, 1.0)
-        self.admitted[t] = self.admitted.get(t, 0) + 1
-        return req
+        return self._items.pop(self._head())
 
     def remove(self, req: Request) -> None:
         self._items.remove(req)
@@ -380,18 +370,21 @@ class FairPolicy(Policy):
         self.least = 0.0  # this step's smallest counter among live tenants
         # This step's first rank among tenants with a waiting request or a running prefill.
         self.floor: tuple[float, ...] = (math.inf,)
+        # This step's admissions, charged at once (as VTC charges a prompt on dispatch): the
+        # counters are charged only once the step is decided, and without these one step
+        # admitted a tenant's whole backlog ahead of another ranked just behind it. Cleared
+        # when the step is charged.
+        self.pending: dict[str, float] = {}  # tenant -> admitted contexts' tokens / weight
+        self.admitted: dict[str, int] = {}  # tenant -> requests admitted
         self.queue: FairWaitingQueue | None = None
 
     def make_waiting_queue(self) -> WaitingQueue:
-        self.queue = FairWaitingQueue(self._rank, self.weights)
+        self.queue = FairWaitingQueue(self._rank)
         return self.queue
 
     def _rank(self, tenant: str) -> tuple[float, ...]:
-        c = self.counters.get(tenant, 0.0)
-        slots = self.slots.get(tenant, 0)
-        if self.queue is not None:
-            c += self.queue.pending.get(tenant, 0.0)
-            slots += self.queue.admitted.get(tenant, 0)
+        c = self.counters.get(tenant, 0.0) + self.pending.get(tenant, 0.0)
+        slots = self.slots.get(tenant, 0) + self.admitted.get(tenant, 0)
         w = self.weights.get(tenant, 1.0)
         return float(c > self.least + self.tolerance), slots / w, c
 
@@ -436,11 +429,17 @@ class FairPolicy(Policy):
                 self.counters[t] = max(self.counters.get(t, 0.0), min(others))
         live[t] = live.get(t, 0) + 1
 
+    def on_admit(self, req: Request, num_new: int) -> None:
+        # A waiting request has computed nothing, so its whole context is charged (prefix
+        # hits included: an upper bound, which only ranks within this step).
+        t = req.tenant
+        self.pending[t] = self.pending.get(t, 0.0) + req.num_tokens / self.weights.get(t, 1.0)
+        self.admitted[t] = self.admitted.get(t, 0) + 1
+
     def on_step(self, out: SchedulerOutput) -> None:
         c, w = self.counters, self.weights
-        if self.queue is not None:
-            self.queue.pending.clear()  # admission's provisional charges: now charged for real
-            self.queue.admitted.clear()
+        self.pending.clear()  # admission's provisional charges: now charged for real
+        self.admitted.clear()
         for req, n in zip(out.requests, out.num_tokens):
             t = req.tenant
             c[t] = c.get(t, 0.0) + n / w.get(t, 1.0)
@@ -538,6 +537,7 @@ class SloPolicy(Policy):
         self.decodes = 0
         self.prefill_ahead = 0
         self.waiting_behind = 0  # requests waiting behind the next admission
+        self.queue: WaitingQueue | None = None
 
     def ttft_target(self, req: Request) -> float | None:
         return req.slo_ttft_s if req.slo_ttft_s is not None else self.default_ttft_s
@@ -550,7 +550,8 @@ class SloPolicy(Policy):
         return math.inf if target is None else req.arrival_time + target
 
     def make_waiting_queue(self) -> WaitingQueue:
-        return KeyedWaitingQueue(lambda r: (self.deadline(r), r.arrival_seq))
+        self.queue = KeyedWaitingQueue(lambda r: (self.deadline(r), r.arrival_seq))
+        return self.queue
 
     def predicted_first_token(self, req: Request, now: float) -> float:
         """When ``req``'s first token would come if admitted now (see the class doc)."""
@@ -569,11 +570,14 @@ class SloPolicy(Policy):
         return now + steps * a + b * tokens
 
     def admit(self, req: Request, clock: Callable[[], float]) -> Admission:
-        verdict = self._admission(req, clock)
-        self.waiting_behind -= 1
-        if verdict is ADMIT:  # its prompt is ahead of the next admission's
-            self.prefill_ahead += len(req.all_token_ids) - req.num_computed_tokens
-        return verdict
+        if self.queue is not None:  # those failed, rejected or passed over wait no more
+            self.waiting_behind = len(self.queue) - 1
+        return self._admission(req, clock)
+
+    def on_admit(self, req: Request, num_new: int) -> None:
+        # Its prompt is ahead of the next admission's; it has computed nothing before this
+        # step, so all of it (as _admission counted it), prefix hits included.
+        self.prefill_ahead += req.num_tokens
 
     def _admission(self, req: Request, clock: Callable[[], float]) -> Admission:
         deadline = self.deadline(req)

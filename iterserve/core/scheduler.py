@@ -356,6 +356,7 @@ class Scheduler:
                 budget -= num_new
                 if new_left is not None:
                     new_left -= num_new
+            self.policy.on_admit(req, num_new)  # only now: each check above could still fail it
         for req in reversed(passed_over):
             self.waiting.push_front(req)  # back in their places, ahead of later arrivals
         return budget, long_left

@@ -1,7 +1,8 @@
 """Policies' books count only service that is given: what the fair and slo policies charge
 for an admission is charged once the request has really joined the running set (the
 ``Policy.on_admit`` hook), never for one that failed, was rejected, passed over or held back
-after the policy was asked."""
+after the policy was asked. And the fair queue's cached ranking picks the head the
+re-rank-everything scan picked."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from test_policies import PROPERTY, sched, slo_req, step_once, tenant_req
 
 from iterserve.config import SchedulerConfig
 from iterserve.core import KVCacheManager, Request, Scheduler
-from iterserve.core.policies import FairPolicy, SloPolicy, make_policy
+from iterserve.core.policies import FairPolicy, FairWaitingQueue, SloPolicy, make_policy
 from iterserve.core.request import FinishReason, RequestStatus
 
 
@@ -184,3 +185,55 @@ def test_fair_books_hold_exactly_this_steps_admissions() -> None:
         assert pending == want
         assert admitted == Counter(t for t, _ in new)
     assert any(not new for _, _, new in seen) and any(len(new) > 1 for _, _, new in seen)
+
+
+# ---- the fair queue's head: ranked once per step, the same choice ----------------------
+
+
+def _old_head(items: list[Request], rank: Any) -> Request:
+    """The choice before the ranking was cached: every waiting request's tenant ranked on
+    every look at the head."""
+    return min(items, key=lambda r: (rank(r.tenant), r.arrival_seq))
+
+
+@PROPERTY
+@given(
+    data=st.data(),
+    max_seqs=st.integers(1, 6),
+    budget=st.integers(8, 64),
+    num_blocks=st.sampled_from([16, 40, 1000]),
+    weights=st.sampled_from(["", "t0=2", "t1=3,t2=0.5"]),
+)
+def test_property_fair_head_is_the_full_rerank_choice(
+    data: st.DataObject, max_seqs: int, budget: int, num_blocks: int, weights: str
+) -> None:
+    """On random multi-tenant workloads (preemptions for blocks and for slots, aborts, long
+    prompts), every head the scheduler and policy see is the one ranking all waiting
+    requests afresh picks."""
+    s = sched(num_blocks=num_blocks, policy="fair", max_num_seqs=max_seqs,
+              max_num_batched_tokens=budget, tenant_weights=weights,
+              long_prefill_threshold=data.draw(st.sampled_from([0, 24])))  # fmt: skip
+    policy = s.policy
+    queue = s.waiting
+    assert isinstance(policy, FairPolicy) and isinstance(queue, FairWaitingQueue)
+    peek = queue.peek
+    looks = [0]
+
+    def checked_peek() -> Request:
+        head = peek()
+        assert head is _old_head(list(queue), policy._rank)
+        looks[0] += 1
+        return head
+
+    queue.peek = checked_peek  # type: ignore[method-assign]
+    calls: list[tuple[Request, int]] = []
+    on_admit = policy.on_admit
+
+    def record(req: Request, num_new: int) -> None:
+        calls.append((req, num_new))
+        on_admit(req, num_new)
+
+    policy.on_admit = record  # type: ignore[method-assign]
+    arrivals = _workload(data, tenants=4)
+    _drive_checking_admissions(s, arrivals, calls, random.Random(data.draw(st.integers(0, 9))))
+    assert looks[0] > 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import heapq
 import importlib
 import math
 from collections import deque
@@ -275,38 +276,109 @@ class PriorityPolicy(Policy):
         return PriorityWaitingQueue()
 
 
+_FairKey = tuple[tuple[float, ...], int]  # a tenant's (rank, its head's arrival_seq)
+
+
 class FairWaitingQueue(WaitingQueue):
     """The waiting request of the tenant ranked first by ``rank(tenant)`` (FairPolicy's:
-    least service), first; arrival order within a tenant. The counters change every step,
-    so the head is found per peek (a scan of the waiting requests)."""
+    least service), first; arrival order within a tenant.
+
+    A tenant's rank moves only with its owner's books, so ranks are kept per tenant, with
+    the tenants in a heap by (rank, head's arrival): a look at the head costs a heap top,
+    not a re-rank of every waiting request. The owner calls ``rerank`` whenever what
+    ``rank`` reads changes (for one tenant, or for all: recomputed at the next look)."""
 
     def __init__(self, rank: Callable[[str], tuple[float, ...]]) -> None:
-        self._items: list[Request] = []
         self._rank = rank
+        self._by_tenant: dict[str, list[Request]] = {}  # each by arrival_seq
+        self._len = 0
+        # Tenant -> (rank, head's arrival_seq), for tenants with a waiting request; the heap
+        # holds these and superseded ones, dropped when they reach the top.
+        self._keys: dict[str, _FairKey] = {}
+        self._heap: list[tuple[_FairKey, str]] = []
+        self._stale: set[str] = set()  # tenants whose rank is to be recomputed
+        self._all_stale = True
 
-    def _head(self) -> int:
-        rank, items = self._rank, self._items
-        return min(range(len(items)), key=lambda i: (rank(items[i].tenant), items[i].arrival_seq))
+    def rerank(self, tenant: str | None = None) -> None:
+        """``tenant``'s rank (None: every tenant's) may have changed."""
+        if tenant is None:
+            self._all_stale = True
+        elif tenant in self._by_tenant:
+            self._stale.add(tenant)
+
+    def _set_key(self, tenant: str, rank: tuple[float, ...]) -> None:
+        key = (rank, self._by_tenant[tenant][0].arrival_seq)
+        self._keys[tenant] = key
+        heapq.heappush(self._heap, (key, tenant))
+
+    def _head_tenant(self) -> str:
+        if self._all_stale:
+            self._all_stale = False
+            self._stale.clear()
+            rank, by_tenant = self._rank, self._by_tenant
+            self._keys = {t: (rank(t), q[0].arrival_seq) for t, q in by_tenant.items()}
+            self._heap = [(key, t) for t, key in self._keys.items()]
+            heapq.heapify(self._heap)
+        elif self._stale:
+            for t in self._stale:
+                self._set_key(t, self._rank(t))
+            self._stale.clear()
+        heap, keys = self._heap, self._keys
+        while True:
+            key, t = heap[0]
+            if keys.get(t) == key:
+                return t
+            heapq.heappop(heap)
 
     def push(self, req: Request) -> None:
-        self._items.append(req)
+        t = req.tenant
+        q = self._by_tenant.get(t)
+        self._len += 1
+        if q is None:
+            self._by_tenant[t] = [req]
+            self._stale.add(t)  # no rank kept for a tenant without a waiting request
+            return
+        bisect.insort(q, req, key=lambda r: r.arrival_seq)
+        if q[0] is req and t in self._keys:
+            self._set_key(t, self._keys[t][0])
 
     push_front = push
 
     def peek(self) -> Request:
-        return self._items[self._head()]
+        return self._by_tenant[self._head_tenant()][0]
 
     def pop(self) -> Request:
-        return self._items.pop(self._head())
+        t = self._head_tenant()
+        q = self._by_tenant[t]
+        req = q.pop(0)
+        self._after_removal(t, q, head=True)
+        return req
 
     def remove(self, req: Request) -> None:
-        self._items.remove(req)
+        t = req.tenant
+        q = self._by_tenant.get(t, [])
+        for i, r in enumerate(q):
+            if r is req:
+                del q[i]
+                self._after_removal(t, q, head=i == 0)
+                return
+        raise ValueError(f"{req.request_id} not waiting")
+
+    def _after_removal(self, tenant: str, q: list[Request], head: bool) -> None:
+        self._len -= 1
+        if not q:
+            del self._by_tenant[tenant]
+            self._keys.pop(tenant, None)
+            self._stale.discard(tenant)
+        elif head and tenant in self._keys:
+            self._set_key(tenant, self._keys[tenant][0])
 
     def __len__(self) -> int:
-        return len(self._items)
+        return self._len
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._items)
+        """Tenant by tenant, each in arrival order."""
+        return (r for q in self._by_tenant.values() for r in q)
 
 
 def parse_tenant_weights(text: str) -> dict[str, float]:
@@ -388,6 +460,10 @@ class FairPolicy(Policy):
         w = self.weights.get(tenant, 1.0)
         return float(c > self.least + self.tolerance), slots / w, c
 
+    def _rerank(self, tenant: str | None = None) -> None:
+        if self.queue is not None:
+            self.queue.rerank(tenant)
+
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
         c, slots = self.counters, self.slots
         self.least = min((c.get(t, 0.0) for t, n in self.live.items() if n), default=0.0)
@@ -397,6 +473,7 @@ class FairPolicy(Policy):
         prefilling = {r.tenant for r in running if len(r.all_token_ids) - r.num_computed_tokens > 1}
         tenants = prefilling | {r.tenant for r in waiting}
         self.floor = min((self._rank(t) for t in tenants), default=(math.inf,))
+        self._rerank()
 
     def defer_prefill(self, req: Request) -> bool:
         return self._rank(req.tenant) > self.floor
@@ -419,6 +496,7 @@ class FairPolicy(Policy):
             return ()
         mine = [r for r in running if r.tenant == high]
         slots[high] -= 1
+        self._rerank(high)
         return ([r for r in mine if not r.num_preemptions] or mine,)
 
     def on_arrival(self, req: Request) -> None:
@@ -428,6 +506,7 @@ class FairPolicy(Policy):
             if others:
                 self.counters[t] = max(self.counters.get(t, 0.0), min(others))
         live[t] = live.get(t, 0) + 1
+        self._rerank(t)
 
     def on_admit(self, req: Request, num_new: int) -> None:
         # A waiting request has computed nothing, so its whole context is charged (prefix
@@ -435,6 +514,7 @@ class FairPolicy(Policy):
         t = req.tenant
         self.pending[t] = self.pending.get(t, 0.0) + req.num_tokens / self.weights.get(t, 1.0)
         self.admitted[t] = self.admitted.get(t, 0) + 1
+        self._rerank(t)
 
     def on_step(self, out: SchedulerOutput) -> None:
         c, w = self.counters, self.weights
@@ -443,6 +523,7 @@ class FairPolicy(Policy):
         for req, n in zip(out.requests, out.num_tokens):
             t = req.tenant
             c[t] = c.get(t, 0.0) + n / w.get(t, 1.0)
+        self._rerank()
 
     def on_finish(self, req: Request) -> None:
         self.live[req.tenant] -= 1

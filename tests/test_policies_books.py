@@ -33,6 +33,26 @@ def test_fair_charges_nothing_for_a_request_that_could_never_fit() -> None:
     assert [r.request_id for r in out.new_requests] == ["b1"]
 
 
+def test_fair_charges_nothing_for_a_long_prompt_passed_over() -> None:
+    """Tenant b (weight 1.5) runs a long prompt in the only long-prompt place, c a decode;
+    b ranks first (fewer slots per weight). b's next long prompt is passed over, so b keeps
+    its rank and its short prompt after it takes the one free slot. When the passed-over
+    prompt was charged (one slot more and 200 tokens), c overtook b."""
+    s = sched(num_blocks=400, policy="fair", max_num_seqs=3, max_num_batched_tokens=64,
+              long_prefill_threshold=16, tenant_weights="b=1.5")  # fmt: skip
+    s.add_request(tenant_req("c0", "c", 4, 50, seed=0))
+    s.add_request(tenant_req("b0", "b", 200, 4, seed=1))
+    for _ in range(2):
+        step_once(s)
+    s.add_request(tenant_req("b1", "b", 200, 4, seed=2))
+    s.add_request(tenant_req("b2", "b", 4, 4, seed=3))
+    s.add_request(tenant_req("c1", "c", 4, 4, seed=4))
+    out, _ = step_once(s)
+    assert [r.request_id for r in out.new_requests] == ["b2"]
+    assert s.requests["b1"].status is RequestStatus.WAITING
+    assert s.requests["b0"] in out.requests  # its long prompt kept the place
+
+
 def test_slo_counts_no_prefill_work_for_a_long_prompt_passed_over() -> None:
     """One long prompt runs in the only long-prompt place; a second (l1) is asked about,
     admitted by the policy, then passed over by the scheduler, so its 200 tokens are not

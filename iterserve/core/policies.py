@@ -461,6 +461,7 @@ class FairPolicy(Policy):
         return float(c > self.least + self.tolerance), slots / w, c
 
     def _rerank(self, tenant: str | None = None) -> None:
+        # Called wherever what _rank reads changes: the queue keeps ranks until told.
         if self.queue is not None:
             self.queue.rerank(tenant)
 

@@ -2,11 +2,15 @@
 client (``iterserve bench serve``'s ``run_serve``), the highest rate each sustains within an SLO,
 and the TTFT / TPOT curves in one PNG.
 
-    python benchmarks/online_compare.py --rates 0.5,1,2,4,8 --num-prompts 64 --out /tmp/online
+    python benchmarks/online_compare.py --rates 3,4,5,6,7 --num-prompts 240 --out /tmp/online
 
 Both servers run at once on their own ports (an idle server costs nothing here), and every rate
-runs on each server in turn, so the two see the same machine state. A rate is sustained when
-every request completed and p99 TTFT <= --slo-ttft-ms and p99 TPOT <= --slo-tpot-ms.
+runs on each server in turn, so the two see the same machine state. Each rate sends prompts of
+its own (the same on both servers), so no rate finds an earlier one's prompts in a prefix cache.
+A rate is sustained when every request completed and p99 TTFT <= --slo-ttft-ms and p99 TPOT <=
+--slo-tpot-ms. A rate above a server's throughput capacity can still pass a short run, before
+its queue shows in p99 TTFT: give each rate a minute or more of arrivals (``--num-prompts`` >=
+60 x the rate; docs/SPEED.md, "Online: the sweep ran on warm prefix caches").
 """
 
 from __future__ import annotations

@@ -144,3 +144,33 @@ def test_a_streamed_echo_carries_the_prompt_logprobs_in_its_first_chunk(client: 
     assert all(len(lp["tokens"]) == 1 for lp in lps[1:])
     streamed = [t for lp in lps for t in lp["token_logprobs"]]
     assert streamed == whole["token_logprobs"]
+
+
+def test_a_streamed_echo_carries_the_prompt_logprobs_for_every_choice() -> None:
+    """n > 1: the prompt logprobs come once per request, but with a small token budget the
+    second choice prefills a step later, so its first chunk comes in a later output."""
+    from iterserve.server.app import create_app
+
+    engine = LLMEngine(
+        model="tiny-random",
+        dtype="float32",
+        num_kv_blocks=64,
+        max_model_len=CONTEXT,
+        max_num_batched_tokens=16,
+    )
+    body = {**BASE, "prompt": SHORT, "max_tokens": 3, "echo": True, "logprobs": 1, "n": 2}
+    with ThreadServer(create_app(AsyncEngine(engine))) as server:
+        http = httpx.Client(base_url=server.url, timeout=60)
+        whole = http.post("/v1/completions", json=body).json()["choices"]
+        r = http.post("/v1/completions", json={**body, "stream": True})
+    chunks = [e for e in parse_sse(r.text) if e != "[DONE]" and e["choices"]]
+    streamed: dict[int, list[float | None]] = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            if c["logprobs"]:
+                streamed.setdefault(c["index"], []).extend(c["logprobs"]["token_logprobs"])
+    assert sorted(streamed) == [0, 1]
+    for c in whole:
+        lps = c["logprobs"]["token_logprobs"]
+        assert lps[0] is None and len(lps) == len(c["prompt_token_ids"]) + 3
+        assert streamed[c["index"]] == lps  # the echoed prompt's, then the generated ones

@@ -820,6 +820,9 @@ class _CompletionFormat(_Format):
         self.text_offset: dict[int, int] = {}
         self.echoed: set[int] = set()
         self.sent_prompt_ids: set[int] = set()
+        # Per prompt, its first output that carried the prompt logprobs: they come once per
+        # request, and with n > 1 a later choice's first chunk may come in a later output.
+        self.with_prompt_lps: dict[int, RequestOutput] = {}
 
     def _prompt_text(self, pidx: int, out: RequestOutput) -> str:
         p = self.prompts[pidx]
@@ -882,10 +885,12 @@ class _CompletionFormat(_Format):
     ) -> dict[str, Any]:
         text = c.new_text
         echo_of = None
+        if out.prompt_logprobs is not None:
+            self.with_prompt_lps.setdefault(pidx, out)
         if self.creq.echo and idx not in self.echoed:
             self.echoed.add(idx)
             text = self._prompt_text(pidx, out) + text
-            echo_of = out
+            echo_of = with_prompt_logprobs(out, self.with_prompt_lps.get(pidx))
         off = self.text_offset.get(idx, 0)
         choice: dict[str, Any] = {
             "index": idx,

@@ -156,6 +156,8 @@ class Scheduler:
     def _pick_victim(self, candidates: list[Request]) -> Request:
         """The policy's victim among ``candidates`` (every running request, the one asking
         first), sparing recently resumed ones under preemption protection."""
+        if self.policy.victim_needs_loss:  # the loss estimate counts every candidate's need
+            self._estimate_losses(candidates)
         protect = self.config.preemption_protect_steps
         if protect:
             # Anti-thrash: spare recently resumed requests unless nobody else can go.
@@ -175,8 +177,6 @@ class Scheduler:
             self.reservation.on_step()
         self.policy.on_schedule(self.running, self.waiting)
         for candidates in self.policy.preempt_for_waiting(self.running, self.waiting):
-            if self.policy.victim_needs_loss:
-                self._estimate_losses(candidates)
             victim = self._pick_victim(candidates)
             self._preempt(victim)  # before anything is scheduled: nothing to give back
             out.preempted.append(victim)
@@ -218,10 +218,7 @@ class Scheduler:
                 # Every running request is a candidate, those already given tokens this step
                 # too (as in vLLM): otherwise the rule could only choose among the few not
                 # yet reached, and the asking request itself was the victim most of the time.
-                candidates = [req, *(r for r in self.running if r is not req)]
-                if self.policy.victim_needs_loss:
-                    self._estimate_losses(candidates)
-                victim = self._pick_victim(candidates)
+                victim = self._pick_victim([req, *(r for r in self.running if r is not req)])
                 if victim is req and len(self.running) == 1:
                     self._fail(req, out, self._too_big_message(req, num_new))
                     break

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from iterserve.core.kv_cache_manager import cdiv
 from iterserve.model import kernels
-from iterserve.model.cpu import tune_allocator
+from iterserve.model.cpu import empty_hugepages, tune_allocator
 from iterserve.model.layers import PackedLinear
 
 HIDDEN, INTER, LAYERS, HEADS, HEAD_DIM, VOCAB = 768, 2048, 12, 12, 64, 32000
@@ -101,8 +101,10 @@ def bench_attention(
     # 0.97 ms a layer where the engine's step spent 1.5 (128 x 128 keys, 12 KV heads).
     sets = 12
     nblocks = sets * batch * per_seq
-    k_cache = torch.randn(nblocks * block_size, kv_heads, HEAD_DIM).bfloat16()
-    v_cache = torch.randn(nblocks * block_size, kv_heads, HEAD_DIM).bfloat16()
+    # The caches come from the engine's allocator (2 MiB pages unless ITERSERVE_HUGEPAGES=0).
+    shape = (nblocks * block_size, kv_heads, HEAD_DIM)
+    k_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
+    v_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
     perm = torch.randperm(nblocks).view(sets, batch, per_seq)
     tables = [perm[i].contiguous() for i in range(sets)]
     lens = torch.full((batch,), ctx, dtype=torch.int64)

@@ -483,6 +483,54 @@ def test_allocator_is_tuned_on_glibc() -> None:
         assert tune_allocator() in (True, False)
 
 
+def _vma_flags(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``addr``."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside:
+                k, _, v = line.partition(":")
+                fields[k] = v.strip()
+    return fields
+
+
+@pytest.mark.parametrize("wanted", ["1", "0"])
+def test_kv_cache_is_allocated_on_huge_pages(
+    wanted: str, monkeypatch: pytest.MonkeyPatch, case: Callable[[str], Case]
+) -> None:
+    """The CPU runner's KV cache comes zeroed from empty_hugepages, whose memory is marked for
+    transparent huge pages where Linux offers them (THP not 'never'); ITERSERVE_HUGEPAGES=0 keeps
+    the default pages, and a bad value is refused."""
+    import os
+    import platform
+
+    from iterserve.model.cpu import empty_hugepages
+
+    monkeypatch.setenv("ITERSERVE_HUGEPAGES", wanted)
+    t = empty_hugepages((3000, 4, 256), torch.bfloat16)  # 6 MB: whole 2 MiB pages inside
+    assert t.shape == (3000, 4, 256) and t.dtype == torch.bfloat16 and not t.any()
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if platform.system() == "Linux" and os.path.exists(thp):
+        mode = open(thp).read()
+        flags = _vma_flags(t.data_ptr() + (4 << 20))  # inside the advised range
+        if wanted == "1" and "[never]" not in mode:
+            assert flags.get("THPeligible") == "1", flags
+        if wanted == "0" and "[madvise]" in mode:
+            assert flags.get("THPeligible") == "0", flags
+    runner = case("llama").runner()
+    if runner.device.type == "cpu" and wanted == "1":
+        k, _ = runner.kv_caches[0]
+        assert not k.any()
+    monkeypatch.setenv("ITERSERVE_HUGEPAGES", "yes")
+    with pytest.raises(ValueError, match="ITERSERVE_HUGEPAGES must be 0 or 1"):
+        empty_hugepages((4,), torch.float32)
+
+
 def test_bf16_prefill_kernel_through_the_runner(case: Callable[[str], Case]) -> None:
     """bf16 prefill, in one step and in chunks continued from the cache, through iterserve's
     prefill kernel where this CPU has it (else SDPA, which the same assertions then cover):

@@ -60,6 +60,41 @@ def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 31)
     return ok
 
 
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_HUGE_PAGE = 2 << 20
+
+
+def hugepages_wanted() -> bool:
+    """``ITERSERVE_HUGEPAGES`` (default 1): 0 keeps the kernel's default pages (for A/B runs)."""
+    v = os.environ.get("ITERSERVE_HUGEPAGES", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"ITERSERVE_HUGEPAGES must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def empty_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory Linux is asked to back with 2 MiB pages
+    (``madvise(MADV_HUGEPAGE)``, before the first touch, so it applies where transparent huge
+    pages are in ``madvise`` mode, the common default). The paged KV cache wants them: a decode
+    reads each sequence's blocks scattered over the pool, 4 KiB pages make nearly every block a
+    TLB miss, and the hardware prefetchers stop at 4 KiB page ends (docs/SPEED.md, "Huge pages for
+    the KV cache"). Where the call fails (not Linux, THP off) the tensor is the same, on small
+    pages."""
+    t = torch.empty(shape, dtype=dtype)
+    if hugepages_wanted():
+        start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+        end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+        if end > start:
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                if libc.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
+                    logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
+            except (OSError, AttributeError):
+                pass
+    return t.zero_()
+
+
 def available_cores() -> int:
     """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (torch's
     default thread count is the machine's physical cores, which ignores both)."""

@@ -65,7 +65,7 @@ from iterserve.model.attention_backends import (
     select_backend,
 )
 from iterserve.model.builtin import resolve_model
-from iterserve.model.cpu import needs_upcast, setup_threads, tune_allocator
+from iterserve.model.cpu import empty_hugepages, needs_upcast, setup_threads, tune_allocator
 from iterserve.model.cuda_graphs import DecodeGraphs, GraphInputs, capture_sizes
 from iterserve.model.device import (
     GiB,
@@ -247,6 +247,11 @@ class ModelRunner:
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg, slots = self.model_config, num_blocks * self.block_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        if self.device.type == "cpu":
+            return [
+                (empty_hugepages(shape, self.dtype), empty_hugepages(shape, self.dtype))
+                for _ in range(cfg.num_layers)
+            ]
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

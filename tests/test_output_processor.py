@@ -149,3 +149,40 @@ def test_sampling_params_include_stop_str_in_output_is_a_bool() -> None:
     assert SamplingParams(include_stop_str_in_output=True).include_stop_str_in_output
     with pytest.raises(ValueError, match="include_stop_str_in_output"):
         SamplingParams(include_stop_str_in_output="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_final_only_gets_one_output_equal_to_the_cumulative_final(n: int) -> None:
+    """A final_only request (LLM.generate's) yields nothing until it finishes, then one output
+    equal to a cumulative request's final one, with every token as its delta; its prompt
+    logprobs, sent once at the first step, reach that output; a stop string still ends it at
+    the step that completes it."""
+    params = SamplingParams(n=n, stop=["cde"], logprobs=1, max_tokens=50)
+    got = {}
+    for kind in ("cumulative", "final_only"):
+        proc = OutputProcessor(FakeTokenizer())
+        proc.add_request("r", final_only=kind == "final_only")
+        steps = []
+        for i, t in enumerate(ids("abcdefgh")):
+            out = core("r", params, [[t]] * n, logprobs=True)
+            if i == 0:
+                out.prompt_logprobs = [None, (7, -1.5, 3, [(8, -0.5)])]
+            steps.append(proc.process([out]))
+        got[kind] = steps
+        assert "r" not in proc and len(proc) == 0
+    cum = [o for os_, _ in got["cumulative"] for o in os_]
+    fin = [o for os_, _ in got["final_only"] for o in os_]
+    assert len(cum) == 5 and len(fin) == 1 and fin[0].finished
+    # The stop string ("e" is the 5th token) ends both at the same step, with the same finishes.
+    assert [fs for _, fs in got["final_only"]] == [fs for _, fs in got["cumulative"]]
+    assert [i for i, (os_, _) in enumerate(got["final_only"]) if os_] == [4]
+    last, one = cum[-1], fin[0]
+    assert one.prompt_logprobs is not None and one.prompt_logprobs == cum[0].prompt_logprobs
+    assert one.prompt_logprobs[1] is not None and one.prompt_logprobs[1][7].rank == 3
+    for a, b in zip(last.outputs, one.outputs, strict=True):
+        assert (b.text, b.token_ids, b.logprobs, b.finish_reason, b.stop_reason) == (
+            a.text, a.token_ids, a.logprobs, a.finish_reason, a.stop_reason,
+        )  # fmt: skip
+        assert (b.text, b.token_ids) == ("ab", ids("abcde"))
+        assert b.new_text == b.text and b.new_token_ids == b.token_ids
+        assert b.new_logprobs == b.logprobs

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from iterserve.config import EngineArgs
 from iterserve.engine.llm_engine import LLMEngine
-from iterserve.outputs import RequestOutput, with_prompt_logprobs
+from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -93,22 +93,19 @@ class LLM:
                     tenant=who[i],
                     slo_ttft_s=ttft[i],
                     slo_tpot_s=tpot[i],
+                    final_only=True,
                 )
                 ids.append(rid)
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        latest: dict[str, RequestOutput] = {}
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while wanted - final.keys():
-            for out in self.engine.step():
-                rid = out.request_id
-                if rid in wanted:
-                    latest[rid] = out = with_prompt_logprobs(out, latest.get(rid))
-                    if out.finished:
-                        final[rid] = out
+            for out in self.engine.step():  # final outputs only (final_only above)
+                if out.request_id in wanted:
+                    final[out.request_id] = out
         return [final[rid] for rid in ids]
 
     def stats(self) -> EngineStats:

@@ -189,12 +189,15 @@ class LLMEngine:
         tenant: str = "",
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
+        final_only: bool = False,
     ) -> None:
         """Queues a request. Raises ValueError (changing nothing) for bad input.
 
         ``tenant`` is who sent it (the ``fair`` policy's unit); ``slo_ttft_s`` /
         ``slo_tpot_s`` its own TTFT / TPOT targets for the ``slo`` policy (None: the
-        scheduler's ``slo_ttft_ms`` / ``slo_tpot_ms``)."""
+        scheduler's ``slo_ttft_ms`` / ``slo_tpot_ms``). ``final_only``: ``step()`` returns
+        this request's output once, when it finishes (vLLM's ``RequestOutputKind.FINAL_ONLY``),
+        so no step copies its growing token ids and logprobs."""
         params = params or SamplingParams()
         for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
             if v is not None and not (0 < v < float("inf")):
@@ -250,7 +253,7 @@ class LLMEngine:
         for seq in parent.seqs:
             self._seqs[seq.req.request_id] = seq
         self._parents[request_id] = parent
-        self.output_processor.add_request(request_id)
+        self.output_processor.add_request(request_id, final_only)
         if parent.grammar is not None and not parent.grammar.done():
             # Compiling on the grammar thread: schedule it once done, stall nobody.
             self._grammar_wait.append(parent)

@@ -88,6 +88,9 @@ class _Seq:
 class _Req:
     seqs: list[_Seq]
     error: str | None = None
+    final_only: bool = False
+    # final_only: the raw prompt logprobs, kept from the step that sent them to the final output
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class OutputProcessor:
@@ -95,18 +98,24 @@ class OutputProcessor:
 
     ``add_request`` registers an id; outputs for ids not registered (or already finished or
     aborted here) are ignored, which is how tokens generated past a stop string are dropped.
+    A ``final_only`` request gets one output, when it finishes, whose deltas are everything
+    it generated; every step still detokenizes it (stop strings end it on time).
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._reqs: dict[str, _Req | None] = {}  # None: registered, no output yet
+        self._final_only: set[str] = set()  # registered final_only, no output yet
         self._pieces: dict[int, str] = {}  # token id -> its text alone (logprob tokens)
 
-    def add_request(self, request_id: str) -> None:
+    def add_request(self, request_id: str, final_only: bool = False) -> None:
         self._reqs[request_id] = None
+        if final_only:
+            self._final_only.add(request_id)
 
     def abort_request(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
+        self._final_only.discard(request_id)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._reqs
@@ -122,8 +131,12 @@ class OutputProcessor:
             rid = out.request_id
             if rid not in self._reqs:
                 continue
-            st = self._reqs[rid] or self._new_state(out)
-            self._reqs[rid] = st
+            st = self._reqs[rid]
+            if st is None:
+                st = self._reqs[rid] = self._new_state(out)
+                if rid in self._final_only:
+                    self._final_only.discard(rid)
+                    st.final_only = True
             for cs in out.seqs:
                 s = st.seqs[cs.index]
                 if s.finish_reason is None:
@@ -133,6 +146,10 @@ class OutputProcessor:
             finished = all(s.finish_reason is not None for s in st.seqs)
             if finished and out.metrics.finished_time is None:
                 out.metrics.finished_time = out.metrics.last_token_time  # ended by a stop string
+            if st.final_only and not finished:
+                if out.prompt_logprobs is not None:
+                    st.prompt_logprobs = out.prompt_logprobs
+                continue
             results.append(self._output(out, st, finished))
             if finished:
                 del self._reqs[rid]
@@ -238,8 +255,9 @@ class OutputProcessor:
         if len(comps) > out.params.n:
             comps = _best_of(comps, out.params.n, finished)
         prompt = None
-        if out.prompt_logprobs is not None:  # the engine sends them once, and so does this
-            prompt = [None if lp is None else self._entry(lp) for lp in out.prompt_logprobs]
+        raw = out.prompt_logprobs if out.prompt_logprobs is not None else st.prompt_logprobs
+        if raw is not None:  # the engine sends them once, and so does this
+            prompt = [None if lp is None else self._entry(lp) for lp in raw]
         return RequestOutput(
             request_id=out.request_id,
             prompt=out.prompt,

@@ -7,6 +7,7 @@ import ctypes.util
 import functools
 import logging
 import math
+import mmap
 import os
 import statistics
 import time
@@ -60,7 +61,6 @@ def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 31)
     return ok
 
 
-_MADV_HUGEPAGE = 14  # linux/mman.h
 _HUGE_PAGE = 2 << 20
 
 
@@ -73,26 +73,26 @@ def hugepages_wanted() -> bool:
 
 
 def empty_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory Linux is asked to back with 2 MiB pages
-    (``madvise(MADV_HUGEPAGE)``, before the first touch, so it applies where transparent huge
-    pages are in ``madvise`` mode, the common default). The paged KV cache wants them: a decode
-    reads each sequence's blocks scattered over the pool, 4 KiB pages make nearly every block a
-    TLB miss, and the hardware prefetchers stop at 4 KiB page ends (docs/SPEED.md, "Huge pages for
-    the KV cache"). Where the call fails (not Linux, THP off) the tensor is the same, on small
-    pages."""
-    t = torch.empty(shape, dtype=dtype)
-    if hugepages_wanted():
-        start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                if libc.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
-                    logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-            except (OSError, AttributeError):
-                pass
-    return t.zero_()
+    """A zeroed CPU tensor in an anonymous mapping of its own that Linux is asked to back with
+    2 MiB pages (``madvise(MADV_HUGEPAGE)``, which applies where transparent huge pages are in
+    ``madvise`` mode, the common default). The paged KV cache wants them: a decode reads each
+    sequence's blocks scattered over the pool, 4 KiB pages make nearly every block a TLB miss,
+    and the hardware prefetchers stop at 4 KiB page ends (docs/SPEED.md, "Huge pages for the KV
+    cache"). Its own mapping, not glibc's heap: advice given to a range of the heap did not
+    always stay on it. Below 2 MiB, where madvise is unavailable, or with
+    ``ITERSERVE_HUGEPAGES=0``: a plain ``torch.zeros``."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not hugepages_wanted() or nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    # private: a shared anonymous mapping is shmem, where THP has its own (usually off) switch
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as exc:  # THP compiled out: small pages, same tensor
+        logger.debug("madvise(MADV_HUGEPAGE) failed: %s", exc)
+    # Touched now, as torch.zeros would: a pool too big for the machine fails at start, not
+    # when serving first reaches its far blocks.
+    return torch.frombuffer(mm, dtype=dtype).view(shape).zero_()
 
 
 def available_cores() -> int:

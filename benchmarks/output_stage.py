@@ -1,6 +1,8 @@
 """The output stage alone: OutputProcessor.process per engine step, early and late in long
-generations, for cumulative outputs (every step copies each request's token ids and logprobs
-so far) and final_only ones (``LLM.generate``'s: one output per request, when it ends).
+generations, for each output kind (iterserve/engine/output_processor.py ``OutputKind``):
+cumulative (every step copies each request's token ids and logprobs so far), final_only
+(``LLM.generate``'s: one output per request, when it ends) and finished_lists (the server's:
+an output every step with its deltas, the lists once a sequence finished).
 
     python benchmarks/output_stage.py --requests 128 --steps 2000 --logprobs 5
 
@@ -15,20 +17,26 @@ import random
 import statistics
 import time
 
-from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
+from iterserve.engine.output_processor import (
+    OUTPUT_KINDS,
+    CoreOutput,
+    CoreSeqOutput,
+    OutputKind,
+    OutputProcessor,
+)
 from iterserve.engine.tokenizer import load_tokenizer
 from iterserve.model.builtin import resolve_model
 from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams
 
 
-def run(requests: int, steps: int, logprobs: int | None, final_only: bool) -> tuple[float, float]:
+def run(requests: int, steps: int, logprobs: int | None, kind: OutputKind) -> tuple[float, float]:
     """Median ms of a step over the first and over the last 50 steps."""
     proc = OutputProcessor(load_tokenizer(resolve_model("smollm2-135m")))
     params = SamplingParams(max_tokens=steps + 1, logprobs=logprobs, ignore_eos=True)
     metrics = [RequestMetrics(arrival_time=0.0) for _ in range(requests)]
     for r in range(requests):
-        proc.add_request(str(r), final_only=final_only)
+        proc.add_request(str(r), kind)
     rng = random.Random(0)
     times = []
     for _ in range(steps):
@@ -57,10 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     lp = a.logprobs or None
     print(f"{a.requests} requests x {a.steps} steps, logprobs {lp}: output stage ms a step")
-    for final_only in (False, True):
-        first, last = run(a.requests, a.steps, lp, final_only)
-        kind = "final_only" if final_only else "cumulative"
-        print(f"  {kind:<11} first 50 steps {first:7.2f}   last 50 steps {last:7.2f}")
+    for kind in OUTPUT_KINDS:
+        first, last = run(a.requests, a.steps, lp, kind)
+        print(f"  {kind:<14} first 50 steps {first:7.2f}   last 50 steps {last:7.2f}")
     return 0
 
 

@@ -161,7 +161,7 @@ def test_final_only_gets_one_output_equal_to_the_cumulative_final(n: int) -> Non
     got = {}
     for kind in ("cumulative", "final_only"):
         proc = OutputProcessor(FakeTokenizer())
-        proc.add_request("r", final_only=kind == "final_only")
+        proc.add_request("r", kind)  # type: ignore[arg-type]
         steps = []
         for i, t in enumerate(ids("abcdefgh")):
             out = core("r", params, [[t]] * n, logprobs=True)
@@ -186,3 +186,42 @@ def test_final_only_gets_one_output_equal_to_the_cumulative_final(n: int) -> Non
         assert (b.text, b.token_ids) == ("ab", ids("abcde"))
         assert b.new_text == b.text and b.new_token_ids == b.token_ids
         assert b.new_logprobs == b.logprobs
+
+
+def test_finished_lists_send_deltas_and_the_lists_once_a_sequence_finished() -> None:
+    """The server's kind: an output every step with the same deltas and text as cumulative
+    outputs, but token_ids / logprobs empty until that sequence finished, then whole (n = 2:
+    the sequence that stops first keeps its lists in the request's later outputs)."""
+    params = SamplingParams(n=2, stop=["x"], logprobs=1, max_tokens=50)
+    steps = [
+        ([ids("a"), ids("p")], [None, None]),
+        ([ids("x"), ids("q")], [None, None]),  # sequence 0 stops on "x"
+        ([ids("b"), ids("r")], [None, None]),  # the lag: sequence 0's token is dropped
+        ([[], ids("s")], [None, "length"]),
+    ]
+    outs = {}
+    for kind in ("cumulative", "finished_lists"):
+        proc = OutputProcessor(FakeTokenizer())
+        proc.add_request("r", kind)  # type: ignore[arg-type]
+        got = []
+        for new, finish in steps:
+            out = core("r", params, new, finish=finish, logprobs=True)
+            res, _ = proc.process([out])
+            got += res
+        outs[kind] = got
+    cum, fl = outs["cumulative"], outs["finished_lists"]
+    assert len(cum) == len(fl) == 4 and fl[-1].finished and not fl[-2].finished
+    for a, b in zip(cum, fl, strict=True):
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            assert (cb.text, cb.new_text, cb.new_token_ids, cb.new_logprobs) == (
+                ca.text, ca.new_text, ca.new_token_ids, ca.new_logprobs,
+            )  # fmt: skip
+            assert cb.finish_reason == ca.finish_reason
+            if cb.finish_reason is None:
+                assert cb.token_ids == [] and cb.logprobs == []
+            else:
+                assert (cb.token_ids, cb.logprobs) == (ca.token_ids, ca.logprobs)
+    assert [o.outputs[0].token_ids for o in fl] == [[], ids("ax"), ids("ax"), ids("ax")]
+    assert fl[-1].outputs[1].token_ids == ids("pqrs")
+    with pytest.raises(ValueError, match="output kind must be one of"):
+        OutputProcessor(FakeTokenizer()).add_request("r", "delta")  # type: ignore[arg-type]

@@ -55,7 +55,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
-from iterserve.engine.output_processor import CoreOutput, OutputProcessor
+from iterserve.engine.output_processor import (
+    OUTPUT_KINDS,
+    CoreOutput,
+    OutputKind,
+    OutputProcessor,
+)
 from iterserve.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -162,6 +167,7 @@ class _AddCmd:
     tenant: str = ""
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    output_kind: OutputKind = "cumulative"
 
 
 @dataclass
@@ -192,6 +198,7 @@ class _OutAccept:
 
     request_id: str
     stream: RequestStream
+    kind: OutputKind = "cumulative"
 
 
 @dataclass
@@ -645,6 +652,7 @@ class AsyncEngine:
         tenant: str = "",
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
+        output_kind: OutputKind = "cumulative",
     ) -> RequestStream:
         """Submits a request and waits until the engine accepted it.
 
@@ -653,7 +661,13 @@ class AsyncEngine:
         ``max_queued_tokens``; it defaults to ``len(prompt)`` for token-id prompts and to a
         tokenization of the string otherwise (only when that limit is set). ``tenant``,
         ``slo_ttft_s`` and ``slo_tpot_s`` go to the engine (``EngineInterface.add_request``).
+        ``output_kind`` (output_processor.OutputKind): how the stream's outputs carry token ids
+        and logprobs; the server takes ``finished_lists``.
         """
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(
+                f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {output_kind!r}"
+            )
         if self._thread is None:
             raise EngineDeadError("engine is not started")
         if not self._accepting:
@@ -685,6 +699,7 @@ class AsyncEngine:
                 tenant=tenant,
                 slo_ttft_s=slo_ttft_s,
                 slo_tpot_s=slo_tpot_s,
+                output_kind=output_kind,
             )
         )
         thread = self._thread
@@ -883,7 +898,7 @@ class AsyncEngine:
                     batch.append((cmd.stream, _Failed(f"{type(e).__name__}: {e}")))
                 else:
                     streams[cmd.request_id] = cmd.stream
-                    msgs.append(_OutAccept(cmd.request_id, cmd.stream))
+                    msgs.append(_OutAccept(cmd.request_id, cmd.stream, cmd.output_kind))
                     batch.append((cmd.stream, _ACCEPTED))
                     added.append(cmd.request_id)
                     changed = True
@@ -984,7 +999,7 @@ class AsyncEngine:
         proc = self.processor
         if isinstance(msg, _OutAccept):
             sides[msg.request_id] = _EngineSide(msg.stream)
-            proc.add_request(msg.request_id)
+            proc.add_request(msg.request_id, msg.kind)
         elif isinstance(msg, _OutEnd):
             proc.abort_request(msg.request_id)
             side = sides.pop(msg.request_id, None)

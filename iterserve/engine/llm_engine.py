@@ -253,7 +253,7 @@ class LLMEngine:
         for seq in parent.seqs:
             self._seqs[seq.req.request_id] = seq
         self._parents[request_id] = parent
-        self.output_processor.add_request(request_id, final_only)
+        self.output_processor.add_request(request_id, "final_only" if final_only else "cumulative")
         if parent.grammar is not None and not parent.grammar.done():
             # Compiling on the grammar thread: schedule it once done, stall nobody.
             self._grammar_wait.append(parent)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from iterserve.engine.detokenizer import IncrementalDetokenizer
 from iterserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -29,6 +29,15 @@ if TYPE_CHECKING:
     from iterserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# How a request's outputs carry its token ids and logprobs (after vLLM's RequestOutputKind):
+# "cumulative": every output holds all of them so far, copied each step (so a request's
+# copying grows with the square of its length); "final_only": one output, when it finishes
+# (LLM.generate); "finished_lists": an output every step, whose new_* fields hold that step's
+# tokens, and whose token_ids / logprobs stay empty until the sequence finished (the server:
+# streams send the deltas, metrics time them, full responses read the final lists).
+OutputKind = Literal["cumulative", "final_only", "finished_lists"]
+OUTPUT_KINDS: tuple[OutputKind, ...] = ("cumulative", "final_only", "finished_lists")
 
 
 @dataclass
@@ -82,13 +91,15 @@ class _Seq:
     new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # finished_lists: token_ids / logprobs, copied once when the sequence finished
+    whole: tuple[list[int], list[dict[int, Logprob]] | None] | None = None
 
 
 @dataclass
 class _Req:
     seqs: list[_Seq]
     error: str | None = None
-    final_only: bool = False
+    kind: OutputKind = "cumulative"
     # final_only: the raw prompt logprobs, kept from the step that sent them to the final output
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
@@ -98,24 +109,27 @@ class OutputProcessor:
 
     ``add_request`` registers an id; outputs for ids not registered (or already finished or
     aborted here) are ignored, which is how tokens generated past a stop string are dropped.
-    A ``final_only`` request gets one output, when it finishes, whose deltas are everything
-    it generated; every step still detokenizes it (stop strings end it on time).
+    ``kind`` (``OutputKind``) says how its outputs carry token ids and logprobs: a
+    ``final_only`` request gets one output, when it finishes, whose deltas are everything it
+    generated; every step still detokenizes it (stop strings end it on time).
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._reqs: dict[str, _Req | None] = {}  # None: registered, no output yet
-        self._final_only: set[str] = set()  # registered final_only, no output yet
+        self._kinds: dict[str, OutputKind] = {}  # registered, not cumulative, no output yet
         self._pieces: dict[int, str] = {}  # token id -> its text alone (logprob tokens)
 
-    def add_request(self, request_id: str, final_only: bool = False) -> None:
+    def add_request(self, request_id: str, kind: OutputKind = "cumulative") -> None:
+        if kind not in OUTPUT_KINDS:
+            raise ValueError(f"output kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
         self._reqs[request_id] = None
-        if final_only:
-            self._final_only.add(request_id)
+        if kind != "cumulative":
+            self._kinds[request_id] = kind
 
     def abort_request(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
-        self._final_only.discard(request_id)
+        self._kinds.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._reqs
@@ -134,9 +148,7 @@ class OutputProcessor:
             st = self._reqs[rid]
             if st is None:
                 st = self._reqs[rid] = self._new_state(out)
-                if rid in self._final_only:
-                    self._final_only.discard(rid)
-                    st.final_only = True
+                st.kind = self._kinds.pop(rid, "cumulative")
             for cs in out.seqs:
                 s = st.seqs[cs.index]
                 if s.finish_reason is None:
@@ -146,7 +158,7 @@ class OutputProcessor:
             finished = all(s.finish_reason is not None for s in st.seqs)
             if finished and out.metrics.finished_time is None:
                 out.metrics.finished_time = out.metrics.last_token_time  # ended by a stop string
-            if st.final_only and not finished:
+            if st.kind == "final_only" and not finished:
                 if out.prompt_logprobs is not None:
                     st.prompt_logprobs = out.prompt_logprobs
                 continue
@@ -236,15 +248,23 @@ class OutputProcessor:
         (it sends them once, so a stream carries them once)."""
         comps = []
         for i, s in enumerate(st.seqs):
+            if st.kind != "finished_lists":
+                ids, lps = list(s.token_ids), None if s.logprobs is None else list(s.logprobs)
+            elif s.finish_reason is None:
+                ids, lps = [], None if s.logprobs is None else []
+            else:  # finished: its lists no longer change, one copy serves every later output
+                if s.whole is None:
+                    s.whole = list(s.token_ids), None if s.logprobs is None else list(s.logprobs)
+                ids, lps = s.whole
             comps.append(
                 CompletionOutput(
                     index=i,
                     text=s.detok.text,
-                    token_ids=list(s.token_ids),
+                    token_ids=ids,
                     new_token_ids=s.new_ids,
                     new_text=s.detok.take_new_text(s.finish_reason is not None),
                     cumulative_logprob=s.cumulative_logprob,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    logprobs=lps,
                     new_logprobs=s.new_logprobs if s.logprobs is not None else None,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,

@@ -399,6 +399,7 @@ class ServerMetrics:
                 continue
             st = seqs[c.index]
             k = len(c.new_token_ids)
+            st.num_tokens += k  # the count: outputs before the end may not list their tokens
             if k and now is not None:
                 new += k
                 if st.first_token is None:
@@ -413,9 +414,8 @@ class ServerMetrics:
                     for _ in range(k):
                         self._h_itl.observe(gap)
                 st.last_token = now
-                st.num_tokens += len(c.new_token_ids)
             if c.finish_reason is not None and not st.done:
-                self._finish_seq(output, st, c.finish_reason, len(c.token_ids))
+                self._finish_seq(output, st, c.finish_reason, max(len(c.token_ids), st.num_tokens))
         if new:
             self._c_gen.inc(new)
 
@@ -449,7 +449,10 @@ class ServerMetrics:
         if seqs is None:
             seqs = [_SeqTimes() for _ in output.outputs]
         # Sequences still running when the request ended (abort, error) end with its reason.
+        counts = []
         for c in output.outputs:
-            if c.index < len(seqs) and not seqs[c.index].done:
-                self._finish_seq(output, seqs[c.index], reason, len(c.token_ids))
-        self._h_max_gen.observe(max((len(c.token_ids) for c in output.outputs), default=0))
+            st = seqs[c.index] if c.index < len(seqs) else None
+            counts.append(max(len(c.token_ids), st.num_tokens if st is not None else 0))
+            if st is not None and not st.done:
+                self._finish_seq(output, st, reason, counts[-1])
+        self._h_max_gen.observe(max(counts, default=0))

@@ -221,6 +221,7 @@ class Serving:
                         tenant=route.tenant,
                         slo_ttft_s=route.slo_ttft_s,
                         slo_tpot_s=route.slo_tpot_s,
+                        output_kind="finished_lists",  # no per-step copies of the lists
                     )
                 )
         except Exception as e:
@@ -720,7 +721,11 @@ class _Format:
         self.prompt_tokens[pidx] = len(out.prompt_token_ids)
         self.cached_tokens[pidx] = out.metrics.num_cached_prompt_tokens
         for c in out.outputs:
-            self.completion_tokens[pidx * self.n + c.index] = len(c.token_ids)
+            # token_ids is filled only once a sequence finished ("finished_lists"); a stream
+            # counts the deltas it was sent, a full response reads the final list
+            k = pidx * self.n + c.index
+            sent = self.completion_tokens.get(k, 0) + len(c.new_token_ids)
+            self.completion_tokens[k] = max(len(c.token_ids), sent)
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {

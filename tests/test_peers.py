@@ -36,6 +36,12 @@ def test_named_workloads_have_the_lengths_the_issue_states() -> None:
     assert all(10 <= t < 1000 for p, _ in wl["mixed24"] for t in p)
     again = c.make_workload("hol64", 0, 0, 1000, 2048, None)[0]  # type: ignore[attr-defined]
     assert again == wl["hol64"]  # seeded: every engine gets the same token ids
+    # The untimed warm-up shares no first block (so no cached prefix) with any measured prompt.
+    for k, w in wl.items():
+        warm = c.warmup_prompt(w)  # type: ignore[attr-defined]
+        assert len(warm) == 32 and all(0 <= t < 1000 for t in warm), k
+        assert all(p[:16] != warm[:16] for p, _ in w), k
+    assert c.warmup_prompt([([0, 5, 6], 1)]) == [1, 5, 6]  # type: ignore[attr-defined]
 
 
 def test_launcher_maps_the_vllm_version_lookup(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -74,10 +74,12 @@ def run_offline(
     kv_cache_gib: int = 2,
     venv: Path | None = None,
     timeout_s: float = 1800.0,
+    warmup: list[int] | None = None,
 ) -> dict[str, Any]:
     """One timed ``LLM.generate`` of the whole workload in vLLM-CPU (a fresh process).
 
-    Returns ``{"wall_s", "output_tokens"}``; the model load and a warm-up are not timed.
+    Returns ``{"wall_s", "output_tokens"}``; the model load and a warm-up (of ``warmup``'s
+    token ids, default the first prompt's first 32) are not timed.
     """
     py = ensure_venv(venv)
     job = {
@@ -86,6 +88,7 @@ def run_offline(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "max_model_len": max_model_len,
+        "warmup": warmup if warmup is not None else workload[0][0][:32],
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)

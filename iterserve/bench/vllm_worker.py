@@ -26,7 +26,7 @@ def main(path: str) -> None:
         seed=0,
     )
     warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
-    llm.generate([TokensPrompt(prompt_token_ids=wl[0][0][:32])], warm, use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=job["warmup"])], warm, use_tqdm=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in wl]
     params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in wl]
     t0 = time.perf_counter()

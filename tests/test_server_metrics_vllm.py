@@ -438,6 +438,29 @@ def test_n_counts_each_sequence_as_vllm_does(served: Served) -> None:
     assert d("vllm:request_max_num_generation_tokens_sum") == 4
 
 
+def test_best_of_counts_the_returned_sequences(served: Served) -> None:
+    """best_of > n sends nothing before the end (its first output holds no sequence): the
+    returned sequences are still counted, once each."""
+    _idle(served)
+    before = scrape(served.url)
+    r = served.client.completions.create(
+        model=MODEL, prompt="Best of three", max_tokens=4, n=1, best_of=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert r.usage is not None and r.usage.completion_tokens == 4
+    _idle(served)
+    after = scrape(served.url)
+
+    def d(name: str, **labels: str) -> float:
+        return _series(after, name, **labels) - _series(before, name, **labels)
+
+    assert d("vllm:request_success_total", finished_reason="length") == 1
+    assert d("vllm:request_generation_tokens_count") == 1
+    assert d("vllm:request_generation_tokens_sum") == 4
+    assert d("vllm:generation_tokens_total") == 4
+    assert d("vllm:request_max_num_generation_tokens_sum") == 4
+
+
 def test_http_metrics_by_handler_method_status(served: Served) -> None:
     before = scrape(served.url)
     ok = httpx.post(served.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})

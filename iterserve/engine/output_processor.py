@@ -35,7 +35,9 @@ logger = logging.getLogger(__name__)
 # copying grows with the square of its length); "final_only": one output, when it finishes
 # (LLM.generate); "finished_lists": an output every step, whose new_* fields hold that step's
 # tokens, and whose token_ids / logprobs stay empty until the sequence finished (the server:
-# streams send the deltas, metrics time them, full responses read the final lists).
+# streams send the deltas, metrics time them, full responses read the final lists). A sequence
+# that never finished here (aborted at shutdown: AsyncEngine's final "abort" output is built
+# from the last one the stream had) keeps them empty; its deltas were all sent.
 OutputKind = Literal["cumulative", "final_only", "finished_lists"]
 OUTPUT_KINDS: tuple[OutputKind, ...] = ("cumulative", "final_only", "finished_lists")
 

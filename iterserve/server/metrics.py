@@ -386,9 +386,9 @@ class ServerMetrics:
                 c.inc(d)
 
     def on_request_output(self, output: RequestOutput, first: bool) -> None:
-        seqs = self._seqs.get(output.request_id)
-        if seqs is None:
-            seqs = self._seqs[output.request_id] = [_SeqTimes() for _ in output.outputs]
+        seqs = self._seqs.setdefault(output.request_id, [])
+        # best_of > n sends no sequence until the end: its first output may hold none
+        seqs.extend(_SeqTimes() for _ in range(len(seqs), len(output.outputs)))
         m = output.metrics
         # Every token of this step carries the step's time (the engine sets last_token_time
         # for the step's tokens); outputs are observed step by step, before any merging.

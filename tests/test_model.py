@@ -475,12 +475,12 @@ def test_pack_weights_setting_is_checked(
 def test_allocator_is_tuned_on_glibc() -> None:
     import platform
 
-    from iterserve.model.cpu import tune_allocator
+    from iterserve.model.cpu import trim_heap, tune_allocator
 
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        assert tune_allocator() is True
+        assert tune_allocator() is True and trim_heap() is True
     else:
-        assert tune_allocator() in (True, False)
+        assert tune_allocator() in (True, False) and trim_heap() in (True, False)
 
 
 def _vma_flags(addr: int) -> dict[str, str]:
@@ -500,12 +500,13 @@ def _vma_flags(addr: int) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("wanted", ["1", "0"])
-def test_kv_cache_is_allocated_on_huge_pages(
+def test_kv_cache_and_packed_weights_on_huge_pages(
     wanted: str, monkeypatch: pytest.MonkeyPatch, case: Callable[[str], Case]
 ) -> None:
-    """The CPU runner's KV cache comes zeroed from empty_hugepages: a mapping of its own,
-    marked for transparent huge pages where Linux offers them (THP not 'never');
-    ITERSERVE_HUGEPAGES=0 gives plain torch memory, and a bad value is refused."""
+    """The CPU runner's KV cache and the packed bf16 weights come zeroed from empty_hugepages:
+    a mapping of their own, starting on a 2 MiB boundary, marked for transparent huge pages
+    where Linux offers them (THP not 'never'); ITERSERVE_HUGEPAGES=0 gives plain torch memory,
+    and a bad value is refused."""
     import os
     import platform
 
@@ -517,6 +518,8 @@ def test_kv_cache_is_allocated_on_huge_pages(
     # torch's own allocations are resizable storages; a tensor over a mapping is not
     own_mapping = platform.system() == "Linux"
     assert t.untyped_storage().resizable() is not (own_mapping and wanted == "1")
+    if own_mapping and wanted == "1":
+        assert t.data_ptr() % (2 << 20) == 0
     thp = "/sys/kernel/mm/transparent_hugepage/enabled"
     if wanted == "1" and own_mapping and os.path.exists(thp):
         if "[never]" not in open(thp).read():
@@ -528,6 +531,13 @@ def test_kv_cache_is_allocated_on_huge_pages(
     if runner.device.type == "cpu":
         k, v = runner.kv_caches[0]
         assert not k.any() and not v.any()
+    from iterserve.model import kernels
+
+    kern = kernels.load()
+    if kern is not None and own_mapping:
+        w = torch.randn(1024, 1024).bfloat16()  # 2 MiB of panels
+        for packed in (kern.pack_panels(w), *([kern.pack_pairs(w)] if kern.has_bf16_dot else [])):
+            assert (packed.data_ptr() % (2 << 20) == 0) is (wanted == "1")
     assert empty_hugepages((4,), torch.float32).untyped_storage().resizable()  # under 2 MiB
     monkeypatch.setenv("ITERSERVE_HUGEPAGES", "yes")
     with pytest.raises(ValueError, match="ITERSERVE_HUGEPAGES must be 0 or 1"):

@@ -61,6 +61,22 @@ def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 31)
     return ok
 
 
+def trim_heap() -> bool:
+    """Hands the free pages inside glibc's heap back to the OS (``malloc_trim(0)``). Once at
+    start: packed weights and the KV cache live in mappings of their own (``empty_hugepages``),
+    so the checkpoint tensors they replaced leave free heap memory that nothing reuses, and
+    ``tune_allocator``'s trim threshold keeps it (bench-134m: 158 MB of RSS). False where there
+    is no glibc."""
+    path = ctypes.util.find_library("c")
+    if path is None:
+        return False
+    try:
+        ctypes.CDLL(path).malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 _HUGE_PAGE = 2 << 20
 
 
@@ -73,26 +89,32 @@ def hugepages_wanted() -> bool:
 
 
 def empty_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in an anonymous mapping of its own that Linux is asked to back with
-    2 MiB pages (``madvise(MADV_HUGEPAGE)``, which applies where transparent huge pages are in
-    ``madvise`` mode, the common default). The paged KV cache wants them: a decode reads each
-    sequence's blocks scattered over the pool, 4 KiB pages make nearly every block a TLB miss,
-    and the hardware prefetchers stop at 4 KiB page ends (docs/SPEED.md, "Huge pages for the KV
-    cache"). Its own mapping, not glibc's heap: advice given to a range of the heap did not
-    always stay on it. Below 2 MiB, where madvise is unavailable, or with
-    ``ITERSERVE_HUGEPAGES=0``: a plain ``torch.zeros``."""
+    """A zeroed CPU tensor that starts on a 2 MiB boundary of an anonymous mapping of its own,
+    which Linux is asked to back with 2 MiB pages (``madvise(MADV_HUGEPAGE)``; it applies where
+    transparent huge pages are in ``madvise`` mode, the common default). The paged KV cache
+    wants them: a decode reads each sequence's blocks scattered over the pool, 4 KiB pages make
+    nearly every block a TLB miss, and the hardware prefetchers stop at 4 KiB page ends
+    (docs/SPEED.md, "Huge pages for the KV cache"). Its own mapping, not glibc's heap: advice
+    given to a range of the heap did not always stay on it. The mapping is rounded up to whole
+    2 MiB pages (at most 4 MiB more than the tensor). Below 2 MiB, where madvise is unavailable,
+    or with ``ITERSERVE_HUGEPAGES=0``: a plain ``torch.zeros``."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not hugepages_wanted() or nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
+    size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE + _HUGE_PAGE  # room to start on a boundary
     # private: a shared anonymous mapping is shmem, where THP has its own (usually off) switch
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
     try:
         mm.madvise(mmap.MADV_HUGEPAGE)
     except OSError as exc:  # THP compiled out: small pages, same tensor
         logger.debug("madvise(MADV_HUGEPAGE) failed: %s", exc)
+    view = ctypes.c_char.from_buffer(mm)
+    offset = -ctypes.addressof(view) % _HUGE_PAGE
+    del view  # a buffer export; the tensor below holds its own
+    t = torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=offset)
     # Touched now, as torch.zeros would: a pool too big for the machine fails at start, not
     # when serving first reaches its far blocks.
-    return torch.frombuffer(mm, dtype=dtype).view(shape).zero_()
+    return t.view(shape).zero_()
 
 
 def available_cores() -> int:

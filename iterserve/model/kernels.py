@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from iterserve.model.builtin import cache_dir
+from iterserve.model.cpu import empty_hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +210,8 @@ class Kernels:
             raise ValueError(f"pack_panels takes a 2-D bf16 weight, got {w.dtype} {tuple(w.shape)}")
         N, K = w.shape
         w = w.contiguous()
-        out = torch.empty(-(-N // 32) * K * 32, dtype=torch.bfloat16)
+        # huge pages: the GEMM streams the panels, and the prefetchers stop at 4 KiB page ends
+        out = empty_hugepages((-(-N // 32) * K * 32,), torch.bfloat16)
         self.lib.pack_bf16_panels(w.data_ptr(), out.data_ptr(), N, K)
         return out
 
@@ -442,7 +444,7 @@ class Kernels:
             raise ValueError(f"pack_pairs takes a 2-D bf16 weight, got {w.dtype} {tuple(w.shape)}")
         N, K = w.shape
         w = w.contiguous()
-        out = torch.empty(-(-N // 64) * -(-K // 2) * 128, dtype=torch.bfloat16)
+        out = empty_hugepages((-(-N // 64) * -(-K // 2) * 128,), torch.bfloat16)  # as panels
         self.lib.pack_bf16_pairs(w.data_ptr(), out.data_ptr(), N, K)
         return out
 

@@ -65,7 +65,13 @@ from iterserve.model.attention_backends import (
     select_backend,
 )
 from iterserve.model.builtin import resolve_model
-from iterserve.model.cpu import empty_hugepages, needs_upcast, setup_threads, tune_allocator
+from iterserve.model.cpu import (
+    empty_hugepages,
+    needs_upcast,
+    setup_threads,
+    trim_heap,
+    tune_allocator,
+)
 from iterserve.model.cuda_graphs import DecodeGraphs, GraphInputs, capture_sizes
 from iterserve.model.device import (
     GiB,
@@ -243,6 +249,8 @@ class ModelRunner:
         )
         if on_cuda and not enforce_eager:
             self.graphs = self._decode_graphs(capture=True)
+        if self.device.type == "cpu":
+            trim_heap()  # the checkpoint's copies that packing replaced, freed in glibc's heap
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg, slots = self.model_config, num_blocks * self.block_size

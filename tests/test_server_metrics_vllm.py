@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -402,19 +402,23 @@ def _series(s: Scrape, name: str, **labels: str) -> float:
     return sum(v for k, v in s.samples.get(name, {}).items() if want.items() <= dict(k).items())
 
 
-def test_n_counts_each_sequence_as_vllm_does(served: Served) -> None:
-    _idle(served)
-    before = scrape(served.url)
-    r = served.client.completions.create(
-        model=MODEL, prompt="Three sequences", max_tokens=4, n=3, extra_body={"ignore_eos": True}
-    )
-    assert r.usage is not None and r.usage.completion_tokens == 12
-    _idle(served)
-    after = scrape(served.url)
+def _measured(s: Served, **create: Any) -> tuple[Any, Callable[..., float]]:
+    """One completion (ignore_eos), and how far a series moved for it: d(name, **labels)."""
+    _idle(s)
+    before = scrape(s.url)
+    r = s.client.completions.create(model=MODEL, extra_body={"ignore_eos": True}, **create)
+    _idle(s)
+    after = scrape(s.url)
 
     def d(name: str, **labels: str) -> float:
         return _series(after, name, **labels) - _series(before, name, **labels)
 
+    return r, d
+
+
+def test_n_counts_each_sequence_as_vllm_does(served: Served) -> None:
+    r, d = _measured(served, prompt="Three sequences", max_tokens=4, n=3)
+    assert r.usage is not None and r.usage.completion_tokens == 12
     assert d("vllm:request_success_total", finished_reason="length") == 3
     for h in (
         "e2e_request_latency_seconds",
@@ -441,19 +445,8 @@ def test_n_counts_each_sequence_as_vllm_does(served: Served) -> None:
 def test_best_of_counts_the_returned_sequences(served: Served) -> None:
     """best_of > n sends nothing before the end (its first output holds no sequence): the
     returned sequences are still counted, once each."""
-    _idle(served)
-    before = scrape(served.url)
-    r = served.client.completions.create(
-        model=MODEL, prompt="Best of three", max_tokens=4, n=1, best_of=3,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    r, d = _measured(served, prompt="Best of three", max_tokens=4, n=1, best_of=3)
     assert r.usage is not None and r.usage.completion_tokens == 4
-    _idle(served)
-    after = scrape(served.url)
-
-    def d(name: str, **labels: str) -> float:
-        return _series(after, name, **labels) - _series(before, name, **labels)
-
     assert d("vllm:request_success_total", finished_reason="length") == 1
     assert d("vllm:request_generation_tokens_count") == 1
     assert d("vllm:request_generation_tokens_sum") == 4

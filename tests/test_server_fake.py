@@ -340,6 +340,31 @@ def test_n_batch_prompts_echo_and_sse_shape() -> None:
         assert json.loads(json.dumps(events[0]))
 
 
+def test_best_of_returns_n_whole_choices_and_streaming_it_is_a_400() -> None:
+    """best_of > n: every candidate runs (the fake sizes a request by num_candidates, as the
+    engine does), n of them come back whole, renumbered, with their tokens and logprobs."""
+    fake = FakeEngine()
+    engine, server = serve(fake)
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        r = c.post(
+            "/v1/completions",
+            json={"prompt": "ab", "n": 2, "best_of": 3, "max_tokens": 4, "logprobs": 1,
+                  "return_token_ids": True},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [ch["index"] for ch in body["choices"]] == [0, 1]
+        for ch in body["choices"]:
+            assert ch["finish_reason"] == "length" and len(ch["token_ids"]) == 4
+            assert len(ch["logprobs"]["tokens"]) == 4
+        assert body["usage"]["completion_tokens"] == 8
+        r = c.post(
+            "/v1/completions",
+            json={"prompt": "ab", "n": 1, "best_of": 2, "max_tokens": 4, "stream": True},
+        )
+        assert r.status_code == 400 and "best_of" in r.text
+
+
 def test_errors_name_the_field_from_the_validation_loc_on_every_route() -> None:
     fake = FakeEngine()
     engine, server = serve(fake)

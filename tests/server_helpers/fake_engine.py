@@ -152,9 +152,9 @@ class FakeEngine:
         )
         self.routing[request_id] = (tenant, slo_ttft_s)
         self.tpot_targets[request_id] = slo_tpot_s
-        r.out = [[] for _ in range(params.n)]
-        r.finish = [None] * params.n
-        r.stop_reason = [None] * params.n
+        r.out = [[] for _ in range(params.num_candidates)]
+        r.finish = [None] * params.num_candidates
+        r.stop_reason = [None] * params.num_candidates
         self.reqs[request_id] = r
 
     def abort_request(self, request_id: str) -> None:

@@ -118,20 +118,17 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._reqs: dict[str, _Req | None] = {}  # None: registered, no output yet
-        self._kinds: dict[str, OutputKind] = {}  # registered, not cumulative, no output yet
+        # registered: its state, or only its kind until its first output
+        self._reqs: dict[str, _Req | OutputKind] = {}
         self._pieces: dict[int, str] = {}  # token id -> its text alone (logprob tokens)
 
     def add_request(self, request_id: str, kind: OutputKind = "cumulative") -> None:
         if kind not in OUTPUT_KINDS:
             raise ValueError(f"output kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
-        self._reqs[request_id] = None
-        if kind != "cumulative":
-            self._kinds[request_id] = kind
+        self._reqs[request_id] = kind
 
     def abort_request(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
-        self._kinds.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._reqs
@@ -148,9 +145,8 @@ class OutputProcessor:
             if rid not in self._reqs:
                 continue
             st = self._reqs[rid]
-            if st is None:
-                st = self._reqs[rid] = self._new_state(out)
-                st.kind = self._kinds.pop(rid, "cumulative")
+            if not isinstance(st, _Req):
+                st = self._reqs[rid] = self._new_state(out, st)
             for cs in out.seqs:
                 s = st.seqs[cs.index]
                 if s.finish_reason is None:
@@ -169,7 +165,7 @@ class OutputProcessor:
                 del self._reqs[rid]
         return results, finishes
 
-    def _new_state(self, out: CoreOutput) -> _Req:
+    def _new_state(self, out: CoreOutput, kind: OutputKind) -> _Req:
         p = out.params
         want_lp = p.logprobs is not None
         cumulative = p.needs_logprobs
@@ -187,7 +183,8 @@ class OutputProcessor:
                     0.0 if cumulative else None,
                 )
                 for _ in range(p.num_candidates)
-            ]
+            ],
+            kind=kind,
         )
 
     def _piece(self, token_id: int) -> str:

@@ -36,6 +36,18 @@ def needs_upcast(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library (glibc's malloc tunables live there), or None where none is found."""
+    path = ctypes.util.find_library("c")
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(path)
+    except OSError:
+        return None
+
+
+@functools.cache
 def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 31) -> bool:
     """Keeps freed memory in glibc's heap instead of returning it to the OS.
 
@@ -45,14 +57,13 @@ def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 31)
     kernel on every step. Measured here, converting a 25 MB bf16 tensor to f32 took 12.4 ms with
     the defaults and 1.8 ms with these settings. Returns False where there is no glibc.
     """
-    path = ctypes.util.find_library("c")
-    if path is None:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(path)
         ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1 and ok
-    except (OSError, AttributeError):
+    except AttributeError:  # a C library without mallopt
         return False
     if not ok:
         logger.warning(
@@ -65,14 +76,14 @@ def trim_heap() -> bool:
     """Hands the free pages inside glibc's heap back to the OS (``malloc_trim(0)``). Once at
     start: packed weights and the KV cache live in mappings of their own (``empty_hugepages``),
     so the checkpoint tensors they replaced leave free heap memory that nothing reuses, and
-    ``tune_allocator``'s trim threshold keeps it (bench-134m: 158 MB of RSS). False where there
-    is no glibc."""
-    path = ctypes.util.find_library("c")
-    if path is None:
+    ``tune_allocator``'s trim threshold keeps it (docs/SPEED.md, "Huge pages for the KV cache").
+    False where there is no glibc."""
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        ctypes.CDLL(path).malloc_trim(0)
-    except (OSError, AttributeError):
+        libc.malloc_trim(0)
+    except AttributeError:  # not glibc
         return False
     return True
 

@@ -255,18 +255,13 @@ class ModelRunner:
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg, slots = self.model_config, num_blocks * self.block_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
-        if self.device.type == "cpu":
-            return [
-                (empty_hugepages(shape, self.dtype), empty_hugepages(shape, self.dtype))
-                for _ in range(cfg.num_layers)
-            ]
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+
+        def zeros() -> torch.Tensor:
+            if self.device.type == "cpu":
+                return empty_hugepages(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
     # ---- GPU: memory budget and CUDA graphs -------------------------------------------------
 

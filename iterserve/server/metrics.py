@@ -415,7 +415,7 @@ class ServerMetrics:
                         self._h_itl.observe(gap)
                 st.last_token = now
             if c.finish_reason is not None and not st.done:
-                self._finish_seq(output, st, c.finish_reason, max(len(c.token_ids), st.num_tokens))
+                self._finish_seq(output, st, c.finish_reason, st.num_tokens)
         if new:
             self._c_gen.inc(new)
 

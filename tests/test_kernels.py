@@ -225,7 +225,8 @@ def test_write_rows_equals_index_copy() -> None:
 
 
 def test_pair_gemm_matches_torch() -> None:
-    """iterserve's bf16 dot-product GEMM: every row tile (6, 4, 2, 1 and mixes), N not a
+    """iterserve's bf16 dot-product GEMM: every row tile (6, 4, 2, 1 and mixes), the row counts
+    where 0, 2 or 4 tiles also prefetch the next panel (below 12, 12-23, 24 on), N not a
     multiple of the 64-column panel, odd K through ``PairLinear``'s zero column, with and
     without bias: within one bf16 rounding of the f32 result."""
     from iterserve.model.layers import PairLinear
@@ -235,7 +236,7 @@ def test_pair_gemm_matches_torch() -> None:
         pytest.skip("compiled in only where the CPU has AVX512-BF16")
     torch.manual_seed(0)
     for K in (48, 41):
-        for M in (1, 2, 3, 5, 6, 7, 13, 64):
+        for M in (1, 2, 3, 5, 6, 7, 11, 12, 13, 23, 24, 29, 64):
             for N in (37, 64, 130):
                 x = torch.randn(M, K).bfloat16()
                 w = torch.randn(N, K).bfloat16()

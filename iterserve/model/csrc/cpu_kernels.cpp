@@ -575,15 +575,22 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
 // form and every x row pair broadcasts against it. Tiles of up to 6 rows x 64 columns (24 f32
 // accumulators); a task is one panel for every row, so the panel (K x 128 bytes) stays in L2.
 
-template <int R>
+// Q > 0: also prefetches Q lines a k pair from pf on, up to pf_end (the next panel, see
+// gemm_pairs).
+template <int R, int Q = 0>
 void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t* bias, uint16_t* y, int64_t ldy, int N, int K2, int n0,
-               int m0) {
+               int m0, const char* pf = nullptr, const char* pf_end = nullptr) {
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
     const uint16_t* xr[R];
     for (int r = 0; r < R; ++r) xr[r] = x + static_cast<int64_t>(m0 + r) * ldx;
     for (int j = 0; j < K2; ++j) {
+        if constexpr (Q > 0) {
+            for (int u = 0; u < Q; ++u)
+                if (pf + 64 * u < pf_end) __builtin_prefetch(pf + 64 * u, 0, 3);
+            pf += 64 * Q;
+        }
         __m512bh w[4];
         for (int c = 0; c < 4; ++c) w[c] = load_bh(P + (static_cast<int64_t>(j) * 4 + c) * 32);
         for (int r = 0; r < R; ++r) {
@@ -1004,11 +1011,29 @@ void pack_bf16_pairs(const uint16_t* W, uint16_t* P, int N, int K) {
 int gemm_pairs(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t* bias, int M, int N, int K) {
 #if defined(__AVX512BF16__)
     const int K2 = K / 2, panels = (N + GP_COLS - 1) / GP_COLS;
+    // A panel's first row tile reads it from memory and the later tiles from L2, so memory and
+    // arithmetic would take turns. With 12 rows or more, the first 2 (24 rows or more: 4) full
+    // tiles prefetch the thread's next panel (4 K2 lines) instead, 2 (1) lines a k pair each.
+    // With fewer rows the GEMM is bound by memory, and the hardware prefetcher does best alone
+    // (docs/SPEED.md, "Prefetching the next weight panel").
+    const int64_t panel_elems = static_cast<int64_t>(K2) * GP_COLS * 2;
+    const int pf_tiles = M >= 24 ? 4 : M >= 12 ? 2 : 0;
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; ++p) {
-        const uint16_t* Pp = P + static_cast<int64_t>(p) * K2 * GP_COLS * 2;
+        const uint16_t* Pp = P + p * panel_elems;
         const int n0 = p * GP_COLS;
         int m0 = 0;
+        if (pf_tiles > 0 && p + 1 < panels) {
+            const char* nxt = reinterpret_cast<const char*>(Pp + panel_elems);
+            const char* end = nxt + panel_elems * 2;
+            const int64_t share = panel_elems * 2 / pf_tiles;  // bytes each tile fetches
+            for (int t = 0; t < pf_tiles; ++t, m0 += 6) {
+                if (pf_tiles == 4)
+                    pair_tile<6, 1>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share, end);
+                else
+                    pair_tile<6, 2>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share, end);
+            }
+        }
         for (; M - m0 >= 6; m0 += 6) pair_tile<6>(Pp, x, K, bias, y, N, N, K2, n0, m0);
         if (M - m0 >= 4) { pair_tile<4>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 4; }
         if (M - m0 >= 2) { pair_tile<2>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 2; }

@@ -196,6 +196,34 @@ def test_prefill_attention_when_the_row_max_rises_slowly_and_jumps() -> None:
     assert (out[660:].float().view(-1, H, hd) - vb[slots[650]].float()).abs().max() < 0.03
 
 
+def test_prefill_attention_with_a_key_of_huge_scores() -> None:
+    """A key whose scores reach ~1e10 (head_dim 64 and 128, where 1 / sqrt(128) is not a power
+    of two): the row max must be exactly that key's scaled score, or 2^(t - m) for it under- or
+    overflows and the row turns NaN. Every row stays finite and equal to the reference."""
+    kern = _kern()
+    if not kern.has_bf16_dot:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16")
+    n, bs = 140, 4
+    for hd in (64, 128):
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(n, 1, hd, generator=g).bfloat16()
+        k = torch.randn(n, 1, hd, generator=g)
+        v = torch.randn(n, 1, hd, generator=g).bfloat16()
+        k[70] = 1e10
+        k = k.bfloat16()
+        table = torch.arange(-(-n // bs))
+        k_cache = torch.zeros(len(table) * bs, 1, hd).bfloat16()
+        v_cache = torch.zeros_like(k_cache)
+        k_cache[:n], v_cache[:n] = k, v
+        out = kern.paged_prefill_attention(q, k_cache, v_cache, table, 0, bs)
+        mask = torch.full((n, n), float("-inf")).triu_(1).double()
+        ref = F.scaled_dot_product_attention(
+            *(t.double().transpose(0, 1) for t in (q, k, v)), attn_mask=mask
+        ).transpose(0, 1).reshape(n, hd)  # fmt: skip
+        assert torch.isfinite(out).all(), hd
+        assert (out.double() - ref).abs().max() < 0.03, hd
+
+
 def test_prefill_attention_checks_its_inputs() -> None:
     kern = _kern()
     if not kern.has_bf16_dot:

@@ -475,8 +475,7 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
     const int hp = hd / 2;
     const int last_key = p0 + r1 - 1;
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const float scale_log2 = scale * 1.44269504088896341f;
-    const __m512 sl = _mm512_set1_ps(scale_log2);
+    const __m512 sl = _mm512_set1_ps(scale * 1.44269504088896341f);
     alignas(64) uint16_t Pb[PF_R][PF_KB];
     for (int k0 = 0; k0 <= last_key; k0 += PF_KB) {
         const uint16_t* kblk = Kp + static_cast<int64_t>(k0) * hd;
@@ -507,8 +506,13 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
             bool rescale = false;
             for (int k = 0; k < PF_R; ++k) {
                 const int pos = p0 + row[k], i = t0 + k;
+                // t = s * scale * log2 e, rounded once: m is then one of the t and its key's P is
+                // exactly 2^0 (an exact fmsub against a rounded m leaves up to half an ulp of m,
+                // which for scores near 1e9 alone under- or overflows 2^x). The product is
+                // written with explicit rounding so the compiler cannot fuse it into the subtract.
                 __m512 mx = _mm512_set1_ps(-INFINITY);
                 for (int c = 0; c < 4; ++c) {
+                    s[k][c] = _mm512_mul_round_ps(s[k][c], sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                     if (k0 + PF_KB - 1 > pos) {  // the diagonal block: hide keys past the query
                         const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(k0 + 16 * c));
                         const __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos));
@@ -516,18 +520,23 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
                     }
                     mx = _mm512_max_ps(mx, s[k][c]);
                 }
-                // Key k0 <= pos here, so the block's max is finite; sl > 0 commutes with max.
+                // A row may see none of this block's keys (a tile straddling the block's start):
+                // its max is -inf, m stays and P is 0.
                 float m_new = m[i];
-                if (_mm512_cmp_ps_mask(_mm512_mul_ps(mx, sl), _mm512_set1_ps(m[i] + PF_LAZY), _CMP_GT_OQ))
-                    m_new = _mm512_reduce_max_ps(mx) * scale_log2;
+                if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m[i] + PF_LAZY), _CMP_GT_OQ)) m_new = _mm512_reduce_max_ps(mx);
                 const __m512 mv = _mm512_set1_ps(m_new);
-                __m512 sum = _mm512_setzero_ps();
-                for (int c = 0; c < 4; ++c) {
-                    s[k][c] = exp2_ps(_mm512_fmsub_ps(s[k][c], sl, mv));
-                    sum = _mm512_add_ps(sum, s[k][c]);
-                }
-                // 2^(-inf) on the first block is 0. The row sum stays 16 lanes wide until the end,
-                // so no horizontal add per block.
+                for (int c = 0; c < 4; ++c) s[k][c] = exp2_ps(_mm512_sub_ps(s[k][c], mv));
+                const __m512i p01 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[k][1], s[k][0]));
+                const __m512i p23 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[k][3], s[k][2]));
+                _mm512_storeu_si512(Pb[k], p01);
+                _mm512_storeu_si512(Pb[k] + 32, p23);
+                // l sums the bf16-rounded P that O gets, so numerator and denominator agree (the
+                // max key's P is not 1 when m lags). 2^(-inf) on the first block is 0. The row
+                // sum stays 16 lanes wide until the end, so no horizontal add per block.
+                const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+                const __m512 sum = _mm512_add_ps(
+                    _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p01, 16)), _mm512_castsi512_ps(_mm512_and_si512(p01, hi_mask))),
+                    _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p23, 16)), _mm512_castsi512_ps(_mm512_and_si512(p23, hi_mask))));
                 __m512 lv = _mm512_loadu_ps(l + 16 * i);
                 if (m_new != m[i]) {
                     corr[k] = exp2_ps(_mm512_set1_ps(m[i] - m_new));
@@ -538,8 +547,6 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
                 }
                 _mm512_storeu_ps(l + 16 * i, _mm512_add_ps(lv, sum));
                 m[i] = m_new;
-                _mm512_storeu_si512(Pb[k], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[k][1], s[k][0])));
-                _mm512_storeu_si512(Pb[k] + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[k][3], s[k][2])));
             }
             // O[i] = O[i] * corr + P[i] . V, 64 output columns at a time.
             for (int e0 = 0; e0 < hd; e0 += 64) {

@@ -1022,29 +1022,38 @@ int gemm_pairs(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t
     // arithmetic would take turns. With 12 rows or more, the first 2 (24 rows or more: 4) full
     // tiles prefetch the thread's next panel (4 K2 lines) instead, 2 (1) lines a k pair each.
     // With fewer rows the GEMM is bound by memory, and the hardware prefetcher does best alone
-    // (docs/SPEED.md, "Prefetching the next weight panel").
+    // (docs/SPEED.md, "The pair GEMM prefetches the next panel"). Each thread takes one
+    // contiguous range of panels, so "next" is never another thread's panel.
     const int64_t panel_elems = static_cast<int64_t>(K2) * GP_COLS * 2;
     const int pf_tiles = M >= 24 ? 4 : M >= 12 ? 2 : 0;
-#pragma omp parallel for schedule(static)
-    for (int p = 0; p < panels; ++p) {
-        const uint16_t* Pp = P + p * panel_elems;
-        const int n0 = p * GP_COLS;
-        int m0 = 0;
-        if (pf_tiles > 0 && p + 1 < panels) {
-            const char* nxt = reinterpret_cast<const char*>(Pp + panel_elems);
-            const char* end = nxt + panel_elems * 2;
-            const int64_t share = panel_elems * 2 / pf_tiles;  // bytes each tile fetches
-            for (int t = 0; t < pf_tiles; ++t, m0 += 6) {
-                if (pf_tiles == 4)
-                    pair_tile<6, 1>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share, end);
-                else
-                    pair_tile<6, 2>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share, end);
+#pragma omp parallel
+    {
+        int tid = 0, nth = 1;
+#if defined(_OPENMP)
+        tid = omp_get_thread_num();
+        nth = omp_get_num_threads();
+#endif
+        const int p_end = static_cast<int>(static_cast<int64_t>(panels) * (tid + 1) / nth);
+        for (int p = static_cast<int>(static_cast<int64_t>(panels) * tid / nth); p < p_end; ++p) {
+            const uint16_t* Pp = P + p * panel_elems;
+            const int n0 = p * GP_COLS;
+            int m0 = 0;
+            if (pf_tiles > 0 && p + 1 < p_end) {
+                const char* nxt = reinterpret_cast<const char*>(Pp + panel_elems);
+                const char* end = nxt + panel_elems * 2;
+                const int64_t share = panel_elems * 2 / pf_tiles;  // bytes each tile fetches
+                for (int t = 0; t < pf_tiles; ++t, m0 += 6) {
+                    if (pf_tiles == 4)
+                        pair_tile<6, 1>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share, end);
+                    else
+                        pair_tile<6, 2>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share, end);
+                }
             }
+            for (; M - m0 >= 6; m0 += 6) pair_tile<6>(Pp, x, K, bias, y, N, N, K2, n0, m0);
+            if (M - m0 >= 4) { pair_tile<4>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 4; }
+            if (M - m0 >= 2) { pair_tile<2>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 2; }
+            if (M - m0 >= 1) pair_tile<1>(Pp, x, K, bias, y, N, N, K2, n0, m0);
         }
-        for (; M - m0 >= 6; m0 += 6) pair_tile<6>(Pp, x, K, bias, y, N, N, K2, n0, m0);
-        if (M - m0 >= 4) { pair_tile<4>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 4; }
-        if (M - m0 >= 2) { pair_tile<2>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 2; }
-        if (M - m0 >= 1) pair_tile<1>(Pp, x, K, bias, y, N, N, K2, n0, m0);
     }
     return 0;
 #else

@@ -476,6 +476,7 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
     const int last_key = p0 + r1 - 1;
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 sl = _mm512_set1_ps(scale * 1.44269504088896341f);
+    const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     alignas(64) uint16_t Pb[PF_R][PF_KB];
     for (int k0 = 0; k0 <= last_key; k0 += PF_KB) {
         const uint16_t* kblk = Kp + static_cast<int64_t>(k0) * hd;
@@ -506,10 +507,10 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
             bool rescale = false;
             for (int k = 0; k < PF_R; ++k) {
                 const int pos = p0 + row[k], i = t0 + k;
-                // t = s * scale * log2 e, rounded once: m is then one of the t and its key's P is
-                // exactly 2^0 (an exact fmsub against a rounded m leaves up to half an ulp of m,
-                // which for scores near 1e9 alone under- or overflows 2^x). The product is
-                // written with explicit rounding so the compiler cannot fuse it into the subtract.
+                // t rounded once, so m is one of the t and its key's P exactly 2^0 (an exact fmsub
+                // against a rounded m leaves up to half an ulp of m, which for scores near 1e9
+                // alone under- or overflows 2^x); explicit rounding keeps the compiler from fusing
+                // the multiply into the subtract.
                 __m512 mx = _mm512_set1_ps(-INFINITY);
                 for (int c = 0; c < 4; ++c) {
                     s[k][c] = _mm512_mul_round_ps(s[k][c], sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -533,7 +534,6 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
                 // l sums the bf16-rounded P that O gets, so numerator and denominator agree (the
                 // max key's P is not 1 when m lags). 2^(-inf) on the first block is 0. The row
                 // sum stays 16 lanes wide until the end, so no horizontal add per block.
-                const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
                 const __m512 sum = _mm512_add_ps(
                     _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p01, 16)), _mm512_castsi512_ps(_mm512_and_si512(p01, hi_mask))),
                     _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p23, 16)), _mm512_castsi512_ps(_mm512_and_si512(p23, hi_mask))));
@@ -582,11 +582,11 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
 // form and every x row pair broadcasts against it. Tiles of up to 6 rows x 64 columns (24 f32
 // accumulators); a task is one panel for every row, so the panel (K x 128 bytes) stays in L2.
 
-// Q > 0: also prefetches Q lines a k pair from pf on, up to pf_end (the next panel, see
-// gemm_pairs).
+// Q > 0: also prefetches Q lines a k pair from pf on, K2 Q lines in all (its share of the next
+// panel, see gemm_pairs).
 template <int R, int Q = 0>
 void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t* bias, uint16_t* y, int64_t ldy, int N, int K2, int n0,
-               int m0, const char* pf = nullptr, const char* pf_end = nullptr) {
+               int m0, const char* pf = nullptr) {
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -594,8 +594,7 @@ void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t
     for (int r = 0; r < R; ++r) xr[r] = x + static_cast<int64_t>(m0 + r) * ldx;
     for (int j = 0; j < K2; ++j) {
         if constexpr (Q > 0) {
-            for (int u = 0; u < Q; ++u)
-                if (pf + 64 * u < pf_end) __builtin_prefetch(pf + 64 * u, 0, 3);
+            for (int u = 0; u < Q; ++u) __builtin_prefetch(pf + 64 * u, 0, 3);
             pf += 64 * Q;
         }
         __m512bh w[4];
@@ -1039,14 +1038,14 @@ int gemm_pairs(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t
             const int n0 = p * GP_COLS;
             int m0 = 0;
             if (pf_tiles > 0 && p + 1 < p_end) {
+                // 4 K2 lines split evenly: tile t fetches K2 Q lines from line t K2 Q on
                 const char* nxt = reinterpret_cast<const char*>(Pp + panel_elems);
-                const char* end = nxt + panel_elems * 2;
                 const int64_t share = panel_elems * 2 / pf_tiles;  // bytes each tile fetches
                 for (int t = 0; t < pf_tiles; ++t, m0 += 6) {
                     if (pf_tiles == 4)
-                        pair_tile<6, 1>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share, end);
+                        pair_tile<6, 1>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share);
                     else
-                        pair_tile<6, 2>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share, end);
+                        pair_tile<6, 2>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share);
                 }
             }
             for (; M - m0 >= 6; m0 += 6) pair_tile<6>(Pp, x, K, bias, y, N, N, K2, n0, m0);

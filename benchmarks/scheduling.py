@@ -15,7 +15,9 @@ Scenarios (each runs every variant on one workload, built once):
             --capacity-multiples (1.0, 1.2, 2) of each
   kv        the Azure conversation trace on a small KV pool (--kv-blocks): victim rules
             newest / least-computed / least-lost / fewest-generated, newest and
-            least-computed without the resume gate (--preemption-resume-headroom 0),
+            least-computed without the resume gate (--preemption-resume-headroom 0), both
+            also in vLLM's regime (no resume gate and no prefix cache, so a victim loses
+            every computed token: the accounting of vLLM RFC #54644),
             anti-thrash (protect 8 steps), reservations estimate / reserve-max
   tenants   the conversation trace split between tenants ``heavy`` and ``light``, 10 to 1
             (as examples/two_tenants.py): the light tenant alone, then both under
@@ -139,6 +141,9 @@ class Variant:
     label: str
     knobs: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig fields
     workload: str = "main"  # which of the scenario's workloads
+    # Off: vLLM RFC #54644's accounting, where a victim's computed tokens are all lost (the
+    # regime least-computed-first is built for); not a SchedulerConfig field, so kept apart.
+    prefix_caching: bool = True
 
 
 @dataclass
@@ -275,7 +280,8 @@ def tenant_specs(
     return assign_tenants(specs, {"heavy": 10, "light": 1}, seed)
 
 
-SimFn = Callable[..., Any]  # (specs, knobs, num_kv_blocks, stop=None) -> SimResult
+SimFn = Callable[..., Any]  # (specs, knobs, num_kv_blocks, stop=None, prefix_caching=True)
+# -> SimResult
 
 
 def overload_label(policy: str, mult: float, kind: str) -> str:
@@ -357,6 +363,16 @@ def build_scenarios(
                     Variant(
                         "least-computed, no resume headroom",
                         {"preemption_victim": "least-computed", "preemption_resume_headroom": 0},
+                    ),
+                    Variant(
+                        "newest, vLLM's regime",
+                        {"preemption_victim": "newest", "preemption_resume_headroom": 0},
+                        prefix_caching=False,
+                    ),
+                    Variant(
+                        "least-computed, vLLM's regime",
+                        {"preemption_victim": "least-computed", "preemption_resume_headroom": 0},
+                        prefix_caching=False,
                     ),
                     Variant(
                         "newest + protect 8",
@@ -455,7 +471,11 @@ class EngineRunner:
         return int(self.engine.kv.num_blocks)
 
     def run(
-        self, specs: list[RequestSpec], cfg: SchedulerConfig, num_kv_blocks: int | None
+        self,
+        specs: list[RequestSpec],
+        cfg: SchedulerConfig,
+        num_kv_blocks: int | None,
+        prefix_caching: bool = True,
     ) -> tuple[list[RequestTiming], float, dict[str, Any]]:
         from iterserve.core.books import Books
         from iterserve.core.kv_cache_manager import KVCacheManager
@@ -468,7 +488,9 @@ class EngineRunner:
         blocks = num_kv_blocks or e.runner.num_kv_blocks
         if blocks > e.runner.num_kv_blocks:
             raise ValueError(f"{blocks} KV blocks asked, the engine has {e.runner.num_kv_blocks}")
-        e.kv = KVCacheManager(blocks, e.runner.block_size, self.args.enable_prefix_caching)
+        e.kv = KVCacheManager(
+            blocks, e.runner.block_size, self.args.enable_prefix_caching and prefix_caching
+        )
         e.scheduler = Scheduler(cfg, e.kv)
         e.scheduler.clock = self.clock
         e.books = Books(e.scheduler)
@@ -513,12 +535,17 @@ def sim_runner(
     base: SchedulerConfig, cost: CostModel, num_kv_blocks: int, block_size: int
 ) -> SimFn:
     def simulate(
-        specs: list[RequestSpec], knobs: dict[str, Any], blocks: int | None, stop: Any = None
+        specs: list[RequestSpec],
+        knobs: dict[str, Any],
+        blocks: int | None,
+        stop: Any = None,
+        prefix_caching: bool = True,
     ) -> Any:
         cfg = SimConfig(
             dataclasses.replace(base, **knobs),
             num_kv_blocks=blocks or num_kv_blocks,
             block_size=block_size,
+            enable_prefix_caching=prefix_caching,
         )
         return Simulator(cfg, cost).run(specs, stop=stop)
 
@@ -530,7 +557,7 @@ def sim_row(
 ) -> dict[str, Any]:
     specs = sc.workloads[v.workload]
     t0 = time.perf_counter()
-    res = simulate(specs, v.knobs, sc.num_kv_blocks)
+    res = simulate(specs, v.knobs, sc.num_kv_blocks, prefix_caching=v.prefix_caching)
     row = measure(res.timings, specs, res.duration_s, dict(res.stats), slo_ms, short_len)
     row["wall_s"] = time.perf_counter() - t0
     row["busy_s"] = sum(res.busy_s)  # simulated time in steps (the engine's CPU time)
@@ -566,6 +593,8 @@ def targets(by_label: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, An
     cut = None if tax is None else 1 - tax
     lost = ratio("kv", "least-lost", "newest", "recompute_tax")
     lost_cut = None if lost is None else 1 - lost
+    vllm = ratio("kv", "least-computed, vLLM's regime", "newest, vLLM's regime", "recompute_tax")
+    vllm_cut = None if vllm is None else 1 - vllm
     fair = ratio("tenants", "fair", "light alone (continuous)", "light_ttft_p99")
     thr = next((k for k in by_label.get("long", {}) if "threshold" in k), "")
     long_on = ratio("long", thr, "short requests only", "short_ttft_p99")
@@ -584,6 +613,8 @@ def targets(by_label: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, An
                None if slo_thr is None else slo_thr >= 1.3),
         target("(least-lost recompute tax cut vs newest)", lost_cut, ">= 0.30",
                None if lost_cut is None else lost_cut >= 0.30),
+        target("(least-computed recompute tax cut vs newest, vLLM's regime)", vllm_cut,
+               ">= 0.30", None if vllm_cut is None else vllm_cut >= 0.30),
     ]  # fmt: skip
 
 
@@ -922,6 +953,7 @@ def run_cpu(ns: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         for v in sc.variants:
             row = sim_row(simulate, sc, v, ns.cpu_slo_ms, ns.cpu_short_len)
             r["variants"].append({"label": v.label, "knobs": v.knobs, "workload": v.workload,
+                                  "prefix_caching": v.prefix_caching,
                                   "sim": row, "engine": []})  # fmt: skip
             log(f"cpu sim  {sc.name:9s}{v.label:38s}" + brief(row))
     result: dict[str, Any] = {
@@ -944,7 +976,7 @@ def run_cpu(ns: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
                 cfg = dataclasses.replace(base, **v.knobs)
                 specs = sc.workloads[v.workload]
                 t0 = time.perf_counter()
-                timings, dur, stats = runner.run(specs, cfg, sc.num_kv_blocks)
+                timings, dur, stats = runner.run(specs, cfg, sc.num_kv_blocks, v.prefix_caching)
                 row = measure(timings, specs, dur, stats, ns.cpu_slo_ms, ns.cpu_short_len)
                 row["wall_s"] = time.perf_counter() - t0
                 row["load_avg_1m"] = os.getloadavg()[0]
@@ -1022,6 +1054,7 @@ def run_h100(ns: argparse.Namespace) -> dict[str, Any]:
         for v in sc.variants:
             row = sim_row(simulate, sc, v, ns.h100_slo_ms, ns.h100_short_len)
             r["variants"].append({"label": v.label, "knobs": v.knobs, "workload": v.workload,
+                                  "prefix_caching": v.prefix_caching,
                                   "sim": row})  # fmt: skip
             log(f"h100 sim {sc.name:9s}{v.label:38s}" + brief(row))
     return {

@@ -84,7 +84,12 @@ def test_targets_from_rows(sched: Any) -> None:
             "continuous @ 1.2x throughput capacity": {"goodput": 0.5},
             "slo @ 1.2x throughput capacity": {"goodput": 0.6},
         },
-        "kv": {"newest": {"recompute_tax": 0.10}, "least-computed": {"recompute_tax": 0.08}},
+        "kv": {
+            "newest": {"recompute_tax": 0.10},
+            "least-computed": {"recompute_tax": 0.08},
+            "newest, vLLM's regime": {"recompute_tax": 0.60},
+            "least-computed, vLLM's regime": {"recompute_tax": 0.12},
+        },
         "tenants": {
             "light alone (continuous)": {"light_ttft_p99": 0.2},
             "fair": {"light_ttft_p99": 0.5},
@@ -103,6 +108,11 @@ def test_targets_from_rows(sched: Any) -> None:
     assert vals[3] == (pytest.approx(1.5), True)
     assert vals[4][0] == pytest.approx(4.0)
     assert vals[5] == (pytest.approx(1.2), False)
+    assert vals[6] == (None, None)  # no least-lost row
+    assert got["(least-computed recompute tax cut vs newest, vLLM's regime)"] == (
+        pytest.approx(0.8),
+        True,
+    )
 
 
 class FixedCost:
@@ -121,15 +131,17 @@ def runner(sched: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    "knobs",
+    ("knobs", "prefix_caching"),
     [
-        {"preemption_victim": "newest"},
-        {"preemption_victim": "least-computed"},
-        {"admission_reservation": "reserve-max"},
+        ({"preemption_victim": "newest"}, True),
+        ({"preemption_victim": "least-computed"}, True),
+        ({"admission_reservation": "reserve-max"}, True),
+        ({"preemption_victim": "newest", "preemption_resume_headroom": 0}, False),
+        ({"preemption_victim": "least-computed", "preemption_resume_headroom": 0}, False),
     ],
 )
 def test_engine_runner_decides_as_the_simulator(
-    sched: Any, runner: Any, knobs: dict[str, Any]
+    sched: Any, runner: Any, knobs: dict[str, Any], prefix_caching: bool
 ) -> None:
     """All requests at once: no decision depends on time, so the engine (one warm engine, the
     variant's scheduler installed for the run) and the simulator must preempt and recompute
@@ -141,13 +153,15 @@ def test_engine_runner_decides_as_the_simulator(
         for i in range(8)
     ]
     base = runner.args.scheduler_config(runner.max_model_len)
-    timings, duration, stats = runner.run(specs, dataclasses.replace(base, **knobs), 10)
+    cfg = dataclasses.replace(base, **knobs)
+    timings, duration, stats = runner.run(specs, cfg, 10, prefix_caching)
     assert all(t.success for t in timings) and duration > 0
     assert (
         runner.engine.kv.num_blocks == 10 and runner.engine.scheduler.config.policy == "continuous"
     )
+    assert runner.engine.kv.enable_prefix_caching is prefix_caching
     simulate = sched.sim_runner(base, FixedCost(), runner.num_kv_blocks, runner.args.block_size)
-    res = simulate(specs, knobs, 10)
+    res = simulate(specs, knobs, 10, prefix_caching=prefix_caching)
     assert all(t.success for t in res.timings)
     for key in ("num_preemptions", "recomputed_tokens"):
         assert stats[key] == res.stats[key], key

@@ -575,3 +575,79 @@ def test_bf16_prefill_kernel_through_the_runner(case: Callable[[str], Case]) -> 
     for i in range(2):
         assert cos(outs[i], ref, dim=0).item() > 0.995
         assert cos(outs[i], sdpa[i], dim=0).item() > 0.9999
+
+
+@pytest.mark.parametrize(
+    "name", ["llama", "llama-tied", "mistral-sliding-window", "qwen2-bias", "qwen3-qknorm-headdim"]
+)
+def test_fused_decode_layers_give_the_same_bits(
+    case: Callable[[str], Case], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 decode-only steps through one C++ call per layer (fused_decode.py) against the same
+    steps through DecoderLayer.forward: identical logits and KV caches, step after step, at 1,
+    5 and 9 decodes; a step with a prefill in it, and a model with a per-head q/k norm (Qwen3),
+    take the per-layer path."""
+    from iterserve.model import kernels
+
+    k = kernels.load()
+    if k is None or not k.has_bf16_dot:
+        pytest.skip("the pair GEMM is compiled in only where the CPU has AVX512-BF16")
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=pairs,attn=cpu")
+    c = case(name)
+    cc = CacheConfig(block_size=BLOCK, num_kv_blocks=160)
+    fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
+    fd = fused.model.fused_decode
+    assert fd is not None
+    plain.model.fused_decode = None
+    qk_norm = name.startswith("qwen3")
+    assert (fd.plan(9) is None) == qk_norm
+    ran = []
+    run = fd.run
+    fd.run = lambda *a: _record(ran, run(*a))  # type: ignore[method-assign]
+    prompts = [prompt(12 + 3 * i, seed=70 + i) for i in range(10)]
+    tables = [[16 * i + j for j in range(16)] for i in range(10)]
+    pos = [len(p) - 1 for p in prompts]
+
+    def both(items: list[BatchItem]) -> None:
+        a, b = fused.execute(items), plain.execute(items)
+        assert torch.equal(a, b)
+
+    both([BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts[:9])])
+    for n in (9, 9, 1, 5, 9):  # decode-only steps
+        both([BatchItem(f"s{i}", [prompts[i][-1]], pos[i], tables[i], True) for i in range(n)])
+        for i in range(n):
+            pos[i] += 1
+    # 5 decodes beside a new prompt's prefill: not decode-only
+    both(
+        [BatchItem(f"s{i}", [prompts[i][-1]], pos[i], tables[i], True) for i in range(5)]
+        + [BatchItem("s9", prompts[9], 0, tables[9], True)]
+    )
+    for (ka, va), (kb, vb) in zip(fused.kv_caches, plain.kv_caches):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert ran == ([False] * 7 if qk_norm else [False, True, True, True, True, True, False])
+
+
+def _record(ran: list[bool], out: Any) -> Any:
+    ran.append(out is not None)
+    return out
+
+
+def test_fused_decode_needs_every_piece_on_the_kernels(
+    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No plan where a layer's GEMM for the row count is not the pair GEMM, or where decode
+    attention goes through SDPA; no fused path at all without iterserve's kernels."""
+    from iterserve.model import kernels
+
+    k = kernels.load()
+    if k is None or not k.has_bf16_dot:
+        pytest.skip("the pair GEMM is compiled in only where the CPU has AVX512-BF16")
+    c = case("llama")
+    for setting in ("gemm=panels,attn=cpu", "gemm=pairs,attn=torch"):
+        monkeypatch.setenv("ITERSERVE_KERNELS", setting)
+        fd = c.runner(dtype="bfloat16").model.fused_decode
+        assert fd is not None and fd.plan(1) is None and fd.plan(9) is None, setting
+    monkeypatch.setenv("ITERSERVE_KERNELS", "0")
+    assert c.runner(dtype="bfloat16").model.fused_decode is None
+    monkeypatch.setenv("ITERSERVE_KERNELS", "1")
+    assert c.runner(dtype="float32").model.fused_decode is None  # bf16 kernels only

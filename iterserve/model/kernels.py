@@ -149,6 +149,30 @@ def _check_packed(
         )
 
 
+class DecodeLayerW(ctypes.Structure):
+    """``DecodeLayerW`` of cpu_kernels.cpp: one layer's constant arguments to ``decode_layer``
+    (its pair-packed weights, norms and shapes). The tensors behind the pointers must outlive
+    it (``FusedDecodeLayer`` holds them)."""
+
+    _fields_ = [
+        *((n, _P) for n in ("in_norm", "post_norm", "qkv", "qkv_b", "o", "o_b", "gate_up",
+                           "gate_up_b", "down", "down_b")),
+        *((n, _I) for n in ("hidden", "n_qkv", "inter", "heads", "kv_heads", "head_dim")),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]  # fmt: skip
+
+
+class DecodeStep(ctypes.Structure):
+    """``DecodeStep`` of cpu_kernels.cpp: one decode-only step's arguments, shared by every
+    layer's ``decode_layer`` call."""
+
+    _fields_ = [
+        *((n, _P) for n in ("cos", "sin", "slots", "block_tables", "ctx_lens", "starts")),
+        *((n, _I) for n in ("rows", "max_blocks", "block_size")),
+    ]
+
+
 class Kernels:
     """The loaded library, with typed wrappers."""
 
@@ -199,6 +223,10 @@ class Kernels:
         self.lib.paged_prefill_attention.restype = _I
         self.lib.write_rows.argtypes = [_P, ctypes.c_int64, _P, _P, _I, ctypes.c_int64]
         self.lib.write_rows.restype = None
+        self.lib.decode_layer.argtypes = [
+            ctypes.POINTER(DecodeLayerW), ctypes.POINTER(DecodeStep), _P, _P, _P, _P, _P, _P,
+        ]  # fmt: skip
+        self.lib.decode_layer.restype = _I
         # The prefill attention and the pair GEMM are compiled in only where the compiler
         # targets AVX512-BF16 (vdpbf16ps).
         self.has_bf16_dot = bool(self.lib.has_bf16_dot())

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model import kernels
-from iterserve.model.attention_backends import AttentionBackend
+from iterserve.model.attention_backends import AttentionBackend, CpuBackend
+from iterserve.model.fused_decode import FusedDecode
 from iterserve.model.layers import (
     FusedRotary,
     FusedSiluMul,
@@ -200,6 +201,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm: Any = _param(cfg.hidden_size, dtype=dtype)
+        # Set by select_strategies where decode steps may take one C++ call per layer.
+        self.fused_decode: FusedDecode | None = None
         # Tied: the LM head IS the embedding (one tensor, counted once).
         self.lm_head: Any = (
             self.embed_tokens
@@ -229,6 +232,16 @@ class DecoderModel(nn.Module):
         w = self.norm
         del self.norm
         self.norm = choose_norm(w, self.cfg.rms_norm_eps, s.fused)
+        self.fused_decode = None
+        if (
+            s.fused is not None
+            and s.fused.has_bf16_dot
+            and isinstance(s.attention, CpuBackend)
+            and all(p.device.type == "cpu" for p in self.parameters())
+        ):
+            self.fused_decode = FusedDecode(
+                s.fused, list(self.layers), s.attention, lambda f: f is _identity
+            )
 
     def forward(
         self,
@@ -244,8 +257,11 @@ class DecoderModel(nn.Module):
         for this step."""
         h = F.embedding(input_ids, self.embed_tokens)
         pending: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h, pending = layer(h, pending, cos, sin, meta, k_cache, v_cache)
+        if self.fused_decode is not None:
+            pending = self.fused_decode.run(h, cos, sin, meta, kv_caches)
+        if pending is None:
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                h, pending = layer(h, pending, cos, sin, meta, k_cache, v_cache)
         if pending is None:  # no layers
             normed = self.norm(h[logit_rows])
         else:

@@ -1061,4 +1061,54 @@ int gemm_pairs(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t
 #endif
 }
 
+// One decoder layer of a decode-only bf16 step, the same kernel calls in the same order as
+// llama.py's DecoderLayer.forward takes them when every GEMM of the layer is a pair GEMM (so
+// the results are the same bits): at 1-8 rows the ~10 Python calls per layer cost as much as
+// their kernels do. Per layer and constant: DecodeLayerW; per step: DecodeStep (both mirrored
+// by ctypes structures in kernels.py, field for field).
+struct DecodeLayerW {
+    const uint16_t *in_norm, *post_norm, *qkv, *qkv_b, *o, *o_b, *gate_up, *gate_up_b, *down, *down_b;
+    int hidden, n_qkv, inter, heads, kv_heads, head_dim;
+    float eps, scale;
+};
+struct DecodeStep {
+    const uint16_t *cos, *sin;  // [M, hd]
+    const int64_t *slots, *block_tables, *ctx_lens, *starts;  // [M], [M, max_blocks], [M], [M]
+    int rows, max_blocks, block_size;
+};
+
+// h [M, hidden] (h += pending in place first, unless pending is null: the first layer);
+// work: decode_layer_work(w, M) bf16; out [M, hidden]: this layer's MLP output (the next
+// layer's pending). 0, or -1 without AVX512-BF16.
+int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const uint16_t* pending, uint16_t* k_cache, uint16_t* v_cache,
+                 uint16_t* work, uint16_t* out) {
+#if defined(__AVX512BF16__)
+    const int M = s->rows, hid = w->hidden, hd = w->head_dim, H = w->heads, KvH = w->kv_heads;
+    const int nqk = (H + KvH) * hd, q_size = H * hd, kv_size = KvH * hd;
+    uint16_t* normed = work;
+    uint16_t* qkv = normed + static_cast<int64_t>(M) * hid;
+    uint16_t* qk = qkv + static_cast<int64_t>(M) * w->n_qkv;
+    uint16_t* attn = qk + static_cast<int64_t>(M) * nqk;
+    uint16_t* o = attn + static_cast<int64_t>(M) * q_size;
+    uint16_t* gu = o + static_cast<int64_t>(M) * hid;
+    uint16_t* act = gu + static_cast<int64_t>(M) * 2 * w->inter;
+    rms_norm_bf16(h, pending, w->in_norm, normed, M, hid, w->eps);
+    gemm_pairs(w->qkv, normed, qkv, w->qkv_b, M, w->n_qkv, hid);
+    rope_bf16(qkv, w->n_qkv, s->cos, s->sin, qk, M, H + KvH, hd);  // q and k together
+    write_rows(qk + q_size, int64_t(nqk) * 2, k_cache, s->slots, M, int64_t(kv_size) * 2);
+    write_rows(qkv + q_size + kv_size, int64_t(w->n_qkv) * 2, v_cache, s->slots, M, int64_t(kv_size) * 2);
+    paged_decode_attention(qk, nqk, 0, k_cache, v_cache, 0, s->block_tables, s->ctx_lens, s->starts, attn, M, H, KvH, hd, s->block_size,
+                           s->max_blocks, w->scale);
+    gemm_pairs(w->o, attn, o, w->o_b, M, hid, q_size);
+    rms_norm_bf16(h, o, w->post_norm, normed, M, hid, w->eps);
+    gemm_pairs(w->gate_up, normed, gu, w->gate_up_b, M, 2 * w->inter, hid);
+    silu_mul_bf16(gu, act, M, w->inter);
+    gemm_pairs(w->down, act, out, w->down_b, M, hid, w->inter);
+    return 0;
+#else
+    (void)w; (void)s; (void)h; (void)pending; (void)k_cache; (void)v_cache; (void)work; (void)out;
+    return -1;
+#endif
+}
+
 }  // extern "C"

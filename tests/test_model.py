@@ -41,7 +41,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 # Not in the parametrized runs: head_dim 64, what iterserve's bf16 prefill kernel takes.
-EXTRA_CASES = {"llama-hd64": ("llama", {"head_dim": 64})}
+EXTRA_CASES = {
+    "llama-hd64": ("llama", {"head_dim": 64}),
+    # q_size != hidden, and biases on every projection
+    "llama-hd32-biases": ("llama", {"head_dim": 32, "attention_bias": True, "mlp_bias": True}),
+}
 
 
 class Case:
@@ -578,15 +582,25 @@ def test_bf16_prefill_kernel_through_the_runner(case: Callable[[str], Case]) -> 
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "llama-tied", "mistral-sliding-window", "qwen2-bias", "qwen3-qknorm-headdim"]
+    "name",
+    [
+        "llama",
+        "llama-tied",
+        "llama-hd64",
+        "llama-hd32-biases",
+        "mistral-sliding-window",
+        "qwen2-bias",
+        "qwen3-qknorm-headdim",
+    ],
 )
 def test_fused_decode_layers_give_the_same_bits(
     case: Callable[[str], Case], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 decode-only steps through one C++ call per layer (fused_decode.py) against the same
-    steps through DecoderLayer.forward: identical logits and KV caches, step after step, at 1,
-    5 and 9 decodes; a step with a prefill in it, and a model with a per-head q/k norm (Qwen3),
-    take the per-layer path."""
+    steps through DecoderLayer.forward: identical logits and KV caches, step after step, at 1
+    to 25 decodes (the pair GEMM's prefetching tiles start at 12 rows; head_dim 64 takes the
+    vector decode task and RoPE); a step with a prefill in it, and a model with a per-head q/k
+    norm (Qwen3), take the per-layer path."""
     from iterserve.model import kernels
 
     k = kernels.load()
@@ -594,7 +608,7 @@ def test_fused_decode_layers_give_the_same_bits(
         pytest.skip("the pair GEMM is compiled in only where the CPU has AVX512-BF16")
     monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=pairs,attn=cpu")
     c = case(name)
-    cc = CacheConfig(block_size=BLOCK, num_kv_blocks=160)
+    cc = CacheConfig(block_size=BLOCK, num_kv_blocks=26 * 16)
     fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
     fd = fused.model.fused_decode
     assert fd is not None
@@ -604,27 +618,28 @@ def test_fused_decode_layers_give_the_same_bits(
     ran = []
     run = fd.run
     fd.run = lambda *a: _record(ran, run(*a))  # type: ignore[method-assign]
-    prompts = [prompt(12 + 3 * i, seed=70 + i) for i in range(10)]
-    tables = [[16 * i + j for j in range(16)] for i in range(10)]
+    prompts = [prompt(12 + (3 * i) % 20, seed=70 + i) for i in range(26)]
+    tables = [[16 * i + j for j in range(16)] for i in range(26)]
     pos = [len(p) - 1 for p in prompts]
 
     def both(items: list[BatchItem]) -> None:
         a, b = fused.execute(items), plain.execute(items)
         assert torch.equal(a, b)
 
-    both([BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts[:9])])
-    for n in (9, 9, 1, 5, 9):  # decode-only steps
+    both([BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts[:25])])
+    counts = (9, 9, 1, 5, 13, 25)  # decode-only steps
+    for n in counts:
         both([BatchItem(f"s{i}", [prompts[i][-1]], pos[i], tables[i], True) for i in range(n)])
         for i in range(n):
             pos[i] += 1
     # 5 decodes beside a new prompt's prefill: not decode-only
     both(
         [BatchItem(f"s{i}", [prompts[i][-1]], pos[i], tables[i], True) for i in range(5)]
-        + [BatchItem("s9", prompts[9], 0, tables[9], True)]
+        + [BatchItem("s25", prompts[25], 0, tables[25], True)]
     )
     for (ka, va), (kb, vb) in zip(fused.kv_caches, plain.kv_caches):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
-    assert ran == ([False] * 7 if qk_norm else [False, True, True, True, True, True, False])
+    assert ran == [False, *[not qk_norm] * len(counts), False]
 
 
 def _record(ran: list[bool], out: Any) -> Any:
@@ -651,3 +666,33 @@ def test_fused_decode_needs_every_piece_on_the_kernels(
     assert c.runner(dtype="bfloat16").model.fused_decode is None
     monkeypatch.setenv("ITERSERVE_KERNELS", "1")
     assert c.runner(dtype="float32").model.fused_decode is None  # bf16 kernels only
+
+
+def test_fused_decode_follows_the_row_routing(
+    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A layer whose o GEMM is the pair GEMM only up to 4 rows: plans up to 4 decodes, none
+    above; a model without layers decodes through the (empty) per-layer loop."""
+    from iterserve.model import kernels
+    from iterserve.model.autotune import ByRows
+    from iterserve.model.layers import PairLinear
+
+    k = kernels.load()
+    if k is None or not k.has_bf16_dot:
+        pytest.skip("the pair GEMM is compiled in only where the CPU has AVX512-BF16")
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=pairs,attn=cpu")
+    runner = case("llama").runner(dtype="bfloat16")
+    fd = runner.model.fused_decode
+    assert fd is not None
+    layer = runner.model.layers[1]
+    assert type(layer.o) is PairLinear
+    layer.o = ByRows([4, 1 << 30], [layer.o, lambda x: layer.o.table[0][1](x)])
+    assert fd.plan(4) is not None and fd.plan(5) is None and fd.plan(1) is not None
+    path = str(tmp_path / "no-layers")
+    make_test_checkpoint(path, "llama", seed=3, num_hidden_layers=0)
+    monkeypatch.setenv("ITERSERVE_KERNELS", "flags")  # measuring needs a layer's shapes
+    empty = ModelRunner(path, dtype="bfloat16", cache_config=CacheConfig(BLOCK, 16))
+    assert empty.model.fused_decode is not None and empty.model.fused_decode.plan(1) == []
+    empty.execute([BatchItem("a", [5, 6, 7], 0, [0], False)])
+    logits = empty.execute([BatchItem("a", [8], 3, [0, 1], True)])
+    assert logits.shape == (1, empty.vocab_size) and torch.isfinite(logits).all()

@@ -108,12 +108,15 @@ class ByRows:
     def __init__(self, limits: Sequence[int], fns: Sequence[Callable[..., Any]]) -> None:
         self.table = list(zip(limits, fns))
 
-    def __call__(self, x: torch.Tensor, *rest: Any) -> Any:
-        m = x.shape[0]
+    def pick(self, rows: int) -> Callable[..., Any]:
+        """The function that serves calls of ``rows`` rows."""
         for limit, fn in self.table:
-            if m <= limit:
-                return fn(x, *rest)
-        return self.table[-1][1](x, *rest)
+            if rows <= limit:
+                return fn
+        return self.table[-1][1]
+
+    def __call__(self, x: torch.Tensor, *rest: Any) -> Any:
+        return self.pick(x.shape[0])(x, *rest)
 
 
 def route(paths: Sequence[str], buckets: Sequence[int], make: Callable[[str], Any]) -> Any:

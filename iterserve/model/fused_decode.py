@@ -27,12 +27,7 @@ from iterserve.model.layers import FusedRMSNorm, FusedRotary, FusedSiluMul, Pair
 
 def _for_rows(fn: Any, rows: int) -> Any:
     """What a (possibly row-routed) callable runs for ``rows`` rows."""
-    if isinstance(fn, ByRows):
-        for limit, f in fn.table:
-            if rows <= limit:
-                return f
-        return fn.table[-1][1]
-    return fn
+    return fn.pick(rows) if isinstance(fn, ByRows) else fn
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -54,39 +49,47 @@ class FusedDecode:
         self.layers = list(layers)
         self.attn = attn
         self.is_identity = is_identity
-        self._plans: dict[int, list[kernels.DecodeLayerW] | None] = {}
+        # per row count: the layers' structures and the tensors their pointers point into
+        # (kept alive with them), or None
+        self._plans: dict[int, tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None] = {}
 
     def plan(self, rows: int) -> list[kernels.DecodeLayerW] | None:
         """One structure per layer, or None when some layer does not run every piece on the
-        kernels ``decode_layer`` calls at this row count."""
+        kernels ``decode_layer`` calls at this row count. Built once per row count: the
+        strategies are fixed at load (``select_strategies``), nothing swaps them later."""
         if rows not in self._plans:
             self._plans[rows] = self._build(rows)
-        return self._plans[rows]
+        built = self._plans[rows]
+        return None if built is None else built[0]
 
-    def _build(self, rows: int) -> list[kernels.DecodeLayerW] | None:
+    def _build(self, rows: int) -> tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None:
         decodes = _for_rows(self.attn.decodes, rows)
-        if not (
+        if type(self.attn) is not CpuBackend or not (
             isinstance(decodes, functools.partial)
             and decodes.func is attention.kernel_decodes
             and decodes.args[:1] == (self.kern,)
         ):
             return None
-        out = []
+        out, keep = [], []
         for layer in self.layers:
             lins = [_for_rows(getattr(layer, n), rows) for n in ("qkv", "o", "gate_up", "down")]
+            # exact types: a subclass could change what a piece computes
             if not (
-                all(isinstance(x, PairLinear) and not x.odd and x.kern is self.kern for x in lins)
+                all(type(x) is PairLinear and not x.odd and x.kern is self.kern for x in lins)
                 and self.is_identity(layer.qk_norm)
                 and all(b is None or b.dtype == torch.bfloat16 for b in (x.bias for x in lins))
                 and all(
-                    isinstance(n, FusedRMSNorm)
+                    type(n) is FusedRMSNorm
+                    and n.kern is self.kern
                     and n.weight.dtype == torch.bfloat16
                     and n.weight.is_contiguous()
                     for n in (layer.input_norm, layer.post_norm)
                 )
                 and layer.input_norm.eps == layer.post_norm.eps
-                and isinstance(layer.rotary, FusedRotary)
-                and isinstance(layer.act, FusedSiluMul)
+                and type(layer.rotary) is FusedRotary
+                and layer.rotary.kern is self.kern
+                and type(layer.act) is FusedSiluMul
+                and layer.act.kern is self.kern
                 and layer.attn is self.attn
             ):
                 return None
@@ -103,7 +106,9 @@ class FusedDecode:
                 layer.input_norm.eps, float(layer.head_dim**-0.5),
             )  # fmt: skip
             out.append(w)
-        return out
+            keep += [layer.input_norm.weight, layer.post_norm.weight]
+            keep += [t for x in lins for t in (x.pairs, x.bias) if t is not None]
+        return out, keep
 
     def run(
         self,
@@ -122,21 +127,38 @@ class FusedDecode:
         if m.prefills or m.num_decodes != T or T == 0 or h.dtype != torch.bfloat16:
             return None
         plan = self.plan(T)
-        if plan is None or len(kv_caches) != len(plan):
+        if not plan or len(kv_caches) != len(plan):  # [] for a model without layers
             return None
+        w0 = plan[0]
+        row = (w0.kv_heads, w0.head_dim)
+        # what the wrappers check per call, once per step (the C++ reads and writes through
+        # these without bounds)
         if not h.is_contiguous() or not all(
-            c.dtype == torch.bfloat16 and c.is_contiguous() for kv in kv_caches for c in kv
+            c.dtype == torch.bfloat16 and c.is_contiguous() and c.shape[1:] == row
+            for kv in kv_caches
+            for c in kv
         ):
             return None
         assert m.decode_block_ids is not None and m.decode_ctx_lens is not None
         assert m.decode_starts is not None
         cos, sin = cos.contiguous(), sin.contiguous()
+        if (
+            cos.dtype != torch.bfloat16
+            or sin.dtype != torch.bfloat16
+            or cos.numel() != T * w0.head_dim
+            or sin.numel() != T * w0.head_dim
+            or m.slot_mapping.shape != (T,)
+            or m.decode_ctx_lens.shape != (T,)
+            or m.decode_starts.shape != (T,)
+            or m.decode_block_ids.numel() % T
+            or h.shape[1] != w0.hidden
+        ):
+            return None
         step = kernels.DecodeStep(
             cos.data_ptr(), sin.data_ptr(), m.slot_mapping.data_ptr(),
             m.decode_block_ids.data_ptr(), m.decode_ctx_lens.data_ptr(),
             m.decode_starts.data_ptr(), T, m.decode_block_ids.numel() // T, meta.block_size,
         )  # fmt: skip
-        w0 = plan[0]
         q_size, kv_size = w0.heads * w0.head_dim, w0.kv_heads * w0.head_dim
         per_row = 2 * w0.hidden + w0.n_qkv + (q_size + kv_size) + q_size + 3 * w0.inter
         work = torch.empty(T * per_row, dtype=torch.bfloat16)
@@ -145,7 +167,9 @@ class FusedDecode:
         h_p, work_p, out_p = h.data_ptr(), work.data_ptr(), out.data_ptr()
         pending = None
         for w, (k_cache, v_cache) in zip(plan, kv_caches):
-            fn(ctypes.byref(w), sp, h_p, pending, k_cache.data_ptr(), v_cache.data_ptr(), work_p,
-               out_p)  # fmt: skip
+            rc = fn(ctypes.byref(w), sp, h_p, pending, k_cache.data_ptr(), v_cache.data_ptr(),
+                    work_p, out_p)  # fmt: skip
+            if rc != 0:  # only a library built without AVX512-BF16, which plan() excludes
+                raise RuntimeError(f"decode_layer failed ({rc})")
             pending = out_p
         return out

@@ -836,9 +836,12 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
 #if defined(_OPENMP)
     threads = omp_get_max_threads();
 #endif
-    // split the heads until there are at least 4 tasks per thread (or one head per task)
+    // Split the heads only until every thread gets as many tasks as the others (at most 4
+    // each): a task reads its heads' part of every cache row, and fewer, wider tasks read longer
+    // runs of it (one sequence of 12 heads at 150 keys, cold: 2 tasks of 6 heads took 21 us a
+    // layer, 6 tasks of 2 heads 30; docs/SPEED.md, "One call per layer for decode steps").
     int splits = 1;
-    while (splits < KvH && D * splits < 4 * threads) splits *= 2;
+    while (splits < KvH && (D * splits < threads || (D * splits) % threads != 0) && D * splits < 4 * threads) splits *= 2;
     if (splits > KvH) splits = KvH;
     const int per = (KvH + splits - 1) / splits;
     const int tasks = D * splits;

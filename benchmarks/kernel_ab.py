@@ -1,0 +1,90 @@
+"""Paged decode attention from two versions of csrc/cpu_kernels.cpp, in one process, alternated
+(docs/SPEED.md, "One call per layer for decode steps"): this tree's against a git revision's.
+
+    python benchmarks/kernel_ab.py --base-rev 41cf5e3 --batches 1,2,3,4,6 --ctx 150
+
+Each library is built from its source (cached by source hash, as the engine builds it). Per
+batch size: 12 calls (a step's layers), each over blocks of its own scattered in a pool three
+times the size needed, after a 64 MB read that evicts the caches as a step's weights do;
+``--rounds`` rounds alternate the two libraries' order; the median of each is printed, and the
+two libraries' outputs must be equal (the script stops otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from iterserve.model import kernels
+from iterserve.model.cpu import empty_hugepages
+
+HEADS, HEAD_DIM, BLOCK = 12, 64, 16  # bench-134m
+
+
+def load(source: Path, cache: str) -> kernels.Kernels:
+    kernels.SOURCE = source
+    return kernels.Kernels(kernels.build(out_dir=cache))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--base-rev", required=True, help="git revision of the other source")
+    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--ctx", type=int, default=150)
+    p.add_argument("--kv-heads", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=7)
+    ns = p.parse_args()
+    here = kernels.SOURCE
+    repo = here.parents[3]
+    tmp = Path(tempfile.mkdtemp())
+    old_src = tmp / "base.cpp"
+    old_src.write_text(
+        subprocess.run(
+            ["git", "-C", str(repo), "show", f"{ns.base_rev}:iterserve/model/csrc/cpu_kernels.cpp"],
+            check=True, capture_output=True, text=True,
+        ).stdout
+    )  # fmt: skip
+    libs = {ns.base_rev: load(old_src, str(tmp)), "this tree": load(here, str(tmp))}
+    flush = torch.ones(64 * 1024 * 1024 // 4)
+    torch.manual_seed(0)
+    for batch in (int(x) for x in ns.batches.split(",")):
+        per = -(-ns.ctx // BLOCK)
+        sets, nb = 12, 3 * 12 * batch * per
+        shape = (nb * BLOCK, ns.kv_heads, HEAD_DIM)
+        k_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
+        v_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
+        perm = torch.randperm(nb)[: sets * batch * per].view(sets, batch, per)
+        tables = [perm[i].contiguous() for i in range(sets)]
+        lens = torch.full((batch,), ns.ctx, dtype=torch.int64)
+        starts = torch.zeros(batch, dtype=torch.int64)
+        q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+        outs = [k.paged_decode_attention(q, k_cache, v_cache, tables[0], lens, starts, BLOCK)
+                for k in libs.values()]  # fmt: skip
+        if not torch.equal(outs[0], outs[1]):
+            raise SystemExit(f"B={batch}: the two libraries' outputs differ")
+        res: dict[str, list[float]] = {name: [] for name in libs}
+        for r in range(ns.rounds):
+            order = list(libs) if r % 2 == 0 else list(reversed(libs))
+            for name in order:
+                kern, times = libs[name], []
+                for _ in range(10):
+                    flush.sum()
+                    for t in tables:
+                        t0 = time.perf_counter()
+                        kern.paged_decode_attention(q, k_cache, v_cache, t, lens, starts, BLOCK)
+                        times.append((time.perf_counter() - t0) * 1e6)
+                res[name].append(statistics.median(times))
+        print(
+            f"B={batch}, {ns.ctx} keys, {HEADS} heads over {ns.kv_heads}, cold: "
+            + ", ".join(f"{n} {statistics.median(v):.1f} us a layer" for n, v in res.items())
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,13 @@ import torch
 from iterserve.model import attention, kernels
 from iterserve.model.attention_backends import CpuBackend, TorchMetadata
 from iterserve.model.autotune import ByRows
-from iterserve.model.layers import FusedRMSNorm, FusedRotary, FusedSiluMul, PairLinear
+from iterserve.model.layers import (
+    FusedRMSNorm,
+    FusedRotary,
+    FusedSiluMul,
+    PairLinear,
+    no_qk_norm,
+)
 
 
 def _for_rows(fn: Any, rows: int) -> Any:
@@ -43,12 +49,10 @@ class FusedDecode:
         kern: kernels.Kernels,
         layers: Sequence[Any],
         attn: CpuBackend,
-        is_identity: Callable[[Any], bool],
     ) -> None:
         self.kern = kern
-        self.layers = list(layers)
+        self.layers = layers
         self.attn = attn
-        self.is_identity = is_identity
         # per row count: the layers' structures and the tensors their pointers point into
         # (kept alive with them), or None
         self._plans: dict[int, tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None] = {}
@@ -76,7 +80,7 @@ class FusedDecode:
             # exact types: a subclass could change what a piece computes
             if not (
                 all(type(x) is PairLinear and not x.odd and x.kern is self.kern for x in lins)
-                and self.is_identity(layer.qk_norm)
+                and layer.qk_norm is no_qk_norm
                 and all(b is None or b.dtype == torch.bfloat16 for b in (x.bias for x in lins))
                 and all(
                     type(n) is FusedRMSNorm

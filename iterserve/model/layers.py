@@ -242,6 +242,11 @@ class FusedRMSNorm(RMSNorm):
         return h, self.kern.rms_norm(h, self.weight, self.eps, add=o)  # h += o in place
 
 
+def no_qk_norm(x: torch.Tensor) -> torch.Tensor:
+    """The q/k norm of the families without one (all but Qwen3)."""
+    return x
+
+
 class HeadRMSNorm:
     """Qwen3's per-head RMSNorm of q and k: one [H + KvH, hd] weight, one multiply."""
 

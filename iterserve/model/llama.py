@@ -34,6 +34,7 @@ from iterserve.model.layers import (
     SiluMul,
     choose_linear,
     choose_norm,
+    no_qk_norm,
 )
 from iterserve.model.model_config import ModelConfig, RopeConfig
 
@@ -80,10 +81,6 @@ class RotaryTable:
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos.index_select(0, positions), self.sin_signed.index_select(0, positions)
         return cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, hd]
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -162,7 +159,7 @@ class DecoderLayer(nn.Module):
             setattr(self, name, choose_norm(w, self.eps, s.fused))
         w = self.qk_norm
         del self.qk_norm
-        self.qk_norm = _identity if w is None else HeadRMSNorm(w, self.eps)
+        self.qk_norm = no_qk_norm if w is None else HeadRMSNorm(w, self.eps)
         self.rotary = Rotary() if s.fused is None else FusedRotary(s.fused)
         self.act = SiluMul() if s.fused is None else FusedSiluMul(s.fused)
         self.attn = s.attention
@@ -233,15 +230,9 @@ class DecoderModel(nn.Module):
         del self.norm
         self.norm = choose_norm(w, self.cfg.rms_norm_eps, s.fused)
         self.fused_decode = None
-        if (
-            s.fused is not None
-            and s.fused.has_bf16_dot
-            and isinstance(s.attention, CpuBackend)
-            and all(p.device.type == "cpu" for p in self.parameters())
-        ):
-            self.fused_decode = FusedDecode(
-                s.fused, list(self.layers), s.attention, lambda f: f is _identity
-            )
+        # (the cpu backend runs only on a CPU device)
+        if s.fused is not None and s.fused.has_bf16_dot and isinstance(s.attention, CpuBackend):
+            self.fused_decode = FusedDecode(s.fused, list(self.layers), s.attention)
 
     def forward(
         self,

@@ -33,6 +33,36 @@ def test_pick_from_fake_timings() -> None:
     )
     # The baseline not timed (e.g. upcast below its minimum rows is the torch path): the fastest.
     assert pick({"torch": [None, 1.0], "upcast": [0.5, None]}) == ("upcast", "torch")
+    # A near tie at one bucket goes to the path chosen at most buckets (one weight layout, and
+    # the one-call-per-layer decode path kept); a clear win keeps its own path.
+    near = {
+        "torch": [9.0] * 5,
+        "pairs": [1.0, 1.02, 3.0, 4.0, 5.0],
+        "panels": [2.0, 1.0, 3.5, 9, 9],
+    }
+    assert pick(near) == ("pairs",) * 5
+    clear = {
+        "torch": [9.0] * 5,
+        "pairs": [1.0, 1.2, 3.0, 4.0, 5.0],
+        "panels": [2.0, 1.0, 3.5, 9, 9],
+    }
+    assert pick(clear) == ("pairs", "panels", "pairs", "pairs", "pairs")  # 1.0 beats 1.2 by 17%
+    assert pick(clear, keep=0.25) == ("pairs",) * 5  # but not by 25%
+    # 1.10 against 1.0: within the 15% kept by default, beyond the baseline's 5% margin.
+    assert (
+        pick({"torch": [2.0] * 3, "pairs": [1.1, 1.0, 1.0], "panels": [1.0, 2, 2]})
+        == ("pairs",) * 3
+    )
+    # The baseline kept by the margin at one bucket also yields to the majority's near tie.
+    assert pick({"torch": [1.0, 5.0, 5.0], "pairs": [1.02, 1.0, 1.0]}) == ("pairs",) * 3
+    # Untimed majority at a bucket: that bucket's own choice stays.
+    assert pick(
+        {"torch": [1.0, 1.0, 1.0], "pairs": [0.5, None, 0.5], "panels": [0.9, 0.1, 0.9]}
+    ) == (
+        "pairs",
+        "panels",
+        "pairs",
+    )
     with pytest.raises(ValueError, match="one timing per bucket"):
         pick({"torch": [1.0], "packed": [1.0, 2.0]})
     with pytest.raises(ValueError, match="at least one path"):

@@ -51,18 +51,27 @@ KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
 # A path replaces the first (simplest) candidate only when faster by this share: on a busy
 # machine smaller differences are noise, and the first path needs no extra copy of the weights.
 MARGIN = 0.05
+# A bucket's path replaces the path chosen at most buckets only when faster by this share: two
+# paths' timings at one bucket moved by up to ~30% between three measurements on a shared VM
+# (docs/SPEED.md, "One path unless another clearly wins").
+KEEP = 0.15
 PRUNE = 2.0  # a path this many times slower than the best at one bucket is not timed above it
 BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
 ATTN_CTX = 256  # context per sequence when timing decode attention
-VERSION = 1  # bump when what is measured or how changes
+VERSION = 2  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
 
 
-def pick(timings: Timings, margin: float = MARGIN) -> tuple[str, ...]:
+def pick(timings: Timings, margin: float = MARGIN, keep: float = KEEP) -> tuple[str, ...]:
     """The path per bucket: the fastest, where it beats the first path (the baseline, listed
-    first) by ``margin``; a bucket nobody timed keeps the previous bucket's choice."""
+    first) by ``margin``; a bucket nobody timed keeps the previous bucket's choice. Then a
+    bucket whose choice does not beat the path chosen at most buckets by ``keep`` takes that
+    path too: a second path for one bucket costs a second copy of the weights and, for the
+    layers' GEMMs, the one-call-per-layer decode path (``fused_decode``), which needs one kernel
+    for every GEMM; a near tie between two paths is this machine's noise, not a reason to pay
+    either (docs/SPEED.md, "One path unless another clearly wins")."""
     paths = list(timings)
     if not paths:
         raise ValueError("pick needs at least one path")
@@ -80,6 +89,12 @@ def pick(timings: Timings, margin: float = MARGIN) -> tuple[str, ...]:
         if base is not None and timed[best] > base * (1 - margin):  # type: ignore[operator]
             best = paths[0]
         out.append(best)
+    counts = {p: out.count(p) for p in dict.fromkeys(out)}  # first chosen wins a tie
+    major = max(counts, key=lambda p: counts[p])
+    for i, p in enumerate(out):
+        t, t_major = timings[p][i], timings[major][i]
+        if p != major and t is not None and t_major is not None and t > t_major * (1 - keep):
+            out[i] = major
     return tuple(out)
 
 

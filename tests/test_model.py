@@ -690,9 +690,12 @@ def test_fused_decode_follows_the_row_routing(
     assert fd.plan(4) is not None and fd.plan(5) is None and fd.plan(1) is not None
     path = str(tmp_path / "no-layers")
     make_test_checkpoint(path, "llama", seed=3, num_hidden_layers=0)
-    monkeypatch.setenv("ITERSERVE_KERNELS", "flags")  # measuring needs a layer's shapes
-    empty = ModelRunner(path, dtype="bfloat16", cache_config=CacheConfig(BLOCK, 16))
-    assert empty.model.fused_decode is not None and empty.model.fused_decode.plan(1) == []
-    empty.execute([BatchItem("a", [5, 6, 7], 0, [0], False)])
-    logits = empty.execute([BatchItem("a", [8], 3, [0, 1], True)])
-    assert logits.shape == (1, empty.vocab_size) and torch.isfinite(logits).all()
+    for mode in ("flags", "measure"):  # measuring times the LM head alone (there is no layer 0)
+        monkeypatch.setenv("ITERSERVE_KERNELS", mode)
+        monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path / f"cache-{mode}"))
+        empty = ModelRunner(path, dtype="bfloat16", cache_config=CacheConfig(BLOCK, 16))
+        assert empty.model.fused_decode is not None and empty.model.fused_decode.plan(1) == []
+        assert (empty.kernel_choice is None) == (mode == "flags")
+        empty.execute([BatchItem("a", [5, 6, 7], 0, [0], False)])
+        logits = empty.execute([BatchItem("a", [8], 3, [0, 1], True)])
+        assert logits.shape == (1, empty.vocab_size) and torch.isfinite(logits).all()

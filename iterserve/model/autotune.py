@@ -420,8 +420,11 @@ def choose(
             gemm = {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS}
         else:
             timed = measure_gemms(prob.weights, builders, prob.max_rows, deadline)
-            gemm = {k: pick(timed[k]) for k in KINDS}
-            for k in KINDS:
+            # a kind the model lacks (no layers) gets the baseline: no call ever takes it
+            gemm = {
+                k: pick(timed[k]) if k in timed else (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS
+            }
+            for k in timed:
                 logger.debug("%s GEMM ms at rows %s: %s", k, ROW_BUCKETS, _ms(timed[k]))
         attn: tuple[str, ...] = ()
         if attn_paths:

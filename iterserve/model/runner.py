@@ -370,8 +370,13 @@ class ModelRunner:
     ) -> Strategies:
         """Times the GEMM and decode-attention paths on this model's shapes (or takes the cached
         or ITERSERVE_KERNELS-fixed choice), logs it, and returns the strategies that run it."""
-        cfg, layer0, kinds = self.model_config, self.model.layers[0], DecoderLayer.LINEARS
-        weights = {k: (getattr(layer0, f"{k}_proj"), getattr(layer0, f"{k}_bias")) for k in kinds}
+        cfg, kinds = self.model_config, DecoderLayer.LINEARS
+        weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        if self.model.layers:  # a layerless model (tests) times its LM head only
+            layer0 = self.model.layers[0]
+            weights = {
+                k: (getattr(layer0, f"{k}_proj"), getattr(layer0, f"{k}_bias")) for k in kinds
+            }
         weights["lm_head"] = (self.model.lm_head, None)
         prob = autotune.Problem(
             weights=weights,

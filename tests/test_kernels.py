@@ -256,7 +256,8 @@ def test_pair_gemm_matches_torch() -> None:
     """iterserve's bf16 dot-product GEMM: every row tile (6, 4, 2, 1 and mixes), the row counts
     where 0, 2 or 4 tiles also prefetch the next panel (below 12, 12-23, 24 on), N not a
     multiple of the 64-column panel, odd K through ``PairLinear``'s zero column, with and
-    without bias: within one bf16 rounding of the f32 result."""
+    without bias: within one bf16 rounding of the f32 result; the f32-output form gives the
+    bf16 result's values exactly."""
     from iterserve.model.layers import PairLinear
 
     kern = _kern()
@@ -276,5 +277,28 @@ def test_pair_gemm_matches_torch() -> None:
                     # one rounding of the f32 result: half a bf16 ulp, plus f32 summation order
                     tol = ref.abs() * 2**-8 + 1e-3
                     assert ((y.float() - ref).abs() <= tol).all(), (K, M, N)
+                    # the f32-output form (the LM head's logits): the same values, exactly
+                    y32 = PairLinear(kern, w, bias).f32(x)
+                    assert y32.dtype == torch.float32 and torch.equal(y32, y.float()), (K, M, N)
     with pytest.raises(ValueError, match="K even"):
         kern.gemm_pairs(torch.zeros(2, 41).bfloat16(), kern.pack_pairs(w), N)
+
+
+def test_logits_in_f32_whatever_the_lm_head_path() -> None:
+    """``linear_f32`` (the LM head's logits) gives ``lin(x).float()`` on every path: a pair
+    GEMM writes f32 directly, also when a row router picks it, and any other path is converted."""
+    from iterserve.model.autotune import ByRows
+    from iterserve.model.layers import PairLinear, TorchLinear, linear_f32
+
+    kern = _kern()
+    if not kern.has_bf16_dot:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16")
+    torch.manual_seed(0)
+    w = torch.randn(100, 32).bfloat16()
+    pair, plain = PairLinear(kern, w, None), TorchLinear(w, None)
+    routed = ByRows([2, 1 << 30], [plain, pair])
+    for lin in (pair, plain, routed):
+        for rows in (1, 2, 3, 9):
+            x = torch.randn(rows, 32).bfloat16()
+            y = linear_f32(lin, x)
+            assert y.dtype == torch.float32 and torch.equal(y, lin(x).float()), (lin, rows)

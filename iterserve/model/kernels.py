@@ -215,8 +215,9 @@ class Kernels:
         self.lib.has_bf16_dot.restype = _I
         self.lib.pack_bf16_pairs.argtypes = [_P, _P, _I, _I]
         self.lib.pack_bf16_pairs.restype = None
-        self.lib.gemm_pairs.argtypes = [_P, _P, _P, _P, _I, _I, _I]
-        self.lib.gemm_pairs.restype = _I
+        for name in ("gemm_pairs", "gemm_pairs_f32"):
+            getattr(self.lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I]
+            getattr(self.lib, name).restype = _I
         self.lib.paged_prefill_attention.argtypes = [
             _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P,
         ]  # fmt: skip
@@ -477,11 +478,17 @@ class Kernels:
         return out
 
     def gemm_pairs(
-        self, x: torch.Tensor, pairs: torch.Tensor, N: int, b: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        pairs: torch.Tensor,
+        N: int,
+        b: torch.Tensor | None = None,
+        out_f32: bool = False,
     ) -> torch.Tensor:
         """``F.linear(x, w, b)`` on bf16 dot products with ``pairs = pack_pairs(w)``, N =
         w.shape[0]; x [M, K] bf16 with K even, b [N] bf16; the result is bf16 (f32 accumulation,
-        one rounding)."""
+        one rounding). ``out_f32``: the same values as f32, what ``.float()`` of the bf16 result
+        gives, written in one pass."""
         if not self.has_bf16_dot:
             raise ValueError("gemm_pairs needs a CPU with AVX512-BF16")
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2:
@@ -489,8 +496,8 @@ class Kernels:
         M, K = x.shape
         _check_packed("gemm_pairs", x, pairs, -(-N // 64) * (K // 2) * 128, N, b)
         x = x.contiguous()
-        y = torch.empty(M, N, dtype=torch.bfloat16)
-        self.lib.gemm_pairs(
+        y = torch.empty(M, N, dtype=torch.float32 if out_f32 else torch.bfloat16)
+        (self.lib.gemm_pairs_f32 if out_f32 else self.lib.gemm_pairs)(
             pairs.data_ptr(), x.data_ptr(), y.data_ptr(),
             None if b is None else b.contiguous().data_ptr(), M, N, K,
         )  # fmt: skip

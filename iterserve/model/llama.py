@@ -34,6 +34,7 @@ from iterserve.model.layers import (
     SiluMul,
     choose_linear,
     choose_norm,
+    linear_f32,
     no_qk_norm,
 )
 from iterserve.model.model_config import ModelConfig, RopeConfig
@@ -257,4 +258,4 @@ class DecoderModel(nn.Module):
             normed = self.norm(h[logit_rows])
         else:
             _, normed = self.norm.add(h[logit_rows], pending[logit_rows])
-        return self.lm_head(normed).float()  # type: ignore[no-any-return]
+        return linear_f32(self.lm_head, normed)

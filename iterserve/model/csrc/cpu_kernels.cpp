@@ -584,8 +584,10 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
 
 // Q > 0: also prefetches Q lines a k pair from pf on, K2 Q lines in all (its share of the next
 // panel, see gemm_pairs).
-template <int R, int Q = 0>
-void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t* bias, uint16_t* y, int64_t ldy, int N, int K2, int n0,
+// F32: y is f32 and gets the bf16-rounded values widened (what .float() of the bf16 result
+// gives), for the LM head, whose logits the sampler takes in f32.
+template <int R, int Q = 0, bool F32 = false>
+void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t* bias, void* y, int64_t ldy, int N, int K2, int n0,
                int m0, const char* pf = nullptr) {
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
@@ -613,8 +615,12 @@ void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t
         if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + col)), 16));
         for (int r = 0; r < R; ++r) {
             const __m512 v = round_bf16(_mm512_add_ps(acc[r][c], b));
-            _mm256_mask_storeu_epi16(y + static_cast<int64_t>(m0 + r) * ldy + col, mk,
-                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+            const int64_t at = static_cast<int64_t>(m0 + r) * ldy + col;
+            if constexpr (F32)
+                _mm512_mask_storeu_ps(static_cast<float*>(y) + at, mk, v);
+            else
+                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + at, mk,
+                                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
         }
     }
 }
@@ -1015,9 +1021,11 @@ void pack_bf16_pairs(const uint16_t* W, uint16_t* P, int N, int K) {
                 }
 }
 
-// y[M, N] = x[M, K] . W^T (+ bias), bf16 in and out (f32 accumulation, one rounding), with P =
-// pack_bf16_pairs(W); K even. Returns -1 where not compiled in (no AVX512-BF16).
-int gemm_pairs(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t* bias, int M, int N, int K) {
+}  // extern "C"
+
+namespace {
+template <bool F32>
+int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t* bias, int M, int N, int K) {
 #if defined(__AVX512BF16__)
     const int K2 = K / 2, panels = (N + GP_COLS - 1) / GP_COLS;
     // A panel's first row tile reads it from memory and the later tiles from L2, so memory and
@@ -1046,15 +1054,15 @@ int gemm_pairs(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t
                 const int64_t share = panel_elems * 2 / pf_tiles;  // bytes each tile fetches
                 for (int t = 0; t < pf_tiles; ++t, m0 += 6) {
                     if (pf_tiles == 4)
-                        pair_tile<6, 1>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share);
+                        pair_tile<6, 1, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share);
                     else
-                        pair_tile<6, 2>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share);
+                        pair_tile<6, 2, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share);
                 }
             }
-            for (; M - m0 >= 6; m0 += 6) pair_tile<6>(Pp, x, K, bias, y, N, N, K2, n0, m0);
-            if (M - m0 >= 4) { pair_tile<4>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 4; }
-            if (M - m0 >= 2) { pair_tile<2>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 2; }
-            if (M - m0 >= 1) pair_tile<1>(Pp, x, K, bias, y, N, N, K2, n0, m0);
+            for (; M - m0 >= 6; m0 += 6) pair_tile<6, 0, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0);
+            if (M - m0 >= 4) { pair_tile<4, 0, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 4; }
+            if (M - m0 >= 2) { pair_tile<2, 0, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 2; }
+            if (M - m0 >= 1) pair_tile<1, 0, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0);
         }
     }
     return 0;
@@ -1062,6 +1070,19 @@ int gemm_pairs(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t
     (void)P; (void)x; (void)y; (void)bias; (void)M; (void)N; (void)K;
     return -1;
 #endif
+}
+}  // namespace
+
+extern "C" {
+// y[M, N] = x[M, K] . W^T (+ bias), bf16 in and out (f32 accumulation, one rounding), with P =
+// pack_bf16_pairs(W); K even. Returns -1 where not compiled in (no AVX512-BF16).
+int gemm_pairs(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t* bias, int M, int N, int K) {
+    return gemm_pairs_impl<false>(P, x, y, bias, M, N, K);
+}
+// The same, y f32: each value the bf16 one gemm_pairs stores, widened (one pass over the
+// output instead of a bf16 store and a .float() copy).
+int gemm_pairs_f32(const uint16_t* P, const uint16_t* x, float* y, const uint16_t* bias, int M, int N, int K) {
+    return gemm_pairs_impl<true>(P, x, y, bias, M, N, K);
 }
 
 // One decoder layer of a decode-only bf16 step, the same kernel calls in the same order as

@@ -28,10 +28,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workload", default="mixed24", choices=sorted(PEER_WORKLOADS))
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     ns = ap.parse_args()
     llm = LLM(
         "bench-134m", dtype="bfloat16", num_threads=2, max_model_len=ns.max_model_len,
-        max_num_seqs=256, max_num_batched_tokens=2048, seed=0,
+        max_num_seqs=256, max_num_batched_tokens=2048, seed=0, block_size=ns.block_size,
     )  # fmt: skip
     eng = llm.engine
     wl, note = make_workload(ns.workload, 0, 0, eng.vocab_size, ns.max_model_len, None)
@@ -48,7 +49,7 @@ def main() -> None:
         if st is not None:
             rows.append((st.num_prefill_tokens, st.num_decode_tokens, st.duration_s))
     wall = time.perf_counter() - t0
-    print(f"{ns.workload}: {note}; wall {wall:.2f} s, {len(rows)} steps")
+    print(f"{ns.workload}: {note}; blocks of {ns.block_size}; wall {wall:.2f} s, {len(rows)} steps")
     groups: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])
     for pf, dc, d in rows:
         size = "B<=8" if dc <= 8 else "B 9-32" if dc <= 32 else "B>32"

@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from iterserve.model import kernels
-from iterserve.model.cpu import empty_hugepages
 from iterserve.model.layers import PairLinear
 
-HEADS, HEAD_DIM, BLOCK, LAYERS = 12, 64, 16, 12
+sys.path.insert(0, str(Path(__file__).parent))
+
+from kernel_ab import BLOCK, HEAD_DIM, HEADS, scattered_caches  # noqa: E402
+
+LAYERS = 12
 SHAPES = ((2304, 768), (768, 768), (4096, 768), (768, 2048))  # qkv, o, gate_up, down
 
 
@@ -40,15 +45,8 @@ def main() -> None:
     if kern is None or not kern.has_bf16_dot:
         raise SystemExit("needs iterserve's C++ kernels with the pair GEMM (AVX512-BF16)")
     torch.manual_seed(0)
-    b, per = ns.batch, -(-ns.ctx // BLOCK)
-    nb = 3 * LAYERS * b * per
-    shape = (nb * BLOCK, HEADS, HEAD_DIM)
-    k_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
-    v_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
-    perm = torch.randperm(nb)[: LAYERS * b * per].view(LAYERS, b, per)
-    tables = [perm[i].contiguous() for i in range(LAYERS)]
-    lens = torch.full((b,), ns.ctx, dtype=torch.int64)
-    starts = torch.zeros(b, dtype=torch.int64)
+    b = ns.batch
+    k_cache, v_cache, tables, lens, starts = scattered_caches(b, ns.ctx, HEADS, LAYERS)
     q = torch.randn(b, HEADS, HEAD_DIM).bfloat16()
     gemms = [PairLinear(kern, (torch.randn(n, k) * 0.02).bfloat16(), None) for n, k in SHAPES]
     xs = [torch.randn(b, k).bfloat16() for _, k in SHAPES]

@@ -27,6 +27,24 @@ from iterserve.model.cpu import empty_hugepages
 HEADS, HEAD_DIM, BLOCK = 12, 64, 16  # bench-134m
 
 
+Caches = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]
+
+
+def scattered_caches(batch: int, ctx: int, kv_heads: int, sets: int = 12) -> Caches:
+    """bf16 K and V pools (huge pages) three times the size ``sets`` layers' tables need, and per
+    set a block table of ``batch`` sequences of ``ctx`` keys over blocks scattered in them;
+    plus the context lengths and starts."""
+    per = -(-ctx // BLOCK)
+    nb = 3 * sets * batch * per
+    shape = (nb * BLOCK, kv_heads, HEAD_DIM)
+    k_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
+    v_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
+    perm = torch.randperm(nb)[: sets * batch * per].view(sets, batch, per)
+    tables = [perm[i].contiguous() for i in range(sets)]
+    lens = torch.full((batch,), ctx, dtype=torch.int64)
+    return k_cache, v_cache, tables, lens, torch.zeros(batch, dtype=torch.int64)
+
+
 def load(source: Path, cache: str) -> kernels.Kernels:
     kernels.SOURCE = source
     return kernels.Kernels(kernels.build(out_dir=cache))
@@ -54,15 +72,7 @@ def main() -> None:
     flush = torch.ones(64 * 1024 * 1024 // 4)
     torch.manual_seed(0)
     for batch in (int(x) for x in ns.batches.split(",")):
-        per = -(-ns.ctx // BLOCK)
-        sets, nb = 12, 3 * 12 * batch * per
-        shape = (nb * BLOCK, ns.kv_heads, HEAD_DIM)
-        k_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
-        v_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
-        perm = torch.randperm(nb)[: sets * batch * per].view(sets, batch, per)
-        tables = [perm[i].contiguous() for i in range(sets)]
-        lens = torch.full((batch,), ns.ctx, dtype=torch.int64)
-        starts = torch.zeros(batch, dtype=torch.int64)
+        k_cache, v_cache, tables, lens, starts = scattered_caches(batch, ns.ctx, ns.kv_heads)
         q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
         outs = [k.paged_decode_attention(q, k_cache, v_cache, tables[0], lens, starts, BLOCK)
                 for k in libs.values()]  # fmt: skip

@@ -27,7 +27,7 @@ static void* huge(size_t n) {
     return a;
 }
 // pure read of the same rows: sum
-static int PFD = 0; static int BSG = 16;
+static int PFD = 0, BSG = 16;  // prefetch distance (positions), block size (tokens)
 static int64_t pure_read(const uint16_t* k, const uint16_t* v, const int64_t* bt, int B, int per, int ctx, int row) {
     int64_t tot = 0;
 #pragma omp parallel for schedule(dynamic,1) reduction(+:tot)
@@ -71,7 +71,9 @@ static int64_t read_kv_blocks(const uint16_t* k, const uint16_t* v, const int64_
 }
 int main(int argc, char** argv) {
     int B = atoi(argv[1]), ctx = atoi(argv[2]);
-    const int H = 12, hd = 64, row = H*hd; const int bs = getenv("BS") ? atoi(getenv("BS")) : 16;
+    const int H = 12, hd = 64, row = H*hd;
+    BSG = getenv("BS") ? atoi(getenv("BS")) : 16;
+    const int bs = BSG;
     int per = (ctx + bs - 1)/bs;
     int sets = 12; int nb = 3*sets*B*per;
     size_t bytes = (size_t)nb*bs*row*2;
@@ -84,7 +86,7 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> out(B*H*hd);
     std::vector<char> flush(64<<20, 1);
     int mode = argc > 3 ? atoi(argv[3]) : 0;
-    PFD = argc > 4 ? atoi(argv[4]) : 0; BSG = bs;
+    PFD = argc > 4 ? atoi(argv[4]) : 0;
     if (mode == 2 || mode == 4) for (int i = 0; i < nb; ++i) perm[i] = i;
     std::vector<double> ts;
     for (int it = 0; it < 10; ++it) {

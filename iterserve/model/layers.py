@@ -172,16 +172,14 @@ class PairLinear:
         self.bias = None if b is None else b.contiguous()
         self.odd = w.shape[1] % 2 == 1  # x gets a zero column (the packed weight has one)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_f32: bool = False) -> torch.Tensor:
         if self.odd:
             x = F.pad(x, (0, 1))
-        return self.kern.gemm_pairs(x, self.pairs, self.out_features, self.bias)
+        return self.kern.gemm_pairs(x, self.pairs, self.out_features, self.bias, out_f32)
 
     def f32(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x).float()``, the same values, without the bf16 result and its copy."""
-        if self.odd:
-            x = F.pad(x, (0, 1))
-        return self.kern.gemm_pairs(x, self.pairs, self.out_features, self.bias, out_f32=True)
+        return self(x, out_f32=True)
 
 
 def linear_f32(lin: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +190,7 @@ def linear_f32(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     fn = pick(x.shape[0]) if pick is not None else lin
     if isinstance(fn, PairLinear):
         return fn.f32(x)
-    return lin(x).float()
+    return fn(x).float()  # type: ignore[no-any-return]
 
 
 def choose_linear(

@@ -26,6 +26,7 @@ from iterserve import LLM, SamplingParams  # noqa: E402
 from iterserve.model import attention_backends as ab  # noqa: E402
 from iterserve.model import kernels, layers  # noqa: E402
 from iterserve.model.attention import StepItem  # noqa: E402
+from iterserve.model.autotune import ByRows  # noqa: E402
 from iterserve.model.builtin import make_test_checkpoint  # noqa: E402
 from iterserve.model.cpu import needs_upcast  # noqa: E402
 from iterserve.model.llama import DecoderLayer  # noqa: E402
@@ -176,11 +177,17 @@ def test_strategies_are_chosen_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(type(getattr(layer, n)) is layers.TorchLinear for n in DecoderLayer.LINEARS)
     assert type(layer.input_norm) is layers.RMSNorm and type(layer.rotary) is layers.Rotary
     bf16 = ModelRunner("tiny-random", dtype="bfloat16").model.layers[0]  # torch's, measured
-    assert type(bf16.qkv) in (layers.UpcastLinear, layers.BucketedLinear)
+    # One path, or (where bf16 is emulated, upcasting wins from some row count on) a route by rows.
+    torch_paths = (layers.UpcastLinear, layers.BucketedLinear)
+    qkv = bf16.qkv
+    parts = [fn for _, fn in qkv.table] if isinstance(qkv, ByRows) else [qkv]
+    assert parts and all(type(fn) in torch_paths for fn in parts)
     assert type(bf16.input_norm) is layers.RoundedRMSNorm
     monkeypatch.setenv("ITERSERVE_KERNELS", "flags")
     bf16 = ModelRunner("tiny-random", dtype="bfloat16").model.layers[0]
-    want = layers.UpcastLinear if needs_upcast(torch.bfloat16) else layers.BucketedLinear
+    # The rules: where bf16 is emulated, panels (with the kernels) or upcast slices (without).
+    emulated = layers.PanelLinear if kernels.load() is not None else layers.UpcastLinear
+    want = emulated if needs_upcast(torch.bfloat16) else layers.BucketedLinear
     assert type(bf16.qkv) is want
     monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=upcast")
     bf16 = ModelRunner("tiny-random", dtype="bfloat16").model.layers[0]

@@ -21,7 +21,12 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+// AVX2 + FMA without AVX-512 (e.g. AMD Zen 2/3, Intel Haswell..Alder Lake): 8-lane versions
+// of the GEMM and attention inner loops; the remaining kernels keep their scalar fallbacks.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define ITERSERVE_AVX2 1
+#endif
+#if defined(__AVX512F__) || defined(ITERSERVE_AVX2)
 #include <immintrin.h>
 #endif
 #if defined(_OPENMP)
@@ -71,12 +76,34 @@ inline void store_row(void* base, int is_f32, int64_t offset, int n, const float
 }
 
 
+#if defined(ITERSERVE_AVX2)
+inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 inline float dot(const float* a, const float* b, int n) {
 #if defined(__AVX512F__)
     if (n % 16 == 0) {
         __m512 s = _mm512_setzero_ps();
         for (int i = 0; i < n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
         return _mm512_reduce_add_ps(s);
+    }
+#elif defined(ITERSERVE_AVX2)
+    if (n % 16 == 0) {  // two chains: one would wait on the FMA latency
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        }
+        return hsum8(_mm256_add_ps(s0, s1));
     }
 #endif
     float s = 0.f;
@@ -89,6 +116,12 @@ inline void axpy(float w, const float* x, float* y, int n) {
     if (n % 16 == 0) {
         const __m512 wv = _mm512_set1_ps(w);
         for (int i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+        return;
+    }
+#elif defined(ITERSERVE_AVX2)
+    if (n % 8 == 0) {
+        const __m256 wv = _mm256_set1_ps(w);
+        for (int i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
         return;
     }
 #endif
@@ -149,6 +182,29 @@ inline void narrow16(uint16_t* p, __m512 v) {  // f32 -> 16 bf16 (nearest even)
 }
 #endif
 
+#if defined(ITERSERVE_AVX2)
+// exp(x) for 8 lanes, as exp_ps: x = n ln2 + r, exp(r) by the same degree-6 polynomial, times
+// 2^n built in the exponent field; x below -87 (where 2^n would leave the normal range; -inf
+// included) gives 0.
+inline __m256 exp8(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+#endif
+
 // x[0:n] = softmax(x[0:n]); x[n:ld] hold -inf (padding to a multiple of 16).
 inline void softmax_inplace(float* x, int64_t n, int64_t ld) {
 #if defined(__AVX512F__)
@@ -164,6 +220,21 @@ inline void softmax_inplace(float* x, int64_t n, int64_t ld) {
         }
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(s));
         for (int64_t i = 0; i < ld; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
+        return;
+    }
+#elif defined(ITERSERVE_AVX2)
+    if (ld % 8 == 0) {
+        __m256 m = _mm256_set1_ps(-INFINITY);
+        for (int64_t i = 0; i < ld; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+        const __m256 mx = _mm256_set1_ps(hmax8(m));
+        __m256 s = _mm256_setzero_ps();
+        for (int64_t i = 0; i < ld; i += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mx));
+            _mm256_storeu_ps(x + i, e);
+            s = _mm256_add_ps(s, e);
+        }
+        const __m256 inv = _mm256_set1_ps(1.f / hsum8(s));
+        for (int64_t i = 0; i < ld; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
         return;
     }
 #endif
@@ -257,6 +328,88 @@ void panel_rows(const uint16_t* P, const float* xf, const float* bias, void* y, 
         const int64_t off = static_cast<int64_t>(m0 + i) * N + n0;
         store16(y, y_f32, off, a, valid);
         store16(y, y_f32, off + 16, b, valid - 16);
+    }
+}
+#elif defined(ITERSERVE_AVX2)
+inline void store8(void* y, int y_f32, int64_t offset, __m256 v, int valid) {
+    if (valid >= 8) {
+        if (y_f32) {
+            _mm256_storeu_ps(static_cast<float*>(y) + offset, v);
+        } else {
+            __m256i u = _mm256_castps_si256(v);
+            const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+            u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+            // packus works within 128-bit lanes: [0-3, 0-3 | 4-7, 4-7] -> qwords 0 and 2 hold 0-7
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(y) + offset), _mm256_castsi256_si128(packed));
+        }
+        return;
+    }
+    if (valid <= 0) return;
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    store_row(y, y_f32, offset, valid, tmp);
+}
+
+// Rows [m0, m0 + MB) of x against one panel, a half panel at a time: a 32-byte half line (lanes
+// 0-7 or 8-15 of the AVX-512 layout) widens into columns 8 half + 0..7 and 16 + 8 half + 0..7,
+// so MB rows need 2 MB accumulators (16 registers: MB <= 6 with one weight pair and a broadcast).
+// The first half streams the panel from memory (prefetched); the second reads it from L2.
+template <int MB, int KU>
+void panel_rows(const uint16_t* P, const float* xf, const float* bias, void* y, int y_f32, int N, int K, int n0, int m0) {
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const float* x0 = xf + static_cast<int64_t>(m0) * K;
+    const int valid = N - n0;
+    for (int half = 0; half < 2; ++half) {
+        const uint16_t* Ph = P + 16 * half;
+        __m256 acc[KU][MB][2];
+        for (int u = 0; u < KU; ++u)
+            for (int i = 0; i < MB; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
+        int k = 0;
+        for (; k + KU <= K; k += KU) {
+            for (int u = 0; u < KU; ++u) {
+                if (half == 0) __builtin_prefetch(P + static_cast<int64_t>(k + u + PREFETCH) * PANEL, 0, 3);
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Ph + static_cast<int64_t>(k + u) * PANEL));
+                const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+                for (int i = 0; i < MB; ++i) {
+                    const __m256 xb = _mm256_broadcast_ss(x0 + static_cast<int64_t>(i) * K + k + u);
+                    acc[u][i][0] = _mm256_fmadd_ps(lo, xb, acc[u][i][0]);
+                    acc[u][i][1] = _mm256_fmadd_ps(hi, xb, acc[u][i][1]);
+                }
+            }
+        }
+        for (; k < K; ++k) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Ph + static_cast<int64_t>(k) * PANEL));
+            const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+            for (int i = 0; i < MB; ++i) {
+                const __m256 xb = _mm256_broadcast_ss(x0 + static_cast<int64_t>(i) * K + k);
+                acc[0][i][0] = _mm256_fmadd_ps(lo, xb, acc[0][i][0]);
+                acc[0][i][1] = _mm256_fmadd_ps(hi, xb, acc[0][i][1]);
+            }
+        }
+        for (int u = 1; u < KU; ++u)
+            for (int i = 0; i < MB; ++i) {
+                acc[0][i][0] = _mm256_add_ps(acc[0][i][0], acc[u][i][0]);
+                acc[0][i][1] = _mm256_add_ps(acc[0][i][1], acc[u][i][1]);
+            }
+        const int c_lo = 8 * half, c_hi = 16 + 8 * half;  // first column of each accumulator
+        for (int i = 0; i < MB; ++i) {
+            __m256 a = acc[0][i][0], b = acc[0][i][1];
+            if (bias) {
+                alignas(32) float ba[8] = {0}, bb[8] = {0};
+                for (int j = 0; j < 8; ++j) {
+                    if (c_lo + j < valid) ba[j] = bias[n0 + c_lo + j];
+                    if (c_hi + j < valid) bb[j] = bias[n0 + c_hi + j];
+                }
+                a = _mm256_add_ps(a, _mm256_load_ps(ba));
+                b = _mm256_add_ps(b, _mm256_load_ps(bb));
+            }
+            const int64_t off = static_cast<int64_t>(m0 + i) * N + n0;
+            store8(y, y_f32, off + c_lo, a, valid - c_lo);
+            store8(y, y_f32, off + c_hi, b, valid - c_hi);
+        }
     }
 }
 #else
@@ -671,6 +824,14 @@ void gemm_panels(const uint16_t* P, const void* x, void* y, const void* bias, in
             const uint16_t* Pp = P + static_cast<int64_t>(p) * K * PANEL;
             const int n0 = p * PANEL;
             int m0 = 0;
+#if defined(ITERSERVE_AVX2)
+            // 6 rows: 12 accumulators, 12 FMAs per 32-byte load (docs/SPEED.md, "AVX2")
+            for (; M - m0 >= 6; m0 += 6) panel_rows<6, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+            for (; M - m0 >= 4; m0 += 4) panel_rows<4, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+            for (; M - m0 >= 2; m0 += 2) panel_rows<2, 2>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+            for (; M - m0 >= 1; m0 += 1) panel_rows<1, 4>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+            continue;
+#endif
             for (; M - m0 >= 14; m0 += 14) panel_rows<14, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 8; m0 += 8) panel_rows<8, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 4; m0 += 4) panel_rows<4, 2>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);

@@ -421,12 +421,15 @@ def test_gemm_row_buckets_bound_shapes_and_keep_results() -> None:
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 # 20: the scalar path (head_dim not a multiple of 16); 64, 128: the bf16 cache's fast path
 @pytest.mark.parametrize("hd", [16, 20, 64, 128])
-def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int) -> None:
+@pytest.mark.parametrize("variant", ["native", "avx2"])
+def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: str) -> None:
     """iterserve's paged decode kernel, fed by the step's metadata, equals SDPA over the gathered
-    padded window: GQA, contexts of different lengths, scattered blocks, a sliding window."""
+    padded window: GQA, contexts of different lengths, scattered blocks, a sliding window; as
+    built for this CPU and as built for AVX2 without AVX-512."""
     from iterserve.model import attention, kernels
+    from tests.test_kernels import avx2_kernels
 
-    kern = kernels.load()
+    kern = kernels.load() if variant == "native" else avx2_kernels()
     assert kern is not None, "the C++ kernels did not build (see the warning logged)"
     torch.manual_seed(0)
     bs, kvh, G, nblocks = 4, 2, 3, 40

@@ -104,14 +104,16 @@ def _setting() -> bool:
     return setting().enabled
 
 
-def build(out_dir: str | Path | None = None) -> Path:
+def build(out_dir: str | Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compiles the kernels (if not already cached) and returns the library's path. Raises
-    RuntimeError with the compiler's message when it cannot."""
+    RuntimeError with the compiler's message when it cannot. ``extra_flags`` follow the usual
+    ones (tests build the AVX2 paths on an AVX-512 CPU with ``-mno-avx512f``)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join((cxx, *FLAGS)).encode() + _cpu_id().encode()).hexdigest()[
+    flags = (*FLAGS, *extra_flags)
+    key = hashlib.sha256(src + " ".join((cxx, *flags)).encode() + _cpu_id().encode()).hexdigest()[
         :16
     ]
     folder = Path(out_dir) if out_dir else Path(cache_dir()) / "kernels"
@@ -122,7 +124,7 @@ def build(out_dir: str | Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         tmp_lib = Path(tmp) / lib.name
         proc = subprocess.run(
-            [cxx, *FLAGS, str(SOURCE), "-o", str(tmp_lib)],
+            [cxx, *flags, str(SOURCE), "-o", str(tmp_lib)],
             capture_output=True,
             text=True,
             check=False,

@@ -825,18 +825,18 @@ void gemm_panels(const uint16_t* P, const void* x, void* y, const void* bias, in
             const int n0 = p * PANEL;
             int m0 = 0;
 #if defined(ITERSERVE_AVX2)
-            // 6 rows: 12 accumulators, 12 FMAs per 32-byte load (docs/SPEED.md, "AVX2")
+            // 6 rows: 12 accumulators, a weight pair and a broadcast fill the 16 registers
             for (; M - m0 >= 6; m0 += 6) panel_rows<6, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 4; m0 += 4) panel_rows<4, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 2; m0 += 2) panel_rows<2, 2>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 1; m0 += 1) panel_rows<1, 4>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
-            continue;
-#endif
+#else
             for (; M - m0 >= 14; m0 += 14) panel_rows<14, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 8; m0 += 8) panel_rows<8, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 4; m0 += 4) panel_rows<4, 2>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 2; m0 += 2) panel_rows<2, 4>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 1; m0 += 1) panel_rows<1, 8>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+#endif
         }
     }
 }

@@ -327,12 +327,13 @@ def test_low_precision_paths_agree(
     case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 through every GEMM path (torch's oneDNN, the sliced upcast, iterserve's panels, the
-    packed f32 copy, the bf16 dot-product pairs where the CPU has them;
+    packed f32 copy, the bf16 dot-product pairs and oneDNN's prepacked bf16 where the CPU has
+    them;
     ITERSERVE_KERNELS=gemm=...) and both decode attention paths, with iterserve's kernels or
     torch's, and the fixed CPU-flag rules: the same logits up to bf16
     rounding of intermediate activations. Prefill (~150 rows) and decodes of 9 and 5."""
     from iterserve.model import kernels
-    from iterserve.model.cpu import needs_upcast
+    from iterserve.model.cpu import has_native, needs_upcast
     from iterserve.model.layers import packing_available
 
     c = case("llama")
@@ -344,6 +345,8 @@ def test_low_precision_paths_agree(
     settings += ["gemm=packed,attn=torch"] if packing_available() else []
     k = kernels.load()
     settings += ["gemm=pairs,attn=cpu"] if k is not None and k.has_bf16_dot else []
+    if has_native(torch.bfloat16) and packing_available():
+        settings += ["gemm=onednn,attn=cpu"]
     for kern in [*settings, "flags"]:
         monkeypatch.setenv("ITERSERVE_KERNELS", kern)
         assert (kernels.load() is not None) == (kern != "0")

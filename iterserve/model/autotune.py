@@ -31,15 +31,18 @@ import torch
 
 from iterserve.model import attention, kernels
 from iterserve.model.builtin import cache_dir
+from iterserve.model.cpu import has_native
 from iterserve.model.layers import (
     UPCAST_MIN_ROWS,
     BucketedLinear,
     Linear,
+    OneDNNLinear,
     PackedLinear,
     PairLinear,
     PanelLinear,
     TorchLinear,
     UpcastLinear,
+    packing_available,
 )
 
 logger = logging.getLogger(__name__)
@@ -274,6 +277,8 @@ def gemm_builders(
             out["pairs"] = lambda w, b: PairLinear(kern, w, b)
     if pack:
         out["packed"] = PackedLinear
+    if dtype != torch.float32 and has_native(dtype) and packing_available():
+        out["onednn"] = OneDNNLinear
     return out
 
 
@@ -386,7 +391,8 @@ def choose(
             f"ITERSERVE_KERNELS asks gemm={setting.gemm}, which cannot run here; possible: "
             f"{', '.join(builders)} (panels: a bfloat16 model and the C++ kernels; packed: "
             "oneDNN packing, ITERSERVE_PACK_WEIGHTS not 0 and the f32 copy within half the free "
-            "memory; upcast: a bfloat16/float16 model)"
+            "memory; upcast: a bfloat16/float16 model; onednn: a bfloat16/float16 model on a CPU "
+            "with native bf16/f16 and oneDNN packing)"
         )
     attn_paths = kernels.ATTN_PATHS if cpu_backend and kern is not None else ()
     if setting.attn == "cpu" and not attn_paths:

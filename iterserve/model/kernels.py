@@ -52,8 +52,9 @@ def _cpu_id() -> str:
 
 # GEMM paths (layers.py): torch's F.linear (oneDNN for bf16/f16, MKL for f32), the sliced f32
 # upcast of a low-precision weight, iterserve's bf16 panels, oneDNN's prepacked f32 copy,
-# iterserve's bf16 dot-product GEMM over pair panels (AVX512-BF16 only).
-GEMM_PATHS = ("torch", "upcast", "panels", "packed", "pairs")
+# iterserve's bf16 dot-product GEMM over pair panels (AVX512-BF16 only), oneDNN's prepacked copy
+# in the weight's own dtype (a CPU with native bf16/f16: AMX tiles where it has them).
+GEMM_PATHS = ("torch", "upcast", "panels", "packed", "pairs", "onednn")
 # Decode attention paths of the cpu backend: iterserve's paged kernel, or SDPA over a gather.
 ATTN_PATHS = ("cpu", "torch")
 SETTING_FORMS = (

@@ -127,6 +127,27 @@ class PackedLinear:
         return out
 
 
+class OneDNNLinear:
+    """A bf16/f16 weight prepacked once for oneDNN's inner product, in its own dtype: where the
+    CPU has AMX tiles oneDNN runs them, and plain ``F.linear`` would reorder the weight into
+    their layout on every call (on an AMX Xeon, 1.3-1.8x the time at 8-128 rows; docs/SPEED.md,
+    "oneDNN with the weight prepacked"). Row counts are bucketed: a primitive per count."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        # The batch-size hint only picks the blocked layout; calls with any row count work.
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 128)
+        self.bias = None if b is None else b.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return bucketed_rows(x, self._run)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.weight, self.bias, "none", [], ""
+        )
+        return out
+
+
 def packing_available() -> bool:
     """oneDNN's packed inner product (an internal op of torch's CPU build) works here."""
     try:

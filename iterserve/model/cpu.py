@@ -208,3 +208,87 @@ def setup_threads(num_threads: int | None) -> int:
             "iterserve before torch"
         )
     return threads
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds spent busy machine-wide since boot (all CPUs; /proc/stat's first line, idle
+    and iowait left out); NaN where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return math.nan
+    if not fields or fields[0] != "cpu":
+        return math.nan
+    jiffies = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    busy = sum(jiffies) - jiffies[3] - jiffies[4]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class ThreadGovernor:
+    """Fits torch's threads to the cores other processes leave free, at run time.
+
+    Every ``interval_s`` of stepping it reads the CPU time the whole machine spent busy and the
+    time this process spent; what others took, in cores, leaves ``cores - others`` for us. An
+    OpenMP team wider than the free cores waits at every barrier for a thread that queues behind
+    the other process (on a 2-core VM beside one busy process, one thread kept 522 tok/s and two
+    ~350-430; docs/SPEED.md, "Threads fitted to the free cores"), so the team shrinks to the free
+    cores, and grows back when they free up. ``tick`` is called by the thread that runs the
+    forward passes (OpenMP's thread count is that thread's setting)."""
+
+    def __init__(self, max_threads: int, interval_s: float = 0.5) -> None:
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self.interval_s = interval_s
+        self.changes = 0
+        self._t0 = time.monotonic()
+        self._busy0 = _machine_busy_s()
+        self._own0 = time.process_time()
+
+    def decide(self, others: float) -> int:
+        """The thread count for ``others`` cores taken by other processes: shrink when the free
+        cores fall 0.4 below the threads, grow when they rise 0.7 above (hysteresis, so that
+        noise in one window does not flip it)."""
+        free = self.max_threads - max(0.0, others)
+        if free < self.threads - 0.4:
+            return max(1, math.floor(free + 0.4))
+        if free > self.threads + 0.7:
+            return min(self.max_threads, math.floor(free + 0.3))
+        return self.threads
+
+    def tick(self) -> int:
+        """Re-decides once a window has passed; returns the thread count in force."""
+        now = time.monotonic()
+        wall = now - self._t0
+        if wall < self.interval_s:
+            return self.threads
+        busy, own = _machine_busy_s(), time.process_time()
+        others = (busy - self._busy0 - (own - self._own0)) / wall
+        self._t0, self._busy0, self._own0 = now, busy, own
+        if math.isnan(others):
+            return self.threads
+        n = self.decide(others)
+        if n != self.threads:
+            logger.info(
+                "torch threads %d -> %d: other processes took %.2f of %d cores",
+                self.threads, n, others, self.max_threads,
+            )  # fmt: skip
+            self.threads = n
+            self.changes += 1
+            torch.set_num_threads(n)
+        return self.threads
+
+
+def thread_governor(threads: int, num_threads: int | None) -> ThreadGovernor | None:
+    """A ``ThreadGovernor`` where the thread count was iterserve's choice (no ``num_threads``,
+    no OMP_NUM_THREADS) and more than one: a count the user fixed stays fixed.
+    ``ITERSERVE_ADAPT_THREADS=0`` turns it off."""
+    if (
+        threads < 2
+        or num_threads is not None
+        or os.environ.get("OMP_NUM_THREADS")
+        or os.environ.get("ITERSERVE_ADAPT_THREADS", "1") == "0"
+        or math.isnan(_machine_busy_s())
+    ):
+        return None
+    return ThreadGovernor(threads)

@@ -66,9 +66,11 @@ from iterserve.model.attention_backends import (
 )
 from iterserve.model.builtin import resolve_model
 from iterserve.model.cpu import (
+    ThreadGovernor,
     empty_hugepages,
     needs_upcast,
     setup_threads,
+    thread_governor,
     trim_heap,
     tune_allocator,
 )
@@ -160,6 +162,10 @@ class ModelRunner:
 
         self.device: torch.device = resolve_device(device)
         check_dtype(self.device, self.dtype)
+        # CPU threads fitted to the cores other processes leave free, step by step
+        self.thread_governor: ThreadGovernor | None = (
+            thread_governor(self.num_threads, num_threads) if self.device.type == "cpu" else None
+        )
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.set_device(self.device)
@@ -455,6 +461,8 @@ class ModelRunner:
         lm_head also runs on those items' prompt rows, in the same forward."""
         if not items:
             return torch.empty(0, self.vocab_size, device=self.device), {}
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         bs = self.block_size
         # Decode-first row order (see attention.py): one batched call for all single-token items.
         order = [i for i, it in enumerate(items) if len(it.token_ids) == 1]

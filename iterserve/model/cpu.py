@@ -160,10 +160,9 @@ def other_runnable(samples: int = 5, interval_s: float = 0.005) -> float:
 def setup_threads(num_threads: int | None) -> int:
     """Sets torch's intra-op threads at engine start and logs what it sees: ``num_threads`` if
     given, else ``OMP_NUM_THREADS`` if set (torch already took it), else the cores this process
-    may use (``available_cores``). Under contention, passive OpenMP waiting (iterserve's default,
-    ``iterserve/__init__.py``) kept more throughput than fewer threads (docs/SPEED.md,
-    "Contention"), so the count does not shrink with the machine's load; a warning says when
-    threads wait actively on a busy machine. Returns the thread count."""
+    may use (``available_cores``). The count fixed here is the start: ``ThreadGovernor`` fits a
+    count iterserve chose to the cores other processes leave free while the engine steps. A
+    warning says when threads wait actively on a busy machine. Returns the thread count."""
     import iterserve
 
     if num_threads is not None:
@@ -232,9 +231,9 @@ class ThreadGovernor:
     time this process spent; what others took, in cores, leaves ``cores - others`` for us. An
     OpenMP team wider than the free cores waits at every barrier for a thread that queues behind
     the other process (on a 2-core VM beside one busy process, one thread kept 522 tok/s and two
-    ~350-430; docs/SPEED.md, "Threads fitted to the free cores"), so the team shrinks to the free
-    cores, and grows back when they free up. ``tick`` is called by the thread that runs the
-    forward passes (OpenMP's thread count is that thread's setting)."""
+    ~330-430; docs/SPEED.md, "Spin count and thread count against a busy process"), so the
+    team shrinks to the free cores, and grows back when they free up. ``tick`` is called by the
+    thread that runs the forward passes (OpenMP's thread count is that thread's setting)."""
 
     def __init__(self, max_threads: int, interval_s: float = 0.5) -> None:
         self.max_threads = max_threads

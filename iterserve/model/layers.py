@@ -100,42 +100,15 @@ class UpcastLinear(BucketedLinear):
         return out
 
 
-class PackedLinear:
-    """An f32 copy of the weight prepacked for oneDNN's inner product (plain F.linear on an f32
-    weight repacks it every call). ``single_row``: the original low-precision weight, kept for
-    one-row calls, which are bound by weight bytes (half those of the f32 copy)."""
-
-    def __init__(
-        self, w: torch.Tensor, b: torch.Tensor | None, single_row: Linear | None = None
-    ) -> None:
-        # The batch-size hint only picks the blocked layout; calls with any row count work.
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32)
-        self.bias = None if b is None else b.float().contiguous()
-        self.single_row = single_row
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.single_row is not None and x.shape[0] == 1:
-            return self.single_row(x)
-        x32 = x if x.dtype == torch.float32 else x.float()
-        out = bucketed_rows(x32, self._run)
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-    def _run(self, x32: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x32, self.weight, self.bias, "none", [], ""
-        )
-        return out
-
-
 class OneDNNLinear:
-    """A bf16/f16 weight prepacked once for oneDNN's inner product, in its own dtype: where the
-    CPU has AMX tiles oneDNN runs them, and plain ``F.linear`` would reorder the weight into
+    """A weight prepacked once for oneDNN's inner product, in its own dtype: where the CPU has
+    AMX tiles oneDNN runs them on bf16, and plain ``F.linear`` would reorder the weight into
     their layout on every call (on an AMX Xeon, 1.3-1.8x the time at 8-128 rows; docs/SPEED.md,
     "oneDNN with the weight prepacked"). Row counts are bucketed: a primitive per count."""
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, batch_hint: int = 128) -> None:
         # The batch-size hint only picks the blocked layout; calls with any row count work.
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 128)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
         self.bias = None if b is None else b.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,6 +119,24 @@ class OneDNNLinear:
             x, self.weight, self.bias, "none", [], ""
         )
         return out
+
+
+class PackedLinear:
+    """An f32 copy of the weight prepacked for oneDNN's inner product (plain F.linear on an f32
+    weight repacks it every call). ``single_row``: the original low-precision weight, kept for
+    one-row calls, which are bound by weight bytes (half those of the f32 copy)."""
+
+    def __init__(
+        self, w: torch.Tensor, b: torch.Tensor | None, single_row: Linear | None = None
+    ) -> None:
+        self.f32 = OneDNNLinear(w.float(), None if b is None else b.float(), batch_hint=32)
+        self.single_row = single_row
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.single_row is not None and x.shape[0] == 1:
+            return self.single_row(x)
+        out = self.f32(x if x.dtype == torch.float32 else x.float())
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def packing_available() -> bool:

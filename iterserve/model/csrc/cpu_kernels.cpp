@@ -22,7 +22,7 @@
 #include <vector>
 
 // AVX2 + FMA without AVX-512 (e.g. AMD Zen 2/3, Intel Haswell..Alder Lake): 8-lane versions
-// of the GEMM and attention inner loops; the remaining kernels keep their scalar fallbacks.
+// of the GEMM, attention and row-wise (RMSNorm, SwiGLU, RoPE, argmax) loops.
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define ITERSERVE_AVX2 1
 #endif
@@ -205,6 +205,28 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#if defined(ITERSERVE_AVX2)
+// The 8-lane versions of widen16 / round_bf16 / narrow16.
+inline __m256 widen8(const uint16_t* p) {  // 8 bf16 -> f32
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256i bf16_bits8(__m256 v) {  // round to nearest even, in the top 16 bits (finite values)
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+}
+inline __m256 round_bf16_8(__m256 v) {  // f32 -> nearest bf16, as f32
+    return _mm256_castsi256_ps(_mm256_and_si256(bf16_bits8(v), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void narrow8(uint16_t* p, __m256 v) {  // f32 -> 8 bf16 (nearest even)
+    const __m256i u = _mm256_srli_epi32(bf16_bits8(v), 16);
+    // packus works within 128-bit lanes: [0-3, 0-3 | 4-7, 4-7] -> qwords 0 and 2 hold 0-7
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+#endif
+
 // x[0:n] = softmax(x[0:n]); x[n:ld] hold -inf (padding to a multiple of 16).
 inline void softmax_inplace(float* x, int64_t n, int64_t ld) {
 #if defined(__AVX512F__)
@@ -363,15 +385,19 @@ void panel_rows(const uint16_t* P, const float* xf, const float* bias, void* y, 
     for (int half = 0; half < 2; ++half) {
         const uint16_t* Ph = P + 16 * half;
         __m256 acc[KU][MB][2];
+        #pragma GCC unroll 16
         for (int u = 0; u < KU; ++u)
+            #pragma GCC unroll 16
             for (int i = 0; i < MB; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
         int k = 0;
         for (; k + KU <= K; k += KU) {
+            #pragma GCC unroll 16
             for (int u = 0; u < KU; ++u) {
                 if (half == 0) __builtin_prefetch(P + static_cast<int64_t>(k + u + PREFETCH) * PANEL, 0, 3);
                 const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Ph + static_cast<int64_t>(k + u) * PANEL));
                 const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
                 const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+                #pragma GCC unroll 16
                 for (int i = 0; i < MB; ++i) {
                     const __m256 xb = _mm256_broadcast_ss(x0 + static_cast<int64_t>(i) * K + k + u);
                     acc[u][i][0] = _mm256_fmadd_ps(lo, xb, acc[u][i][0]);
@@ -383,20 +409,31 @@ void panel_rows(const uint16_t* P, const float* xf, const float* bias, void* y, 
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Ph + static_cast<int64_t>(k) * PANEL));
             const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
             const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+            #pragma GCC unroll 16
             for (int i = 0; i < MB; ++i) {
                 const __m256 xb = _mm256_broadcast_ss(x0 + static_cast<int64_t>(i) * K + k);
                 acc[0][i][0] = _mm256_fmadd_ps(lo, xb, acc[0][i][0]);
                 acc[0][i][1] = _mm256_fmadd_ps(hi, xb, acc[0][i][1]);
             }
         }
-        for (int u = 1; u < KU; ++u)
-            for (int i = 0; i < MB; ++i) {
-                acc[0][i][0] = _mm256_add_ps(acc[0][i][0], acc[u][i][0]);
-                acc[0][i][1] = _mm256_add_ps(acc[0][i][1], acc[u][i][1]);
-            }
-        const int c_lo = 8 * half, c_hi = 16 + 8 * half;  // first column of each accumulator
+        // The sums leave through a plain array: read in the epilogue's loops, the accumulators
+        // were kept in memory by GCC 12, stored back on every k (12 stores against 12 FMAs).
+        alignas(32) float res[MB][2][8];
+        #pragma GCC unroll 16
         for (int i = 0; i < MB; ++i) {
             __m256 a = acc[0][i][0], b = acc[0][i][1];
+            #pragma GCC unroll 16
+            for (int u = 1; u < KU; ++u) {
+                a = _mm256_add_ps(a, acc[u][i][0]);
+                b = _mm256_add_ps(b, acc[u][i][1]);
+            }
+            _mm256_store_ps(res[i][0], a);
+            _mm256_store_ps(res[i][1], b);
+        }
+        const int c_lo = 8 * half, c_hi = 16 + 8 * half;  // first column of each accumulator
+        #pragma GCC unroll 16
+        for (int i = 0; i < MB; ++i) {
+            __m256 a = _mm256_load_ps(res[i][0]), b = _mm256_load_ps(res[i][1]);
             if (bias) {
                 alignas(32) float ba[8] = {0}, bb[8] = {0};
                 for (int j = 0; j < 8; ++j) {
@@ -825,8 +862,9 @@ void gemm_panels(const uint16_t* P, const void* x, void* y, const void* bias, in
             const int n0 = p * PANEL;
             int m0 = 0;
 #if defined(ITERSERVE_AVX2)
-            // 6 rows: 12 accumulators, a weight pair and a broadcast fill the 16 registers
-            for (; M - m0 >= 6; m0 += 6) panel_rows<6, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+            // 6 rows: 12 accumulators, a weight pair and a broadcast fill the 16 registers; 8 left
+            // go as 4 + 4 (4-row tiles run at the 6-row speed, the 2-row one at ~0.65x)
+            for (; M - m0 >= 6 && M - m0 != 8; m0 += 6) panel_rows<6, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 4; m0 += 4) panel_rows<4, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 2; m0 += 2) panel_rows<2, 2>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 1; m0 += 1) panel_rows<1, 4>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
@@ -863,6 +901,20 @@ void rms_norm_bf16(uint16_t* x, const uint16_t* add, const uint16_t* w, uint16_t
             acc = _mm512_fmadd_ps(v, v, acc);
         }
         ss = _mm512_reduce_add_ps(acc);
+#elif defined(ITERSERVE_AVX2)
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (; i0 + 16 <= n; i0 += 16) {
+            __m256 v0 = widen8(xr + i0), v1 = widen8(xr + i0 + 8);
+            if (ar) {
+                v0 = round_bf16_8(_mm256_add_ps(v0, widen8(ar + i0)));
+                v1 = round_bf16_8(_mm256_add_ps(v1, widen8(ar + i0 + 8)));
+                narrow8(xr + i0, v0);
+                narrow8(xr + i0 + 8, v1);
+            }
+            acc0 = _mm256_fmadd_ps(v0, v0, acc0);
+            acc1 = _mm256_fmadd_ps(v1, v1, acc1);
+        }
+        ss = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
         for (int i = i0; i < n; ++i) {
             if (ar) xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(ar[i]));
@@ -873,6 +925,9 @@ void rms_norm_bf16(uint16_t* x, const uint16_t* add, const uint16_t* w, uint16_t
 #if defined(__AVX512F__)
         const __m512 iv = _mm512_set1_ps(inv);
         for (; i + 16 <= n; i += 16) narrow16(o + i, _mm512_mul_ps(round_bf16(_mm512_mul_ps(widen16(xr + i), iv)), widen16(w + i)));
+#elif defined(ITERSERVE_AVX2)
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (; i + 8 <= n; i += 8) narrow8(o + i, _mm256_mul_ps(round_bf16_8(_mm256_mul_ps(widen8(xr + i), iv)), widen8(w + i)));
 #endif
         for (; i < n; ++i) o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv)) * bf16_to_f32(w[i]));
     }
@@ -892,6 +947,13 @@ void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n) {
             const __m512 gv = widen16(g + i);
             const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
             narrow16(o + i, _mm512_mul_ps(round_bf16(sv), widen16(u + i)));
+        }
+#elif defined(ITERSERVE_AVX2)
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 gv = widen8(g + i);
+            const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            narrow8(o + i, _mm256_mul_ps(round_bf16_8(sv), widen8(u + i)));
         }
 #endif
         for (; i < n; ++i) {
@@ -922,6 +984,15 @@ void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const
                     const __m512 a = round_bf16(_mm512_mul_ps(widen16(xh + i), widen16(c + i)));
                     const __m512 b = round_bf16(_mm512_mul_ps(widen16(xh + j), widen16(sn + i)));
                     narrow16(o + i, _mm512_add_ps(a, b));
+                }
+            }
+#elif defined(ITERSERVE_AVX2)
+            if (half % 8 == 0) {
+                for (; i < hd; i += 8) {
+                    const int j = i < half ? i + half : i - half;
+                    const __m256 a = round_bf16_8(_mm256_mul_ps(widen8(xh + i), widen8(c + i)));
+                    const __m256 b = round_bf16_8(_mm256_mul_ps(widen8(xh + j), widen8(sn + i)));
+                    narrow8(o + i, _mm256_add_ps(a, b));
                 }
             }
 #endif
@@ -969,6 +1040,32 @@ void argmax_f32(const float* x, int rows, int n, int64_t* out) {
             }
         }
         if (best < 0) i = 0;  // a NaN somewhere (or no vector path): the scalar scan decides
+#elif defined(ITERSERVE_AVX2)
+        __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+        bool nan = false;
+        for (; i + 16 <= n; i += 16) {
+            const __m256 v0 = _mm256_loadu_ps(xr + i), v1 = _mm256_loadu_ps(xr + i + 8);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(v0, v1, _CMP_UNORD_Q))) { nan = true; break; }
+            m0 = _mm256_max_ps(m0, v0);
+            m1 = _mm256_max_ps(m1, v1);
+        }
+        if (!nan) {
+            float mx = hmax8(_mm256_max_ps(m0, m1));
+            for (int j = i; j < n; ++j) {
+                if (std::isnan(xr[j])) { nan = true; break; }
+                mx = std::fmax(mx, xr[j]);
+            }
+            if (!nan) {
+                const __m256 mv = _mm256_set1_ps(mx);
+                int j = 0;
+                for (; j + 8 <= n && best < 0; j += 8) {
+                    const int k = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(xr + j), mv, _CMP_EQ_OQ));
+                    if (k) best = j + __builtin_ctz(k);
+                }
+                for (; j < n && best < 0; ++j)
+                    if (xr[j] == mx) best = j;
+            }
+        }
 #endif
         if (best < 0) {
             float mx = xr[0];

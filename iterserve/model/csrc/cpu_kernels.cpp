@@ -479,6 +479,21 @@ inline void prefetch_heads(const void* cache, int elem, const int64_t* bt, int b
 }
 
 
+// Slot of position p in a sequence's block table, advanced one position at a time (no division
+// per position).
+struct SlotCursor {
+    const int64_t* bt;
+    int64_t block_size, blk, off;
+    SlotCursor(const int64_t* bt_, int64_t block_size_, int64_t p) : bt(bt_), block_size(block_size_), blk(p / block_size_), off(p % block_size_) {}
+    int64_t slot() const { return bt[blk] * block_size + off; }
+    void next() {
+        if (++off == block_size) {
+            off = 0;
+            ++blk;
+        }
+    }
+};
+
 #if defined(__AVX512F__)
 // r[j] = sum of the 16 lanes of v[j], for j = 0..15: a transpose-and-add tree (15 adds and 30
 // shuffles for 16 sums, instead of ~8 dependent ops per sum).
@@ -496,21 +511,6 @@ inline __m512 hsum16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
-
-// Slot of position p in a sequence's block table, advanced one position at a time (no division
-// per position).
-struct SlotCursor {
-    const int64_t* bt;
-    int64_t block_size, blk, off;
-    SlotCursor(const int64_t* bt_, int64_t block_size_, int64_t p) : bt(bt_), block_size(block_size_), blk(p / block_size_), off(p % block_size_) {}
-    int64_t slot() const { return bt[blk] * block_size + off; }
-    void next() {
-        if (++off == block_size) {
-            off = 0;
-            ++blk;
-        }
-    }
-};
 
 // One decode task of paged_decode_attention for a bf16 cache and head_dim 32 * NC: heads
 // [h0, h1) of one sequence, keys [begin, end), q (f32, nq * hd, query heads of the task in
@@ -627,6 +627,132 @@ inline DecodeTask decode_task_for(int hd) {
         case 96: return decode_task_bf16<3>;
         case 128: return decode_task_bf16<4>;
         case 256: return decode_task_bf16<8>;
+        default: return nullptr;
+    }
+}
+#endif
+
+#if defined(ITERSERVE_AVX2)
+// r[j] = sum of the 8 lanes of v[j], for j = 0..7 (the 8-lane hsum16).
+inline __m256 hsum8x8(const __m256* v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit lane: v[0..3], v[4..7]
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// decode_task_bf16 in 8 lanes, head_dim 16 * NC: a 32-byte half line of 16 bf16 widens into its
+// even and odd elements with one op each, and a score is finished 8 positions at a time by
+// hsum8x8 (the generic path's one horizontal sum per score and head cost ~3x the dot product).
+template <int NC>
+void decode_task_avx2(const float* qd, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int block_size,
+                      int64_t begin, int64_t end, int KvH, int G, int h0, int h1, float scale, std::vector<float>& scores,
+                      std::vector<float>& buf, float* outd) {
+    constexpr int hd = 16 * NC;
+    const int nq = (h1 - h0) * G;
+    const int64_t n = end - begin;
+    const int64_t ldn = (n + 15) & ~int64_t(15);
+    scores.assign(static_cast<size_t>(nq) * ldn, -INFINITY);
+    // buf: q split [nq][NC][2], per-query-head partial dot products [nq][8], output accumulators
+    // [nq][NC][2], in 8-float vectors
+    buf.resize(static_cast<size_t>(nq) * (4 * NC + 8) * 8 + 8);
+    __m256* qs = reinterpret_cast<__m256*>((reinterpret_cast<uintptr_t>(buf.data()) + 31) & ~uintptr_t(31));
+    __m256* part = qs + nq * 2 * NC;
+    __m256* acc = part + nq * 8;
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int qh = 0; qh < nq; ++qh)
+        for (int c = 0; c < NC; ++c) {
+            alignas(32) float e[8], o[8];
+            for (int i = 0; i < 8; ++i) {
+                e[i] = qd[qh * hd + 16 * c + 2 * i];
+                o[i] = qd[qh * hd + 16 * c + 2 * i + 1];
+            }
+            qs[(qh * NC + c) * 2] = _mm256_load_ps(e);
+            qs[(qh * NC + c) * 2 + 1] = _mm256_load_ps(o);
+        }
+    const int64_t row = static_cast<int64_t>(KvH) * hd;  // elements per slot
+    auto walk = [&](const uint16_t* cache, auto&& visit, auto&& done) {
+        SlotCursor cur(bt, block_size, begin), ahead(bt, block_size, begin);
+        for (int a = 0; a < AHEAD && begin + a < end; ++a) ahead.next();
+        for (int64_t p = begin; p < end; ++p) {
+            if (p + AHEAD < end) {
+                const char* pf = reinterpret_cast<const char*>(cache + ahead.slot() * row + static_cast<int64_t>(h0) * hd);
+                for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) __builtin_prefetch(pf + off, 0, 3);
+                ahead.next();
+            }
+            const uint16_t* r = cache + cur.slot() * row;
+            cur.next();
+            for (int h = h0; h < h1; ++h) {
+                __m256 lo[NC], hi[NC];
+                for (int c = 0; c < NC; ++c) {
+                    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + h * hd + 16 * c));
+                    lo[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                    hi[c] = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+                }
+                for (int g = 0; g < G; ++g) visit(p - begin, (h - h0) * G + g, lo, hi);
+            }
+            done(p - begin);
+        }
+    };
+    // Pass 1: scores[qh, p] = q_qh . k_p * scale.
+    walk(
+        k_cache,
+        [&](int64_t i, int qh, const __m256* lo, const __m256* hi) {
+            const __m256* qq = qs + qh * NC * 2;
+            __m256 s0 = _mm256_mul_ps(lo[0], qq[0]), s1 = _mm256_mul_ps(hi[0], qq[1]);
+            for (int c = 1; c < NC; ++c) {
+                s0 = _mm256_fmadd_ps(lo[c], qq[2 * c], s0);
+                s1 = _mm256_fmadd_ps(hi[c], qq[2 * c + 1], s1);
+            }
+            part[qh * 8 + (i & 7)] = _mm256_add_ps(s0, s1);
+        },
+        [&](int64_t i) {
+            if ((i & 7) != 7 && i + 1 != n) return;
+            const int valid = static_cast<int>(i & 7) + 1;
+            const __m256 sc = _mm256_set1_ps(scale);
+            for (int qh = 0; qh < nq; ++qh) {
+                for (int j = valid; j < 8; ++j) part[qh * 8 + j] = _mm256_setzero_ps();
+                alignas(32) float r8[8];
+                _mm256_store_ps(r8, _mm256_mul_ps(hsum8x8(part + qh * 8), sc));
+                std::memcpy(scores.data() + qh * ldn + (i & ~int64_t(7)), r8, sizeof(float) * valid);
+            }
+        });
+    for (int qh = 0; qh < nq; ++qh) softmax_inplace(scores.data() + qh * ldn, n, ldn);
+    // Pass 2: out_qh = sum_p scores[qh, p] * v_p.
+    for (int j = 0; j < nq * 2 * NC; ++j) acc[j] = _mm256_setzero_ps();
+    walk(
+        v_cache,
+        [&](int64_t i, int qh, const __m256* lo, const __m256* hi) {
+            const __m256 w = _mm256_set1_ps(scores[qh * ldn + i]);
+            __m256* aq = acc + qh * NC * 2;
+            for (int c = 0; c < NC; ++c) {
+                aq[2 * c] = _mm256_fmadd_ps(lo[c], w, aq[2 * c]);
+                aq[2 * c + 1] = _mm256_fmadd_ps(hi[c], w, aq[2 * c + 1]);
+            }
+        },
+        [](int64_t) {});
+    for (int qh = 0; qh < nq; ++qh)
+        for (int c = 0; c < NC; ++c) {
+            alignas(32) float e[8], o[8];
+            _mm256_store_ps(e, acc[(qh * NC + c) * 2]);
+            _mm256_store_ps(o, acc[(qh * NC + c) * 2 + 1]);
+            for (int i = 0; i < 8; ++i) {
+                outd[qh * hd + 16 * c + 2 * i] = e[i];
+                outd[qh * hd + 16 * c + 2 * i + 1] = o[i];
+            }
+        }
+}
+
+using DecodeTask = void (*)(const float*, const uint16_t*, const uint16_t*, const int64_t*, int, int64_t, int64_t, int, int, int, int, float,
+                            std::vector<float>&, std::vector<float>&, float*);
+inline DecodeTask decode_task_for(int hd) {
+    switch (hd) {
+        case 16: return decode_task_avx2<1>;
+        case 32: return decode_task_avx2<2>;
+        case 64: return decode_task_avx2<4>;
+        case 96: return decode_task_avx2<6>;
+        case 128: return decode_task_avx2<8>;
+        case 256: return decode_task_avx2<16>;
         default: return nullptr;
     }
 }
@@ -1109,13 +1235,13 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
     if (splits > KvH) splits = KvH;
     const int per = (KvH + splits - 1) / splits;
     const int tasks = D * splits;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(ITERSERVE_AVX2)
     const DecodeTask fast = cache_f32 ? nullptr : decode_task_for(hd);
 #endif
 #pragma omp parallel
     {
         std::vector<float> scores, row(static_cast<size_t>(hd)), acc, qbuf;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(ITERSERVE_AVX2)
         std::vector<float> vbuf;
 #endif
 #pragma omp for schedule(dynamic, 1)
@@ -1137,7 +1263,7 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
                 store_row(out, io_f32, od, nq * hd, acc.data());
                 continue;
             }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(ITERSERVE_AVX2)
             if (fast) {
                 acc.resize(static_cast<size_t>(nq) * hd);
                 fast(qd, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache), bt, block_size, begin, end, KvH, G, h0, h1,

@@ -587,6 +587,15 @@ def test_bf16_prefill_kernel_through_the_runner(case: Callable[[str], Case]) -> 
         assert cos(outs[i], sdpa[i], dim=0).item() > 0.9999
 
 
+def _needs_gemm(gemm: str) -> None:
+    from iterserve.model import kernels
+
+    k = kernels.load()
+    assert k is not None, "the C++ kernels did not build (see the warning logged)"
+    if gemm == "pairs" and not k.has_bf16_dot:
+        pytest.skip("the pair GEMM is compiled in only where the CPU has AVX512-BF16")
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -599,20 +608,17 @@ def test_bf16_prefill_kernel_through_the_runner(case: Callable[[str], Case]) -> 
         "qwen3-qknorm-headdim",
     ],
 )
+@pytest.mark.parametrize("gemm", ["pairs", "panels"])
 def test_fused_decode_layers_give_the_same_bits(
-    case: Callable[[str], Case], name: str, monkeypatch: pytest.MonkeyPatch
+    case: Callable[[str], Case], name: str, gemm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 decode-only steps through one C++ call per layer (fused_decode.py) against the same
     steps through DecoderLayer.forward: identical logits and KV caches, step after step, at 1
     to 25 decodes (the pair GEMM's prefetching tiles start at 12 rows; head_dim 64 takes the
-    vector decode task and RoPE); a step with a prefill in it, and a model with a per-head q/k
-    norm (Qwen3), take the per-layer path."""
-    from iterserve.model import kernels
-
-    k = kernels.load()
-    if k is None or not k.has_bf16_dot:
-        pytest.skip("the pair GEMM is compiled in only where the CPU has AVX512-BF16")
-    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=pairs,attn=cpu")
+    vector decode task and RoPE), on the pair GEMM and on the f32-panel one; a step with a
+    prefill in it, and a model with a per-head q/k norm (Qwen3), take the per-layer path."""
+    _needs_gemm(gemm)
+    monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm={gemm},attn=cpu")
     c = case(name)
     cc = CacheConfig(block_size=BLOCK, num_kv_blocks=26 * 16)
     fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
@@ -656,15 +662,12 @@ def _record(ran: list[bool], out: Any) -> Any:
 def test_fused_decode_needs_every_piece_on_the_kernels(
     case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No plan where a layer's GEMM for the row count is not the pair GEMM, or where decode
-    attention goes through SDPA; no fused path at all without iterserve's kernels."""
-    from iterserve.model import kernels
-
-    k = kernels.load()
-    if k is None or not k.has_bf16_dot:
-        pytest.skip("the pair GEMM is compiled in only where the CPU has AVX512-BF16")
+    """No plan where a layer's GEMM for the row count is neither the pair GEMM nor the panel
+    one, or where decode attention goes through SDPA; no fused path at all without iterserve's
+    kernels."""
+    _needs_gemm("panels")
     c = case("llama")
-    for setting in ("gemm=panels,attn=cpu", "gemm=pairs,attn=torch"):
+    for setting in ("gemm=torch,attn=cpu", "gemm=panels,attn=torch"):
         monkeypatch.setenv("ITERSERVE_KERNELS", setting)
         fd = c.runner(dtype="bfloat16").model.fused_decode
         assert fd is not None and fd.plan(1) is None and fd.plan(9) is None, setting
@@ -677,21 +680,18 @@ def test_fused_decode_needs_every_piece_on_the_kernels(
 def test_fused_decode_follows_the_row_routing(
     case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    """A layer whose o GEMM is the pair GEMM only up to 4 rows: plans up to 4 decodes, none
+    """A layer whose o GEMM is the panel GEMM only up to 4 rows: plans up to 4 decodes, none
     above; a model without layers decodes through the (empty) per-layer loop."""
-    from iterserve.model import kernels
     from iterserve.model.autotune import ByRows
-    from iterserve.model.layers import PairLinear
+    from iterserve.model.layers import PanelLinear
 
-    k = kernels.load()
-    if k is None or not k.has_bf16_dot:
-        pytest.skip("the pair GEMM is compiled in only where the CPU has AVX512-BF16")
-    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=pairs,attn=cpu")
+    _needs_gemm("panels")
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=panels,attn=cpu")
     runner = case("llama").runner(dtype="bfloat16")
     fd = runner.model.fused_decode
     assert fd is not None
     layer = runner.model.layers[1]
-    assert type(layer.o) is PairLinear
+    assert type(layer.o) is PanelLinear
     layer.o = ByRows([4, 1 << 30], [layer.o, lambda x: layer.o.table[0][1](x)])
     assert fd.plan(4) is not None and fd.plan(5) is None and fd.plan(1) is not None
     path = str(tmp_path / "no-layers")

@@ -3,9 +3,9 @@ csrc/cpu_kernels.cpp).
 
 At 1-8 decodes a layer's ten kernels take about as long as the Python around them (wrappers,
 argument checks, module calls; docs/SPEED.md, "One call per layer for decode steps"). Where
-every piece of a layer runs on iterserve's kernels for a step's row count (the four GEMMs on
-the pair GEMM, the kernel decode attention, the fused norms, RoPE and SwiGLU, no per-head
-q/k norm), ``decode_layer`` makes the same kernel calls in the same order with the same
+every piece of a layer runs on iterserve's kernels for a step's row count (the four GEMMs all
+on the pair GEMM or all on the f32-panel one, the kernel decode attention, the fused norms,
+RoPE and SwiGLU, no per-head q/k norm), ``decode_layer`` makes the same kernel calls in the same order with the same
 arguments, so the step's results are the same bits; any other step, or a layer that does not
 qualify, takes ``DecoderLayer.forward``.
 """
@@ -23,10 +23,12 @@ from iterserve.model import attention, kernels
 from iterserve.model.attention_backends import CpuBackend, TorchMetadata
 from iterserve.model.autotune import ByRows
 from iterserve.model.layers import (
+    PANEL_MAX_ROWS,
     FusedRMSNorm,
     FusedRotary,
     FusedSiluMul,
     PairLinear,
+    PanelLinear,
     no_qk_norm,
 )
 
@@ -34,6 +36,10 @@ from iterserve.model.layers import (
 def _for_rows(fn: Any, rows: int) -> Any:
     """What a (possibly row-routed) callable runs for ``rows`` rows."""
     return fn.pick(rows) if isinstance(fn, ByRows) else fn
+
+
+def _packed(lin: PairLinear | PanelLinear) -> torch.Tensor:
+    return lin.panels if isinstance(lin, PanelLinear) else lin.pairs
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -78,8 +84,17 @@ class FusedDecode:
         for layer in self.layers:
             lins = [_for_rows(getattr(layer, n), rows) for n in ("qkv", "o", "gate_up", "down")]
             # exact types: a subclass could change what a piece computes
+            pairs = all(
+                type(x) is PairLinear and not x.odd and x.kern is self.kern for x in lins
+            ) and bool(self.kern.has_bf16_dot)
+            panels = all(
+                type(x) is PanelLinear
+                and x.kern is self.kern
+                and (x.many_rows is None or rows <= PANEL_MAX_ROWS)
+                for x in lins
+            )
             if not (
-                all(type(x) is PairLinear and not x.odd and x.kern is self.kern for x in lins)
+                (pairs or panels)
                 and layer.qk_norm is no_qk_norm
                 and all(b is None or b.dtype == torch.bfloat16 for b in (x.bias for x in lins))
                 and all(
@@ -101,17 +116,14 @@ class FusedDecode:
             w = kernels.DecodeLayerW(
                 layer.input_norm.weight.data_ptr(),
                 layer.post_norm.weight.data_ptr(),
-                qkv.pairs.data_ptr(), _ptr(qkv.bias),
-                o.pairs.data_ptr(), _ptr(o.bias),
-                gu.pairs.data_ptr(), _ptr(gu.bias),
-                down.pairs.data_ptr(), _ptr(down.bias),
+                *(t for x in lins for t in (_packed(x).data_ptr(), _ptr(x.bias))),
                 o.out_features, qkv.out_features, gu.out_features // 2,
                 layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                layer.input_norm.eps, float(layer.head_dim**-0.5),
+                layer.input_norm.eps, float(layer.head_dim**-0.5), int(panels),
             )  # fmt: skip
             out.append(w)
             keep += [layer.input_norm.weight, layer.post_norm.weight]
-            keep += [t for x in lins for t in (x.pairs, x.bias) if t is not None]
+            keep += [t for x in lins for t in (_packed(x), x.bias) if t is not None]
         return out, keep
 
     def run(
@@ -173,7 +185,7 @@ class FusedDecode:
         for w, (k_cache, v_cache) in zip(plan, kv_caches):
             rc = fn(ctypes.byref(w), sp, h_p, pending, k_cache.data_ptr(), v_cache.data_ptr(),
                     work_p, out_p)  # fmt: skip
-            if rc != 0:  # only a library built without AVX512-BF16, which plan() excludes
+            if rc != 0:  # only pairs in a library built without AVX512-BF16 (plan() excludes)
                 raise RuntimeError(f"decode_layer failed ({rc})")
             pending = out_p
         return out

@@ -154,7 +154,7 @@ def _check_packed(
 
 class DecodeLayerW(ctypes.Structure):
     """``DecodeLayerW`` of cpu_kernels.cpp: one layer's constant arguments to ``decode_layer``
-    (its pair-packed weights, norms and shapes). The tensors behind the pointers must outlive
+    (its pair- or panel-packed weights, norms and shapes). The tensors behind the pointers must outlive
     it (``fused_decode.FusedDecode`` keeps them beside it)."""
 
     _fields_ = [
@@ -163,6 +163,7 @@ class DecodeLayerW(ctypes.Structure):
         *((n, _I) for n in ("hidden", "n_qkv", "inter", "heads", "kv_heads", "head_dim")),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("panels", _I),  # 1: the weights are pack_panels', 0: pack_pairs'
     ]  # fmt: skip
 
 

@@ -232,7 +232,7 @@ class DecoderModel(nn.Module):
         self.norm = choose_norm(w, self.cfg.rms_norm_eps, s.fused)
         self.fused_decode = None
         # (the cpu backend runs only on a CPU device)
-        if s.fused is not None and s.fused.has_bf16_dot and isinstance(s.attention, CpuBackend):
+        if s.fused is not None and isinstance(s.attention, CpuBackend):
             self.fused_decode = FusedDecode(s.fused, list(self.layers), s.attention)
 
     def forward(

@@ -449,6 +449,69 @@ void panel_rows(const uint16_t* P, const float* xf, const float* bias, void* y, 
         }
     }
 }
+
+// Rows [m0, m0 + MB) against one panel, whole lines at a time (MB <= 3: 4 accumulators a row):
+// for the few rows of a decode step the panel streams from memory once, where the half-panel
+// passes leave memory idle during the second half (1-row GEMMs streamed ~11 GB/s a core).
+template <int MB, int KU>
+void panel_rows_full(const uint16_t* P, const float* xf, const float* bias, void* y, int y_f32, int N, int K, int n0, int m0) {
+    static_assert(MB * KU <= 3 || (MB == 1 && KU == 2), "accumulators must fit in 16 registers");
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const float* x0 = xf + static_cast<int64_t>(m0) * K;
+    const int valid = N - n0;
+    __m256 acc[KU][MB][4];
+#pragma GCC unroll 16
+    for (int u = 0; u < KU; ++u)
+#pragma GCC unroll 16
+        for (int i = 0; i < MB; ++i) acc[u][i][0] = acc[u][i][1] = acc[u][i][2] = acc[u][i][3] = _mm256_setzero_ps();
+    auto line = [&](int k, int u) {
+        const uint16_t* Pk = P + static_cast<int64_t>(k) * PANEL;
+#pragma GCC unroll 2
+        for (int hf = 0; hf < 2; ++hf) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Pk + 16 * hf));
+            const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+#pragma GCC unroll 16
+            for (int i = 0; i < MB; ++i) {
+                const __m256 xb = _mm256_broadcast_ss(x0 + static_cast<int64_t>(i) * K + k);
+                acc[u][i][2 * hf] = _mm256_fmadd_ps(lo, xb, acc[u][i][2 * hf]);
+                acc[u][i][2 * hf + 1] = _mm256_fmadd_ps(hi, xb, acc[u][i][2 * hf + 1]);
+            }
+        }
+    };
+    int k = 0;
+    for (; k + KU <= K; k += KU) {
+#pragma GCC unroll 16
+        for (int u = 0; u < KU; ++u) {
+            __builtin_prefetch(P + static_cast<int64_t>(k + u + PREFETCH) * PANEL, 0, 3);
+            line(k + u, u);
+        }
+    }
+    for (; k < K; ++k) line(k, 0);
+    // acc[.][i][2 hf + e]: columns 16 e + 8 hf + 0..7 (see the half-panel kernel)
+    alignas(32) float res[MB][4][8];
+#pragma GCC unroll 16
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            __m256 a = acc[0][i][j];
+#pragma GCC unroll 16
+            for (int u = 1; u < KU; ++u) a = _mm256_add_ps(a, acc[u][i][j]);
+            _mm256_store_ps(res[i][j], a);
+        }
+    for (int i = 0; i < MB; ++i)
+        for (int j = 0; j < 4; ++j) {
+            const int c0 = 16 * (j & 1) + 8 * (j >> 1);
+            __m256 a = _mm256_load_ps(res[i][j]);
+            if (bias) {
+                alignas(32) float ba[8] = {0};
+                for (int t = 0; t < 8; ++t)
+                    if (c0 + t < valid) ba[t] = bias[n0 + c0 + t];
+                a = _mm256_add_ps(a, _mm256_load_ps(ba));
+            }
+            store8(y, y_f32, static_cast<int64_t>(m0 + i) * N + n0 + c0, a, valid - c0);
+        }
+}
 #else
 template <int MB, int KU>
 void panel_rows(const uint16_t* P, const float* xf, const float* bias, void* y, int y_f32, int N, int K, int n0, int m0) {
@@ -992,8 +1055,9 @@ void gemm_panels(const uint16_t* P, const void* x, void* y, const void* bias, in
             // go as 4 + 4 (4-row tiles run at the 6-row speed, the 2-row one at ~0.65x)
             for (; M - m0 >= 6 && M - m0 != 8; m0 += 6) panel_rows<6, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 4; m0 += 4) panel_rows<4, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
-            for (; M - m0 >= 2; m0 += 2) panel_rows<2, 2>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
-            for (; M - m0 >= 1; m0 += 1) panel_rows<1, 4>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+            if (M - m0 == 3) panel_rows_full<3, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+            if (M - m0 == 2) panel_rows_full<2, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
+            if (M - m0 == 1) panel_rows_full<1, 2>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
 #else
             for (; M - m0 >= 14; m0 += 14) panel_rows<14, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
             for (; M - m0 >= 8; m0 += 8) panel_rows<8, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);
@@ -1478,6 +1542,7 @@ struct DecodeLayerW {
     const uint16_t *in_norm, *post_norm, *qkv, *qkv_b, *o, *o_b, *gate_up, *gate_up_b, *down, *down_b;
     int hidden, n_qkv, inter, heads, kv_heads, head_dim;
     float eps, scale;
+    int panels;  // 1: the four weights are f32-panel packed (pack_bf16_panels), 0: pair packed
 };
 struct DecodeStep {
     const uint16_t *cos, *sin;  // [M, hd]
@@ -1487,12 +1552,24 @@ struct DecodeStep {
 
 // h [M, hidden] (h += pending in place first, unless pending is null: the first layer);
 // work: decode_layer_work(w, M) bf16; out [M, hidden]: this layer's MLP output (the next
-// layer's pending). 0, or -1 without AVX512-BF16.
+// layer's pending). 0, or -1 for pair-packed weights in a build without AVX512-BF16.
 int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const uint16_t* pending, uint16_t* k_cache, uint16_t* v_cache,
                  uint16_t* work, uint16_t* out) {
-#if defined(__AVX512BF16__)
+#if !defined(__AVX512BF16__)
+    if (!w->panels) return -1;
+#endif
     const int M = s->rows, hid = w->hidden, hd = w->head_dim, H = w->heads, KvH = w->kv_heads;
     const int nqk = (H + KvH) * hd, q_size = H * hd, kv_size = KvH * hd;
+    // y [M, N] = x [M, K] . W^T + b, bf16, on the GEMM the layer was packed for
+    auto gemm = [&](const uint16_t* W, const uint16_t* x, uint16_t* y, const uint16_t* b, int N, int K) {
+        if (w->panels) {
+            gemm_panels(W, x, y, b, 0, M, N, K);
+            return;
+        }
+#if defined(__AVX512BF16__)
+        gemm_pairs(W, x, y, b, M, N, K);
+#endif
+    };
     uint16_t* normed = work;
     uint16_t* qkv = normed + static_cast<int64_t>(M) * hid;
     uint16_t* qk = qkv + static_cast<int64_t>(M) * w->n_qkv;
@@ -1501,22 +1578,18 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
     uint16_t* gu = o + static_cast<int64_t>(M) * hid;
     uint16_t* act = gu + static_cast<int64_t>(M) * 2 * w->inter;
     rms_norm_bf16(h, pending, w->in_norm, normed, M, hid, w->eps);
-    gemm_pairs(w->qkv, normed, qkv, w->qkv_b, M, w->n_qkv, hid);
+    gemm(w->qkv, normed, qkv, w->qkv_b, w->n_qkv, hid);
     rope_bf16(qkv, w->n_qkv, s->cos, s->sin, qk, M, H + KvH, hd);  // q and k together
     write_rows(qk + q_size, int64_t(nqk) * 2, k_cache, s->slots, M, int64_t(kv_size) * 2);
     write_rows(qkv + q_size + kv_size, int64_t(w->n_qkv) * 2, v_cache, s->slots, M, int64_t(kv_size) * 2);
     paged_decode_attention(qk, nqk, 0, k_cache, v_cache, 0, s->block_tables, s->ctx_lens, s->starts, attn, M, H, KvH, hd, s->block_size,
                            s->max_blocks, w->scale);
-    gemm_pairs(w->o, attn, o, w->o_b, M, hid, q_size);
+    gemm(w->o, attn, o, w->o_b, hid, q_size);
     rms_norm_bf16(h, o, w->post_norm, normed, M, hid, w->eps);
-    gemm_pairs(w->gate_up, normed, gu, w->gate_up_b, M, 2 * w->inter, hid);
+    gemm(w->gate_up, normed, gu, w->gate_up_b, 2 * w->inter, hid);
     silu_mul_bf16(gu, act, M, w->inter);
-    gemm_pairs(w->down, act, out, w->down_b, M, hid, w->inter);
+    gemm(w->down, act, out, w->down_b, hid, w->inter);
     return 0;
-#else
-    (void)w; (void)s; (void)h; (void)pending; (void)k_cache; (void)v_cache; (void)work; (void)out;
-    return -1;
-#endif
 }
 
 }  // extern "C"

@@ -227,16 +227,18 @@ def run_vllm(
     tokens: int,
     kv_gib: int,
     venv: str | None = None,
+    dtype: str = "bfloat16",
 ) -> Result:
     from iterserve.bench import vllm_cpu
 
     d = vllm_cpu.run_offline(
         model_dir, wl, max_num_seqs=seqs, max_num_batched_tokens=tokens,
         max_model_len=max_model_len, threads=threads, kv_cache_gib=kv_gib,
-        venv=Path(venv) if venv else None, warmup=warmup_prompt(wl),
+        venv=Path(venv) if venv else None, warmup=warmup_prompt(wl), dtype=dtype,
     )  # fmt: skip
-    note = f"vllm-cpu {vllm_cpu.VLLM_CPU_VERSION}: max_num_seqs {seqs}, max_num_batched_tokens "
-    return Result("vllm-cpu", d["wall_s"], d["output_tokens"], note + f"{tokens}, KV {kv_gib} GiB")
+    note = f"vllm-cpu {vllm_cpu.VLLM_CPU_VERSION} {dtype}: max_num_seqs {seqs}, "
+    note += f"max_num_batched_tokens {tokens}, KV {kv_gib} GiB"
+    return Result("vllm-cpu", d["wall_s"], d["output_tokens"], note)
 
 
 def run_llamacpp(model_dir: str, wl: Workload, threads: int, parallel: int) -> Result:
@@ -380,7 +382,7 @@ def _candidates(a: argparse.Namespace, model_dir: str, wl: Workload) -> list[tup
         elif sysname == "vllm-cpu":
             out += [
                 (sysname, partial(run_vllm, model_dir, wl, a.threads, a.max_model_len, q, t,
-                                  a.vllm_kv_gib, a.vllm_venv))
+                                  a.vllm_kv_gib, a.vllm_venv, a.vllm_dtype))
                 for q, t in grid
             ]  # fmt: skip
         elif sysname == "llamacpp":
@@ -442,6 +444,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--vllm-kv-gib", type=int, default=2,
                     help="vllm-cpu: VLLM_CPU_KVCACHE_SPACE (GiB)")  # fmt: skip
+    ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="vllm-cpu's dtype (iterserve stays bf16): on a CPU without "
+                    "native bf16 dot products vLLM's bf16 GEMMs are emulated")  # fmt: skip
     ap.add_argument("--vllm-venv", help="vllm-cpu's virtualenv (default: built once under "
                     "$ITERSERVE_CACHE, see iterserve/bench/vllm_cpu.py)")  # fmt: skip
     ap.add_argument("--static-batch", type=int, default=8)

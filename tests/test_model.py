@@ -422,7 +422,7 @@ def test_gemm_row_buckets_bound_shapes_and_keep_results() -> None:
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-# 20: the scalar path (head_dim not a multiple of 16); 16 (AVX2), 64, 128: the bf16 cache's fast path
+# 20: the scalar path (head_dim not a multiple of 16); 16 (AVX2), 64, 128: the bf16 fast path
 @pytest.mark.parametrize("hd", [16, 20, 64, 128])
 @pytest.mark.parametrize("variant", ["native", "avx2"])
 def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: str) -> None:

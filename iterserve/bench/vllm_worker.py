@@ -19,7 +19,7 @@ def main(path: str) -> None:
     wl = job["workload"]
     llm = LLM(
         model=job["model_dir"],
-        dtype="bfloat16",
+        dtype=job.get("dtype", "bfloat16"),
         max_model_len=job["max_model_len"],
         max_num_seqs=job["max_num_seqs"],
         max_num_batched_tokens=job["max_num_batched_tokens"],

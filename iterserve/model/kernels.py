@@ -154,8 +154,8 @@ def _check_packed(
 
 class DecodeLayerW(ctypes.Structure):
     """``DecodeLayerW`` of cpu_kernels.cpp: one layer's constant arguments to ``decode_layer``
-    (its pair- or panel-packed weights, norms and shapes). The tensors behind the pointers must outlive
-    it (``fused_decode.FusedDecode`` keeps them beside it)."""
+    (its pair- or panel-packed weights, norms and shapes). The tensors behind the pointers must
+    outlive it (``fused_decode.FusedDecode`` keeps them beside it)."""
 
     _fields_ = [
         *((n, _P) for n in ("in_norm", "post_norm", "qkv", "qkv_b", "o", "o_b", "gate_up",

@@ -43,16 +43,16 @@ def kern_variant(request: pytest.FixtureRequest) -> kernels.Kernels:
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("K", [48, 41])
+@pytest.mark.parametrize("K", [48, 41, 300])
 def test_panel_gemm_matches_torch(
     x_dtype: torch.dtype, K: int, kern_variant: kernels.Kernels
 ) -> None:
-    """Every row-block size (14, 8, 4, 2, 1 with AVX-512; 6, 4, 2, 1 with AVX2; their mixes), N
-    not a multiple of the 32-column panel, K not a multiple of the k-unrolling, with and without
-    bias."""
+    """Every row-block size (14, 8, 4, 2, 1 with AVX-512; 6, 4, 3, 2, 1 with AVX2; their mixes), N
+    not a multiple of the 32-column panel, K not a multiple of the k-unrolling, K over more than
+    two of the AVX2 kernel's 128-line f32 chunks, with and without bias."""
     kern = kern_variant
     torch.manual_seed(0)
-    for M in (1, 2, 3, 5, 8, 9, 14, 15, 17, 22, 32, 70):
+    for M in (1, 2, 3, 5, 8, 9, 14, 15, 17, 22, 32, 33, 35, 70):
         for N in (37, 64):
             x = torch.randn(M, K).to(x_dtype)
             w = torch.randn(N, K).bfloat16()

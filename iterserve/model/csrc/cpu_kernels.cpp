@@ -512,6 +512,102 @@ void panel_rows_full(const uint16_t* P, const float* xf, const float* bias, void
             store8(y, y_f32, static_cast<int64_t>(m0 + i) * N + n0 + c0, a, valid - c0);
         }
 }
+
+// F32_TILE_MIN_ROWS and more rows: the panel is widened to f32 once per KC lines (into an
+// L1-resident buffer) and a plain f32 tile kernel (6 rows x 16 columns: 12 accumulators, two
+// weight vectors, a broadcast) runs every row against it, instead of widening each half line
+// again in every row tile's pass. Partial sums live in C [M][32] between chunks. Below 32 rows
+// the widening's stores cost more than they save (docs/SPEED.md, "f32 tiles").
+constexpr int KC = 128;  // lines per widened chunk: 16 KB of f32
+constexpr int F32_TILE_MIN_ROWS = 32;
+
+inline void widen_lines(const uint16_t* P, int k0, int kn, float* Wf) {
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int k = 0; k < kn; ++k) {
+        const uint16_t* Pk = P + static_cast<int64_t>(k0 + k) * PANEL;
+        float* Wk = Wf + static_cast<int64_t>(k) * PANEL;
+#pragma GCC unroll 2
+        for (int hf = 0; hf < 2; ++hf) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Pk + 16 * hf));
+            _mm256_store_ps(Wk + 8 * hf, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+            _mm256_store_ps(Wk + 16 + 8 * hf, _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask)));
+        }
+    }
+}
+
+// C[i][c0 + 0 .. 8 NV) += x[i][k0 + k] * Wf[k][c0 + ...] for MB rows; prefetches pf_n lines from
+// pf on the way (the panel's next chunk, so that memory works while this chunk computes).
+template <int MB, int NV>
+inline void tile_f32(const float* Wf, int kn, const float* x0, int K, float* C, int c0, const uint16_t* pf, int pf_n) {
+    static_assert(MB * NV <= 12, "accumulators must fit in 16 registers");
+    __m256 acc[MB][NV];
+#pragma GCC unroll 16
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_load_ps(C + i * PANEL + c0 + 8 * v);
+    for (int k = 0; k < kn; ++k) {
+        if (k < pf_n) __builtin_prefetch(pf + static_cast<int64_t>(k) * PANEL, 0, 3);
+        __m256 w[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) w[v] = _mm256_load_ps(Wf + static_cast<int64_t>(k) * PANEL + c0 + 8 * v);
+#pragma GCC unroll 16
+        for (int i = 0; i < MB; ++i) {
+            const __m256 xb = _mm256_broadcast_ss(x0 + static_cast<int64_t>(i) * K + k);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(w[v], xb, acc[i][v]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) _mm256_store_ps(C + i * PANEL + c0 + 8 * v, acc[i][v]);
+}
+
+// All M rows against one panel through the widened chunks; Wf holds KC * 32 floats, C M * 32
+// (both 32-byte aligned).
+void panel_task_f32(const uint16_t* P, const float* xf, const float* bias, void* y, int y_f32, int N, int K, int n0, int M, float* Wf, float* C) {
+    std::fill(C, C + static_cast<int64_t>(M) * PANEL, 0.0f);
+    int k0 = 0;
+    if (K > 0) widen_lines(P, 0, std::min(KC, K), Wf);
+    while (k0 < K) {
+        const int kn = std::min(KC, K - k0);
+        const int next = k0 + kn;
+        const uint16_t* pf = P + static_cast<int64_t>(next) * PANEL;
+        int pf_n = std::min(KC, K - next);
+        const float* xk = xf + k0;
+        int m0 = 0;
+        for (; M - m0 >= 6; m0 += 6) {
+            for (int c0 = 0; c0 < PANEL; c0 += 16) {
+                tile_f32<6, 2>(Wf, kn, xk + static_cast<int64_t>(m0) * K, K, C + m0 * PANEL, c0, pf, pf_n);
+                pf_n = 0;  // the first pass prefetches the next chunk
+            }
+        }
+        if (M - m0 >= 4) {
+            for (int c0 = 0; c0 < PANEL; c0 += 16) {
+                tile_f32<4, 2>(Wf, kn, xk + static_cast<int64_t>(m0) * K, K, C + m0 * PANEL, c0, pf, pf_n);
+                pf_n = 0;
+            }
+            m0 += 4;
+        }
+        if (M - m0 == 3) tile_f32<3, 4>(Wf, kn, xk + static_cast<int64_t>(m0) * K, K, C + m0 * PANEL, 0, pf, pf_n);
+        if (M - m0 == 2) tile_f32<2, 4>(Wf, kn, xk + static_cast<int64_t>(m0) * K, K, C + m0 * PANEL, 0, pf, pf_n);
+        if (M - m0 == 1) tile_f32<1, 4>(Wf, kn, xk + static_cast<int64_t>(m0) * K, K, C + m0 * PANEL, 0, pf, pf_n);
+        k0 = next;
+        if (k0 < K) widen_lines(P, k0, std::min(KC, K - k0), Wf);
+    }
+    const int valid = N - n0;
+    for (int i = 0; i < M; ++i)
+        for (int c0 = 0; c0 < PANEL; c0 += 8) {
+            __m256 a = _mm256_load_ps(C + i * PANEL + c0);
+            if (bias) {
+                alignas(32) float ba[8] = {0};
+                for (int t = 0; t < 8; ++t)
+                    if (c0 + t < valid) ba[t] = bias[n0 + c0 + t];
+                a = _mm256_add_ps(a, _mm256_load_ps(ba));
+            }
+            store8(y, y_f32, static_cast<int64_t>(i) * N + n0 + c0, a, valid - c0);
+        }
+}
 #else
 template <int MB, int KU>
 void panel_rows(const uint16_t* P, const float* xf, const float* bias, void* y, int y_f32, int N, int K, int n0, int m0) {
@@ -1010,6 +1106,9 @@ void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t
 extern "C" {
 
 int iterserve_kernels_version() { return 1; }
+int g_nextpf = 1;
+
+void iterserve_set_nextpf(int v) { g_nextpf = v; }
 
 // Lays out W [N, K] (bf16, row-major) as panels (see PANEL): P holds ceil(N / 32) * K * 32
 // bf16, columns past N zero.
@@ -1045,12 +1144,26 @@ void gemm_panels(const uint16_t* P, const void* x, void* y, const void* bias, in
 #pragma omp single
             load_row(bias, x_f32, 0, N, bf.data());
         }
+#if defined(ITERSERVE_AVX2)
+        std::vector<float> scratch;
+        float* wf = nullptr;
+        float* cbuf = nullptr;
+        if (M >= F32_TILE_MIN_ROWS) {
+            scratch.resize(static_cast<size_t>(KC + M) * PANEL + 8);
+            wf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t(31));
+            cbuf = wf + KC * PANEL;
+        }
+#endif
 #pragma omp for schedule(static)
         for (int p = 0; p < panels; ++p) {
             const uint16_t* Pp = P + static_cast<int64_t>(p) * K * PANEL;
             const int n0 = p * PANEL;
             int m0 = 0;
 #if defined(ITERSERVE_AVX2)
+            if (M >= F32_TILE_MIN_ROWS) {
+                panel_task_f32(Pp, xf.data(), b, y, x_f32, N, K, n0, M, wf, cbuf);
+                continue;
+            }
             // 6 rows: 12 accumulators, a weight pair and a broadcast fill the 16 registers; 8 left
             // go as 4 + 4 (4-row tiles run at the 6-row speed, the 2-row one at ~0.65x)
             for (; M - m0 >= 6 && M - m0 != 8; m0 += 6) panel_rows<6, 1>(Pp, xf.data(), b, y, x_f32, N, K, n0, m0);

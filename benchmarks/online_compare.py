@@ -3,7 +3,6 @@ client (``iterserve bench serve``'s ``run_serve``), the highest rate each sustai
 and the TTFT / TPOT curves in one PNG.
 
     python benchmarks/online_compare.py --rates 3,4,5,6,7 --num-prompts 240 --out /tmp/online
-    python benchmarks/online_compare.py --vllm-dtype float32 ...  # a CPU without bf16 dot products
 
 Both servers run at once on their own ports (an idle server costs nothing here), and every rate
 runs on each server in turn, so the two see the same machine state. Each rate sends prompts of
@@ -122,15 +121,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
     ap.add_argument(
         "--vllm-dtype",
-        choices=("bfloat16", "float32"),
-        default="bfloat16",
-        help="vLLM-CPU's dtype (iterserve serves bf16): float32 is vLLM's best on a CPU "
-        "without native bf16 dot products, where its bf16 GEMMs are emulated",
+        choices=vllm_cpu.DTYPES,
+        default="auto",
+        help="vLLM-CPU's dtype (iterserve serves bf16); auto: bfloat16 where this CPU has "
+        "native bf16 dot products, else float32 (vLLM's bf16 GEMMs are emulated there)",
     )
     ap.add_argument("--vllm-venv")
     ap.add_argument("--port", type=int, default=18200, help="first of two ports")
     ap.add_argument("--out", default="online_compare", help="folder for JSON and PNG")
     a = ap.parse_args(argv)
+    a.vllm_dtype = vllm_cpu.resolve_dtype(a.vllm_dtype)
 
     model_dir = resolve_model(a.model)
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size

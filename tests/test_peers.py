@@ -58,3 +58,17 @@ def test_cpu_env_names_the_knobs() -> None:
     env = vllm_cpu.cpu_env(3, 2)
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+
+
+def test_vllm_dtype_auto_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` asks vLLM-CPU for bf16 only where the CPU multiplies bf16 in hardware; explicit
+    dtypes pass through; anything else is refused with the choices."""
+    import iterserve.model.cpu as cpu
+
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(cpu, "has_native", lambda dtype, native=native: native)
+        assert vllm_cpu.resolve_dtype("auto") == want
+    assert vllm_cpu.resolve_dtype("bfloat16") == "bfloat16"
+    assert vllm_cpu.resolve_dtype("float32") == "float32"
+    with pytest.raises(ValueError, match="auto, bfloat16, float32"):
+        vllm_cpu.resolve_dtype("fp16")

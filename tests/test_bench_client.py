@@ -160,7 +160,9 @@ def test_arrival_times_concurrency_and_failures(server: ThreadingHTTPServer) -> 
     assert len(done) == 4
     assert not http500.success and http500.error is not None and "HTTP 500" in http500.error
     assert not stream_err.success and stream_err.error == "scripted stream error"
-    assert late.send_time == pytest.approx(0.3, abs=TOL) and late.arrival_time == 0.3
+    # never sent before its arrival time; late only by scheduling delay (a loaded 2-core CI
+    # machine once sent it 135 ms late while another process ran beside the suite)
+    assert 0.3 - TOL <= late.send_time <= 0.3 + 10 * TOL and late.arrival_time == 0.3
     s = summarize(res.timings, res.duration_s)
     assert s["failed"] == 2 and s["completed"] == 2 and sum(s["errors"].values()) == 2
     assert s["request_throughput"] == pytest.approx(2 / res.duration_s)

@@ -69,6 +69,20 @@ def test_pick_from_fake_timings() -> None:
         pick({})
 
 
+def test_pick_untimed_bucket_takes_final_neighbour() -> None:
+    """A bucket nobody timed (the budget ran out) takes the previous bucket's choice after the
+    near-tie rule: upcast, 10% faster than the panels at 512 rows, lost there to the panels'
+    majority, and must not serve the untimed rows above."""
+    t = {
+        "torch": [9.0, 9.0, 9.0, 9.0, None],
+        "panels": [1.0, 1.0, 1.0, 1.0, None],
+        "upcast": [None, None, None, 0.9, None],
+    }
+    assert pick(t) == ("panels",) * 5
+    assert pick({"torch": [None, 1.0], "packed": [None, 0.5]}) == ("torch", "packed")  # baseline
+    assert pick({"torch": [None, None]}) == ("torch", "torch")
+
+
 def test_route_by_rows() -> None:
     limits = autotune.bucket_limits(ROW_BUCKETS)
     assert limits[:-1] == (2, 16, 64, 256) and limits[-1] > 10**9  # log-scale midpoints

@@ -61,7 +61,7 @@ KEEP = 0.15
 PRUNE = 2.0  # a path this many times slower than the best at one bucket is not timed above it
 BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
 ATTN_CTX = 256  # context per sequence when timing decode attention
-VERSION = 2  # bump when what is measured or how it is chosen changes
+VERSION = 3  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -81,23 +81,32 @@ def pick(timings: Timings, margin: float = MARGIN, keep: float = KEEP) -> tuple[
     n = len(timings[paths[0]])
     if any(len(t) != n for t in timings.values()):
         raise ValueError("every path needs one timing per bucket")
-    out: list[str] = []
+    chosen: list[str | None] = []  # None: nobody timed this bucket
     for i in range(n):
         timed = {p: t[i] for p, t in timings.items() if t[i] is not None}
         if not timed:
-            out.append(out[-1] if out else paths[0])
+            chosen.append(None)
             continue
         best = min(timed, key=lambda p: timed[p])  # type: ignore[arg-type,return-value]
         base = timed.get(paths[0])
         if base is not None and timed[best] > base * (1 - margin):  # type: ignore[operator]
             best = paths[0]
-        out.append(best)
-    counts = {p: out.count(p) for p in dict.fromkeys(out)}  # first chosen wins a tie
-    major = max(counts, key=lambda p: counts[p])
-    for i, p in enumerate(out):
-        t, t_major = timings[p][i], timings[major][i]
-        if p != major and t is not None and t_major is not None and t > t_major * (1 - keep):
-            out[i] = major
+        chosen.append(best)
+    picked = [p for p in chosen if p is not None]
+    if picked:
+        counts = {p: picked.count(p) for p in dict.fromkeys(picked)}  # first chosen wins a tie
+        major = max(counts, key=lambda p: counts[p])
+        for i, p in enumerate(chosen):
+            if p is None or p == major:
+                continue
+            t, t_major = timings[p][i], timings[major][i]
+            if t is not None and t_major is not None and t > t_major * (1 - keep):
+                chosen[i] = major
+    # An untimed bucket takes its neighbour's final choice (after the near-tie rule): a path
+    # that lost there on the rule must not come back above it untimed.
+    out: list[str] = []
+    for p in chosen:
+        out.append(p if p is not None else out[-1] if out else paths[0])
     return tuple(out)
 
 

@@ -58,7 +58,7 @@ MARGIN = 0.05
 # paths' timings at one bucket moved by up to ~30% between three measurements on a shared VM
 # (docs/SPEED.md, "One path unless another clearly wins").
 KEEP = 0.15
-PRUNE = 2.0  # a path this many times slower than the best at one bucket is not timed above it
+PRUNE = 2.0  # a path this many times slower than the best at one bucket is not timed at the next
 BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
 ATTN_CTX = 256  # context per sequence when timing decode attention
 VERSION = 3  # bump when what is measured or how it is chosen changes

@@ -24,6 +24,13 @@ from iterserve.workload.datasets import RequestSpec
 from iterserve.workload.metrics import summarize
 
 TOL = 0.025  # seconds; sleeps on a busy 2-core machine overshoot by a few ms
+# A scripted delay is never measured short, but a loaded CI machine has woken the fake server
+# late (a TTFT of 238 ms for a 200 ms sleep): late by this much is scheduling, not the client.
+LATE = 0.1
+
+
+def _on_time(measured: float | None, scripted: float) -> bool:
+    return measured is not None and scripted - TOL <= measured <= scripted + LATE
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -117,19 +124,19 @@ def test_ttft_itl_tpot_e2el_and_request_body(server: ThreadingHTTPServer) -> Non
     res = run_serve(specs, base_url=_url(server), model="fake")
     a, b = res.timings
     assert a.success and b.success, (a.error, b.error)
-    assert a.ttft == pytest.approx(0.200, abs=TOL)
+    assert _on_time(a.ttft, 0.200)
     # Five token chunks, then the empty finish chunk right after the last: timed as vLLM does.
     assert len(a.itl) == 5
     for gap in a.itl[:4]:
         assert gap == pytest.approx(0.050, abs=TOL)
     assert a.itl[4] == pytest.approx(0.0, abs=TOL)
-    assert a.latency == pytest.approx(0.400, abs=TOL)
+    assert _on_time(a.latency, 0.400)
     assert a.output_tokens == 5
     assert a.tpot == pytest.approx(0.050, abs=TOL / 2)
     # The identities hold exactly, whatever the jitter.
     assert a.latency == pytest.approx(a.ttft + sum(a.itl), abs=1e-9)
     assert a.tpot == pytest.approx((a.latency - a.ttft) / 4, abs=1e-12)
-    assert b.ttft == pytest.approx(0.100, abs=TOL) and len(b.itl) == 1 and b.tpot is None
+    assert _on_time(b.ttft, 0.100) and len(b.itl) == 1 and b.tpot is None
 
     body = next(r for r in server.requests if r["prompt"] == [200, 50, 7])  # type: ignore[attr-defined]
     assert body["stream"] is True and body["ignore_eos"] is True and body["max_tokens"] == 5

@@ -160,14 +160,15 @@ def _prefill_case(
     return q, k_cache, v_cache, table, ref.transpose(0, 1).reshape(n, H * hd)
 
 
-def test_prefill_attention_matches_sdpa() -> None:
+def test_prefill_attention_matches_sdpa(kern_variant: kernels.Kernels) -> None:
     """iterserve's causal prefill kernel over the paged cache against f32 SDPA: fresh prompts
-    and continued chunks, rows not a multiple of the 4-row tile or the 64-row task, contexts
-    past several 64-key blocks, GQA, head_dim 64 and 128; within bf16 rounding of P (torch's
-    own bf16 SDPA is the yardstick)."""
-    kern = _kern()
-    if not kern.has_bf16_dot:
-        pytest.skip("compiled in only where the CPU has AVX512-BF16")
+    and continued chunks, rows not a multiple of the row tile or the task (4 / 64 rows with
+    AVX512-BF16, 6 / 96 with AVX2), contexts past several 64-key blocks, GQA, head_dim 64 and
+    128; within bf16 rounding of P (torch's own bf16 SDPA is the yardstick), and of the output
+    alone for the f32 (AVX2) kernel."""
+    kern = kern_variant
+    if not kern.has_prefill_kernel:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16, or AVX2 without AVX-512")
     for n, p0, H, kvh, hd in [
         (1, 0, 4, 4, 64), (5, 0, 4, 2, 64), (67, 3, 4, 4, 64), (130, 61, 6, 2, 64),
         (64, 200, 2, 1, 128), (9, 0, 4, 1, 128),
@@ -177,20 +178,24 @@ def test_prefill_attention_matches_sdpa() -> None:
         assert out.dtype == torch.bfloat16 and out.shape == (n, H * hd)
         err = (out.float() - ref).abs().max().item()
         assert err < 0.03, (n, p0, H, kvh, hd, err)
+        if not kern.has_bf16_dot:  # the f32 kernel keeps P in f32: one rounding of the output
+            assert ((out.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all(), (n, p0, hd)
         # the first query sees key 0 alone: its output is that key's V, exactly
         if p0 == 0:
             v0 = v_cache.view(-1, 4, kvh, hd)[table[0], 0]
             assert torch.equal(out[0].view(H, hd), v0.repeat_interleave(H // kvh, 0))
 
 
-def test_prefill_attention_when_the_row_max_rises_slowly_and_jumps() -> None:
+def test_prefill_attention_when_the_row_max_rises_slowly_and_jumps(
+    kern_variant: kernels.Kernels,
+) -> None:
     """Scores that climb ~2 (base-2 units) every 64-key block, then one key far above the rest:
     the kernel lets a row's max lag behind by up to a fixed margin and raises it only past that
     (so most blocks skip the horizontal max and the rescale); the result must still be the exact
     softmax's, within bf16 rounding of P."""
-    kern = _kern()
-    if not kern.has_bf16_dot:
-        pytest.skip("compiled in only where the CPU has AVX512-BF16")
+    kern = kern_variant
+    if not kern.has_prefill_kernel:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16, or AVX2 without AVX-512")
     g = torch.Generator().manual_seed(7)
     n, H, hd, bs = 700, 2, 64, 4
     nblocks = -(-n // bs)
@@ -222,13 +227,13 @@ def test_prefill_attention_when_the_row_max_rises_slowly_and_jumps() -> None:
     assert (out[660:].float().view(-1, H, hd) - vb[slots[650]].float()).abs().max() < 0.03
 
 
-def test_prefill_attention_with_a_key_of_huge_scores() -> None:
+def test_prefill_attention_with_a_key_of_huge_scores(kern_variant: kernels.Kernels) -> None:
     """A key whose scores reach ~1e10 (head_dim 64 and 128, where 1 / sqrt(128) is not a power
     of two): the row max must be exactly that key's scaled score, or 2^(t - m) for it under- or
     overflows and the row turns NaN. Every row stays finite and equal to the reference."""
-    kern = _kern()
-    if not kern.has_bf16_dot:
-        pytest.skip("compiled in only where the CPU has AVX512-BF16")
+    kern = kern_variant
+    if not kern.has_prefill_kernel:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16, or AVX2 without AVX-512")
     n, bs = 140, 4
     for hd in (64, 128):
         g = torch.Generator().manual_seed(3)
@@ -250,10 +255,10 @@ def test_prefill_attention_with_a_key_of_huge_scores() -> None:
         assert (out.double() - ref).abs().max() < 0.03, hd
 
 
-def test_prefill_attention_checks_its_inputs() -> None:
-    kern = _kern()
-    if not kern.has_bf16_dot:
-        pytest.skip("compiled in only where the CPU has AVX512-BF16")
+def test_prefill_attention_checks_its_inputs(kern_variant: kernels.Kernels) -> None:
+    kern = kern_variant
+    if not kern.has_prefill_kernel:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16, or AVX2 without AVX-512")
     q, k_cache, v_cache, table, _ = _prefill_case(8, 0, 2, 2, 64, seed=0)
     with pytest.raises(ValueError, match="hd a multiple of 64"):
         kern.paged_prefill_attention(q.float(), k_cache, v_cache, table, 0, 4)

@@ -566,7 +566,7 @@ def test_bf16_prefill_kernel_through_the_runner(case: Callable[[str], Case]) -> 
     kern = kernels.load()
     assert kern is not None
     assert isinstance(runner.attention, CpuBackend)
-    assert runner.attention.prefill_kernel == kern.has_bf16_dot
+    assert runner.attention.prefill_kernel == kern.has_prefill_kernel
     ids = prompt(150, seed=9)
     ref = c.ref(ids)[-1]
     one_table, chunk_table = list(range(38)), list(range(40, 78))

@@ -217,6 +217,8 @@ class Kernels:
         self.lib.paged_decode_attention.restype = None
         self.lib.has_bf16_dot.argtypes = []
         self.lib.has_bf16_dot.restype = _I
+        self.lib.has_prefill_kernel.argtypes = []
+        self.lib.has_prefill_kernel.restype = _I
         self.lib.pack_bf16_pairs.argtypes = [_P, _P, _I, _I]
         self.lib.pack_bf16_pairs.restype = None
         for name in ("gemm_pairs", "gemm_pairs_f32"):
@@ -232,9 +234,10 @@ class Kernels:
             ctypes.POINTER(DecodeLayerW), ctypes.POINTER(DecodeStep), _P, _P, _P, _P, _P, _P,
         ]  # fmt: skip
         self.lib.decode_layer.restype = _I
-        # The prefill attention and the pair GEMM are compiled in only where the compiler
-        # targets AVX512-BF16 (vdpbf16ps).
+        # The pair GEMM is compiled in only where the compiler targets AVX512-BF16 (vdpbf16ps);
+        # the prefill attention there and, in f32 FMA, on AVX2 without AVX-512.
         self.has_bf16_dot = bool(self.lib.has_bf16_dot())
+        self.has_prefill_kernel = bool(self.lib.has_prefill_kernel())
         self.path = path
 
     def pack_panels(self, w: torch.Tensor) -> torch.Tensor:
@@ -437,8 +440,10 @@ class Kernels:
         covering those positions). hd must be a multiple of 64. Returns [n, H * hd] bf16."""
         n, H, hd = q.shape
         kvh = k_cache.shape[1]
-        if not self.has_bf16_dot:
-            raise ValueError("paged_prefill_attention needs a CPU with AVX512-BF16")
+        if not self.has_prefill_kernel:
+            raise ValueError(
+                "paged_prefill_attention needs a CPU with AVX512-BF16, or AVX2 without AVX-512"
+            )
         if (
             q.dtype != torch.bfloat16
             or k_cache.dtype != torch.bfloat16

@@ -12,6 +12,9 @@
 //    memory bus once per call in its 2-byte form, and feeds a register-tiled f32 FMA kernel.
 // 2. paged_decode_attention: one query token per sequence against its own context in the paged
 //    KV cache (bf16 or f32), with no padding to the longest context and no gathered copy.
+// 3. paged_prefill_attention: causal attention of a bf16 prefill chunk over the paged cache, in
+//    place (no gathered K / V, no [n, ctx] mask): bf16 dot products with AVX512-BF16, f32 FMA on
+//    AVX2 without AVX-512.
 //
 // Accumulation is f32 throughout; results are rounded to bf16 (nearest even) only on output.
 
@@ -917,6 +920,143 @@ inline DecodeTask decode_task_for(int hd) {
 }
 #endif
 
+#if defined(ITERSERVE_AVX2)
+// --- Causal prefill attention over the paged cache, f32 FMA (AVX2 without AVX-512) ----------
+// The AVX512-BF16 kernel below in 8-lane f32: this CPU has no bf16 dot products, so K and V
+// are widened to f32 once per call (K per 16 keys as [hd][16 keys], V as [key][hd]) and P stays
+// f32. Against torch's SDPA on the same values (f32, since bf16 is emulated here) it reads the
+// keys in place from the paged cache: no gathered copy and no mask tensor for a continued chunk.
+constexpr int PA_KB = 64;   // keys per block
+constexpr int PA_QB = 96;   // query rows per task
+constexpr int PA_R = 6;     // query rows per register tile: 12 accumulators of 16 keys or columns
+constexpr float PA_LAZY = 8.f;  // natural-log units the row max may lag behind (P <= e^8)
+
+// Rows [r0, r1) (at most PA_QB) of query head h against its KV head's widened Kp / Vp (keys
+// padded to a multiple of PA_KB with zeros). Qf, O: scratch for r1 - r0 + PA_R rows of hd
+// floats, m for as many rows, l 8 per row (a short last tile computes duplicates of its last
+// row into the spare rows, never stored).
+void prefill_task_avx2(const uint16_t* q, int64_t q_stride, const float* Kp, const float* Vp, int h, int r0, int r1, int p0,
+                       int hd, float scale, uint16_t* out, int64_t out_stride, float* Qf, float* O, float* m, float* l) {
+    const int nrows = r1 - r0;
+    // The scale goes into q, so a score is one dot product: the row max is then one of the
+    // scores exactly and its key's P exactly e^0 (a separately rounded product would leave up to
+    // half an ulp of a huge score, enough for e^x to under- or overflow).
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int i = 0; i < nrows + PA_R; ++i) {
+        const uint16_t* src = q + static_cast<int64_t>(r0 + std::min(i, nrows - 1)) * q_stride + static_cast<int64_t>(h) * hd;
+        for (int d = 0; d < hd; d += 8) _mm256_storeu_ps(Qf + static_cast<int64_t>(i) * hd + d, _mm256_mul_ps(widen8(src + d), sc));
+        m[i] = -INFINITY;
+    }
+    std::memset(l, 0, sizeof(float) * 8 * static_cast<size_t>(nrows + PA_R));
+    std::memset(O, 0, sizeof(float) * static_cast<size_t>(nrows + PA_R) * hd);
+    const int last_key = p0 + r1 - 1;
+    const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    alignas(32) float S[PA_R][PA_KB];
+    for (int k0 = 0; k0 <= last_key; k0 += PA_KB) {
+        const float* kblk = Kp + static_cast<int64_t>(k0) * hd;
+        const float* vblk = Vp + static_cast<int64_t>(k0) * hd;
+        for (int t0 = 0; t0 < nrows; t0 += PA_R) {
+            if (k0 > p0 + r0 + std::min(t0 + PA_R, nrows) - 1) continue;  // no row of the tile sees this block yet
+            const float* qt = Qf + static_cast<int64_t>(t0) * hd;
+            // S = Q K^T, 16 keys at a time
+            for (int g = 0; g < PA_KB / 16; ++g) {
+                const float* kg = kblk + static_cast<int64_t>(g) * 16 * hd;
+                __m256 acc[PA_R][2];
+                for (int r = 0; r < PA_R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+                for (int d = 0; d < hd; ++d) {
+                    const __m256 k0v = _mm256_loadu_ps(kg + 16 * d), k1v = _mm256_loadu_ps(kg + 16 * d + 8);
+#pragma GCC unroll 6
+                    for (int r = 0; r < PA_R; ++r) {
+                        const __m256 qb = _mm256_broadcast_ss(qt + static_cast<int64_t>(r) * hd + d);
+                        acc[r][0] = _mm256_fmadd_ps(qb, k0v, acc[r][0]);
+                        acc[r][1] = _mm256_fmadd_ps(qb, k1v, acc[r][1]);
+                    }
+                }
+                for (int r = 0; r < PA_R; ++r) {
+                    _mm256_store_ps(S[r] + 16 * g, acc[r][0]);
+                    _mm256_store_ps(S[r] + 16 * g + 8, acc[r][1]);
+                }
+            }
+            // Softmax with a lazily raised row max (as the bf16 kernel): m moves only when a
+            // block's max passes it by more than PA_LAZY, so most blocks need neither a
+            // horizontal max nor a rescale of O; O / l is the same quotient.
+            float corr[PA_R];
+            bool rescale = false;
+            for (int r = 0; r < PA_R; ++r) {
+                const int i = t0 + r;
+                const int pos = p0 + r0 + std::min(i, nrows - 1);
+                const bool diag = k0 + PA_KB - 1 > pos;  // hide keys past the query
+                __m256 mx = ninf;
+                for (int c = 0; c < PA_KB / 8; ++c) {
+                    __m256 s = _mm256_load_ps(S[r] + 8 * c);
+                    if (diag) {
+                        const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(k0 + 8 * c));
+                        s = _mm256_blendv_ps(s, ninf, _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, _mm256_set1_epi32(pos))));
+                        _mm256_store_ps(S[r] + 8 * c, s);
+                    }
+                    mx = _mm256_max_ps(mx, s);
+                }
+                // A row may see none of this block's keys (a tile straddling the block's start):
+                // its max is -inf, m stays and P is 0.
+                float m_new = m[i];
+                if (_mm256_movemask_ps(_mm256_cmp_ps(mx, _mm256_set1_ps(m[i] + PA_LAZY), _CMP_GT_OQ))) m_new = hmax8(mx);
+                const __m256 mv = _mm256_set1_ps(m_new);
+                __m256 sum = _mm256_setzero_ps();
+                for (int c = 0; c < PA_KB / 8; ++c) {
+                    const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(S[r] + 8 * c), mv));
+                    _mm256_store_ps(S[r] + 8 * c, p);
+                    sum = _mm256_add_ps(sum, p);
+                }
+                __m256 lv = _mm256_loadu_ps(l + 8 * i);
+                corr[r] = 1.f;
+                if (m_new != m[i]) {
+                    corr[r] = std::exp(m[i] - m_new);  // 0 on the first block (m = -inf)
+                    lv = _mm256_mul_ps(lv, _mm256_set1_ps(corr[r]));
+                    rescale = true;
+                }
+                _mm256_storeu_ps(l + 8 * i, _mm256_add_ps(lv, sum));
+                m[i] = m_new;
+            }
+            // O[i] = O[i] * corr + P[i] . V, 16 output columns at a time
+            for (int e0 = 0; e0 < hd; e0 += 16) {
+                __m256 o[PA_R][2];
+                for (int r = 0; r < PA_R; ++r) {
+                    float* orow = O + static_cast<int64_t>(t0 + r) * hd + e0;
+                    o[r][0] = _mm256_loadu_ps(orow);
+                    o[r][1] = _mm256_loadu_ps(orow + 8);
+                    if (rescale) {
+                        const __m256 cv = _mm256_set1_ps(corr[r]);
+                        o[r][0] = _mm256_mul_ps(o[r][0], cv);
+                        o[r][1] = _mm256_mul_ps(o[r][1], cv);
+                    }
+                }
+                for (int j = 0; j < PA_KB; ++j) {
+                    const __m256 v0 = _mm256_loadu_ps(vblk + static_cast<int64_t>(j) * hd + e0);
+                    const __m256 v1 = _mm256_loadu_ps(vblk + static_cast<int64_t>(j) * hd + e0 + 8);
+#pragma GCC unroll 6
+                    for (int r = 0; r < PA_R; ++r) {
+                        const __m256 pb = _mm256_broadcast_ss(S[r] + j);
+                        o[r][0] = _mm256_fmadd_ps(pb, v0, o[r][0]);
+                        o[r][1] = _mm256_fmadd_ps(pb, v1, o[r][1]);
+                    }
+                }
+                for (int r = 0; r < PA_R; ++r) {
+                    float* orow = O + static_cast<int64_t>(t0 + r) * hd + e0;
+                    _mm256_storeu_ps(orow, o[r][0]);
+                    _mm256_storeu_ps(orow + 8, o[r][1]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < nrows; ++i) {
+        const __m256 inv = _mm256_set1_ps(1.f / hsum8(_mm256_loadu_ps(l + 8 * i)));
+        uint16_t* dst = out + static_cast<int64_t>(r0 + i) * out_stride + static_cast<int64_t>(h) * hd;
+        for (int e = 0; e < hd; e += 8) narrow8(dst + e, _mm256_mul_ps(_mm256_loadu_ps(O + static_cast<int64_t>(i) * hd + e), inv));
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // --- Causal prefill attention over the paged cache (bf16, AVX512-BF16 dot products) ----------
 // One chunk of n queries (positions p0 .. p0 + n - 1) against keys 0 .. p0 + n - 1, flash
@@ -1478,8 +1618,8 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
     }
 }
 
-// 1 when the bf16 dot-product kernels (paged_prefill_attention, gemm_pairs) are compiled in
-// (AVX512-BF16), else 0.
+// 1 when the bf16 dot-product kernels (gemm_pairs, and paged_prefill_attention's bf16 form)
+// are compiled in (AVX512-BF16), else 0.
 int has_bf16_dot() {
 #if defined(__AVX512BF16__)
     return 1;
@@ -1488,7 +1628,7 @@ int has_bf16_dot() {
 #endif
 }
 
-// Causal attention of one prefill chunk, bf16: q [n, H, hd] (rows q_row_stride apart, heads
+// Causal attention of one prefill chunk, bf16 (AVX512-BF16 dot products, or f32 FMA on AVX2): q [n, H, hd] (rows q_row_stride apart, heads
 // contiguous) at positions p0 .. p0 + n - 1, against keys 0 .. p0 + n - 1 read from the paged
 // caches [slots, KvH, hd] through block_ids (the chunk's blocks covering those positions);
 // out [n, H * hd]. hd must be a multiple of 64. Returns 0, or -1 where not compiled in.
@@ -1553,10 +1693,77 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
         }
     }
     return 0;
+#elif defined(ITERSERVE_AVX2)
+    const int ctx = p0 + n;
+    const int ctx_pad = (ctx + PA_KB - 1) / PA_KB * PA_KB;
+    const int G = H / KvH;
+    const int64_t head_elems = static_cast<int64_t>(ctx_pad) * hd;
+    // Reused across calls up to 64 MB (a step calls this once per layer and chunk): no page
+    // faults and no zeroing of ~12 MB per call at 2,048 keys; every element is written below.
+    const size_t need = static_cast<size_t>(2 * KvH * head_elems);
+    thread_local std::vector<float> kept;
+    std::vector<float> once;
+    float* Kp;
+    if (need <= (size_t(64) << 20) / sizeof(float)) {
+        if (kept.size() < need) kept.resize(need);
+        Kp = kept.data();
+    } else {
+        once.resize(need);
+        Kp = once.data();
+    }
+    float* Vp = Kp + KvH * head_elems;
+    const int groups = ctx_pad / 16;
+    // Widen: task = (KV head, 16 keys); K transposed per 16 keys, keys past ctx zero.
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < KvH * groups; ++t) {
+        const int kh = t / groups, g = t % groups;
+        float* kd = Kp + kh * head_elems + static_cast<int64_t>(g) * 16 * hd;
+        float* vd = Vp + kh * head_elems + static_cast<int64_t>(g) * 16 * hd;
+        for (int u = 0; u < 16; ++u) {
+            const int key = g * 16 + u;
+            if (key < ctx) {
+                const int64_t slot = block_ids[key / block_size] * block_size + key % block_size;
+                const uint16_t* sk = k_cache + (slot * KvH + kh) * hd;
+                const uint16_t* sv = v_cache + (slot * KvH + kh) * hd;
+                for (int d = 0; d < hd; ++d) kd[d * 16 + u] = bf16_to_f32(sk[d]);
+                for (int e = 0; e < hd; e += 8) _mm256_storeu_ps(vd + u * hd + e, widen8(sv + e));
+            } else {
+                for (int d = 0; d < hd; ++d) kd[d * 16 + u] = 0.f;
+                std::memset(vd + u * hd, 0, sizeof(float) * hd);
+            }
+        }
+    }
+    const int qblocks = (n + PA_QB - 1) / PA_QB;
+    const int tasks = H * qblocks;
+#pragma omp parallel
+    {
+        std::vector<float> Qf(static_cast<size_t>(PA_QB + PA_R) * hd), O(static_cast<size_t>(PA_QB + PA_R) * hd);
+        std::vector<float> m(PA_QB + PA_R), l(8 * (PA_QB + PA_R));
+        // Later query blocks see more keys: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < tasks; ++t) {
+            const int b = qblocks - 1 - t / H, h = t % H;
+            const int r0 = b * PA_QB, r1 = std::min(n, r0 + PA_QB);
+            const int kh = h / G;
+            prefill_task_avx2(q, q_row_stride, Kp + kh * head_elems, Vp + kh * head_elems, h, r0, r1, p0, hd, scale, out,
+                              static_cast<int64_t>(H) * hd, Qf.data(), O.data(), m.data(), l.data());
+        }
+    }
+    return 0;
 #else
     (void)q; (void)q_row_stride; (void)k_cache; (void)v_cache; (void)block_ids; (void)block_size; (void)n; (void)p0;
     (void)H; (void)KvH; (void)hd; (void)scale; (void)out;
     return -1;
+#endif
+}
+
+// 1 when paged_prefill_attention is compiled in: bf16 dot products (AVX512-BF16) or f32 FMA on
+// AVX2 without AVX-512.
+int has_prefill_kernel() {
+#if defined(__AVX512BF16__) || defined(ITERSERVE_AVX2)
+    return 1;
+#else
+    return 0;
 #endif
 }
 

@@ -8,7 +8,8 @@
 //
 // MODE 0: the kernel, scattered blocks; 1: plain read, scattered (a 4th argument N: prefetch N
 // positions ahead); 2: plain read, contiguous; 3: plain read, K and V block by block (N: blocks
-// prefetched ahead); 4: the kernel, contiguous. bench-134m's shape: 12 KV heads of 64, bf16.
+// prefetched ahead); 4: the kernel, contiguous. For modes 0 and 4, N is the kernel's prefetch
+// distance (default 8, the cpu path's; 0: the cpu_nopf path). bench-134m's shape: 12 KV heads of 64, bf16.
 // Prefetch kinds and two sequences walked in lockstep: decode_attention_prefetch.cpp.
 #include "../iterserve/model/csrc/cpu_kernels.cpp"
 #include <sys/mman.h>
@@ -86,7 +87,7 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> out(B*H*hd);
     std::vector<char> flush(64<<20, 1);
     int mode = argc > 3 ? atoi(argv[3]) : 0;
-    PFD = argc > 4 ? atoi(argv[4]) : 0;
+    PFD = argc > 4 ? atoi(argv[4]) : (mode == 0 || mode == 4 ? 8 : 0);
     if (mode == 2 || mode == 4) for (int i = 0; i < nb; ++i) perm[i] = i;
     std::vector<double> ts;
     for (int it = 0; it < 10; ++it) {
@@ -94,7 +95,7 @@ int main(int argc, char** argv) {
         for (int t = 0; t < sets; ++t) {
             const int64_t* bt = perm.data() + (size_t)t*B*per;
             double t0 = now();
-            if (mode == 0 || mode == 4) paged_decode_attention(q.data(), H*hd, 0, k, v, 0, bt, lens.data(), starts.data(), out.data(), B, H, H, hd, bs, per, 0.125f);
+            if (mode == 0 || mode == 4) paged_decode_attention(q.data(), H*hd, 0, k, v, 0, bt, lens.data(), starts.data(), out.data(), B, H, H, hd, bs, per, 0.125f, PFD);
             else if (mode == 3) { volatile int64_t r = read_kv_blocks(k, v, bt, B, per, ctx, row, PFD); (void)r; }
             else { volatile int64_t r = pure_read(k, v, bt, B, per, ctx, row); (void)r; }
             ts.push_back((now()-t0)*1e6);

@@ -13,7 +13,8 @@ values, run back to back; the median over --repeats of the whole set, for the pa
 attention: --batch sequences of --ctx keys each, blocks scattered over a pool three times the
 size needed (random block tables), bf16 cache, 12 query heads of 64 over --kv-heads heads; ms
 per call (one layer), median over --repeats of the mean of 12 calls, and the bandwidth its K and
-V bytes imply.
+V bytes imply; for the kernel with software prefetch (the ``cpu`` path) and without (``cpu_nopf``),
+alternated.
 
 prefill: one prompt chunk of --tokens queries at positions --start.. against all its keys
 (causal), 12 heads of 64, bf16, keys in a paged cache: iterserve's kernel
@@ -25,6 +26,7 @@ prefill: one prompt chunk of --tokens queries at positions --start.. against all
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -111,17 +113,24 @@ def bench_attention(
     starts = torch.zeros(batch, dtype=torch.int64)
     q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
 
-    def twelve() -> None:
+    def twelve(prefetch: int) -> None:
         for t in tables:
-            kern.paged_decode_attention(q, k_cache, v_cache, t, lens, starts, block_size)
+            kern.paged_decode_attention(q, k_cache, v_cache, t, lens, starts, block_size, prefetch)
 
-    ms = _median_ms(twelve, repeats) / 12
+    # the cpu path (software prefetch) and the cpu_nopf path, alternated
+    runs: dict[int, list[float]] = {kernels.DECODE_PREFETCH: [], 0: []}
+    for _ in range(repeats):
+        for pf, ts in runs.items():
+            ts.append(_median_ms(functools.partial(twelve, pf), 1) / 12)
     mb = batch * ctx * kv_heads * HEAD_DIM * 2 * 2 / 1e6
     print(
-        f"decode attention: {batch} x {ctx} keys, {HEADS} heads over {kv_heads}, "
-        f"bf16 cache: {ms:.3f} ms a layer "
-        f"(median of {repeats}), K+V {mb:.1f} MB -> {mb / ms:.1f} GB/s"
+        f"decode attention: {batch} x {ctx} keys, {HEADS} heads over {kv_heads}, bf16 cache, "
+        f"ms a layer (median of {repeats}) and the GB/s of K + V ({mb:.1f} MB):"
     )
+    for pf, ts in runs.items():
+        ms = statistics.median(ts)
+        name = "cpu_nopf (no software prefetch)" if pf == 0 else f"cpu (prefetch {pf} ahead)"
+        print(f"  {name:<34} {ms:.3f} ms  {mb / ms:.1f} GB/s")
 
 
 def bench_prefill(

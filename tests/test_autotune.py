@@ -115,6 +115,20 @@ def test_route_by_rows() -> None:
     assert autotune.describe(("c",) * 5, ROW_BUCKETS) == "c at every count"
 
 
+def test_decode_router_paths() -> None:
+    """Each decode attention path of the choice routes to what it names: the kernel with its
+    default prefetch, the kernel without software prefetch, SDPA."""
+    from iterserve.model import attention, kernels
+
+    kern = object()
+    fn = autotune.decode_router(kern, ("torch", "cpu_nopf", "cpu", "cpu"))  # type: ignore[arg-type]
+    picked = [fn.pick(d) for d in (1, 8, 32, 128)]
+    assert picked[0] is attention.sdpa_decodes
+    for p, want in zip(picked[1:], ({"prefetch": 0}, {}, {})):
+        assert p.func is attention.kernel_decodes and p.args == (kern,) and p.keywords == want
+    assert set(kernels.ATTN_PATHS) == {"cpu", "cpu_nopf", "torch"}
+
+
 def test_setting_parsing() -> None:
     assert parse_setting("1") == parse_setting("measure") == parse_setting(" ") == Setting()
     assert parse_setting("0") == Setting(enabled=False)

@@ -428,7 +428,8 @@ def test_gemm_row_buckets_bound_shapes_and_keep_results() -> None:
 def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: str) -> None:
     """iterserve's paged decode kernel, fed by the step's metadata, equals SDPA over the gathered
     padded window: GQA, contexts of different lengths, scattered blocks, a sliding window; as
-    built for this CPU and as built for AVX2 without AVX-512."""
+    built for this CPU and as built for AVX2 without AVX-512; the software prefetch distance
+    (the cpu_nopf path's 0, the cpu path's default, one past a 4-token block) changes no bit."""
     from iterserve.model import attention, kernels
     from tests.test_kernels import avx2_kernels
 
@@ -457,6 +458,10 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: 
             block_size=bs,
         )
         out = decode(q)
+        for prefetch in (0, 5):
+            assert torch.equal(decode(q, prefetch=prefetch), out)
+        with pytest.raises(ValueError, match="prefetch must be >= 0"):
+            decode(q, prefetch=-1)
         # bf16 queries with strided rows (as q sits in the layer's qk tensor): bf16 out
         qk = torch.randn(D, kvh * G + 1, hd).bfloat16()
         out16 = decode(qk[:, : kvh * G])
@@ -616,9 +621,13 @@ def test_fused_decode_layers_give_the_same_bits(
     steps through DecoderLayer.forward: identical logits and KV caches, step after step, at 1
     to 25 decodes (the pair GEMM's prefetching tiles start at 12 rows; head_dim 64 takes the
     vector decode task and RoPE), on the pair GEMM and on the f32-panel one; a step with a
-    prefill in it, and a model with a per-head q/k norm (Qwen3), take the per-layer path."""
+    prefill in it, and a model with a per-head q/k norm (Qwen3), take the per-layer path. The
+    decode kernel's prefetch distance (attn=cpu_nopf: none) reaches the fused call too."""
+    from iterserve.model import kernels
+
     _needs_gemm(gemm)
-    monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm={gemm},attn=cpu")
+    attn = "cpu" if gemm == "pairs" else "cpu_nopf"
+    monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm={gemm},attn={attn}")
     c = case(name)
     cc = CacheConfig(block_size=BLOCK, num_kv_blocks=26 * 16)
     fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
@@ -627,6 +636,8 @@ def test_fused_decode_layers_give_the_same_bits(
     plain.model.fused_decode = None
     qk_norm = name.startswith("qwen3")
     assert (fd.plan(9) is None) == qk_norm
+    if not qk_norm:
+        assert fd._prefetch[9] == (kernels.DECODE_PREFETCH if attn == "cpu" else 0)
     ran = []
     run = fd.run
     fd.run = lambda *a: _record(ran, run(*a))  # type: ignore[method-assign]

@@ -194,10 +194,11 @@ def kernel_decodes(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     block_size: int,
+    prefetch: int = kernels.DECODE_PREFETCH,
 ) -> torch.Tensor:
     """Rows [0, D) through iterserve's paged decode kernel: each decode reads only its own
-    context, in place, softmax vectorised on every thread (docs/SPEED.md, "Decode attention").
-    Returns [D, H, hd]."""
+    context, in place, softmax vectorised on every thread (docs/SPEED.md, "Decode attention");
+    ``prefetch``: its software prefetch distance (0: none). Returns [D, H, hd]."""
     D = q.shape[0]
     assert meta.decode_block_ids is not None
     assert meta.decode_ctx_lens is not None and meta.decode_starts is not None
@@ -209,6 +210,7 @@ def kernel_decodes(
         meta.decode_ctx_lens,
         meta.decode_starts,
         block_size,
+        prefetch,
     )
 
 

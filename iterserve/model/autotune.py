@@ -3,7 +3,8 @@
 At the first start of a model on a machine, ``choose`` times every GEMM path this dtype, CPU
 and memory allow (layers.py: torch, upcast, panels, packed) on the model's own weights of each
 kind (qkv, o, gate_up, down, lm_head; layer 0's) at a few row counts (``ROW_BUCKETS``), and the
-cpu backend's decode attention (C++ kernel vs SDPA) at a few decode counts, within a time
+cpu backend's decode attention (the C++ kernel with and without software prefetch, SDPA) at a
+few decode counts, within a time
 budget (a few seconds for a ~100M model; milliseconds for the tests' tiny one). The choice per
 kind and row range is cached in ``$ITERSERVE_CACHE/autotune/`` keyed by CPU model and flags,
 torch version, model shapes, dtype, threads and the candidate paths, and logged one line per
@@ -61,7 +62,7 @@ KEEP = 0.15
 PRUNE = 2.0  # a path this many times slower than the best at one bucket is not timed at the next
 BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
 ATTN_CTX = 256  # context per sequence when timing decode attention
-VERSION = 3  # bump when what is measured or how it is chosen changes
+VERSION = 4  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -358,6 +359,9 @@ def measure_decodes(
                 "cpu": functools.partial(
                     attention.kernel_decodes, kern, q, k_cache, v_cache, meta, block_size
                 ),
+                "cpu_nopf": functools.partial(
+                    attention.kernel_decodes, kern, q, k_cache, v_cache, meta, block_size, 0
+                ),
                 "torch": functools.partial(
                     attention.sdpa_decodes, q, k_cache, v_cache, meta, block_size
                 ),
@@ -404,10 +408,11 @@ def choose(
             "with native bf16/f16 and oneDNN packing)"
         )
     attn_paths = kernels.ATTN_PATHS if cpu_backend and kern is not None else ()
-    if setting.attn == "cpu" and not attn_paths:
+    if setting.attn in ("cpu", "cpu_nopf") and not attn_paths:
         raise ValueError(
-            "ITERSERVE_KERNELS asks attn=cpu, which needs the cpu attention backend (the C++ "
-            "kernels built, a CPU device, float32/bfloat16): set attn=torch, or drop attn="
+            f"ITERSERVE_KERNELS asks attn={setting.attn}, which needs the cpu attention backend "
+            "(the C++ kernels built, a CPU device, float32/bfloat16): set attn=torch, or drop "
+            "attn="
         )
     gemm_fixed = setting.gemm is not None or len(builders) == 1
     attn_fixed = setting.attn is not None or not attn_paths
@@ -487,6 +492,8 @@ def decode_router(kern: kernels.Kernels, paths: Sequence[str]) -> Any:
     def make(p: str) -> Any:
         if p == "cpu":
             return functools.partial(attention.kernel_decodes, kern)
+        if p == "cpu_nopf":
+            return functools.partial(attention.kernel_decodes, kern, prefetch=0)
         return attention.sdpa_decodes
 
     return route(paths, DECODE_BUCKETS, make)

@@ -62,6 +62,7 @@ class FusedDecode:
         # per row count: the layers' structures and the tensors their pointers point into
         # (kept alive with them), or None
         self._plans: dict[int, tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None] = {}
+        self._prefetch: dict[int, int] = {}  # per row count: the decode kernel's prefetch
 
     def plan(self, rows: int) -> list[kernels.DecodeLayerW] | None:
         """One structure per layer, or None when some layer does not run every piece on the
@@ -78,8 +79,10 @@ class FusedDecode:
             isinstance(decodes, functools.partial)
             and decodes.func is attention.kernel_decodes
             and decodes.args[:1] == (self.kern,)
+            and set(decodes.keywords) <= {"prefetch"}
         ):
             return None
+        self._prefetch[rows] = int(decodes.keywords.get("prefetch", kernels.DECODE_PREFETCH))
         out, keep = [], []
         for layer in self.layers:
             lins = [_for_rows(getattr(layer, n), rows) for n in ("qkv", "o", "gate_up", "down")]
@@ -174,6 +177,7 @@ class FusedDecode:
             cos.data_ptr(), sin.data_ptr(), m.slot_mapping.data_ptr(),
             m.decode_block_ids.data_ptr(), m.decode_ctx_lens.data_ptr(),
             m.decode_starts.data_ptr(), T, m.decode_block_ids.numel() // T, meta.block_size,
+            self._prefetch[T],
         )  # fmt: skip
         q_size, kv_size = w0.heads * w0.head_dim, w0.kv_heads * w0.head_dim
         per_row = 2 * w0.hidden + w0.n_qkv + (q_size + kv_size) + q_size + 3 * w0.inter

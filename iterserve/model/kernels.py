@@ -55,8 +55,11 @@ def _cpu_id() -> str:
 # iterserve's bf16 dot-product GEMM over pair panels (AVX512-BF16 only), oneDNN's prepacked copy
 # in the weight's own dtype (a CPU with native bf16/f16: AMX tiles where it has them).
 GEMM_PATHS = ("torch", "upcast", "panels", "packed", "pairs", "onednn")
-# Decode attention paths of the cpu backend: iterserve's paged kernel, or SDPA over a gather.
-ATTN_PATHS = ("cpu", "torch")
+# Decode attention paths of the cpu backend: iterserve's paged kernel with software prefetch
+# DECODE_PREFETCH positions ahead, the same kernel without it (the hardware prefetchers alone:
+# on AMD Zen 4 the prefetches themselves stall, docs/SPEED.md), or SDPA over a gather.
+ATTN_PATHS = ("cpu", "cpu_nopf", "torch")
+DECODE_PREFETCH = 8  # positions (4 to 16 measured the same on AMD Zen 5)
 SETTING_FORMS = (
     "ITERSERVE_KERNELS must be 0 (torch's kernels only), 1 or measure (time the paths at first "
     "start, cached; the default), flags (the CPU-flag rules), or gemm=<"
@@ -173,7 +176,7 @@ class DecodeStep(ctypes.Structure):
 
     _fields_ = [
         *((n, _P) for n in ("cos", "sin", "slots", "block_tables", "ctx_lens", "starts")),
-        *((n, _I) for n in ("rows", "max_blocks", "block_size")),
+        *((n, _I) for n in ("rows", "max_blocks", "block_size", "ahead")),
     ]
 
 
@@ -213,6 +216,7 @@ class Kernels:
             _I,
             _I,
             ctypes.c_float,
+            _I,
         ]
         self.lib.paged_decode_attention.restype = None
         self.lib.has_bf16_dot.argtypes = []
@@ -371,10 +375,14 @@ class Kernels:
         ctx_lens: torch.Tensor,
         starts: torch.Tensor,
         block_size: int,
+        prefetch: int = DECODE_PREFETCH,
     ) -> torch.Tensor:
         """q [D, H, hd] bf16 or f32 (heads contiguous; rows may be strided); caches [slots, KvH,
         hd] bf16 or f32; block_tables [D, max_blocks] int64; ctx_lens / starts [D] int64 (keys
-        starts[d] .. ctx_lens[d] - 1 are visible). Returns [D, H, hd] in q's dtype (f32 inside)."""
+        starts[d] .. ctx_lens[d] - 1 are visible); ``prefetch``: software prefetch distance in
+        positions, 0 for none. Returns [D, H, hd] in q's dtype (f32 inside)."""
+        if prefetch < 0:
+            raise ValueError(f"paged_decode_attention: prefetch must be >= 0, got {prefetch}")
         D, H, hd = q.shape
         kvh = k_cache.shape[1]
         if (
@@ -422,6 +430,7 @@ class Kernels:
             block_size,
             block_tables.shape[1],
             float(hd**-0.5),
+            int(prefetch),
         )
         return out
 

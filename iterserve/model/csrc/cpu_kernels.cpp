@@ -631,8 +631,9 @@ void panel_rows(const uint16_t* P, const float* xf, const float* bias, void* y, 
 
 // Prefetches the cache rows of heads [h0, h1) at position p of a sequence: blocks sit anywhere
 // in the pool, so the hardware prefetcher, which follows one block's rows, stalls at every
-// block boundary.
-constexpr int AHEAD = 8;  // positions (4 to 16 measure the same)
+// block boundary. Decode attention prefetches `ahead` positions on (0: not at all), a
+// parameter because it pays on some CPUs and costs on others (the prefetches themselves stall
+// on AMD Zen 4), so the kernel choice measures it (docs/SPEED.md).
 inline void prefetch_heads(const void* cache, int elem, const int64_t* bt, int block_size, int64_t p, int KvH, int hd, int h0, int h1) {
     const int64_t slot = bt[p / block_size] * block_size + p % block_size;
     const char* a = static_cast<const char*>(cache) + (slot * KvH + h0) * static_cast<int64_t>(hd) * elem;
@@ -681,7 +682,7 @@ inline __m512 hsum16(const __m512* v) {
 // split the same way; a score is finished 16 positions at a time by hsum16.
 template <int NC>
 void decode_task_bf16(const float* qd, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int block_size,
-                      int64_t begin, int64_t end, int KvH, int G, int h0, int h1, float scale, std::vector<float>& scores,
+                      int64_t begin, int64_t end, int KvH, int G, int h0, int h1, float scale, int ahead_n, std::vector<float>& scores,
                       std::vector<float>& buf, float* outd) {
     constexpr int hd = 32 * NC;
     const int nq = (h1 - h0) * G;
@@ -708,12 +709,12 @@ void decode_task_bf16(const float* qd, const uint16_t* k_cache, const uint16_t* 
     const int64_t row = static_cast<int64_t>(KvH) * hd;  // elements per slot
     // Visits heads [h0, h1) of every position in [begin, end) in order: visit(i, query head,
     // even lanes, odd lanes) for each query head of a KV head, then done(i) after a position;
-    // the rows AHEAD positions on are prefetched.
+    // the rows ahead_n positions on are prefetched.
     auto walk = [&](const uint16_t* cache, auto&& visit, auto&& done) {
         SlotCursor cur(bt, block_size, begin), ahead(bt, block_size, begin);
-        for (int a = 0; a < AHEAD && begin + a < end; ++a) ahead.next();
+        for (int a = 0; a < ahead_n && begin + a < end; ++a) ahead.next();
         for (int64_t p = begin; p < end; ++p) {
-            if (p + AHEAD < end) {
+            if (ahead_n > 0 && p + ahead_n < end) {
                 const char* pf = reinterpret_cast<const char*>(cache + ahead.slot() * row + static_cast<int64_t>(h0) * hd);
                 for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) __builtin_prefetch(pf + off, 0, 3);
                 ahead.next();
@@ -781,7 +782,7 @@ void decode_task_bf16(const float* qd, const uint16_t* k_cache, const uint16_t* 
 }
 
 using DecodeTask = void (*)(const float*, const uint16_t*, const uint16_t*, const int64_t*, int, int64_t, int64_t, int, int, int, int, float,
-                            std::vector<float>&, std::vector<float>&, float*);
+                            int, std::vector<float>&, std::vector<float>&, float*);
 inline DecodeTask decode_task_for(int hd) {
     switch (hd) {
         case 32: return decode_task_bf16<1>;
@@ -808,7 +809,7 @@ inline __m256 hsum8x8(const __m256* v) {
 // hsum8x8 (the generic path's one horizontal sum per score and head cost ~3x the dot product).
 template <int NC>
 void decode_task_avx2(const float* qd, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int block_size,
-                      int64_t begin, int64_t end, int KvH, int G, int h0, int h1, float scale, std::vector<float>& scores,
+                      int64_t begin, int64_t end, int KvH, int G, int h0, int h1, float scale, int ahead_n, std::vector<float>& scores,
                       std::vector<float>& buf, float* outd) {
     constexpr int hd = 16 * NC;
     const int nq = (h1 - h0) * G;
@@ -835,9 +836,9 @@ void decode_task_avx2(const float* qd, const uint16_t* k_cache, const uint16_t* 
     const int64_t row = static_cast<int64_t>(KvH) * hd;  // elements per slot
     auto walk = [&](const uint16_t* cache, auto&& visit, auto&& done) {
         SlotCursor cur(bt, block_size, begin), ahead(bt, block_size, begin);
-        for (int a = 0; a < AHEAD && begin + a < end; ++a) ahead.next();
+        for (int a = 0; a < ahead_n && begin + a < end; ++a) ahead.next();
         for (int64_t p = begin; p < end; ++p) {
-            if (p + AHEAD < end) {
+            if (ahead_n > 0 && p + ahead_n < end) {
                 const char* pf = reinterpret_cast<const char*>(cache + ahead.slot() * row + static_cast<int64_t>(h0) * hd);
                 for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) __builtin_prefetch(pf + off, 0, 3);
                 ahead.next();
@@ -906,7 +907,7 @@ void decode_task_avx2(const float* qd, const uint16_t* k_cache, const uint16_t* 
 }
 
 using DecodeTask = void (*)(const float*, const uint16_t*, const uint16_t*, const int64_t*, int, int64_t, int64_t, int, int, int, int, float,
-                            std::vector<float>&, std::vector<float>&, float*);
+                            int, std::vector<float>&, std::vector<float>&, float*);
 inline DecodeTask decode_task_for(int hd) {
     switch (hd) {
         case 16: return decode_task_avx2<1>;
@@ -1246,10 +1247,6 @@ void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t
 extern "C" {
 
 int iterserve_kernels_version() { return 1; }
-int g_nextpf = 1;
-
-void iterserve_set_nextpf(int v) { g_nextpf = v; }
-
 // Lays out W [N, K] (bf16, row-major) as panels (see PANEL): P holds ceil(N / 32) * K * 32
 // bf16, columns past N zero.
 void pack_bf16_panels(const uint16_t* W, uint16_t* P, int N, int K) {
@@ -1527,7 +1524,8 @@ void argmax_f32(const float* x, int rows, int n, int64_t* out) {
 // (rounded once at the end); k_cache/v_cache [slots, KvH, hd]
 // in bf16 (cache_f32 = 0) or f32; block_tables [D, max_blocks] int64 (slot = block * block_size
 // + offset); ctx_lens [D] (keys 0 .. ctx_len - 1 exist); starts [D] (first visible key: 0, or
-// past a sliding window). Query heads h * G .. h * G + G - 1 share KV head h.
+// past a sliding window). Query heads h * G .. h * G + G - 1 share KV head h. ahead: software
+// prefetch distance in positions (0: none, the hardware prefetchers alone).
 //
 // A task is one sequence and a range of its KV heads (the whole range unless there are too few
 // sequences to keep every thread busy): it walks the sequence's slots in order, and a slot's
@@ -1536,7 +1534,7 @@ void argmax_f32(const float* x, int rows, int n, int64_t* out) {
 // per query head, then pass 2 accumulates the V rows.
 void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
                             const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts,
-                            void* out, int D, int H, int KvH, int hd, int block_size, int max_blocks, float scale) {
+                            void* out, int D, int H, int KvH, int hd, int block_size, int max_blocks, float scale, int ahead) {
     const int G = H / KvH;
     const int elem = cache_f32 ? 4 : 2;
     int threads = 1;
@@ -1584,7 +1582,7 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
             if (fast) {
                 acc.resize(static_cast<size_t>(nq) * hd);
                 fast(qd, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache), bt, block_size, begin, end, KvH, G, h0, h1,
-                     scale, scores, vbuf, acc.data());
+                     scale, ahead, scores, vbuf, acc.data());
                 store_row(out, io_f32, od, nq * hd, acc.data());
                 continue;
             }
@@ -1592,11 +1590,11 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
             const int64_t ldn = (n + 15) & ~int64_t(15);  // scores[qh * ldn + p]
             scores.assign(static_cast<size_t>(nq) * ldn, -INFINITY);
             // Visits heads [h0, h1) of every position in [begin, end) in order, each row widened
-            // into `row`, the rows AHEAD positions on prefetched.
+            // into `row`, the rows `ahead` positions on prefetched.
             auto walk = [&](const void* cache, auto&& visit) {
                 for (int64_t p = begin; p < end; ++p) {
                     const int64_t slot = bt[p / block_size] * block_size + p % block_size;
-                    if (p + AHEAD < end) prefetch_heads(cache, elem, bt, block_size, p + AHEAD, KvH, hd, h0, h1);
+                    if (ahead > 0 && p + ahead < end) prefetch_heads(cache, elem, bt, block_size, p + ahead, KvH, hd, h0, h1);
                     for (int h = h0; h < h1; ++h) {
                         load_row(cache, cache_f32, (slot * KvH + h) * hd, hd, row.data());
                         for (int g = 0; g < G; ++g) visit(p - begin, (h - h0) * G + g);
@@ -1868,6 +1866,7 @@ struct DecodeStep {
     const uint16_t *cos, *sin;  // [M, hd]
     const int64_t *slots, *block_tables, *ctx_lens, *starts;  // [M], [M, max_blocks], [M], [M]
     int rows, max_blocks, block_size;
+    int ahead;  // decode attention's prefetch distance (paged_decode_attention)
 };
 
 // h [M, hidden] (h += pending in place first, unless pending is null: the first layer);
@@ -1903,7 +1902,7 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
     write_rows(qk + q_size, int64_t(nqk) * 2, k_cache, s->slots, M, int64_t(kv_size) * 2);
     write_rows(qkv + q_size + kv_size, int64_t(w->n_qkv) * 2, v_cache, s->slots, M, int64_t(kv_size) * 2);
     paged_decode_attention(qk, nqk, 0, k_cache, v_cache, 0, s->block_tables, s->ctx_lens, s->starts, attn, M, H, KvH, hd, s->block_size,
-                           s->max_blocks, w->scale);
+                           s->max_blocks, w->scale, s->ahead);
     gemm(w->o, attn, o, w->o_b, hid, q_size);
     rms_norm_bf16(h, o, w->post_norm, normed, M, hid, w->eps);
     gemm(w->gate_up, normed, gu, w->gate_up_b, 2 * w->inter, hid);

@@ -135,14 +135,16 @@ def test_setting_parsing() -> None:
     assert parse_setting("flags") == Setting(mode="flags")
     assert parse_setting("gemm=panels,attn=cpu") == Setting(gemm="panels", attn="cpu")
     assert parse_setting("ATTN=torch") == Setting(attn="torch")
-    for bad in ("yes", "gemm=fast", "gemm=panels,gemm=torch", "attn", "gemm=torch;attn=cpu", "2"):
+    assert parse_setting("prefill=torch,attn=cpu_nopf") == Setting(attn="cpu_nopf", prefill="torch")
+    for bad in ("yes", "gemm=fast", "gemm=panels,gemm=torch", "attn", "gemm=torch;attn=cpu", "2",
+                "prefill=sdpa", "prefill=cpu,prefill=torch"):  # fmt: skip
         with pytest.raises(ValueError, match="ITERSERVE_KERNELS must be 0 .*gemm=<torch"):
             parse_setting(bad)
 
 
 def _choice() -> Choice:
     gemm = {k: ("torch", "torch", "panels", "packed", "packed") for k in KINDS}
-    return Choice(gemm, ("cpu", "cpu", "torch", "torch"))
+    return Choice(gemm, ("cpu", "cpu", "torch", "torch"), prefill=("torch",))
 
 
 def test_cache_round_trip(tmp_path: Path) -> None:
@@ -152,6 +154,7 @@ def test_cache_round_trip(tmp_path: Path) -> None:
     back = autotune.load_cached(key, tmp_path)
     assert back is not None and back.source == "cached"
     assert back.gemm == _choice().gemm and back.attn == _choice().attn
+    assert back.prefill == ("torch",)
     assert autotune.load_cached({**key, "threads": 1}, tmp_path) is None  # another key
     d = json.loads(path.read_text())
     d["choice"]["gemm"]["qkv"] = ["warp"] * len(ROW_BUCKETS)
@@ -207,6 +210,39 @@ def test_choose_measures_once_then_caches(tmp_path: Path, monkeypatch: pytest.Mo
     assert set(fixed.gemm["qkv"]) == {"torch"} and calls[-1] == "attn"
     both = autotune.choose(_problem(), builders, kern, True, Setting(gemm="packed", attn="cpu"))  # type: ignore[arg-type]
     assert both.source == "fixed" and set(both.attn) == {"cpu"}
+
+
+def test_choose_times_prefill_where_the_kernel_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 model whose head_dim the prefill kernel takes, on the cpu backend: prefill
+    attention is measured (fake timings: SDPA faster, then the kernel), cached with the rest,
+    and fixed by prefill=; elsewhere (f32, or no kernel) there is no prefill choice, and
+    prefill=cpu is refused."""
+    import dataclasses
+    import types
+
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    timings = {"cpu": [2.0], "torch": [1.0]}
+    monkeypatch.setattr(autotune, "measure_decodes", lambda *a: {"cpu": [1.0] * 4})
+    monkeypatch.setattr(autotune, "measure_prefill", lambda *a: dict(timings))
+    builders = autotune.gemm_builders(torch.float32, None, pack=False)  # one path: not timed
+    prob = dataclasses.replace(_problem(), dtype=torch.bfloat16, head_dim=64)
+    kern = types.SimpleNamespace(has_prefill_kernel=True)
+    got = autotune.choose(prob, builders, kern, True, Setting())  # type: ignore[arg-type]
+    assert got.prefill == ("torch",) and got.source == "measured"
+    assert "prefill attention: torch" in got.log_lines()
+    timings = {"cpu": [1.0], "torch": [2.0]}
+    again = autotune.choose(prob, builders, kern, True, Setting())  # type: ignore[arg-type]
+    assert again.source == "cached" and again.prefill == ("torch",)  # not measured again
+    other = dataclasses.replace(prob, max_ctx=128)  # another key: measured
+    assert autotune.choose(other, builders, kern, True, Setting()).prefill == ("cpu",)  # type: ignore[arg-type]
+    fixed = autotune.choose(prob, builders, kern, True, Setting(attn="cpu", prefill="torch"))  # type: ignore[arg-type]
+    assert fixed.source == "fixed" and fixed.prefill == ("torch",)
+    for p, k in ((_problem(), kern), (prob, types.SimpleNamespace(has_prefill_kernel=False))):
+        assert autotune.choose(p, builders, k, True, Setting()).prefill == ()  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="prefill=cpu, which needs the cpu attention"):
+            autotune.choose(p, builders, k, True, Setting(prefill="cpu"))  # type: ignore[arg-type]
 
 
 def test_choose_errors_and_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

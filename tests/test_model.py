@@ -7,6 +7,7 @@ import json
 import os
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -590,6 +591,33 @@ def test_bf16_prefill_kernel_through_the_runner(case: Callable[[str], Case]) -> 
     for i in range(2):
         assert cos(outs[i], ref, dim=0).item() > 0.995
         assert cos(outs[i], sdpa[i], dim=0).item() > 0.9999
+
+
+def test_prefill_attention_choice_reaches_the_backend(
+    case: Callable[[str], Case], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel choice's prefill path (here fixed by ITERSERVE_KERNELS, the rest measured) is
+    what the cpu backend runs: SDPA for prefill=torch, the kernel for prefill=cpu, with the
+    same greedy tokens."""
+    from iterserve.model import kernels
+    from iterserve.model.attention_backends import CpuBackend
+
+    kern = kernels.load()
+    assert kern is not None
+    if not kern.has_prefill_kernel:
+        pytest.skip("the prefill kernel is compiled in only with AVX512-BF16, or AVX2")
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    ids = prompt(70, seed=4)
+    tokens = []
+    for path in ("torch", "cpu"):
+        monkeypatch.setenv("ITERSERVE_KERNELS", f"prefill={path}")
+        runner = case("llama-hd64").runner(dtype="bfloat16")
+        assert isinstance(runner.attention, CpuBackend)
+        assert runner.kernel_choice is not None and runner.kernel_choice.prefill == (path,)
+        assert runner.attention.prefill_kernel == (path == "cpu")
+        logits = runner.execute([BatchItem("a", ids, 0, list(range(18)), True)])
+        tokens.append(int(logits[0].argmax()))
+    assert tokens[0] == tokens[1]
 
 
 def _needs_gemm(gemm: str) -> None:

@@ -274,7 +274,7 @@ def prefill_chunks(
 def prefill_kernel_fits(kern: kernels.Kernels, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether ``prefill_chunks`` can take ``kern`` for this model: bf16, head_dim a multiple of
     64, and a CPU with AVX512-BF16 or AVX2 without AVX-512 (the kernel is compiled in there)."""
-    return kern.has_prefill_kernel and dtype == torch.bfloat16 and head_dim % 64 == 0
+    return dtype == torch.bfloat16 and head_dim % 64 == 0 and kern.has_prefill_kernel
 
 
 def paged_attention(

@@ -168,12 +168,16 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def __init__(self, kern: kernels.Kernels, prefill_kernel: bool = False) -> None:
-        self.prefill_kernel = prefill_kernel
-        super().__init__(
-            functools.partial(attention.kernel_decodes, kern),
-            functools.partial(attention.prefill_chunks, kern=kern if prefill_kernel else None),
-        )
+        self.kern = kern
+        super().__init__(functools.partial(attention.kernel_decodes, kern))
+        self.use_prefill_kernel(prefill_kernel)
         self.write = functools.partial(attention.kernel_write_new_kv, kern)
+
+    def use_prefill_kernel(self, on: bool) -> None:
+        """Plain causal prefill chunks through the kernel (``on``) or SDPA: the kernel choice
+        (autotune.py) turns it off where SDPA measured faster."""
+        self.prefill_kernel = on
+        self.prefills = functools.partial(attention.prefill_chunks, kern=self.kern if on else None)
 
 
 @dataclass

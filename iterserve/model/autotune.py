@@ -4,7 +4,8 @@ At the first start of a model on a machine, ``choose`` times every GEMM path thi
 and memory allow (layers.py: torch, upcast, panels, packed) on the model's own weights of each
 kind (qkv, o, gate_up, down, lm_head; layer 0's) at a few row counts (``ROW_BUCKETS``), and the
 cpu backend's decode attention (the C++ kernel with and without software prefetch, SDPA) at a
-few decode counts, within a time
+few decode counts and its prefill attention (the C++ kernel or SDPA, one chunk of
+``PREFILL_TOKENS``) where the kernel fits the model, within a time
 budget (a few seconds for a ~100M model; milliseconds for the tests' tiny one). The choice per
 kind and row range is cached in ``$ITERSERVE_CACHE/autotune/`` keyed by CPU model and flags,
 torch version, model shapes, dtype, threads and the candidate paths, and logged one line per
@@ -62,7 +63,8 @@ KEEP = 0.15
 PRUNE = 2.0  # a path this many times slower than the best at one bucket is not timed at the next
 BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
 ATTN_CTX = 256  # context per sequence when timing decode attention
-VERSION = 4  # bump when what is measured or how it is chosen changes
+PREFILL_TOKENS = 512  # one fresh chunk, when timing prefill attention
+VERSION = 5  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -168,19 +170,26 @@ def describe(paths: Sequence[str], buckets: Sequence[int]) -> str:
 @dataclass(frozen=True)
 class Choice:
     """Per layer kind, one GEMM path per ROW_BUCKETS entry; the cpu backend's decode path per
-    DECODE_BUCKETS entry (empty when the backend is not cpu)."""
+    DECODE_BUCKETS entry (empty when the backend is not cpu); its prefill attention path, one
+    entry (empty where the prefill kernel cannot take the model)."""
 
     gemm: dict[str, tuple[str, ...]]
     attn: tuple[str, ...]
     source: str = "measured"  # measured | cached | fixed
+    prefill: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"gemm": {k: list(v) for k, v in self.gemm.items()}, "attn": list(self.attn)}
+        return {
+            "gemm": {k: list(v) for k, v in self.gemm.items()},
+            "attn": list(self.attn),
+            "prefill": list(self.prefill),
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], source: str = "cached") -> Choice:
         gemm = {str(k): tuple(str(p) for p in v) for k, v in d["gemm"].items()}
         attn = tuple(str(p) for p in d["attn"])
+        prefill = tuple(str(p) for p in d["prefill"])
         ok = set(gemm) == set(KINDS) and all(
             len(v) == len(ROW_BUCKETS) and set(v) <= set(kernels.GEMM_PATHS) for v in gemm.values()
         )
@@ -188,14 +197,18 @@ class Choice:
             not ok
             or len(attn) not in (0, len(DECODE_BUCKETS))
             or not set(attn) <= set(kernels.ATTN_PATHS)
+            or len(prefill) > 1
+            or not set(prefill) <= set(kernels.PREFILL_PATHS)
         ):
             raise ValueError(f"not a kernel choice: {dict(d)!r}")
-        return cls(gemm, attn, source)
+        return cls(gemm, attn, source, prefill)
 
     def log_lines(self) -> list[str]:
         lines = [f"{k} GEMM: {describe(v, ROW_BUCKETS)} of rows" for k, v in self.gemm.items()]
         if self.attn:
             lines.append(f"decode attention: {describe(self.attn, DECODE_BUCKETS)} of decodes")
+        if self.prefill:
+            lines.append(f"prefill attention: {self.prefill[0]}")
         return lines
 
 
@@ -208,6 +221,7 @@ def cache_key(
     gemm_paths: Sequence[str],
     attn_paths: Sequence[str],
     attn_shape: tuple[int, int, int, int],
+    prefill_paths: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Everything a measured choice depends on."""
     return {
@@ -220,6 +234,7 @@ def cache_key(
         "gemm_paths": list(gemm_paths),
         "attn_paths": list(attn_paths),
         "attn_shape": list(attn_shape),  # heads, kv heads, head_dim, block size
+        "prefill_paths": list(prefill_paths),
         "kernels_source": hashlib.sha256(kernels.SOURCE.read_bytes()).hexdigest()[:16],
     }
 
@@ -373,6 +388,41 @@ def measure_decodes(
     return per
 
 
+def measure_prefill(
+    kern: kernels.Kernels,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    tokens: int,
+    deadline: float,
+) -> dict[str, list[float | None]]:
+    """path -> [seconds]: one layer's causal attention of a fresh ``tokens``-token prompt, its
+    keys in the paged cache, through the kernel and through SDPA (``attention.prefill_chunks``
+    with and without it)."""
+    nb = -(-tokens // block_size)
+    k_cache = torch.randn(nb * block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    meta = attention.build_attention_metadata(
+        [attention.StepItem(tokens, 0, range(nb))], 0, block_size, None, dtype
+    )
+    q = torch.randn(tokens, heads, head_dim).to(dtype)
+    k, v = k_cache[:tokens], v_cache[:tokens]
+    got = time_paths(
+        {
+            "cpu": functools.partial(
+                attention.prefill_chunks, q, k, v, k_cache, v_cache, meta, block_size, kern
+            ),
+            "torch": functools.partial(
+                attention.prefill_chunks, q, k, v, k_cache, v_cache, meta, block_size
+            ),
+        },
+        deadline,
+    )
+    return {p: [t] for p, t in got.items()}
+
+
 @dataclass(frozen=True)
 class Problem:
     """What ``choose`` needs to know about the model and the runner."""
@@ -418,19 +468,34 @@ def choose(
     attn_fixed = setting.attn is not None or not attn_paths
     fixed_gemm = setting.gemm or next(iter(builders))
     fixed_attn = setting.attn or "cpu"
-    if gemm_fixed and attn_fixed:
+    prefill_paths = (
+        kernels.PREFILL_PATHS
+        if attn_paths and kern is not None
+        and attention.prefill_kernel_fits(kern, prob.dtype, prob.head_dim)
+        else ()
+    )  # fmt: skip
+    if setting.prefill == "cpu" and not prefill_paths:
+        raise ValueError(
+            "ITERSERVE_KERNELS asks prefill=cpu, which needs the cpu attention backend and the "
+            "prefill kernel (a bfloat16 model with head_dim a multiple of 64, a CPU with "
+            "AVX512-BF16 or AVX2): set prefill=torch, or drop prefill="
+        )
+    prefill_fixed = setting.prefill is not None or not prefill_paths
+    fixed_prefill: tuple[str, ...] = (setting.prefill or "cpu",) if prefill_paths else ()
+    if gemm_fixed and attn_fixed and prefill_fixed:
         return Choice(
             {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS},
             (fixed_attn,) * len(DECODE_BUCKETS) if attn_paths else (),
             "fixed",
+            fixed_prefill,
         )
     shapes = {k: (int(w.shape[0]), int(w.shape[1])) for k, (w, _) in prob.weights.items()}
     attn_shape = (prob.heads, prob.kv_heads, prob.head_dim, prob.block_size)
-    key = cache_key(shapes, prob.dtype, list(builders), attn_paths, attn_shape)
+    key = cache_key(shapes, prob.dtype, list(builders), attn_paths, attn_shape, prefill_paths)
     key["max_rows"] = dict(prob.max_rows)
     key["max_decodes"] = prob.max_decodes
     key["max_ctx"] = min(ATTN_CTX, prob.max_ctx)
-    key["fixed"] = [setting.gemm, setting.attn]
+    key["fixed"] = [setting.gemm, setting.attn, setting.prefill]
     choice = load_cached(key) if cache else None
     if choice is None:
         t0 = time.perf_counter()
@@ -462,8 +527,18 @@ def choose(
                     "decode attention ms (%d keys) at decodes %s: %s", ctx, DECODE_BUCKETS,
                     _ms(attn_t),
                 )  # fmt: skip
+        prefill = fixed_prefill
+        if not prefill_fixed:
+            assert kern is not None
+            tokens = min(PREFILL_TOKENS, prob.max_ctx)
+            prefill_t = measure_prefill(
+                kern, prob.heads, prob.kv_heads, prob.head_dim, prob.block_size, prob.dtype,
+                tokens, deadline,
+            )  # fmt: skip
+            prefill = pick(prefill_t)
+            logger.debug("prefill attention ms (%d tokens): %s", tokens, _ms(prefill_t))
         took = time.perf_counter() - t0
-        choice = Choice(gemm, attn, "measured")
+        choice = Choice(gemm, attn, "measured", prefill)
         if time.perf_counter() > deadline:
             logger.warning(
                 "kernel measurement stopped at its %.0f s budget (a busy machine?): buckets not "

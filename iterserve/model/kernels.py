@@ -7,11 +7,11 @@ The library is compiled once per (source, compiler flags, CPU) into
 is no compiler, or it fails, ``load()`` returns None and the model uses torch's kernels; so does
 ``ITERSERVE_KERNELS=0``. Results agree with torch's to f32 rounding (tests/test_kernels.py).
 
-``ITERSERVE_KERNELS`` (parsed by ``parse_setting``) also says how the GEMM and decode-attention
-paths are chosen (autotune.py): ``1`` / ``measure`` (default) times them at first start on a
-machine and caches the choice; ``flags`` uses the fixed CPU-flag rules; ``gemm=<path>`` and/or
-``attn=<path>`` (comma-joined) fix a path for every row count; ``0``: torch's kernels only
-(the torch paths still measured).
+``ITERSERVE_KERNELS`` (parsed by ``parse_setting``) also says how the GEMM and attention paths
+are chosen (autotune.py): ``1`` / ``measure`` (default) times them at first start on a machine
+and caches the choice; ``flags`` uses the fixed CPU-flag rules; ``gemm=<path>``,
+``attn=<path>`` (decode attention) and ``prefill=<path>`` (comma-joined) fix a path for every
+row count; ``0``: torch's kernels only (the torch paths still measured).
 """
 
 from __future__ import annotations
@@ -60,12 +60,17 @@ GEMM_PATHS = ("torch", "upcast", "panels", "packed", "pairs", "onednn")
 # on AMD Zen 4 the prefetches themselves stall, docs/SPEED.md), or SDPA over a gather.
 ATTN_PATHS = ("cpu", "cpu_nopf", "torch")
 DECODE_PREFETCH = 8  # positions (4 to 16 measured the same on AMD Zen 5)
+# Prefill attention paths of the cpu backend (plain causal bf16 chunks): iterserve's kernel over
+# the paged cache in place, or SDPA over gathered keys.
+PREFILL_PATHS = ("cpu", "torch")
 SETTING_FORMS = (
     "ITERSERVE_KERNELS must be 0 (torch's kernels only), 1 or measure (time the paths at first "
-    "start, cached; the default), flags (the CPU-flag rules), or gemm=<"
+    "start, cached; the default), flags (the CPU-flag rules), or any of gemm=<"
     + "|".join(GEMM_PATHS)
-    + "> and/or attn=<"
+    + ">, attn=<"
     + "|".join(ATTN_PATHS)
+    + ">, prefill=<"
+    + "|".join(PREFILL_PATHS)
     + "> joined by a comma (e.g. gemm=panels,attn=cpu)"
 )
 
@@ -73,12 +78,13 @@ SETTING_FORMS = (
 @dataclass(frozen=True)
 class Setting:
     """``ITERSERVE_KERNELS``, parsed: ``enabled`` builds the C++ kernels; ``mode`` is measure or
-    flags; ``gemm`` / ``attn`` fix that path (None: measured)."""
+    flags; ``gemm`` / ``attn`` / ``prefill`` fix that path (None: measured)."""
 
     enabled: bool = True
     mode: str = "measure"
     gemm: str | None = None
     attn: str | None = None
+    prefill: str | None = None
 
 
 def parse_setting(value: str) -> Setting:
@@ -93,11 +99,11 @@ def parse_setting(value: str) -> Setting:
     fixed: dict[str, str] = {}
     for part in v.split(","):
         key, eq, path = (s.strip() for s in part.partition("="))
-        allowed = {"gemm": GEMM_PATHS, "attn": ATTN_PATHS}.get(key)
+        allowed = {"gemm": GEMM_PATHS, "attn": ATTN_PATHS, "prefill": PREFILL_PATHS}.get(key)
         if not eq or allowed is None or path not in allowed or key in fixed:
             raise ValueError(f"{SETTING_FORMS}; got {value!r}")
         fixed[key] = path
-    return Setting(gemm=fixed.get("gemm"), attn=fixed.get("attn"))
+    return Setting(gemm=fixed.get("gemm"), attn=fixed.get("attn"), prefill=fixed.get("prefill"))
 
 
 def setting() -> Setting:

@@ -191,11 +191,6 @@ class ModelRunner:
             attention_backend or backend_setting(), self.dtype, self.device, kern,
             self.model_config.head_dim,
         )  # fmt: skip
-        pf = getattr(self.attention, "prefill_kernel", False)
-        logger.info(
-            "attention backend: %s on %s%s", self.attention.name, self.device,
-            ", prefill through iterserve's kernel" if pf else "",
-        )  # fmt: skip
         fused = kern if self.dtype == torch.bfloat16 else None
         # The GEMM / decode paths measured here (autotune.py), or ITERSERVE_KERNELS=flags' rules.
         self.kernel_choice: autotune.Choice | None = None
@@ -217,6 +212,11 @@ class ModelRunner:
             strategies = self._measured_strategies(setting, kern, fused, cache_config.block_size)
         with torch.inference_mode():
             self.model.select_strategies(strategies)
+        pf = getattr(self.attention, "prefill_kernel", False)  # after the kernel choice
+        logger.info(
+            "attention backend: %s on %s%s", self.attention.name, self.device,
+            ", prefill through iterserve's kernel" if pf else "",
+        )  # fmt: skip
 
         self.block_size: int = cache_config.block_size
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -374,8 +374,8 @@ class ModelRunner:
         fused: kernels.Kernels | None,
         block_size: int,
     ) -> Strategies:
-        """Times the GEMM and decode-attention paths on this model's shapes (or takes the cached
-        or ITERSERVE_KERNELS-fixed choice), logs it, and returns the strategies that run it."""
+        """Times the GEMM and attention paths on this model's shapes (or takes the cached or
+        ITERSERVE_KERNELS-fixed choice), logs it, and returns the strategies that run it."""
         cfg, kinds = self.model_config, DecoderLayer.LINEARS
         weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         if self.model.layers:  # a layerless model (tests) times its LM head only
@@ -411,6 +411,8 @@ class ModelRunner:
         if choice.attn and isinstance(self.attention, CpuBackend):
             assert kern is not None
             self.attention.decodes = autotune.decode_router(kern, choice.attn)
+        if choice.prefill == ("torch",) and isinstance(self.attention, CpuBackend):
+            self.attention.use_prefill_kernel(False)
 
         def linear(kind: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
             return autotune.route(  # type: ignore[no-any-return]

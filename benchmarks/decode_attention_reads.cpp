@@ -9,7 +9,7 @@
 // MODE 0: the kernel, scattered blocks; 1: plain read, scattered (a 4th argument N: prefetch N
 // positions ahead); 2: plain read, contiguous; 3: plain read, K and V block by block (N: blocks
 // prefetched ahead); 4: the kernel, contiguous. For modes 0 and 4, N is the kernel's prefetch
-// distance (default 8, the cpu path's; 0: the cpu_nopf path). bench-134m's shape: 12 KV heads of 64, bf16.
+// (default 8, the cpu path's; -8: into L2, the cpu_l2 path's; 0: the cpu_nopf path). bench-134m's shape: 12 KV heads of 64, bf16.
 // Prefetch kinds and two sequences walked in lockstep: decode_attention_prefetch.cpp.
 #include "../iterserve/model/csrc/cpu_kernels.cpp"
 #include <sys/mman.h>

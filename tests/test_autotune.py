@@ -117,16 +117,16 @@ def test_route_by_rows() -> None:
 
 def test_decode_router_paths() -> None:
     """Each decode attention path of the choice routes to what it names: the kernel with its
-    default prefetch, the kernel without software prefetch, SDPA."""
+    default prefetch into L1, into L2, without software prefetch; SDPA."""
     from iterserve.model import attention, kernels
 
     kern = object()
-    fn = autotune.decode_router(kern, ("torch", "cpu_nopf", "cpu", "cpu"))  # type: ignore[arg-type]
+    fn = autotune.decode_router(kern, ("torch", "cpu_nopf", "cpu_l2", "cpu"))  # type: ignore[arg-type]
     picked = [fn.pick(d) for d in (1, 8, 32, 128)]
     assert picked[0] is attention.sdpa_decodes
-    for p, want in zip(picked[1:], ({"prefetch": 0}, {}, {})):
+    for p, want in zip(picked[1:], ({"prefetch": 0}, {"prefetch_l2": True}, {})):
         assert p.func is attention.kernel_decodes and p.args == (kern,) and p.keywords == want
-    assert set(kernels.ATTN_PATHS) == {"cpu", "cpu_nopf", "torch"}
+    assert set(kernels.ATTN_PATHS) == {"cpu", "cpu_l2", "cpu_nopf", "torch"}
 
 
 def test_setting_parsing() -> None:

@@ -429,8 +429,9 @@ def test_gemm_row_buckets_bound_shapes_and_keep_results() -> None:
 def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: str) -> None:
     """iterserve's paged decode kernel, fed by the step's metadata, equals SDPA over the gathered
     padded window: GQA, contexts of different lengths, scattered blocks, a sliding window; as
-    built for this CPU and as built for AVX2 without AVX-512; the software prefetch distance
-    (the cpu_nopf path's 0, the cpu path's default, one past a 4-token block) changes no bit."""
+    built for this CPU and as built for AVX2 without AVX-512; the software prefetch (the
+    cpu_nopf path's none, the cpu path's default, one past a 4-token block, into L1 or L2)
+    changes no bit."""
     from iterserve.model import attention, kernels
     from tests.test_kernels import avx2_kernels
 
@@ -461,6 +462,8 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: 
         out = decode(q)
         for prefetch in (0, 5):
             assert torch.equal(decode(q, prefetch=prefetch), out)
+        for prefetch in (kernels.DECODE_PREFETCH, 5):
+            assert torch.equal(decode(q, prefetch=prefetch, prefetch_l2=True), out)
         with pytest.raises(ValueError, match="prefetch must be >= 0"):
             decode(q, prefetch=-1)
         # bf16 queries with strided rows (as q sits in the layer's qk tensor): bf16 out
@@ -629,18 +632,18 @@ def _needs_gemm(gemm: str) -> None:
         pytest.skip("the pair GEMM is compiled in only where the CPU has AVX512-BF16")
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "llama",
-        "llama-tied",
-        "llama-hd64",
-        "llama-hd32-biases",
-        "mistral-sliding-window",
-        "qwen2-bias",
-        "qwen3-qknorm-headdim",
-    ],
-)
+FUSED_CASES = [
+    "llama",
+    "llama-tied",
+    "llama-hd64",
+    "llama-hd32-biases",
+    "mistral-sliding-window",
+    "qwen2-bias",
+    "qwen3-qknorm-headdim",
+]
+
+
+@pytest.mark.parametrize("name", FUSED_CASES)
 @pytest.mark.parametrize("gemm", ["pairs", "panels"])
 def test_fused_decode_layers_give_the_same_bits(
     case: Callable[[str], Case], name: str, gemm: str, monkeypatch: pytest.MonkeyPatch
@@ -650,12 +653,15 @@ def test_fused_decode_layers_give_the_same_bits(
     to 25 decodes (the pair GEMM's prefetching tiles start at 12 rows; head_dim 64 takes the
     vector decode task and RoPE), on the pair GEMM and on the f32-panel one; a step with a
     prefill in it, and a model with a per-head q/k norm (Qwen3), take the per-layer path. The
-    decode kernel's prefetch distance (attn=cpu_nopf: none) reaches the fused call too."""
+    decode kernel's prefetch (each kernel path in turn across the cases) reaches the fused
+    call too, as paged_decode_attention's ``ahead``."""
     from iterserve.model import kernels
 
     _needs_gemm(gemm)
-    attn = "cpu" if gemm == "pairs" else "cpu_nopf"
-    monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm={gemm},attn={attn}")
+    attn = ("cpu", "cpu_l2", "cpu_nopf")[(FUSED_CASES.index(name) + (gemm == "panels")) % 3]
+    want_ahead = {"cpu": kernels.DECODE_PREFETCH, "cpu_l2": -kernels.DECODE_PREFETCH}.get(attn, 0)
+    # every path fixed (prefill too), so the two runners cannot measure different choices
+    monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm={gemm},attn={attn},prefill=torch")
     c = case(name)
     cc = CacheConfig(block_size=BLOCK, num_kv_blocks=26 * 16)
     fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
@@ -665,7 +671,7 @@ def test_fused_decode_layers_give_the_same_bits(
     qk_norm = name.startswith("qwen3")
     assert (fd.plan(9) is None) == qk_norm
     if not qk_norm:
-        assert fd._prefetch[9] == (kernels.DECODE_PREFETCH if attn == "cpu" else 0)
+        assert fd._prefetch[9] == want_ahead
     ran = []
     run = fd.run
     fd.run = lambda *a: _record(ran, run(*a))  # type: ignore[method-assign]

@@ -195,10 +195,12 @@ def kernel_decodes(
     meta: AttentionMetadata,
     block_size: int,
     prefetch: int = kernels.DECODE_PREFETCH,
+    prefetch_l2: bool = False,
 ) -> torch.Tensor:
     """Rows [0, D) through iterserve's paged decode kernel: each decode reads only its own
     context, in place, softmax vectorised on every thread (docs/SPEED.md, "Decode attention");
-    ``prefetch``: its software prefetch distance (0: none). Returns [D, H, hd]."""
+    ``prefetch``: its software prefetch distance (0: none), into L2 only where ``prefetch_l2``.
+    Returns [D, H, hd]."""
     D = q.shape[0]
     assert meta.decode_block_ids is not None
     assert meta.decode_ctx_lens is not None and meta.decode_starts is not None
@@ -211,6 +213,7 @@ def kernel_decodes(
         meta.decode_starts,
         block_size,
         prefetch,
+        prefetch_l2,
     )
 
 

@@ -3,8 +3,8 @@
 At the first start of a model on a machine, ``choose`` times every GEMM path this dtype, CPU
 and memory allow (layers.py: torch, upcast, panels, packed) on the model's own weights of each
 kind (qkv, o, gate_up, down, lm_head; layer 0's) at a few row counts (``ROW_BUCKETS``), and the
-cpu backend's decode attention (the C++ kernel with and without software prefetch, SDPA) at a
-few decode counts and its prefill attention (the C++ kernel or SDPA, one chunk of
+cpu backend's decode attention (the C++ kernel with software prefetch into L1, into L2, or none;
+SDPA) at a few decode counts and its prefill attention (the C++ kernel or SDPA, one chunk of
 ``PREFILL_TOKENS``) where the kernel fits the model, within a time
 budget (a few seconds for a ~100M model; milliseconds for the tests' tiny one). The choice per
 kind and row range is cached in ``$ITERSERVE_CACHE/autotune/`` keyed by CPU model and flags,
@@ -64,7 +64,7 @@ PRUNE = 2.0  # a path this many times slower than the best at one bucket is not 
 BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
 ATTN_CTX = 256  # context per sequence when timing decode attention
 PREFILL_TOKENS = 512  # one fresh chunk, when timing prefill attention
-VERSION = 5  # bump when what is measured or how it is chosen changes
+VERSION = 6  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -354,25 +354,38 @@ def measure_decodes(
     deadline: float,
 ) -> dict[str, list[float | None]]:
     """path -> seconds per DECODE_BUCKETS entry: one layer's decode attention of D sequences of
-    ``ctx`` keys each."""
+    ``ctx`` keys each, their blocks scattered over a pool twice the size needed (a serving
+    pool's blocks are not in order, and the software prefetch paths differ most there)."""
     per: dict[str, list[float | None]] = {path: [] for path in kernels.ATTN_PATHS}
     nb = -(-ctx // block_size)
     reached = False
+    g = torch.Generator().manual_seed(0)
     for d in DECODE_BUCKETS:
         if reached:
             for p in per:
                 per[p].append(None)
             continue
         reached = d >= max_decodes
-        k_cache = torch.randn(d * nb * block_size, kv_heads, head_dim).to(dtype)
+        k_cache = torch.randn(2 * d * nb * block_size, kv_heads, head_dim).to(dtype)
         v_cache = torch.randn_like(k_cache)
-        items = [attention.StepItem(1, ctx - 1, range(i * nb, (i + 1) * nb)) for i in range(d)]
+        blocks = torch.randperm(2 * d * nb, generator=g)[: d * nb].view(d, nb).tolist()
+        items = [attention.StepItem(1, ctx - 1, blocks[i]) for i in range(d)]
         meta = attention.build_attention_metadata(items, d, block_size, None, dtype)
         q = torch.randn(d, heads, head_dim).to(dtype)
         got = time_paths(
             {
                 "cpu": functools.partial(
                     attention.kernel_decodes, kern, q, k_cache, v_cache, meta, block_size
+                ),
+                "cpu_l2": functools.partial(
+                    attention.kernel_decodes,
+                    kern,
+                    q,
+                    k_cache,
+                    v_cache,
+                    meta,
+                    block_size,
+                    prefetch_l2=True,
                 ),
                 "cpu_nopf": functools.partial(
                     attention.kernel_decodes, kern, q, k_cache, v_cache, meta, block_size, 0
@@ -458,7 +471,7 @@ def choose(
             "with native bf16/f16 and oneDNN packing)"
         )
     attn_paths = kernels.ATTN_PATHS if cpu_backend and kern is not None else ()
-    if setting.attn in ("cpu", "cpu_nopf") and not attn_paths:
+    if setting.attn not in (None, "torch") and not attn_paths:
         raise ValueError(
             f"ITERSERVE_KERNELS asks attn={setting.attn}, which needs the cpu attention backend "
             "(the C++ kernels built, a CPU device, float32/bfloat16): set attn=torch, or drop "
@@ -567,6 +580,8 @@ def decode_router(kern: kernels.Kernels, paths: Sequence[str]) -> Any:
     def make(p: str) -> Any:
         if p == "cpu":
             return functools.partial(attention.kernel_decodes, kern)
+        if p == "cpu_l2":
+            return functools.partial(attention.kernel_decodes, kern, prefetch_l2=True)
         if p == "cpu_nopf":
             return functools.partial(attention.kernel_decodes, kern, prefetch=0)
         return attention.sdpa_decodes

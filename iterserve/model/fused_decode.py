@@ -62,7 +62,7 @@ class FusedDecode:
         # per row count: the layers' structures and the tensors their pointers point into
         # (kept alive with them), or None
         self._plans: dict[int, tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None] = {}
-        self._prefetch: dict[int, int] = {}  # per row count: the decode kernel's prefetch
+        self._prefetch: dict[int, int] = {}  # per row count: DecodeStep.ahead
 
     def plan(self, rows: int) -> list[kernels.DecodeLayerW] | None:
         """One structure per layer, or None when some layer does not run every piece on the
@@ -79,10 +79,12 @@ class FusedDecode:
             isinstance(decodes, functools.partial)
             and decodes.func is attention.kernel_decodes
             and decodes.args[:1] == (self.kern,)
-            and set(decodes.keywords) <= {"prefetch"}
+            and set(decodes.keywords) <= {"prefetch", "prefetch_l2"}
         ):
             return None
-        self._prefetch[rows] = int(decodes.keywords.get("prefetch", kernels.DECODE_PREFETCH))
+        # DecodeStep.ahead as paged_decode_attention takes it: negative for L2
+        ahead = int(decodes.keywords.get("prefetch", kernels.DECODE_PREFETCH))
+        self._prefetch[rows] = -ahead if decodes.keywords.get("prefetch_l2") else ahead
         out, keep = [], []
         for layer in self.layers:
             lins = [_for_rows(getattr(layer, n), rows) for n in ("qkv", "o", "gate_up", "down")]

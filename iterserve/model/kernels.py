@@ -56,9 +56,10 @@ def _cpu_id() -> str:
 # in the weight's own dtype (a CPU with native bf16/f16: AMX tiles where it has them).
 GEMM_PATHS = ("torch", "upcast", "panels", "packed", "pairs", "onednn")
 # Decode attention paths of the cpu backend: iterserve's paged kernel with software prefetch
-# DECODE_PREFETCH positions ahead, the same kernel without it (the hardware prefetchers alone:
-# on AMD Zen 4 the prefetches themselves stall, docs/SPEED.md), or SDPA over a gather.
-ATTN_PATHS = ("cpu", "cpu_nopf", "torch")
+# DECODE_PREFETCH positions ahead into L1, the same into L2 only, the kernel without software
+# prefetch (the hardware prefetchers alone), or SDPA over a gather. Which prefetch pays differs
+# by CPU (on AMD Zen 4 the L1 prefetches stall the loop; docs/SPEED.md).
+ATTN_PATHS = ("cpu", "cpu_l2", "cpu_nopf", "torch")
 DECODE_PREFETCH = 8  # positions (4 to 16 measured the same on AMD Zen 5)
 # Prefill attention paths of the cpu backend (plain causal bf16 chunks): iterserve's kernel over
 # the paged cache in place, or SDPA over gathered keys.
@@ -382,11 +383,13 @@ class Kernels:
         starts: torch.Tensor,
         block_size: int,
         prefetch: int = DECODE_PREFETCH,
+        prefetch_l2: bool = False,
     ) -> torch.Tensor:
         """q [D, H, hd] bf16 or f32 (heads contiguous; rows may be strided); caches [slots, KvH,
         hd] bf16 or f32; block_tables [D, max_blocks] int64; ctx_lens / starts [D] int64 (keys
         starts[d] .. ctx_lens[d] - 1 are visible); ``prefetch``: software prefetch distance in
-        positions, 0 for none. Returns [D, H, hd] in q's dtype (f32 inside)."""
+        positions, 0 for none, into L2 only where ``prefetch_l2``. Returns [D, H, hd] in q's
+        dtype (f32 inside)."""
         if prefetch < 0:
             raise ValueError(f"paged_decode_attention: prefetch must be >= 0, got {prefetch}")
         D, H, hd = q.shape
@@ -436,7 +439,7 @@ class Kernels:
             block_size,
             block_tables.shape[1],
             float(hd**-0.5),
-            int(prefetch),
+            -int(prefetch) if prefetch_l2 else int(prefetch),
         )
         return out
 

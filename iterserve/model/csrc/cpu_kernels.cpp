@@ -631,14 +631,22 @@ void panel_rows(const uint16_t* P, const float* xf, const float* bias, void* y, 
 
 // Prefetches the cache rows of heads [h0, h1) at position p of a sequence: blocks sit anywhere
 // in the pool, so the hardware prefetcher, which follows one block's rows, stalls at every
-// block boundary. Decode attention prefetches `ahead` positions on (0: not at all), a
-// parameter because it pays on some CPUs and costs on others (the prefetches themselves stall
-// on AMD Zen 4), so the kernel choice measures it (docs/SPEED.md).
-inline void prefetch_heads(const void* cache, int elem, const int64_t* bt, int block_size, int64_t p, int KvH, int hd, int h0, int h1) {
+// block boundary. Decode attention prefetches `ahead` positions on into L1 (a negative `ahead`:
+// -ahead positions on, into L2 only; 0: not at all), a parameter because what pays differs by
+// CPU (on AMD Zen 4 the L1 prefetches stall the loop, the L2 ones do not), so the kernel choice
+// measures it (docs/SPEED.md).
+inline void prefetch_line(const char* a, bool to_l2) {
+    if (to_l2)
+        __builtin_prefetch(a, 0, 2);
+    else
+        __builtin_prefetch(a, 0, 3);
+}
+inline void prefetch_heads(const void* cache, int elem, const int64_t* bt, int block_size, int64_t p, int KvH, int hd, int h0, int h1,
+                           bool to_l2) {
     const int64_t slot = bt[p / block_size] * block_size + p % block_size;
     const char* a = static_cast<const char*>(cache) + (slot * KvH + h0) * static_cast<int64_t>(hd) * elem;
     const int64_t bytes = static_cast<int64_t>(h1 - h0) * hd * elem;
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(a + off, 0, 3);
+    for (int64_t off = 0; off < bytes; off += 64) prefetch_line(a + off, to_l2);
 }
 
 
@@ -710,13 +718,15 @@ void decode_task_bf16(const float* qd, const uint16_t* k_cache, const uint16_t* 
     // Visits heads [h0, h1) of every position in [begin, end) in order: visit(i, query head,
     // even lanes, odd lanes) for each query head of a KV head, then done(i) after a position;
     // the rows ahead_n positions on are prefetched.
+    const bool to_l2 = ahead_n < 0;  // see prefetch_heads
+    if (to_l2) ahead_n = -ahead_n;
     auto walk = [&](const uint16_t* cache, auto&& visit, auto&& done) {
         SlotCursor cur(bt, block_size, begin), ahead(bt, block_size, begin);
         for (int a = 0; a < ahead_n && begin + a < end; ++a) ahead.next();
         for (int64_t p = begin; p < end; ++p) {
             if (ahead_n > 0 && p + ahead_n < end) {
                 const char* pf = reinterpret_cast<const char*>(cache + ahead.slot() * row + static_cast<int64_t>(h0) * hd);
-                for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) __builtin_prefetch(pf + off, 0, 3);
+                for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) prefetch_line(pf + off, to_l2);
                 ahead.next();
             }
             const uint16_t* r = cache + cur.slot() * row;
@@ -834,13 +844,15 @@ void decode_task_avx2(const float* qd, const uint16_t* k_cache, const uint16_t* 
             qs[(qh * NC + c) * 2 + 1] = _mm256_load_ps(o);
         }
     const int64_t row = static_cast<int64_t>(KvH) * hd;  // elements per slot
+    const bool to_l2 = ahead_n < 0;  // see prefetch_heads
+    if (to_l2) ahead_n = -ahead_n;
     auto walk = [&](const uint16_t* cache, auto&& visit, auto&& done) {
         SlotCursor cur(bt, block_size, begin), ahead(bt, block_size, begin);
         for (int a = 0; a < ahead_n && begin + a < end; ++a) ahead.next();
         for (int64_t p = begin; p < end; ++p) {
             if (ahead_n > 0 && p + ahead_n < end) {
                 const char* pf = reinterpret_cast<const char*>(cache + ahead.slot() * row + static_cast<int64_t>(h0) * hd);
-                for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) __builtin_prefetch(pf + off, 0, 3);
+                for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) prefetch_line(pf + off, to_l2);
                 ahead.next();
             }
             const uint16_t* r = cache + cur.slot() * row;
@@ -1525,7 +1537,8 @@ void argmax_f32(const float* x, int rows, int n, int64_t* out) {
 // in bf16 (cache_f32 = 0) or f32; block_tables [D, max_blocks] int64 (slot = block * block_size
 // + offset); ctx_lens [D] (keys 0 .. ctx_len - 1 exist); starts [D] (first visible key: 0, or
 // past a sliding window). Query heads h * G .. h * G + G - 1 share KV head h. ahead: software
-// prefetch distance in positions (0: none, the hardware prefetchers alone).
+// prefetch distance in positions, into L1 (negative: into L2; 0: none, the hardware
+// prefetchers alone).
 //
 // A task is one sequence and a range of its KV heads (the whole range unless there are too few
 // sequences to keep every thread busy): it walks the sequence's slots in order, and a slot's
@@ -1536,6 +1549,7 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
                             const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts,
                             void* out, int D, int H, int KvH, int hd, int block_size, int max_blocks, float scale, int ahead) {
     const int G = H / KvH;
+    const int dist = ahead < 0 ? -ahead : ahead;
     const int elem = cache_f32 ? 4 : 2;
     int threads = 1;
 #if defined(_OPENMP)
@@ -1590,11 +1604,11 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
             const int64_t ldn = (n + 15) & ~int64_t(15);  // scores[qh * ldn + p]
             scores.assign(static_cast<size_t>(nq) * ldn, -INFINITY);
             // Visits heads [h0, h1) of every position in [begin, end) in order, each row widened
-            // into `row`, the rows `ahead` positions on prefetched.
+            // into `row`, the rows `dist` positions on prefetched.
             auto walk = [&](const void* cache, auto&& visit) {
                 for (int64_t p = begin; p < end; ++p) {
                     const int64_t slot = bt[p / block_size] * block_size + p % block_size;
-                    if (ahead > 0 && p + ahead < end) prefetch_heads(cache, elem, bt, block_size, p + ahead, KvH, hd, h0, h1);
+                    if (dist > 0 && p + dist < end) prefetch_heads(cache, elem, bt, block_size, p + dist, KvH, hd, h0, h1, ahead < 0);
                     for (int h = h0; h < h1; ++h) {
                         load_row(cache, cache_f32, (slot * KvH + h) * hd, hd, row.data());
                         for (int g = 0; g < G; ++g) visit(p - begin, (h - h0) * G + g);
@@ -1866,7 +1880,7 @@ struct DecodeStep {
     const uint16_t *cos, *sin;  // [M, hd]
     const int64_t *slots, *block_tables, *ctx_lens, *starts;  // [M], [M, max_blocks], [M], [M]
     int rows, max_blocks, block_size;
-    int ahead;  // decode attention's prefetch distance (paged_decode_attention)
+    int ahead;  // decode attention's prefetch (paged_decode_attention's `ahead`)
 };
 
 // h [M, hidden] (h += pending in place first, unless pending is null: the first layer);

@@ -139,7 +139,10 @@ def bench_prefill(
     """One layer's prefill attention through the kernel and through the engine's SDPA path
     (``attention.sdpa_chunk``: gather of a continued chunk's keys, f32 where bf16 is emulated)."""
     if not kern.has_prefill_kernel:
-        print("the prefill kernel is compiled in only where the CPU has AVX512-BF16, or AVX2")
+        print(
+            "the prefill kernel is compiled in only where the CPU has AVX512-BF16, or AVX2 "
+            "without AVX-512"
+        )
         return
     ctx = start + tokens
     per_seq = cdiv(ctx, block_size)

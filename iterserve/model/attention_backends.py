@@ -162,8 +162,9 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
 class CpuBackend(TorchBackend):
     """The torch backend with its decodes through iterserve's C++ kernel, and its plain causal
     bf16 prefill chunks too where ``prefill_kernel`` (a CPU with AVX512-BF16, or AVX2 without
-    AVX-512; the runner sets it from the model's dtype and head_dim,
-    ``attention.prefill_kernel_fits``)."""
+    AVX-512; ``select_backend`` sets it from the model's dtype and head_dim,
+    ``attention.prefill_kernel_fits``, and the kernel choice turns it off where SDPA measured
+    faster)."""
 
     name = "cpu"
 

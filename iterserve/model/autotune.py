@@ -1,15 +1,16 @@
-"""GEMM and decode-attention paths chosen by measurement on this machine (issue 18).
+"""GEMM and attention paths chosen by measurement on this machine (issue 18).
 
 At the first start of a model on a machine, ``choose`` times every GEMM path this dtype, CPU
 and memory allow (layers.py: torch, upcast, panels, packed) on the model's own weights of each
 kind (qkv, o, gate_up, down, lm_head; layer 0's) at a few row counts (``ROW_BUCKETS``), and the
-cpu backend's decode attention (the C++ kernel with software prefetch into L1, into L2, or none;
-SDPA) at a few decode counts and its prefill attention (the C++ kernel or SDPA, one chunk of
-``PREFILL_TOKENS``) where the kernel fits the model, within a time
-budget (a few seconds for a ~100M model; milliseconds for the tests' tiny one). The choice per
-kind and row range is cached in ``$ITERSERVE_CACHE/autotune/`` keyed by CPU model and flags,
-torch version, model shapes, dtype, threads and the candidate paths, and logged one line per
-layer kind. ``ITERSERVE_KERNELS`` (kernels.parse_setting) fixes a path or skips measuring.
+cpu backend's decode attention (the C++ kernel with software prefetch into L1, into L2, or
+none; SDPA) at a few decode counts, and its prefill attention (the C++ kernel or SDPA,
+``PREFILL_TOKENS`` prompt tokens: a fresh chunk and a continued one) where the kernel fits the
+model, within a time budget (a few seconds for a ~100M model; milliseconds for the tests' tiny
+one). The choice per kind and row range is cached in ``$ITERSERVE_CACHE/autotune/`` keyed by
+CPU model and flags, torch version, model shapes, dtype, threads and the candidate paths, and
+logged one line per layer kind. ``ITERSERVE_KERNELS`` (kernels.parse_setting) fixes a path or
+skips measuring.
 
 ``pick`` (timings -> path per bucket) is a pure function: tests feed it fake timings.
 """
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +65,8 @@ KEEP = 0.15
 PRUNE = 2.0  # a path this many times slower than the best at one bucket is not timed at the next
 BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
 ATTN_CTX = 256  # context per sequence when timing decode attention
-PREFILL_TOKENS = 512  # one fresh chunk, when timing prefill attention
+DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
+PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
 VERSION = 6  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
@@ -342,6 +345,18 @@ def measure_gemms(
     return out
 
 
+def _rotating(
+    fn: Callable[..., object],
+    qkv: tuple[torch.Tensor, ...],
+    metas: Sequence[attention.AttentionMetadata],
+    turn: Iterator[int],
+    *rest: Any,
+    **kw: Any,
+) -> Callable[[], object]:
+    """fn(q, k_cache, v_cache, meta, *rest, **kw) with the next of ``metas`` at every call."""
+    return lambda: fn(*qkv, metas[next(turn) % len(metas)], *rest, **kw)
+
+
 def measure_decodes(
     kern: kernels.Kernels,
     heads: int,
@@ -355,9 +370,13 @@ def measure_decodes(
 ) -> dict[str, list[float | None]]:
     """path -> seconds per DECODE_BUCKETS entry: one layer's decode attention of D sequences of
     ``ctx`` keys each, their blocks scattered over a pool twice the size needed (a serving
-    pool's blocks are not in order, and the software prefetch paths differ most there)."""
+    pool's blocks are not in order, and the software prefetch paths differ most there). Each
+    call reads other blocks than the last, from a pool of at least ``DECODE_POOL_BYTES`` per
+    cache: a serving step's layers each read their own KV from memory, and a set small enough
+    to stay in the L3 cache between calls favours no prefetch."""
     per: dict[str, list[float | None]] = {path: [] for path in kernels.ATTN_PATHS}
     nb = -(-ctx // block_size)
+    block_bytes = block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
     reached = False
     g = torch.Generator().manual_seed(0)
     for d in DECODE_BUCKETS:
@@ -366,33 +385,28 @@ def measure_decodes(
                 per[p].append(None)
             continue
         reached = d >= max_decodes
-        k_cache = torch.randn(2 * d * nb * block_size, kv_heads, head_dim).to(dtype)
-        v_cache = torch.randn_like(k_cache)
-        blocks = torch.randperm(2 * d * nb, generator=g)[: d * nb].view(d, nb).tolist()
-        items = [attention.StepItem(1, ctx - 1, blocks[i]) for i in range(d)]
-        meta = attention.build_attention_metadata(items, d, block_size, None, dtype)
+        sets = max(1, min(128, DECODE_POOL_BYTES // (2 * d * nb * block_bytes)))
+        pool = 2 * sets * d * nb
+        # the values do not change the kernels' time; a constant is quicker to make than randn
+        k_cache = torch.full((pool * block_size, kv_heads, head_dim), 0.1, dtype=dtype)
+        v_cache = torch.full_like(k_cache, 0.2)
+        blocks = torch.randperm(pool, generator=g)[: sets * d * nb].view(sets, d, nb).tolist()
+        metas = [
+            attention.build_attention_metadata(
+                [attention.StepItem(1, ctx - 1, b) for b in blocks[i]], d, block_size, None, dtype
+            )
+            for i in range(sets)
+        ]
         q = torch.randn(d, heads, head_dim).to(dtype)
+        kd = functools.partial(attention.kernel_decodes, kern)
+        kv = (q, k_cache, v_cache)
+        turn = itertools.count()  # one rotation for all paths: each call reads a cold set
         got = time_paths(
             {
-                "cpu": functools.partial(
-                    attention.kernel_decodes, kern, q, k_cache, v_cache, meta, block_size
-                ),
-                "cpu_l2": functools.partial(
-                    attention.kernel_decodes,
-                    kern,
-                    q,
-                    k_cache,
-                    v_cache,
-                    meta,
-                    block_size,
-                    prefetch_l2=True,
-                ),
-                "cpu_nopf": functools.partial(
-                    attention.kernel_decodes, kern, q, k_cache, v_cache, meta, block_size, 0
-                ),
-                "torch": functools.partial(
-                    attention.sdpa_decodes, q, k_cache, v_cache, meta, block_size
-                ),
+                "cpu": _rotating(kd, kv, metas, turn, block_size),
+                "cpu_l2": _rotating(kd, kv, metas, turn, block_size, prefetch_l2=True),
+                "cpu_nopf": _rotating(kd, kv, metas, turn, block_size, prefetch=0),
+                "torch": _rotating(attention.sdpa_decodes, kv, metas, turn, block_size),
             },
             deadline,
         )
@@ -411,17 +425,21 @@ def measure_prefill(
     tokens: int,
     deadline: float,
 ) -> dict[str, list[float | None]]:
-    """path -> [seconds]: one layer's causal attention of a fresh ``tokens``-token prompt, its
+    """path -> [seconds]: one layer's causal attention of a step of ``tokens`` prompt tokens,
     keys in the paged cache, through the kernel and through SDPA (``attention.prefill_chunks``
-    with and without it)."""
-    nb = -(-tokens // block_size)
-    k_cache = torch.randn(nb * block_size, kv_heads, head_dim).to(dtype)
+    with and without it): half a fresh prompt, half a chunk continued from as many cached
+    tokens (where SDPA must gather the keys and mask, and the kernel gains most)."""
+    half = max(1, tokens // 2)
+    nb = -(-half // block_size)  # blocks of the fresh prompt; the continued one takes twice
+    k_cache = torch.randn(3 * nb * block_size, kv_heads, head_dim).to(dtype)
     v_cache = torch.randn_like(k_cache)
-    meta = attention.build_attention_metadata(
-        [attention.StepItem(tokens, 0, range(nb))], 0, block_size, None, dtype
-    )
-    q = torch.randn(tokens, heads, head_dim).to(dtype)
-    k, v = k_cache[:tokens], v_cache[:tokens]
+    items = [attention.StepItem(half, 0, range(nb))]
+    if tokens >= 2:
+        items.append(attention.StepItem(half, half, range(nb, 3 * nb)))
+    meta = attention.build_attention_metadata(items, 0, block_size, None, dtype)
+    n = half * len(items)
+    q = torch.randn(n, heads, head_dim).to(dtype)
+    k, v = k_cache[:n], v_cache[:n]
     got = time_paths(
         {
             "cpu": functools.partial(
@@ -491,7 +509,7 @@ def choose(
         raise ValueError(
             "ITERSERVE_KERNELS asks prefill=cpu, which needs the cpu attention backend and the "
             "prefill kernel (a bfloat16 model with head_dim a multiple of 64, a CPU with "
-            "AVX512-BF16 or AVX2): set prefill=torch, or drop prefill="
+            "AVX512-BF16, or AVX2 without AVX-512): set prefill=torch, or drop prefill="
         )
     prefill_fixed = setting.prefill is not None or not prefill_paths
     fixed_prefill: tuple[str, ...] = (setting.prefill or "cpu",) if prefill_paths else ()

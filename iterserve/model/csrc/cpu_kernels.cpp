@@ -937,8 +937,9 @@ inline DecodeTask decode_task_for(int hd) {
 // --- Causal prefill attention over the paged cache, f32 FMA (AVX2 without AVX-512) ----------
 // The AVX512-BF16 kernel below in 8-lane f32: this CPU has no bf16 dot products, so K and V
 // are widened to f32 once per call (K per 16 keys as [hd][16 keys], V as [key][hd]) and P stays
-// f32. Against torch's SDPA on the same values (f32, since bf16 is emulated here) it reads the
-// keys in place from the paged cache: no gathered copy and no mask tensor for a continued chunk.
+// f32. Against torch's SDPA on the same values (f32, since bf16 is emulated here) it widens the
+// keys straight from the paged cache (that f32 copy is its only one: no gather into a bf16
+// copy first, no upcast of it) and builds no mask tensor for a continued chunk.
 constexpr int PA_KB = 64;   // keys per block
 constexpr int PA_QB = 96;   // query rows per task
 constexpr int PA_R = 6;     // query rows per register tile: 12 accumulators of 16 keys or columns

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 // AVX2 + FMA without AVX-512 (e.g. AMD Zen 2/3, Intel Haswell..Alder Lake): 8-lane versions
@@ -1715,14 +1716,14 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     // faults and no zeroing of ~12 MB per call at 2,048 keys; every element is written below.
     const size_t need = static_cast<size_t>(2 * KvH * head_elems);
     thread_local std::vector<float> kept;
-    std::vector<float> once;
+    std::unique_ptr<float[]> once;  // not a vector: every element is written below, no zero fill
     float* Kp;
     if (need <= (size_t(64) << 20) / sizeof(float)) {
         if (kept.size() < need) kept.resize(need);
         Kp = kept.data();
     } else {
-        once.resize(need);
-        Kp = once.data();
+        once.reset(new float[need]);
+        Kp = once.get();
     }
     float* Vp = Kp + KvH * head_elems;
     const int groups = ctx_pad / 16;

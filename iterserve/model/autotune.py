@@ -398,16 +398,10 @@ def measure_decodes(
             for i in range(sets)
         ]
         q = torch.randn(d, heads, head_dim).to(dtype)
-        kd = functools.partial(attention.kernel_decodes, kern)
         kv = (q, k_cache, v_cache)
         turn = itertools.count()  # one rotation for all paths: each call reads a cold set
         got = time_paths(
-            {
-                "cpu": _rotating(kd, kv, metas, turn, block_size),
-                "cpu_l2": _rotating(kd, kv, metas, turn, block_size, prefetch_l2=True),
-                "cpu_nopf": _rotating(kd, kv, metas, turn, block_size, prefetch=0),
-                "torch": _rotating(attention.sdpa_decodes, kv, metas, turn, block_size),
-            },
+            {p: _rotating(decode_fn(kern, p), kv, metas, turn, block_size) for p in per},
             deadline,
         )
         for p, t in got.items():
@@ -591,17 +585,22 @@ def _ms(timings: Timings) -> str:
     )
 
 
+# The kernel's arguments for each of its decode attention paths (kernels.ATTN_PATHS).
+DECODE_KERNEL_ARGS: dict[str, dict[str, Any]] = {
+    "cpu": {},
+    "cpu_l2": {"prefetch_l2": True},
+    "cpu_nopf": {"prefetch": 0},
+}
+
+
+def decode_fn(kern: kernels.Kernels, path: str) -> Any:
+    """What one decode attention path runs (attention_backends.DecodeFn)."""
+    if path == "torch":
+        return attention.sdpa_decodes
+    return functools.partial(attention.kernel_decodes, kern, **DECODE_KERNEL_ARGS[path])
+
+
 def decode_router(kern: kernels.Kernels, paths: Sequence[str]) -> Any:
     """The cpu backend's decodes function (attention_backends.DecodeFn) for a per-bucket
     choice."""
-
-    def make(p: str) -> Any:
-        if p == "cpu":
-            return functools.partial(attention.kernel_decodes, kern)
-        if p == "cpu_l2":
-            return functools.partial(attention.kernel_decodes, kern, prefetch_l2=True)
-        if p == "cpu_nopf":
-            return functools.partial(attention.kernel_decodes, kern, prefetch=0)
-        return attention.sdpa_decodes
-
-    return route(paths, DECODE_BUCKETS, make)
+    return route(paths, DECODE_BUCKETS, functools.partial(decode_fn, kern))

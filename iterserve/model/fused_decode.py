@@ -82,9 +82,10 @@ class FusedDecode:
             and set(decodes.keywords) <= {"prefetch", "prefetch_l2"}
         ):
             return None
-        # DecodeStep.ahead as paged_decode_attention takes it: negative for L2
-        ahead = int(decodes.keywords.get("prefetch", kernels.DECODE_PREFETCH))
-        self._prefetch[rows] = -ahead if decodes.keywords.get("prefetch_l2") else ahead
+        self._prefetch[rows] = kernels.decode_ahead(
+            int(decodes.keywords.get("prefetch", kernels.DECODE_PREFETCH)),
+            bool(decodes.keywords.get("prefetch_l2", False)),
+        )
         out, keep = [], []
         for layer in self.layers:
             lins = [_for_rows(getattr(layer, n), rows) for n in ("qkv", "o", "gate_up", "down")]

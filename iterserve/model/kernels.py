@@ -61,6 +61,13 @@ GEMM_PATHS = ("torch", "upcast", "panels", "packed", "pairs", "onednn")
 # by CPU (on AMD Zen 4 the L1 prefetches stall the loop; docs/SPEED.md).
 ATTN_PATHS = ("cpu", "cpu_l2", "cpu_nopf", "torch")
 DECODE_PREFETCH = 8  # positions (4 to 16 measured the same on AMD Zen 5)
+
+
+def decode_ahead(prefetch: int, prefetch_l2: bool) -> int:
+    """paged_decode_attention's (and DecodeStep's) ``ahead``: the distance, negative for L2."""
+    return -prefetch if prefetch_l2 else prefetch
+
+
 # Prefill attention paths of the cpu backend (plain causal bf16 chunks): iterserve's kernel over
 # the paged cache in place, or SDPA over gathered keys.
 PREFILL_PATHS = ("cpu", "torch")
@@ -439,7 +446,7 @@ class Kernels:
             block_size,
             block_tables.shape[1],
             float(hd**-0.5),
-            -int(prefetch) if prefetch_l2 else int(prefetch),
+            decode_ahead(int(prefetch), prefetch_l2),
         )
         return out
 

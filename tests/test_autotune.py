@@ -83,6 +83,36 @@ def test_pick_untimed_bucket_takes_final_neighbour() -> None:
     assert pick({"torch": [None, None]}) == ("torch", "torch")
 
 
+def test_prefer_fused_moves_a_layer_onto_one_family_within_the_margin() -> None:
+    """At decode row counts (<= 128 here) the four layer GEMMs take one fused family (pairs and
+    amx mixed per GEMM, or panels) where each is within the margin of its chosen path; never
+    when one GEMM would lose more, never above the decode rows, never the LM head."""
+    from iterserve.model.autotune import prefer_fused
+
+    buckets = (1, 8, 32, 128, 512)
+    flat = {"onednn": [1.0] * 5, "amx": [1.2] * 5, "pairs": [1.1, 1.3, 2.0, 3.0, 9.0]}
+    timings = {k: dict(flat) for k in KINDS}
+    chosen = {k: ("onednn",) * 5 for k in KINDS}
+    got = prefer_fused(chosen, timings, buckets, max_rows=128, margin=0.25)
+    for k in KINDS[:4]:  # pairs is the family's best at 1 row, amx above; 512 rows stay
+        assert got[k] == ("pairs", "amx", "amx", "amx", "onednn"), k
+    assert got["lm_head"] == ("onednn",) * 5
+    # gate_up's amx 40% slower at 32 rows: that bucket keeps every GEMM where it was
+    timings["gate_up"] = {**flat, "amx": [1.2, 1.2, 1.4, 1.2, 1.2], "pairs": [1.1, 9, 9, 9, 9]}
+    got = prefer_fused(chosen, timings, buckets, max_rows=128, margin=0.25)
+    assert [got[k][2] for k in KINDS[:4]] == ["onednn"] * 4
+    assert [got[k][1] for k in KINDS[:4]] == ["amx"] * 4
+    # a bucket fused already stays; panels qualify as a family of their own
+    panels = {k: {"torch": [1.0] * 5, "panels": [1.1] * 5} for k in KINDS}
+    mixed = {k: ("torch", "panels", "torch", "torch", "torch") for k in KINDS}
+    got = prefer_fused(mixed, panels, buckets, max_rows=128, margin=0.25)
+    assert got["qkv"] == ("panels",) * 4 + ("torch",)
+    # no layer GEMMs timed (a model without layers): as chosen
+    assert prefer_fused({"lm_head": ("torch",) * 5}, {"lm_head": panels["lm_head"]}) == {
+        "lm_head": ("torch",) * 5
+    }
+
+
 def test_route_by_rows() -> None:
     limits = autotune.bucket_limits(ROW_BUCKETS)
     assert limits[:-1] == (2, 16, 64, 256) and limits[-1] > 10**9  # log-scale midpoints

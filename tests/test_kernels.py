@@ -315,6 +315,38 @@ def test_pair_gemm_matches_torch() -> None:
         kern.gemm_pairs(torch.zeros(2, 41).bfloat16(), kern.pack_pairs(w), N)
 
 
+def test_amx_gemm_matches_torch() -> None:
+    """The pair panels on AMX tiles: up to 16 rows (one row block against whole panels), 17-32
+    (two blocks against half panels), more (blocks of 32 and a short last one, down to 1 row),
+    N not a multiple of the 16-column tile or the 64-column panel, with and without bias: within
+    one bf16 rounding of the f32 result, and the f32-output form gives the bf16 result's values
+    exactly. K not a multiple of 32 runs the dot-product kernel instead: its result exactly."""
+    from iterserve.model.layers import AmxLinear, PairLinear
+
+    kern = _kern()
+    if not kern.has_amx:
+        pytest.skip("compiled in only where the CPU has AMX-BF16 tiles")
+    torch.manual_seed(0)
+    for K in (32, 96, 48):
+        for M in (1, 2, 7, 16, 17, 20, 32, 33, 47, 64, 100):
+            for N in (8, 37, 64, 100, 130):
+                x = torch.randn(M, K).bfloat16()
+                w = torch.randn(N, K).bfloat16()
+                b = torch.randn(N).bfloat16()
+                for bias in (None, b):
+                    lin = AmxLinear(kern, w, bias)
+                    y = lin(x)
+                    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+                    ref = F.linear(x.float(), w.float(), None if bias is None else b.float())
+                    tol = ref.abs() * 2**-8 + 1e-3
+                    assert ((y.float() - ref).abs() <= tol).all(), (K, M, N)
+                    assert torch.equal(lin.f32(x), y.float()), (K, M, N)
+                    if K % 32:
+                        assert torch.equal(y, PairLinear(kern, w, bias, lin.pairs)(x))
+    with pytest.raises(ValueError, match="K even"):
+        kern.gemm_pairs(torch.zeros(2, 41).bfloat16(), kern.pack_pairs(w), N, amx=True)
+
+
 def test_logits_in_f32_whatever_the_lm_head_path() -> None:
     """``linear_f32`` (the LM head's logits) gives ``lin(x).float()`` on every path: a pair
     GEMM writes f32 directly, also when a row router picks it, and any other path is converted."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -346,6 +347,7 @@ def test_low_precision_paths_agree(
     settings += ["gemm=packed,attn=torch"] if packing_available() else []
     k = kernels.load()
     settings += ["gemm=pairs,attn=cpu"] if k is not None and k.has_bf16_dot else []
+    settings += ["gemm=amx,attn=cpu"] if k is not None and k.has_amx else []
     if has_native(torch.bfloat16) and packing_available():
         settings += ["gemm=onednn,attn=cpu"]
     for kern in [*settings, "flags"]:
@@ -630,6 +632,8 @@ def _needs_gemm(gemm: str) -> None:
     assert k is not None, "the C++ kernels did not build (see the warning logged)"
     if gemm == "pairs" and not k.has_bf16_dot:
         pytest.skip("the pair GEMM is compiled in only where the CPU has AVX512-BF16")
+    if gemm == "amx" and not k.has_amx:
+        pytest.skip("the AMX GEMM is compiled in only where the CPU has AMX-BF16 tiles")
 
 
 FUSED_CASES = [
@@ -644,21 +648,22 @@ FUSED_CASES = [
 
 
 @pytest.mark.parametrize("name", FUSED_CASES)
-@pytest.mark.parametrize("gemm", ["pairs", "panels"])
+@pytest.mark.parametrize("gemm", ["pairs", "panels", "amx"])
 def test_fused_decode_layers_give_the_same_bits(
     case: Callable[[str], Case], name: str, gemm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 decode-only steps through one C++ call per layer (fused_decode.py) against the same
     steps through DecoderLayer.forward: identical logits and KV caches, step after step, at 1
     to 25 decodes (the pair GEMM's prefetching tiles start at 12 rows; head_dim 64 takes the
-    vector decode task and RoPE), on the pair GEMM and on the f32-panel one; a step with a
+    vector decode task and RoPE), on the pair GEMM (dot products or AMX tiles) and on the
+    f32-panel one; a step with a
     prefill in it, and a model with a per-head q/k norm (Qwen3), take the per-layer path. The
     decode kernel's prefetch (each kernel path in turn across the cases) reaches the fused
     call too, as paged_decode_attention's ``ahead``."""
     from iterserve.model import kernels
 
     _needs_gemm(gemm)
-    attn = ("cpu", "cpu_l2", "cpu_nopf")[(FUSED_CASES.index(name) + (gemm == "panels")) % 3]
+    attn = ("cpu", "cpu_l2", "cpu_nopf")[(FUSED_CASES.index(name) + len(gemm)) % 3]
     want_ahead = {"cpu": kernels.DECODE_PREFETCH, "cpu_l2": -kernels.DECODE_PREFETCH}.get(attn, 0)
     # every path fixed (prefill too), so the two runners cannot measure different choices
     monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm={gemm},attn={attn},prefill=torch")
@@ -697,6 +702,39 @@ def test_fused_decode_layers_give_the_same_bits(
     for (ka, va), (kb, vb) in zip(fused.kv_caches, plain.kv_caches):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
     assert ran == [False, *[not qk_norm] * len(counts), False]
+
+
+def test_fused_decode_mixes_the_pair_gemms_per_projection(
+    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer whose o and down GEMMs run the dot-product pair GEMM and whose qkv and gate_up
+    run the same packed weights on AMX tiles (a measured choice can mix them at a row count):
+    one call per layer still, telling each GEMM which kernel; the same bits as the per-layer
+    path."""
+    from iterserve.model.layers import AmxLinear, PairLinear
+
+    _needs_gemm("amx")
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=amx,attn=cpu,prefill=torch")
+    c = case("llama-hd32-biases")
+    cc = CacheConfig(block_size=BLOCK, num_kv_blocks=8 * 16)
+    fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
+    for r in (fused, plain):
+        for layer in r.model.layers:
+            for n in ("o", "down"):
+                lin = getattr(layer, n)
+                assert type(lin) is AmxLinear
+                pair = copy.copy(lin)  # the same packed weight and bias, the dot-product kernel
+                pair.__class__ = PairLinear
+                setattr(layer, n, pair)
+    fd = fused.model.fused_decode
+    assert fd is not None and all(w.amx == 0b0101 for w in fd.plan(7) or [None])  # type: ignore[union-attr]
+    plain.model.fused_decode = None
+    prompts = [prompt(10 + i, seed=90 + i) for i in range(7)]
+    tables = [[16 * i + j for j in range(16)] for i in range(7)]
+    for r in (fused, plain):
+        r.execute([BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts)])
+    step = [BatchItem(f"s{i}", p[-1:], len(p) - 1, tables[i], True) for i, p in enumerate(prompts)]
+    assert torch.equal(fused.execute(step), plain.execute(step))
 
 
 def _record(ran: list[bool], out: Any) -> Any:

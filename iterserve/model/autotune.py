@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from iterserve.model.builtin import cache_dir
 from iterserve.model.cpu import has_native
 from iterserve.model.layers import (
     UPCAST_MIN_ROWS,
+    AmxLinear,
     BucketedLinear,
     Linear,
     OneDNNLinear,
@@ -67,7 +69,7 @@ BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bu
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
 PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
-VERSION = 6  # bump when what is measured or how it is chosen changes
+VERSION = 8  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -114,6 +116,54 @@ def pick(timings: Timings, margin: float = MARGIN, keep: float = KEEP) -> tuple[
     for p in chosen:
         out.append(p if p is not None else out[-1] if out else paths[0])
     return tuple(out)
+
+
+LAYER_KINDS = KINDS[:4]  # the GEMMs inside a decoder layer (the LM head runs after the layers)
+# Path families whose GEMMs a layer's one C++ decode call can run (fused_decode.py): the pair
+# GEMM in either form per GEMM, or the f32 panels for all four.
+FUSED_FAMILIES = (("pairs", "amx"), ("panels",))
+# At decode row counts a layer's four GEMMs all on one such family save the ~10 Python calls
+# of the layer (B = 32 decode step 26.3 -> 23.3 ms on an AMX Xeon, ~0.25 ms a layer, against
+# 0.4 ms of GEMMs; docs/SPEED.md, "AMX tiles for iterserve's own GEMM"): they take that family
+# where each GEMM is within this share of its chosen path.
+FUSE_MARGIN = 0.25
+
+
+def prefer_fused(
+    chosen: Mapping[str, Sequence[str]],
+    timings: Mapping[str, Timings],
+    buckets: Sequence[int] = ROW_BUCKETS,
+    max_rows: int = DECODE_BUCKETS[-1],
+    margin: float = FUSE_MARGIN,
+) -> dict[str, tuple[str, ...]]:
+    """``chosen`` (kind -> path per bucket, as ``pick`` made it) with the layer's four GEMMs
+    moved onto one fused family at each bucket up to ``max_rows`` rows where that costs each of
+    them at most ``margin`` over its chosen path (each kind its fastest path of the family);
+    other buckets and kinds as chosen. Pure: tests feed it fake timings."""
+    out = {k: list(v) for k, v in chosen.items()}
+    if not all(k in timings for k in LAYER_KINDS):
+        return {k: tuple(v) for k, v in out.items()}
+    for i, rows in enumerate(buckets):
+        if rows > max_rows:
+            continue
+        for family in FUSED_FAMILIES:
+            if all(chosen[k][i] in family for k in LAYER_KINDS):
+                break  # fused already
+            picks: dict[str, str] = {}
+            for k in LAYER_KINDS:
+                t_now = timings[k].get(chosen[k][i], [None] * len(buckets))[i]
+                timed = {p: t for p in family if (t := timings[k].get(p, [None] * len(buckets))[i])}
+                if t_now is None or not timed:
+                    break
+                best = min(timed, key=lambda p: timed[p])
+                if timed[best] > t_now * (1 + margin):
+                    break
+                picks[k] = best
+            else:
+                for k, p in picks.items():
+                    out[k][i] = p
+                break
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def bucket_limits(buckets: Sequence[int]) -> tuple[int, ...]:
@@ -292,6 +342,21 @@ def time_paths(
     return best
 
 
+def _shared_pairs(kern: kernels.Kernels) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``kern.pack_pairs(w)``, packed once per weight while that weight lives (the pair and AMX
+    paths take the same layout)."""
+    packed: dict[int, torch.Tensor] = {}
+
+    def get(w: torch.Tensor) -> torch.Tensor:
+        key = id(w)
+        if key not in packed:
+            packed[key] = kern.pack_pairs(w)
+            weakref.finalize(w, packed.pop, key, None)  # the id may be reused once w is gone
+        return packed[key]
+
+    return get
+
+
 def gemm_builders(
     dtype: torch.dtype, kern: kernels.Kernels | None, pack: bool
 ) -> dict[str, Builder]:
@@ -302,7 +367,10 @@ def gemm_builders(
     if dtype == torch.bfloat16 and kern is not None:
         out["panels"] = lambda w, b: PanelLinear(kern, w, b)
         if kern.has_bf16_dot:
-            out["pairs"] = lambda w, b: PairLinear(kern, w, b)
+            pairs = _shared_pairs(kern)
+            out["pairs"] = lambda w, b: PairLinear(kern, w, b, pairs(w))
+            if kern.has_amx:  # the same packed weight: one copy where both serve a layer
+                out["amx"] = lambda w, b: AmxLinear(kern, w, b, pairs(w))
     if pack:
         out["packed"] = PackedLinear
     if dtype != torch.float32 and has_native(dtype) and packing_available():
@@ -534,6 +602,8 @@ def choose(
             gemm = {
                 k: pick(timed[k]) if k in timed else (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS
             }
+            if kern is not None and cpu_backend:  # the one-call decode needs both
+                gemm = prefer_fused(gemm, timed)
             for k in timed:
                 logger.debug("%s GEMM ms at rows %s: %s", k, ROW_BUCKETS, _ms(timed[k]))
         attn: tuple[str, ...] = ()

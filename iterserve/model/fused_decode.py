@@ -4,7 +4,8 @@ csrc/cpu_kernels.cpp).
 At 1-8 decodes a layer's ten kernels take about as long as the Python around them (wrappers,
 argument checks, module calls; docs/SPEED.md, "One call per layer for decode steps"). Where
 every piece of a layer runs on iterserve's kernels for a step's row count (the four GEMMs all
-on the pair GEMM or all on the f32-panel one, the kernel decode attention, the fused norms,
+on the pair GEMM, in its dot-product or AMX form, or all on the f32-panel one, the kernel
+decode attention, the fused norms,
 RoPE and SwiGLU, no per-head q/k norm), ``decode_layer`` makes the same kernel calls in the
 same order with the same arguments, so the step's results are the same bits; any other step,
 or a layer that does not qualify, takes ``DecoderLayer.forward``.
@@ -24,6 +25,7 @@ from iterserve.model.attention_backends import CpuBackend, TorchMetadata
 from iterserve.model.autotune import ByRows
 from iterserve.model.layers import (
     PANEL_MAX_ROWS,
+    AmxLinear,
     FusedRMSNorm,
     FusedRotary,
     FusedSiluMul,
@@ -91,8 +93,10 @@ class FusedDecode:
             lins = [_for_rows(getattr(layer, n), rows) for n in ("qkv", "o", "gate_up", "down")]
             # exact types: a subclass could change what a piece computes
             pairs = all(
-                type(x) is PairLinear and not x.odd and x.kern is self.kern for x in lins
+                type(x) in (PairLinear, AmxLinear) and not x.odd and x.kern is self.kern
+                for x in lins
             ) and bool(self.kern.has_bf16_dot)
+            amx = sum(1 << i for i, x in enumerate(lins) if type(x) is AmxLinear)
             panels = all(
                 type(x) is PanelLinear
                 and x.kern is self.kern
@@ -125,7 +129,7 @@ class FusedDecode:
                 *(t for x in lins for t in (_packed(x).data_ptr(), _ptr(x.bias))),
                 o.out_features, qkv.out_features, gu.out_features // 2,
                 layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                layer.input_norm.eps, float(layer.head_dim**-0.5), int(panels),
+                layer.input_norm.eps, float(layer.head_dim**-0.5), int(panels), amx,
             )  # fmt: skip
             out.append(w)
             keep += [layer.input_norm.weight, layer.post_norm.weight]

@@ -53,8 +53,9 @@ def _cpu_id() -> str:
 # GEMM paths (layers.py): torch's F.linear (oneDNN for bf16/f16, MKL for f32), the sliced f32
 # upcast of a low-precision weight, iterserve's bf16 panels, oneDNN's prepacked f32 copy,
 # iterserve's bf16 dot-product GEMM over pair panels (AVX512-BF16 only), oneDNN's prepacked copy
-# in the weight's own dtype (a CPU with native bf16/f16: AMX tiles where it has them).
-GEMM_PATHS = ("torch", "upcast", "panels", "packed", "pairs", "onednn")
+# in the weight's own dtype (a CPU with native bf16/f16: AMX tiles where it has them), and
+# iterserve's GEMM over the same pair panels on AMX tiles (gemm_amx).
+GEMM_PATHS = ("torch", "upcast", "panels", "packed", "pairs", "onednn", "amx")
 # Decode attention paths of the cpu backend: iterserve's paged kernel with software prefetch
 # DECODE_PREFETCH positions ahead into L1, the same into L2 only, the kernel without software
 # prefetch (the hardware prefetchers alone), or SDPA over a gather. Which prefetch pays differs
@@ -181,6 +182,7 @@ class DecodeLayerW(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("panels", _I),  # 1: the weights are pack_panels', 0: pack_pairs'
+        ("amx", _I),  # pair-packed: bit i set runs GEMM i (qkv, o, gate_up, down) on gemm_amx
     ]  # fmt: skip
 
 
@@ -239,7 +241,7 @@ class Kernels:
         self.lib.has_prefill_kernel.restype = _I
         self.lib.pack_bf16_pairs.argtypes = [_P, _P, _I, _I]
         self.lib.pack_bf16_pairs.restype = None
-        for name in ("gemm_pairs", "gemm_pairs_f32"):
+        for name in ("gemm_pairs", "gemm_pairs_f32", "gemm_amx", "gemm_amx_f32"):
             getattr(self.lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I]
             getattr(self.lib, name).restype = _I
         self.lib.paged_prefill_attention.argtypes = [
@@ -255,6 +257,10 @@ class Kernels:
         # The pair GEMM is compiled in only where the compiler targets AVX512-BF16 (vdpbf16ps);
         # the prefill attention there and, in f32 FMA, on AVX2 without AVX-512.
         self.has_bf16_dot = bool(self.lib.has_bf16_dot())
+        self.lib.has_amx.argtypes = []
+        self.lib.has_amx.restype = _I
+        # AMX tiles: compiled in (a CPU with AMX-BF16) and granted to this process by Linux.
+        self.has_amx = bool(self.lib.has_amx())
         self.has_prefill_kernel = bool(self.lib.has_prefill_kernel())
         self.path = path
 
@@ -518,20 +524,25 @@ class Kernels:
         N: int,
         b: torch.Tensor | None = None,
         out_f32: bool = False,
+        amx: bool = False,
     ) -> torch.Tensor:
         """``F.linear(x, w, b)`` on bf16 dot products with ``pairs = pack_pairs(w)``, N =
         w.shape[0]; x [M, K] bf16 with K even, b [N] bf16; the result is bf16 (f32 accumulation,
         one rounding). ``out_f32``: the same values as f32, what ``.float()`` of the bf16 result
-        gives, written in one pass."""
+        gives, written in one pass. ``amx``: on AMX tiles (``has_amx``; K a multiple of 32,
+        else the dot-product kernel runs), the sums in another order."""
         if not self.has_bf16_dot:
             raise ValueError("gemm_pairs needs a CPU with AVX512-BF16")
+        if amx and not self.has_amx:
+            raise ValueError("gemm_pairs(amx=True) needs a CPU with AMX-BF16 tiles")
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2:
             raise ValueError(f"gemm_pairs takes bf16 x [M, K even], got {x.dtype} {tuple(x.shape)}")
         M, K = x.shape
         _check_packed("gemm_pairs", x, pairs, -(-N // 64) * (K // 2) * 128, N, b)
         x = x.contiguous()
         y = torch.empty(M, N, dtype=torch.float32 if out_f32 else torch.bfloat16)
-        (self.lib.gemm_pairs_f32 if out_f32 else self.lib.gemm_pairs)(
+        name = ("gemm_amx" if amx else "gemm_pairs") + ("_f32" if out_f32 else "")
+        getattr(self.lib, name)(
             pairs.data_ptr(), x.data_ptr(), y.data_ptr(),
             None if b is None else b.contiguous().data_ptr(), M, N, K,
         )  # fmt: skip

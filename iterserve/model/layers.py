@@ -177,9 +177,15 @@ class PairLinear:
     only): the weight streams once per call in its 2-byte form at any row count, and the
     arithmetic runs at the bf16 rate, where the f32 panels run at the f32 one."""
 
-    def __init__(self, kern: kernels.Kernels, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        kern: kernels.Kernels,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        pairs: torch.Tensor | None = None,
+    ) -> None:
         self.kern = kern
-        self.pairs = kern.pack_pairs(w)
+        self.pairs = kern.pack_pairs(w) if pairs is None else pairs  # pairs: w packed already
         self.out_features = w.shape[0]
         self.bias = None if b is None else b.contiguous()
         self.odd = w.shape[1] % 2 == 1  # x gets a zero column (the packed weight has one)
@@ -192,6 +198,17 @@ class PairLinear:
     def f32(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x).float()``, the same values, without the bf16 result and its copy."""
         return self(x, out_f32=True)
+
+
+class AmxLinear(PairLinear):
+    """The same pair panels on AMX tiles (``gemm_amx``): one tile product multiplies 16 rows by
+    16 columns over 32 k values, so from ~8 rows on the pair GEMM's arithmetic no longer bounds
+    it (an AMX CPU only; docs/SPEED.md, "AMX tiles for iterserve's own GEMM")."""
+
+    def __call__(self, x: torch.Tensor, out_f32: bool = False) -> torch.Tensor:
+        if self.odd:
+            x = F.pad(x, (0, 1))
+        return self.kern.gemm_pairs(x, self.pairs, self.out_features, self.bias, out_f32, amx=True)
 
 
 def linear_f32(lin: Linear, x: torch.Tensor) -> torch.Tensor:

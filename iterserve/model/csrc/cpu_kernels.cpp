@@ -36,6 +36,12 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
+// AMX tiles (Intel Sapphire Rapids and later): gemm_amx runs the pair-packed weights on them.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define ITERSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -1853,6 +1859,151 @@ int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_
     return -1;
 #endif
 }
+#if defined(ITERSERVE_AMX)
+// --- The pair GEMM on AMX tiles ---------------------------------------------------------------
+// A pair panel's lines (one k pair, 64 columns x 2 bf16, 256 bytes) are already the layout
+// TDPBF16PS takes for B: 16 consecutive lines, 64 bytes each at a stride of 256, are one B tile
+// (16 k pairs x 16 columns). So the same packed weight serves gemm_pairs and gemm_amx, and a
+// tile product does 16 x 16 x 32 multiply-adds in one instruction: at decode row counts the
+// GEMM is bound by streaming the weight alone, at prefill row counts by the tiles' rate.
+// Tiles: 0-3 accumulators C (rows x 16 f32), 4-5 x rows A (rows x 32 bf16), 5-7 weights B.
+// Two shapes: one row block of up to 16 rows against a whole panel (NT = 4 column groups: C0-3,
+// A4, B5-7), or two row blocks of up to 16 against a half panel (NT = 2: C0-3, A4-5, B6-7).
+
+bool amx_permitted() {
+    // Linux hands out the tiles' 8 KiB of register state only to a process that asks once.
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ok;
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+void amx_configure(int nt, int r0, int r1) {
+    TileConfig c{};
+    c.palette = 1;
+    const int rows[8] = {r0, r0, nt == 4 ? r0 : r1, nt == 4 ? r0 : r1, r0, nt == 4 ? 16 : r1, 16, 16};
+    for (int t = 0; t < 8; ++t)
+        if (rows[t] > 0) {
+            c.rows[t] = static_cast<uint8_t>(rows[t]);
+            c.colsb[t] = 64;
+        }
+    _tile_loadconfig(&c);
+}
+
+// Rows m0 .. m0 + rows - 1 (rows <= 16, or <= 32 with TWO) of y against NT column groups of 16
+// starting at column n0, whose B tiles start at Bp (line stride 256 bytes). cb: 32 x 64 f32.
+template <int NT, bool TWO, bool F32>
+void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias, void* y, int N, int n0, int m0, int rows,
+              float* cb) {
+    static_assert(NT == 4 || NT == 2, "column groups");
+    static_assert(!(TWO && NT == 4), "two row blocks take a half panel");
+    constexpr int LINE = GP_COLS * 2;  // uint16 per pair-panel line
+    const int64_t ldx = static_cast<int64_t>(K) * 2;
+    const uint16_t* xa = x + static_cast<int64_t>(m0) * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (NT == 4 || TWO) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int kb = 0; kb < K / 32; ++kb) {
+        const uint16_t* b = Bp + static_cast<int64_t>(kb) * 16 * LINE;
+        _tile_loadd(4, xa + kb * 32, ldx);
+        if constexpr (NT == 4) {
+            _tile_loadd(5, b, LINE * 2);
+            _tile_loadd(6, b + 32, LINE * 2);
+            _tile_loadd(7, b + 64, LINE * 2);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, b + 96, LINE * 2);
+            _tile_dpbf16ps(3, 4, 5);
+        } else {
+            _tile_loadd(6, b, LINE * 2);
+            _tile_loadd(7, b + 32, LINE * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if constexpr (TWO) {
+                _tile_loadd(5, xa + 16 * static_cast<int64_t>(K) + kb * 32, ldx);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+    }
+    constexpr int LDC = NT * 16;  // f32 per row of cb
+    _tile_stored(0, cb, LDC * 4);
+    _tile_stored(1, cb + 16, LDC * 4);
+    if constexpr (NT == 4) {
+        _tile_stored(2, cb + 32, LDC * 4);
+        _tile_stored(3, cb + 48, LDC * 4);
+    } else if constexpr (TWO) {
+        _tile_stored(2, cb + 16 * LDC, LDC * 4);
+        _tile_stored(3, cb + 16 * LDC + 16, LDC * 4);
+    }
+    // bias, one rounding to bf16, store: as pair_tile
+    for (int c = 0; c < NT; ++c) {
+        const int col = n0 + 16 * c;
+        if (col >= N) break;
+        const int valid = N - col < 16 ? N - col : 16;
+        const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
+        __m512 bv = _mm512_setzero_ps();
+        if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + col)), 16));
+        for (int r = 0; r < rows; ++r) {
+            const __m512 v = round_bf16(_mm512_add_ps(_mm512_loadu_ps(cb + r * LDC + 16 * c), bv));
+            const int64_t at = static_cast<int64_t>(m0 + r) * N + col;
+            if constexpr (F32)
+                _mm512_mask_storeu_ps(static_cast<float*>(y) + at, mk, v);
+            else
+                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + at, mk,
+                                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+        }
+    }
+}
+
+template <bool F32>
+int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t* bias, int M, int N, int K) {
+    if (K % 32 || !amx_permitted()) return gemm_pairs_impl<F32>(P, x, y, bias, M, N, K);
+    const int64_t panel_elems = static_cast<int64_t>(K / 2) * GP_COLS * 2;
+    // up to 16 rows: whole panels, each line streamed once; more: half panels, 32 rows a block
+    const int nt = M <= 16 ? 4 : 2;
+    const int units = nt == 4 ? (N + 63) / 64 : (N + 31) / 32, mstep = nt == 4 ? 16 : 32;
+#pragma omp parallel
+    {
+        int tid = 0, nth = 1;
+#if defined(_OPENMP)
+        tid = omp_get_thread_num();
+        nth = omp_get_num_threads();
+#endif
+        alignas(64) float cb[32 * 64];
+        int cfg = -1;  // the loaded configuration: r0 * 64 + r1
+        const int u_end = static_cast<int>(static_cast<int64_t>(units) * (tid + 1) / nth);
+        for (int u = static_cast<int>(static_cast<int64_t>(units) * tid / nth); u < u_end; ++u) {
+            const int n0 = u * nt * 16;
+            const uint16_t* Bp = P + (n0 / GP_COLS) * panel_elems + (n0 % GP_COLS) * 2;
+            for (int m0 = 0; m0 < M; m0 += mstep) {
+                const int rows = std::min(M - m0, mstep);
+                const int r0 = std::min(rows, 16), r1 = rows - r0;
+                if (cfg != r0 * 64 + r1) {
+                    amx_configure(nt, r0, r1);
+                    cfg = r0 * 64 + r1;
+                }
+                if (nt == 4)
+                    amx_unit<4, false, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb);
+                else if (r1 > 0)
+                    amx_unit<2, true, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb);
+                else
+                    amx_unit<2, false, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb);
+            }
+        }
+        if (cfg >= 0) _tile_release();
+    }
+    return 0;
+}
+#endif
 }  // namespace
 
 extern "C" {
@@ -1867,6 +2018,32 @@ int gemm_pairs_f32(const uint16_t* P, const uint16_t* x, float* y, const uint16_
     return gemm_pairs_impl<true>(P, x, y, bias, M, N, K);
 }
 
+// 1 where gemm_amx runs on AMX tiles: compiled for them, and the kernel let this process use
+// them.
+int has_amx() {
+#if defined(ITERSERVE_AMX)
+    return amx_permitted() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+// gemm_pairs on AMX tiles (the same packed weight, the same one rounding; the sums run in
+// another order). K not a multiple of 32, or no AMX: gemm_pairs itself. -1 as gemm_pairs.
+int gemm_amx(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t* bias, int M, int N, int K) {
+#if defined(ITERSERVE_AMX)
+    return gemm_amx_impl<false>(P, x, y, bias, M, N, K);
+#else
+    return gemm_pairs_impl<false>(P, x, y, bias, M, N, K);
+#endif
+}
+int gemm_amx_f32(const uint16_t* P, const uint16_t* x, float* y, const uint16_t* bias, int M, int N, int K) {
+#if defined(ITERSERVE_AMX)
+    return gemm_amx_impl<true>(P, x, y, bias, M, N, K);
+#else
+    return gemm_pairs_impl<true>(P, x, y, bias, M, N, K);
+#endif
+}
+
 // One decoder layer of a decode-only bf16 step, the same kernel calls in the same order as
 // llama.py's DecoderLayer.forward takes them when every GEMM of the layer is a pair GEMM (so
 // the results are the same bits): at 1-8 rows the ~10 Python calls per layer cost as much as
@@ -1877,6 +2054,7 @@ struct DecodeLayerW {
     int hidden, n_qkv, inter, heads, kv_heads, head_dim;
     float eps, scale;
     int panels;  // 1: the four weights are f32-panel packed (pack_bf16_panels), 0: pair packed
+    int amx;     // pair packed: bit i set runs GEMM i (qkv, o, gate_up, down) on gemm_amx
 };
 struct DecodeStep {
     const uint16_t *cos, *sin;  // [M, hd]
@@ -1896,13 +2074,18 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
     const int M = s->rows, hid = w->hidden, hd = w->head_dim, H = w->heads, KvH = w->kv_heads;
     const int nqk = (H + KvH) * hd, q_size = H * hd, kv_size = KvH * hd;
     // y [M, N] = x [M, K] . W^T + b, bf16, on the GEMM the layer was packed for
-    auto gemm = [&](const uint16_t* W, const uint16_t* x, uint16_t* y, const uint16_t* b, int N, int K) {
+    auto gemm = [&](int i, const uint16_t* W, const uint16_t* x, uint16_t* y, const uint16_t* b, int N, int K) {
         if (w->panels) {
             gemm_panels(W, x, y, b, 0, M, N, K);
             return;
         }
 #if defined(__AVX512BF16__)
-        gemm_pairs(W, x, y, b, M, N, K);
+        if (w->amx >> i & 1)
+            gemm_amx(W, x, y, b, M, N, K);
+        else
+            gemm_pairs(W, x, y, b, M, N, K);
+#else
+        (void)i;
 #endif
     };
     uint16_t* normed = work;
@@ -1913,17 +2096,17 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
     uint16_t* gu = o + static_cast<int64_t>(M) * hid;
     uint16_t* act = gu + static_cast<int64_t>(M) * 2 * w->inter;
     rms_norm_bf16(h, pending, w->in_norm, normed, M, hid, w->eps);
-    gemm(w->qkv, normed, qkv, w->qkv_b, w->n_qkv, hid);
+    gemm(0, w->qkv, normed, qkv, w->qkv_b, w->n_qkv, hid);
     rope_bf16(qkv, w->n_qkv, s->cos, s->sin, qk, M, H + KvH, hd);  // q and k together
     write_rows(qk + q_size, int64_t(nqk) * 2, k_cache, s->slots, M, int64_t(kv_size) * 2);
     write_rows(qkv + q_size + kv_size, int64_t(w->n_qkv) * 2, v_cache, s->slots, M, int64_t(kv_size) * 2);
     paged_decode_attention(qk, nqk, 0, k_cache, v_cache, 0, s->block_tables, s->ctx_lens, s->starts, attn, M, H, KvH, hd, s->block_size,
                            s->max_blocks, w->scale, s->ahead);
-    gemm(w->o, attn, o, w->o_b, hid, q_size);
+    gemm(1, w->o, attn, o, w->o_b, hid, q_size);
     rms_norm_bf16(h, o, w->post_norm, normed, M, hid, w->eps);
-    gemm(w->gate_up, normed, gu, w->gate_up_b, 2 * w->inter, hid);
+    gemm(2, w->gate_up, normed, gu, w->gate_up_b, 2 * w->inter, hid);
     silu_mul_bf16(gu, act, M, w->inter);
-    gemm(w->down, act, out, w->down_b, hid, w->inter);
+    gemm(3, w->down, act, out, w->down_b, hid, w->inter);
     return 0;
 }
 

@@ -8,7 +8,8 @@ gemm: the 49 bf16 weights of a bench-134m forward (12 layers x q/k/v fused, o, g
 down, plus the LM head; 219 MB, more than the caches, so every call streams its weight), random
 values, run back to back; the median over --repeats of the whole set, for the panel kernel
 (``gemm_panels``), oneDNN's packed f32 inner product (``PackedLinear``), oneDNN's bf16 GEMM
-(``F.linear``) and, on a CPU with AVX512-BF16, the bf16 dot-product pairs (``gemm_pairs``).
+(``F.linear``) and, on a CPU with AVX512-BF16, the bf16 dot-product pairs (``gemm_pairs``), and
+on one with AMX-BF16 the same pairs on AMX tiles (``gemm_pairs(amx=True)``).
 
 attention: --batch sequences of --ctx keys each, blocks scattered over a pool three times the
 size needed (random block tables), bf16 cache, 12 query heads of 64 over --kv-heads heads; ms
@@ -37,8 +38,8 @@ import torch.nn.functional as F
 
 from iterserve.core.kv_cache_manager import cdiv
 from iterserve.model import attention, kernels
-from iterserve.model.cpu import empty_hugepages, tune_allocator
-from iterserve.model.layers import PackedLinear
+from iterserve.model.cpu import empty_hugepages, has_native, tune_allocator
+from iterserve.model.layers import OneDNNLinear, PackedLinear
 
 HIDDEN, INTER, LAYERS, HEADS, HEAD_DIM, VOCAB = 768, 2048, 12, 12, 64, 32000
 
@@ -69,7 +70,11 @@ def bench_gemm(kern: kernels.Kernels, rows: list[int], repeats: int) -> None:
         f"49 GEMMs, {params / 1e6:.1f}M params, {2 * params / 1e6:.0f} MB bf16; "
         f"ms per set (median of {repeats}), GFLOP/s"
     )
+    amx = bool(pairs) and kern.has_amx
+    # oneDNN with the bf16 weight prepacked (the ``onednn`` path), where the CPU has native bf16
+    prepacked = [OneDNNLinear(w, None) for w in ws] if has_native(torch.bfloat16) else []
     names = ["panels", "packed f32", "oneDNN bf16"] + (["pairs"] if pairs else [])
+    names += (["amx"] if amx else []) + (["oneDNN packed"] if prepacked else [])
     print(f"{'rows':>5} " + " ".join(f"{n + ' ms':>14} {'GFLOP/s':>8}" for n in names))
     for m in rows:
         xs = {k: torch.randn(m, k).bfloat16() for k in (HIDDEN, INTER)}
@@ -86,6 +91,15 @@ def bench_gemm(kern: kernels.Kernels, rows: list[int], repeats: int) -> None:
                     kern.gemm_pairs(xs[w.shape[1]], p, w.shape[0]) for w, p in zip(ws, pairs)
                 ]
             )
+        if amx:
+            runs.append(
+                lambda xs=xs: [
+                    kern.gemm_pairs(xs[w.shape[1]], p, w.shape[0], amx=True)
+                    for w, p in zip(ws, pairs)
+                ]
+            )
+        if prepacked:
+            runs.append(lambda xs=xs: [f(xs[w.shape[1]]) for w, f in zip(ws, prepacked)])
         gflop = 2 * m * params / 1e9
         cells = []
         for run in runs:

@@ -1098,6 +1098,38 @@ inline __m512bh pair_bcast(const uint16_t* p) {  // the bf16 pair at p, in every
 
 inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
 
+#if defined(ITERSERVE_AMX)
+// 2^x for x <= 0, for a P that is rounded to bf16 next: x = n + r, |r| <= 1/2 (n by the 1.5 * 2^23
+// rounding trick, no vroundscale), 2^r by a degree-3 minimax polynomial (relative error 2.2e-4,
+// a tenth of bf16's half ulp), n added to the exponent bits (no vscalef); x below -126 (-inf
+// included) gives 0. About half exp2_ps's cost, whose port-0-only instructions made the AMX
+// attention's softmax its slowest part.
+inline __m512 exp2_bf16(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+    const __m512 magic = _mm512_set1_ps(12582912.f);
+    const __m512 t = _mm512_add_ps(_mm512_maskz_mov_ps(live, x), magic);
+    const __m512 r = _mm512_sub_ps(x, _mm512_sub_ps(t, magic));
+    __m512 p = _mm512_set1_ps(0.05286732f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24215214f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6935868f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.99996275f));
+    const __m512i e = _mm512_slli_epi32(_mm512_castps_si512(t), 23);
+    return _mm512_castsi512_ps(_mm512_maskz_add_epi32(live, _mm512_castps_si512(p), e));
+}
+
+bool amx_permitted() {
+    // Linux hands out the tiles' 8 KiB of register state only to a process that asks once.
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ok;
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+#endif
+
 // Rows [r0, r1) (at most PF_QB) of query head h against its KV head's packed Kp / Vp (keys
 // padded to a multiple of PF_KB with zeros). O, m, l: scratch for r1 - r0 + PF_R rows (a short
 // last tile computes duplicates of its last row into the spare slots, never stored); l holds 16
@@ -1211,6 +1243,164 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
         for (int e = 0; e < hd; e += 16) narrow16(dst + e, _mm512_mul_ps(_mm512_loadu_ps(O + static_cast<int64_t>(i) * hd + e), inv));
     }
 }
+
+#if defined(ITERSERVE_AMX)
+// prefill_task on AMX tiles: scores for 32 query rows at a time, the rest for 16. The packed K of 16 keys is already the
+// B tile of Q . K^T ([hd / 2 pairs][16 keys][2]), and the packed V of 32 keys the B tile of P . V
+// ([16 key pairs][hd][2], 16 columns a tile); the softmax between them is prefill_task's (base 2,
+// lazily raised max, P rounded to bf16, l summing the rounded P), on S stored from the tiles, with
+// a cheaper 2^x (exp2_bf16): on an AMX Xeon exp2_ps took 4 of the 13 ms a 2,048-token layer.
+// Tiles, all 16 rows x 64 bytes: C 0-3 (S, or 64 columns of O), A 4-5 (Q, or P), B 6-7 (K, or V).
+// Qb: (PF_QB + 32) x hd bf16 scratch; S: 2 x 32 x PF_KB f32; Pb: 16 x PF_KB bf16.
+void prefill_task_amx(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const uint16_t* Vp, int h, int r0, int r1, int p0,
+                      int hd, float scale, uint16_t* out, int64_t out_stride, float* O, float* m, float* l, uint16_t* Qb, float* S,
+                      uint16_t* Pb) {
+    const int nrows = r1 - r0;
+    const int padded = (nrows + 31) / 32 * 32;  // score tiles of 32 rows
+    const int held = (nrows + 15) / 16 * 16;     // softmax and P . V in 16
+    for (int i = 0; i < held; ++i) m[i] = -INFINITY;
+    std::memset(l, 0, sizeof(float) * 16 * static_cast<size_t>(held));
+    std::memset(O, 0, sizeof(float) * static_cast<size_t>(held) * hd);
+    std::memset(Pb, 0, sizeof(uint16_t) * 16 * PF_KB);  // rows past nrows stay 0
+    for (int i = 0; i < padded; ++i) {  // Q rows, zero past nrows
+        uint16_t* dst = Qb + static_cast<int64_t>(i) * hd;
+        if (i < nrows)
+            std::memcpy(dst, q + (r0 + i) * q_stride + static_cast<int64_t>(h) * hd, sizeof(uint16_t) * hd);
+        else
+            std::memset(dst, 0, sizeof(uint16_t) * hd);
+    }
+    const int last_key = p0 + r1 - 1;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 sl = _mm512_set1_ps(scale * 1.44269504088896341f);
+    const __m512bh ones = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3f80));  // bf16 1.0
+    const int64_t ldq = static_cast<int64_t>(hd) * 2, ldo = static_cast<int64_t>(hd) * 4;
+    for (int k0 = 0; k0 <= last_key; k0 += PF_KB) {
+        const uint16_t* kblk = Kp + static_cast<int64_t>(k0) * hd;
+        const uint16_t* vblk = Vp + static_cast<int64_t>(k0) * hd;
+        // S = Q . K^T for 64 keys and the 32 query rows from t0, into Sb [32][PF_KB]: two passes of
+        // 32 keys, each 2 x 2 tiles (rows 0-15 / 16-31 x keys 0-15 / 16-31), so each loaded A and
+        // B tile feeds two products and no tile is reloaded right behind the product reading it.
+        auto scores = [&](int t0, float* Sb) {
+            const uint16_t* qa = Qb + static_cast<int64_t>(t0) * hd;
+            for (int half = 0; half < 2; ++half) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                const uint16_t* kh = kblk + static_cast<int64_t>(32 * half) * hd;
+                for (int c = 0; c < hd / 32; ++c) {
+                    _tile_loadd(4, qa + 32 * c, ldq);
+                    _tile_loadd(5, qa + 16 * hd + 32 * c, ldq);
+                    _tile_loadd(6, kh + c * 512, 64);  // 16 pairs of 16 keys
+                    _tile_loadd(7, kh + 16 * hd + c * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                float* sh = Sb + 32 * half;
+                _tile_stored(0, sh, PF_KB * 4);
+                _tile_stored(1, sh + 16, PF_KB * 4);
+                _tile_stored(2, sh + 16 * PF_KB, PF_KB * 4);
+                _tile_stored(3, sh + 16 * PF_KB + 16, PF_KB * 4);
+            }
+        };
+        // the softmax of row tile t0's scores Sb into Pb, m, l (O rescaled), then O += P . V
+        auto update = [&](int t0, const float* Sb) {
+            const int rows = std::min(16, nrows - t0);
+            for (int k = 0; k < rows; ++k) {
+                const int i = t0 + k, pos = p0 + r0 + i;
+                __m512 s[4];
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int c = 0; c < 4; ++c) {
+                    s[c] = _mm512_mul_round_ps(_mm512_load_ps(Sb + k * PF_KB + 16 * c), sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    if (k0 + PF_KB - 1 > pos) {  // the diagonal block: hide keys past the query
+                        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(k0 + 16 * c));
+                        const __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos));
+                        s[c] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(-INFINITY), s[c]);
+                    }
+                    mx = _mm512_max_ps(mx, s[c]);
+                }
+                float m_new = m[i];
+                if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m[i] + PF_LAZY), _CMP_GT_OQ)) m_new = _mm512_reduce_max_ps(mx);
+                const __m512 mv = _mm512_set1_ps(m_new);
+                for (int c = 0; c < 4; ++c) s[c] = exp2_bf16(_mm512_sub_ps(s[c], mv));
+                const __m512i p01 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[1], s[0]));
+                const __m512i p23 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[3], s[2]));
+                _mm512_store_si512(Pb + k * PF_KB, p01);
+                _mm512_store_si512(Pb + k * PF_KB + 32, p23);
+                __m512 lv = _mm512_loadu_ps(l + 16 * i);
+                if (m_new != m[i]) {
+                    const __m512 corr = exp2_ps(_mm512_set1_ps(m[i] - m_new));
+                    lv = _mm512_mul_ps(lv, corr);
+                    float* o = O + static_cast<int64_t>(i) * hd;
+                    for (int e = 0; e < hd; e += 16) _mm512_storeu_ps(o + e, _mm512_mul_ps(_mm512_loadu_ps(o + e), corr));
+                }
+                // l sums the bf16 P, two at a time in one dot product against ones
+                lv = _mm512_dpbf16_ps(lv, reinterpret_cast<__m512bh>(p01), ones);
+                _mm512_storeu_ps(l + 16 * i, _mm512_dpbf16_ps(lv, reinterpret_cast<__m512bh>(p23), ones));
+                m[i] = m_new;
+            }
+            // O += P . V, 64 output columns at a time
+            for (int e0 = 0; e0 < hd; e0 += 64) {
+                float* o = O + static_cast<int64_t>(t0) * hd + e0;
+                _tile_loadd(0, o, ldo);
+                _tile_loadd(1, o + 16, ldo);
+                _tile_loadd(2, o + 32, ldo);
+                _tile_loadd(3, o + 48, ldo);
+                _tile_loadd(4, Pb, PF_KB * 2);
+                _tile_loadd(5, Pb + 32, PF_KB * 2);
+                for (int c = 0; c < 4; ++c) {
+                    const uint16_t* v = vblk + (e0 + 16 * c) * 2;  // keys k0 .. k0 + 31, then + 32
+                    _tile_loadd(6, v, ldo);
+                    _tile_loadd(7, v + 32 * static_cast<int64_t>(hd), ldo);
+                    switch (c) {  // tile numbers are immediates
+                        case 0: _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(0, 5, 7); break;
+                        case 1: _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(1, 5, 7); break;
+                        case 2: _tile_dpbf16ps(2, 4, 6); _tile_dpbf16ps(2, 5, 7); break;
+                        default: _tile_dpbf16ps(3, 4, 6); _tile_dpbf16ps(3, 5, 7); break;
+                    }
+                }
+                _tile_stored(0, o, ldo);
+                _tile_stored(1, o + 16, ldo);
+                _tile_stored(2, o + 32, ldo);
+                _tile_stored(3, o + 48, ldo);
+            }
+        };
+        // Each 16-row half of a 32-row tile whose rows see this block.
+        auto update32 = [&](int t0, const float* Sb) {
+            for (int u = 0; u < 2; ++u)
+                if (t0 + 16 * u < nrows && k0 <= p0 + r0 + std::min(nrows - 1, t0 + 16 * u + 15)) update(t0 + 16 * u, Sb + u * 16 * PF_KB);
+        };
+        // One tile behind: the next tile's score products run on the tiles while this one's
+        // softmax runs on the vector units.
+        int prev = -1;
+        for (int t0 = 0; t0 < nrows; t0 += 32) {
+            if (k0 > p0 + r0 + std::min(nrows - 1, t0 + 31)) continue;  // no row of the tile sees this block yet
+            scores(t0, S + ((t0 / 32) & 1) * 32 * PF_KB);
+            if (prev >= 0) update32(prev, S + ((prev / 32) & 1) * 32 * PF_KB);
+            prev = t0;
+        }
+        if (prev >= 0) update32(prev, S + ((prev / 32) & 1) * 32 * PF_KB);
+    }
+    for (int i = 0; i < nrows; ++i) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(l + 16 * i)));
+        uint16_t* dst = out + static_cast<int64_t>(r0 + i) * out_stride + static_cast<int64_t>(h) * hd;
+        for (int e = 0; e < hd; e += 16) narrow16(dst + e, _mm512_mul_ps(_mm512_loadu_ps(O + static_cast<int64_t>(i) * hd + e), inv));
+    }
+}
+
+// One configuration for the attention tiles: all eight 16 rows x 64 bytes.
+void amx_configure_square() {
+    TileConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+#endif
 
 // --- bf16 GEMM on bf16 dot products (vdpbf16ps) over a weight in pair panels -----------------
 // W [N, K] laid out per 64 output columns and per pair of K: 4 vectors of 16 columns x 2 K
@@ -1699,18 +1889,40 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     }
     const int qblocks = (n + PF_QB - 1) / PF_QB;
     const int tasks = H * qblocks;
+#if defined(ITERSERVE_AMX)
+    const bool tiles = amx_permitted();
+#else
+    const bool tiles = false;
+#endif
 #pragma omp parallel
     {
-        std::vector<float> O(static_cast<size_t>(PF_QB + PF_R) * hd), m(PF_QB + PF_R), l(16 * (PF_QB + PF_R));
+        // PF_QB + 16 rows: prefill_task's tiles of PF_R rows and the AMX task's of 16 both fit
+        std::vector<float> O(static_cast<size_t>(PF_QB + 16) * hd), m(PF_QB + 16), l(16 * (PF_QB + 16));
+#if defined(ITERSERVE_AMX)
+        std::vector<uint16_t> Qb(tiles ? static_cast<size_t>(PF_QB + 32) * hd : 0);
+        alignas(64) float S[2 * 32 * PF_KB];
+        alignas(64) uint16_t Pb[16 * PF_KB];
+        if (tiles) amx_configure_square();
+#endif
         // Later query blocks see more keys: hand them out first.
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tasks; ++t) {
             const int b = qblocks - 1 - t / H, h = t % H;
             const int r0 = b * PF_QB, r1 = std::min(n, r0 + PF_QB);
             const int kh = h / G;
+#if defined(ITERSERVE_AMX)
+            if (tiles) {
+                prefill_task_amx(q, q_row_stride, Kp.data() + kh * head_elems, Vp.data() + kh * head_elems, h, r0, r1, p0, hd, scale, out,
+                                 static_cast<int64_t>(H) * hd, O.data(), m.data(), l.data(), Qb.data(), S, Pb);
+                continue;
+            }
+#endif
             prefill_task(q, q_row_stride, Kp.data() + kh * head_elems, Vp.data() + kh * head_elems, h, r0, r1, p0, hd, scale, out,
                          static_cast<int64_t>(H) * hd, O.data(), m.data(), l.data());
         }
+#if defined(ITERSERVE_AMX)
+        if (tiles) _tile_release();
+#endif
     }
     return 0;
 #elif defined(ITERSERVE_AVX2)
@@ -1869,18 +2081,6 @@ int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_
 // Tiles: 0-3 accumulators C (rows x 16 f32), 4-5 x rows A (rows x 32 bf16), 5-7 weights B.
 // Two shapes: one row block of up to 16 rows against a whole panel (NT = 4 column groups: C0-3,
 // A4, B5-7), or two row blocks of up to 16 against a half panel (NT = 2: C0-3, A4-5, B6-7).
-
-bool amx_permitted() {
-    // Linux hands out the tiles' 8 KiB of register state only to a process that asks once.
-    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return ok;
-}
-
-struct alignas(64) TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
 
 void amx_configure(int nt, int r0, int r1) {
     TileConfig c{};

@@ -317,7 +317,8 @@ def test_pair_gemm_matches_torch() -> None:
 
 def test_amx_gemm_matches_torch() -> None:
     """The pair panels on AMX tiles: up to 16 rows (one row block against whole panels), 17-32
-    (two blocks against half panels), more (blocks of 32 and a short last one, down to 1 row),
+    (two blocks against half panels), more (blocks of 32 and a short last one, down to 1 row;
+    rows in chunks where K is long),
     N not a multiple of the 16-column tile or the 64-column panel, with and without bias: within
     one bf16 rounding of the f32 result, and the f32-output form gives the bf16 result's values
     exactly. K not a multiple of 32 runs the dot-product kernel instead: its result exactly."""
@@ -343,6 +344,10 @@ def test_amx_gemm_matches_torch() -> None:
                     assert torch.equal(lin.f32(x), y.float()), (K, M, N)
                     if K % 32:
                         assert torch.equal(y, PairLinear(kern, w, bias, lin.pairs)(x))
+    # K = 8192: x is taken in chunks of 64 rows (its rows that fit ~1 MB), 100 rows in two
+    x, w = torch.randn(100, 8192).bfloat16(), torch.randn(40, 8192).bfloat16()
+    ref = F.linear(x.float(), w.float())
+    assert ((AmxLinear(kern, w, None)(x).float() - ref).abs() <= ref.abs() * 2**-8 + 1e-2).all()
     with pytest.raises(ValueError, match="K even"):
         kern.gemm_pairs(torch.zeros(2, 41).bfloat16(), kern.pack_pairs(w), N, amx=True)
 

@@ -1,6 +1,7 @@
 """The kernel choice iterserve measures for a model here, with the timings behind it.
 
     python benchmarks/kernel_choice.py --model bench-134m --dtype bfloat16
+    python benchmarks/kernel_choice.py --max-num-batched-tokens 2048   # the 2,048-row bucket too
     python benchmarks/kernel_choice.py --ab 3 --num-requests 32 --prompt-len 32 --output-len 64
 
 Measures afresh (a temporary ``ITERSERVE_CACHE`` for the choice, the C++ kernels reused from
@@ -28,6 +29,12 @@ def main() -> None:
     ap.add_argument("--model", default="bench-134m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="the engine's token budget: GEMM rows are timed up to the first bucket at or past it",
+    )
     ap.add_argument("--ab", type=int, default=0, help="alternated runs of flags vs measured")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -43,7 +50,12 @@ def main() -> None:
     own = os.environ.get("ITERSERVE_CACHE")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["ITERSERVE_CACHE"] = tmp
-        runner = ModelRunner(ns.model, dtype=ns.dtype, num_threads=ns.threads)
+        runner = ModelRunner(
+            ns.model,
+            dtype=ns.dtype,
+            num_threads=ns.threads,
+            max_num_batched_tokens=ns.max_num_batched_tokens,
+        )
     os.environ.pop("ITERSERVE_CACHE")
     if own is not None:
         os.environ["ITERSERVE_CACHE"] = own  # --ab's measured engine: the usual cache

@@ -113,16 +113,48 @@ def test_prefer_fused_moves_a_layer_onto_one_family_within_the_margin() -> None:
     }
 
 
+def test_measure_gemms_prunes_and_spares_the_last_bucket() -> None:
+    """A path PRUNE times slower than the best is skipped at the next bucket and timed again
+    at the one after, except at the last (2,048-row) bucket, which takes only paths timed at
+    the bucket before it; upcast is not timed below UPCAST_MIN_ROWS."""
+    import time as _time
+
+    rows_seen: list[int] = []
+
+    def fast(w: Any, b: Any) -> Any:
+        return lambda x: x
+
+    def slow(w: Any, b: Any) -> Any:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            rows_seen.append(x.shape[0])
+            _time.sleep(0.002)
+            return x
+
+        return run
+
+    w = torch.zeros(4, 4)
+    out = autotune.measure_gemms(
+        {"qkv": (w, None)},
+        {"torch": fast, "upcast": slow},
+        {"qkv": 4096},
+        _time.perf_counter() + 60,
+    )
+    timed = [t is not None for t in out["qkv"]["upcast"]]
+    assert timed == [False, True, False, True, False, False]
+    assert all(t is not None for t in out["qkv"]["torch"])
+    assert 2048 not in rows_seen and 512 not in rows_seen
+
+
 def test_route_by_rows() -> None:
     limits = autotune.bucket_limits(ROW_BUCKETS)
-    assert limits[:-1] == (2, 16, 64, 256) and limits[-1] > 10**9  # log-scale midpoints
+    assert limits[:-1] == (2, 16, 64, 256, 1024) and limits[-1] > 10**9  # log-scale midpoints
     made: list[str] = []
 
     def make(p: str) -> Any:
         made.append(p)
         return lambda x: p
 
-    fn = autotune.route(("a", "a", "b", "b", "a"), ROW_BUCKETS, make)
+    fn = autotune.route(("a", "a", "b", "b", "a", "a"), ROW_BUCKETS, make)
     assert sorted(made) == ["a", "b"]  # each path built once
     rows = {m: fn(torch.empty(m, 1)) for m in (1, 2, 3, 16, 17, 64, 256, 257, 5000)}
     assert rows == {
@@ -136,13 +168,13 @@ def test_route_by_rows() -> None:
         257: "a",
         5000: "a",
     }
-    one = autotune.route(("c",) * 5, ROW_BUCKETS, make)
+    one = autotune.route(("c",) * 6, ROW_BUCKETS, make)
     assert one(torch.empty(1, 1)) == "c" and not isinstance(one, autotune.ByRows)
     assert (
-        autotune.describe(("a", "a", "b", "b", "a"), ROW_BUCKETS)
+        autotune.describe(("a", "a", "b", "b", "a", "a"), ROW_BUCKETS)
         == "a up to 16, b up to 256, a above"
     )
-    assert autotune.describe(("c",) * 5, ROW_BUCKETS) == "c at every count"
+    assert autotune.describe(("c",) * 6, ROW_BUCKETS) == "c at every count"
 
 
 def test_decode_router_paths() -> None:
@@ -173,7 +205,7 @@ def test_setting_parsing() -> None:
 
 
 def _choice() -> Choice:
-    gemm = {k: ("torch", "torch", "panels", "packed", "packed") for k in KINDS}
+    gemm = {k: ("torch", "torch", "panels", "packed", "packed", "packed") for k in KINDS}
     return Choice(gemm, ("cpu", "cpu", "torch", "torch"), prefill=("torch",))
 
 
@@ -216,7 +248,7 @@ def test_choose_measures_once_then_caches(tmp_path: Path, monkeypatch: pytest.Mo
 
     def fake_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float) -> Any:
         calls.append("gemm")
-        fake = {"torch": [1.0, 1.0, 1.0, 1.0, 1.0], "packed": [2.0, 2.0, 0.5, 0.5, 0.5]}
+        fake = {"torch": [1.0] * 6, "packed": [2.0, 2.0, 0.5, 0.5, 0.5, 0.5]}
         return {k: fake for k in weights}
 
     def fake_decodes(*args: Any) -> Any:
@@ -230,7 +262,7 @@ def test_choose_measures_once_then_caches(tmp_path: Path, monkeypatch: pytest.Mo
     kern = object()  # never called: timings are fake
     got = autotune.choose(_problem(), builders, kern, True, Setting())  # type: ignore[arg-type]
     assert got.source == "measured" and calls == ["gemm", "attn"]
-    assert got.gemm["o"] == ("torch", "torch", "packed", "packed", "packed")
+    assert got.gemm["o"] == ("torch", "torch", "packed", "packed", "packed", "packed")
     assert got.attn == ("torch", "cpu", "cpu", "cpu")
     again = autotune.choose(_problem(), builders, kern, True, Setting())  # type: ignore[arg-type]
     assert again.source == "cached" and calls == ["gemm", "attn"]

@@ -53,7 +53,9 @@ from iterserve.model.layers import (
 
 logger = logging.getLogger(__name__)
 
-ROW_BUCKETS = (1, 8, 32, 128, 512)  # GEMM rows timed
+# GEMM rows timed; 2,048 only where a step may run that many tokens (Problem.max_rows): there
+# oneDNN beat the AMX GEMM that won at 512 rows (docs/SPEED.md, "AMX tiles ...").
+ROW_BUCKETS = (1, 8, 32, 128, 512, 2048)
 LOGIT_ROWS = 128  # the LM head sees one row per sequence: timed up to this bucket
 DECODE_BUCKETS = (1, 8, 32, 128)  # decodes per step timed for attention
 KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
@@ -69,7 +71,7 @@ BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bu
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
 PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
-VERSION = 8  # bump when what is measured or how it is chosen changes
+VERSION = 9  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -388,7 +390,7 @@ def measure_gemms(
     deadline that cuts it short leaves the decode-sized buckets timed. None: past the deadline,
     above the first bucket >= ``max_rows[kind]`` (no call gets there), or upcast below
     UPCAST_MIN_ROWS (it runs the torch path there), or PRUNE times slower than the best at the
-    previous bucket."""
+    previous bucket, or (at the last bucket) not timed at the previous one."""
     fns = {k: {p: make(w, b) for p, make in builders.items()} for k, (w, b) in weights.items()}
     out: dict[str, dict[str, list[float | None]]] = {
         k: {p: [None] * len(ROW_BUCKETS) for p in builders} for k in weights
@@ -407,6 +409,8 @@ def measure_gemms(
                 for p, f in fns[kind].items()
                 if not (p == "upcast" and rows < UPCAST_MIN_ROWS)
                 and not (best is not None and p in prev and prev[p] > PRUNE * best)
+                # the last bucket, the dearest to time, takes only the paths timed before it
+                and not (i == len(ROW_BUCKETS) - 1 and i and p not in prev)
             }
             for p, t in time_paths(calls, deadline).items():
                 out[kind][p][i] = t

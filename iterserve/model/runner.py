@@ -209,7 +209,9 @@ class ModelRunner:
                 fused=fused,
             )
         else:
-            strategies = self._measured_strategies(setting, kern, fused, cache_config.block_size)
+            strategies = self._measured_strategies(
+                setting, kern, fused, cache_config.block_size, max_num_batched_tokens
+            )
         with torch.inference_mode():
             self.model.select_strategies(strategies)
         pf = getattr(self.attention, "prefill_kernel", False)  # after the kernel choice
@@ -373,6 +375,7 @@ class ModelRunner:
         kern: kernels.Kernels | None,
         fused: kernels.Kernels | None,
         block_size: int,
+        max_num_batched_tokens: int = 512,
     ) -> Strategies:
         """Times the GEMM and attention paths on this model's shapes (or takes the cached or
         ITERSERVE_KERNELS-fixed choice), logs it, and returns the strategies that run it."""
@@ -388,7 +391,8 @@ class ModelRunner:
             weights=weights,
             dtype=self.dtype,
             max_rows={
-                **dict.fromkeys(kinds, autotune.ROW_BUCKETS[-1]),
+                # a step's GEMMs get at most its token budget of rows
+                **dict.fromkeys(kinds, max(1, max_num_batched_tokens)),
                 "lm_head": autotune.LOGIT_ROWS,
             },
             heads=cfg.num_heads,

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 // AVX2 + FMA without AVX-512 (e.g. AMD Zen 2/3, Intel Haswell..Alder Lake): 8-lane versions
@@ -50,6 +51,17 @@ namespace {
 // (docs/SPEED.md, "Elementwise kernels on one thread").
 constexpr int64_t PAR_MIN_ELEMS = int64_t(1) << 20;
 constexpr int GP_COLS = 64;  // output columns per pair panel (gemm_pairs)
+
+// The calling OpenMP thread's contiguous share [begin, end) of n items (all of them outside a
+// parallel region).
+inline std::pair<int, int> thread_share(int n) {
+    int tid = 0, nth = 1;
+#if defined(_OPENMP)
+    tid = omp_get_thread_num();
+    nth = omp_get_num_threads();
+#endif
+    return {static_cast<int>(static_cast<int64_t>(n) * tid / nth), static_cast<int>(static_cast<int64_t>(n) * (tid + 1) / nth)};
+}
 
 inline float bf16_to_f32(uint16_t v) {
     uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -1408,6 +1420,25 @@ void amx_configure_square() {
 // form and every x row pair broadcasts against it. Tiles of up to 6 rows x 64 columns (24 f32
 // accumulators); a task is one panel for every row, so the panel (K x 128 bytes) stays in L2.
 
+// Columns col .. col + 15 (those below N) of y's rows m0 .. m0 + rows - 1: acc(r) + bias, rounded
+// once to bf16 and stored as bf16, or with F32 as the f32 value of that bf16. The epilogue of
+// the pair GEMM and of its AMX form.
+template <bool F32, typename Acc>
+inline void store_cols(void* y, int64_t ldy, const uint16_t* bias, int N, int col, int m0, int rows, Acc&& acc) {
+    const int valid = N - col < 16 ? N - col : 16;
+    const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + col)), 16));
+    for (int r = 0; r < rows; ++r) {
+        const __m512 v = round_bf16(_mm512_add_ps(acc(r), b));
+        const int64_t at = static_cast<int64_t>(m0 + r) * ldy + col;
+        if constexpr (F32)
+            _mm512_mask_storeu_ps(static_cast<float*>(y) + at, mk, v);
+        else
+            _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + at, mk, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+    }
+}
+
 // Q > 0: also prefetches Q lines a k pair from pf on, K2 Q lines in all (its share of the next
 // panel, see gemm_pairs).
 // F32: y is f32 and gets the bf16-rounded values widened (what .float() of the bf16 result
@@ -1432,23 +1463,8 @@ void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t
             for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
         }
     }
-    for (int c = 0; c < 4; ++c) {
-        const int col = n0 + 16 * c;
-        if (col >= N) break;
-        const int valid = N - col < 16 ? N - col : 16;
-        const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
-        __m512 b = _mm512_setzero_ps();
-        if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + col)), 16));
-        for (int r = 0; r < R; ++r) {
-            const __m512 v = round_bf16(_mm512_add_ps(acc[r][c], b));
-            const int64_t at = static_cast<int64_t>(m0 + r) * ldy + col;
-            if constexpr (F32)
-                _mm512_mask_storeu_ps(static_cast<float*>(y) + at, mk, v);
-            else
-                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + at, mk,
-                                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-        }
-    }
+    for (int c = 0; c < 4 && n0 + 16 * c < N; ++c)
+        store_cols<F32>(y, ldy, bias, N, n0 + 16 * c, m0, R, [&](int r) { return acc[r][c]; });
 }
 #endif
 
@@ -2038,13 +2054,8 @@ int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_
     const int pf_tiles = M >= 24 ? 4 : M >= 12 ? 2 : 0;
 #pragma omp parallel
     {
-        int tid = 0, nth = 1;
-#if defined(_OPENMP)
-        tid = omp_get_thread_num();
-        nth = omp_get_num_threads();
-#endif
-        const int p_end = static_cast<int>(static_cast<int64_t>(panels) * (tid + 1) / nth);
-        for (int p = static_cast<int>(static_cast<int64_t>(panels) * tid / nth); p < p_end; ++p) {
+        const auto [p_begin, p_end] = thread_share(panels);
+        for (int p = p_begin; p < p_end; ++p) {
             const uint16_t* Pp = P + p * panel_elems;
             const int n0 = p * GP_COLS;
             int m0 = 0;
@@ -2144,24 +2155,8 @@ void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias
         _tile_stored(2, cb + 16 * LDC, LDC * 4);
         _tile_stored(3, cb + 16 * LDC + 16, LDC * 4);
     }
-    // bias, one rounding to bf16, store: as pair_tile
-    for (int c = 0; c < NT; ++c) {
-        const int col = n0 + 16 * c;
-        if (col >= N) break;
-        const int valid = N - col < 16 ? N - col : 16;
-        const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
-        __m512 bv = _mm512_setzero_ps();
-        if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + col)), 16));
-        for (int r = 0; r < rows; ++r) {
-            const __m512 v = round_bf16(_mm512_add_ps(_mm512_loadu_ps(cb + r * LDC + 16 * c), bv));
-            const int64_t at = static_cast<int64_t>(m0 + r) * N + col;
-            if constexpr (F32)
-                _mm512_mask_storeu_ps(static_cast<float*>(y) + at, mk, v);
-            else
-                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + at, mk,
-                                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-        }
-    }
+    for (int c = 0; c < NT && n0 + 16 * c < N; ++c)
+        store_cols<F32>(y, N, bias, N, n0 + 16 * c, m0, rows, [&](int r) { return _mm512_loadu_ps(cb + r * LDC + 16 * c); });
 }
 
 template <bool F32>
@@ -2176,16 +2171,11 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
     const int chunk = std::max(mstep, static_cast<int>((1 << 20) / (static_cast<int64_t>(K) * 2) / mstep * mstep));
 #pragma omp parallel
     {
-        int tid = 0, nth = 1;
-#if defined(_OPENMP)
-        tid = omp_get_thread_num();
-        nth = omp_get_num_threads();
-#endif
         alignas(64) float cb[32 * 64];
         int cfg = -1;  // the loaded configuration: r0 * 64 + r1
-        const int u_end = static_cast<int>(static_cast<int64_t>(units) * (tid + 1) / nth);
+        const auto [u_begin, u_end] = thread_share(units);
         for (int c0 = 0; c0 < M; c0 += chunk)
-        for (int u = static_cast<int>(static_cast<int64_t>(units) * tid / nth); u < u_end; ++u) {
+        for (int u = u_begin; u < u_end; ++u) {
             const int n0 = u * nt * 16;
             const uint16_t* Bp = P + (n0 / GP_COLS) * panel_elems + (n0 % GP_COLS) * 2;
             for (int m0 = c0; m0 < std::min(M, c0 + chunk); m0 += mstep) {
@@ -2208,6 +2198,15 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
     return 0;
 }
 #endif
+
+template <bool F32>
+int gemm_amx_or_pairs(const uint16_t* P, const uint16_t* x, void* y, const uint16_t* bias, int M, int N, int K) {
+#if defined(ITERSERVE_AMX)
+    return gemm_amx_impl<F32>(P, x, y, bias, M, N, K);
+#else
+    return gemm_pairs_impl<F32>(P, x, y, bias, M, N, K);
+#endif
+}
 }  // namespace
 
 extern "C" {
@@ -2234,18 +2233,10 @@ int has_amx() {
 // gemm_pairs on AMX tiles (the same packed weight, the same one rounding; the sums run in
 // another order). K not a multiple of 32, or no AMX: gemm_pairs itself. -1 as gemm_pairs.
 int gemm_amx(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t* bias, int M, int N, int K) {
-#if defined(ITERSERVE_AMX)
-    return gemm_amx_impl<false>(P, x, y, bias, M, N, K);
-#else
-    return gemm_pairs_impl<false>(P, x, y, bias, M, N, K);
-#endif
+    return gemm_amx_or_pairs<false>(P, x, y, bias, M, N, K);
 }
 int gemm_amx_f32(const uint16_t* P, const uint16_t* x, float* y, const uint16_t* bias, int M, int N, int K) {
-#if defined(ITERSERVE_AMX)
-    return gemm_amx_impl<true>(P, x, y, bias, M, N, K);
-#else
-    return gemm_pairs_impl<true>(P, x, y, bias, M, N, K);
-#endif
+    return gemm_amx_or_pairs<true>(P, x, y, bias, M, N, K);
 }
 
 // One decoder layer of a decode-only bf16 step, the same kernel calls in the same order as

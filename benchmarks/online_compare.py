@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -138,6 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     procs: dict[str, tuple[subprocess.Popen[bytes], str, str]] = {}
+    started: list[subprocess.Popen[bytes]] = []  # every server, ready or not: all are stopped
+    # A sweep stopped by SIGTERM (a timeout, kill) still stops its servers: the finally below
+    # runs for SystemExit, not for the default SIGTERM action (they went on serving before).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         for i, system in enumerate(systems):
             if system not in SYSTEMS:
@@ -149,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                 server_command(system, model_dir, port, a), env=env or dict(os.environ),
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
+            started.append(proc)
             base = f"http://127.0.0.1:{port}"
             wait_ready(base, proc, timeout_s=600)
             served = fetch_models(base)[0]["id"]
@@ -188,9 +194,9 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
     finally:
-        for proc, _, _ in procs.values():
+        for proc in started:
             proc.terminate()
-        for proc, _, _ in procs.values():
+        for proc in started:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

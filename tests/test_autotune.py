@@ -16,6 +16,13 @@ from iterserve.model.autotune import DECODE_BUCKETS, KINDS, ROW_BUCKETS, Choice,
 from iterserve.model.kernels import Setting, parse_setting
 
 
+@pytest.fixture(autouse=True)
+def _quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measurements here see no other process (whatever else the machine runs), so the caching
+    they test does not depend on it; test_busy_measurement_is_not_cached sets the load."""
+    monkeypatch.setattr(autotune.OtherLoad, "cores", lambda self, reset=False: 0.0)
+
+
 def test_pick_from_fake_timings() -> None:
     # The baseline (first) stays unless another beats it by the margin; None is not timed.
     t = {
@@ -143,6 +150,33 @@ def test_measure_gemms_prunes_and_spares_the_last_bucket() -> None:
     assert timed == [False, True, False, True, False, False]
     assert all(t is not None for t in out["qkv"]["torch"])
     assert 2048 not in rows_seen and 512 not in rows_seen
+
+
+def test_busy_measurement_is_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Timings taken while other processes kept BUSY_CORES or more busy are used for this start
+    but not cached: the next start measures again, and caches once the machine is quiet."""
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    calls: list[str] = []
+
+    def fake_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float) -> Any:
+        calls.append("gemm")
+        return {k: {"torch": [1.0] * 6, "packed": [0.5] * 6} for k in weights}
+
+    monkeypatch.setattr(autotune, "measure_gemms", fake_gemms)
+    monkeypatch.setattr(autotune.OtherLoad, "cores", lambda self, reset=False: 0.9)
+    builders = autotune.gemm_builders(torch.float32, None, pack=True)
+    fixed = Setting(attn="torch")
+    with caplog.at_level("WARNING", logger="iterserve.model.autotune"):
+        got = autotune.choose(_problem(), builders, None, True, fixed)
+    assert got.source == "measured" and set(got.gemm["qkv"]) == {"packed"}
+    assert "other processes took 0.9 cores" in caplog.text
+    assert autotune.choose(_problem(), builders, None, True, fixed).source == "measured"
+    monkeypatch.setattr(autotune.OtherLoad, "cores", lambda self, reset=False: 0.1)
+    assert autotune.choose(_problem(), builders, None, True, fixed).source == "measured"
+    assert autotune.choose(_problem(), builders, None, True, fixed).source == "cached"
+    assert calls == ["gemm"] * 3
 
 
 def test_route_by_rows() -> None:

@@ -36,7 +36,7 @@ import torch
 
 from iterserve.model import attention, kernels
 from iterserve.model.builtin import cache_dir
-from iterserve.model.cpu import has_native
+from iterserve.model.cpu import OtherLoad, has_native
 from iterserve.model.layers import (
     UPCAST_MIN_ROWS,
     AmxLinear,
@@ -68,6 +68,10 @@ MARGIN = 0.05
 KEEP = 0.15
 PRUNE = 2.0  # a path this many times slower than the best at one bucket is not timed at the next
 BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
+# A measurement beside other processes taking more than this many cores is used but not cached:
+# a first start during a package install (docs/SPEED.md, "AMX tiles ...") cached a choice timed
+# at a third of the machine's speed, and every later start took it.
+BUSY_CORES = 0.3
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
 PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
@@ -595,6 +599,7 @@ def choose(
     key["fixed"] = [setting.gemm, setting.attn, setting.prefill]
     choice = load_cached(key) if cache else None
     if choice is None:
+        load = OtherLoad()
         t0 = time.perf_counter()
         deadline = t0 + budget_s
         gemm: dict[str, tuple[str, ...]] = {}
@@ -637,12 +642,19 @@ def choose(
             prefill = pick(prefill_t)
             logger.debug("prefill attention ms (%d tokens): %s", tokens, _ms(prefill_t))
         took = time.perf_counter() - t0
+        others = load.cores()
         choice = Choice(gemm, attn, "measured", prefill)
         if time.perf_counter() > deadline:
             logger.warning(
                 "kernel measurement stopped at its %.0f s budget (a busy machine?): buckets not "
                 "timed keep the previous bucket's choice; not cached, measured again next start",
                 budget_s,
+            )
+        elif others > BUSY_CORES:
+            logger.warning(
+                "kernel measurement ran while other processes took %.1f cores: its timings may "
+                "not be this machine's; used, not cached, measured again next start",
+                others,
             )
         elif cache:
             path = save(key, choice)

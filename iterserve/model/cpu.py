@@ -224,6 +224,26 @@ def _machine_busy_s() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+class OtherLoad:
+    """The cores other processes kept busy since it was made (or last reset): the machine's busy
+    CPU time (/proc/stat) less this process's own, per second of wall time."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self._busy0 = _machine_busy_s()
+        self._own0 = time.process_time()
+
+    def cores(self, reset: bool = False) -> float:
+        """Other processes' cores since the start (NaN where unknown); ``reset``: start anew."""
+        now = time.monotonic()
+        busy, own = _machine_busy_s(), time.process_time()
+        wall = now - self.started
+        others = (busy - self._busy0 - (own - self._own0)) / wall if wall > 0 else math.nan
+        if reset:
+            self.started, self._busy0, self._own0 = now, busy, own
+        return others
+
+
 class ThreadGovernor:
     """Fits torch's threads to the cores other processes leave free, at run time.
 
@@ -240,9 +260,7 @@ class ThreadGovernor:
         self.threads = max_threads
         self.interval_s = interval_s
         self.changes = 0
-        self._t0 = time.monotonic()
-        self._busy0 = _machine_busy_s()
-        self._own0 = time.process_time()
+        self._load = OtherLoad()
 
     def decide(self, others: float) -> int:
         """The thread count for ``others`` cores taken by other processes: shrink when the free
@@ -257,13 +275,9 @@ class ThreadGovernor:
 
     def tick(self) -> int:
         """Re-decides once a window has passed; returns the thread count in force."""
-        now = time.monotonic()
-        wall = now - self._t0
-        if wall < self.interval_s:
+        if time.monotonic() - self._load.started < self.interval_s:
             return self.threads
-        busy, own = _machine_busy_s(), time.process_time()
-        others = (busy - self._busy0 - (own - self._own0)) / wall
-        self._t0, self._busy0, self._own0 = now, busy, own
+        others = self._load.cores(reset=True)
         if math.isnan(others):
             return self.threads
         n = self.decide(others)

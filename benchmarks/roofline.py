@@ -36,6 +36,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy default applies)
+
+# isort: split
 import numpy as np
 import torch
 

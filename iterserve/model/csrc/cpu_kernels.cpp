@@ -1142,6 +1142,50 @@ struct alignas(64) TileConfig {
 };
 #endif
 
+// One query row's block of PF_KB scores s (q . k, unscaled; 4 vectors) at position pos, keys from
+// k0: softmax in base 2 (t = s * scale * log2 e, sl) with a lazily raised row max: m moves only
+// when the block's max passes it by more than PF_LAZY (exact max then), so most blocks need
+// neither a horizontal max nor a rescale; P = 2^(t - m) <= 2^PF_LAZY stays far inside f32 and
+// bf16 range, and O / l is the same quotient. P is rounded to bf16 and stored at pb (PF_KB
+// values, 64-byte aligned) and returned as p01 / p23. Returns whether m moved; corr is then the
+// factor the row's O and l take (2^(m_old - m_new)), else 1. The prefill kernels' shared step.
+template <typename Exp2>
+inline bool softmax_block_row(__m512 (&s)[4], __m512 sl, int k0, int pos, float& m, uint16_t* pb, __m512i& p01, __m512i& p23, __m512& corr,
+                              Exp2 exp2) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    // t rounded once, so m is one of the t and its key's P exactly 2^0 (an exact fmsub against a
+    // rounded m leaves up to half an ulp of m, which for scores near 1e9 alone under- or
+    // overflows 2^x); explicit rounding keeps the compiler from fusing the multiply into the
+    // subtract.
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c < 4; ++c) {
+        s[c] = _mm512_mul_round_ps(s[c], sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (k0 + PF_KB - 1 > pos) {  // the diagonal block: hide keys past the query
+            const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(k0 + 16 * c));
+            const __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos));
+            s[c] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(-INFINITY), s[c]);
+        }
+        mx = _mm512_max_ps(mx, s[c]);
+    }
+    // A row may see none of this block's keys (a tile straddling the block's start): its max is
+    // -inf, m stays and P is 0.
+    float m_new = m;
+    if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m + PF_LAZY), _CMP_GT_OQ)) m_new = _mm512_reduce_max_ps(mx);
+    const __m512 mv = _mm512_set1_ps(m_new);
+    for (int c = 0; c < 4; ++c) s[c] = exp2(_mm512_sub_ps(s[c], mv));
+    p01 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[1], s[0]));
+    p23 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[3], s[2]));
+    _mm512_storeu_si512(pb, p01);
+    _mm512_storeu_si512(pb + 32, p23);
+    if (m_new == m) {
+        corr = _mm512_set1_ps(1.f);
+        return false;
+    }
+    corr = exp2_ps(_mm512_set1_ps(m - m_new));
+    m = m_new;
+    return true;
+}
+
 // Rows [r0, r1) (at most PF_QB) of query head h against its KV head's packed Kp / Vp (keys
 // padded to a multiple of PF_KB with zeros). O, m, l: scratch for r1 - r0 + PF_R rows (a short
 // last tile computes duplicates of its last row into the spare slots, never stored); l holds 16
@@ -1154,7 +1198,6 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
     std::memset(O, 0, sizeof(float) * static_cast<size_t>(nrows + PF_R) * hd);
     const int hp = hd / 2;
     const int last_key = p0 + r1 - 1;
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 sl = _mm512_set1_ps(scale * 1.44269504088896341f);
     const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     alignas(64) uint16_t Pb[PF_R][PF_KB];
@@ -1179,38 +1222,13 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
                     for (int c = 0; c < 4; ++c) s[k][c] = _mm512_dpbf16_ps(s[k][c], qb, kv[c]);
                 }
             }
-            // Softmax in base 2 (t = s * scale * log2 e) with a lazily raised row max: m moves only
-            // when a block's max passes it by more than PF_LAZY (exact max then), so most blocks
-            // need neither a horizontal max nor a rescale; P = 2^(t - m) <= 2^PF_LAZY stays far
-            // inside f32 and bf16 range, and O / l is the same quotient.
             __m512 corr[PF_R];
             bool rescale = false;
             for (int k = 0; k < PF_R; ++k) {
-                const int pos = p0 + row[k], i = t0 + k;
-                // t rounded once, so m is one of the t and its key's P exactly 2^0 (an exact fmsub
-                // against a rounded m leaves up to half an ulp of m, which for scores near 1e9
-                // alone under- or overflows 2^x); explicit rounding keeps the compiler from fusing
-                // the multiply into the subtract.
-                __m512 mx = _mm512_set1_ps(-INFINITY);
-                for (int c = 0; c < 4; ++c) {
-                    s[k][c] = _mm512_mul_round_ps(s[k][c], sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    if (k0 + PF_KB - 1 > pos) {  // the diagonal block: hide keys past the query
-                        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(k0 + 16 * c));
-                        const __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos));
-                        s[k][c] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(-INFINITY), s[k][c]);
-                    }
-                    mx = _mm512_max_ps(mx, s[k][c]);
-                }
-                // A row may see none of this block's keys (a tile straddling the block's start):
-                // its max is -inf, m stays and P is 0.
-                float m_new = m[i];
-                if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m[i] + PF_LAZY), _CMP_GT_OQ)) m_new = _mm512_reduce_max_ps(mx);
-                const __m512 mv = _mm512_set1_ps(m_new);
-                for (int c = 0; c < 4; ++c) s[k][c] = exp2_ps(_mm512_sub_ps(s[k][c], mv));
-                const __m512i p01 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[k][1], s[k][0]));
-                const __m512i p23 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[k][3], s[k][2]));
-                _mm512_storeu_si512(Pb[k], p01);
-                _mm512_storeu_si512(Pb[k] + 32, p23);
+                const int i = t0 + k;
+                __m512i p01, p23;
+                const bool moved = softmax_block_row(s[k], sl, k0, p0 + row[k], m[i], Pb[k], p01, p23, corr[k],
+                                                     [](__m512 v) { return exp2_ps(v); });
                 // l sums the bf16-rounded P that O gets, so numerator and denominator agree (the
                 // max key's P is not 1 when m lags). 2^(-inf) on the first block is 0. The row
                 // sum stays 16 lanes wide until the end, so no horizontal add per block.
@@ -1218,15 +1236,11 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
                     _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p01, 16)), _mm512_castsi512_ps(_mm512_and_si512(p01, hi_mask))),
                     _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p23, 16)), _mm512_castsi512_ps(_mm512_and_si512(p23, hi_mask))));
                 __m512 lv = _mm512_loadu_ps(l + 16 * i);
-                if (m_new != m[i]) {
-                    corr[k] = exp2_ps(_mm512_set1_ps(m[i] - m_new));
+                if (moved) {
                     lv = _mm512_mul_ps(lv, corr[k]);
                     rescale = true;
-                } else {
-                    corr[k] = _mm512_set1_ps(1.f);
                 }
                 _mm512_storeu_ps(l + 16 * i, _mm512_add_ps(lv, sum));
-                m[i] = m_new;
             }
             // O[i] = O[i] * corr + P[i] . V, 64 output columns at a time.
             for (int e0 = 0; e0 < hd; e0 += 64) {
@@ -1282,7 +1296,6 @@ void prefill_task_amx(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, c
             std::memset(dst, 0, sizeof(uint16_t) * hd);
     }
     const int last_key = p0 + r1 - 1;
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 sl = _mm512_set1_ps(scale * 1.44269504088896341f);
     const __m512bh ones = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3f80));  // bf16 1.0
     const int64_t ldq = static_cast<int64_t>(hd) * 2, ldo = static_cast<int64_t>(hd) * 4;
@@ -1321,29 +1334,13 @@ void prefill_task_amx(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, c
         auto update = [&](int t0, const float* Sb) {
             const int rows = std::min(16, nrows - t0);
             for (int k = 0; k < rows; ++k) {
-                const int i = t0 + k, pos = p0 + r0 + i;
+                const int i = t0 + k;
                 __m512 s[4];
-                __m512 mx = _mm512_set1_ps(-INFINITY);
-                for (int c = 0; c < 4; ++c) {
-                    s[c] = _mm512_mul_round_ps(_mm512_load_ps(Sb + k * PF_KB + 16 * c), sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    if (k0 + PF_KB - 1 > pos) {  // the diagonal block: hide keys past the query
-                        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(k0 + 16 * c));
-                        const __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos));
-                        s[c] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(-INFINITY), s[c]);
-                    }
-                    mx = _mm512_max_ps(mx, s[c]);
-                }
-                float m_new = m[i];
-                if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m[i] + PF_LAZY), _CMP_GT_OQ)) m_new = _mm512_reduce_max_ps(mx);
-                const __m512 mv = _mm512_set1_ps(m_new);
-                for (int c = 0; c < 4; ++c) s[c] = exp2_bf16(_mm512_sub_ps(s[c], mv));
-                const __m512i p01 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[1], s[0]));
-                const __m512i p23 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[3], s[2]));
-                _mm512_store_si512(Pb + k * PF_KB, p01);
-                _mm512_store_si512(Pb + k * PF_KB + 32, p23);
+                for (int c = 0; c < 4; ++c) s[c] = _mm512_load_ps(Sb + k * PF_KB + 16 * c);
+                __m512i p01, p23;
+                __m512 corr;
                 __m512 lv = _mm512_loadu_ps(l + 16 * i);
-                if (m_new != m[i]) {
-                    const __m512 corr = exp2_ps(_mm512_set1_ps(m[i] - m_new));
+                if (softmax_block_row(s, sl, k0, p0 + r0 + i, m[i], Pb + k * PF_KB, p01, p23, corr, [](__m512 v) { return exp2_bf16(v); })) {
                     lv = _mm512_mul_ps(lv, corr);
                     float* o = O + static_cast<int64_t>(i) * hd;
                     for (int e = 0; e < hd; e += 16) _mm512_storeu_ps(o + e, _mm512_mul_ps(_mm512_loadu_ps(o + e), corr));
@@ -1351,7 +1348,6 @@ void prefill_task_amx(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, c
                 // l sums the bf16 P, two at a time in one dot product against ones
                 lv = _mm512_dpbf16_ps(lv, reinterpret_cast<__m512bh>(p01), ones);
                 _mm512_storeu_ps(l + 16 * i, _mm512_dpbf16_ps(lv, reinterpret_cast<__m512bh>(p23), ones));
-                m[i] = m_new;
             }
             // O += P . V, 64 output columns at a time
             for (int e0 = 0; e0 < hd; e0 += 64) {
@@ -1907,8 +1903,6 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     const int tasks = H * qblocks;
 #if defined(ITERSERVE_AMX)
     const bool tiles = amx_permitted();
-#else
-    const bool tiles = false;
 #endif
 #pragma omp parallel
     {

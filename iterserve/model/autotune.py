@@ -54,7 +54,7 @@ from iterserve.model.layers import (
 logger = logging.getLogger(__name__)
 
 # GEMM rows timed; 2,048 only where a step may run that many tokens (Problem.max_rows): there
-# oneDNN beat the AMX GEMM that won at 512 rows (docs/SPEED.md, "AMX tiles ...").
+# oneDNN beat the AMX GEMM that won at 512 rows (docs/SPEED.md, "A 2,048-row GEMM bucket").
 ROW_BUCKETS = (1, 8, 32, 128, 512, 2048)
 LOGIT_ROWS = 128  # the LM head sees one row per sequence: timed up to this bucket
 DECODE_BUCKETS = (1, 8, 32, 128)  # decodes per step timed for attention
@@ -69,8 +69,9 @@ KEEP = 0.15
 PRUNE = 2.0  # a path this many times slower than the best at one bucket is not timed at the next
 BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
 # A measurement beside other processes taking more than this many cores is used but not cached:
-# a first start during a package install (docs/SPEED.md, "AMX tiles ...") cached a choice timed
-# at a third of the machine's speed, and every later start took it.
+# a first start during a package install cached a choice timed at a third of the machine's speed,
+# and every later start took it (docs/SPEED.md, "AMX tiles for iterserve's own GEMM and prefill
+# attention").
 BUSY_CORES = 0.3
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
@@ -130,7 +131,7 @@ LAYER_KINDS = KINDS[:4]  # the GEMMs inside a decoder layer (the LM head runs af
 FUSED_FAMILIES = (("pairs", "amx"), ("panels",))
 # At decode row counts a layer's four GEMMs all on one such family save the ~10 Python calls
 # of the layer (B = 32 decode step 26.3 -> 23.3 ms on an AMX Xeon, ~0.25 ms a layer, against
-# 0.4 ms of GEMMs; docs/SPEED.md, "AMX tiles for iterserve's own GEMM"): they take that family
+# 0.4 ms of GEMMs; docs/SPEED.md, "One fused family per decode bucket"): they take that family
 # where each GEMM is within this share of its chosen path.
 FUSE_MARGIN = 0.25
 
@@ -157,8 +158,9 @@ def prefer_fused(
                 break  # fused already
             picks: dict[str, str] = {}
             for k in LAYER_KINDS:
-                t_now = timings[k].get(chosen[k][i], [None] * len(buckets))[i]
-                timed = {p: t for p in family if (t := timings[k].get(p, [None] * len(buckets))[i])}
+                at_i = {p: ts[i] for p, ts in timings[k].items()}  # path -> seconds here
+                t_now = at_i.get(chosen[k][i])
+                timed = {p: t for p in family if (t := at_i.get(p)) is not None}
                 if t_now is None or not timed:
                     break
                 best = min(timed, key=lambda p: timed[p])
@@ -414,7 +416,7 @@ def measure_gemms(
                 if not (p == "upcast" and rows < UPCAST_MIN_ROWS)
                 and not (best is not None and p in prev and prev[p] > PRUNE * best)
                 # the last bucket, the dearest to time, takes only the paths timed before it
-                and not (i == len(ROW_BUCKETS) - 1 and i and p not in prev)
+                and not (i == len(ROW_BUCKETS) - 1 and p not in prev)
             }
             for p, t in time_paths(calls, deadline).items():
                 out[kind][p][i] = t

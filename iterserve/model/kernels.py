@@ -261,6 +261,11 @@ class Kernels:
         self.lib.has_amx.restype = _I
         # AMX tiles: compiled in (a CPU with AMX-BF16) and granted to this process by Linux.
         self.has_amx = bool(self.lib.has_amx())
+        # [amx][out_f32]: gemm_pairs' four entry points, looked up once
+        self._pair_fns = (
+            (self.lib.gemm_pairs, self.lib.gemm_pairs_f32),
+            (self.lib.gemm_amx, self.lib.gemm_amx_f32),
+        )
         self.has_prefill_kernel = bool(self.lib.has_prefill_kernel())
         self.path = path
 
@@ -541,8 +546,7 @@ class Kernels:
         _check_packed("gemm_pairs", x, pairs, -(-N // 64) * (K // 2) * 128, N, b)
         x = x.contiguous()
         y = torch.empty(M, N, dtype=torch.float32 if out_f32 else torch.bfloat16)
-        name = ("gemm_amx" if amx else "gemm_pairs") + ("_f32" if out_f32 else "")
-        getattr(self.lib, name)(
+        self._pair_fns[amx][out_f32](
             pairs.data_ptr(), x.data_ptr(), y.data_ptr(),
             None if b is None else b.contiguous().data_ptr(), M, N, K,
         )  # fmt: skip

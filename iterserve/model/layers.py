@@ -190,10 +190,12 @@ class PairLinear:
         self.bias = None if b is None else b.contiguous()
         self.odd = w.shape[1] % 2 == 1  # x gets a zero column (the packed weight has one)
 
+    amx = False  # the dot-product kernel; AmxLinear: the same panels on AMX tiles
+
     def __call__(self, x: torch.Tensor, out_f32: bool = False) -> torch.Tensor:
         if self.odd:
             x = F.pad(x, (0, 1))
-        return self.kern.gemm_pairs(x, self.pairs, self.out_features, self.bias, out_f32)
+        return self.kern.gemm_pairs(x, self.pairs, self.out_features, self.bias, out_f32, self.amx)
 
     def f32(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x).float()``, the same values, without the bf16 result and its copy."""
@@ -203,12 +205,10 @@ class PairLinear:
 class AmxLinear(PairLinear):
     """The same pair panels on AMX tiles (``gemm_amx``): one tile product multiplies 16 rows by
     16 columns over 32 k values, so from ~8 rows on the pair GEMM's arithmetic no longer bounds
-    it (an AMX CPU only; docs/SPEED.md, "AMX tiles for iterserve's own GEMM")."""
+    it (an AMX CPU only; docs/SPEED.md, "AMX tiles for iterserve's own GEMM and prefill
+    attention")."""
 
-    def __call__(self, x: torch.Tensor, out_f32: bool = False) -> torch.Tensor:
-        if self.odd:
-            x = F.pad(x, (0, 1))
-        return self.kern.gemm_pairs(x, self.pairs, self.out_features, self.bias, out_f32, amx=True)
+    amx = True
 
 
 def linear_f32(lin: Linear, x: torch.Tensor) -> torch.Tensor:

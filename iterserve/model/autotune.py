@@ -436,22 +436,18 @@ def _rotating(
 
 
 def measure_decodes(
-    kern: kernels.Kernels,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    max_decodes: int,
-    ctx: int,
-    deadline: float,
+    kern: kernels.Kernels, prob: Problem, ctx: int, deadline: float
 ) -> dict[str, list[float | None]]:
-    """path -> seconds per DECODE_BUCKETS entry: one layer's decode attention of D sequences of
-    ``ctx`` keys each, their blocks scattered over a pool twice the size needed (a serving
+    """path -> seconds per DECODE_BUCKETS entry (up to ``prob.max_decodes``): one layer's decode
+    attention (``prob``'s shape) of D sequences of ``ctx`` keys each, their blocks scattered
+    over a pool twice the size needed (a serving
     pool's blocks are not in order, and the software prefetch paths differ most there). Each
     call reads other blocks than the last, from a pool of at least ``DECODE_POOL_BYTES`` per
     cache: a serving step's layers each read their own KV from memory, and a set small enough
     to stay in the L3 cache between calls favours no prefetch."""
+    heads, kv_heads, head_dim, block_size, dtype = (
+        prob.heads, prob.kv_heads, prob.head_dim, prob.block_size, prob.dtype,
+    )  # fmt: skip
     per: dict[str, list[float | None]] = {path: [] for path in kernels.ATTN_PATHS}
     nb = -(-ctx // block_size)
     block_bytes = block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
@@ -462,7 +458,7 @@ def measure_decodes(
             for p in per:
                 per[p].append(None)
             continue
-        reached = d >= max_decodes
+        reached = d >= prob.max_decodes
         sets = max(1, min(128, DECODE_POOL_BYTES // (2 * d * nb * block_bytes)))
         pool = 2 * sets * d * nb
         # the values do not change the kernels' time; a constant is quicker to make than randn
@@ -488,19 +484,16 @@ def measure_decodes(
 
 
 def measure_prefill(
-    kern: kernels.Kernels,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    tokens: int,
-    deadline: float,
+    kern: kernels.Kernels, prob: Problem, tokens: int, deadline: float
 ) -> dict[str, list[float | None]]:
-    """path -> [seconds]: one layer's causal attention of a step of ``tokens`` prompt tokens,
-    keys in the paged cache, through the kernel and through SDPA (``attention.prefill_chunks``
-    with and without it): half a fresh prompt, half a chunk continued from as many cached
-    tokens (where SDPA must gather the keys and mask, and the kernel gains most)."""
+    """path -> [seconds]: one layer's causal attention (``prob``'s shape) of a step of ``tokens``
+    prompt tokens, keys in the paged cache, through the kernel and through SDPA
+    (``attention.prefill_chunks`` with and without it): half a fresh prompt, half a chunk
+    continued from as many cached tokens (where SDPA must gather the keys and mask, and the
+    kernel gains most)."""
+    heads, kv_heads, head_dim, block_size, dtype = (
+        prob.heads, prob.kv_heads, prob.head_dim, prob.block_size, prob.dtype,
+    )  # fmt: skip
     half = max(1, tokens // 2)
     nb = -(-half // block_size)  # blocks of the fresh prompt; the continued one takes twice
     k_cache = torch.randn(3 * nb * block_size, kv_heads, head_dim).to(dtype)
@@ -624,10 +617,7 @@ def choose(
             else:
                 assert kern is not None
                 ctx = max(1, min(ATTN_CTX, prob.max_ctx))
-                attn_t = measure_decodes(
-                    kern, prob.heads, prob.kv_heads, prob.head_dim, prob.block_size,
-                    prob.dtype, prob.max_decodes, ctx, deadline,
-                )  # fmt: skip
+                attn_t = measure_decodes(kern, prob, ctx, deadline)
                 attn = pick(attn_t)
                 logger.debug(
                     "decode attention ms (%d keys) at decodes %s: %s", ctx, DECODE_BUCKETS,
@@ -637,10 +627,7 @@ def choose(
         if not prefill_fixed:
             assert kern is not None
             tokens = min(PREFILL_TOKENS, prob.max_ctx)
-            prefill_t = measure_prefill(
-                kern, prob.heads, prob.kv_heads, prob.head_dim, prob.block_size, prob.dtype,
-                tokens, deadline,
-            )  # fmt: skip
+            prefill_t = measure_prefill(kern, prob, tokens, deadline)
             prefill = pick(prefill_t)
             logger.debug("prefill attention ms (%d tokens): %s", tokens, _ms(prefill_t))
         took = time.perf_counter() - t0

@@ -186,6 +186,20 @@ def test_prefill_attention_matches_sdpa(kern_variant: kernels.Kernels) -> None:
             assert torch.equal(out[0].view(H, hd), v0.repeat_interleave(H // kvh, 0))
 
 
+def test_prefill_attention_leaves_denormals_on_for_torch(kern_variant: kernels.Kernels) -> None:
+    """The prefill kernel flushes denormals only inside its own threads' work: afterwards torch's
+    float math on the calling thread still produces them (a leaked MXCSR flag would turn 1e-39
+    into 0 for everything the process computes next)."""
+    kern = kern_variant
+    if not kern.has_prefill_kernel:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16, or AVX2 without AVX-512")
+    q, k_cache, v_cache, table, ref = _prefill_case(70, 0, 4, 2, 64, seed=3)
+    out = kern.paged_prefill_attention(q, k_cache, v_cache, table, 0, 4)
+    assert (out.float() - ref).abs().max().item() < 0.03
+    tiny = torch.tensor([1e-38], dtype=torch.float32) / 16  # 6.25e-40: a denormal
+    assert tiny.item() > 0 and (tiny * 2).item() > 0
+
+
 def test_prefill_attention_when_the_row_max_rises_slowly_and_jumps(
     kern_variant: kernels.Kernels,
 ) -> None:

@@ -1102,6 +1102,19 @@ constexpr int PF_QB = 96;  // query rows per task (16 tiles)
 constexpr int PF_R = 6;    // query rows per register tile: 24 accumulators (6 beat 4 by ~1.3x)
 constexpr float PF_LAZY = 8.f;  // log2 units the row max may lag behind (P <= 256)
 
+// Denormal results flushed to zero, denormal inputs read as zero, for the scope of one thread's
+// share of a kernel: 2^x of a masked key (-inf) or of one far below the row max underflows, and
+// each such underflow costs a microcode assist (vscalefps in exp2_ps, the rescale of a row's
+// first block). Measured on an AMX Xeon: the 2,048-token prefill attention layer 5-10% faster
+// (docs/SPEED.md). Nothing here is near 1e-38 in magnitude that matters to a bf16 result.
+struct FlushDenormals {
+    unsigned saved = _mm_getcsr();
+    FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ (bit 15) | DAZ (bit 6)
+    ~FlushDenormals() { _mm_setcsr(saved); }
+    FlushDenormals(const FlushDenormals&) = delete;
+    FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
+
 inline __m512bh pair_bcast(const uint16_t* p) {  // the bf16 pair at p, in every 32-bit lane
     int32_t w;
     std::memcpy(&w, p, 4);
@@ -1906,6 +1919,7 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
 #endif
 #pragma omp parallel
     {
+        const FlushDenormals ftz;
         // PF_QB + 16 rows: prefill_task's tiles of PF_R rows and the AMX task's of 16 both fit
         std::vector<float> O(static_cast<size_t>(PF_QB + 16) * hd), m(PF_QB + 16), l(16 * (PF_QB + 16));
 #if defined(ITERSERVE_AMX)

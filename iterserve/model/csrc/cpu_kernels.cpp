@@ -47,9 +47,9 @@
 namespace {
 
 // Row-wise elementwise kernels (RMSNorm, SwiGLU, RoPE, argmax) run on one thread below this
-// many elements: waking the second thread costs more than it saves up to ~512 x 768
-// (docs/SPEED.md, "Elementwise kernels on one thread").
-constexpr int64_t PAR_MIN_ELEMS = int64_t(1) << 20;
+// many elements, where waking the second thread costs about what it saves (docs/SPEED.md,
+// "Elementwise kernels on two threads from 32K elements").
+constexpr int64_t PAR_MIN_ELEMS = int64_t(1) << 15;
 constexpr int GP_COLS = 64;  // output columns per pair panel (gemm_pairs)
 
 // The calling OpenMP thread's contiguous share [begin, end) of n items (all of them outside a

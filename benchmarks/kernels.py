@@ -3,6 +3,7 @@
     python benchmarks/kernels.py gemm --rows 1,8,32,128,512    # all 49 GEMMs: panels vs packed f32
     python benchmarks/kernels.py attention --batch 32 --ctx 136  # paged decode attention, one layer
     python benchmarks/kernels.py prefill --tokens 2048 --start 0  # prefill attention, one layer
+    python benchmarks/kernels.py elementwise --rows 1,8,32,64,512  # RMSNorm, SwiGLU, RoPE, KV write
 
 gemm: the 49 bf16 weights of a bench-134m forward (12 layers x q/k/v fused, o, gate/up fused,
 down, plus the LM head; 219 MB, more than the caches, so every call streams its weight), random
@@ -22,6 +23,12 @@ prefill: one prompt chunk of --tokens queries at positions --start.. against all
 (``paged_prefill_attention``, reading the cache in place) against SDPA on the gathered keys (the
 ``torch`` path: a plain causal SDPA at --start 0, a shifted mask after); ms per layer (median of
 --repeats) and the GFLOP/s of the causal attention FLOPs.
+
+elementwise: one layer's row-wise kernels at --rows rows of bench-134m: ``rms_norm`` with the
+residual add (768 wide), ``silu_mul`` (gate | up, 2 x 2,048), ``rope`` on q and k (24 heads of
+64, a view of qkv) and ``write_rows`` of V into a bf16 cache (12 heads of 64, random slots); us
+per call: the median of 200 calls after 10 warm-up calls in each of --repeats rounds, and the
+median of the rounds (the wrapper's Python overhead, a few us, is included).
 """
 
 from __future__ import annotations
@@ -193,13 +200,57 @@ def bench_prefill(
     )
 
 
+def _elementwise_us(fn: Callable[[], object]) -> float:
+    """Median us of 200 calls after 10 warm-up calls."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _elementwise_row(kern: kernels.Kernels, T: int, repeats: int) -> list[float]:
+    """rms_norm, silu_mul, rope, write_rows at T rows: the median over ``repeats`` rounds."""
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, HIDDEN, generator=g).bfloat16()
+    add = torch.randn(T, HIDDEN, generator=g).bfloat16()
+    w = torch.randn(HIDDEN, generator=g).bfloat16()
+    gate_up = torch.randn(T, 2 * INTER, generator=g).bfloat16()
+    qkv = torch.randn(T, 3 * HEADS, HEAD_DIM, generator=g).bfloat16()
+    cos = torch.randn(T, 1, HEAD_DIM, generator=g).bfloat16()
+    sin = torch.randn(T, 1, HEAD_DIM, generator=g).bfloat16()
+    cache = torch.zeros(max(4096, 2 * T), HEADS, HEAD_DIM).bfloat16()
+    slots = torch.randperm(cache.shape[0], generator=g)[:T].contiguous()
+    calls: list[Callable[[], object]] = [
+        lambda: kern.rms_norm(x, w, 1e-5, add),
+        lambda: kern.silu_mul(gate_up),
+        lambda: kern.rope(qkv[:, : 2 * HEADS], cos, sin),
+        lambda: kern.write_rows(qkv[:, 2 * HEADS :], cache, slots),
+    ]
+    rounds = [[_elementwise_us(fn) for fn in calls] for _ in range(repeats)]
+    return [statistics.median(r[i] for r in rounds) for i in range(len(calls))]
+
+
+def bench_elementwise(kern: kernels.Kernels, rows: list[int], repeats: int) -> None:
+    print(f"elementwise kernels, bench-134m rows, us per call (median over {repeats} rounds):")
+    print(f"{'rows':>6} {'rms_norm':>9} {'silu_mul':>9} {'rope':>7} {'write_rows':>11}")
+    for T in rows:
+        med = _elementwise_row(kern, T, repeats)
+        print(f"{T:>6} {med[0]:>9.1f} {med[1]:>9.1f} {med[2]:>7.1f} {med[3]:>11.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("what", choices=("gemm", "attention", "prefill"))
+    ap.add_argument("what", choices=("gemm", "attention", "prefill", "elementwise"))
     ap.add_argument(
-        "--rows", default="1,2,4,8,16,32,64,128,256,512", help="gemm: rows of x, comma-separated"
+        "--rows",
+        default="1,2,4,8,16,32,64,128,256,512",
+        help="gemm, elementwise: rows of x, comma-separated",
     )
     ap.add_argument("--batch", type=int, default=32, help="attention: sequences")
     ap.add_argument("--ctx", type=int, default=136, help="attention: keys per sequence")
@@ -225,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_gemm(kern, [int(r) for r in args.rows.split(",")], args.repeats)
     elif args.what == "prefill":
         bench_prefill(kern, args.tokens, args.start, args.block_size, args.repeats)
+    elif args.what == "elementwise":
+        bench_elementwise(kern, [int(r) for r in args.rows.split(",")], args.repeats)
     else:
         bench_attention(kern, args.batch, args.ctx, args.kv_heads, args.block_size, args.repeats)
     return 0

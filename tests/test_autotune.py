@@ -152,6 +152,35 @@ def test_measure_gemms_prunes_and_spares_the_last_bucket() -> None:
     assert 2048 not in rows_seen and 512 not in rows_seen
 
 
+def test_measure_gemms_times_the_lm_head_as_f32_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LM head is timed as the model runs it (layers.linear_f32): a path that returns bf16
+    logits is timed with their f32 copy, a pair GEMM through its f32 output; the other kinds
+    as they are."""
+    import time as _time
+
+    seen: dict[str, list[torch.dtype]] = {}
+
+    def fake_time_paths(calls: Any, deadline: float, reps: int = 3) -> Any:
+        for p, fn in calls.items():
+            seen.setdefault(p, []).append(fn().dtype)
+        return dict.fromkeys(calls, 1.0)
+
+    monkeypatch.setattr(autotune, "time_paths", fake_time_paths)
+
+    def bf16(w: Any, b: Any) -> Any:
+        return lambda x: x.to(torch.bfloat16)
+
+    w = torch.zeros(4, 4)
+    autotune.measure_gemms(
+        {"qkv": (w, None), "lm_head": (w, None)},
+        {"torch": bf16},
+        {"qkv": 1, "lm_head": 1},
+        _time.perf_counter() + 60,
+    )
+    # bucket 1 only (max_rows 1): qkv first, then the LM head
+    assert seen["torch"] == [torch.bfloat16, torch.float32]
+
+
 def test_busy_measurement_is_not_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

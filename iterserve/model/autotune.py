@@ -412,10 +412,11 @@ def measure_gemms(
             }
             best = min(prev.values(), default=None)
             # the LM head is timed as the model runs it: f32 logits (a pair GEMM writes them
-            # directly, the others add a .float() copy, ~1 ms at 128 rows)
-            run = linear_f32 if kind == "lm_head" else _call
+            # directly, the others add a .float() copy)
             calls = {
-                p: functools.partial(run, f, x)
+                p: functools.partial(linear_f32, f, x)
+                if kind == "lm_head"
+                else functools.partial(f, x)
                 for p, f in fns[kind].items()
                 if not (p == "upcast" and rows < UPCAST_MIN_ROWS)
                 and not (best is not None and p in prev and prev[p] > PRUNE * best)
@@ -425,10 +426,6 @@ def measure_gemms(
             for p, t in time_paths(calls, deadline).items():
                 out[kind][p][i] = t
     return out
-
-
-def _call(fn: Callable[[torch.Tensor], object], x: torch.Tensor) -> object:
-    return fn(x)
 
 
 def _rotating(

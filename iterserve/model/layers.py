@@ -177,6 +177,8 @@ class PairLinear:
     only): the weight streams once per call in its 2-byte form at any row count, and the
     arithmetic runs at the bf16 rate, where the f32 panels run at the f32 one."""
 
+    amx = False  # the dot-product kernel; AmxLinear: the same panels on AMX tiles
+
     def __init__(
         self,
         kern: kernels.Kernels,
@@ -189,8 +191,6 @@ class PairLinear:
         self.out_features = w.shape[0]
         self.bias = None if b is None else b.contiguous()
         self.odd = w.shape[1] % 2 == 1  # x gets a zero column (the packed weight has one)
-
-    amx = False  # the dot-product kernel; AmxLinear: the same panels on AMX tiles
 
     def __call__(self, x: torch.Tensor, out_f32: bool = False) -> torch.Tensor:
         if self.odd:

@@ -1124,8 +1124,8 @@ constexpr float PF_LAZY = 8.f;  // log2 units the row max may lag behind (P <= 2
 // Denormal results flushed to zero, denormal inputs read as zero, for the scope of one thread's
 // share of a kernel: 2^x of a masked key (-inf) or of one far below the row max underflows, and
 // each such underflow costs a microcode assist (vscalefps in exp2_ps, the rescale of a row's
-// first block). Measured on an AMX Xeon: the 2,048-token prefill attention layer 5-10% faster
-// (docs/SPEED.md). Nothing here is near 1e-38 in magnitude that matters to a bf16 result.
+// first block; docs/SPEED.md, "The prefill kernel flushes denormals"). Nothing here is near
+// 1e-38 in magnitude that matters to a bf16 result.
 struct FlushDenormals {
     unsigned saved = _mm_getcsr();
     FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ (bit 15) | DAZ (bit 6)
@@ -1917,7 +1917,7 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     const int ctx_pad = (ctx + PF_KB - 1) / PF_KB * PF_KB;
     const int G = H / KvH;
     const int64_t head_elems = static_cast<int64_t>(ctx_pad) * hd;
-    // A fresh zeroed vector here cost ~0.4 ms a call at 2,048 keys (a third of the packing).
+    // Not a fresh vector: its zero fill was a large part of the packing (docs/SPEED.md).
     const Scratch<uint16_t> kv(static_cast<size_t>(2 * KvH) * head_elems);
     uint16_t* Kp = kv.data;
     uint16_t* Vp = Kp + static_cast<size_t>(KvH) * head_elems;
@@ -1941,8 +1941,7 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
             }
         }
         // K: the 16 keys' rows of hd / 2 pairs, transposed 16 pairs at a time into [hd / 2][16]
-        // (one 4-byte store per pair before: 0.9 -> 0.4 ms with the buffer above, 512 queries
-        // after 1,536 on the AMX Xeon).
+        // (not one 4-byte store per pair).
         for (int c0 = 0; c0 < hd / 2; c0 += 16) {
             __m512i r[16];
             for (int u = 0; u < 16; ++u) r[u] = src_k[u] ? _mm512_loadu_si512(src_k[u] + 2 * c0) : _mm512_setzero_si512();
@@ -2001,7 +2000,7 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     const int ctx_pad = (ctx + PA_KB - 1) / PA_KB * PA_KB;
     const int G = H / KvH;
     const int64_t head_elems = static_cast<int64_t>(ctx_pad) * hd;
-    // No page faults and no zeroing of ~12 MB per call at 2,048 keys.
+    // No page faults and no zero fill per call.
     const Scratch<float> kv(static_cast<size_t>(2 * KvH * head_elems));
     float* Kp = kv.data;
     float* Vp = Kp + KvH * head_elems;

@@ -2151,9 +2151,10 @@ void amx_configure(int nt, int r0, int r1) {
 
 // Rows m0 .. m0 + rows - 1 (rows <= 16, or <= 32 with TWO) of y against NT column groups of 16
 // starting at column n0, whose B tiles start at Bp (line stride 256 bytes). cb: 32 x 64 f32.
+// Each k step also prefetches pf_bytes from pf on (into L2), where pf is given.
 template <int NT, bool TWO, bool F32>
 void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias, void* y, int N, int n0, int m0, int rows,
-              float* cb) {
+              float* cb, const char* pf = nullptr, int pf_bytes = 0) {
     static_assert(NT == 4 || NT == 2, "column groups");
     static_assert(!(TWO && NT == 4), "two row blocks take a half panel");
     constexpr int LINE = GP_COLS * 2;  // uint16 per pair-panel line
@@ -2167,6 +2168,8 @@ void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias
     }
     for (int kb = 0; kb < K / 32; ++kb) {
         const uint16_t* b = Bp + static_cast<int64_t>(kb) * 16 * LINE;
+        if (pf)
+            for (int off = 0; off < pf_bytes; off += 64) _mm_prefetch(pf + static_cast<int64_t>(kb) * pf_bytes + off, _MM_HINT_T1);
         _tile_loadd(4, xa + kb * 32, ldx);
         if constexpr (NT == 4) {
             _tile_loadd(5, b, LINE * 2);
@@ -2213,6 +2216,7 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
     // Rows in chunks whose x stays in L2 (~1 MB) while the thread's units pass over it: at
     // 2,048 rows x 768 the whole x (3 MB) came from L3 again for every unit.
     const int chunk = std::max(mstep, static_cast<int>((1 << 20) / (static_cast<int64_t>(K) * 2) / mstep * mstep));
+    const int blocks = (std::min(M, chunk) + mstep - 1) / mstep;  // row blocks in the first chunk
 #pragma omp parallel
     {
         alignas(64) float cb[32 * 64];
@@ -2229,12 +2233,26 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
                     amx_configure(nt, r0, r1);
                     cfg = r0 * 64 + r1;
                 }
+                // Past 16 rows, while on one panel the thread prefetches its next one into L2,
+                // spread evenly over its passes on this one (the panel's two halves, the row
+                // blocks of the first chunk): the tile loads alone leave the weight's stream from
+                // memory and the tile products taking turns (docs/SPEED.md, "Prefetching the next
+                // panel"). Up to 16 rows the one pass over each panel streams it well as it is.
+                const char* pf = nullptr;
+                int pf_bytes = 0;
+                const int panel = n0 / GP_COLS;
+                if (nt == 2 && c0 == 0 && (panel + 1) * 2 < u_end) {
+                    const int passes = 2 * blocks;
+                    const int pass = (n0 % GP_COLS) / 32 * blocks + m0 / mstep;
+                    pf_bytes = (4096 / passes + 63) & ~63;  // a panel has 4 KB per k step of 32
+                    pf = reinterpret_cast<const char*>(P + (panel + 1) * panel_elems) + static_cast<int64_t>(pass) * pf_bytes * (K / 32);
+                }
                 if (nt == 4)
-                    amx_unit<4, false, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb);
+                    amx_unit<4, false, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb, pf, pf_bytes);
                 else if (r1 > 0)
-                    amx_unit<2, true, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb);
+                    amx_unit<2, true, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb, pf, pf_bytes);
                 else
-                    amx_unit<2, false, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb);
+                    amx_unit<2, false, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb, pf, pf_bytes);
             }
         }
         if (cfg >= 0) _tile_release();

@@ -12,11 +12,13 @@ values, run back to back; the median over --repeats of the whole set, for the pa
 (``F.linear``) and, on a CPU with AVX512-BF16, the bf16 dot-product pairs (``gemm_pairs``), and
 on one with AMX-BF16 the same pairs on AMX tiles (``gemm_pairs(amx=True)``).
 
-attention: --batch sequences of --ctx keys each, blocks scattered over a pool three times the
-size needed (random block tables), bf16 cache, 12 query heads of 64 over --kv-heads heads; ms
-per call (one layer), median over --repeats of the mean of 12 calls, and the bandwidth its K and
-V bytes imply; for the kernel with software prefetch (the ``cpu`` path) and without (``cpu_nopf``),
-alternated.
+attention: --batch sequences of --ctx keys each, bf16 cache, 12 query heads of 64 over
+--kv-heads heads; 12 calls (a step's layers), each on blocks of its own (--block-sets 12, the
+default: more than the caches hold) or on one reused set (--block-sets 1: hot), the blocks
+scattered over the pool (random block tables), in order, or interleaved as sequences growing in
+lockstep allocate them (--layout); ms per call (one layer), median over --repeats of the mean of
+12 calls, and the bandwidth its K and V bytes imply; for the kernel with software prefetch into
+L1 (the ``cpu`` path), into L2 (``cpu_l2``) and without (``cpu_nopf``), alternated.
 
 prefill: one prompt chunk of --tokens queries at positions --start.. against all its keys
 (causal), 12 heads of 64, bf16, keys in a paged cache: iterserve's kernel
@@ -116,42 +118,63 @@ def bench_gemm(kern: kernels.Kernels, rows: list[int], repeats: int) -> None:
 
 
 def bench_attention(
-    kern: kernels.Kernels, batch: int, ctx: int, kv_heads: int, block_size: int, repeats: int
+    kern: kernels.Kernels,
+    batch: int,
+    ctx: int,
+    kv_heads: int,
+    block_size: int,
+    repeats: int,
+    layout: str = "scattered",
+    sets: int = 12,
 ) -> None:
     per_seq = cdiv(ctx, block_size)
     # Each of the 12 calls (the layers of a step) reads blocks of its own, as the layers of a
     # step do: one block set reused by every call stayed partly in the L3 cache and read
     # 0.97 ms a layer where the engine's step spent 1.5 (128 x 128 keys, 12 KV heads).
-    sets = 12
+    # --block-sets 1 measures exactly that reuse (the K and V hot in the caches).
     nblocks = sets * batch * per_seq
     # The caches come from the engine's allocator (2 MiB pages unless ITERSERVE_HUGEPAGES=0).
     shape = (nblocks * block_size, kv_heads, HEAD_DIM)
     k_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
     v_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
-    perm = torch.randperm(nblocks).view(sets, batch, per_seq)
-    tables = [perm[i].contiguous() for i in range(sets)]
+    if layout == "scattered":
+        perm = torch.randperm(nblocks).view(sets, batch, per_seq)
+    elif layout == "in-order":  # each sequence's blocks one after another
+        perm = torch.arange(nblocks).view(sets, batch, per_seq)
+    else:  # interleaved: block j of every sequence side by side, as lockstep growth allocates
+        perm = torch.arange(nblocks).view(sets, per_seq, batch).transpose(1, 2)
+    tables = [perm[i % sets].contiguous() for i in range(12)]
     lens = torch.full((batch,), ctx, dtype=torch.int64)
     starts = torch.zeros(batch, dtype=torch.int64)
     q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
 
-    def twelve(prefetch: int) -> None:
+    def twelve(prefetch: int, l2: bool) -> None:
         for t in tables:
-            kern.paged_decode_attention(q, k_cache, v_cache, t, lens, starts, block_size, prefetch)
+            kern.paged_decode_attention(
+                q, k_cache, v_cache, t, lens, starts, block_size, prefetch, prefetch_l2=l2
+            )
 
-    # the cpu path (software prefetch) and the cpu_nopf path, alternated
-    runs: dict[int, list[float]] = {kernels.DECODE_PREFETCH: [], 0: []}
+    # the cpu path (software prefetch into L1), cpu_l2 (into L2) and cpu_nopf, alternated
+    paths = {
+        "cpu": (kernels.DECODE_PREFETCH, False),
+        "cpu_l2": (kernels.DECODE_PREFETCH, True),
+        "cpu_nopf": (0, False),
+    }
+    runs: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
-        for pf, ts in runs.items():
-            ts.append(_median_ms(functools.partial(twelve, pf), 1) / 12)
+        for name, ts in runs.items():
+            ts.append(_median_ms(functools.partial(twelve, *paths[name]), 1) / 12)
     mb = batch * ctx * kv_heads * HEAD_DIM * 2 * 2 / 1e6
     print(
         f"decode attention: {batch} x {ctx} keys, {HEADS} heads over {kv_heads}, bf16 cache, "
-        f"ms a layer (median of {repeats}) and the GB/s of K + V ({mb:.1f} MB):"
+        f"blocks {layout}, {sets} block set(s) for the 12 calls; ms a layer (median of "
+        f"{repeats}) and the GB/s of K + V ({mb:.1f} MB):"
     )
-    for pf, ts in runs.items():
+    for name, ts in runs.items():
         ms = statistics.median(ts)
-        name = "cpu_nopf (no software prefetch)" if pf == 0 else f"cpu (prefetch {pf} ahead)"
-        print(f"  {name:<34} {ms:.3f} ms  {mb / ms:.1f} GB/s")
+        pf, l2 = paths[name]
+        what = f"prefetch {pf} ahead into {'L2' if l2 else 'L1'}" if pf else "no software prefetch"
+        print(f"  {name + ' (' + what + ')':<40} {ms:.3f} ms  {mb / ms:.1f} GB/s")
 
 
 def bench_prefill(
@@ -260,6 +283,18 @@ def main(argv: list[str] | None = None) -> int:
         default=HEADS,
         help="attention: KV heads (12 = bench-134m; 4 = GQA 3)",
     )
+    ap.add_argument(
+        "--layout",
+        choices=("scattered", "in-order", "interleaved"),
+        default="scattered",
+        help="attention: where each sequence's blocks sit in the pool",
+    )
+    ap.add_argument(
+        "--block-sets",
+        type=int,
+        default=12,
+        help="attention: block sets the 12 calls cycle through (1: the same blocks, hot)",
+    )
     ap.add_argument("--tokens", type=int, default=2048, help="prefill: queries in the chunk")
     ap.add_argument("--start", type=int, default=0, help="prefill: position of its first query")
     ap.add_argument("--block-size", type=int, default=16)
@@ -279,7 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "elementwise":
         bench_elementwise(kern, [int(r) for r in args.rows.split(",")], args.repeats)
     else:
-        bench_attention(kern, args.batch, args.ctx, args.kv_heads, args.block_size, args.repeats)
+        if not 1 <= args.block_sets <= 12:
+            ap.error(f"--block-sets takes 1 to 12, got {args.block_sets}")
+        bench_attention(
+            kern, args.batch, args.ctx, args.kv_heads, args.block_size, args.repeats,
+            args.layout, args.block_sets,
+        )  # fmt: skip
     return 0
 
 

@@ -2151,7 +2151,7 @@ void amx_configure(int nt, int r0, int r1) {
 
 // Rows m0 .. m0 + rows - 1 (rows <= 16, or <= 32 with TWO) of y against NT column groups of 16
 // starting at column n0, whose B tiles start at Bp (line stride 256 bytes). cb: 32 x 64 f32.
-// Each k step also prefetches pf_bytes from pf on (into L2), where pf is given.
+// Each k step also prefetches pf_bytes from pf on (into L2), where pf is given (NT = 2 only).
 template <int NT, bool TWO, bool F32>
 void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias, void* y, int N, int n0, int m0, int rows,
               float* cb, const char* pf = nullptr, int pf_bytes = 0) {
@@ -2248,7 +2248,7 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
                     pf = reinterpret_cast<const char*>(P + (panel + 1) * panel_elems) + static_cast<int64_t>(pass) * pf_bytes * (K / 32);
                 }
                 if (nt == 4)
-                    amx_unit<4, false, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb, pf, pf_bytes);
+                    amx_unit<4, false, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb);
                 else if (r1 > 0)
                     amx_unit<2, true, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb, pf, pf_bytes);
                 else

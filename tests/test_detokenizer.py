@@ -1,0 +1,42 @@
+"""The incremental detokenizer's decode: a Hugging Face fast tokenizer's Rust backend directly,
+only where that is exactly what ``tokenizer.decode`` would return."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from iterserve.engine.detokenizer import IncrementalDetokenizer, _decoder
+from iterserve.model.builtin import resolve_model
+
+
+def test_the_backend_decode_gives_the_wrappers_text() -> None:
+    tok: Any = AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
+    rng = random.Random(0)
+    for skip in (True, False):
+        fn = _decoder(tok, skip)
+        assert "rust_decode" in fn.__code__.co_freevars  # the fast path was taken
+        for _ in range(500):  # special tokens (ids 0..4) included
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
+            assert fn(ids) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_cleans_up_or_wraps_decode_keeps_its_own_decode() -> None:
+    tok: Any = AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
+    calls: list[list[int]] = []
+
+    class Wrapped:  # not a transformers tokenizer: its decode is what must run
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            calls.append(ids)
+            return str(tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tok, name)
+
+    d = IncrementalDetokenizer(Wrapped(), [1, 2, 3])  # type: ignore[arg-type]
+    d.add_token(100)
+    assert calls
+    tok.clean_up_tokenization_spaces = True
+    assert "rust_decode" not in _decoder(tok, True).__code__.co_freevars

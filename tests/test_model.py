@@ -684,9 +684,18 @@ def test_fused_decode_layers_give_the_same_bits(
     tables = [[16 * i + j for j in range(16)] for i in range(26)]
     pos = [len(p) - 1 for p in prompts]
 
+    kern = fused.kernels
+    assert kern is not None
+    fused_argmax = []
+    argmax_fn = kern.gemm_amx_argmax
+    monkeypatch.setattr(kern, "gemm_amx_argmax", lambda *a: _record(fused_argmax, argmax_fn(*a)))
+
     def both(items: list[BatchItem]) -> None:
         a, b = fused.execute(items), plain.execute(items)
         assert torch.equal(a, b)
+        # the greedy tokens (the LM head's argmax in its epilogue on AMX past 16 rows): the
+        # logits' argmax (the step again writes the same KV rows)
+        assert torch.equal(fused.execute(items, greedy=True), a.argmax(-1))
 
     both([BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts[:25])])
     counts = (9, 9, 1, 5, 13, 25)  # decode-only steps
@@ -694,6 +703,7 @@ def test_fused_decode_layers_give_the_same_bits(
         both([BatchItem(f"s{i}", [prompts[i][-1]], pos[i], tables[i], True) for i in range(n)])
         for i in range(n):
             pos[i] += 1
+    assert bool(fused_argmax) == (gemm == "amx")  # at 25 rows
     # 5 decodes beside a new prompt's prefill: not decode-only
     both(
         [BatchItem(f"s{i}", [prompts[i][-1]], pos[i], tables[i], True) for i in range(5)]
@@ -701,7 +711,8 @@ def test_fused_decode_layers_give_the_same_bits(
     )
     for (ka, va), (kb, vb) in zip(fused.kv_caches, plain.kv_caches):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
-    assert ran == [False, *[not qk_norm] * len(counts), False]
+    # each step twice: logits, then greedy tokens
+    assert ran == [r for r in [False, *[not qk_norm] * len(counts), False] for _ in range(2)]
 
 
 def test_fused_decode_mixes_the_pair_gemms_per_projection(

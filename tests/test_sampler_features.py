@@ -150,3 +150,59 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
 def test_bad_values_name_their_field(kw: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+def test_plain_greedy_is_exactly_where_sample_takes_the_argmax() -> None:
+    """``plain_greedy``: the rows for which the engine lets the LM head take the argmax
+    (``execute(greedy=True)``). Every feature that edits the logits, asks for logprobs or
+    samples makes the step go through ``sample``; and where it is plain, ``sample`` returns the
+    argmax and no logprobs."""
+    from iterserve.model.sampler import plain_greedy
+
+    assert plain_greedy([_row(GREEDY), _row(SamplingParams(temperature=0.0, max_tokens=3))])
+    logits = _logits(2)
+    toks, lps = sample(logits.clone(), [_row(GREEDY), _row(GREEDY)])
+    assert toks == logits.argmax(-1).tolist() and lps == [None, None]
+    not_plain = [
+        _row(SamplingParams(temperature=0.7)),
+        _row(SamplingParams(temperature=0.0, logprobs=0)),
+        _row(SamplingParams(temperature=0.0, n=1, best_of=2)),
+        _row(SamplingParams(temperature=0.0, allowed_token_ids=[1, 2])),
+        _row(GREEDY, bad=[[3]]),
+        _row(SamplingParams(temperature=0.0, logit_bias={1: 1.0})),
+        _row(SamplingParams(temperature=0.0, repetition_penalty=1.1)),
+        _row(SamplingParams(temperature=0.0, presence_penalty=0.5)),
+        _row(SamplingParams(temperature=0.0, min_tokens=2)),
+    ]
+    for row in not_plain:
+        assert not plain_greedy([_row(GREEDY), row]), row.params
+    mask = (torch.zeros(1, 1, dtype=torch.int32), [0])
+    assert not plain_greedy([_row(GREEDY)], mask)  # type: ignore[arg-type]
+
+
+def test_greedy_tokens_from_the_lm_head_equal_the_samplers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine step of plain greedy rows takes the LM head's argmax (on AMX past 16 rows, in
+    its epilogue, never storing the logits); the same requests asking for logprobs go through
+    ``sample``: the same tokens, in bf16, on the AMX GEMM where the CPU has it."""
+    from iterserve.model import kernels
+
+    kern = kernels.load()
+    if kern is not None and kern.has_amx:
+        monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=amx")
+    calls: list[int] = []
+    if kern is not None and kern.has_amx:
+        fn = kern.gemm_amx_argmax
+        monkeypatch.setattr(kern, "gemm_amx_argmax", lambda *a: calls.append(1) or fn(*a))
+    prompts = [[5 + (7 * i + j) % 200 for j in range(4 + i % 9)] for i in range(24)]
+    outs = []
+    for lp in (None, 0):
+        llm = LLM("tiny-random", dtype="bfloat16", seed=0, enable_prefix_caching=False)
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=lp)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        if lp is None and kern is not None and kern.has_amx:
+            assert calls  # 24 greedy decodes a step: the fused argmax ran
+            n = len(calls)
+    if kern is not None and kern.has_amx:
+        assert len(calls) == n  # the logprobs run sampled from the logits
+    assert outs[0] == outs[1]
+    assert all(len(t) == 6 for t in outs[0])

@@ -26,7 +26,7 @@ from iterserve.core.request import FinishReason, Request
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
 from iterserve.model.runner import BatchItem
-from iterserve.model.sampler import GrammarMask, SampleRow, TokenLogprobs, sample
+from iterserve.model.sampler import GrammarMask, SampleRow, TokenLogprobs, plain_greedy, sample
 from iterserve.outputs import RequestMetrics, RequestOutput, StepStats
 from iterserve.sampling_params import SamplingParams
 from iterserve.structured.grammar import GrammarCompiler, TokenBitmask
@@ -413,22 +413,25 @@ class LLMEngine:
         if not sched.is_empty:
             try:
                 items, sample_reqs = self._batch_items(sched)
+                rows = [self._sample_row(r) for r in sample_reqs]
+                mask = self._grammar_mask(sample_reqs)
+                greedy_tokens: torch.Tensor | None = None
                 if any(it.prompt_targets for it in items):
                     logits, prompt_lps = self.runner.execute_with_prompt_logprobs(items)
                     self._record_prompt_logprobs(items, prompt_lps)
+                elif rows and plain_greedy(rows, mask):  # the argmax in the LM head
+                    greedy_tokens = self.runner.execute(items, greedy=True)
                 else:
                     logits = self.runner.execute(items)
                 t2 = time.monotonic()
-                tokens, lps = (
-                    sample(
-                        logits,
-                        [self._sample_row(r) for r in sample_reqs],
-                        self.runner.kernels,
-                        self._grammar_mask(sample_reqs),
-                    )
-                    if sample_reqs
-                    else ([], [])
-                )
+                tokens: list[int]
+                lps: list[TokenLogprobs | None]
+                if greedy_tokens is not None:
+                    tokens, lps = greedy_tokens.tolist(), [None] * len(rows)
+                elif rows:
+                    tokens, lps = sample(logits, rows, self.runner.kernels, mask)
+                else:
+                    tokens, lps = [], []
             except Exception as exc:  # the model step failed: fail every in-flight request
                 return self._fail_all(exc, touched)
             t3 = time.monotonic()

@@ -244,6 +244,8 @@ class Kernels:
         for name in ("gemm_pairs", "gemm_pairs_f32", "gemm_amx", "gemm_amx_f32"):
             getattr(self.lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I]
             getattr(self.lib, name).restype = _I
+        self.lib.gemm_amx_argmax.argtypes = [_P, _P, _P, _I, _I, _I, _P]
+        self.lib.gemm_amx_argmax.restype = _I
         self.lib.paged_prefill_attention.argtypes = [
             _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P,
         ]  # fmt: skip
@@ -551,6 +553,30 @@ class Kernels:
             None if b is None else b.contiguous().data_ptr(), M, N, K,
         )  # fmt: skip
         return y
+
+    def gemm_amx_argmax(
+        self, x: torch.Tensor, pairs: torch.Tensor, N: int, b: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """``self.argmax(self.gemm_pairs(x, pairs, N, b, out_f32=True, amx=True))``, the same
+        int64 [M], without the f32 result ever stored (the LM head under greedy sampling); None
+        where the AMX tiles cannot run it (K not a multiple of 32), for the caller to take the
+        two calls."""
+        if not self.has_amx:
+            raise ValueError("gemm_amx_argmax needs a CPU with AMX-BF16 tiles")
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2 or N < 1:
+            raise ValueError(
+                f"gemm_amx_argmax takes bf16 x [M, K even] and N >= 1, got {x.dtype} "
+                f"{tuple(x.shape)}, N={N}"
+            )
+        M, K = x.shape
+        _check_packed("gemm_amx_argmax", x, pairs, -(-N // 64) * (K // 2) * 128, N, b)
+        x = x.contiguous()
+        out = torch.empty(M, dtype=torch.int64)
+        rc = self.lib.gemm_amx_argmax(
+            pairs.data_ptr(), x.data_ptr(), None if b is None else b.contiguous().data_ptr(),
+            M, N, K, out.data_ptr(),
+        )  # fmt: skip
+        return out if rc == 0 else None
 
     def write_rows(self, src: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         """``cache.index_copy_(0, slots, src)`` for src [T, ...] whose rows are contiguous (a

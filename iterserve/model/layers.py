@@ -222,6 +222,29 @@ def linear_f32(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     return fn(x).float()  # type: ignore[no-any-return]
 
 
+# The fused greedy argmax (``gemm_amx_argmax``) past this many rows, where the AMX GEMM takes half
+# panels; on whole panels (up to 16 rows) it measured slower than the f32 logits and an argmax
+# (docs/SPEED.md, "The LM head's argmax in its epilogue").
+ARGMAX_FUSED_MIN_ROWS = 17
+
+
+def linear_argmax(lin: Linear, x: torch.Tensor, kern: kernels.Kernels | None) -> torch.Tensor:
+    """``linear_f32(lin, x)``'s argmax per row (int64 [rows]), the token the sampler picks for a
+    greedy row with nothing that edits the logits: the first index of the maximum, as
+    ``kern.argmax`` and torch's ``argmax`` give it. On the AMX GEMM the argmax runs in its
+    epilogue and the logits are never stored."""
+    pick = getattr(lin, "pick", None)  # autotune.ByRows
+    fn = pick(x.shape[0]) if pick is not None else lin
+    if type(fn) is AmxLinear and not fn.odd and x.shape[0] >= ARGMAX_FUSED_MIN_ROWS:
+        tokens = fn.kern.gemm_amx_argmax(x, fn.pairs, fn.out_features, fn.bias)
+        if tokens is not None:
+            return tokens
+    logits = linear_f32(lin, x)
+    if kern is not None and logits.device.type == "cpu" and logits.shape[1] > 0:
+        return kern.argmax(logits)
+    return logits.argmax(-1)
+
+
 def choose_linear(
     w: torch.Tensor,
     b: torch.Tensor | None,

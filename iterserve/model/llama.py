@@ -34,6 +34,7 @@ from iterserve.model.layers import (
     SiluMul,
     choose_linear,
     choose_norm,
+    linear_argmax,
     linear_f32,
     no_qk_norm,
 )
@@ -243,10 +244,13 @@ class DecoderModel(nn.Module):
         meta: object,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logit_rows: torch.Tensor,
+        greedy: bool = False,
+        kern: kernels.Kernels | None = None,
     ) -> torch.Tensor:
         """Returns float32 logits for ``logit_rows`` only (the final norm is per row, so skipping
         the other rows before it changes nothing). ``meta``: the attention backend's metadata
-        for this step."""
+        for this step. ``greedy``: their argmax instead (int64, ``linear_argmax``; ``kern``:
+        the runner's kernels, for its argmax)."""
         h = F.embedding(input_ids, self.embed_tokens)
         pending: torch.Tensor | None = None
         if self.fused_decode is not None:
@@ -258,4 +262,6 @@ class DecoderModel(nn.Module):
             normed = self.norm(h[logit_rows])
         else:
             _, normed = self.norm.add(h[logit_rows], pending[logit_rows])
+        if greedy:
+            return linear_argmax(self.lm_head, normed, kern)
         return linear_f32(self.lm_head, normed)

@@ -455,17 +455,24 @@ class ModelRunner:
             k.zero_()
             v.zero_()
 
-    def execute(self, items: Sequence[BatchItem]) -> torch.Tensor:
+    def execute(self, items: Sequence[BatchItem], greedy: bool = False) -> torch.Tensor:
         """Runs one forward over all items; float32 logits [num items with need_logits, vocab],
-        in the order those items appear in ``items`` (for each, the logits of its last token)."""
-        return self.execute_with_prompt_logprobs(items)[0]
+        in the order those items appear in ``items`` (for each, the logits of its last token).
+        ``greedy``: their argmax instead, int64 [num items with need_logits] (the first index
+        of the maximum, as the sampler's greedy pick; no item may have ``prompt_targets``):
+        where the LM head can, it never stores the logits."""
+        if greedy and any(it.prompt_targets for it in items):
+            raise ValueError("execute(greedy=True) takes no items with prompt_targets")
+        return self.execute_with_prompt_logprobs(items, greedy)[0]
 
     def execute_with_prompt_logprobs(
-        self, items: Sequence[BatchItem]
+        self, items: Sequence[BatchItem], greedy: bool = False
     ) -> tuple[torch.Tensor, dict[str, list[TokenLogprobs]]]:
         """``execute``, plus the prompt logprobs of the items with ``prompt_targets``: the
         lm_head also runs on those items' prompt rows, in the same forward."""
         if not items:
+            if greedy:
+                return torch.empty(0, dtype=torch.int64, device=self.device), {}
             return torch.empty(0, self.vocab_size, device=self.device), {}
         if self.thread_governor is not None:
             self.thread_governor.tick()
@@ -515,7 +522,8 @@ class ModelRunner:
             and num_decodes == len(items)
             and self.graphs.can_run(len(items), max(positions) // bs + 1)
         ):
-            return self._replay_decodes(ids, positions, step_items, logit_rows), {}
+            logits = self._replay_decodes(ids, positions, step_items, logit_rows)
+            return (logits.argmax(-1) if greedy else logits), {}
         with torch.inference_mode():
             if self.device.type == "cpu":
                 pos = torch.tensor(positions, dtype=torch.int64)
@@ -539,6 +547,8 @@ class ModelRunner:
                 self.attention.build_metadata(step),  # once per step, shared by all layers
                 self.kv_caches,
                 rows_t,
+                greedy=greedy,
+                kern=self.kernels,
             )
             if not prompt_items:
                 return logits, {}

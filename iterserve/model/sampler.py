@@ -192,6 +192,22 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     return logits
 
 
+def plain_greedy(rows: Sequence[SampleRow], grammar_mask: GrammarMask | None = None) -> bool:
+    """Whether :func:`sample` returns the logits' argmax for every row and no logprobs: every
+    row greedy, nothing that edits the logits (the checks ``sample`` makes, in its order), no
+    logprobs. Then the runner can take the argmax in the LM head (``execute(greedy=True)``)."""
+    return grammar_mask is None and all(
+        not r.params.needs_logprobs
+        and not r.params.allowed_token_ids
+        and not r.bad_words_token_ids
+        and not r.params.logit_bias
+        and not r.params.needs_penalties
+        and not r.params.min_tokens
+        and r.params.greedy
+        for r in rows
+    )
+
+
 @torch.inference_mode()
 def sample(
     logits: torch.Tensor,

@@ -2137,6 +2137,34 @@ int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_
 // Two shapes: one row block of up to 16 rows against a whole panel (NT = 4 column groups: C0-3,
 // A4, B5-7), or two row blocks of up to 16 against a half panel (NT = 2: C0-3, A4-5, B6-7).
 
+// A thread's running argmax of each row over the columns it has seen, per lane: 16 values
+// and their columns a row ([M][16] each). Columns reach a lane in increasing order, so a
+// strict > keeps the first of equal values; a NaN beats any number, the first NaN stays.
+struct ArgRows {
+    float* best;
+    int32_t* idx;
+};
+
+// The values store_cols would store (bf16-rounded, bias added), folded into st instead.
+template <typename Acc>
+inline void argmax_cols(const ArgRows& st, const uint16_t* bias, int N, int col, int m0, int rows, Acc&& acc) {
+    const int valid = N - col < 16 ? N - col : 16;
+    const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + col)), 16));
+    const __m512i cols = _mm512_add_epi32(_mm512_set1_epi32(col), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    for (int r = 0; r < rows; ++r) {
+        const __m512 v = round_bf16(_mm512_add_ps(acc(r), b));
+        float* bp = st.best + static_cast<int64_t>(m0 + r) * 16;
+        int32_t* ip = st.idx + static_cast<int64_t>(m0 + r) * 16;
+        const __m512 bv = _mm512_loadu_ps(bp);
+        const __mmask16 take = mk & (_mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ) |
+                                     (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(bv, bv, _CMP_ORD_Q)));
+        _mm512_storeu_ps(bp, _mm512_mask_blend_ps(take, bv, v));
+        _mm512_storeu_si512(ip, _mm512_mask_blend_epi32(take, _mm512_loadu_si512(ip), cols));
+    }
+}
+
 void amx_configure(int nt, int r0, int r1) {
     TileConfig c{};
     c.palette = 1;
@@ -2152,7 +2180,7 @@ void amx_configure(int nt, int r0, int r1) {
 // Rows m0 .. m0 + rows - 1 (rows <= 16, or <= 32 with TWO) of y against NT column groups of 16
 // starting at column n0, whose B tiles start at Bp (line stride 256 bytes). cb: 32 x 64 f32.
 // Each k step also prefetches pf_bytes from pf on (into L2), where pf is given (NT = 2 only).
-template <int NT, bool TWO, bool F32>
+template <int NT, bool TWO, bool F32, bool ARG = false>
 void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias, void* y, int N, int n0, int m0, int rows,
               float* cb, const char* pf = nullptr, int pf_bytes = 0) {
     static_assert(NT == 4 || NT == 2, "column groups");
@@ -2202,13 +2230,23 @@ void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias
         _tile_stored(2, cb + 16 * LDC, LDC * 4);
         _tile_stored(3, cb + 16 * LDC + 16, LDC * 4);
     }
-    for (int c = 0; c < NT && n0 + 16 * c < N; ++c)
-        store_cols<F32>(y, N, bias, N, n0 + 16 * c, m0, rows, [&](int r) { return _mm512_loadu_ps(cb + r * LDC + 16 * c); });
+    for (int c = 0; c < NT && n0 + 16 * c < N; ++c) {
+        auto acc = [&](int r) { return _mm512_loadu_ps(cb + r * LDC + 16 * c); };
+        if constexpr (ARG)
+            argmax_cols(*static_cast<const ArgRows*>(y), bias, N, n0 + 16 * c, m0, rows, acc);
+        else
+            store_cols<F32>(y, N, bias, N, n0 + 16 * c, m0, rows, acc);
+    }
 }
 
-template <bool F32>
+// ARG: y is an ArgRows per thread (ArgRows[omp_get_max_threads()]), each row's argmax folded
+// into the calling thread's instead of storing y; returns -1 where the tiles cannot run it.
+template <bool F32, bool ARG = false>
 int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t* bias, int M, int N, int K) {
-    if (K % 32 || !amx_permitted()) return gemm_pairs_impl<F32>(P, x, y, bias, M, N, K);
+    if (K % 32 || !amx_permitted()) {
+        if constexpr (ARG) return -1;
+        else return gemm_pairs_impl<F32>(P, x, y, bias, M, N, K);
+    }
     const int64_t panel_elems = static_cast<int64_t>(K / 2) * GP_COLS * 2;
     // up to 16 rows: whole panels, each line streamed once; more: half panels, 32 rows a block
     const int nt = M <= 16 ? 4 : 2;
@@ -2222,6 +2260,10 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
         alignas(64) float cb[32 * 64];
         int cfg = -1;  // the loaded configuration: r0 * 64 + r1
         const auto [u_begin, u_end] = thread_share(units);
+        void* yt = y;
+#if defined(_OPENMP)
+        if constexpr (ARG) yt = static_cast<ArgRows*>(y) + omp_get_thread_num();
+#endif
         for (int c0 = 0; c0 < M; c0 += chunk)
         for (int u = u_begin; u < u_end; ++u) {
             const int n0 = u * nt * 16;
@@ -2248,11 +2290,11 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
                     pf = reinterpret_cast<const char*>(P + (panel + 1) * panel_elems) + static_cast<int64_t>(pass) * pf_bytes * (K / 32);
                 }
                 if (nt == 4)
-                    amx_unit<4, false, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb);
+                    amx_unit<4, false, F32, ARG>(Bp, x, K, bias, yt, N, n0, m0, rows, cb);
                 else if (r1 > 0)
-                    amx_unit<2, true, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb, pf, pf_bytes);
+                    amx_unit<2, true, F32, ARG>(Bp, x, K, bias, yt, N, n0, m0, rows, cb, pf, pf_bytes);
                 else
-                    amx_unit<2, false, F32>(Bp, x, K, bias, y, N, n0, m0, rows, cb, pf, pf_bytes);
+                    amx_unit<2, false, F32, ARG>(Bp, x, K, bias, yt, N, n0, m0, rows, cb, pf, pf_bytes);
             }
         }
         if (cfg >= 0) _tile_release();
@@ -2299,6 +2341,52 @@ int gemm_amx(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t* 
 }
 int gemm_amx_f32(const uint16_t* P, const uint16_t* x, float* y, const uint16_t* bias, int M, int N, int K) {
     return gemm_amx_or_pairs<true>(P, x, y, bias, M, N, K);
+}
+// out[M] = argmax over columns of what gemm_amx_f32 would store in y (argmax_f32's answer:
+// the first index of the maximum, a NaN the largest), without storing y: for greedy sampling
+// the LM head's f32 logits (16 MB at 128 rows x 32k) are written and read back for nothing.
+// -1 where the tiles cannot run it (K not a multiple of 32, no AMX): take gemm_amx_f32 and
+// argmax_f32 then.
+int gemm_amx_argmax(const uint16_t* P, const uint16_t* x, const uint16_t* bias, int M, int N, int K, int64_t* out) {
+#if defined(ITERSERVE_AMX)
+    int threads = 1;
+#if defined(_OPENMP)
+    threads = omp_get_max_threads();
+#endif
+    // Each thread's rows on cache lines of its own (64 floats apart, from a 64-byte boundary):
+    // the threads update them on every column tile, and a shared line moved between the cores
+    // at each update.
+    const size_t per = static_cast<size_t>(M) * 16 + 16;
+    std::vector<float> best(threads * per + 16, -INFINITY);
+    std::vector<int32_t> idx(best.size(), INT32_MAX);
+    float* b0 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(best.data()) + 63) & ~uintptr_t(63));
+    int32_t* i0 = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(idx.data()) + 63) & ~uintptr_t(63));
+    std::vector<ArgRows> st(threads);
+    for (int t = 0; t < threads; ++t) st[t] = ArgRows{b0 + t * per, i0 + t * per};
+    if (gemm_amx_impl<true, true>(P, x, st.data(), bias, M, N, K) != 0) return -1;
+    for (int r = 0; r < M; ++r) {
+        float bv = -INFINITY;
+        int32_t bi = INT32_MAX;
+        bool bnan = false;
+        for (int t = 0; t < threads; ++t)
+            for (int j = 0; j < 16; ++j) {
+                const float v = st[t].best[r * 16 + j];
+                const int32_t i = st[t].idx[r * 16 + j];
+                if (i == INT32_MAX) continue;  // this lane never took a column
+                const bool nan = std::isnan(v);
+                if (nan != bnan ? nan : (!nan && (v > bv || (v == bv && i < bi))) || (nan && i < bi)) {
+                    bv = v;
+                    bi = i;
+                    bnan = nan;
+                }
+            }
+        out[r] = bi == INT32_MAX ? 0 : bi;  // every value -inf: the first column
+    }
+    return 0;
+#else
+    (void)P; (void)x; (void)bias; (void)M; (void)N; (void)K; (void)out;
+    return -1;
+#endif
 }
 
 // One decoder layer of a decode-only bf16 step, the same kernel calls in the same order as

@@ -415,6 +415,35 @@ def test_amx_gemm_argmax_is_the_argmax_of_its_f32_result() -> None:
     assert kern.gemm_amx_argmax(torch.randn(2, 48).bfloat16(), w48, 9) is None
 
 
+def test_amx_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:
+    """``gemm_amx_swiglu`` (gate_up and SwiGLU in one call, the product never stored): exactly
+    ``silu_mul(gemm_amx(x))`` over whole and half panels, several units per thread,
+    intermediate sizes whose up half starts mid-panel (96, 160), with and without bias; and
+    ``GateUpAct`` gives ``act(gate_up(x))`` at every row count, fused or not. intermediate or
+    K not a multiple of 32: None."""
+    from iterserve.model.layers import AmxLinear, FusedSiluMul, GateUpAct
+
+    kern = _kern()
+    if not kern.has_amx:
+        pytest.skip("compiled in only where the CPU has AMX-BF16 tiles")
+    torch.manual_seed(0)
+    for M in (1, 7, 16, 17, 32, 33, 100):
+        for inter, K in ((64, 64), (96, 128), (160, 32), (512, 96)):
+            w = torch.randn(2 * inter, K).bfloat16()
+            x = torch.randn(M, K).bfloat16()
+            for b in (None, torch.randn(2 * inter).bfloat16()):
+                P = kern.pack_pairs(w)
+                want = kern.silu_mul(kern.gemm_pairs(x, P, 2 * inter, b, amx=True))
+                got = kern.gemm_amx_swiglu(x, P, inter, b)
+                assert got is not None and torch.equal(got, want), (M, inter, K)
+                lin = AmxLinear(kern, w, b, P)
+                assert torch.equal(GateUpAct(lin, FusedSiluMul(kern))(x), want)
+    w = torch.randn(2 * 48, 64).bfloat16()
+    assert kern.gemm_amx_swiglu(torch.randn(20, 64).bfloat16(), kern.pack_pairs(w), 48) is None
+    w = torch.randn(64, 48).bfloat16()
+    assert kern.gemm_amx_swiglu(torch.randn(20, 48).bfloat16(), kern.pack_pairs(w), 32) is None
+
+
 def test_logits_in_f32_whatever_the_lm_head_path() -> None:
     """``linear_f32`` (the LM head's logits) gives ``lin(x).float()`` on every path: a pair
     GEMM writes f32 directly, also when a row router picks it, and any other path is converted."""

@@ -704,6 +704,10 @@ def test_fused_decode_layers_give_the_same_bits(
         for i in range(n):
             pos[i] += 1
     assert bool(fused_argmax) == (gemm == "amx")  # at 25 rows
+    if not qk_norm:  # gate_up and SwiGLU in one call on AMX from 17 rows (GateUpAct's rule)
+        plan9 = fd.plan(9) or []
+        assert [w.amx >> 4 & 1 for w in fd.plan(25) or []] == [int(gemm == "amx")] * len(plan9)
+        assert [w.amx >> 4 & 1 for w in plan9] == [0] * len(plan9)
     # 5 decodes beside a new prompt's prefill: not decode-only
     both(
         [BatchItem(f"s{i}", [prompts[i][-1]], pos[i], tables[i], True) for i in range(5)]

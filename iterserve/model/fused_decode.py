@@ -24,6 +24,7 @@ from iterserve.model import attention, kernels
 from iterserve.model.attention_backends import CpuBackend, TorchMetadata
 from iterserve.model.autotune import ByRows
 from iterserve.model.layers import (
+    EPILOGUE_MIN_ROWS,
     PANEL_MAX_ROWS,
     AmxLinear,
     FusedRMSNorm,
@@ -97,6 +98,8 @@ class FusedDecode:
                 for x in lins
             ) and bool(self.kern.has_bf16_dot)
             amx = sum(1 << i for i, x in enumerate(lins) if type(x) is AmxLinear)
+            if type(lins[2]) is AmxLinear and rows >= EPILOGUE_MIN_ROWS:
+                amx |= 1 << 4  # gate_up and SwiGLU in one call, as GateUpAct takes them
             panels = all(
                 type(x) is PanelLinear
                 and x.kern is self.kern

@@ -182,7 +182,9 @@ class DecodeLayerW(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("panels", _I),  # 1: the weights are pack_panels', 0: pack_pairs'
-        ("amx", _I),  # pair-packed: bit i set runs GEMM i (qkv, o, gate_up, down) on gemm_amx
+        # pair-packed: bit i set runs GEMM i (qkv, o, gate_up, down) on gemm_amx; bit 4:
+        # gate_up and SwiGLU in one call (gemm_amx_swiglu)
+        ("amx", _I),
     ]  # fmt: skip
 
 
@@ -244,6 +246,8 @@ class Kernels:
         for name in ("gemm_pairs", "gemm_pairs_f32", "gemm_amx", "gemm_amx_f32"):
             getattr(self.lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I]
             getattr(self.lib, name).restype = _I
+        self.lib.gemm_amx_swiglu.argtypes = [_P, _P, _P, _P, _I, _I, _I]
+        self.lib.gemm_amx_swiglu.restype = _I
         self.lib.gemm_amx_argmax.argtypes = [_P, _P, _P, _I, _I, _I, _P]
         self.lib.gemm_amx_argmax.restype = _I
         self.lib.paged_prefill_attention.argtypes = [
@@ -553,6 +557,31 @@ class Kernels:
             None if b is None else b.contiguous().data_ptr(), M, N, K,
         )  # fmt: skip
         return y
+
+    def gemm_amx_swiglu(
+        self, x: torch.Tensor, pairs: torch.Tensor, inter: int, b: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """``self.silu_mul(self.gemm_pairs(x, pairs, 2 * inter, b, amx=True))`` for a gate | up
+        weight [2 * inter, K], the same bits, without the [M, 2 * inter] product ever stored;
+        None where the AMX tiles cannot run it (inter or K not a multiple of 32), for the
+        caller to take the two calls."""
+        if not self.has_amx:
+            raise ValueError("gemm_amx_swiglu needs a CPU with AMX-BF16 tiles")
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2 or inter < 1:
+            raise ValueError(
+                f"gemm_amx_swiglu takes bf16 x [M, K even] and inter >= 1, got {x.dtype} "
+                f"{tuple(x.shape)}, inter={inter}"
+            )
+        M, K = x.shape
+        N = 2 * inter
+        _check_packed("gemm_amx_swiglu", x, pairs, -(-N // 64) * (K // 2) * 128, N, b)
+        x = x.contiguous()
+        out = torch.empty(M, inter, dtype=torch.bfloat16)
+        rc = self.lib.gemm_amx_swiglu(
+            pairs.data_ptr(), x.data_ptr(), out.data_ptr(),
+            None if b is None else b.contiguous().data_ptr(), M, inter, K,
+        )  # fmt: skip
+        return out if rc == 0 else None
 
     def gemm_amx_argmax(
         self, x: torch.Tensor, pairs: torch.Tensor, N: int, b: torch.Tensor | None = None

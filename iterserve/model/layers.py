@@ -222,10 +222,11 @@ def linear_f32(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     return fn(x).float()  # type: ignore[no-any-return]
 
 
-# The fused greedy argmax (``gemm_amx_argmax``) past this many rows, where the AMX GEMM takes half
-# panels; on whole panels (up to 16 rows) it measured slower than the f32 logits and an argmax
-# (docs/SPEED.md, "The LM head's argmax in its epilogue").
-ARGMAX_FUSED_MIN_ROWS = 17
+# The AMX GEMM's fused epilogues (the LM head's argmax, gate_up's SwiGLU) from this many rows on,
+# where it takes half panels; on whole panels (up to 16 rows) both measured slower than the
+# GEMM's output and a second kernel over it (docs/SPEED.md, "The LM head's argmax and gate_up's
+# SwiGLU in the AMX epilogue").
+EPILOGUE_MIN_ROWS = 17
 
 
 def linear_argmax(lin: Linear, x: torch.Tensor, kern: kernels.Kernels | None) -> torch.Tensor:
@@ -235,7 +236,7 @@ def linear_argmax(lin: Linear, x: torch.Tensor, kern: kernels.Kernels | None) ->
     epilogue and the logits are never stored."""
     pick = getattr(lin, "pick", None)  # autotune.ByRows
     fn = pick(x.shape[0]) if pick is not None else lin
-    if type(fn) is AmxLinear and not fn.odd and x.shape[0] >= ARGMAX_FUSED_MIN_ROWS:
+    if type(fn) is AmxLinear and not fn.odd and x.shape[0] >= EPILOGUE_MIN_ROWS:
         tokens = fn.kern.gemm_amx_argmax(x, fn.pairs, fn.out_features, fn.bias)
         if tokens is not None:
             return tokens
@@ -369,3 +370,24 @@ class FusedSiluMul:
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kern.silu_mul(gate_up)
+
+
+class GateUpAct:
+    """``act(gate_up(x))``, the MLP's first half. Where ``act`` is the fused SwiGLU and the AMX
+    GEMM runs ``gate_up`` for x's rows (from EPILOGUE_MIN_ROWS on), one call that computes
+    SwiGLU in the GEMM's epilogue (``gemm_amx_swiglu``): the same bits, and the [rows, 2 *
+    intermediate] product is never stored."""
+
+    def __init__(self, gate_up: Linear, act: Linear) -> None:
+        self.gate_up, self.act = gate_up, act
+        self.fused = type(act) is FusedSiluMul
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.shape[0] >= EPILOGUE_MIN_ROWS:
+            pick = getattr(self.gate_up, "pick", None)  # autotune.ByRows
+            fn = pick(x.shape[0]) if pick is not None else self.gate_up
+            if type(fn) is AmxLinear and not fn.odd:
+                out = fn.kern.gemm_amx_swiglu(x, fn.pairs, fn.out_features // 2, fn.bias)
+                if out is not None:
+                    return out
+        return self.act(self.gate_up(x))

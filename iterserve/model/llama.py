@@ -28,6 +28,7 @@ from iterserve.model.fused_decode import FusedDecode
 from iterserve.model.layers import (
     FusedRotary,
     FusedSiluMul,
+    GateUpAct,
     HeadRMSNorm,
     Linear,
     Rotary,
@@ -121,6 +122,7 @@ class DecoderLayer(nn.Module):
     qk_norm: Any  # the loader's parameter (or None), then a Linear-shaped callable
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     act: Linear
+    gate_up_act: Linear  # act(gate_up(x)), in one call where it can (layers.GateUpAct)
     attn: AttentionBackend[Any]
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
@@ -164,6 +166,7 @@ class DecoderLayer(nn.Module):
         self.qk_norm = no_qk_norm if w is None else HeadRMSNorm(w, self.eps)
         self.rotary = Rotary() if s.fused is None else FusedRotary(s.fused)
         self.act = SiluMul() if s.fused is None else FusedSiluMul(s.fused)
+        self.gate_up_act = GateUpAct(self.gate_up, self.act)
         self.attn = s.attention
 
     def forward(
@@ -190,7 +193,7 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, hd)
         attn = self.attn(qk[:, :nq], qk[:, nq:], v, k_cache, v_cache, meta)
         h, normed = self.post_norm.add(h, self.o(attn))
-        return h, self.down(self.act(self.gate_up(normed)))
+        return h, self.down(self.gate_up_act(normed))
 
 
 class DecoderModel(nn.Module):

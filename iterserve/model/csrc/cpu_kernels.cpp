@@ -2165,6 +2165,25 @@ inline void argmax_cols(const ArgRows& st, const uint16_t* bias, int N, int col,
     }
 }
 
+// SwiGLU of 16 gate columns from col (of I = N gate columns) and their up columns: the values
+// store_cols would store for both (bias added, rounded to bf16), then silu_mul_bf16's
+// arithmetic on them, so the same bits as the GEMM's bf16 output followed by silu_mul_bf16.
+template <typename G, typename U>
+inline void glu_store(uint16_t* out, int I, const uint16_t* bias, int col, int m0, int rows, G&& gate, U&& up) {
+    __m512 bg = _mm512_setzero_ps(), bu = _mm512_setzero_ps();
+    if (bias) {
+        bg = widen16(bias + col);
+        bu = widen16(bias + I + col);
+    }
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int r = 0; r < rows; ++r) {
+        const __m512 gv = round_bf16(_mm512_add_ps(gate(r), bg));
+        const __m512 uv = round_bf16(_mm512_add_ps(up(r), bu));
+        const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        narrow16(out + static_cast<int64_t>(m0 + r) * I + col, _mm512_mul_ps(round_bf16(sv), uv));
+    }
+}
+
 void amx_configure(int nt, int r0, int r1) {
     TileConfig c{};
     c.palette = 1;
@@ -2180,9 +2199,12 @@ void amx_configure(int nt, int r0, int r1) {
 // Rows m0 .. m0 + rows - 1 (rows <= 16, or <= 32 with TWO) of y against NT column groups of 16
 // starting at column n0, whose B tiles start at Bp (line stride 256 bytes). cb: 32 x 64 f32.
 // Each k step also prefetches pf_bytes from pf on (into L2), where pf is given (NT = 2 only).
-template <int NT, bool TWO, bool F32, bool ARG = false>
+// GLU: the unit's columns from Bq on (the up projection's, Bq its B tiles) pair with those from
+// Bp on (the gate's): NT = 4, 32 gate columns then their 32 up columns; NT = 2, 16 and 16. y is
+// then the SwiGLU output and n0 a gate column (glu_store). pf2: a second prefetch stream.
+template <int NT, bool TWO, bool F32, bool ARG = false, bool GLU = false>
 void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias, void* y, int N, int n0, int m0, int rows,
-              float* cb, const char* pf = nullptr, int pf_bytes = 0) {
+              float* cb, const char* pf = nullptr, int pf_bytes = 0, const uint16_t* Bq = nullptr, const char* pf2 = nullptr) {
     static_assert(NT == 4 || NT == 2, "column groups");
     static_assert(!(TWO && NT == 4), "two row blocks take a half panel");
     constexpr int LINE = GP_COLS * 2;  // uint16 per pair-panel line
@@ -2198,19 +2220,23 @@ void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias
         const uint16_t* b = Bp + static_cast<int64_t>(kb) * 16 * LINE;
         if (pf)
             for (int off = 0; off < pf_bytes; off += 64) _mm_prefetch(pf + static_cast<int64_t>(kb) * pf_bytes + off, _MM_HINT_T1);
+        if (GLU && pf2)
+            for (int off = 0; off < pf_bytes; off += 64) _mm_prefetch(pf2 + static_cast<int64_t>(kb) * pf_bytes + off, _MM_HINT_T1);
+        // the second half of the unit's columns: the next ones, or (GLU) the up projection's
+        const uint16_t* bq = GLU ? Bq + static_cast<int64_t>(kb) * 16 * LINE : b + NT / 2 * 32;
         _tile_loadd(4, xa + kb * 32, ldx);
         if constexpr (NT == 4) {
             _tile_loadd(5, b, LINE * 2);
             _tile_loadd(6, b + 32, LINE * 2);
-            _tile_loadd(7, b + 64, LINE * 2);
+            _tile_loadd(7, bq, LINE * 2);
             _tile_dpbf16ps(0, 4, 5);
             _tile_dpbf16ps(1, 4, 6);
             _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, b + 96, LINE * 2);
+            _tile_loadd(5, bq + 32, LINE * 2);
             _tile_dpbf16ps(3, 4, 5);
         } else {
             _tile_loadd(6, b, LINE * 2);
-            _tile_loadd(7, b + 32, LINE * 2);
+            _tile_loadd(7, bq, LINE * 2);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             if constexpr (TWO) {
@@ -2230,6 +2256,13 @@ void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias
         _tile_stored(2, cb + 16 * LDC, LDC * 4);
         _tile_stored(3, cb + 16 * LDC + 16, LDC * 4);
     }
+    if constexpr (GLU) {
+        // gate group j's columns are cb's 16 j.., its up columns NT / 2 groups on
+        for (int j = 0; j < NT / 2; ++j)
+            glu_store(static_cast<uint16_t*>(y), N, bias, n0 + 16 * j, m0, rows, [&](int r) { return _mm512_loadu_ps(cb + r * LDC + 16 * j); },
+                      [&](int r) { return _mm512_loadu_ps(cb + r * LDC + 16 * (j + NT / 2)); });
+        return;
+    }
     for (int c = 0; c < NT && n0 + 16 * c < N; ++c) {
         auto acc = [&](int r) { return _mm512_loadu_ps(cb + r * LDC + 16 * c); };
         if constexpr (ARG)
@@ -2241,16 +2274,21 @@ void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias
 
 // ARG: y is an ArgRows per thread (ArgRows[omp_get_max_threads()]), each row's argmax folded
 // into the calling thread's instead of storing y; returns -1 where the tiles cannot run it.
-template <bool F32, bool ARG = false>
+// GLU: P is a gate | up weight [2N, K] (N % 32 == 0) and y [M, N] bf16 its SwiGLU output
+// (glu_store); -1 likewise.
+template <bool F32, bool ARG = false, bool GLU = false>
 int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t* bias, int M, int N, int K) {
     if (K % 32 || !amx_permitted()) {
-        if constexpr (ARG) return -1;
+        if constexpr (ARG || GLU) return -1;
         else return gemm_pairs_impl<F32>(P, x, y, bias, M, N, K);
     }
     const int64_t panel_elems = static_cast<int64_t>(K / 2) * GP_COLS * 2;
     // up to 16 rows: whole panels, each line streamed once; more: half panels, 32 rows a block
     const int nt = M <= 16 ? 4 : 2;
-    const int units = nt == 4 ? (N + 63) / 64 : (N + 31) / 32, mstep = nt == 4 ? 16 : 32;
+    // a unit's columns of y (GLU: gate columns, each with its up column)
+    const int ucols = GLU ? nt * 8 : nt * 16, upp = GP_COLS / ucols;  // units per panel
+    const int units = (N + ucols - 1) / ucols, mstep = nt == 4 ? 16 : 32;
+    auto at = [&](int col) { return P + (col / GP_COLS) * panel_elems + (col % GP_COLS) * 2; };
     // Rows in chunks whose x stays in L2 (~1 MB) while the thread's units pass over it: at
     // 2,048 rows x 768 the whole x (3 MB) came from L3 again for every unit.
     const int chunk = std::max(mstep, static_cast<int>((1 << 20) / (static_cast<int64_t>(K) * 2) / mstep * mstep));
@@ -2266,8 +2304,8 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
 #endif
         for (int c0 = 0; c0 < M; c0 += chunk)
         for (int u = u_begin; u < u_end; ++u) {
-            const int n0 = u * nt * 16;
-            const uint16_t* Bp = P + (n0 / GP_COLS) * panel_elems + (n0 % GP_COLS) * 2;
+            const int n0 = u * ucols;
+            const uint16_t* Bp = at(n0);
             for (int m0 = c0; m0 < std::min(M, c0 + chunk); m0 += mstep) {
                 const int rows = std::min(M - m0, mstep);
                 const int r0 = std::min(rows, 16), r1 = rows - r0;
@@ -2280,21 +2318,26 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
                 // blocks of the first chunk): the tile loads alone leave the weight's stream from
                 // memory and the tile products taking turns (docs/SPEED.md, "Prefetching the next
                 // panel"). Up to 16 rows the one pass over each panel streams it well as it is.
-                const char* pf = nullptr;
+                // (GLU: the up projection's next panel too, where its panels line up with the
+                // gate's.)
+                const char *pf = nullptr, *pf2 = nullptr;
                 int pf_bytes = 0;
                 const int panel = n0 / GP_COLS;
-                if (nt == 2 && c0 == 0 && (panel + 1) * 2 < u_end) {
-                    const int passes = 2 * blocks;
-                    const int pass = (n0 % GP_COLS) / 32 * blocks + m0 / mstep;
+                if (nt == 2 && c0 == 0 && (panel + 1) * upp < u_end) {
+                    const int passes = upp * blocks;
+                    const int pass = (n0 % GP_COLS) / ucols * blocks + m0 / mstep;
                     pf_bytes = (4096 / passes + 63) & ~63;  // a panel has 4 KB per k step of 32
-                    pf = reinterpret_cast<const char*>(P + (panel + 1) * panel_elems) + static_cast<int64_t>(pass) * pf_bytes * (K / 32);
+                    const int64_t off = static_cast<int64_t>(pass) * pf_bytes * (K / 32);
+                    pf = reinterpret_cast<const char*>(P + (panel + 1) * panel_elems) + off;
+                    if (GLU && N % GP_COLS == 0) pf2 = reinterpret_cast<const char*>(P + (N / GP_COLS + panel + 1) * panel_elems) + off;
                 }
+                const uint16_t* Bq = GLU ? at(N + n0) : nullptr;
                 if (nt == 4)
-                    amx_unit<4, false, F32, ARG>(Bp, x, K, bias, yt, N, n0, m0, rows, cb);
+                    amx_unit<4, false, F32, ARG, GLU>(Bp, x, K, bias, yt, N, n0, m0, rows, cb, nullptr, 0, Bq);
                 else if (r1 > 0)
-                    amx_unit<2, true, F32, ARG>(Bp, x, K, bias, yt, N, n0, m0, rows, cb, pf, pf_bytes);
+                    amx_unit<2, true, F32, ARG, GLU>(Bp, x, K, bias, yt, N, n0, m0, rows, cb, pf, pf_bytes, Bq, pf2);
                 else
-                    amx_unit<2, false, F32, ARG>(Bp, x, K, bias, yt, N, n0, m0, rows, cb, pf, pf_bytes);
+                    amx_unit<2, false, F32, ARG, GLU>(Bp, x, K, bias, yt, N, n0, m0, rows, cb, pf, pf_bytes, Bq, pf2);
             }
         }
         if (cfg >= 0) _tile_release();
@@ -2342,6 +2385,20 @@ int gemm_amx(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t* 
 int gemm_amx_f32(const uint16_t* P, const uint16_t* x, float* y, const uint16_t* bias, int M, int N, int K) {
     return gemm_amx_or_pairs<true>(P, x, y, bias, M, N, K);
 }
+// act[M, I] = silu_mul_bf16 of gemm_amx's gate | up output for P = pack_bf16_pairs(W [2I, K])
+// (bias [2I] or null), the same bits, without that output ever stored: each unit takes a gate
+// column range and the up range I columns on. -1 where it cannot (I not a multiple of 32, K not
+// one of 32, no AMX): take gemm_amx and silu_mul_bf16 then.
+int gemm_amx_swiglu(const uint16_t* P, const uint16_t* x, uint16_t* act, const uint16_t* bias, int M, int I, int K) {
+#if defined(ITERSERVE_AMX)
+    if (I % 32) return -1;
+    return gemm_amx_impl<false, false, true>(P, x, act, bias, M, I, K);
+#else
+    (void)P; (void)x; (void)act; (void)bias; (void)M; (void)I; (void)K;
+    return -1;
+#endif
+}
+
 // out[M] = argmax over columns of what gemm_amx_f32 would store in y (argmax_f32's answer:
 // the first index of the maximum, a NaN the largest), without storing y: for greedy sampling
 // the LM head's f32 logits (16 MB at 128 rows x 32k) are written and read back for nothing.
@@ -2399,7 +2456,8 @@ struct DecodeLayerW {
     int hidden, n_qkv, inter, heads, kv_heads, head_dim;
     float eps, scale;
     int panels;  // 1: the four weights are f32-panel packed (pack_bf16_panels), 0: pair packed
-    int amx;     // pair packed: bit i set runs GEMM i (qkv, o, gate_up, down) on gemm_amx
+    int amx;     // pair packed: bit i set runs GEMM i (qkv, o, gate_up, down) on gemm_amx;
+                 // bit 4: gate_up and SwiGLU in one call, gemm_amx_swiglu (fused_decode.py)
 };
 struct DecodeStep {
     const uint16_t *cos, *sin;  // [M, hd]
@@ -2449,8 +2507,11 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
                            s->max_blocks, w->scale, s->ahead);
     gemm(1, w->o, attn, o, w->o_b, hid, q_size);
     rms_norm_bf16(h, o, w->post_norm, normed, M, hid, w->eps);
-    gemm(2, w->gate_up, normed, gu, w->gate_up_b, 2 * w->inter, hid);
-    silu_mul_bf16(gu, act, M, w->inter);
+    // the same bits either way (gemm_amx_swiglu)
+    if (!(w->amx >> 4 & 1) || gemm_amx_swiglu(w->gate_up, normed, act, w->gate_up_b, M, w->inter, hid) != 0) {
+        gemm(2, w->gate_up, normed, gu, w->gate_up_b, 2 * w->inter, hid);
+        silu_mul_bf16(gu, act, M, w->inter);
+    }
     gemm(3, w->down, act, out, w->down_b, hid, w->inter);
     return 0;
 }

@@ -28,7 +28,7 @@ def _decoder(tokenizer: Tokenizer, skip_special_tokens: bool) -> Callable[[list[
     """``tokenizer.decode`` with these options, or, for a Hugging Face fast tokenizer whose
     decoding transformers does not change (its own ``decode`` / ``_decode``, no clean-up), its
     Rust backend's ``decode`` directly: the same text, since that is all the wrapper calls then,
-    without the wrapper's Python (~2.4 of its ~4 us a call, and a generated token takes two)."""
+    without the wrapper's Python around it (a generated token takes two calls)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     cls = type(tokenizer)
     if (

@@ -13,8 +13,9 @@ with ``plain_greedy`` patched to False (every step through the f32 logits and ``
 alternated over ``--rounds``; output tok/s, medians, their ratio; the same tokens checked.
 
 swiglu: gate_up and SwiGLU in one call (``gemm_amx_swiglu``) against ``gemm_amx`` +
-``silu_mul``. Kernel: bench-134m's gate_up (4,096 x 768), 24 weight copies in turn, median ms
-of 48 calls each, equal bits checked. Engine: B requests with 120-token random prompts decode
+``silu_mul`` (and oneDNN's GEMM + ``silu_mul``, the kernel choice's other path at many rows).
+Kernel: bench-134m's gate_up (4,096 x 768), 24 weight copies in turn, median ms of 48 calls
+each, equal bits checked. Engine: B requests with 120-token random prompts decode
 together; steps alternate the two forms (on, off, off, on, ...: the context grows by one token
 a step for both), the median step of each over ``--steps`` steps.
 """
@@ -31,6 +32,7 @@ import torch
 import iterserve.engine.llm_engine as llm_engine
 from iterserve import LLM, SamplingParams
 from iterserve.model import kernels
+from iterserve.model.layers import OneDNNLinear
 
 
 def argmax_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
@@ -93,28 +95,36 @@ def argmax_engine(batch: int, rounds: int) -> None:
 def swiglu_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
     inter, K = 2048, 768
     g = torch.Generator().manual_seed(0)
-    weights = [
-        kern.pack_pairs(torch.randn(2 * inter, K, generator=g).bfloat16()) for _ in range(24)
-    ]
+    ws = [torch.randn(2 * inter, K, generator=g).bfloat16() for _ in range(24)]
+    weights = [kern.pack_pairs(w) for w in ws]
+    try:  # the oneDNN GEMM with its prepacked weight (the kernel choice's "onednn" path)
+        onednn: list[OneDNNLinear] | None = [OneDNNLinear(w, None) for w in ws]
+    except (AttributeError, RuntimeError):
+        onednn = None
     print(f"gate_up {2 * inter} x {K} and SwiGLU, ms a call (median of 48), 24 weights in turn:")
     for M in rows:
         x = torch.randn(M, K, generator=g).bfloat16()
-        two: list[float] = []
-        fused: list[float] = []
+        ms: dict[str, list[float]] = {"two": [], "fused": [], "onednn": []}
         for i in range(48):
             P = weights[i % 24]
-            for f in (True, False) if i % 2 else (False, True):
+            for f in ("fused", "two", "onednn") if i % 2 else ("onednn", "two", "fused"):
                 t = time.perf_counter()
-                if f:
+                if f == "fused":
                     got = kern.gemm_amx_swiglu(x, P, inter)
-                    fused.append(time.perf_counter() - t)
-                else:
+                elif f == "two":
                     want = kern.silu_mul(kern.gemm_pairs(x, P, 2 * inter, None, amx=True))
-                    two.append(time.perf_counter() - t)
+                elif onednn is not None:
+                    kern.silu_mul(onednn[i % 24](x))
+                else:
+                    continue
+                ms[f].append(time.perf_counter() - t)
             assert got is not None and torch.equal(got, want)
-        a, b = statistics.median(two) * 1e3, statistics.median(fused) * 1e3
+        a, b = statistics.median(ms["two"]) * 1e3, statistics.median(ms["fused"]) * 1e3
         print(f"  {M:4d} rows: gemm_amx + silu_mul {a:6.3f}, in the epilogue {b:6.3f}", end="")
-        print(f" ({b / a:.2f}x)")
+        print(f" ({b / a:.2f}x)", end="")
+        if ms["onednn"]:
+            print(f"; oneDNN + silu_mul {statistics.median(ms['onednn']) * 1e3:6.3f}", end="")
+        print()
 
 
 def swiglu_engine(batch: int, steps: int) -> None:
@@ -136,7 +146,7 @@ def swiglu_engine(batch: int, steps: int) -> None:
 
     def use(fused: bool) -> None:
         for layer in model.layers:
-            layer.gate_up_act.fused = fused
+            getattr(layer, "gate_up_act").fused = fused
         for w in plan:
             w.amx = w.amx | 16 if fused else w.amx & ~16
 

@@ -146,7 +146,7 @@ def swiglu_engine(batch: int, steps: int) -> None:
 
     def use(fused: bool) -> None:
         for layer in model.layers:
-            getattr(layer, "gate_up_act").fused = fused
+            layer.gate_up_act.fused = fused  # type: ignore[union-attr]
         for w in plan:
             w.amx = w.amx | 16 if fused else w.amx & ~16
 

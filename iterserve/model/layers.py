@@ -223,9 +223,9 @@ def linear_f32(lin: Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 # The AMX GEMM's fused epilogues (the LM head's argmax, gate_up's SwiGLU) from this many rows on,
-# where it takes half panels; on whole panels (up to 16 rows) both measured slower than the
-# GEMM's output and a second kernel over it (docs/SPEED.md, "The LM head's argmax and gate_up's
-# SwiGLU in the AMX epilogue").
+# where it takes half panels; on whole panels (up to 16 rows) the SwiGLU measured slower than the
+# GEMM's output and a second kernel over it, and the argmax not faster in every run (docs/
+# SPEED.md, "The LM head's argmax and gate_up's SwiGLU in the AMX epilogue").
 EPILOGUE_MIN_ROWS = 17
 
 

@@ -558,6 +558,21 @@ class Kernels:
         )  # fmt: skip
         return y
 
+    def _amx_operands(
+        self, name: str, x: torch.Tensor, pairs: torch.Tensor, N: int, b: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the AMX epilogue calls check: the tiles, x bf16 [M, K even], ``pairs`` packed for
+        N >= 1 outputs of K, b [N]; x and b contiguous."""
+        if not self.has_amx:
+            raise ValueError(f"{name} needs a CPU with AMX-BF16 tiles")
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2 or N < 1:
+            raise ValueError(
+                f"{name} takes bf16 x [M, K even] and N >= 1 outputs, got {x.dtype} "
+                f"{tuple(x.shape)}, N={N}"
+            )
+        _check_packed(name, x, pairs, -(-N // 64) * (x.shape[1] // 2) * 128, N, b)
+        return x.contiguous(), None if b is None else b.contiguous()
+
     def gemm_amx_swiglu(
         self, x: torch.Tensor, pairs: torch.Tensor, inter: int, b: torch.Tensor | None = None
     ) -> torch.Tensor | None:
@@ -565,21 +580,11 @@ class Kernels:
         weight [2 * inter, K], the same bits, without the [M, 2 * inter] product ever stored;
         None where the AMX tiles cannot run it (inter or K not a multiple of 32), for the
         caller to take the two calls."""
-        if not self.has_amx:
-            raise ValueError("gemm_amx_swiglu needs a CPU with AMX-BF16 tiles")
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2 or inter < 1:
-            raise ValueError(
-                f"gemm_amx_swiglu takes bf16 x [M, K even] and inter >= 1, got {x.dtype} "
-                f"{tuple(x.shape)}, inter={inter}"
-            )
-        M, K = x.shape
-        N = 2 * inter
-        _check_packed("gemm_amx_swiglu", x, pairs, -(-N // 64) * (K // 2) * 128, N, b)
-        x = x.contiguous()
-        out = torch.empty(M, inter, dtype=torch.bfloat16)
+        x, b = self._amx_operands("gemm_amx_swiglu", x, pairs, 2 * inter, b)
+        out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
         rc = self.lib.gemm_amx_swiglu(
-            pairs.data_ptr(), x.data_ptr(), out.data_ptr(),
-            None if b is None else b.contiguous().data_ptr(), M, inter, K,
+            pairs.data_ptr(), x.data_ptr(), out.data_ptr(), None if b is None else b.data_ptr(),
+            x.shape[0], inter, x.shape[1],
         )  # fmt: skip
         return out if rc == 0 else None
 
@@ -590,20 +595,11 @@ class Kernels:
         int64 [M], without the f32 result ever stored (the LM head under greedy sampling); None
         where the AMX tiles cannot run it (K not a multiple of 32), for the caller to take the
         two calls."""
-        if not self.has_amx:
-            raise ValueError("gemm_amx_argmax needs a CPU with AMX-BF16 tiles")
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2 or N < 1:
-            raise ValueError(
-                f"gemm_amx_argmax takes bf16 x [M, K even] and N >= 1, got {x.dtype} "
-                f"{tuple(x.shape)}, N={N}"
-            )
-        M, K = x.shape
-        _check_packed("gemm_amx_argmax", x, pairs, -(-N // 64) * (K // 2) * 128, N, b)
-        x = x.contiguous()
-        out = torch.empty(M, dtype=torch.int64)
+        x, b = self._amx_operands("gemm_amx_argmax", x, pairs, N, b)
+        out = torch.empty(x.shape[0], dtype=torch.int64)
         rc = self.lib.gemm_amx_argmax(
-            pairs.data_ptr(), x.data_ptr(), None if b is None else b.contiguous().data_ptr(),
-            M, N, K, out.data_ptr(),
+            pairs.data_ptr(), x.data_ptr(), None if b is None else b.data_ptr(),
+            x.shape[0], N, x.shape[1], out.data_ptr(),
         )  # fmt: skip
         return out if rc == 0 else None
 

@@ -105,6 +105,22 @@ def test_full_prompt_matches_transformers(case: Callable[[str], Case], name: str
     close(out[0], c.ref(ids)[-1])
 
 
+def test_greedy_execute_gives_the_logits_argmax(case: Callable[[str], Case]) -> None:
+    """``execute(greedy=True)``: the argmax of the logits ``execute`` gives for the same items
+    (float32 here: the LM head's two calls, the path every non-AMX model takes), int64, an
+    empty step included; items asking for prompt logprobs are refused."""
+    c = case("llama")
+    runner = c.runner()
+    ids = prompt(9, seed=3)
+    items = [BatchItem("a", ids, 0, [5, 0, 7], True), BatchItem("b", ids[:4], 0, [1, 2], True)]
+    logits = runner.execute(items)
+    tokens = runner.execute(items, greedy=True)  # the same KV rows written again
+    assert tokens.dtype == torch.int64 and torch.equal(tokens, logits.argmax(-1))
+    assert runner.execute([], greedy=True).shape == (0,)
+    with pytest.raises(ValueError, match="prompt_targets"):
+        runner.execute([BatchItem("a", ids, 0, [5, 0, 7], True, ids[1:])], greedy=True)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_chunked_prefill_through_paged_cache(case: Callable[[str], Case], name: str) -> None:
     c = case(name)

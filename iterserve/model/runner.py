@@ -463,13 +463,18 @@ class ModelRunner:
         where the LM head can, it never stores the logits."""
         if greedy and any(it.prompt_targets for it in items):
             raise ValueError("execute(greedy=True) takes no items with prompt_targets")
-        return self.execute_with_prompt_logprobs(items, greedy)[0]
+        return self._run(items, greedy)[0]
 
     def execute_with_prompt_logprobs(
-        self, items: Sequence[BatchItem], greedy: bool = False
+        self, items: Sequence[BatchItem]
     ) -> tuple[torch.Tensor, dict[str, list[TokenLogprobs]]]:
         """``execute``, plus the prompt logprobs of the items with ``prompt_targets``: the
         lm_head also runs on those items' prompt rows, in the same forward."""
+        return self._run(items, False)
+
+    def _run(
+        self, items: Sequence[BatchItem], greedy: bool
+    ) -> tuple[torch.Tensor, dict[str, list[TokenLogprobs]]]:
         if not items:
             if greedy:
                 return torch.empty(0, dtype=torch.int64, device=self.device), {}

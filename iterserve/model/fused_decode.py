@@ -22,7 +22,6 @@ import torch
 
 from iterserve.model import attention, kernels
 from iterserve.model.attention_backends import CpuBackend, TorchMetadata
-from iterserve.model.autotune import ByRows
 from iterserve.model.layers import (
     EPILOGUE_MIN_ROWS,
     PANEL_MAX_ROWS,
@@ -32,13 +31,9 @@ from iterserve.model.layers import (
     FusedSiluMul,
     PairLinear,
     PanelLinear,
+    for_rows,
     no_qk_norm,
 )
-
-
-def _for_rows(fn: Any, rows: int) -> Any:
-    """What a (possibly row-routed) callable runs for ``rows`` rows."""
-    return fn.pick(rows) if isinstance(fn, ByRows) else fn
 
 
 def _packed(lin: PairLinear | PanelLinear) -> torch.Tensor:
@@ -77,7 +72,7 @@ class FusedDecode:
         return None if built is None else built[0]
 
     def _build(self, rows: int) -> tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None:
-        decodes = _for_rows(self.attn.decodes, rows)
+        decodes = for_rows(self.attn.decodes, rows)
         if type(self.attn) is not CpuBackend or not (
             isinstance(decodes, functools.partial)
             and decodes.func is attention.kernel_decodes
@@ -91,7 +86,7 @@ class FusedDecode:
         )
         out, keep = [], []
         for layer in self.layers:
-            lins = [_for_rows(getattr(layer, n), rows) for n in ("qkv", "o", "gate_up", "down")]
+            lins = [for_rows(getattr(layer, n), rows) for n in ("qkv", "o", "gate_up", "down")]
             # exact types: a subclass could change what a piece computes
             pairs = all(
                 type(x) in (PairLinear, AmxLinear) and not x.odd and x.kern is self.kern

@@ -11,12 +11,13 @@ here: docs/SPEED.md.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
 
 from iterserve.model import kernels
+from iterserve.model.sampler import greedy_argmax
 
 # Emulated bf16/f16 GEMMs lose to f32 from this many rows on (docs/SPEED.md, "Low precision").
 UPCAST_MIN_ROWS = 8
@@ -211,12 +212,18 @@ class AmxLinear(PairLinear):
     amx = True
 
 
+def for_rows(fn: Any, rows: int) -> Any:
+    """What a (possibly row-routed: ``autotune.ByRows``) callable runs for ``rows`` rows: any
+    strategy, with its own attributes, hence Any."""
+    pick = getattr(fn, "pick", None)
+    return fn if pick is None else pick(rows)
+
+
 def linear_f32(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     """``lin(x).float()``: the LM head's logits, which the sampler takes in f32. A pair GEMM
     (also when a row router picks it for x's rows) writes them as f32 directly, the same
     values: at 128 rows the bf16 logits and their f32 copy cost ~1 ms a step."""
-    pick = getattr(lin, "pick", None)  # autotune.ByRows
-    fn = pick(x.shape[0]) if pick is not None else lin
+    fn = for_rows(lin, x.shape[0])
     if isinstance(fn, PairLinear):
         return fn.f32(x)
     return fn(x).float()  # type: ignore[no-any-return]
@@ -232,18 +239,14 @@ EPILOGUE_MIN_ROWS = 17
 def linear_argmax(lin: Linear, x: torch.Tensor, kern: kernels.Kernels | None) -> torch.Tensor:
     """``linear_f32(lin, x)``'s argmax per row (int64 [rows]), the token the sampler picks for a
     greedy row with nothing that edits the logits: the first index of the maximum, as
-    ``kern.argmax`` and torch's ``argmax`` give it. On the AMX GEMM the argmax runs in its
+    ``sampler.greedy_argmax`` gives it. On the AMX GEMM the argmax runs in its
     epilogue and the logits are never stored."""
-    pick = getattr(lin, "pick", None)  # autotune.ByRows
-    fn = pick(x.shape[0]) if pick is not None else lin
+    fn = for_rows(lin, x.shape[0])
     if type(fn) is AmxLinear and not fn.odd and x.shape[0] >= EPILOGUE_MIN_ROWS:
         tokens = fn.kern.gemm_amx_argmax(x, fn.pairs, fn.out_features, fn.bias)
         if tokens is not None:
             return tokens
-    logits = linear_f32(lin, x)
-    if kern is not None and logits.device.type == "cpu" and logits.shape[1] > 0:
-        return kern.argmax(logits)
-    return logits.argmax(-1)
+    return greedy_argmax(linear_f32(lin, x), kern)
 
 
 def choose_linear(
@@ -384,8 +387,7 @@ class GateUpAct:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.shape[0] >= EPILOGUE_MIN_ROWS:
-            pick = getattr(self.gate_up, "pick", None)  # autotune.ByRows
-            fn = pick(x.shape[0]) if pick is not None else self.gate_up
+            fn = for_rows(self.gate_up, x.shape[0])
             if type(fn) is AmxLinear and not fn.odd:
                 out = fn.kern.gemm_amx_swiglu(x, fn.pairs, fn.out_features // 2, fn.bias)
                 if out is not None:

@@ -1471,6 +1471,12 @@ void amx_configure_square() {
 // form and every x row pair broadcasts against it. Tiles of up to 6 rows x 64 columns (24 f32
 // accumulators); a task is one panel for every row, so the panel (K x 128 bytes) stays in L2.
 
+// bias[col .. col + 15] widened (the lanes of mk; 0 without a bias): the GEMM epilogues' bias.
+inline __m512 bias_cols(const uint16_t* bias, int col, __mmask16 mk) {
+    if (!bias) return _mm512_setzero_ps();
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + col)), 16));
+}
+
 // Columns col .. col + 15 (those below N) of y's rows m0 .. m0 + rows - 1: acc(r) + bias, rounded
 // once to bf16 and stored as bf16, or with F32 as the f32 value of that bf16. The epilogue of
 // the pair GEMM and of its AMX form.
@@ -1478,8 +1484,7 @@ template <bool F32, typename Acc>
 inline void store_cols(void* y, int64_t ldy, const uint16_t* bias, int N, int col, int m0, int rows, Acc&& acc) {
     const int valid = N - col < 16 ? N - col : 16;
     const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
-    __m512 b = _mm512_setzero_ps();
-    if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + col)), 16));
+    const __m512 b = bias_cols(bias, col, mk);
     for (int r = 0; r < rows; ++r) {
         const __m512 v = round_bf16(_mm512_add_ps(acc(r), b));
         const int64_t at = static_cast<int64_t>(m0 + r) * ldy + col;
@@ -1650,6 +1655,15 @@ void rms_norm_bf16(uint16_t* x, const uint16_t* add, const uint16_t* w, uint16_t
     }
 }
 
+#if defined(__AVX512F__)
+// bf16(silu(g)) * u for 16 bf16-valued g and u (f32): SwiGLU's arithmetic, before the output's
+// rounding; silu_mul_bf16 and the AMX GEMM's SwiGLU epilogue (glu_store) both take it.
+inline __m512 swiglu16(__m512 g, __m512 u) {
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return _mm512_mul_ps(round_bf16(s), u);
+}
+#endif
+
 // SwiGLU on bf16 rows [gate | up] of width 2 * n: out = bf16(bf16(silu(gate)) * up).
 void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n) {
 #pragma omp parallel for schedule(static) if (int64_t(rows) * 2 * n >= PAR_MIN_ELEMS)
@@ -1659,12 +1673,7 @@ void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n) {
         uint16_t* o = out + static_cast<int64_t>(r) * n;
         int i = 0;
 #if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.f);
-        for (; i + 16 <= n; i += 16) {
-            const __m512 gv = widen16(g + i);
-            const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-            narrow16(o + i, _mm512_mul_ps(round_bf16(sv), widen16(u + i)));
-        }
+        for (; i + 16 <= n; i += 16) narrow16(o + i, swiglu16(widen16(g + i), widen16(u + i)));
 #elif defined(ITERSERVE_AVX2)
         const __m256 one = _mm256_set1_ps(1.f);
         for (; i + 8 <= n; i += 8) {
@@ -2150,8 +2159,7 @@ template <typename Acc>
 inline void argmax_cols(const ArgRows& st, const uint16_t* bias, int N, int col, int m0, int rows, Acc&& acc) {
     const int valid = N - col < 16 ? N - col : 16;
     const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
-    __m512 b = _mm512_setzero_ps();
-    if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + col)), 16));
+    const __m512 b = bias_cols(bias, col, mk);
     const __m512i cols = _mm512_add_epi32(_mm512_set1_epi32(col), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
     for (int r = 0; r < rows; ++r) {
         const __m512 v = round_bf16(_mm512_add_ps(acc(r), b));
@@ -2167,20 +2175,15 @@ inline void argmax_cols(const ArgRows& st, const uint16_t* bias, int N, int col,
 
 // SwiGLU of 16 gate columns from col (of I = N gate columns) and their up columns: the values
 // store_cols would store for both (bias added, rounded to bf16), then silu_mul_bf16's
-// arithmetic on them, so the same bits as the GEMM's bf16 output followed by silu_mul_bf16.
+// arithmetic on them (swiglu16), so the same bits as the GEMM's bf16 output followed by
+// silu_mul_bf16.
 template <typename G, typename U>
 inline void glu_store(uint16_t* out, int I, const uint16_t* bias, int col, int m0, int rows, G&& gate, U&& up) {
-    __m512 bg = _mm512_setzero_ps(), bu = _mm512_setzero_ps();
-    if (bias) {
-        bg = widen16(bias + col);
-        bu = widen16(bias + I + col);
-    }
-    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 bg = bias_cols(bias, col, 0xffff), bu = bias_cols(bias, I + col, 0xffff);
     for (int r = 0; r < rows; ++r) {
         const __m512 gv = round_bf16(_mm512_add_ps(gate(r), bg));
         const __m512 uv = round_bf16(_mm512_add_ps(up(r), bu));
-        const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        narrow16(out + static_cast<int64_t>(m0 + r) * I + col, _mm512_mul_ps(round_bf16(sv), uv));
+        narrow16(out + static_cast<int64_t>(m0 + r) * I + col, swiglu16(gv, uv));
     }
 }
 
@@ -2431,7 +2434,8 @@ int gemm_amx_argmax(const uint16_t* P, const uint16_t* x, const uint16_t* bias, 
                 const int32_t i = st[t].idx[r * 16 + j];
                 if (i == INT32_MAX) continue;  // this lane never took a column
                 const bool nan = std::isnan(v);
-                if (nan != bnan ? nan : (!nan && (v > bv || (v == bv && i < bi))) || (nan && i < bi)) {
+                // a NaN beats any number; among NaNs, or equal numbers, the first column
+                if (nan ? !bnan || i < bi : !bnan && (v > bv || (v == bv && i < bi))) {
                     bv = v;
                     bi = i;
                     bnan = nan;

@@ -35,7 +35,8 @@ def _decoder(tokenizer: Tokenizer, skip_special_tokens: bool) -> Callable[[list[
         isinstance(tokenizer, PreTrainedTokenizerBase)
         and isinstance(backend, RustTokenizer)
         and cls.decode is PreTrainedTokenizerBase.decode
-        and getattr(cls, "_decode", None).__module__ == "transformers.tokenization_utils_tokenizers"
+        and getattr(getattr(cls, "_decode", None), "__module__", None)
+        == "transformers.tokenization_utils_tokenizers"
         and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False
     ):
         rust_decode = backend.decode

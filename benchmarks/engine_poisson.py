@@ -1,29 +1,24 @@
-"""The engine alone under the online benchmark's load: Poisson arrivals of random prompts added
-to ``LLM.engine`` at their arrival times in this process, the engine stepped whenever a request
-is live (no HTTP server, no client process), so the online figures of ``online_compare.py`` can
-be set beside what the engine does without the server around it (docs/SPEED.md, "The server
-at 6 req/s against the engine alone").
+"""The engine alone under the online benchmark's load: the requests ``online_compare.py`` sends
+(``build_workload``, dataset random, Poisson arrivals) added to ``LLM.engine`` at their arrival
+times in this process, the engine stepped whenever a request is live (no HTTP server, no client
+process), so the online figures can be set beside what the engine does without the server
+around it (docs/SPEED.md, "The server at 6 req/s against the engine alone").
 
     python benchmarks/engine_poisson.py --rate 6 --num-prompts 300
 
-Prompts and outputs are uniform in mean x (1 +- range ratio), as ``iterserve bench serve
---dataset random`` draws them; ignore_eos, greedy. Prints p50 / p99 TTFT and p99 TPOT (from
-this process's clock), the steps, the time the engine spent in them, and decodes per step.
+ignore_eos, greedy. Prints p50 / p99 TTFT and p99 TPOT (``workload.metrics.summarize``, from
+this process's clock; TTFT counts from the arrival time), the steps, the time the engine spent
+in them, and decodes per step.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import time
 
 from iterserve import LLM, SamplingParams
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
+from iterserve.workload.datasets import WorkloadConfig, build_workload
+from iterserve.workload.metrics import RequestTiming, summarize
 
 
 def main() -> None:
@@ -31,70 +26,65 @@ def main() -> None:
     p.add_argument("--model", default="bench-134m")
     p.add_argument("--rate", type=float, default=6.0, help="requests/s")
     p.add_argument("--num-prompts", type=int, default=300)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=256, help="mean prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="mean output tokens")
     p.add_argument("--range-ratio", type=float, default=0.5)
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     llm = LLM(
-        a.model, dtype="bfloat16", max_num_seqs=256,
+        a.model, dtype="bfloat16", max_num_seqs=256, max_model_len=a.max_model_len,
         max_num_batched_tokens=a.max_num_batched_tokens, seed=0,
     )  # fmt: skip
     eng = llm.engine
-    vocab = eng.vocab_size
-    rng = random.Random(a.seed)
-
-    def length(mean: int) -> int:
-        return rng.randint(
-            max(1, round(mean * (1 - a.range_ratio))), round(mean * (1 + a.range_ratio))
-        )
-
-    reqs: list[tuple[float, list[int], int]] = []
-    t = 0.0
-    for _ in range(a.num_prompts):
-        t += rng.expovariate(a.rate)
-        ids = [rng.randrange(100, vocab) for _ in range(length(a.input_len))]
-        reqs.append((t, ids, length(a.output_len)))
-    arrival: dict[str, float] = {}
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
-    out_len: dict[str, int] = {}
+    cfg = WorkloadConfig(
+        dataset="random", num_prompts=a.num_prompts, seed=a.seed,
+        random_input_len=a.input_len, random_output_len=a.output_len,
+        random_range_ratio=a.range_ratio, request_rate=a.rate,
+    )  # fmt: skip
+    specs, _ = build_workload(cfg, vocab_size=eng.vocab_size, max_model_len=a.max_model_len)
+    timings: dict[str, RequestTiming] = {}
     busy = 0.0
     steps = decodes = 0
     start = time.perf_counter()
     i = 0
-    while i < len(reqs) or eng.has_unfinished_requests():
+    while i < len(specs) or eng.has_unfinished_requests():
         now = time.perf_counter() - start
-        while i < len(reqs) and reqs[i][0] <= now:
-            rid = f"r{i}"
-            sp = SamplingParams(max_tokens=reqs[i][2], ignore_eos=True, temperature=0.0)
-            eng.add_request(rid, reqs[i][1], sp)
-            arrival[rid], out_len[rid] = reqs[i][0], reqs[i][2]
+        while i < len(specs) and specs[i].arrival_time <= now:
+            s, rid = specs[i], f"r{i}"
+            sp = SamplingParams(max_tokens=s.output_len, ignore_eos=True, temperature=0.0)
+            eng.add_request(rid, s.prompt_token_ids, sp)
+            timings[rid] = RequestTiming(
+                rid, s.prompt_len, s.output_len, arrival_time=s.arrival_time, send_time=now
+            )
             i += 1
         if not eng.has_unfinished_requests():
-            time.sleep(min(0.005, max(0.0, reqs[i][0] - now)))
+            time.sleep(min(0.005, max(0.0, specs[i].arrival_time - now)))
             continue
         outs = eng.step()
         at = time.perf_counter() - start
         for o in outs:
-            first.setdefault(o.request_id, at)
+            t = timings[o.request_id]
+            if t.ttft is None:
+                t.ttft = at - t.arrival_time
             if o.finished:
-                done[o.request_id] = at
+                t.latency = at - t.arrival_time
+                t.output_tokens = len(o.outputs[0].token_ids)
+                t.success = True
         st = eng.last_step_stats
         if st is not None:
             busy += st.duration_s
             steps += 1
             decodes += st.num_decode_tokens
     wall = time.perf_counter() - start
-    ttft = [first[r] - arrival[r] for r in first]
-    tpot = [(done[r] - first[r]) / (out_len[r] - 1) for r in done if out_len[r] > 1]
+    s = summarize(list(timings.values()), wall)
     print(
-        f"{a.model}, {a.rate:g} req/s, {a.num_prompts} requests, budget "
+        f"{a.model}, {a.rate:g} req/s, {s['completed']} of {a.num_prompts} requests, budget "
         f"{a.max_num_batched_tokens}: wall {wall:.1f} s, {steps} steps, {busy:.1f} s in them "
         f"(mean {busy / max(1, steps) * 1e3:.1f} ms), {decodes / max(1, steps):.1f} decodes a "
-        f"step; TTFT p50 / p99 {statistics.median(ttft) * 1e3:.0f} / "
-        f"{pct(ttft, 0.99) * 1e3:.0f} ms, TPOT p99 {pct(tpot, 0.99) * 1e3:.0f} ms"
+        f"step; TTFT p50 / p99 {s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} ms, TPOT p99 "
+        f"{s['p99_tpot_ms']:.0f} ms"
     )
 
 

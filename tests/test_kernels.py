@@ -163,14 +163,16 @@ def _prefill_case(
 def test_prefill_attention_matches_sdpa(kern_variant: kernels.Kernels) -> None:
     """iterserve's causal prefill kernel over the paged cache against f32 SDPA: fresh prompts
     and continued chunks, rows not a multiple of the row tile or the task (4 / 64 rows with
-    AVX512-BF16, 6 / 96 with AVX2), contexts past several 64-key blocks, GQA, head_dim 64 and
-    128; within bf16 rounding of P (torch's own bf16 SDPA is the yardstick), and of the output
-    alone for the f32 (AVX2) kernel."""
+    AVX512-BF16, 6 / 96 with AVX2, 16 on AMX tiles at head_dim 64), chunks that start and end
+    inside 32- and 64-key blocks, contexts past several of them, GQA, head_dim 64 and 128; within
+    bf16 rounding of P (torch's own bf16 SDPA is the yardstick), and of the output alone for the
+    f32 (AVX2) kernel."""
     kern = kern_variant
     if not kern.has_prefill_kernel:
         pytest.skip("compiled in only where the CPU has AVX512-BF16, or AVX2 without AVX-512")
     for n, p0, H, kvh, hd in [
         (1, 0, 4, 4, 64), (5, 0, 4, 2, 64), (67, 3, 4, 4, 64), (130, 61, 6, 2, 64),
+        (33, 31, 2, 2, 64), (16, 48, 2, 1, 64),
         (64, 200, 2, 1, 128), (9, 0, 4, 1, 128),
     ]:  # fmt: skip
         q, k_cache, v_cache, table, ref = _prefill_case(n, p0, H, kvh, hd, seed=n + p0)

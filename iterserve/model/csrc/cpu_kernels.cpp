@@ -1166,22 +1166,19 @@ inline __m512bh pair_bcast(const uint16_t* p) {  // the bf16 pair at p, in every
 inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
 
 #if defined(ITERSERVE_AMX)
-// 2^x for x <= 0, for a P that is rounded to bf16 next: x = n + r, |r| <= 1/2 (n by the 1.5 * 2^23
-// rounding trick, no vroundscale), 2^r by a degree-3 minimax polynomial (relative error 2.2e-4,
-// a tenth of bf16's half ulp), n added to the exponent bits (no vscalef); x below -126 (-inf
-// included) gives 0. About half exp2_ps's cost, whose port-0-only instructions made the AMX
-// attention's softmax its slowest part.
+// 2^x for x <= 0, for a P that is rounded to bf16 next: x = n + r, |r| <= 1/2 (vreduceps), 2^r by
+// a degree-3 minimax polynomial (relative error 2.2e-4, a tenth of bf16's half ulp), times 2^n
+// by vscalefps; x is first clamped at -127 (-inf included), whose 2^x the caller's flushed
+// denormals make 0. Six operations against exp2_ps's ten: the AMX attention's softmax is
+// bound by them.
 inline __m512 exp2_bf16(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
-    const __m512 magic = _mm512_set1_ps(12582912.f);
-    const __m512 t = _mm512_add_ps(_mm512_maskz_mov_ps(live, x), magic);
-    const __m512 r = _mm512_sub_ps(x, _mm512_sub_ps(t, magic));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+    const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // x - nearest integer
     __m512 p = _mm512_set1_ps(0.05286732f);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24215214f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6935868f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.99996275f));
-    const __m512i e = _mm512_slli_epi32(_mm512_castps_si512(t), 23);
-    return _mm512_castsi512_ps(_mm512_maskz_add_epi32(live, _mm512_castps_si512(p), e));
+    return _mm512_scalef_ps(p, _mm512_sub_ps(x, r));
 }
 
 bool amx_permitted() {
@@ -1450,6 +1447,135 @@ void prefill_task_amx(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, c
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(l + 16 * i)));
         uint16_t* dst = out + static_cast<int64_t>(r0 + i) * out_stride + static_cast<int64_t>(h) * hd;
         for (int e = 0; e < hd; e += 16) narrow16(dst + e, _mm512_mul_ps(_mm512_loadu_ps(O + static_cast<int64_t>(i) * hd + e), inv));
+    }
+}
+
+// Rows [r0, r1) (at most 16) of query head h for head_dim 64 on AMX tiles, with the output O
+// held in four accumulator tiles across all the key blocks (32 keys each): only K and V stream
+// in, while Q (2 KB), S (2 x 2 KB) and P (2 x 1 KB) stay in L1 (prefill_task_amx's ~85 KB of
+// Q, O and S for 96 rows did not fit it). The next block's scores go to the tiles before this
+// block's softmax (prefill_task's, on 32 keys) runs on the vector units. O is stored and
+// rescaled only when a row's max moves past its lazy margin. Tiles: 0-1 S (keys 0-15,
+// 16-31), 2-5 O (16 columns each), 6 A (Q, or P), 7 B (K, or V).
+// Qb: 16 x 64 bf16; S: 2 x 16 x 32 f32; Pb: 2 x 16 x 32 bf16; Ob: 16 x 64 f32; m: 16; l: 16 x 16.
+void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const uint16_t* Vp, int h, int r0, int r1, int p0,
+                        float scale, uint16_t* out, int64_t out_stride, float* Ob, float* m, float* l, uint16_t* Qb, float* S,
+                        uint16_t* Pb) {
+    constexpr int hd = 64, KB = 32;
+    const int nrows = r1 - r0;
+    for (int i = 0; i < 16; ++i) {  // Q rows, zero past nrows
+        m[i] = -INFINITY;
+        uint16_t* dst = Qb + i * hd;
+        if (i < nrows)
+            std::memcpy(dst, q + (r0 + i) * q_stride + static_cast<int64_t>(h) * hd, sizeof(uint16_t) * hd);
+        else
+            std::memset(dst, 0, sizeof(uint16_t) * hd);
+    }
+    std::memset(l, 0, sizeof(float) * 16 * 16);
+    std::memset(Pb, 0, sizeof(uint16_t) * 2 * 16 * KB);  // rows past nrows stay 0
+    const int nb = (p0 + r1 - 1) / KB + 1;  // key blocks up to the last row's position
+    const __m512 sl = _mm512_set1_ps(scale * 1.44269504088896341f);
+    const __m512bh ones = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3f80));  // bf16 1.0
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    auto scores = [&](int j) {  // S = Q . K^T for block j into tiles 0-1
+        const uint16_t* kb = Kp + static_cast<int64_t>(j) * KB * hd;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(6, Qb, hd * 2);
+        _tile_loadd(7, kb, 64);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(7, kb + 16 * hd, 64);
+        _tile_dpbf16ps(1, 6, 7);
+        _tile_loadd(6, Qb + 32, hd * 2);
+        _tile_loadd(7, kb + 512, 64);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(7, kb + 16 * hd + 512, 64);
+        _tile_dpbf16ps(1, 6, 7);
+    };
+    auto store_s = [&](int j) {
+        float* s = S + (j & 1) * 16 * KB;
+        _tile_stored(0, s, KB * 4);
+        _tile_stored(1, s + 16, KB * 4);
+    };
+    auto o_tiles = [&](bool store) {  // O between tiles 2-5 and Ob
+        for (int c = 0; c < 4; ++c) {
+            float* o = Ob + 16 * c;
+            switch (c) {  // tile numbers are immediates
+                case 0: if (store) _tile_stored(2, o, hd * 4); else _tile_loadd(2, o, hd * 4); break;
+                case 1: if (store) _tile_stored(3, o, hd * 4); else _tile_loadd(3, o, hd * 4); break;
+                case 2: if (store) _tile_stored(4, o, hd * 4); else _tile_loadd(4, o, hd * 4); break;
+                default: if (store) _tile_stored(5, o, hd * 4); else _tile_loadd(5, o, hd * 4); break;
+            }
+        }
+    };
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    scores(0);
+    store_s(0);
+    for (int j = 0; j < nb; ++j) {
+        if (j + 1 < nb) scores(j + 1);
+        const int k0 = j * KB;
+        const float* s = S + (j & 1) * 16 * KB;
+        uint16_t* pb = Pb + (j & 1) * 16 * KB;
+        alignas(64) float corr[16];
+        bool rescale = false;
+        for (int i = 0; i < nrows; ++i) {
+            // prefill_task's softmax step (softmax_block_row) on 2 vectors of scores
+            const int pos = p0 + r0 + i;
+            __m512 s0 = _mm512_mul_round_ps(_mm512_load_ps(s + i * KB), sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512 s1 = _mm512_mul_round_ps(_mm512_load_ps(s + i * KB + 16), sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            if (k0 + KB - 1 > pos) {  // the diagonal block: hide keys past the query
+                const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(k0));
+                const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                s0 = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos)), ninf, s0);
+                s1 = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(_mm512_add_epi32(key, _mm512_set1_epi32(16)), _mm512_set1_epi32(pos)), ninf, s1);
+            }
+            const __m512 mx = _mm512_max_ps(s0, s1);
+            const float mo = m[i];
+            float mn = mo;
+            if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(mo + PF_LAZY), _CMP_GT_OQ)) mn = _mm512_reduce_max_ps(mx);
+            const __m512 mv = _mm512_set1_ps(mn);
+            const __m512i p01 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(exp2_bf16(_mm512_sub_ps(s1, mv)), exp2_bf16(_mm512_sub_ps(s0, mv))));
+            _mm512_store_si512(pb + i * KB, p01);
+            __m512 lv = _mm512_load_ps(l + 16 * i);
+            corr[i] = 1.f;
+            if (mn != mo) {
+                corr[i] = j ? std::exp2(mo - mn) : 0.f;  // O and l are 0 before the first block
+                lv = _mm512_mul_ps(lv, _mm512_set1_ps(corr[i]));
+                m[i] = mn;
+                rescale = j > 0;
+            }
+            // l sums the bf16 P, two at a time in one dot product against ones
+            _mm512_store_ps(l + 16 * i, _mm512_dpbf16_ps(lv, reinterpret_cast<__m512bh>(p01), ones));
+        }
+        if (rescale) {
+            o_tiles(true);
+            for (int i = 0; i < nrows; ++i)
+                if (corr[i] != 1.f)
+                    for (int e = 0; e < hd; e += 16) _mm512_store_ps(Ob + i * hd + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * hd + e), _mm512_set1_ps(corr[i])));
+            o_tiles(false);
+        }
+        // O += P . V: the block's 16 key pairs, 16 output columns a tile
+        const uint16_t* vb = Vp + static_cast<int64_t>(k0) * hd;
+        _tile_loadd(6, pb, KB * 2);
+        _tile_loadd(7, vb, hd * 4);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(7, vb + 32, hd * 4);
+        _tile_dpbf16ps(3, 6, 7);
+        _tile_loadd(7, vb + 64, hd * 4);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(7, vb + 96, hd * 4);
+        _tile_dpbf16ps(5, 6, 7);
+        // stored here, after the softmax: stored right behind its products it held the softmax up
+        if (j + 1 < nb) store_s(j + 1);
+    }
+    o_tiles(true);
+    for (int i = 0; i < nrows; ++i) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + 16 * i)));
+        uint16_t* dst = out + static_cast<int64_t>(r0 + i) * out_stride + static_cast<int64_t>(h) * hd;
+        for (int e = 0; e < hd; e += 16) narrow16(dst + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * hd + e), inv));
     }
 }
 
@@ -1971,6 +2097,27 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     const int tasks = H * qblocks;
 #if defined(ITERSERVE_AMX)
     const bool tiles = amx_permitted();
+    if (tiles && hd == 64) {
+        // Tasks of 16 rows, head by head (a head's packed K and V, 2 x 128 bytes a key, stay in
+        // the thread's L2 across its tasks), later rows first: they see more keys.
+        const int groups = (n + 15) / 16;
+#pragma omp parallel
+        {
+            const FlushDenormals ftz;
+            alignas(64) float Ob[16 * 64], S[2 * 16 * 32], m[16], l[16 * 16];
+            alignas(64) uint16_t Qb[16 * 64], Pb[2 * 16 * 32];
+            amx_configure_square();
+#pragma omp for schedule(dynamic, 1)
+            for (int t = 0; t < H * groups; ++t) {
+                const int h = t / groups, b = groups - 1 - t % groups;
+                const int r0 = b * 16, r1 = std::min(n, r0 + 16);
+                prefill_rows_amx64(q, q_row_stride, Kp + (h / G) * head_elems, Vp + (h / G) * head_elems, h, r0, r1, p0, scale, out,
+                                   static_cast<int64_t>(H) * hd, Ob, m, l, Qb, S, Pb);
+            }
+            _tile_release();
+        }
+        return 0;
+    }
 #endif
 #pragma omp parallel
     {

@@ -1,9 +1,16 @@
-"""Paged decode attention from two versions of csrc/cpu_kernels.cpp, in one process, alternated
-(docs/SPEED.md, "One call per layer for decode steps"): this tree's against a git revision's.
+"""Two versions of csrc/cpu_kernels.cpp in one process, alternated: this tree's against a git
+revision's. Paged decode attention (docs/SPEED.md, "One call per layer for decode steps"), or
+with ``--prefill`` a whole prefill through two engines (docs/SPEED.md, "Prefill attention with
+its output held in the tiles").
 
     python benchmarks/kernel_ab.py --base-rev 41cf5e3 --batches 1,2,3,4,6 --ctx 150
+    python benchmarks/kernel_ab.py --base-rev b12dff4 --prefill 2048 --budgets 2048,512
 
-Each library is built from its source (cached by source hash, as the engine builds it). Per
+Each library is built from its source (cached by source hash, as the engine builds it).
+``--prefill N``: per budget (max_num_batched_tokens), one engine (``LLM("bench-134m",
+dtype="bfloat16")``) on each library; ``--rounds`` rounds each time a fresh random N-token
+prompt (one output token) on every engine in turn, the order reversed every other round; the
+median ms of each and the median of the per-round ratios are printed. Decode attention, per
 batch size: 12 calls (a step's layers), each over blocks of its own scattered in a pool three
 times the size needed, after a 64 MB read that evicts the caches as a step's weights do;
 ``--rounds`` rounds alternate the two libraries' order; the median of each is printed, and the
@@ -50,6 +57,47 @@ def load(source: Path, cache: str) -> kernels.Kernels:
     return kernels.Kernels(kernels.build(out_dir=cache))
 
 
+def ab_prefill(
+    libs: dict[str, kernels.Kernels], tokens: int, budgets: list[int], rounds: int
+) -> None:
+    """A prefill of ``tokens`` through engines on each library, per budget, alternated."""
+    from iterserve.engine.llm import LLM  # noqa: PLC0415 (the decode mode needs no engine)
+    from iterserve.sampling_params import SamplingParams  # noqa: PLC0415
+
+    real_load = kernels._load_cached
+    engines: dict[tuple[int, str], LLM] = {}
+    try:
+        for b in budgets:
+            for name, lib in libs.items():
+                kernels._load_cached = lambda lib=lib: lib  # type: ignore[assignment]
+                engines[(b, name)] = LLM(
+                    "bench-134m", dtype="bfloat16", max_model_len=tokens + 64,
+                    max_num_batched_tokens=b, seed=0,
+                )  # fmt: skip
+    finally:
+        kernels._load_cached = real_load  # type: ignore[assignment]
+    sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    g = torch.Generator().manual_seed(0)
+    for eng in engines.values():  # warm-up
+        eng.generate([torch.randint(100, 30000, (tokens,), generator=g).tolist()], sp)
+    ms: dict[tuple[int, str], list[float]] = {k: [] for k in engines}
+    for r in range(rounds):
+        prompt = torch.randint(100, 30000, (tokens,), generator=g).tolist()
+        for key in engines if r % 2 == 0 else reversed(list(engines)):
+            t0 = time.perf_counter()
+            engines[key].generate([prompt], sp)
+            ms[key].append((time.perf_counter() - t0) * 1e3)
+    base, this = list(libs)
+    for b in budgets:
+        a, c = ms[(b, base)], ms[(b, this)]
+        ratio = statistics.median(x / y for x, y in zip(a, c, strict=True))
+        print(
+            f"prefill {tokens} tokens, budget {b}, median of {rounds}: {base} "
+            f"{statistics.median(a):.1f} ms, {this} {statistics.median(c):.1f} ms; "
+            f"{base} / {this} per round, median {ratio:.3f}"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-rev", required=True, help="git revision of the other source")
@@ -57,6 +105,8 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=150)
     p.add_argument("--kv-heads", type=int, default=12)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--prefill", type=int, default=0, help="prompt tokens: engine prefill mode")
+    p.add_argument("--budgets", default="2048,512", help="--prefill: max_num_batched_tokens")
     ns = p.parse_args()
     here = kernels.SOURCE
     repo = here.parents[3]
@@ -69,6 +119,10 @@ def main() -> None:
         ).stdout
     )  # fmt: skip
     libs = {ns.base_rev: load(old_src, str(tmp)), "this tree": load(here, str(tmp))}
+    kernels.SOURCE = here
+    if ns.prefill:
+        ab_prefill(libs, ns.prefill, [int(b) for b in ns.budgets.split(",")], ns.rounds)
+        return
     flush = torch.ones(64 * 1024 * 1024 // 4)
     torch.manual_seed(0)
     for batch in (int(x) for x in ns.batches.split(",")):

@@ -1168,11 +1168,10 @@ inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m512bh>(_
 #if defined(ITERSERVE_AMX)
 // 2^x for x <= 0, for a P that is rounded to bf16 next: x = n + r, |r| <= 1/2 (vreduceps), 2^r by
 // a degree-3 minimax polynomial (relative error 2.2e-4, a tenth of bf16's half ulp), times 2^n
-// by vscalefps; x is first clamped at -127 (-inf included), whose 2^x the caller's flushed
-// denormals make 0. Six operations against exp2_ps's ten: the AMX attention's softmax is
-// bound by them.
+// by vscalefps. -inf gives 0 (vreduceps makes r 0, n -inf); results below 2^-126 are denormal,
+// which the callers' FlushDenormals makes 0. Five operations against exp2_ps's ten: the AMX
+// attention's softmax is bound by them.
 inline __m512 exp2_bf16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
     const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // x - nearest integer
     __m512 p = _mm512_set1_ps(0.05286732f);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24215214f));
@@ -1463,8 +1462,9 @@ void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp,
                         uint16_t* Pb) {
     constexpr int hd = 64, KB = 32;
     const int nrows = r1 - r0;
+    alignas(64) float mlazy[16];
     for (int i = 0; i < 16; ++i) {  // Q rows, zero past nrows
-        m[i] = -INFINITY;
+        m[i] = mlazy[i] = -INFINITY;
         uint16_t* dst = Qb + i * hd;
         if (i < nrows)
             std::memcpy(dst, q + (r0 + i) * q_stride + static_cast<int64_t>(h) * hd, sizeof(uint16_t) * hd);
@@ -1520,7 +1520,7 @@ void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp,
         const float* s = S + (j & 1) * 16 * KB;
         uint16_t* pb = Pb + (j & 1) * 16 * KB;
         alignas(64) float corr[16];
-        bool rescale = false;
+        unsigned moved = 0;  // rows whose max moved in this block
         for (int i = 0; i < nrows; ++i) {
             // prefill_task's softmax step (softmax_block_row) on 2 vectors of scores
             const int pos = p0 + r0 + i;
@@ -1533,27 +1533,25 @@ void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp,
                 s1 = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(_mm512_add_epi32(key, _mm512_set1_epi32(16)), _mm512_set1_epi32(pos)), ninf, s1);
             }
             const __m512 mx = _mm512_max_ps(s0, s1);
-            const float mo = m[i];
-            float mn = mo;
-            if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(mo + PF_LAZY), _CMP_GT_OQ)) mn = _mm512_reduce_max_ps(mx);
-            const __m512 mv = _mm512_set1_ps(mn);
+            // past the lazy margin (mlazy = m + PF_LAZY): the exact max, which is then above m
+            if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(mlazy[i]), _CMP_GT_OQ)) {
+                const float mo = m[i], mn = _mm512_reduce_max_ps(mx);
+                corr[i] = j ? std::exp2(mo - mn) : 0.f;  // O and l are 0 before the first block
+                _mm512_store_ps(l + 16 * i, _mm512_mul_ps(_mm512_load_ps(l + 16 * i), _mm512_set1_ps(corr[i])));
+                m[i] = mn;
+                mlazy[i] = mn + PF_LAZY;
+                moved |= 1u << i;
+            }
+            const __m512 mv = _mm512_set1_ps(m[i]);
             const __m512i p01 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(exp2_bf16(_mm512_sub_ps(s1, mv)), exp2_bf16(_mm512_sub_ps(s0, mv))));
             _mm512_store_si512(pb + i * KB, p01);
-            __m512 lv = _mm512_load_ps(l + 16 * i);
-            corr[i] = 1.f;
-            if (mn != mo) {
-                corr[i] = j ? std::exp2(mo - mn) : 0.f;  // O and l are 0 before the first block
-                lv = _mm512_mul_ps(lv, _mm512_set1_ps(corr[i]));
-                m[i] = mn;
-                rescale = j > 0;
-            }
             // l sums the bf16 P, two at a time in one dot product against ones
-            _mm512_store_ps(l + 16 * i, _mm512_dpbf16_ps(lv, reinterpret_cast<__m512bh>(p01), ones));
+            _mm512_store_ps(l + 16 * i, _mm512_dpbf16_ps(_mm512_load_ps(l + 16 * i), reinterpret_cast<__m512bh>(p01), ones));
         }
-        if (rescale) {
+        if (moved && j > 0) {
             o_tiles(true);
             for (int i = 0; i < nrows; ++i)
-                if (corr[i] != 1.f)
+                if (moved >> i & 1)
                     for (int e = 0; e < hd; e += 16) _mm512_store_ps(Ob + i * hd + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * hd + e), _mm512_set1_ps(corr[i])));
             o_tiles(false);
         }

@@ -14,6 +14,7 @@ import torch
 from iterserve.model import autotune, kernels
 from iterserve.model.autotune import DECODE_BUCKETS, KINDS, ROW_BUCKETS, Choice, pick
 from iterserve.model.kernels import Setting, parse_setting
+from iterserve.model.layers import EPILOGUE_MIN_ROWS, FusedSiluMul, GateUpAct
 
 
 @pytest.fixture(autouse=True)
@@ -181,6 +182,67 @@ def test_measure_gemms_times_the_lm_head_as_f32_logits(monkeypatch: pytest.Monke
     assert seen["torch"] == [torch.bfloat16, torch.float32]
 
 
+def test_measure_gemms_times_gate_up_with_the_models_act(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gate_up is timed followed by the activation the model applies to it (layers.GateUpAct):
+    a path whose output the model passes through a separate SwiGLU pays for it in its timing;
+    the other kinds are timed as GEMMs alone."""
+    import time as _time
+
+    acted: list[tuple[int, ...]] = []
+
+    def act(y: torch.Tensor) -> torch.Tensor:
+        acted.append(tuple(y.shape))
+        return y[:, : y.shape[1] // 2]
+
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+
+    def fake_time_paths(calls: Any, deadline: float, reps: int = 3) -> Any:
+        for p, fn in calls.items():
+            shapes.setdefault(p, []).append(tuple(fn().shape))
+        return dict.fromkeys(calls, 1.0)
+
+    monkeypatch.setattr(autotune, "time_paths", fake_time_paths)
+
+    def linear(w: torch.Tensor, b: Any) -> Any:
+        return lambda x: x @ w.T
+
+    up, o = torch.zeros(8, 4), torch.zeros(4, 4)
+    autotune.measure_gemms(
+        {"o": (o, None), "gate_up": (up, None)},
+        {"torch": linear},
+        {"o": 1, "gate_up": 1},
+        _time.perf_counter() + 60,
+        act,
+    )
+    # bucket 1 only: o as a GEMM ([1, 4]), gate_up through the act ([1, 8] -> [1, 4])
+    assert shapes["torch"] == [(1, 4), (1, 4)] and acted == [(1, 8)]
+
+
+def test_gate_up_is_timed_with_the_fused_swiglu_on_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the AMX GEMM runs gate_up, the timed call is the one the model makes: SwiGLU in
+    the GEMM's epilogue (gemm_amx_swiglu) from EPILOGUE_MIN_ROWS rows on, the same bits as the
+    GEMM followed by silu_mul."""
+    kern = kernels.load()
+    if kern is None or not kern.has_amx:
+        pytest.skip("needs the C++ kernels built with AMX tiles on this CPU")
+    builders = autotune.gemm_builders(torch.bfloat16, kern, pack=False)
+    w = (torch.randn(64, 64) * 0.1).bfloat16()
+    amx = builders["amx"](w, None)
+    act = FusedSiluMul(kern)
+    called: list[str] = []
+    real = kern.gemm_amx_swiglu
+
+    def spy(*a: Any, **k: Any) -> Any:
+        called.append("swiglu")
+        return real(*a, **k)
+
+    monkeypatch.setattr(kern, "gemm_amx_swiglu", spy)
+    x = torch.randn(EPILOGUE_MIN_ROWS, 64).bfloat16()
+    got = GateUpAct(amx, act)(x)
+    assert called == ["swiglu"]
+    assert torch.equal(got, kern.silu_mul(amx(x)))
+
+
 def test_busy_measurement_is_not_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -189,7 +251,7 @@ def test_busy_measurement_is_not_cached(
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
     calls: list[str] = []
 
-    def fake_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float) -> Any:
+    def fake_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float, *_: Any) -> Any:
         calls.append("gemm")
         return {k: {"torch": [1.0] * 6, "packed": [0.5] * 6} for k in weights}
 
@@ -309,7 +371,7 @@ def test_choose_measures_once_then_caches(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
     calls = []
 
-    def fake_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float) -> Any:
+    def fake_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float, *_: Any) -> Any:
         calls.append("gemm")
         fake = {"torch": [1.0] * 6, "packed": [2.0, 2.0, 0.5, 0.5, 0.5, 0.5]}
         return {k: fake for k in weights}

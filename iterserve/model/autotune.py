@@ -41,6 +41,7 @@ from iterserve.model.layers import (
     UPCAST_MIN_ROWS,
     AmxLinear,
     BucketedLinear,
+    GateUpAct,
     Linear,
     OneDNNLinear,
     PackedLinear,
@@ -77,7 +78,7 @@ BUSY_CORES = 0.3
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
 PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
-VERSION = 10  # bump when what is measured or how it is chosen changes
+VERSION = 11  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -392,12 +393,15 @@ def measure_gemms(
     builders: Mapping[str, Builder],
     max_rows: Mapping[str, int],
     deadline: float,
+    gate_up_act: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, dict[str, list[float | None]]]:
     """kind -> path -> seconds per ROW_BUCKETS entry. Bucket by bucket, smallest first, so a
     deadline that cuts it short leaves the decode-sized buckets timed. None: past the deadline,
     above the first bucket >= ``max_rows[kind]`` (no call gets there), or upcast below
     UPCAST_MIN_ROWS (it runs the torch path there), or PRUNE times slower than the best at the
-    previous bucket, or (at the last bucket) not timed at the previous one."""
+    previous bucket, or (at the last bucket) not timed at the previous one. Each kind is timed
+    as the model runs it: the LM head with f32 logits, gate_up followed by ``gate_up_act``
+    (Problem.gate_up_act)."""
     fns = {k: {p: make(w, b) for p, make in builders.items()} for k, (w, b) in weights.items()}
     out: dict[str, dict[str, list[float | None]]] = {
         k: {p: [None] * len(ROW_BUCKETS) for p in builders} for k in weights
@@ -416,6 +420,8 @@ def measure_gemms(
             calls = {
                 p: functools.partial(linear_f32, f, x)
                 if kind == "lm_head"
+                else functools.partial(GateUpAct(f, gate_up_act), x)
+                if kind == "gate_up" and gate_up_act is not None
                 else functools.partial(f, x)
                 for p, f in fns[kind].items()
                 if not (p == "upcast" and rows < UPCAST_MIN_ROWS)
@@ -537,6 +543,10 @@ class Problem:
     block_size: int
     max_decodes: int
     max_ctx: int
+    # The activation the model applies to gate_up's output: gate_up is timed with it, as
+    # layers.GateUpAct runs it (the AMX GEMM computes SwiGLU in its epilogue, the other paths
+    # pay a separate pass over their [rows, 2 x intermediate] output). None: the GEMM alone.
+    gate_up_act: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def choose(
@@ -606,7 +616,7 @@ def choose(
         if gemm_fixed:
             gemm = {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS}
         else:
-            timed = measure_gemms(prob.weights, builders, prob.max_rows, deadline)
+            timed = measure_gemms(prob.weights, builders, prob.max_rows, deadline, prob.gate_up_act)
             # a kind the model lacks (no layers) gets the baseline: no call ever takes it
             gemm = {
                 k: pick(timed[k]) if k in timed else (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS

@@ -13,8 +13,8 @@
 // 2. paged_decode_attention: one query token per sequence against its own context in the paged
 //    KV cache (bf16 or f32), with no padding to the longest context and no gathered copy.
 // 3. paged_prefill_attention: causal attention of a bf16 prefill chunk over the paged cache, in
-//    place (no gathered K / V, no [n, ctx] mask): bf16 dot products with AVX512-BF16, f32 FMA on
-//    AVX2 without AVX-512.
+//    place (no gathered K / V, no [n, ctx] mask): bf16 dot products with AVX512-BF16 (on AMX
+//    tiles where the kernel may use them), f32 FMA on AVX2 without AVX-512.
 //
 // Accumulation is f32 throughout; results are rounded to bf16 (nearest even) only on output.
 
@@ -1169,7 +1169,7 @@ inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m512bh>(_
 // 2^x for x <= 0, for a P that is rounded to bf16 next: x = n + r, |r| <= 1/2 (vreduceps), 2^r by
 // a degree-3 minimax polynomial (relative error 2.2e-4, a tenth of bf16's half ulp), times 2^n
 // by vscalefps. -inf gives 0 (vreduceps makes r 0, n -inf); results below 2^-126 are denormal,
-// which the callers' FlushDenormals makes 0. Five operations against exp2_ps's ten: the AMX
+// which the callers' FlushDenormals makes 0. Six operations against exp2_ps's ten: the AMX
 // attention's softmax is bound by them.
 inline __m512 exp2_bf16(__m512 x) {
     const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // x - nearest integer

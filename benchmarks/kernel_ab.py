@@ -7,14 +7,14 @@ its output held in the tiles").
     python benchmarks/kernel_ab.py --base-rev b12dff4 --prefill 2048 --budgets 2048,512
 
 Each library is built from its source (cached by source hash, as the engine builds it).
-``--prefill N``: per budget (max_num_batched_tokens), one engine (``LLM("bench-134m",
-dtype="bfloat16")``) on each library; ``--rounds`` rounds each time a fresh random N-token
-prompt (one output token) on every engine in turn, the order reversed every other round; the
-median ms of each and the median of the per-round ratios are printed. Decode attention, per
-batch size: 12 calls (a step's layers), each over blocks of its own scattered in a pool three
-times the size needed, after a 64 MB read that evicts the caches as a step's weights do;
-``--rounds`` rounds alternate the two libraries' order; the median of each is printed, and the
-two libraries' outputs must be equal (the script stops otherwise).
+``--prefill N``: per budget (max_num_batched_tokens), one engine (``LLM(--model,
+dtype="bfloat16")``, bench-134m by default) on each library; ``--rounds`` rounds each time a
+fresh random N-token prompt (one output token) on every engine in turn, the order reversed
+every other round; the median ms of each and the median of the per-round ratios are printed.
+Decode attention, per batch size: 12 calls (a step's layers), each over blocks of its own
+scattered in a pool three times the size needed, after a 64 MB read that evicts the caches as
+a step's weights do; ``--rounds`` rounds alternate the two libraries' order; the median of
+each is printed, and the two libraries' outputs must be equal (the script stops otherwise).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def load(source: Path, cache: str) -> kernels.Kernels:
 
 
 def ab_prefill(
-    libs: dict[str, kernels.Kernels], tokens: int, budgets: list[int], rounds: int
+    libs: dict[str, kernels.Kernels], tokens: int, budgets: list[int], rounds: int, model: str
 ) -> None:
     """A prefill of ``tokens`` through engines on each library, per budget, alternated."""
     from iterserve.engine.llm import LLM  # noqa: PLC0415 (the decode mode needs no engine)
@@ -71,18 +71,19 @@ def ab_prefill(
             for name, lib in libs.items():
                 kernels._load_cached = lambda lib=lib: lib  # type: ignore[assignment]
                 engines[(b, name)] = LLM(
-                    "bench-134m", dtype="bfloat16", max_model_len=tokens + 64,
+                    model, dtype="bfloat16", max_model_len=tokens + 64,
                     max_num_batched_tokens=b, seed=0,
                 )  # fmt: skip
     finally:
         kernels._load_cached = real_load  # type: ignore[assignment]
     sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     g = torch.Generator().manual_seed(0)
+    vocab = next(iter(engines.values())).engine.vocab_size
     for eng in engines.values():  # warm-up
-        eng.generate([torch.randint(100, 30000, (tokens,), generator=g).tolist()], sp)
+        eng.generate([torch.randint(100, vocab, (tokens,), generator=g).tolist()], sp)
     ms: dict[tuple[int, str], list[float]] = {k: [] for k in engines}
     for r in range(rounds):
-        prompt = torch.randint(100, 30000, (tokens,), generator=g).tolist()
+        prompt = torch.randint(100, vocab, (tokens,), generator=g).tolist()
         for key in engines if r % 2 == 0 else reversed(list(engines)):
             t0 = time.perf_counter()
             engines[key].generate([prompt], sp)
@@ -107,6 +108,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--prefill", type=int, default=0, help="prompt tokens: engine prefill mode")
     p.add_argument("--budgets", default="2048,512", help="--prefill: max_num_batched_tokens")
+    p.add_argument("--model", default="bench-134m", help="--prefill: the engines' model")
     ns = p.parse_args()
     here = kernels.SOURCE
     repo = here.parents[3]
@@ -121,7 +123,7 @@ def main() -> None:
     libs = {ns.base_rev: load(old_src, str(tmp)), "this tree": load(here, str(tmp))}
     kernels.SOURCE = here
     if ns.prefill:
-        ab_prefill(libs, ns.prefill, [int(b) for b in ns.budgets.split(",")], ns.rounds)
+        ab_prefill(libs, ns.prefill, [int(b) for b in ns.budgets.split(",")], ns.rounds, ns.model)
         return
     flush = torch.ones(64 * 1024 * 1024 // 4)
     torch.manual_seed(0)

@@ -14,11 +14,17 @@ in them, and decodes per step.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-from iterserve import LLM, SamplingParams
-from iterserve.workload.datasets import WorkloadConfig, build_workload
-from iterserve.workload.metrics import RequestTiming, summarize
+sys.path.insert(0, str(Path(__file__).parent))
+
+from online_compare import add_workload_args, workload_config  # noqa: E402
+
+from iterserve import LLM, SamplingParams  # noqa: E402
+from iterserve.workload.datasets import build_workload  # noqa: E402
+from iterserve.workload.metrics import RequestTiming, summarize  # noqa: E402
 
 
 def main() -> None:
@@ -26,23 +32,16 @@ def main() -> None:
     p.add_argument("--model", default="bench-134m")
     p.add_argument("--rate", type=float, default=6.0, help="requests/s")
     p.add_argument("--num-prompts", type=int, default=300)
-    p.add_argument("--input-len", type=int, default=256, help="mean prompt tokens")
-    p.add_argument("--output-len", type=int, default=128, help="mean output tokens")
-    p.add_argument("--range-ratio", type=float, default=0.5)
+    add_workload_args(p)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     llm = LLM(
         a.model, dtype="bfloat16", max_num_seqs=256, max_model_len=a.max_model_len,
         max_num_batched_tokens=a.max_num_batched_tokens, seed=0,
     )  # fmt: skip
     eng = llm.engine
-    cfg = WorkloadConfig(
-        dataset="random", num_prompts=a.num_prompts, seed=a.seed,
-        random_input_len=a.input_len, random_output_len=a.output_len,
-        random_range_ratio=a.range_ratio, request_rate=a.rate,
-    )  # fmt: skip
+    cfg = workload_config(a, a.seed, a.rate)
     specs, _ = build_workload(cfg, vocab_size=eng.vocab_size, max_model_len=a.max_model_len)
     timings: dict[str, RequestTiming] = {}
     busy = 0.0

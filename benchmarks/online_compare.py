@@ -101,6 +101,26 @@ def plot(rows: list[dict[str, Any]], path: Path, a: argparse.Namespace) -> None:
     fig.savefig(path, dpi=110)
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The request options of the sweep (``workload_config`` builds its requests from them);
+    benchmarks/engine_poisson.py sends the same requests to the engine alone."""
+    ap.add_argument("--input-len", type=int, default=256, help="mean prompt tokens")
+    ap.add_argument("--output-len", type=int, default=128, help="mean output tokens")
+    ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def workload_config(a: argparse.Namespace, seed: int, rate: float | None = None) -> WorkloadConfig:
+    """``a.num_prompts`` random prompts of ``add_workload_args``' lengths; Poisson arrivals at
+    ``rate`` requests/s (None: all at once)."""
+    extra = {} if rate is None else {"request_rate": rate}
+    return WorkloadConfig(
+        dataset="random", num_prompts=a.num_prompts, seed=seed,
+        random_input_len=a.input_len, random_output_len=a.output_len,
+        random_range_ratio=a.range_ratio, **extra,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -109,10 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--rates", default="0.5,1,2,4", help="comma list of requests/s")
     ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=256, help="mean prompt tokens")
-    ap.add_argument("--output-len", type=int, default=128, help="mean output tokens")
-    ap.add_argument("--range-ratio", type=float, default=0.5)
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap)
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=200.0)
     ap.add_argument("--threads", type=int, default=2)
@@ -162,11 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{system}: ready at {base} serving {served!r}", flush=True)
         # First-request costs (both servers) out of the first rate: one sweep-sized burst of
         # prompts that no rate uses.
-        warm_cfg = WorkloadConfig(
-            dataset="random", num_prompts=a.num_prompts, seed=a.seed + 1,
-            random_input_len=a.input_len, random_output_len=a.output_len,
-            random_range_ratio=a.range_ratio,
-        )  # fmt: skip
+        warm_cfg = workload_config(a, a.seed + 1)
         warm, _ = build_workload(warm_cfg, vocab_size=vocab, max_model_len=a.max_model_len)
         for _, base, served in procs.values():  # first-request costs out of the first rate
             run_serve(warm, base_url=base, model=served)
@@ -175,11 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         # whole sweep, every rate after the first found its prompts in both servers' prefix
         # caches and skipped most of their prefill.
         for i, rate in enumerate(float(r) for r in a.rates.split(",")):
-            cfg = WorkloadConfig(
-                dataset="random", num_prompts=a.num_prompts, seed=a.seed + 2 + i,
-                random_input_len=a.input_len, random_output_len=a.output_len,
-                random_range_ratio=a.range_ratio, request_rate=rate,
-            )  # fmt: skip
+            cfg = workload_config(a, a.seed + 2 + i, rate)
             specs, _ = build_workload(cfg, vocab_size=vocab, max_model_len=a.max_model_len)
             for system in systems:  # the same requests and arrival times on each server
                 _, base, served = procs[system]

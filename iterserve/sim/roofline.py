@@ -227,6 +227,19 @@ def prefill_bound(
     return max(mm + attn, mem), mm, attn
 
 
+def _request_work(s: DecoderShape, reqs: list[tuple[int, int]]) -> tuple[float, int]:
+    """FLOPs of serving ``reqs`` = [(prompt_len, output_len)] (every token through the blocks,
+    the LM head once per output token, each token's attention to the keys before it), and the
+    keys its decode steps read: step i = 1 .. o - 1 of a request attends to p + i keys."""
+    flops = 0.0
+    for p, o in reqs:
+        n = p + o
+        flops += 2.0 * s.layer_params * n + 2.0 * s.head_params * o
+        flops += s.attn_flops(1) * n * (n + 1) / 2  # token i attends to i keys
+    keys_read = sum((o - 1) * p + o * (o - 1) // 2 for p, o in reqs if o > 1)
+    return flops, keys_read
+
+
 def workload_bound(
     m: Machine, s: DecoderShape, reqs: list[tuple[int, int]], dtype_bytes: int = 2
 ) -> dict[str, float]:
@@ -242,15 +255,9 @@ def workload_bound(
     bound = max(compute, memory), the usual roofline at workload scale (it assumes perfect
     overlap and batching, so no real system reaches it).
     """
-    flops = 0.0
-    for p, o in reqs:
-        n = p + o
-        flops += 2.0 * s.layer_params * n + 2.0 * s.head_params * o
-        flops += s.attn_flops(1) * n * (n + 1) / 2  # token i attends to i keys
+    flops, keys_read = _request_work(s, reqs)
     compute = flops / (m.peak_gflops * 1e9)
     steps = max(o for _, o in reqs)
-    # decode step i = 1 .. o - 1 attends to p + i keys
-    keys_read = sum((o - 1) * p + o * (o - 1) // 2 for p, o in reqs if o > 1)
     kv_bytes = (sum(p + o for p, o in reqs) + keys_read) * s.kv_bytes_per_token(dtype_bytes)
     memory = (steps * s.matmul_params * dtype_bytes + kv_bytes) / (m.read_gbps * 1e9)
     out_tokens = sum(o for _, o in reqs)
@@ -261,4 +268,27 @@ def workload_bound(
         "memory_s": memory,
         "output_tokens": out_tokens,
         "bound_output_tok_s": out_tokens / bound,
+    }
+
+
+def rate_bound(
+    m: Machine, s: DecoderShape, reqs: list[tuple[int, int]], dtype_bytes: int = 2
+) -> dict[str, float]:
+    """Upper bounds on the request rate a server sustains on requests like ``reqs`` =
+    [(prompt_len, output_len)] (their mean cost), from two costs per request that batching
+    cannot share: its arithmetic (as ``workload_bound`` counts it) at the peak, and the K and
+    V its decode steps read at the read bandwidth (each step reads its request's whole
+    context). A rate r needs r x each cost <= 1 s: ``overlapped_rps`` = 1 / max(the two).
+    A step runs the GEMMs and decode attention one after the other, so ``serial_rps`` = 1 /
+    their sum is the nearer bound; both leave out the weights a step reads and every
+    overhead, so no server reaches them."""
+    flops, keys_read = _request_work(s, reqs)
+    n = len(reqs)
+    compute = flops / n / (m.peak_gflops * 1e9)
+    kv_read = keys_read * s.kv_bytes_per_token(dtype_bytes) / n / (m.read_gbps * 1e9)
+    return {
+        "compute_s": compute,
+        "kv_read_s": kv_read,
+        "overlapped_rps": 1.0 / max(compute, kv_read),
+        "serial_rps": 1.0 / (compute + kv_read),
     }

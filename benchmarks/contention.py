@@ -8,7 +8,12 @@ For each (OMP_WAIT_POLICY, thread count) one child process loads the engine once
 reads OMP_WAIT_POLICY when torch is imported, so the policy needs its own process), warms up,
 then runs the same decode-heavy workload ``--repeats`` times in each condition, alternating
 quiet and contended (``--busy`` processes spinning ``while True`` for the run only, each
-bounded by ``--busy-max-s`` and killed when the run ends). The machine may already be busy:
+bounded by ``--busy-max-s`` and killed when the run ends), each run after ``--settle-s`` idle:
+the engine's thread governor (``iterserve.model.cpu.ThreadGovernor``) judges the cores other
+processes took over windows of 0.5 s of stepping, so without the pause a quiet run right after
+a contended one spent its first window or two on the threads the busy process had left it
+(quiet runs of 1,579 tok/s at 2 threads, then 1,217 and 1,215 at 1; docs/SPEED.md, "How far the
+targets are from the machine"). The machine may already be busy:
 quiet means "no busy loops of ours", so read the ratio (contended / quiet, medians of runs
 taken side by side), not the absolute figures. ``auto``: the engine's own thread choice
 (``iterserve.model.cpu.default_threads``, no ``num_threads``). Policies: PASSIVE / ACTIVE set
@@ -72,9 +77,11 @@ def child(ns: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True, temperature=0.0)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
     runs: dict[str, list[float]] = {"quiet": [], "contended": []}
+    used: dict[str, int] = {}  # torch's threads at the end of each condition's last run
     for _ in range(ns.repeats):
         for cond in ("quiet", "contended"):
             reset_prefix_cache(llm.engine)  # every run computes its prompts
+            time.sleep(ns.settle_s)
             busy = start_busy(ns.busy if cond == "contended" else 0, ns.busy_max_s)
             try:
                 t0 = time.perf_counter()
@@ -83,10 +90,11 @@ def child(ns: argparse.Namespace) -> None:
             finally:
                 stop_busy(busy)
             runs[cond].append(sum(len(o.outputs[0].token_ids) for o in outs) / wall)
+            used[cond] = torch.get_num_threads()
     print(
         json.dumps(
             {
-                "threads_used": torch.get_num_threads(),
+                "threads_used": used,
                 "policy": policy if spin is None else f"{policy}, GOMP_SPINCOUNT={spin}",
                 "runs": runs,
                 "loadavg": os.getloadavg(),
@@ -101,6 +109,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--busy", type=int, default=1, help="busy-loop processes when contended")
     ap.add_argument("--busy-max-s", type=float, default=120.0, help="each busy loop's bound")
+    ap.add_argument(
+        "--settle-s", type=float, default=2.0, help="idle seconds before each run (see above)"
+    )
     ap.add_argument("--threads", default="1,2,auto", help="comma list of ints or 'auto'")
     ap.add_argument("--policies", default="engine,PASSIVE,libgomp", help="see above")
     ap.add_argument("--policy", default="engine", help=argparse.SUPPRESS)
@@ -131,7 +142,7 @@ def main() -> None:
                 env["OMP_WAIT_POLICY"] = name
             if spin:
                 env["GOMP_SPINCOUNT"] = spin
-            keep = ("model", "dtype", "busy", "busy_max_s", "repeats", "num_requests")
+            keep = ("model", "dtype", "busy", "busy_max_s", "settle_s", "repeats", "num_requests")
             args = [f"--{k.replace('_', '-')}={getattr(ns, k)}" for k in keep]
             args += [f"--prompt-len={ns.prompt_len}", f"--output-len={ns.output_len}"]
             cmd = [sys.executable, __file__, *args, "--child", f"--threads={threads}"]
@@ -142,9 +153,11 @@ def main() -> None:
                 continue
             res = json.loads(proc.stdout.strip().splitlines()[-1])
             q, c = (statistics.median(res["runs"][k]) for k in ("quiet", "contended"))
+            u = res["threads_used"]
+            used = f"{u['quiet']} quiet, {u['contended']} contended"
             fmt = "/".join
             print(
-                f"| {policy} ({res['policy']}) | {threads} ({res['threads_used']}) | {q:.0f} | "
+                f"| {policy} ({res['policy']}) | {threads} ({used}) | {q:.0f} | "
                 f"{c:.0f} | "
                 f"{c / q:.2f} | {fmt(f'{x:.0f}' for x in res['runs']['quiet'])} / "
                 f"{fmt(f'{x:.0f}' for x in res['runs']['contended'])} |",

@@ -2344,15 +2344,42 @@ void amx_configure(int nt, int r0, int r1) {
     _tile_loadconfig(&c);
 }
 
-// Rows m0 .. m0 + rows - 1 (rows <= 16, or <= 32 with TWO) of y against NT column groups of 16
-// starting at column n0, whose B tiles start at Bp (line stride 256 bytes). cb: 32 x 64 f32.
+// The epilogue of a unit (amx_unit) whose accumulators sit in cb, for its rows r0 .. r1 - 1:
+// y's values (store_cols), the running argmax (ARG, y an ArgRows) or SwiGLU (GLU, glu_store).
+// Row by row, so a unit's epilogue can be run in slices.
+template <int NT, bool F32, bool ARG, bool GLU>
+void amx_epilogue(const float* cb, void* y, int N, const uint16_t* bias, int n0, int m0, int r0, int r1) {
+    constexpr int LDC = NT * 16;  // f32 per row of cb
+    if (r1 <= r0) return;
+    const float* c0 = cb + static_cast<int64_t>(r0) * LDC;
+    if constexpr (GLU) {
+        // gate group j's columns are cb's 16 j.., its up columns NT / 2 groups on
+        for (int j = 0; j < NT / 2; ++j)
+            glu_store(static_cast<uint16_t*>(y), N, bias, n0 + 16 * j, m0 + r0, r1 - r0, [&](int r) { return _mm512_loadu_ps(c0 + r * LDC + 16 * j); },
+                      [&](int r) { return _mm512_loadu_ps(c0 + r * LDC + 16 * (j + NT / 2)); });
+        return;
+    }
+    for (int c = 0; c < NT && n0 + 16 * c < N; ++c) {
+        auto acc = [&](int r) { return _mm512_loadu_ps(c0 + r * LDC + 16 * c); };
+        if constexpr (ARG)
+            argmax_cols(*static_cast<const ArgRows*>(y), bias, N, n0 + 16 * c, m0 + r0, r1 - r0, acc);
+        else
+            store_cols<F32>(y, N, bias, N, n0 + 16 * c, m0 + r0, r1 - r0, acc);
+    }
+}
+
+// The tile products of rows m0 .. m0 + rows - 1 (rows <= 16, or <= 32 with TWO) of y against NT
+// column groups of 16 starting at column n0, whose B tiles start at Bp (line stride 256 bytes),
+// stored to cb (32 x 64 f32) for amx_epilogue. During each k step, once its products are
+// issued, during(kb, K / 32) runs: vector work there (the previous unit's epilogue) overlaps
+// the tile products, where after them it would wait for them and they for it.
 // Each k step also prefetches pf_bytes from pf on (into L2), where pf is given (NT = 2 only).
 // GLU: the unit's columns from Bq on (the up projection's, Bq its B tiles) pair with those from
-// Bp on (the gate's): NT = 4, 32 gate columns then their 32 up columns; NT = 2, 16 and 16. y is
-// then the SwiGLU output and n0 a gate column (glu_store). pf2: a second prefetch stream.
-template <int NT, bool TWO, bool F32, bool ARG = false, bool GLU = false>
-void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias, void* y, int N, int n0, int m0, int rows,
-              float* cb, const char* pf = nullptr, int pf_bytes = 0, const uint16_t* Bq = nullptr, const char* pf2 = nullptr) {
+// Bp on (the gate's): NT = 4, 32 gate columns then their 32 up columns; NT = 2, 16 and 16.
+// pf2: a second prefetch stream.
+template <int NT, bool TWO, bool GLU = false, typename During>
+void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, int m0, float* cb, During&& during, const char* pf = nullptr, int pf_bytes = 0,
+              const uint16_t* Bq = nullptr, const char* pf2 = nullptr) {
     static_assert(NT == 4 || NT == 2, "column groups");
     static_assert(!(TWO && NT == 4), "two row blocks take a half panel");
     constexpr int LINE = GP_COLS * 2;  // uint16 per pair-panel line
@@ -2393,6 +2420,7 @@ void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias
                 _tile_dpbf16ps(3, 5, 7);
             }
         }
+        during(kb, K / 32);
     }
     constexpr int LDC = NT * 16;  // f32 per row of cb
     _tile_stored(0, cb, LDC * 4);
@@ -2403,20 +2431,6 @@ void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, const uint16_t* bias
     } else if constexpr (TWO) {
         _tile_stored(2, cb + 16 * LDC, LDC * 4);
         _tile_stored(3, cb + 16 * LDC + 16, LDC * 4);
-    }
-    if constexpr (GLU) {
-        // gate group j's columns are cb's 16 j.., its up columns NT / 2 groups on
-        for (int j = 0; j < NT / 2; ++j)
-            glu_store(static_cast<uint16_t*>(y), N, bias, n0 + 16 * j, m0, rows, [&](int r) { return _mm512_loadu_ps(cb + r * LDC + 16 * j); },
-                      [&](int r) { return _mm512_loadu_ps(cb + r * LDC + 16 * (j + NT / 2)); });
-        return;
-    }
-    for (int c = 0; c < NT && n0 + 16 * c < N; ++c) {
-        auto acc = [&](int r) { return _mm512_loadu_ps(cb + r * LDC + 16 * c); };
-        if constexpr (ARG)
-            argmax_cols(*static_cast<const ArgRows*>(y), bias, N, n0 + 16 * c, m0, rows, acc);
-        else
-            store_cols<F32>(y, N, bias, N, n0 + 16 * c, m0, rows, acc);
     }
 }
 
@@ -2443,13 +2457,45 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
     const int blocks = (std::min(M, chunk) + mstep - 1) / mstep;  // row blocks in the first chunk
 #pragma omp parallel
     {
-        alignas(64) float cb[32 * 64];
+        // Two accumulator buffers: a unit's epilogue runs in slices during the next unit's
+        // tile products (amx_unit's during), from the buffer that unit does not write.
+        alignas(64) float cbs[2][32 * 64];
+        int cur = 0;
+        struct Pending {
+            const float* cb;
+            int n0, m0, rows;
+        } pend{nullptr, 0, 0, 0};
         int cfg = -1;  // the loaded configuration: r0 * 64 + r1
         const auto [u_begin, u_end] = thread_share(units);
         void* yt = y;
 #if defined(_OPENMP)
         if constexpr (ARG) yt = static_cast<ArgRows*>(y) + omp_get_thread_num();
 #endif
+        auto epilogue = [&](const Pending& pd, int r0, int r1) {
+            if (nt == 4)
+                amx_epilogue<4, F32, ARG, GLU>(pd.cb, yt, N, bias, pd.n0, pd.m0, r0, r1);
+            else
+                amx_epilogue<2, F32, ARG, GLU>(pd.cb, yt, N, bias, pd.n0, pd.m0, r0, r1);
+        };
+        // The bytes of a y row a unit's epilogue writes: its columns (GLU: its gate columns, of
+        // the N-wide SwiGLU output), none for ARG.
+        const int64_t y_elem = F32 ? 4 : 2, span = ARG ? 0 : (GLU ? ucols : nt * 16) * y_elem;
+        // The pending unit's rows in even slices over the k steps. At the first, all of its y
+        // lines are requested for writing, so their misses overlap one another: where y is
+        // not in cache, the slices' stores one by one otherwise missed in turn, beside the
+        // tile loads.
+        auto during = [&](int kb, int steps) {
+            if (!pend.cb) return;
+            if (kb == 0 && span > 0) {
+                const int cols = std::min(N - pend.n0, static_cast<int>(span / y_elem));
+                for (int r = 0; r < pend.rows; ++r) {
+                    const char* a = static_cast<const char*>(y) + ((pend.m0 + r) * static_cast<int64_t>(N) + pend.n0) * y_elem;
+                    __builtin_prefetch(a, 1, 3);
+                    __builtin_prefetch(a + cols * y_elem - 1, 1, 3);
+                }
+            }
+            epilogue(pend, kb * pend.rows / steps, (kb + 1) * pend.rows / steps);
+        };
         for (int c0 = 0; c0 < M; c0 += chunk)
         for (int u = u_begin; u < u_end; ++u) {
             const int n0 = u * ucols;
@@ -2480,14 +2526,25 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
                     if (GLU && N % GP_COLS == 0) pf2 = reinterpret_cast<const char*>(P + (N / GP_COLS + panel + 1) * panel_elems) + off;
                 }
                 const uint16_t* Bq = GLU ? at(N + n0) : nullptr;
+                float* cb = cbs[cur];
                 if (nt == 4)
-                    amx_unit<4, false, F32, ARG, GLU>(Bp, x, K, bias, yt, N, n0, m0, rows, cb, nullptr, 0, Bq);
+                    amx_unit<4, false, GLU>(Bp, x, K, m0, cb, [](int, int) {}, nullptr, 0, Bq);
                 else if (r1 > 0)
-                    amx_unit<2, true, F32, ARG, GLU>(Bp, x, K, bias, yt, N, n0, m0, rows, cb, pf, pf_bytes, Bq, pf2);
+                    amx_unit<2, true, GLU>(Bp, x, K, m0, cb, during, pf, pf_bytes, Bq, pf2);
                 else
-                    amx_unit<2, false, F32, ARG, GLU>(Bp, x, K, bias, yt, N, n0, m0, rows, cb, pf, pf_bytes, Bq, pf2);
+                    amx_unit<2, false, GLU>(Bp, x, K, m0, cb, during, pf, pf_bytes, Bq, pf2);
+                if (nt == 4) {
+                    // Up to 16 rows the GEMM streams its weight and the epilogue is small: it
+                    // runs at once, and the k loop checks for no pending unit (that check alone
+                    // slowed these weight-streaming GEMMs).
+                    epilogue(Pending{cb, n0, m0, rows}, 0, rows);
+                } else {
+                    pend = Pending{cb, n0, m0, rows};  // the slices above finished the previous one
+                    cur ^= 1;
+                }
             }
         }
+        if (pend.cb) epilogue(pend, 0, pend.rows);
         if (cfg >= 0) _tile_release();
     }
     return 0;

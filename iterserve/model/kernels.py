@@ -35,7 +35,10 @@ from iterserve.model.cpu import empty_hugepages
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# -falign-loops=64: every loop starts on a cache line whatever code precedes it, so an edit in
+# one kernel does not shift another's hot loop (a change to the AMX GEMM alone once slowed the
+# decode layer by its layout; docs/SPEED.md, "The AMX GEMM's epilogue behind the next unit").
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-falign-loops=64")
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 

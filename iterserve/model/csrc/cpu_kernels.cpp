@@ -2434,6 +2434,9 @@ void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, int m0, float* cb, D
     }
 }
 
+// The most rows whose GEMM runs a unit's epilogue during the next unit's products (see below).
+constexpr int DEFER_MAX_ROWS = 1024;
+
 // ARG: y is an ArgRows per thread (ArgRows[omp_get_max_threads()]), each row's argmax folded
 // into the calling thread's instead of storing y; returns -1 where the tiles cannot run it.
 // GLU: P is a gate | up weight [2N, K] (N % 32 == 0) and y [M, N] bf16 its SwiGLU output
@@ -2455,6 +2458,7 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
     // 2,048 rows x 768 the whole x (3 MB) came from L3 again for every unit.
     const int chunk = std::max(mstep, static_cast<int>((1 << 20) / (static_cast<int64_t>(K) * 2) / mstep * mstep));
     const int blocks = (std::min(M, chunk) + mstep - 1) / mstep;  // row blocks in the first chunk
+    const bool defer = nt == 2 && M <= DEFER_MAX_ROWS;
 #pragma omp parallel
     {
         // Two accumulator buffers: a unit's epilogue runs in slices during the next unit's
@@ -2527,16 +2531,21 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
                 }
                 const uint16_t* Bq = GLU ? at(N + n0) : nullptr;
                 float* cb = cbs[cur];
+                auto none = [](int, int) {};
                 if (nt == 4)
-                    amx_unit<4, false, GLU>(Bp, x, K, m0, cb, [](int, int) {}, nullptr, 0, Bq);
+                    amx_unit<4, false, GLU>(Bp, x, K, m0, cb, none, nullptr, 0, Bq);
                 else if (r1 > 0)
-                    amx_unit<2, true, GLU>(Bp, x, K, m0, cb, during, pf, pf_bytes, Bq, pf2);
+                    defer ? amx_unit<2, true, GLU>(Bp, x, K, m0, cb, during, pf, pf_bytes, Bq, pf2)
+                          : amx_unit<2, true, GLU>(Bp, x, K, m0, cb, none, pf, pf_bytes, Bq, pf2);
                 else
-                    amx_unit<2, false, GLU>(Bp, x, K, m0, cb, during, pf, pf_bytes, Bq, pf2);
-                if (nt == 4) {
+                    defer ? amx_unit<2, false, GLU>(Bp, x, K, m0, cb, during, pf, pf_bytes, Bq, pf2)
+                          : amx_unit<2, false, GLU>(Bp, x, K, m0, cb, none, pf, pf_bytes, Bq, pf2);
+                if (!defer) {
                     // Up to 16 rows the GEMM streams its weight and the epilogue is small: it
                     // runs at once, and the k loop checks for no pending unit (that check alone
-                    // slowed these weight-streaming GEMMs).
+                    // slowed these weight-streaming GEMMs). Past DEFER_MAX_ROWS likewise: there
+                    // the kernel choice times AMX against oneDNN, and in the engine oneDNN wins
+                    // these shapes by more than the isolated timings of the slices show.
                     epilogue(Pending{cb, n0, m0, rows}, 0, rows);
                 } else {
                     pend = Pending{cb, n0, m0, rows};  // the slices above finished the previous one

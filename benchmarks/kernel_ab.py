@@ -5,12 +5,18 @@ its output held in the tiles").
 
     python benchmarks/kernel_ab.py --base-rev 41cf5e3 --batches 1,2,3,4,6 --ctx 150
     python benchmarks/kernel_ab.py --base-rev b12dff4 --prefill 2048 --budgets 2048,512
+    python benchmarks/kernel_ab.py --base-rev c9c3bd5 --decode-steps --batches 1,8,32,128
 
 Each library is built from its source (cached by source hash, as the engine builds it).
 ``--prefill N``: per budget (max_num_batched_tokens), one engine (``LLM(--model,
 dtype="bfloat16")``, bench-134m by default) on each library; ``--rounds`` rounds each time a
 fresh random N-token prompt (one output token) on every engine in turn, the order reversed
 every other round; the median ms of each and the median of the per-round ratios are printed.
+``--decode-steps``: per batch size B, B requests (128-token random prompts, ignore_eos) on one
+engine per library (the default budget), stepped until all B decode; then ``--rounds`` rounds of
+10 decode steps on each engine in turn, the order reversed every other round; the median of
+each round's median step (``StepStats.duration_s``) and their ratio. The requests are aborted
+before the next batch size.
 Decode attention, per batch size: 12 calls (a step's layers), each over blocks of its own
 scattered in a pool three times the size needed, after a 64 MB read that evicts the caches as
 a step's weights do; ``--rounds`` rounds alternate the two libraries' order; the median of
@@ -20,11 +26,13 @@ each is printed, and the two libraries' outputs must be equal (the script stops 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,25 +65,29 @@ def load(source: Path, cache: str) -> kernels.Kernels:
     return kernels.Kernels(kernels.build(out_dir=cache))
 
 
+def engine_on(lib: kernels.Kernels, model: str, **kw: Any) -> Any:
+    """``LLM(model, dtype="bfloat16", seed=0, **kw)`` whose kernels are ``lib``."""
+    from iterserve.engine.llm import LLM  # noqa: PLC0415 (the attention mode needs no engine)
+
+    real_load = kernels._load_cached
+    kernels._load_cached = lambda: lib  # type: ignore[assignment]
+    try:
+        return LLM(model, dtype="bfloat16", seed=0, **kw)
+    finally:
+        kernels._load_cached = real_load  # type: ignore[assignment]
+
+
 def ab_prefill(
     libs: dict[str, kernels.Kernels], tokens: int, budgets: list[int], rounds: int, model: str
 ) -> None:
     """A prefill of ``tokens`` through engines on each library, per budget, alternated."""
-    from iterserve.engine.llm import LLM  # noqa: PLC0415 (the decode mode needs no engine)
     from iterserve.sampling_params import SamplingParams  # noqa: PLC0415
 
-    real_load = kernels._load_cached
-    engines: dict[tuple[int, str], LLM] = {}
-    try:
-        for b in budgets:
-            for name, lib in libs.items():
-                kernels._load_cached = lambda lib=lib: lib  # type: ignore[assignment]
-                engines[(b, name)] = LLM(
-                    model, dtype="bfloat16", max_model_len=tokens + 64,
-                    max_num_batched_tokens=b, seed=0,
-                )  # fmt: skip
-    finally:
-        kernels._load_cached = real_load  # type: ignore[assignment]
+    engines = {
+        (b, name): engine_on(lib, model, max_model_len=tokens + 64, max_num_batched_tokens=b)
+        for b in budgets
+        for name, lib in libs.items()
+    }
     sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     g = torch.Generator().manual_seed(0)
     vocab = next(iter(engines.values())).engine.vocab_size
@@ -99,6 +111,47 @@ def ab_prefill(
         )
 
 
+def ab_decode_steps(
+    libs: dict[str, kernels.Kernels], batches: list[int], rounds: int, model: str
+) -> None:
+    """Decode steps of B requests on engines on each library, per B, alternated."""
+    from iterserve.sampling_params import SamplingParams  # noqa: PLC0415
+
+    engines = {name: engine_on(lib, model, max_num_seqs=256) for name, lib in libs.items()}
+    rng = random.Random(0)
+    vocab = next(iter(engines.values())).engine.vocab_size
+    sp = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
+    for batch in batches:
+        for llm in engines.values():
+            eng = llm.engine
+            for i in range(batch):
+                eng.add_request(f"{batch}-{i}", [rng.randrange(100, vocab) for _ in range(128)], sp)
+            while (
+                (st := eng.last_step_stats) is None
+                or st.num_prefill_tokens
+                or (st.num_decode_tokens != batch)
+            ):
+                eng.step()
+        ms: dict[str, list[float]] = {name: [] for name in engines}
+        for r in range(rounds):
+            for name in engines if r % 2 == 0 else reversed(list(engines)):
+                eng, steps = engines[name].engine, []
+                for _ in range(10):
+                    eng.step()
+                    steps.append(eng.last_step_stats.duration_s * 1e3)
+                ms[name].append(statistics.median(steps))
+        base, this = (statistics.median(v) for v in ms.values())
+        names = list(engines)
+        print(
+            f"decode steps of {batch}: {names[0]} {base:.2f} ms, {names[1]} {this:.2f} ms "
+            f"({names[1]} / {names[0]} {this / base:.3f})",
+            flush=True,
+        )
+        for llm in engines.values():
+            for i in range(batch):
+                llm.engine.abort_request(f"{batch}-{i}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-rev", required=True, help="git revision of the other source")
@@ -109,6 +162,7 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=0, help="prompt tokens: engine prefill mode")
     p.add_argument("--budgets", default="2048,512", help="--prefill: max_num_batched_tokens")
     p.add_argument("--model", default="bench-134m", help="--prefill: the engines' model")
+    p.add_argument("--decode-steps", action="store_true", help="engine decode steps at --batches")
     ns = p.parse_args()
     here = kernels.SOURCE
     repo = here.parents[3]
@@ -124,6 +178,9 @@ def main() -> None:
     kernels.SOURCE = here
     if ns.prefill:
         ab_prefill(libs, ns.prefill, [int(b) for b in ns.budgets.split(",")], ns.rounds, ns.model)
+        return
+    if ns.decode_steps:
+        ab_decode_steps(libs, [int(x) for x in ns.batches.split(",")], ns.rounds, ns.model)
         return
     flush = torch.ones(64 * 1024 * 1024 // 4)
     torch.manual_seed(0)

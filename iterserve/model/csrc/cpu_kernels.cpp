@@ -2542,10 +2542,10 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
                           : amx_unit<2, false, GLU>(Bp, x, K, m0, cb, none, pf, pf_bytes, Bq, pf2);
                 if (!defer) {
                     // Up to 16 rows the GEMM streams its weight and the epilogue is small: it
-                    // runs at once, and the k loop checks for no pending unit (that check alone
-                    // slowed these weight-streaming GEMMs). Past DEFER_MAX_ROWS likewise: there
-                    // the kernel choice times AMX against oneDNN, and in the engine oneDNN wins
-                    // these shapes by more than the isolated timings of the slices show.
+                    // runs at once (deferring it gained nothing there). Past DEFER_MAX_ROWS
+                    // likewise: there the kernel choice times AMX against oneDNN, and in the
+                    // engine oneDNN wins these shapes by more than the slices' isolated timings
+                    // show (docs/SPEED.md, "The AMX GEMM's epilogue behind the next unit").
                     epilogue(Pending{cb, n0, m0, rows}, 0, rows);
                 } else {
                     pend = Pending{cb, n0, m0, rows};  // the slices above finished the previous one

@@ -446,6 +446,29 @@ def test_amx_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:
     assert kern.gemm_amx_swiglu(torch.randn(20, 48).bfloat16(), kern.pack_pairs(w), 32) is None
 
 
+def test_amx_epilogue_deferred_or_not_gives_the_same_bits() -> None:
+    """From 17 rows to 1,024 the AMX GEMM runs a unit's epilogue during the next unit's products
+    (cpu_kernels.cpp, DEFER_MAX_ROWS); past that, at once. The first 1,024 rows of a 1,025-row
+    call (at once) equal a 1,024-row call (deferred), for the bf16 and f32 results, SwiGLU and
+    the argmax, with several units per thread and a last unit narrower than 32 columns."""
+    kern = _kern()
+    if not kern.has_amx:
+        pytest.skip("compiled in only where the CPU has AMX-BF16 tiles")
+    torch.manual_seed(0)
+    x = torch.randn(1025, 64).bfloat16()
+    w, b = torch.randn(200, 64).bfloat16(), torch.randn(200).bfloat16()
+    P = kern.pack_pairs(w)
+    for out_f32 in (False, True):
+        big = kern.gemm_pairs(x, P, 200, b, out_f32=out_f32, amx=True)
+        small = kern.gemm_pairs(x[:1024], P, 200, b, out_f32=out_f32, amx=True)
+        assert torch.equal(big[:1024], small)
+    big_a, small_a = kern.gemm_amx_argmax(x, P, 200, b), kern.gemm_amx_argmax(x[:1024], P, 200, b)
+    assert big_a is not None and small_a is not None and torch.equal(big_a[:1024], small_a)
+    gu = kern.pack_pairs(torch.randn(2 * 96, 64).bfloat16())
+    big_s, small_s = kern.gemm_amx_swiglu(x, gu, 96), kern.gemm_amx_swiglu(x[:1024], gu, 96)
+    assert big_s is not None and small_s is not None and torch.equal(big_s[:1024], small_s)
+
+
 def test_logits_in_f32_whatever_the_lm_head_path() -> None:
     """``linear_f32`` (the LM head's logits) gives ``lin(x).float()`` on every path: a pair
     GEMM writes f32 directly, also when a row router picks it, and any other path is converted."""

@@ -375,6 +375,11 @@ class FusedSiluMul:
         return self.kern.silu_mul(gate_up)
 
 
+def choose_act(fused: kernels.Kernels | None) -> SiluMul | FusedSiluMul:
+    """The MLP's SwiGLU: one kernel call where the fused kernels run the layer."""
+    return SiluMul() if fused is None else FusedSiluMul(fused)
+
+
 class GateUpAct:
     """``act(gate_up(x))``, the MLP's first half. Where ``act`` is the fused SwiGLU and the AMX
     GEMM runs ``gate_up`` for x's rows (from EPILOGUE_MIN_ROWS on), one call that computes

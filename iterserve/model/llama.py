@@ -27,12 +27,11 @@ from iterserve.model.attention_backends import AttentionBackend, CpuBackend
 from iterserve.model.fused_decode import FusedDecode
 from iterserve.model.layers import (
     FusedRotary,
-    FusedSiluMul,
     GateUpAct,
     HeadRMSNorm,
     Linear,
     Rotary,
-    SiluMul,
+    choose_act,
     choose_linear,
     choose_norm,
     linear_argmax,
@@ -165,7 +164,7 @@ class DecoderLayer(nn.Module):
         del self.qk_norm
         self.qk_norm = no_qk_norm if w is None else HeadRMSNorm(w, self.eps)
         self.rotary = Rotary() if s.fused is None else FusedRotary(s.fused)
-        self.act = SiluMul() if s.fused is None else FusedSiluMul(s.fused)
+        self.act = choose_act(s.fused)
         self.gate_up_act = GateUpAct(self.gate_up, self.act)
         self.attn = s.attention
 

@@ -84,7 +84,7 @@ from iterserve.model.device import (
     resolve_device,
     to_device_int32,
 )
-from iterserve.model.layers import FusedSiluMul, Linear, SiluMul, packing_available
+from iterserve.model.layers import Linear, choose_act, packing_available
 from iterserve.model.llama import DecoderLayer, DecoderModel, RotaryTable, Strategies
 from iterserve.model.loader import load_weights
 from iterserve.model.model_config import ModelConfig
@@ -402,7 +402,7 @@ class ModelRunner:
             max_decodes=autotune.DECODE_BUCKETS[-1],
             max_ctx=self.max_model_len,
             # the MLP's act (DecoderLayer.select_strategies): gate_up is timed with it
-            gate_up_act=SiluMul() if fused is None else FusedSiluMul(fused),
+            gate_up_act=choose_act(fused),
         )
         builders = autotune.gemm_builders(self.dtype, kern, self._pack_allowed(flags=False))
         cpu = isinstance(self.attention, CpuBackend)

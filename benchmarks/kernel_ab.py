@@ -122,10 +122,11 @@ def ab_decode_steps(
     vocab = next(iter(engines.values())).engine.vocab_size
     sp = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
     for batch in batches:
-        for llm in engines.values():
+        prompts = [[rng.randrange(100, vocab) for _ in range(128)] for _ in range(batch)]
+        for llm in engines.values():  # the same prompts on each engine
             eng = llm.engine
-            for i in range(batch):
-                eng.add_request(f"{batch}-{i}", [rng.randrange(100, vocab) for _ in range(128)], sp)
+            for i, prompt in enumerate(prompts):
+                eng.add_request(f"{batch}-{i}", prompt, sp)
             while (
                 (st := eng.last_step_stats) is None
                 or st.num_prefill_tokens

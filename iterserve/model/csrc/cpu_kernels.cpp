@@ -2513,17 +2513,19 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
                 }
                 // Past 16 rows, while on one panel the thread prefetches its next one into L2,
                 // spread evenly over its passes on this one (the panel's two halves, the row
-                // blocks of the first chunk): the tile loads alone leave the weight's stream from
-                // memory and the tile products taking turns (docs/SPEED.md, "Prefetching the next
-                // panel"). Up to 16 rows the one pass over each panel streams it well as it is.
+                // blocks of a chunk): the tile loads alone leave the weight's stream from memory
+                // and the tile products taking turns (docs/SPEED.md, "Prefetching the next
+                // panel"). In every chunk, not only the first: the later chunks' passes over the
+                // weight find it gone from L2 too (docs/SPEED.md, "The next panel in every row
+                // chunk"). Up to 16 rows the one pass over each panel streams it well as it is.
                 // (GLU: the up projection's next panel too, where its panels line up with the
                 // gate's.)
                 const char *pf = nullptr, *pf2 = nullptr;
                 int pf_bytes = 0;
                 const int panel = n0 / GP_COLS;
-                if (nt == 2 && c0 == 0 && (panel + 1) * upp < u_end) {
-                    const int passes = upp * blocks;
-                    const int pass = (n0 % GP_COLS) / ucols * blocks + m0 / mstep;
+                if (nt == 2 && (panel + 1) * upp < u_end) {
+                    const int passes = upp * blocks;  // a shorter last chunk leaves the tail out
+                    const int pass = (n0 % GP_COLS) / ucols * blocks + (m0 - c0) / mstep;
                     pf_bytes = (4096 / passes + 63) & ~63;  // a panel has 4 KB per k step of 32
                     const int64_t off = static_cast<int64_t>(pass) * pf_bytes * (K / 32);
                     pf = reinterpret_cast<const char*>(P + (panel + 1) * panel_elems) + off;

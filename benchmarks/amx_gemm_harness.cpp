@@ -2,10 +2,13 @@
 // Includes the library's source, so a copy of it with a change builds the same way
 // (-DKERNEL='"path"'). One thread unless OMP_NUM_THREADS says otherwise. Two modes:
 //
-//   loop SA SB UNITS MISALIGN   the 2 x 2 tile loop alone (K = 768: 24 steps of 4 products on
+//   loop SA SB UNITS MISALIGN [AUNITS]
+//                               the 2 x 2 tile loop alone (K = 768: 24 steps of 4 products on
 //                               A tiles SA bytes a row apart and B tiles SB apart; 64 means
 //                               1 KB contiguous tiles), over UNITS distinct B areas (1: all in
-//                               L1; 64: in L3), buffers MISALIGN bytes past a 64-byte boundary
+//                               L1; 64: in L3) and AUNITS distinct A areas (21: a 1 MB chunk
+//                               of x in L2, as the GEMM's row blocks; default 1), buffers
+//                               MISALIGN bytes past a 64-byte boundary
 //   gemm M N K [WEIGHTS]        gemm_amx on one shape, the weight hot (1) or WEIGHTS copies cycled
 //   layers M [LAYERS]           a step's layer GEMMs back to back, every weight from memory
 //
@@ -41,25 +44,26 @@ static char* aligned_at(std::vector<char>& v, int misalign) {
     return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63)) + misalign;
 }
 
-static int loop(int sa, int sb, int units, int misalign) {
+static int loop(int sa, int sb, int units, int misalign, int aunits) {
     constexpr int KB = 24;
     // A: 32 rows of K; contiguous tiles (sa = 64) take 2 KB a k step. B: per unit and k step,
     // two tiles (sb = 64: 2 KB contiguous; else 16 rows sb apart, the second tile 64 bytes on).
     const size_t a_bytes = sa == 64 ? size_t(KB) * 2048 : size_t(32) * sa + KB * 64;
     const size_t b_unit = sb == 64 ? size_t(KB) * 2048 : size_t(KB) * 16 * sb;
-    std::vector<char> abuf(a_bytes + 128, 1), bbuf(b_unit * units + 128, 1);
+    std::vector<char> abuf(a_bytes * aunits + 128, 1), bbuf(b_unit * units + 128, 1);
     const char* A = aligned_at(abuf, misalign);
     const char* B = aligned_at(bbuf, misalign);
     amx_configure(2, 16, 16);
     alignas(64) static float cb[32 * 32];
     const double s = best_s(7, 20000, [&](int i) {
         const char* Bu = B + (i % units) * b_unit;
+        const char* Au = A + (i / units) % aunits * a_bytes;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int kb = 0; kb < KB; ++kb) {
-            const char* a0 = sa == 64 ? A + kb * 2048 : A + kb * 64;
+            const char* a0 = sa == 64 ? Au + kb * 2048 : Au + kb * 64;
             const char* a1 = sa == 64 ? a0 + 1024 : a0 + 16 * sa;
             const char* b0 = sb == 64 ? Bu + kb * 2048 : Bu + kb * 16 * sb;
             const char* b1 = sb == 64 ? b0 + 1024 : b0 + 64;
@@ -78,7 +82,7 @@ static int loop(int sa, int sb, int units, int misalign) {
         _tile_stored(3, cb + 528, 128);
     });
     _tile_release();
-    std::printf("loop sa=%d sb=%d units=%d misalign=%d: %.2f ns a product, %.0f GFLOP/s\n", sa, sb, units, misalign, s * 1e9 / (KB * 4),
+    std::printf("loop sa=%d sb=%d units=%d misalign=%d aunits=%d: %.2f ns a product, %.0f GFLOP/s\n", sa, sb, units, misalign, aunits, s * 1e9 / (KB * 4),
                 KB * 4 * 16384 / s / 1e9);
     return 0;
 }
@@ -141,10 +145,10 @@ int main(int argc, char** argv) {
         return 1;
     }
     auto arg = [&](int i, int def) { return argc > i ? std::atoi(argv[i]) : def; };
-    if (argc > 1 && !std::strcmp(argv[1], "loop")) return loop(arg(2, 64), arg(3, 64), arg(4, 1), arg(5, 0));
+    if (argc > 1 && !std::strcmp(argv[1], "loop")) return loop(arg(2, 64), arg(3, 64), arg(4, 1), arg(5, 0), arg(6, 1));
     if (argc > 4 && !std::strcmp(argv[1], "gemm")) return gemm(arg(2, 0), arg(3, 0), arg(4, 0), arg(5, 1));
     if (argc > 2 && !std::strcmp(argv[1], "layers")) return layers(arg(2, 0), arg(3, 12));
-    std::printf("usage: %s loop SA SB UNITS MISALIGN | gemm M N K [WEIGHTS] | layers M [LAYERS]\n", argv[0]);
+    std::printf("usage: %s loop SA SB UNITS MISALIGN [AUNITS] | gemm M N K [WEIGHTS] | layers M [LAYERS]\n", argv[0]);
     return 2;
 }
 #else

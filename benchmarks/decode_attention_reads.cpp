@@ -6,6 +6,8 @@
 //   g++ -O3 -march=native -fopenmp -std=c++17 benchmarks/decode_attention_reads.cpp -o /tmp/dar
 //   OMP_NUM_THREADS=2 /tmp/dar B CTX MODE     # BS=64 in the environment: blocks of 64 tokens
 //
+// SETS=n in the environment: n layers' worth of caches instead of 12 (SETS=1 NOFLUSH=1: one
+// layer's, read again and again without the flush, to see what the L3 cache keeps of it).
 // MODE 0: the kernel, scattered blocks; 1: plain read, scattered (a 4th argument N: prefetch N
 // positions ahead); 2: plain read, contiguous; 3: plain read, K and V block by block (N: blocks
 // prefetched ahead); 4: the kernel, contiguous. For modes 0 and 4, N is the kernel's prefetch
@@ -76,7 +78,7 @@ int main(int argc, char** argv) {
     BSG = getenv("BS") ? atoi(getenv("BS")) : 16;
     const int bs = BSG;
     int per = (ctx + bs - 1)/bs;
-    int sets = 12; int nb = 3*sets*B*per;
+    int sets = getenv("SETS") ? atoi(getenv("SETS")) : 12; int nb = 3*sets*B*per;
     size_t bytes = (size_t)nb*bs*row*2;
     uint16_t* k = (uint16_t*)huge(bytes); uint16_t* v = (uint16_t*)huge(bytes);
     std::mt19937 g(0);
@@ -91,7 +93,7 @@ int main(int argc, char** argv) {
     if (mode == 2 || mode == 4) for (int i = 0; i < nb; ++i) perm[i] = i;
     std::vector<double> ts;
     for (int it = 0; it < 10; ++it) {
-        volatile int64_t s = 0; for (size_t i = 0; i < flush.size(); i += 64) s += flush[i];
+        volatile int64_t s = 0; if (!getenv("NOFLUSH")) for (size_t i = 0; i < flush.size(); i += 64) s += flush[i];
         for (int t = 0; t < sets; ++t) {
             const int64_t* bt = perm.data() + (size_t)t*B*per;
             double t0 = now();

@@ -24,8 +24,10 @@ import argparse
 import functools
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,18 +36,12 @@ from iterserve import LLM, SamplingParams
 from iterserve.model import autotune, kernels
 from iterserve.model.layers import GateUpAct, choose_act
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from kernels import _median_ms  # noqa: E402  (benchmarks/kernels.py)
+
 SHAPES = {"qkv": (2304, 768), "o": (768, 768), "gate_up": (4096, 768), "down": (768, 2048)}
 LAYERS = 12
-
-
-def median_s(fn: Callable[[], object], n: int) -> float:
-    fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def gemms(rows: int, rounds: int) -> None:
@@ -78,9 +74,9 @@ def gemms(rows: int, rounds: int) -> None:
         cells = []
         for p in paths:
             fs = fns[kind][p]
-            hot = median_s(functools.partial(call, kind, fs[0]), 7)
-            cold = median_s(functools.partial(cycle, kind, fs), 5) / LAYERS
-            cells.append(f"{p} {hot * 1e3:.3f} / {cold * 1e3:.3f}")
+            hot = _median_ms(functools.partial(call, kind, fs[0]), 7)
+            cold = _median_ms(functools.partial(cycle, kind, fs), 5) / LAYERS
+            cells.append(f"{p} {hot:.3f} / {cold:.3f}")
         print(f"  {kind:8s} " + " | ".join(cells))
 
     def step(assign: dict[str, str]) -> None:
@@ -100,7 +96,7 @@ def gemms(rows: int, rounds: int) -> None:
     for _ in range(rounds):
         for c in combos:
             name = ", ".join(f"{k} {c[k]}" for k in SHAPES)
-            got.setdefault(name, []).append(median_s(functools.partial(step, c), 5) * 1e3)
+            got.setdefault(name, []).append(_median_ms(functools.partial(step, c), 5))
     print(f"{LAYERS} layers' GEMMs in sequence at {rows} rows, ms ({rounds} rounds):")
     for name, ts in got.items():
         print(f"  {name:55s} " + " ".join(f"{t:.1f}" for t in ts))

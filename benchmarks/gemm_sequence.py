@@ -15,7 +15,8 @@ time moved to each other path, and all on amx; medians of 5, ms, ``--rounds`` ro
 ``--prefill N --settings A,B,...``: one engine (``LLM("bench-134m", dtype="bfloat16")``,
 max_num_batched_tokens N) per ``ITERSERVE_KERNELS`` setting (``measure``: the measured choice),
 in one process; ``--rounds`` rounds of a fresh random N-token prompt (one output token) on each
-in turn, the order reversed every other round; the median ms of each.
+in turn, the order reversed every other round (``kernel_ab.alternated_prefills``); the median ms
+of each.
 """
 
 from __future__ import annotations
@@ -25,19 +26,18 @@ import functools
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from iterserve import LLM, SamplingParams
+from iterserve import LLM
 from iterserve.model import autotune, kernels
 from iterserve.model.layers import GateUpAct, choose_act
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from kernel_ab import alternated_prefills  # noqa: E402
 from kernels import _median_ms  # noqa: E402  (benchmarks/kernels.py)
 
 SHAPES = {"qkv": (2304, 768), "o": (768, 768), "gate_up": (4096, 768), "down": (768, 2048)}
@@ -114,22 +114,10 @@ def prefill(tokens: int, settings: list[str], rounds: int) -> None:
             )
         )  # fmt: skip
     os.environ.pop("ITERSERVE_KERNELS", None)
-    sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
-    rng = np.random.default_rng(100)
-    vocab = llms[0].engine.vocab_size
-    for llm in llms:
-        llm.generate([rng.integers(10, vocab - 10, 64).tolist()], sp)
-    times: list[list[float]] = [[] for _ in settings]
-    for r in range(rounds):
-        prompt = rng.integers(10, vocab - 10, tokens).tolist()
-        order = range(len(llms)) if r % 2 == 0 else reversed(range(len(llms)))
-        for i in order:
-            t0 = time.perf_counter()
-            llms[i].generate([prompt], sp)
-            times[i].append(time.perf_counter() - t0)
-    for s, ts in zip(settings, times, strict=True):
-        runs = " ".join(f"{t * 1e3:.0f}" for t in ts)
-        print(f"prefill {tokens} tokens, {s}: median {statistics.median(ts) * 1e3:.1f} ms ({runs})")
+    times = alternated_prefills(dict(zip(settings, llms, strict=True)), tokens, rounds)
+    for s, ts in times.items():
+        runs = " ".join(f"{t:.0f}" for t in ts)
+        print(f"prefill {tokens} tokens, {s}: median {statistics.median(ts):.1f} ms ({runs})")
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +43,7 @@ HEADS, HEAD_DIM, BLOCK = 12, 64, 16  # bench-134m
 
 
 Caches = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]
+K = TypeVar("K")  # alternated_prefills' engine keys
 
 
 def scattered_caches(batch: int, ctx: int, kv_heads: int, sets: int = 12) -> Caches:
@@ -77,29 +78,36 @@ def engine_on(lib: kernels.Kernels, model: str, **kw: Any) -> Any:
         kernels._load_cached = real_load  # type: ignore[assignment]
 
 
-def ab_prefill(
-    libs: dict[str, kernels.Kernels], tokens: int, budgets: list[int], rounds: int, model: str
-) -> None:
-    """A prefill of ``tokens`` through engines on each library, per budget, alternated."""
+def alternated_prefills(engines: dict[K, Any], tokens: int, rounds: int) -> dict[K, list[float]]:
+    """ms of a fresh random ``tokens``-token prefill (one output token) on each engine
+    (``LLM``s), ``rounds`` rounds, the order reversed every other round, after a warm-up each."""
     from iterserve.sampling_params import SamplingParams  # noqa: PLC0415
 
-    engines = {
-        (b, name): engine_on(lib, model, max_model_len=tokens + 64, max_num_batched_tokens=b)
-        for b in budgets
-        for name, lib in libs.items()
-    }
     sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     g = torch.Generator().manual_seed(0)
     vocab = next(iter(engines.values())).engine.vocab_size
     for eng in engines.values():  # warm-up
         eng.generate([torch.randint(100, vocab, (tokens,), generator=g).tolist()], sp)
-    ms: dict[tuple[int, str], list[float]] = {k: [] for k in engines}
+    ms: dict[K, list[float]] = {k: [] for k in engines}
     for r in range(rounds):
         prompt = torch.randint(100, vocab, (tokens,), generator=g).tolist()
         for key in engines if r % 2 == 0 else reversed(list(engines)):
             t0 = time.perf_counter()
             engines[key].generate([prompt], sp)
             ms[key].append((time.perf_counter() - t0) * 1e3)
+    return ms
+
+
+def ab_prefill(
+    libs: dict[str, kernels.Kernels], tokens: int, budgets: list[int], rounds: int, model: str
+) -> None:
+    """A prefill of ``tokens`` through engines on each library, per budget, alternated."""
+    engines = {
+        (b, name): engine_on(lib, model, max_model_len=tokens + 64, max_num_batched_tokens=b)
+        for b in budgets
+        for name, lib in libs.items()
+    }
+    ms = alternated_prefills(engines, tokens, rounds)
     base, this = list(libs)
     for b in budgets:
         a, c = ms[(b, base)], ms[(b, this)]

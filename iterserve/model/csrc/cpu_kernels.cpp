@@ -2533,6 +2533,8 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
                 }
                 const uint16_t* Bq = GLU ? at(N + n0) : nullptr;
                 float* cb = cbs[cur];
+                // Where nothing can be pending, none rather than during: even during's one
+                // check per k step slowed the small decode GEMMs (docs/SPEED.md, "Review").
                 auto none = [](int, int) {};
                 if (nt == 4)
                     amx_unit<4, false, GLU>(Bp, x, K, m0, cb, none, nullptr, 0, Bq);

@@ -123,8 +123,9 @@ def test_prefer_fused_moves_a_layer_onto_one_family_within_the_margin() -> None:
 
 def test_measure_gemms_prunes_and_spares_the_last_bucket() -> None:
     """A path PRUNE times slower than the best is skipped at the next bucket and timed again
-    at the one after, except at the last (2,048-row) bucket, which takes only paths timed at
-    the bucket before it; upcast is not timed below UPCAST_MIN_ROWS."""
+    at the one after; the first bucket past the decode buckets (512 rows) times every path,
+    and the last (2,048-row) bucket takes only paths timed at the bucket before it, pruned by
+    that one; upcast is not timed below UPCAST_MIN_ROWS."""
     import time as _time
 
     rows_seen: list[int] = []
@@ -148,9 +149,76 @@ def test_measure_gemms_prunes_and_spares_the_last_bucket() -> None:
         _time.perf_counter() + 60,
     )
     timed = [t is not None for t in out["qkv"]["upcast"]]
-    assert timed == [False, True, False, True, False, False]
+    assert timed == [False, True, False, True, True, False]
     assert all(t is not None for t in out["qkv"]["torch"])
-    assert 2048 not in rows_seen and 512 not in rows_seen
+    assert 2048 not in rows_seen and 512 in rows_seen
+
+
+def test_prefer_in_sequence_moves_prefill_buckets_on_the_layers_time() -> None:
+    """Past the decode buckets a layer's four GEMMs move to the per-bucket fastest paths where
+    the layer's sequence on them beats the chosen paths by the margin; decode buckets, near
+    ties and buckets no call reaches (which take the choice below) are not timed."""
+    buckets = (1, 8, 32, 128, 512, 2048)
+    chosen = {k: ("amx",) * 6 for k in KINDS}
+    fastest = {k: ("amx",) * 4 + ("onednn", "onednn") for k in KINDS}
+    fastest["o"] = ("onednn",) * 6  # a decode bucket's fastest is never timed here
+    asked: list[tuple[int, dict[str, str], dict[str, str]]] = []
+
+    def time_layer(assign: Any, rows: int) -> dict[str, float | None]:
+        asked.append((rows, dict(assign["chosen"]), dict(assign["fastest"])))
+        # 512 rows: a near tie (3% faster); 2,048: 10% faster
+        return {"chosen": 1.0, "fastest": 0.97 if rows == 512 else 0.9}
+
+    got = autotune.prefer_in_sequence(chosen, fastest, time_layer, buckets, margin=0.05)
+    assert [r for r, _, _ in asked] == [512, 2048]
+    assert asked[1][1] == dict.fromkeys(KINDS[:4], "amx")
+    assert asked[1][2] == dict.fromkeys(KINDS[:4], "onednn")
+    for k in KINDS[:4]:
+        assert got[k][:5] == chosen[k][:5] and got[k][5] == "onednn", k
+    assert got["lm_head"] == chosen["lm_head"]  # not a layer GEMM
+    # no call gets past 512 rows: 2,048 is not timed and takes 512's choice
+    asked.clear()
+    got = autotune.prefer_in_sequence(
+        chosen, fastest, lambda a, r: {"chosen": 1.0, "fastest": 0.5}, buckets, max_rows=512
+    )
+    assert all(got[k][4:] == ("onednn", "onednn") for k in KINDS[:4])
+    # not timed (past the deadline): the choice stands
+    got = autotune.prefer_in_sequence(
+        chosen, fastest, lambda a, r: {"chosen": None, "fastest": None}, buckets
+    )
+    assert got == chosen
+
+
+def test_time_layers_runs_the_four_gemms_in_order() -> None:
+    """Each assignment's sequence calls qkv, o, gate_up (then the model's act) and down on their
+    input widths, on that assignment's paths."""
+    import time as _time
+
+    calls: list[tuple[str, str, tuple[int, ...]]] = []
+    shapes = {"qkv": (12, 4), "o": (4, 4), "gate_up": (16, 4), "down": (4, 8)}
+    weights = {k: (torch.zeros(n, m), None) for k, (n, m) in shapes.items()}
+
+    def gemm(kind: str, path: str) -> Any:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            calls.append((kind, path, tuple(x.shape)))
+            return torch.zeros(x.shape[0], shapes[kind][0])
+
+        return run
+
+    fns = {k: {p: gemm(k, p) for p in ("a", "b")} for k in shapes}
+
+    def act(y: torch.Tensor) -> torch.Tensor:
+        calls.append(("act", "-", tuple(y.shape)))
+        return y[:, : y.shape[1] // 2]
+
+    assign = {"x": {"qkv": "a", "o": "b", "gate_up": "a", "down": "b"}}
+    got = autotune.time_layers(weights, fns, act, _time.perf_counter() + 60, assign, 3)
+    assert got["x"] is not None and got["x"] > 0
+    one = [
+        ("qkv", "a", (3, 4)), ("o", "b", (3, 4)), ("gate_up", "a", (3, 4)), ("act", "-", (3, 16)),
+        ("down", "b", (3, 8)),
+    ]  # fmt: skip
+    assert calls == one * 4  # a warm-up call and three timed (time_paths)
 
 
 def test_measure_gemms_times_the_lm_head_as_f32_logits(monkeypatch: pytest.MonkeyPatch) -> None:

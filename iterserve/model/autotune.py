@@ -68,7 +68,11 @@ MARGIN = 0.05
 # paths' timings at one bucket moved by up to ~30% between three measurements on a shared VM
 # (docs/SPEED.md, "One path unless another clearly wins").
 KEEP = 0.15
-PRUNE = 2.0  # a path this many times slower than the best at one bucket is not timed at the next
+# A path this many times slower than the best at one bucket is not timed at the next; except at
+# the first bucket past DECODE_BUCKETS, which times every path: the library GEMMs (torch,
+# oneDNN) gain on the register-tile ones with rows and overtake them there (docs/SPEED.md,
+# "Every path timed past the decode buckets").
+PRUNE = 2.0
 BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
 # A measurement beside other processes taking more than this many cores is used but not cached:
 # a first start during a package install cached a choice timed at a third of the machine's speed,
@@ -78,7 +82,7 @@ BUSY_CORES = 0.3
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
 PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
-VERSION = 11  # bump when what is measured or how it is chosen changes
+VERSION = 12  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -173,6 +177,47 @@ def prefer_fused(
                 for k, p in picks.items():
                     out[k][i] = p
                 break
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def prefer_in_sequence(
+    chosen: Mapping[str, Sequence[str]],
+    fastest: Mapping[str, Sequence[str]],
+    time_layer: Callable[[Mapping[str, Mapping[str, str]], int], Mapping[str, float | None]],
+    buckets: Sequence[int] = ROW_BUCKETS,
+    min_rows: int = DECODE_BUCKETS[-1] + 1,
+    margin: float = MARGIN,
+    max_rows: int = sys.maxsize,
+) -> dict[str, tuple[str, ...]]:
+    """``chosen`` (kind -> path per bucket, after ``pick``'s near-tie rule) with a layer's four
+    GEMMs at each bucket from ``min_rows`` rows on moved to ``fastest`` (``pick`` without that
+    rule) where a layer's GEMMs in sequence on those paths beat them on the chosen ones by
+    ``margin``; buckets past the one that serves ``max_rows`` rows take the choice below them.
+    ``time_layer({"chosen": {kind: path}, "fastest": {...}}, rows)`` -> seconds of
+    each sequence (None: not timed). Past the decode buckets the near-tie rule's reasons (the fused
+    decode path, one GEMM's noise) give way to a measurement of what a prefill step runs: one
+    GEMM timed alone favoured the AMX GEMM for gate_up at 2,048 rows by a few percent where in
+    sequence it cost 15% of the layer (docs/SPEED.md, "Every path timed past the decode
+    buckets")."""
+    out = {k: list(v) for k, v in chosen.items()}
+    if not all(k in chosen and k in fastest for k in LAYER_KINDS):
+        return {k: tuple(v) for k, v in out.items()}
+    for i, rows in enumerate(buckets):
+        if rows < min_rows:
+            continue
+        if i and buckets[i - 1] >= max_rows:  # no call gets here: the choice below serves it
+            for k in LAYER_KINDS:
+                out[k][i] = out[k][i - 1]
+            continue
+        now = {k: chosen[k][i] for k in LAYER_KINDS}
+        alt = {k: fastest[k][i] for k in LAYER_KINDS}
+        if now == alt:
+            continue
+        t = time_layer({"chosen": now, "fastest": alt}, rows)
+        t_now, t_alt = t.get("chosen"), t.get("fastest")
+        if t_now is not None and t_alt is not None and t_alt < t_now * (1 - margin):
+            for k in LAYER_KINDS:
+                out[k][i] = alt[k]
     return {k: tuple(v) for k, v in out.items()}
 
 
@@ -388,21 +433,31 @@ def gemm_builders(
     return out
 
 
+def build_gemms(
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]], builders: Mapping[str, Builder]
+) -> dict[str, dict[str, Linear]]:
+    """kind -> path -> that path's GEMM on the kind's weight."""
+    return {k: {p: make(w, b) for p, make in builders.items()} for k, (w, b) in weights.items()}
+
+
 def measure_gemms(
     weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
     builders: Mapping[str, Builder],
     max_rows: Mapping[str, int],
     deadline: float,
     gate_up_act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    fns: Mapping[str, Mapping[str, Linear]] | None = None,
 ) -> dict[str, dict[str, list[float | None]]]:
-    """kind -> path -> seconds per ROW_BUCKETS entry. Bucket by bucket, smallest first, so a
+    """kind -> path -> seconds per ROW_BUCKETS entry (``fns``: ``build_gemms``' result, built
+    here where not given). Bucket by bucket, smallest first, so a
     deadline that cuts it short leaves the decode-sized buckets timed. None: past the deadline,
     above the first bucket >= ``max_rows[kind]`` (no call gets there), or upcast below
     UPCAST_MIN_ROWS (it runs the torch path there), or PRUNE times slower than the best at the
-    previous bucket, or (at the last bucket) not timed at the previous one. Each kind is timed
+    previous bucket (not at the first bucket past DECODE_BUCKETS), or (at the last bucket) not
+    timed at the previous one. Each kind is timed
     as the model runs it: the LM head with f32 logits, gate_up followed by ``gate_up_act``
     (Problem.gate_up_act)."""
-    fns = {k: {p: make(w, b) for p, make in builders.items()} for k, (w, b) in weights.items()}
+    fns = build_gemms(weights, builders) if fns is None else fns
     out: dict[str, dict[str, list[float | None]]] = {
         k: {p: [None] * len(ROW_BUCKETS) for p in builders} for k in weights
     }
@@ -415,6 +470,8 @@ def measure_gemms(
                 p: t for p, ts in out[kind].items() if i and (t := ts[i - 1]) is not None
             }
             best = min(prev.values(), default=None)
+            if i and ROW_BUCKETS[i - 1] == DECODE_BUCKETS[-1]:
+                best = None  # past the decode buckets: no pruning by their order
             # the LM head is timed as the model runs it: f32 logits (a pair GEMM writes them
             # directly, the others add a .float() copy)
             calls = {
@@ -432,6 +489,36 @@ def measure_gemms(
             for p, t in time_paths(calls, deadline).items():
                 out[kind][p][i] = t
     return out
+
+
+def time_layers(
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
+    fns: Mapping[str, Mapping[str, Linear]],
+    gate_up_act: Callable[[torch.Tensor], torch.Tensor] | None,
+    deadline: float,
+    assignments: Mapping[str, Mapping[str, str]],
+    rows: int,
+) -> dict[str, float | None]:
+    """name -> seconds of a layer's four GEMMs (``fns``: ``build_gemms(weights, ...)``) on each
+    assignment's paths, run back to back on ``rows`` rows as a step runs them (gate_up followed
+    by ``gate_up_act``); the assignments interleaved, best of 3 (``time_paths``)."""
+    xs = {k: torch.randn(rows, weights[k][0].shape[1]).to(weights[k][0].dtype) for k in LAYER_KINDS}
+
+    def layer(assign: Mapping[str, str]) -> None:
+        fns["qkv"][assign["qkv"]](xs["qkv"])
+        fns["o"][assign["o"]](xs["o"])
+        gu = fns["gate_up"][assign["gate_up"]]
+        (GateUpAct(gu, gate_up_act) if gate_up_act is not None else gu)(xs["gate_up"])
+        fns["down"][assign["down"]](xs["down"])
+
+    got = time_paths({n: functools.partial(layer, a) for n, a in assignments.items()}, deadline)
+    for n, a in assignments.items():
+        t = got[n]
+        logger.debug(
+            "layer GEMMs in sequence at %d rows, %s (%s): %s ms", rows, n,
+            ", ".join(f"{k} {p}" for k, p in a.items()), "-" if t is None else f"{t * 1e3:.3f}",
+        )  # fmt: skip
+    return got
 
 
 def _rotating(
@@ -616,13 +703,24 @@ def choose(
         if gemm_fixed:
             gemm = {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS}
         else:
-            timed = measure_gemms(prob.weights, builders, prob.max_rows, deadline, prob.gate_up_act)
+            fns = build_gemms(prob.weights, builders)
+            timed = measure_gemms(
+                prob.weights, builders, prob.max_rows, deadline, prob.gate_up_act, fns
+            )
             # a kind the model lacks (no layers) gets the baseline: no call ever takes it
             gemm = {
                 k: pick(timed[k]) if k in timed else (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS
             }
             if kern is not None and cpu_backend:  # the one-call decode needs both
                 gemm = prefer_fused(gemm, timed)
+            fastest = {k: pick(timed[k], keep=0.0) for k in timed}
+            gemm = prefer_in_sequence(
+                gemm,
+                fastest,
+                functools.partial(time_layers, prob.weights, fns, prob.gate_up_act, deadline),
+                max_rows=min(prob.max_rows.get(k, sys.maxsize) for k in LAYER_KINDS),
+            )
+            del fns
             for k in timed:
                 logger.debug("%s GEMM ms at rows %s: %s", k, ROW_BUCKETS, _ms(timed[k]))
         attn: tuple[str, ...] = ()

@@ -2055,10 +2055,13 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     uint16_t* Kp = kv.data;
     uint16_t* Vp = Kp + static_cast<size_t>(KvH) * head_elems;
     const int groups = ctx_pad / 16;
-    // Pack: task = (KV head, 16 keys).
+    // Pack: task = (16 keys, KV head), a group's heads in turn: a slot's row holds every head,
+    // so a thread reads its groups' rows whole and in order, where head by head it came back to
+    // each row once a head, 128 of its bytes at a time (docs/SPEED.md, "The K / V packing group
+    // by group").
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < KvH * groups; ++t) {
-        const int kh = t / groups, g = t % groups;
+        const int kh = t % KvH, g = t / KvH;
         uint32_t* kd = reinterpret_cast<uint32_t*>(Kp + kh * head_elems + static_cast<int64_t>(g) * 16 * hd);
         uint32_t* vd = reinterpret_cast<uint32_t*>(Vp + kh * head_elems + static_cast<int64_t>(g) * 16 * hd);
         const uint16_t* src_k[16];

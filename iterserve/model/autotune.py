@@ -193,12 +193,11 @@ def prefer_in_sequence(
     GEMMs at each bucket from ``min_rows`` rows on moved to ``fastest`` (``pick`` without that
     rule) where a layer's GEMMs in sequence on those paths beat them on the chosen ones by
     ``margin``; buckets past the one that serves ``max_rows`` rows take the choice below them.
-    ``time_layer({"chosen": {kind: path}, "fastest": {...}}, rows)`` -> seconds of
-    each sequence (None: not timed). Past the decode buckets the near-tie rule's reasons (the fused
-    decode path, one GEMM's noise) give way to a measurement of what a prefill step runs: one
-    GEMM timed alone favoured the AMX GEMM for gate_up at 2,048 rows by a few percent where in
-    sequence it cost 15% of the layer (docs/SPEED.md, "Every path timed past the decode
-    buckets")."""
+    ``time_layer({"chosen": {kind: path}, "fastest": {...}}, rows)`` -> seconds of each
+    sequence (None: not timed). Past the decode buckets the near-tie rule's reasons (the fused
+    decode path, one GEMM's noise) give way to a measurement of what a prefill step runs: a
+    GEMM timed alone can look a near tie where in a layer's sequence it clearly loses
+    (docs/SPEED.md, "Every path timed past the decode buckets")."""
     out = {k: list(v) for k, v in chosen.items()}
     if not all(k in chosen and k in fastest for k in LAYER_KINDS):
         return {k: tuple(v) for k, v in out.items()}
@@ -449,14 +448,13 @@ def measure_gemms(
     fns: Mapping[str, Mapping[str, Linear]] | None = None,
 ) -> dict[str, dict[str, list[float | None]]]:
     """kind -> path -> seconds per ROW_BUCKETS entry (``fns``: ``build_gemms``' result, built
-    here where not given). Bucket by bucket, smallest first, so a
-    deadline that cuts it short leaves the decode-sized buckets timed. None: past the deadline,
-    above the first bucket >= ``max_rows[kind]`` (no call gets there), or upcast below
-    UPCAST_MIN_ROWS (it runs the torch path there), or PRUNE times slower than the best at the
-    previous bucket (not at the first bucket past DECODE_BUCKETS), or (at the last bucket) not
-    timed at the previous one. Each kind is timed
-    as the model runs it: the LM head with f32 logits, gate_up followed by ``gate_up_act``
-    (Problem.gate_up_act)."""
+    here where not given). Bucket by bucket, smallest first, so a deadline that cuts it short
+    leaves the decode-sized buckets timed. None: past the deadline, above the first bucket >=
+    ``max_rows[kind]`` (no call gets there), or upcast below UPCAST_MIN_ROWS (it runs the torch
+    path there), or PRUNE times slower than the best at the previous bucket (not at the first
+    bucket past DECODE_BUCKETS), or (at the last bucket) not timed at the previous one. Each
+    kind is timed as the model runs it: the LM head with f32 logits, gate_up followed by
+    ``gate_up_act`` (Problem.gate_up_act)."""
     fns = build_gemms(weights, builders) if fns is None else fns
     out: dict[str, dict[str, list[float | None]]] = {
         k: {p: [None] * len(ROW_BUCKETS) for p in builders} for k in weights

@@ -176,12 +176,17 @@ def test_prefer_in_sequence_moves_prefill_buckets_on_the_layers_time() -> None:
     for k in KINDS[:4]:
         assert got[k][:5] == chosen[k][:5] and got[k][5] == "onednn", k
     assert got["lm_head"] == chosen["lm_head"]  # not a layer GEMM
-    # no call gets past 512 rows: 2,048 is not timed and takes 512's choice
+    # no call gets past 512 rows: 2,048 is not timed and takes 512's choice (here torch, which
+    # 2,048's own fastest, onednn, would not give)
     asked.clear()
+    fastest = {k: ("amx",) * 4 + ("torch", "onednn") for k in KINDS}
+    got = autotune.prefer_in_sequence(chosen, fastest, time_layer, buckets, max_rows=512)
+    assert [r for r, _, _ in asked] == [512]
+    assert all(got[k][4:] == ("amx", "amx") for k in KINDS[:4])  # 3% at 512: a near tie
     got = autotune.prefer_in_sequence(
         chosen, fastest, lambda a, r: {"chosen": 1.0, "fastest": 0.5}, buckets, max_rows=512
     )
-    assert all(got[k][4:] == ("onednn", "onednn") for k in KINDS[:4])
+    assert all(got[k][4:] == ("torch", "torch") for k in KINDS[:4])
     # not timed (past the deadline): the choice stands
     got = autotune.prefer_in_sequence(
         chosen, fastest, lambda a, r: {"chosen": None, "fastest": None}, buckets
@@ -465,6 +470,38 @@ def test_choose_measures_once_then_caches(tmp_path: Path, monkeypatch: pytest.Mo
     assert set(fixed.gemm["qkv"]) == {"torch"} and calls[-1] == "attn"
     both = autotune.choose(_problem(), builders, kern, True, Setting(gemm="packed", attn="cpu"))  # type: ignore[arg-type]
     assert both.source == "fixed" and set(both.attn) == {"cpu"}
+
+
+def test_choose_settles_prefill_buckets_in_sequence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In ``choose``, a prefill bucket where the near-tie rule kept the majority path is timed
+    as a layer's GEMMs in sequence on both sets, at its row count, and takes the faster set;
+    the decode buckets keep the near-tie rule's choice."""
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+
+    def fake_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float, *_: Any) -> Any:
+        # packed wins every bucket; torch is 10% faster at 512 rows: a near tie for `pick`
+        fake = {"torch": [2.0, 2.0, 2.0, 2.0, 0.9, 2.0], "packed": [1.0] * 6}
+        return {k: fake for k in weights}
+
+    seen: list[tuple[int, dict[str, str], dict[str, str]]] = []
+
+    def fake_layers(w: Any, fns: Any, act: Any, deadline: float, assign: Any, rows: int) -> Any:
+        assert set(fns["qkv"]) == {"torch", "packed"}  # the built GEMMs, every path
+        seen.append((rows, dict(assign["chosen"]), dict(assign["fastest"])))
+        return {"chosen": 1.0, "fastest": 0.8}
+
+    monkeypatch.setattr(autotune, "measure_gemms", fake_gemms)
+    monkeypatch.setattr(autotune, "time_layers", fake_layers)
+    monkeypatch.setattr(autotune, "measure_decodes", lambda *a: {"cpu": [1.0] * 4})
+    builders = autotune.gemm_builders(torch.float32, None, pack=True)
+    got = autotune.choose(_problem(), builders, object(), True, Setting())  # type: ignore[arg-type]
+    # max_rows 512: only the 512-row bucket is timed in sequence; 2,048 follows it
+    assert seen == [(512, dict.fromkeys(KINDS[:4], "packed"), dict.fromkeys(KINDS[:4], "torch"))]
+    for k in KINDS[:4]:
+        assert got.gemm[k] == ("packed",) * 4 + ("torch", "torch"), k
+    assert got.gemm["lm_head"] == ("packed",) * 6  # not a layer GEMM
 
 
 def test_choose_times_prefill_where_the_kernel_fits(

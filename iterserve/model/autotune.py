@@ -192,7 +192,10 @@ def prefer_in_sequence(
     """``chosen`` (kind -> path per bucket, after ``pick``'s near-tie rule) with a layer's four
     GEMMs at each bucket from ``min_rows`` rows on moved to ``fastest`` (``pick`` without that
     rule) where a layer's GEMMs in sequence on those paths beat them on the chosen ones by
-    ``margin``; buckets past the one that serves ``max_rows`` rows take the choice below them.
+    ``margin``; buckets past the first one at or above ``max_rows`` take the choice below them.
+    The set moved to may hold a second copy of a kind's weights where its path differs from the
+    decode buckets' (oneDNN's packed copy; torch's path uses the model's own), as ``pick``
+    allows a path that clears its near-tie rule.
     ``time_layer({"chosen": {kind: path}, "fastest": {...}}, rows)`` -> seconds of each
     sequence (None: not timed). Past the decode buckets the near-tie rule's reasons (the fused
     decode path, one GEMM's noise) give way to a measurement of what a prefill step runs: a

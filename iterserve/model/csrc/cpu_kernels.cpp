@@ -2057,7 +2057,7 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     const int groups = ctx_pad / 16;
     // Pack: task = (16 keys, KV head), a group's heads in turn: a slot's row holds every head,
     // so a thread reads its groups' rows whole and in order, where head by head it came back to
-    // each row once a head, 128 of its bytes at a time (docs/SPEED.md, "The K / V packing group
+    // each row once a head, for that head's bytes only (docs/SPEED.md, "The K / V packing group
     // by group").
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < KvH * groups; ++t) {

@@ -2162,10 +2162,11 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     float* Kp = kv.data;
     float* Vp = Kp + KvH * head_elems;
     const int groups = ctx_pad / 16;
-    // Widen: task = (KV head, 16 keys); K transposed per 16 keys, keys past ctx zero.
+    // Widen: task = (16 keys, KV head), a group's heads in turn (as the AVX-512 packing);
+    // K transposed per 16 keys, keys past ctx zero.
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < KvH * groups; ++t) {
-        const int kh = t / groups, g = t % groups;
+        const int kh = t % KvH, g = t / KvH;
         float* kd = Kp + kh * head_elems + static_cast<int64_t>(g) * 16 * hd;
         float* vd = Vp + kh * head_elems + static_cast<int64_t>(g) * 16 * hd;
         for (int u = 0; u < 16; ++u) {

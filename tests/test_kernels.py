@@ -118,7 +118,7 @@ def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit(kern_variant: kernel
         assert torch.equal(x, h) and torch.equal(y, F.rms_norm(h, (n,), None, 1e-6) * w)
         gu = (torch.randn(64, 2 * n) * 4).bfloat16()
         assert torch.equal(kern.silu_mul(gu), F.silu(gu[:, :n]) * gu[:, n:])
-    for hd in (64, 48, 20):
+    for hd in (128, 64, 48, 20):
         qkv = (torch.randn(7, 5 * hd + 3) * 2).bfloat16()
         x = qkv[:, : 4 * hd].view(7, 4, hd)  # a strided view, as in the layer
         cos, sin = torch.randn(7, 1, hd).bfloat16(), torch.randn(7, 1, hd).bfloat16()

@@ -1814,11 +1814,51 @@ void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n) {
     }
 }
 
+#if defined(__AVX512F__)
+// rope_bf16 for one token at head_dim 16 * NV: its cos and sin widened once for all its heads,
+// each head's x widened once for both of its uses (as itself and rotated).
+extern "C++" template <int NV>
+void rope_token16(const uint16_t* xt, const uint16_t* c, const uint16_t* sn, uint16_t* ot, int n) {
+    constexpr int hd = 16 * NV, HV = NV / 2;  // HV: vectors in half a head
+    __m512 cv[NV], sv[NV];
+    for (int k = 0; k < NV; ++k) {
+        cv[k] = widen16(c + 16 * k);
+        sv[k] = widen16(sn + 16 * k);
+    }
+    for (int h = 0; h < n; ++h) {
+        const uint16_t* xh = xt + h * hd;
+        uint16_t* o = ot + h * hd;
+        __m512 xv[NV];
+        for (int k = 0; k < NV; ++k) xv[k] = widen16(xh + 16 * k);
+        for (int k = 0; k < NV; ++k) {
+            const __m512 a = round_bf16(_mm512_mul_ps(xv[k], cv[k]));
+            const __m512 b = round_bf16(_mm512_mul_ps(xv[k < HV ? k + HV : k - HV], sv[k]));
+            narrow16(o + 16 * k, _mm512_add_ps(a, b));
+        }
+    }
+}
+#endif
+
 // Rotary embedding on bf16 [T, n, hd] (rows of x row_stride apart, heads contiguous) with
 // per-token cos / sin_signed [T, hd] (sin_signed = -sin on the first half): out = bf16(bf16(x *
 // cos) + bf16(x_rotated_half * sin_signed)), the roundings of the three torch ops it replaces.
 void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int T, int n, int hd) {
     const int half = hd / 2;
+#if defined(__AVX512F__)
+    if (hd == 64 || hd == 128) {
+#pragma omp parallel for schedule(static) if (int64_t(T) * n * hd >= PAR_MIN_ELEMS)
+        for (int t = 0; t < T; ++t) {
+            const uint16_t* xt = x + static_cast<int64_t>(t) * row_stride;
+            uint16_t* ot = out + static_cast<int64_t>(t) * n * hd;
+            const uint16_t *c = cos + static_cast<int64_t>(t) * hd, *sn = sin + static_cast<int64_t>(t) * hd;
+            if (hd == 64)
+                rope_token16<4>(xt, c, sn, ot, n);
+            else
+                rope_token16<8>(xt, c, sn, ot, n);
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) if (int64_t(T) * n * hd >= PAR_MIN_ELEMS)
     for (int t = 0; t < T; ++t) {
         const uint16_t* c = cos + static_cast<int64_t>(t) * hd;

@@ -6,6 +6,7 @@ its output held in the tiles").
     python benchmarks/kernel_ab.py --base-rev 41cf5e3 --batches 1,2,3,4,6 --ctx 150
     python benchmarks/kernel_ab.py --base-rev b12dff4 --prefill 2048 --budgets 2048,512
     python benchmarks/kernel_ab.py --base-rev c9c3bd5 --decode-steps --batches 1,8,32,128
+    python benchmarks/kernel_ab.py --base-rev fe33d3d --elementwise 512,2048
 
 Each library is built from its source (cached by source hash, as the engine builds it).
 ``--prefill N``: per budget (max_num_batched_tokens), one engine (``LLM(--model,
@@ -17,6 +18,8 @@ engine per library (the default budget), stepped until all B decode; then ``--ro
 10 decode steps on each engine in turn, the order reversed every other round; the median of
 each round's median step (``StepStats.duration_s``) and their ratio. The requests are aborted
 before the next batch size.
+``--elementwise ROWS``: benchmarks/kernels.py's row-wise kernels (RMSNorm, SwiGLU, RoPE, the
+KV write) at each row count, each library in turn, ``--rounds`` rounds; medians, us a call.
 Decode attention, per batch size: 12 calls (a step's layers), each over blocks of its own
 scattered in a pool three times the size needed, after a 64 MB read that evicts the caches as
 a step's weights do; ``--rounds`` rounds alternate the two libraries' order; the median of
@@ -161,6 +164,38 @@ def ab_decode_steps(
                 llm.engine.abort_request(f"{batch}-{i}")
 
 
+def ab_elementwise(libs: dict[str, kernels.Kernels], rows: list[int], rounds: int) -> None:
+    """``--elementwise``: benchmarks/kernels.py's row-wise kernels at bench-134m's widths
+    (rms_norm with the residual add, silu_mul, rope, write_rows; 200 calls each, hot) on each
+    library in turn, the order reversed every other round; their outputs must be equal."""
+    from kernels import _elementwise_row  # noqa: PLC0415  (benchmarks/kernels.py)
+
+    ops = ("rms_norm", "silu_mul", "rope", "write_rows")
+    for T in rows:
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, 768, generator=g).bfloat16()
+        w = torch.randn(768, generator=g).bfloat16()
+        gu = torch.randn(T, 4096, generator=g).bfloat16()
+        qk = torch.randn(T, 2 * HEADS, HEAD_DIM, generator=g).bfloat16()
+        cos, sin = (torch.randn(T, 1, HEAD_DIM, generator=g).bfloat16() for _ in range(2))
+        outs = [
+            (k.rms_norm(x, w, 1e-5), k.silu_mul(gu), k.rope(qk, cos, sin)) for k in libs.values()
+        ]
+        if not all(torch.equal(a, b) for a, b in zip(*outs, strict=True)):
+            raise SystemExit(f"{T} rows: the two libraries' outputs differ")
+        us: dict[str, list[list[float]]] = {name: [] for name in libs}
+        for r in range(rounds):
+            for name in list(libs) if r % 2 == 0 else list(reversed(libs)):
+                us[name].append(_elementwise_row(libs[name], T, 1))
+        med = {n: [statistics.median(v[i] for v in us[n]) for i in range(len(ops))] for n in libs}
+        a, b = libs
+        print(
+            f"{T} rows, us a call ({a} -> {b}): "
+            + ", ".join(f"{op} {med[a][i]:.1f} -> {med[b][i]:.1f}" for i, op in enumerate(ops)),
+            flush=True,
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-rev", required=True, help="git revision of the other source")
@@ -172,6 +207,7 @@ def main() -> None:
     p.add_argument("--budgets", default="2048,512", help="--prefill: max_num_batched_tokens")
     p.add_argument("--model", default="bench-134m", help="--prefill: the engines' model")
     p.add_argument("--decode-steps", action="store_true", help="engine decode steps at --batches")
+    p.add_argument("--elementwise", help="comma list of rows: the row-wise kernels at each")
     ns = p.parse_args()
     here = kernels.SOURCE
     repo = here.parents[3]
@@ -187,6 +223,9 @@ def main() -> None:
     kernels.SOURCE = here
     if ns.prefill:
         ab_prefill(libs, ns.prefill, [int(b) for b in ns.budgets.split(",")], ns.rounds, ns.model)
+        return
+    if ns.elementwise:
+        ab_elementwise(libs, [int(x) for x in ns.elementwise.split(",")], ns.rounds)
         return
     if ns.decode_steps:
         ab_decode_steps(libs, [int(x) for x in ns.batches.split(",")], ns.rounds, ns.model)

@@ -343,6 +343,39 @@ def test_busy_measurement_is_not_cached(
     assert calls == ["gemm"] * 3
 
 
+def test_a_measurement_cut_past_the_decode_buckets_is_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GEMMs that use up their share of the budget (a large model's) after the decode-sized
+    buckets: attention is still timed in what is left, and the choice is cached (a next start
+    would stop at the same place); cut before the decode buckets it is not (as with no budget,
+    test_choose_errors_and_budget)."""
+    import time as _time
+
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    seen: list[float] = []
+
+    def slow_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float, *_: Any) -> Any:
+        seen.append(deadline)
+        while _time.perf_counter() <= deadline:  # the GEMMs take all of their share
+            _time.sleep(0.005)
+        ts: list[float | None] = [1.0, 1.0, 1.0, 1.0, None, None]
+        return {k: {"torch": ts, "packed": ts} for k in weights}
+
+    monkeypatch.setattr(autotune, "measure_gemms", slow_gemms)
+    monkeypatch.setattr(
+        autotune, "measure_decodes", lambda *a: {"cpu": [1.0] * 4, "torch": [0.5] * 4}
+    )
+    builders = autotune.gemm_builders(torch.float32, None, pack=True)
+    t0 = _time.perf_counter()
+    with caplog.at_level("WARNING", logger="iterserve.model.autotune"):
+        got = autotune.choose(_problem(), builders, object(), True, Setting(), budget_s=1.0)  # type: ignore[arg-type]
+    assert seen and seen[0] - t0 < autotune.GEMM_SHARE + 0.05  # the GEMMs' share, not all of it
+    assert got.attn == ("torch",) * 4  # timed after the GEMMs' cut
+    assert "cached all the same" in caplog.text
+    assert list(tmp_path.glob("autotune/*.json"))
+
+
 def test_route_by_rows() -> None:
     limits = autotune.bucket_limits(ROW_BUCKETS)
     assert limits[:-1] == (2, 16, 64, 256, 1024) and limits[-1] > 10**9  # log-scale midpoints

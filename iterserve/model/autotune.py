@@ -73,7 +73,11 @@ KEEP = 0.15
 # oneDNN) gain on the register-tile ones with rows and overtake them there (docs/SPEED.md,
 # "Every path timed past the decode buckets").
 PRUNE = 2.0
-BUDGET_S = 10.0  # measuring stops here; unmeasured buckets keep the previous bucket's choice
+# Measuring stops here; unmeasured buckets keep the previous bucket's choice. The GEMMs get
+# GEMM_SHARE of it, so the attention paths (milliseconds a call) are timed even where a large
+# model's GEMMs use up theirs (docs/SPEED.md, "The measurement's budget and a large model").
+BUDGET_S = 20.0
+GEMM_SHARE = 0.8
 # A measurement beside other processes taking more than this many cores is used but not cached:
 # a first start during a package install cached a choice timed at a third of the machine's speed,
 # and every later start took it (docs/SPEED.md, "AMX tiles for iterserve's own GEMM and prefill
@@ -700,13 +704,22 @@ def choose(
         load = OtherLoad()
         t0 = time.perf_counter()
         deadline = t0 + budget_s
+        gemm_deadline = t0 + budget_s * GEMM_SHARE
         gemm: dict[str, tuple[str, ...]] = {}
+        decodes_timed = True  # every kind timed at every decode-sized bucket a call reaches
+        gemm_cut = False  # the GEMMs' measurement reached its share of the budget
         if gemm_fixed:
             gemm = {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS}
         else:
             fns = build_gemms(prob.weights, builders)
             timed = measure_gemms(
-                prob.weights, builders, prob.max_rows, deadline, prob.gate_up_act, fns
+                prob.weights, builders, prob.max_rows, gemm_deadline, prob.gate_up_act, fns
+            )
+            decodes_timed = all(
+                any(ts[i] is not None for ts in timed[k].values())
+                for k in timed
+                for i, rows in enumerate(ROW_BUCKETS)
+                if rows <= DECODE_BUCKETS[-1] and (i == 0 or ROW_BUCKETS[i - 1] < prob.max_rows[k])
             )
             # a kind the model lacks (no layers) gets the baseline: no call ever takes it
             gemm = {
@@ -718,10 +731,11 @@ def choose(
             gemm = prefer_in_sequence(
                 gemm,
                 fastest,
-                functools.partial(time_layers, prob.weights, fns, prob.gate_up_act, deadline),
+                functools.partial(time_layers, prob.weights, fns, prob.gate_up_act, gemm_deadline),
                 max_rows=min(prob.max_rows.get(k, sys.maxsize) for k in LAYER_KINDS),
             )
             del fns
+            gemm_cut = time.perf_counter() > gemm_deadline
             for k in timed:
                 logger.debug("%s GEMM ms at rows %s: %s", k, ROW_BUCKETS, _ms(timed[k]))
         attn: tuple[str, ...] = ()
@@ -747,10 +761,12 @@ def choose(
         took = time.perf_counter() - t0
         others = load.cores()
         choice = Choice(gemm, attn, "measured", prefill)
-        if time.perf_counter() > deadline:
+        cut = gemm_cut or time.perf_counter() > deadline
+        if cut and not decodes_timed:
             logger.warning(
-                "kernel measurement stopped at its %.0f s budget (a busy machine?): buckets not "
-                "timed keep the previous bucket's choice; not cached, measured again next start",
+                "kernel measurement stopped at its %.0f s budget before the decode-sized GEMMs "
+                "were timed (a busy machine?): buckets not timed keep the previous bucket's "
+                "choice; not cached, measured again next start",
                 budget_s,
             )
         elif others > BUSY_CORES:
@@ -762,6 +778,13 @@ def choose(
         elif cache:
             path = save(key, choice)
             logger.info("kernel choice measured in %.1f s, cached in %s", took, path)
+            if cut:  # a model this large is cut at the same place at every start
+                logger.warning(
+                    "kernel measurement stopped at its %.0f s budget: buckets not timed keep "
+                    "the previous bucket's choice (cached all the same: a start would stop at "
+                    "the same place again)",
+                    budget_s,
+                )
     else:
         logger.info("kernel choice from the cache (%s)", cache_file(key))
     return choice

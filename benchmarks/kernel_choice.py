@@ -3,6 +3,7 @@
     python benchmarks/kernel_choice.py --model bench-134m --dtype bfloat16
     python benchmarks/kernel_choice.py --max-num-batched-tokens 2048   # the 2,048-row bucket too
     python benchmarks/kernel_choice.py --ab 3 --num-requests 32 --prompt-len 32 --output-len 64
+    python benchmarks/kernel_choice.py --shape 2048,8192,128256,32,8,64   # a 1B-sized model
 
 Measures afresh (a temporary ``ITERSERVE_CACHE`` for the choice, the C++ kernels reused from
 yours) and prints autotune.py's log: ms per path and bucket (best of 3), then the choice per
@@ -10,6 +11,10 @@ layer kind. ``--threads`` sets torch's threads (the choice is cached per thread 
 ``--ab N``: then two engines in this process, one under ITERSERVE_KERNELS=flags (the CPU-flag
 rules) and one measured, run the same workload (random prompt ids, ignore_eos, greedy)
 alternately N times each; output tok/s per run, medians and their ratio.
+``--shape HIDDEN,INTERMEDIATE,VOCAB,HEADS,KV_HEADS,HEAD_DIM``: instead of a model, random bf16
+weights of those shapes (one layer's and the LM head; Llama-3.2-1B is 2048,8192,128256,32,8,64,
+Llama-3-8B 4096,14336,128256,32,8,128) through ``autotune.choose`` with its usual budget, not
+cached: how long a first start of a model that size measures, and whether the budget cuts it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ def main() -> None:
         help="the engine's token budget: GEMM rows are timed up to the first bucket at or past it",
     )
     ap.add_argument("--ab", type=int, default=0, help="alternated runs of flags vs measured")
+    ap.add_argument("--shape", help="H,I,V,heads,kv_heads,head_dim: random weights, no model")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
@@ -46,6 +52,9 @@ def main() -> None:
     from iterserve.model.runner import ModelRunner
 
     kernels.load()  # built into (or loaded from) the usual cache first
+    if ns.shape:
+        shaped(ns)
+        return
     os.environ["ITERSERVE_KERNELS"] = "measure"
     own = os.environ.get("ITERSERVE_CACHE")
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,6 +72,41 @@ def main() -> None:
     print(f"buckets: GEMM rows {autotune.ROW_BUCKETS}, decodes {autotune.DECODE_BUCKETS}")
     if ns.ab:
         ab(ns)
+
+
+def shaped(ns: argparse.Namespace) -> None:
+    import torch
+
+    from iterserve.model import autotune, kernels
+    from iterserve.model.layers import choose_act
+
+    h, inter, vocab, heads, kv_heads, hd = (int(v) for v in ns.shape.split(","))
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    kern = kernels.load()
+    shapes = {
+        "qkv": ((heads + 2 * kv_heads) * hd, h), "o": (h, heads * hd), "gate_up": (2 * inter, h),
+        "down": (h, inter), "lm_head": (vocab, h),
+    }  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        k: (torch.randn(n, m, generator=g).mul_(0.02).bfloat16(), None)
+        for k, (n, m) in shapes.items()
+    }
+    prob = autotune.Problem(
+        weights=weights, dtype=torch.bfloat16,
+        max_rows={**dict.fromkeys(autotune.LAYER_KINDS, ns.max_num_batched_tokens),
+                  "lm_head": autotune.LOGIT_ROWS},
+        heads=heads, kv_heads=kv_heads, head_dim=hd, block_size=16,
+        max_decodes=autotune.DECODE_BUCKETS[-1], max_ctx=2048, gate_up_act=choose_act(kern),
+    )  # fmt: skip
+    builders = autotune.gemm_builders(torch.bfloat16, kern, pack=False)
+    t0 = time.perf_counter()
+    choice = autotune.choose(prob, builders, kern, True, kernels.Setting(), cache=False)
+    print(f"shape {ns.shape}: measured in {time.perf_counter() - t0:.1f} s (budget "
+          f"{autotune.BUDGET_S:.0f} s)")  # fmt: skip
+    for line in choice.log_lines():
+        print(f"  {line}")
 
 
 def ab(ns: argparse.Namespace) -> None:

@@ -121,6 +121,28 @@ def test_prefer_fused_moves_a_layer_onto_one_family_within_the_margin() -> None:
     }
 
 
+def test_time_paths_times_a_long_call_once() -> None:
+    """Best of 3 after a warm-up call, the paths interleaved; a path whose warm-up took
+    LONG_CALL_S or more is timed once; past the deadline nothing more is timed."""
+    import time as _time
+
+    n = {"fast": 0, "slow": 0}
+
+    def fast() -> None:
+        n["fast"] += 1
+
+    def slow() -> None:
+        n["slow"] += 1
+        _time.sleep(autotune.LONG_CALL_S + 0.01)
+
+    got = autotune.time_paths({"fast": fast, "slow": slow}, _time.perf_counter() + 60)
+    assert n == {"fast": 4, "slow": 2}
+    assert got["fast"] is not None and got["slow"] is not None
+    assert got["slow"] >= autotune.LONG_CALL_S > got["fast"]
+    none = autotune.time_paths({"fast": fast}, _time.perf_counter() - 1)
+    assert none == {"fast": None} and n["fast"] == 4
+
+
 def test_measure_gemms_prunes_and_spares_the_last_bucket() -> None:
     """A path PRUNE times slower than the best is skipped at the next bucket and timed again
     at the one after; the first bucket past the decode buckets (512 rows) times every path,

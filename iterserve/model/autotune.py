@@ -78,6 +78,10 @@ PRUNE = 2.0
 # model's GEMMs use up theirs (docs/SPEED.md, "The measurement's budget and a large model").
 BUDGET_S = 20.0
 GEMM_SHARE = 0.8
+# A call this long (a large model's GEMM at the larger buckets) is timed once after its warm-up
+# rather than best of 3: its run-to-run noise is a smaller share of it, and three more calls of
+# every path there took most of the budget.
+LONG_CALL_S = 0.05
 # A measurement beside other processes taking more than this many cores is used but not cached:
 # a first start during a package install cached a choice timed at a third of the machine's speed,
 # and every later start took it (docs/SPEED.md, "AMX tiles for iterserve's own GEMM and prefill
@@ -385,14 +389,20 @@ def time_paths(
     calls: Mapping[str, Callable[[], object]], deadline: float, reps: int = 3
 ) -> dict[str, float | None]:
     """Best of ``reps`` wall times of each call, the paths interleaved (a warm-up call each
-    first); None for a path not timed before ``deadline``."""
+    first), or of one where the warm-up took LONG_CALL_S or more; None for a path not timed
+    before ``deadline``."""
     best: dict[str, float | None] = dict.fromkeys(calls)
-    for fn in calls.values():
+    warm: dict[str, float] = {}
+    for p, fn in calls.items():
         if time.perf_counter() > deadline:
             return best
+        t0 = time.perf_counter()
         fn()
-    for _ in range(reps):
+        warm[p] = time.perf_counter() - t0
+    for r in range(reps):
         for p, fn in calls.items():
+            if r and warm[p] >= LONG_CALL_S:
+                continue
             if time.perf_counter() > deadline:
                 return best
             t0 = time.perf_counter()
@@ -765,8 +775,9 @@ def choose(
         if cut and not decodes_timed:
             logger.warning(
                 "kernel measurement stopped at its %.0f s budget before the decode-sized GEMMs "
-                "were timed (a busy machine?): buckets not timed keep the previous bucket's "
-                "choice; not cached, measured again next start",
+                "were timed (a busy machine, or a model too large to time within it): buckets "
+                "not timed keep the previous bucket's choice; not cached, measured again next "
+                "start",
                 budget_s,
             )
         elif others > BUSY_CORES:
@@ -775,15 +786,18 @@ def choose(
                 "not be this machine's; used, not cached, measured again next start",
                 others,
             )
-        elif cache:
-            path = save(key, choice)
-            logger.info("kernel choice measured in %.1f s, cached in %s", took, path)
+        else:
+            if cache:
+                path = save(key, choice)
+                logger.info("kernel choice measured in %.1f s, cached in %s", took, path)
             if cut:  # a model this large is cut at the same place at every start
                 logger.warning(
                     "kernel measurement stopped at its %.0f s budget: buckets not timed keep "
-                    "the previous bucket's choice (cached all the same: a start would stop at "
-                    "the same place again)",
+                    "the previous bucket's choice%s",
                     budget_s,
+                    " (cached all the same: a start would stop at the same place again)"
+                    if cache
+                    else "",
                 )
     else:
         logger.info("kernel choice from the cache (%s)", cache_file(key))

@@ -6,8 +6,10 @@ kind (qkv, o, gate_up, down, lm_head; layer 0's) at a few row counts (``ROW_BUCK
 cpu backend's decode attention (the C++ kernel with software prefetch into L1, into L2, or
 none; SDPA) at a few decode counts, and its prefill attention (the C++ kernel or SDPA,
 ``PREFILL_TOKENS`` prompt tokens: a fresh chunk and a continued one) where the kernel fits the
-model, within a time budget (a few seconds for a ~100M model; milliseconds for the tests' tiny
-one). The choice per kind and row range is cached in ``$ITERSERVE_CACHE/autotune/`` keyed by
+model, within a time budget (``BUDGET_S``: a few seconds for a ~100M model, milliseconds for
+the tests' tiny one; a larger model's measurement cut by it once every decode-sized bucket was
+timed is kept as it is). The choice per kind and row range is cached in
+``$ITERSERVE_CACHE/autotune/`` keyed by
 CPU model and flags, torch version, model shapes, dtype, threads and the candidate paths, and
 logged one line per layer kind. ``ITERSERVE_KERNELS`` (kernels.parse_setting) fixes a path or
 skips measuring.

@@ -6,8 +6,9 @@
     python benchmarks/kernel_choice.py --shape 2048,8192,128256,32,8,64   # a 1B-sized model
 
 Measures afresh (a temporary ``ITERSERVE_CACHE`` for the choice, the C++ kernels reused from
-yours) and prints autotune.py's log: ms per path and bucket (best of 3), then the choice per
-layer kind. ``--threads`` sets torch's threads (the choice is cached per thread count).
+yours) and prints autotune.py's log: ms per path and bucket (best of 3, or the one timed call
+of 50 ms or more), then the choice per layer kind. ``--threads`` sets torch's threads (the
+choice is cached per thread count).
 ``--ab N``: then two engines in this process, one under ITERSERVE_KERNELS=flags (the CPU-flag
 rules) and one measured, run the same workload (random prompt ids, ignore_eos, greedy)
 alternately N times each; output tok/s per run, medians and their ratio.
@@ -15,6 +16,8 @@ alternately N times each; output tok/s per run, medians and their ratio.
 weights of those shapes (one layer's and the LM head; Llama-3.2-1B is 2048,8192,128256,32,8,64,
 Llama-3-8B 4096,14336,128256,32,8,128) through ``autotune.choose`` with its usual budget, not
 cached: how long a first start of a model that size measures, and whether the budget cuts it.
+The packed f32 path is among the candidates, as in an engine where the model's f32 copy would
+fit in half the free memory (``--no-pack``: as where it would not).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def main() -> None:
     )
     ap.add_argument("--ab", type=int, default=0, help="alternated runs of flags vs measured")
     ap.add_argument("--shape", help="H,I,V,heads,kv_heads,head_dim: random weights, no model")
+    ap.add_argument("--no-pack", action="store_true", help="--shape: without the packed path")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
@@ -78,7 +82,7 @@ def shaped(ns: argparse.Namespace) -> None:
     import torch
 
     from iterserve.model import autotune, kernels
-    from iterserve.model.layers import choose_act
+    from iterserve.model.layers import choose_act, packing_available
 
     h, inter, vocab, heads, kv_heads, hd = (int(v) for v in ns.shape.split(","))
     if ns.threads:
@@ -100,7 +104,8 @@ def shaped(ns: argparse.Namespace) -> None:
         heads=heads, kv_heads=kv_heads, head_dim=hd, block_size=16,
         max_decodes=autotune.DECODE_BUCKETS[-1], max_ctx=2048, gate_up_act=choose_act(kern),
     )  # fmt: skip
-    builders = autotune.gemm_builders(torch.bfloat16, kern, pack=False)
+    pack = not ns.no_pack and packing_available()
+    builders = autotune.gemm_builders(torch.bfloat16, kern, pack=pack)
     t0 = time.perf_counter()
     choice = autotune.choose(prob, builders, kern, True, kernels.Setting(), cache=False)
     print(f"shape {ns.shape}: measured in {time.perf_counter() - t0:.1f} s (budget "

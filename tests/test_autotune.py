@@ -122,8 +122,8 @@ def test_prefer_fused_moves_a_layer_onto_one_family_within_the_margin() -> None:
 
 
 def test_time_paths_times_a_long_call_once() -> None:
-    """Best of 3 after a warm-up call, the paths interleaved; a path whose warm-up took
-    LONG_CALL_S or more is timed once; past the deadline nothing more is timed."""
+    """Best of 3 after a warm-up call, the paths interleaved; a path whose first timed call
+    took LONG_CALL_S or more is timed once; past the deadline nothing more is timed."""
     import time as _time
 
     n = {"fast": 0, "slow": 0}
@@ -141,6 +141,16 @@ def test_time_paths_times_a_long_call_once() -> None:
     assert got["slow"] >= autotune.LONG_CALL_S > got["fast"]
     none = autotune.time_paths({"fast": fast}, _time.perf_counter() - 1)
     assert none == {"fast": None} and n["fast"] == 4
+    # a slow first call only (one-time setup, as oneDNN's for a new row count): best of 3
+    calls: list[int] = []
+
+    def setup_once() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            _time.sleep(autotune.LONG_CALL_S + 0.01)
+
+    got = autotune.time_paths({"setup": setup_once}, _time.perf_counter() + 60)
+    assert len(calls) == 4 and got["setup"] is not None and got["setup"] < autotune.LONG_CALL_S
 
 
 def test_measure_gemms_prunes_and_spares_the_last_bucket() -> None:
@@ -368,34 +378,50 @@ def test_busy_measurement_is_not_cached(
 def test_a_measurement_cut_past_the_decode_buckets_is_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """GEMMs that use up their share of the budget (a large model's) after the decode-sized
-    buckets: attention is still timed in what is left, and the choice is cached (a next start
-    would stop at the same place); cut before the decode buckets it is not (as with no budget,
-    test_choose_errors_and_budget)."""
+    """The GEMMs get GEMM_SHARE of the budget. A budget that cut only their larger buckets (a
+    large model's) leaves the choice cached, with a warning; one that cut a decode-sized
+    bucket, or the attention paths (here with the GEMMs fixed), leaves it uncached."""
     import time as _time
 
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
-    seen: list[float] = []
+    cut_at: list[int] = []
+    deadlines: list[float] = []
 
-    def slow_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float, *_: Any) -> Any:
-        seen.append(deadline)
-        while _time.perf_counter() <= deadline:  # the GEMMs take all of their share
-            _time.sleep(0.005)
-        ts: list[float | None] = [1.0, 1.0, 1.0, 1.0, None, None]
+    def fake_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float, *rest: Any) -> Any:
+        deadlines.append(deadline)
+        rest[-1].extend(cut_at)  # measure_gemms' `cut`: the buckets the deadline cut
+        ts: list[float | None] = [1.0] * 4 + [None if 4 in cut_at else 1.0] * 2
         return {k: {"torch": ts, "packed": ts} for k in weights}
 
-    monkeypatch.setattr(autotune, "measure_gemms", slow_gemms)
+    monkeypatch.setattr(autotune, "measure_gemms", fake_gemms)
     monkeypatch.setattr(
         autotune, "measure_decodes", lambda *a: {"cpu": [1.0] * 4, "torch": [0.5] * 4}
     )
     builders = autotune.gemm_builders(torch.float32, None, pack=True)
+
+    def start(setting: Setting | None = None, budget_s: float = 5.0) -> Choice:
+        fixed = setting or Setting()
+        return autotune.choose(_problem(), builders, object(), True, fixed, budget_s=budget_s)  # type: ignore[arg-type]
+
+    cut_at[:] = [4]  # 512 rows
     t0 = _time.perf_counter()
     with caplog.at_level("WARNING", logger="iterserve.model.autotune"):
-        got = autotune.choose(_problem(), builders, object(), True, Setting(), budget_s=1.0)  # type: ignore[arg-type]
-    assert seen and seen[0] - t0 < autotune.GEMM_SHARE + 0.05  # the GEMMs' share, not all of it
-    assert got.attn == ("torch",) * 4  # timed after the GEMMs' cut
-    assert "cached all the same" in caplog.text
-    assert list(tmp_path.glob("autotune/*.json"))
+        got = start()
+    assert 5.0 * autotune.GEMM_SHARE <= deadlines[-1] - t0 < 5.0  # the GEMMs' share only
+    assert got.attn == ("torch",) * 4 and "cached all the same" in caplog.text
+    assert len(list(tmp_path.glob("autotune/*.json"))) == 1
+    for f in tmp_path.glob("autotune/*.json"):
+        f.unlink()
+    caplog.clear()
+    cut_at[:] = [2]  # 32 rows: a decode-sized bucket
+    with caplog.at_level("WARNING", logger="iterserve.model.autotune"):
+        start()
+    assert "not cached" in caplog.text and not list(tmp_path.glob("autotune/*.json"))
+    caplog.clear()
+    # the GEMMs fixed, the attention paths cut by the budget
+    with caplog.at_level("WARNING", logger="iterserve.model.autotune"):
+        start(Setting(gemm="torch"), budget_s=0.0)
+    assert "not cached" in caplog.text and not list(tmp_path.glob("autotune/*.json"))
 
 
 def test_route_by_rows() -> None:

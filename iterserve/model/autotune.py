@@ -7,8 +7,8 @@ cpu backend's decode attention (the C++ kernel with software prefetch into L1, i
 none; SDPA) at a few decode counts, and its prefill attention (the C++ kernel or SDPA,
 ``PREFILL_TOKENS`` prompt tokens: a fresh chunk and a continued one) where the kernel fits the
 model, within a time budget (``BUDGET_S``: a few seconds for a ~100M model, milliseconds for
-the tests' tiny one; a larger model's measurement cut by it once every decode-sized bucket was
-timed is kept as it is). The choice per kind and row range is cached in
+the tests' tiny one; a larger model's measurement cut by it in the GEMMs' larger buckets only
+is cached as it is). The choice per kind and row range is cached in
 ``$ITERSERVE_CACHE/autotune/`` keyed by
 CPU model and flags, torch version, model shapes, dtype, threads and the candidate paths, and
 logged one line per layer kind. ``ITERSERVE_KERNELS`` (kernels.parse_setting) fixes a path or
@@ -80,9 +80,9 @@ PRUNE = 2.0
 # model's GEMMs use up theirs (docs/SPEED.md, "The measurement's budget and a large model").
 BUDGET_S = 20.0
 GEMM_SHARE = 0.8
-# A call this long (a large model's GEMM at the larger buckets) is timed once after its warm-up
-# rather than best of 3: its run-to-run noise is a smaller share of it, and three more calls of
-# every path there took most of the budget.
+# A call this long (a large model's GEMM at the larger buckets), timed once after its warm-up,
+# is not timed twice more for a best of 3: its run-to-run noise is a smaller share of it, and
+# the two more calls of every path there took much of the budget.
 LONG_CALL_S = 0.05
 # A measurement beside other processes taking more than this many cores is used but not cached:
 # a first start during a package install cached a choice timed at a third of the machine's speed,
@@ -92,7 +92,7 @@ BUSY_CORES = 0.3
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
 PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
-VERSION = 12  # bump when what is measured or how it is chosen changes
+VERSION = 13  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -391,19 +391,16 @@ def time_paths(
     calls: Mapping[str, Callable[[], object]], deadline: float, reps: int = 3
 ) -> dict[str, float | None]:
     """Best of ``reps`` wall times of each call, the paths interleaved (a warm-up call each
-    first), or of one where the warm-up took LONG_CALL_S or more; None for a path not timed
+    first), or only the first where that took LONG_CALL_S or more; None for a path not timed
     before ``deadline``."""
     best: dict[str, float | None] = dict.fromkeys(calls)
-    warm: dict[str, float] = {}
-    for p, fn in calls.items():
+    for fn in calls.values():
         if time.perf_counter() > deadline:
             return best
-        t0 = time.perf_counter()
         fn()
-        warm[p] = time.perf_counter() - t0
     for r in range(reps):
         for p, fn in calls.items():
-            if r and warm[p] >= LONG_CALL_S:
+            if r and (t := best[p]) is not None and t >= LONG_CALL_S:
                 continue
             if time.perf_counter() > deadline:
                 return best
@@ -465,15 +462,17 @@ def measure_gemms(
     deadline: float,
     gate_up_act: Callable[[torch.Tensor], torch.Tensor] | None = None,
     fns: Mapping[str, Mapping[str, Linear]] | None = None,
+    cut: list[int] | None = None,
 ) -> dict[str, dict[str, list[float | None]]]:
     """kind -> path -> seconds per ROW_BUCKETS entry (``fns``: ``build_gemms``' result, built
-    here where not given). Bucket by bucket, smallest first, so a deadline that cuts it short
-    leaves the decode-sized buckets timed. None: past the deadline, above the first bucket >=
-    ``max_rows[kind]`` (no call gets there), or upcast below UPCAST_MIN_ROWS (it runs the torch
-    path there), or PRUNE times slower than the best at the previous bucket (not at the first
-    bucket past DECODE_BUCKETS), or (at the last bucket) not timed at the previous one. Each
-    kind is timed as the model runs it: the LM head with f32 logits, gate_up followed by
-    ``gate_up_act`` (Problem.gate_up_act)."""
+    here where not given; ``cut``: the index of each bucket in which the deadline left a path
+    it was to time untimed is appended to it). Bucket by bucket, smallest first, so a deadline
+    that cuts it short leaves the decode-sized buckets timed. None: past the deadline, above
+    the first bucket >= ``max_rows[kind]`` (no call gets there), or upcast below
+    UPCAST_MIN_ROWS (it runs the torch path there), or PRUNE times slower than the best at the
+    previous bucket (not at the first bucket past DECODE_BUCKETS), or (at the last bucket) not
+    timed at the previous one. Each kind is timed as the model runs it: the LM head with f32
+    logits, gate_up followed by ``gate_up_act`` (Problem.gate_up_act)."""
     fns = build_gemms(weights, builders) if fns is None else fns
     out: dict[str, dict[str, list[float | None]]] = {
         k: {p: [None] * len(ROW_BUCKETS) for p in builders} for k in weights
@@ -503,8 +502,11 @@ def measure_gemms(
                 # the last bucket, the dearest to time, takes only the paths timed before it
                 and not (i == len(ROW_BUCKETS) - 1 and p not in prev)
             }
-            for p, t in time_paths(calls, deadline).items():
+            got = time_paths(calls, deadline)
+            for p, t in got.items():
                 out[kind][p][i] = t
+            if cut is not None and any(t is None for t in got.values()) and i not in cut:
+                cut.append(i)
     return out
 
 
@@ -518,7 +520,7 @@ def time_layers(
 ) -> dict[str, float | None]:
     """name -> seconds of a layer's four GEMMs (``fns``: ``build_gemms(weights, ...)``) on each
     assignment's paths, run back to back on ``rows`` rows as a step runs them (gate_up followed
-    by ``gate_up_act``); the assignments interleaved, best of 3 (``time_paths``)."""
+    by ``gate_up_act``); the assignments interleaved, best of 3 or of 1 (``time_paths``)."""
     xs = {k: torch.randn(rows, weights[k][0].shape[1]).to(weights[k][0].dtype) for k in LAYER_KINDS}
 
     def layer(assign: Mapping[str, str]) -> None:
@@ -718,21 +720,15 @@ def choose(
         deadline = t0 + budget_s
         gemm_deadline = t0 + budget_s * GEMM_SHARE
         gemm: dict[str, tuple[str, ...]] = {}
-        decodes_timed = True  # every kind timed at every decode-sized bucket a call reaches
-        gemm_cut = False  # the GEMMs' measurement reached its share of the budget
+        cut_buckets: list[int] = []  # GEMM buckets the deadline left partly untimed
         if gemm_fixed:
             gemm = {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS}
         else:
             fns = build_gemms(prob.weights, builders)
             timed = measure_gemms(
-                prob.weights, builders, prob.max_rows, gemm_deadline, prob.gate_up_act, fns
-            )
-            decodes_timed = all(
-                any(ts[i] is not None for ts in timed[k].values())
-                for k in timed
-                for i, rows in enumerate(ROW_BUCKETS)
-                if rows <= DECODE_BUCKETS[-1] and (i == 0 or ROW_BUCKETS[i - 1] < prob.max_rows[k])
-            )
+                prob.weights, builders, prob.max_rows, gemm_deadline, prob.gate_up_act, fns,
+                cut_buckets,
+            )  # fmt: skip
             # a kind the model lacks (no layers) gets the baseline: no call ever takes it
             gemm = {
                 k: pick(timed[k]) if k in timed else (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS
@@ -747,7 +743,6 @@ def choose(
                 max_rows=min(prob.max_rows.get(k, sys.maxsize) for k in LAYER_KINDS),
             )
             del fns
-            gemm_cut = time.perf_counter() > gemm_deadline
             for k in timed:
                 logger.debug("%s GEMM ms at rows %s: %s", k, ROW_BUCKETS, _ms(timed[k]))
         attn: tuple[str, ...] = ()
@@ -773,13 +768,18 @@ def choose(
         took = time.perf_counter() - t0
         others = load.cores()
         choice = Choice(gemm, attn, "measured", prefill)
-        cut = gemm_cut or time.perf_counter() > deadline
-        if cut and not decodes_timed:
+        # Cached even where the budget cut the GEMMs' larger buckets (a model that large is cut
+        # about there at every start); not where it cut a decode-sized bucket or the attention
+        # paths: a cut that early says as much about the machine's state as about the model.
+        decodes_cut = any(ROW_BUCKETS[i] <= DECODE_BUCKETS[-1] for i in cut_buckets)
+        early = decodes_cut or time.perf_counter() > deadline
+        cut = bool(cut_buckets) or early
+        if early:
             logger.warning(
                 "kernel measurement stopped at its %.0f s budget before the decode-sized GEMMs "
-                "were timed (a busy machine, or a model too large to time within it): buckets "
-                "not timed keep the previous bucket's choice; not cached, measured again next "
-                "start",
+                "or the attention paths were all timed (a busy machine, or a model too large to "
+                "time within it): buckets not timed keep the previous bucket's choice; not "
+                "cached, measured again next start",
                 budget_s,
             )
         elif others > BUSY_CORES:
@@ -792,14 +792,12 @@ def choose(
             if cache:
                 path = save(key, choice)
                 logger.info("kernel choice measured in %.1f s, cached in %s", took, path)
-            if cut:  # a model this large is cut at the same place at every start
+            if cut:
                 logger.warning(
                     "kernel measurement stopped at its %.0f s budget: buckets not timed keep "
                     "the previous bucket's choice%s",
                     budget_s,
-                    " (cached all the same: a start would stop at the same place again)"
-                    if cache
-                    else "",
+                    " (cached all the same: a start would stop about there again)" if cache else "",
                 )
     else:
         logger.info("kernel choice from the cache (%s)", cache_file(key))

@@ -389,7 +389,7 @@ def test_a_measurement_cut_past_the_decode_buckets_is_cached(
 
     def fake_gemms(weights: Any, builders: Any, max_rows: Any, deadline: float, *rest: Any) -> Any:
         deadlines.append(deadline)
-        rest[-1].extend(cut_at)  # measure_gemms' `cut`: the buckets the deadline cut
+        rest[-1].update(cut_at)  # measure_gemms' `cut`: the buckets the deadline cut
         ts: list[float | None] = [1.0] * 4 + [None if 4 in cut_at else 1.0] * 2
         return {k: {"torch": ts, "packed": ts} for k in weights}
 

@@ -463,11 +463,11 @@ def measure_gemms(
     deadline: float,
     gate_up_act: Callable[[torch.Tensor], torch.Tensor] | None = None,
     fns: Mapping[str, Mapping[str, Linear]] | None = None,
-    cut: list[int] | None = None,
+    cut: set[int] | None = None,
 ) -> dict[str, dict[str, list[float | None]]]:
     """kind -> path -> seconds per ROW_BUCKETS entry (``fns``: ``build_gemms``' result, built
-    here where not given; ``cut``: the index of each bucket in which the deadline left a path
-    it was to time untimed is appended to it). Bucket by bucket, smallest first, so a deadline
+    here where not given; ``cut``: gets the index of each bucket in which the deadline left a
+    path it was to time untimed). Bucket by bucket, smallest first, so a deadline
     that cuts it short leaves the decode-sized buckets timed. None: past the deadline, above
     the first bucket >= ``max_rows[kind]`` (no call gets there), or upcast below
     UPCAST_MIN_ROWS (it runs the torch path there), or PRUNE times slower than the best at the
@@ -506,8 +506,8 @@ def measure_gemms(
             got = time_paths(calls, deadline)
             for p, t in got.items():
                 out[kind][p][i] = t
-            if cut is not None and any(t is None for t in got.values()) and i not in cut:
-                cut.append(i)
+            if cut is not None and any(t is None for t in got.values()):
+                cut.add(i)
     return out
 
 
@@ -725,7 +725,7 @@ def choose(
         deadline = t_built + budget_s
         gemm_deadline = t_built + budget_s * GEMM_SHARE
         gemm: dict[str, tuple[str, ...]] = {}
-        cut_buckets: list[int] = []  # GEMM buckets the deadline left partly untimed
+        cut_buckets: set[int] = set()  # GEMM buckets the deadline left partly untimed
         if gemm_fixed:
             gemm = {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS}
         else:
@@ -776,9 +776,7 @@ def choose(
         # about there at every start); not where it cut a decode-sized bucket or the attention
         # paths: a cut that early says as much about the machine's state as about the model.
         decodes_cut = any(ROW_BUCKETS[i] <= DECODE_BUCKETS[-1] for i in cut_buckets)
-        early = decodes_cut or time.perf_counter() > deadline
-        cut = bool(cut_buckets) or early
-        if early:
+        if decodes_cut or time.perf_counter() > deadline:
             logger.warning(
                 "kernel measurement stopped at its %.0f s budget before the decode-sized GEMMs "
                 "or the attention paths were all timed (a busy machine, or a model too large to "
@@ -796,7 +794,7 @@ def choose(
             if cache:
                 path = save(key, choice)
                 logger.info("kernel choice measured in %.1f s, cached in %s", took, path)
-            if cut:
+            if cut_buckets:  # the larger buckets only (an earlier cut is handled above)
                 logger.warning(
                     "kernel measurement stopped at its %.0f s budget: buckets not timed keep "
                     "the previous bucket's choice%s",

@@ -102,9 +102,10 @@ def test_build_is_cached_and_reports_compiler_errors(
 
 
 def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit(kern_variant: kernels.Kernels) -> None:
-    """RMSNorm, SwiGLU and RoPE in one call each round exactly as the torch ops they replace
-    (llama.py), vector and scalar paths (widths multiple of 16 and not), AVX-512 and AVX2."""
-    from iterserve.model.layers import apply_rope
+    """RMSNorm, SwiGLU and RoPE (with and without a per-head norm first) in one call each round
+    exactly as the torch ops they replace (llama.py), vector and scalar paths (widths multiple
+    of 16 and not), AVX-512 and AVX2."""
+    from iterserve.model.layers import HeadRMSNorm, apply_rope
 
     kern = kern_variant
     torch.manual_seed(0)
@@ -123,8 +124,14 @@ def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit(kern_variant: kernel
         x = qkv[:, : 4 * hd].view(7, 4, hd)  # a strided view, as in the layer
         cos, sin = torch.randn(7, 1, hd).bfloat16(), torch.randn(7, 1, hd).bfloat16()
         assert torch.equal(kern.rope(x, cos, sin), apply_rope(x, cos, sin))
+        # Qwen3's per-head q / k norm in the same call (a weight row per head, as the loader
+        # broadcasts q_norm and k_norm), as layers.HeadRMSNorm and then RoPE
+        norm = HeadRMSNorm(torch.randn(4, hd).bfloat16(), 1e-6)
+        assert torch.equal(kern.rope(x, cos, sin, norm.weight, 1e-6), apply_rope(norm(x), cos, sin))
     with pytest.raises(ValueError, match="rms_norm takes bf16"):
         kern.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="norm"):  # one weight row per head
+        kern.rope(x, cos, sin, torch.ones(3, 20).bfloat16(), 1e-6)
 
 
 def test_argmax_equals_torch(kern_variant: kernels.Kernels) -> None:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from iterserve.config import CacheConfig
 from iterserve.model.builtin import make_test_checkpoint, resolve_model
+from iterserve.model.layers import FusedRotary, HeadRMSNorm
 from iterserve.model.model_config import ModelConfig
 from iterserve.model.runner import BatchItem, ModelRunner
 
@@ -672,10 +673,10 @@ def test_fused_decode_layers_give_the_same_bits(
     steps through DecoderLayer.forward: identical logits and KV caches, step after step, at 1
     to 25 decodes (the pair GEMM's prefetching tiles start at 12 rows; head_dim 64 takes the
     vector decode task and RoPE), on the pair GEMM (dot products or AMX tiles) and on the
-    f32-panel one; a step with a
-    prefill in it, and a model with a per-head q/k norm (Qwen3), take the per-layer path. The
-    decode kernel's prefetch (each kernel path in turn across the cases) reaches the fused
-    call too, as paged_decode_attention's ``ahead``."""
+    f32-panel one; a step with a prefill in it takes the per-layer path. A model with a
+    per-head q/k norm (Qwen3) takes the fused call too, the norm inside its RoPE. The decode
+    kernel's prefetch (each kernel path in turn across the cases) reaches the fused call too,
+    as paged_decode_attention's ``ahead``."""
     from iterserve.model import kernels
 
     _needs_gemm(gemm)
@@ -689,10 +690,12 @@ def test_fused_decode_layers_give_the_same_bits(
     fd = fused.model.fused_decode
     assert fd is not None
     plain.model.fused_decode = None
+    plan9 = fd.plan(9)
+    assert plan9 is not None
+    assert fd._prefetch[9] == want_ahead
+    # Qwen3's q / k norm weight reaches decode_layer; no other family has one
     qk_norm = name.startswith("qwen3")
-    assert (fd.plan(9) is None) == qk_norm
-    if not qk_norm:
-        assert fd._prefetch[9] == want_ahead
+    assert all(bool(w.qk_norm) == qk_norm for w in plan9)
     ran = []
     run = fd.run
     fd.run = lambda *a: _record(ran, run(*a))  # type: ignore[method-assign]
@@ -720,10 +723,9 @@ def test_fused_decode_layers_give_the_same_bits(
         for i in range(n):
             pos[i] += 1
     assert bool(fused_argmax) == (gemm == "amx")  # at 25 rows
-    if not qk_norm:  # gate_up and SwiGLU in one call on AMX from 17 rows (GateUpAct's rule)
-        plan9 = fd.plan(9) or []
-        assert [w.amx >> 4 & 1 for w in fd.plan(25) or []] == [int(gemm == "amx")] * len(plan9)
-        assert [w.amx >> 4 & 1 for w in plan9] == [0] * len(plan9)
+    # gate_up and SwiGLU in one call on AMX from 17 rows (GateUpAct's rule)
+    assert [w.amx >> 4 & 1 for w in fd.plan(25) or []] == [int(gemm == "amx")] * len(plan9)
+    assert [w.amx >> 4 & 1 for w in plan9] == [0] * len(plan9)
     # 5 decodes beside a new prompt's prefill: not decode-only
     both(
         [BatchItem(f"s{i}", [prompts[i][-1]], pos[i], tables[i], True) for i in range(5)]
@@ -732,7 +734,35 @@ def test_fused_decode_layers_give_the_same_bits(
     for (ka, va), (kb, vb) in zip(fused.kv_caches, plain.kv_caches):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
     # each step twice: logits, then greedy tokens
-    assert ran == [r for r in [False, *[not qk_norm] * len(counts), False] for _ in range(2)]
+    assert ran == [r for r in [False, *[True] * len(counts), False] for _ in range(2)]
+
+
+def test_qwen3_qk_norm_in_the_rope_kernel_gives_torchs_bits(
+    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3's per-head q/k norm inside RoPE's kernel call (and the other row-wise kernels)
+    against torch's ops for all of them (ITERSERVE_KERNELS=0), the GEMMs and attention on
+    torch in both: the same logits, prefill and decode steps alike."""
+    c = case("qwen3-qknorm-headdim")
+    runners = []
+    for setting in ("gemm=torch,attn=torch,prefill=torch", "0"):
+        monkeypatch.setenv("ITERSERVE_KERNELS", setting)
+        runners.append(c.runner(dtype="bfloat16"))
+    fused, plain = runners
+    assert isinstance(fused.model.layers[0].rotary, FusedRotary)
+    assert fused.model.layers[0].rotary.norm is not None
+    assert isinstance(plain.model.layers[0].qk_norm, HeadRMSNorm)
+    ids = [prompt(20 + 7 * i, seed=90 + i) for i in range(3)]
+    tables = [list(range(16 * i, 16 * i + 16)) for i in range(3)]
+    items = [BatchItem(f"s{i}", p, 0, tables[i], True) for i, p in enumerate(ids)]
+    for _ in range(3):
+        a, b = fused.execute(items), plain.execute(items)
+        assert torch.equal(a, b)
+        nxt = a.argmax(-1).tolist()
+        items = [
+            BatchItem(it.request_id, [t], it.start_pos + len(it.token_ids), it.block_table, True)
+            for it, t in zip(items, nxt)
+        ]
 
 
 def test_fused_decode_mixes_the_pair_gemms_per_projection(

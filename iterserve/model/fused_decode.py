@@ -29,6 +29,7 @@ from iterserve.model.layers import (
     FusedRMSNorm,
     FusedRotary,
     FusedSiluMul,
+    HeadRMSNorm,
     PairLinear,
     PanelLinear,
     for_rows,
@@ -115,6 +116,17 @@ class FusedDecode:
                 and layer.input_norm.eps == layer.post_norm.eps
                 and type(layer.rotary) is FusedRotary
                 and layer.rotary.kern is self.kern
+                and (
+                    (norm := layer.rotary.norm) is None
+                    or (
+                        type(norm) is HeadRMSNorm
+                        and norm.weight.dtype == torch.bfloat16
+                        and norm.weight.is_contiguous()
+                        and norm.weight.shape
+                        == (layer.num_heads + layer.num_kv_heads, layer.head_dim)
+                        and norm.eps == layer.input_norm.eps  # decode_layer takes one eps
+                    )
+                )
                 and type(layer.act) is FusedSiluMul
                 and layer.act.kern is self.kern
                 and layer.attn is self.attn
@@ -128,9 +140,11 @@ class FusedDecode:
                 o.out_features, qkv.out_features, gu.out_features // 2,
                 layer.num_heads, layer.num_kv_heads, layer.head_dim,
                 layer.input_norm.eps, float(layer.head_dim**-0.5), int(panels), amx,
+                _ptr(None if norm is None else norm.weight),
             )  # fmt: skip
             out.append(w)
             keep += [layer.input_norm.weight, layer.post_norm.weight]
+            keep += [] if norm is None else [norm.weight]
             keep += [t for x in lins for t in (_packed(x), x.bias) if t is not None]
         return out, keep
 

@@ -188,6 +188,7 @@ class DecodeLayerW(ctypes.Structure):
         # pair-packed: bit i set runs GEMM i (qkv, o, gate_up, down) on gemm_amx; bit 4:
         # gate_up and SwiGLU in one call (gemm_amx_swiglu)
         ("amx", _I),
+        ("qk_norm", _P),  # None, or Qwen3's per-head q / k norm weight [heads + kv_heads, head_dim]
     ]  # fmt: skip
 
 
@@ -215,7 +216,9 @@ class Kernels:
         self.lib.rms_norm_bf16.restype = None
         self.lib.silu_mul_bf16.argtypes = [_P, _P, _I, _I]
         self.lib.silu_mul_bf16.restype = None
-        self.lib.rope_bf16.argtypes = [_P, ctypes.c_int64, _P, _P, _P, _I, _I, _I]
+        self.lib.rope_bf16.argtypes = [
+            _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _P, ctypes.c_float,
+        ]  # fmt: skip
         self.lib.rope_bf16.restype = None
         self.lib.argmax_f32.argtypes = [_P, _I, _I, _P]
         self.lib.argmax_f32.restype = None
@@ -359,9 +362,18 @@ class Kernels:
         self.lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
         return out
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    def rope(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> torch.Tensor:
         """bf16 ``x * cos + rotate_half(x) * sin_signed`` (llama.py's ``apply_rope``); x [T, n, hd]
-        with heads contiguous (a row stride is fine), cos / sin_signed [T, 1, hd]."""
+        with heads contiguous (a row stride is fine), cos / sin_signed [T, 1, hd]. ``norm``
+        [n, hd] bf16: each head's RMSNorm first, ``F.rms_norm(x, (hd,), None, eps) * norm``
+        (Qwen3's q / k norm, layers.HeadRMSNorm), in the same call."""
         T, n, hd = x.shape
         if (
             x.dtype != torch.bfloat16
@@ -372,12 +384,15 @@ class Kernels:
             or x.stride(1) != hd
             or cos.numel() != T * hd
             or sin_signed.numel() != T * hd
+            or (norm is not None and (norm.dtype != torch.bfloat16 or norm.shape != (n, hd)))
         ):
             raise ValueError(
-                "rope takes bf16 x [T, n, hd] (heads contiguous) and cos/sin [T, 1, hd], got "
-                f"{x.dtype} {tuple(x.shape)}"
+                "rope takes bf16 x [T, n, hd] (heads contiguous), cos/sin [T, 1, hd] and a bf16 "
+                f"norm [n, hd] or none, got {x.dtype} {tuple(x.shape)}"
+                + ("" if norm is None else f", norm {norm.dtype} {tuple(norm.shape)}")
             )
         cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+        norm = None if norm is None else norm.contiguous()
         out = torch.empty(T, n, hd, dtype=torch.bfloat16)
         self.lib.rope_bf16(
             x.data_ptr(),
@@ -388,6 +403,8 @@ class Kernels:
             T,
             n,
             hd,
+            None if norm is None else norm.data_ptr(),
+            eps,
         )
         return out
 

@@ -350,11 +350,16 @@ class Rotary:
 
 
 class FusedRotary:
-    def __init__(self, kern: kernels.Kernels) -> None:
-        self.kern = kern
+    """bf16 RoPE in one kernel call; with ``norm`` (Qwen3's per-head q / k norm), the norm
+    first in the same call and pass over q and k (the same bits as ``norm`` then ``Rotary``)."""
+
+    def __init__(self, kern: kernels.Kernels, norm: HeadRMSNorm | None = None) -> None:
+        self.kern, self.norm = kern, norm
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.kern.rope(x, cos, sin)
+        if self.norm is None:
+            return self.kern.rope(x, cos, sin)
+        return self.kern.rope(x, cos, sin, self.norm.weight, self.norm.eps)
 
 
 class SiluMul:

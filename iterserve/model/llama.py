@@ -162,8 +162,13 @@ class DecoderLayer(nn.Module):
             setattr(self, name, choose_norm(w, self.eps, s.fused))
         w = self.qk_norm
         del self.qk_norm
-        self.qk_norm = no_qk_norm if w is None else HeadRMSNorm(w, self.eps)
-        self.rotary = Rotary() if s.fused is None else FusedRotary(s.fused)
+        head_norm = None if w is None else HeadRMSNorm(w, self.eps)
+        if s.fused is None:
+            self.qk_norm = no_qk_norm if head_norm is None else head_norm
+            self.rotary = Rotary()
+        else:  # the q / k norm inside RoPE's kernel call
+            self.qk_norm = no_qk_norm
+            self.rotary = FusedRotary(s.fused, head_norm)
         self.act = choose_act(s.fused)
         self.gate_up_act = GateUpAct(self.gate_up, self.act)
         self.attn = s.attention

@@ -1725,6 +1725,44 @@ void gemm_panels(const uint16_t* P, const void* x, void* y, const void* bias, in
     }
 }
 
+// The sum of squares of a bf16 row in f32, in the order rms_norm_bf16 adds them (its results
+// are compared bit for bit with torch's).
+inline float sumsq_bf16(const uint16_t* x, int n) {
+    int i0 = 0;
+    float ss = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i0 + 16 <= n; i0 += 16) {
+        const __m512 v = widen16(x + i0);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+#elif defined(ITERSERVE_AVX2)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i0 + 16 <= n; i0 += 16) {
+        const __m256 v0 = widen8(x + i0), v1 = widen8(x + i0 + 8);
+        acc0 = _mm256_fmadd_ps(v0, v0, acc0);
+        acc1 = _mm256_fmadd_ps(v1, v1, acc1);
+    }
+    ss = hsum8(_mm256_add_ps(acc0, acc1));
+#endif
+    for (int i = i0; i < n; ++i) ss += bf16_to_f32(x[i]) * bf16_to_f32(x[i]);
+    return ss;
+}
+
+// o = bf16(bf16(x * inv) * w) over a row of n: the norm's last step.
+inline void scale_row_bf16(const uint16_t* x, float inv, const uint16_t* w, uint16_t* o, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (; i + 16 <= n; i += 16) narrow16(o + i, _mm512_mul_ps(round_bf16(_mm512_mul_ps(widen16(x + i), iv)), widen16(w + i)));
+#elif defined(ITERSERVE_AVX2)
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (; i + 8 <= n; i += 8) narrow8(o + i, _mm256_mul_ps(round_bf16_8(_mm256_mul_ps(widen8(x + i), iv)), widen8(w + i)));
+#endif
+    for (; i < n; ++i) o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * inv)) * bf16_to_f32(w[i]));
+}
+
 // Llama's RMSNorm on bf16 rows, rounded as transformers rounds it: y = bf16(x * rsqrt(mean(x^2)
 // + eps)), out = bf16(y * w), with f32 arithmetic in between (as torch's bf16 ops). With `add`,
 // first x = bf16(x + add) in place (the residual add before the norm).
@@ -1733,49 +1771,37 @@ void rms_norm_bf16(uint16_t* x, const uint16_t* add, const uint16_t* w, uint16_t
     for (int r = 0; r < rows; ++r) {
         uint16_t* xr = x + static_cast<int64_t>(r) * n;
         const uint16_t* ar = add ? add + static_cast<int64_t>(r) * n : nullptr;
-        uint16_t* o = out + static_cast<int64_t>(r) * n;
-        int i0 = 0;
         float ss = 0.f;
+        if (!ar) {
+            ss = sumsq_bf16(xr, n);
+        } else {  // the add in the same pass, the squares in sumsq_bf16's order
+            int i0 = 0;
 #if defined(__AVX512F__)
-        __m512 acc = _mm512_setzero_ps();
-        for (; i0 + 16 <= n; i0 += 16) {
-            __m512 v = widen16(xr + i0);
-            if (ar) {
-                v = round_bf16(_mm512_add_ps(v, widen16(ar + i0)));
+            __m512 acc = _mm512_setzero_ps();
+            for (; i0 + 16 <= n; i0 += 16) {
+                const __m512 v = round_bf16(_mm512_add_ps(widen16(xr + i0), widen16(ar + i0)));
                 narrow16(xr + i0, v);
+                acc = _mm512_fmadd_ps(v, v, acc);
             }
-            acc = _mm512_fmadd_ps(v, v, acc);
-        }
-        ss = _mm512_reduce_add_ps(acc);
+            ss = _mm512_reduce_add_ps(acc);
 #elif defined(ITERSERVE_AVX2)
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        for (; i0 + 16 <= n; i0 += 16) {
-            __m256 v0 = widen8(xr + i0), v1 = widen8(xr + i0 + 8);
-            if (ar) {
-                v0 = round_bf16_8(_mm256_add_ps(v0, widen8(ar + i0)));
-                v1 = round_bf16_8(_mm256_add_ps(v1, widen8(ar + i0 + 8)));
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+            for (; i0 + 16 <= n; i0 += 16) {
+                const __m256 v0 = round_bf16_8(_mm256_add_ps(widen8(xr + i0), widen8(ar + i0)));
+                const __m256 v1 = round_bf16_8(_mm256_add_ps(widen8(xr + i0 + 8), widen8(ar + i0 + 8)));
                 narrow8(xr + i0, v0);
                 narrow8(xr + i0 + 8, v1);
+                acc0 = _mm256_fmadd_ps(v0, v0, acc0);
+                acc1 = _mm256_fmadd_ps(v1, v1, acc1);
             }
-            acc0 = _mm256_fmadd_ps(v0, v0, acc0);
-            acc1 = _mm256_fmadd_ps(v1, v1, acc1);
-        }
-        ss = hsum8(_mm256_add_ps(acc0, acc1));
+            ss = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
-        for (int i = i0; i < n; ++i) {
-            if (ar) xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(ar[i]));
-            ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
+            for (int i = i0; i < n; ++i) {
+                xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(ar[i]));
+                ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
+            }
         }
-        const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-        int i = 0;
-#if defined(__AVX512F__)
-        const __m512 iv = _mm512_set1_ps(inv);
-        for (; i + 16 <= n; i += 16) narrow16(o + i, _mm512_mul_ps(round_bf16(_mm512_mul_ps(widen16(xr + i), iv)), widen16(w + i)));
-#elif defined(ITERSERVE_AVX2)
-        const __m256 iv = _mm256_set1_ps(inv);
-        for (; i + 8 <= n; i += 8) narrow8(o + i, _mm256_mul_ps(round_bf16_8(_mm256_mul_ps(widen8(xr + i), iv)), widen8(w + i)));
-#endif
-        for (; i < n; ++i) o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv)) * bf16_to_f32(w[i]));
+        scale_row_bf16(xr, 1.f / std::sqrt(ss / static_cast<float>(n) + eps), w, out + static_cast<int64_t>(r) * n, n);
     }
 }
 
@@ -1816,9 +1842,10 @@ void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n) {
 
 #if defined(__AVX512F__)
 // rope_bf16 for one token at head_dim 16 * NV: its cos and sin widened once for all its heads,
-// each head's x widened once for both of its uses (as itself and rotated).
+// each head's x widened once for both of its uses (as itself and rotated); with `nw`, each head
+// first takes its RMSNorm (weight row nw + h * hd), as sumsq_bf16 and scale_row_bf16 compute it.
 extern "C++" template <int NV>
-void rope_token16(const uint16_t* xt, const uint16_t* c, const uint16_t* sn, uint16_t* ot, int n) {
+void rope_token16(const uint16_t* xt, const uint16_t* c, const uint16_t* sn, uint16_t* ot, int n, const uint16_t* nw, float eps) {
     constexpr int hd = 16 * NV, HV = NV / 2;  // HV: vectors in half a head
     __m512 cv[NV], sv[NV];
     for (int k = 0; k < NV; ++k) {
@@ -1830,6 +1857,13 @@ void rope_token16(const uint16_t* xt, const uint16_t* c, const uint16_t* sn, uin
         uint16_t* o = ot + h * hd;
         __m512 xv[NV];
         for (int k = 0; k < NV; ++k) xv[k] = widen16(xh + 16 * k);
+        if (nw) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int k = 0; k < NV; ++k) acc = _mm512_fmadd_ps(xv[k], xv[k], acc);
+            const __m512 iv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(hd) + eps));
+            const uint16_t* wh = nw + h * hd;
+            for (int k = 0; k < NV; ++k) xv[k] = round_bf16(_mm512_mul_ps(round_bf16(_mm512_mul_ps(xv[k], iv)), widen16(wh + 16 * k)));
+        }
         for (int k = 0; k < NV; ++k) {
             const __m512 a = round_bf16(_mm512_mul_ps(xv[k], cv[k]));
             const __m512 b = round_bf16(_mm512_mul_ps(xv[k < HV ? k + HV : k - HV], sv[k]));
@@ -1842,7 +1876,10 @@ void rope_token16(const uint16_t* xt, const uint16_t* c, const uint16_t* sn, uin
 // Rotary embedding on bf16 [T, n, hd] (rows of x row_stride apart, heads contiguous) with
 // per-token cos / sin_signed [T, hd] (sin_signed = -sin on the first half): out = bf16(bf16(x *
 // cos) + bf16(x_rotated_half * sin_signed)), the roundings of the three torch ops it replaces.
-void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int T, int n, int hd) {
+// norm_w (or null) [n, hd]: each head's RMSNorm first (Qwen3's q / k norm: rms_norm_bf16's
+// arithmetic on a row of hd, weight row h for head h).
+void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int T, int n, int hd,
+               const uint16_t* norm_w, float eps) {
     const int half = hd / 2;
 #if defined(__AVX512F__)
     if (hd == 64 || hd == 128) {
@@ -1852,45 +1889,54 @@ void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const
             uint16_t* ot = out + static_cast<int64_t>(t) * n * hd;
             const uint16_t *c = cos + static_cast<int64_t>(t) * hd, *sn = sin + static_cast<int64_t>(t) * hd;
             if (hd == 64)
-                rope_token16<4>(xt, c, sn, ot, n);
+                rope_token16<4>(xt, c, sn, ot, n, norm_w, eps);
             else
-                rope_token16<8>(xt, c, sn, ot, n);
+                rope_token16<8>(xt, c, sn, ot, n, norm_w, eps);
         }
         return;
     }
 #endif
-#pragma omp parallel for schedule(static) if (int64_t(T) * n * hd >= PAR_MIN_ELEMS)
-    for (int t = 0; t < T; ++t) {
-        const uint16_t* c = cos + static_cast<int64_t>(t) * hd;
-        const uint16_t* sn = sin + static_cast<int64_t>(t) * hd;
-        for (int h = 0; h < n; ++h) {
-            const uint16_t* xh = x + static_cast<int64_t>(t) * row_stride + static_cast<int64_t>(h) * hd;
-            uint16_t* o = out + (static_cast<int64_t>(t) * n + h) * hd;
-            int i = 0;
+#pragma omp parallel if (int64_t(T) * n * hd >= PAR_MIN_ELEMS)
+    {
+        std::vector<uint16_t> normed(norm_w ? hd : 0);  // a head after its norm
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; ++t) {
+            const uint16_t* c = cos + static_cast<int64_t>(t) * hd;
+            const uint16_t* sn = sin + static_cast<int64_t>(t) * hd;
+            for (int h = 0; h < n; ++h) {
+                const uint16_t* xh = x + static_cast<int64_t>(t) * row_stride + static_cast<int64_t>(h) * hd;
+                uint16_t* o = out + (static_cast<int64_t>(t) * n + h) * hd;
+                if (norm_w) {
+                    scale_row_bf16(xh, 1.f / std::sqrt(sumsq_bf16(xh, hd) / static_cast<float>(hd) + eps), norm_w + static_cast<int64_t>(h) * hd,
+                                   normed.data(), hd);
+                    xh = normed.data();
+                }
+                int i = 0;
 #if defined(__AVX512F__)
-            if (half % 16 == 0) {
-                for (; i < hd; i += 16) {
-                    const int j = i < half ? i + half : i - half;
-                    const __m512 a = round_bf16(_mm512_mul_ps(widen16(xh + i), widen16(c + i)));
-                    const __m512 b = round_bf16(_mm512_mul_ps(widen16(xh + j), widen16(sn + i)));
-                    narrow16(o + i, _mm512_add_ps(a, b));
+                if (half % 16 == 0) {
+                    for (; i < hd; i += 16) {
+                        const int j = i < half ? i + half : i - half;
+                        const __m512 a = round_bf16(_mm512_mul_ps(widen16(xh + i), widen16(c + i)));
+                        const __m512 b = round_bf16(_mm512_mul_ps(widen16(xh + j), widen16(sn + i)));
+                        narrow16(o + i, _mm512_add_ps(a, b));
+                    }
                 }
-            }
 #elif defined(ITERSERVE_AVX2)
-            if (half % 8 == 0) {
-                for (; i < hd; i += 8) {
-                    const int j = i < half ? i + half : i - half;
-                    const __m256 a = round_bf16_8(_mm256_mul_ps(widen8(xh + i), widen8(c + i)));
-                    const __m256 b = round_bf16_8(_mm256_mul_ps(widen8(xh + j), widen8(sn + i)));
-                    narrow8(o + i, _mm256_add_ps(a, b));
+                if (half % 8 == 0) {
+                    for (; i < hd; i += 8) {
+                        const int j = i < half ? i + half : i - half;
+                        const __m256 a = round_bf16_8(_mm256_mul_ps(widen8(xh + i), widen8(c + i)));
+                        const __m256 b = round_bf16_8(_mm256_mul_ps(widen8(xh + j), widen8(sn + i)));
+                        narrow8(o + i, _mm256_add_ps(a, b));
+                    }
                 }
-            }
 #endif
-            for (; i < hd; ++i) {
-                const int j = i < half ? i + half : i - half;
-                const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(xh[i]) * bf16_to_f32(c[i])));
-                const float b = bf16_to_f32(f32_to_bf16(bf16_to_f32(xh[j]) * bf16_to_f32(sn[i])));
-                o[i] = f32_to_bf16(a + b);
+                for (; i < hd; ++i) {
+                    const int j = i < half ? i + half : i - half;
+                    const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(xh[i]) * bf16_to_f32(c[i])));
+                    const float b = bf16_to_f32(f32_to_bf16(bf16_to_f32(xh[j]) * bf16_to_f32(sn[i])));
+                    o[i] = f32_to_bf16(a + b);
+                }
             }
         }
     }
@@ -2721,6 +2767,7 @@ struct DecodeLayerW {
     int panels;  // 1: the four weights are f32-panel packed (pack_bf16_panels), 0: pair packed
     int amx;     // pair packed: bit i set runs GEMM i (qkv, o, gate_up, down) on gemm_amx;
                  // bit 4: gate_up and SwiGLU in one call, gemm_amx_swiglu (fused_decode.py)
+    const uint16_t* qk_norm;  // null, or Qwen3's per-head q / k RMSNorm weight [heads + kv_heads, head_dim]
 };
 struct DecodeStep {
     const uint16_t *cos, *sin;  // [M, hd]
@@ -2763,7 +2810,7 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
     uint16_t* act = gu + static_cast<int64_t>(M) * 2 * w->inter;
     rms_norm_bf16(h, pending, w->in_norm, normed, M, hid, w->eps);
     gemm(0, w->qkv, normed, qkv, w->qkv_b, w->n_qkv, hid);
-    rope_bf16(qkv, w->n_qkv, s->cos, s->sin, qk, M, H + KvH, hd);  // q and k together
+    rope_bf16(qkv, w->n_qkv, s->cos, s->sin, qk, M, H + KvH, hd, w->qk_norm, w->eps);  // q and k together
     write_rows(qk + q_size, int64_t(nqk) * 2, k_cache, s->slots, M, int64_t(kv_size) * 2);
     write_rows(qkv + q_size + kv_size, int64_t(w->n_qkv) * 2, v_cache, s->slots, M, int64_t(kv_size) * 2);
     paged_decode_attention(qk, nqk, 0, k_cache, v_cache, 0, s->block_tables, s->ctx_lens, s->starts, attn, M, H, KvH, hd, s->block_size,

@@ -104,7 +104,11 @@ def measure_decode(
     try:
         while len(rows) < steps:
             if not eng.has_unfinished_requests():
-                raise RuntimeError(f"B={batch}: requests ended before {steps} all-decode steps")
+                raise RuntimeError(
+                    f"B={batch}: requests ended before {steps} all-decode steps (a KV pool of "
+                    f"{eng.kv.num_blocks} blocks too small for {batch} sequences at once? try "
+                    "smaller --batches)"
+                )
             if profile is not None and seen_decode == warmup:
                 profile.start()
             eng.step()
@@ -311,8 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     print(
-        f"\ndecode step, bench-134m bf16, ctx ~{a.ctx}, median of {a.steps} steps "
-        "(engine StepStats)"
+        f"\ndecode step, {a.model} bf16, ctx ~{a.ctx}, median of {a.steps} steps (engine StepStats)"
     )
     hdr = (
         f"{'B':>4} {'iterserve ms':>12} {'forward ms':>10} {'tok/s':>8} {'bound ms':>9} "

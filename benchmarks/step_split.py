@@ -142,6 +142,14 @@ def main() -> None:
             while eng.has_unfinished_requests():
                 eng.step()
             label = f"B={b} {'one call per layer' if on else 'per-layer Python'}"
+            if not steps:  # e.g. the KV pool holds fewer than B such sequences at once
+                blocks = eng.kv.num_blocks
+                print(
+                    f"{label}: no step decoded all {b} requests at once (a KV pool of {blocks} "
+                    f"blocks for {b} x ~{ns.ctx + ns.steps + fill + 16} tokens?); try a smaller "
+                    "--batches or --ctx"
+                )
+                continue
             _report(label, "step", steps, spent, calls)
         model.fused_decode = fd
 

@@ -1449,6 +1449,47 @@ void prefill_task_amx(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, c
     }
 }
 
+// The softmax step of one 32-key block (k0 .. k0 + 31) for rows 0 .. nrows - 1 (at positions
+// pos0 + i) of the AMX prefill kernels: s [16 x 32] f32 scores in, pb [16 x 32] bf16 P out (2^(s
+// * sl - m)), l [16 x 16] the rows' running sums; a row whose block max passes its lazy margin
+// (mlazy) takes the exact max, and its O and l the factor corr[i] (0 on the first block, where
+// they are 0). Returns the mask of those rows. prefill_task's softmax (softmax_block_row) on 2
+// vectors of scores a row.
+inline unsigned softmax_block32(const float* s, uint16_t* pb, float* l, float* m, float* mlazy, float* corr, int nrows, int pos0, int k0,
+                                bool first, __m512 sl) {
+    constexpr int KB = 32;
+    const __m512bh ones = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3f80));  // bf16 1.0
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    unsigned moved = 0;
+    for (int i = 0; i < nrows; ++i) {
+        const int pos = pos0 + i;
+        __m512 s0 = _mm512_mul_round_ps(_mm512_load_ps(s + i * KB), sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 s1 = _mm512_mul_round_ps(_mm512_load_ps(s + i * KB + 16), sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (k0 + KB - 1 > pos) {  // the diagonal block: hide keys past the query
+            const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(k0));
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            s0 = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos)), ninf, s0);
+            s1 = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(_mm512_add_epi32(key, _mm512_set1_epi32(16)), _mm512_set1_epi32(pos)), ninf, s1);
+        }
+        const __m512 mx = _mm512_max_ps(s0, s1);
+        // past the lazy margin (mlazy = m + PF_LAZY): the exact max, which is then above m
+        if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(mlazy[i]), _CMP_GT_OQ)) {
+            const float mo = m[i], mn = _mm512_reduce_max_ps(mx);
+            corr[i] = first ? 0.f : std::exp2(mo - mn);
+            _mm512_store_ps(l + 16 * i, _mm512_mul_ps(_mm512_load_ps(l + 16 * i), _mm512_set1_ps(corr[i])));
+            m[i] = mn;
+            mlazy[i] = mn + PF_LAZY;
+            moved |= 1u << i;
+        }
+        const __m512 mv = _mm512_set1_ps(m[i]);
+        const __m512i p01 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(exp2_bf16(_mm512_sub_ps(s1, mv)), exp2_bf16(_mm512_sub_ps(s0, mv))));
+        _mm512_store_si512(pb + i * KB, p01);
+        // l sums the bf16 P, two at a time in one dot product against ones
+        _mm512_store_ps(l + 16 * i, _mm512_dpbf16_ps(_mm512_load_ps(l + 16 * i), reinterpret_cast<__m512bh>(p01), ones));
+    }
+    return moved;
+}
+
 // Rows [r0, r1) (at most 16) of query head h for head_dim 64 on AMX tiles, with the output O
 // held in four accumulator tiles across all the key blocks (32 keys each): only K and V stream
 // in, while Q (2 KB), S (2 x 2 KB) and P (2 x 1 KB) stay in L1 (prefill_task_amx's ~85 KB of
@@ -1475,8 +1516,6 @@ void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp,
     std::memset(Pb, 0, sizeof(uint16_t) * 2 * 16 * KB);  // rows past nrows stay 0
     const int nb = (p0 + r1 - 1) / KB + 1;  // key blocks up to the last row's position
     const __m512 sl = _mm512_set1_ps(scale * 1.44269504088896341f);
-    const __m512bh ones = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3f80));  // bf16 1.0
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     auto scores = [&](int j) {  // S = Q . K^T for block j into tiles 0-1
         const uint16_t* kb = Kp + static_cast<int64_t>(j) * KB * hd;
         _tile_zero(0);
@@ -1520,34 +1559,7 @@ void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp,
         const float* s = S + (j & 1) * 16 * KB;
         uint16_t* pb = Pb + (j & 1) * 16 * KB;
         alignas(64) float corr[16];
-        unsigned moved = 0;  // rows whose max moved in this block
-        for (int i = 0; i < nrows; ++i) {
-            // prefill_task's softmax step (softmax_block_row) on 2 vectors of scores
-            const int pos = p0 + r0 + i;
-            __m512 s0 = _mm512_mul_round_ps(_mm512_load_ps(s + i * KB), sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            __m512 s1 = _mm512_mul_round_ps(_mm512_load_ps(s + i * KB + 16), sl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            if (k0 + KB - 1 > pos) {  // the diagonal block: hide keys past the query
-                const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(k0));
-                const __m512 ninf = _mm512_set1_ps(-INFINITY);
-                s0 = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos)), ninf, s0);
-                s1 = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(_mm512_add_epi32(key, _mm512_set1_epi32(16)), _mm512_set1_epi32(pos)), ninf, s1);
-            }
-            const __m512 mx = _mm512_max_ps(s0, s1);
-            // past the lazy margin (mlazy = m + PF_LAZY): the exact max, which is then above m
-            if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(mlazy[i]), _CMP_GT_OQ)) {
-                const float mo = m[i], mn = _mm512_reduce_max_ps(mx);
-                corr[i] = j ? std::exp2(mo - mn) : 0.f;  // O and l are 0 before the first block
-                _mm512_store_ps(l + 16 * i, _mm512_mul_ps(_mm512_load_ps(l + 16 * i), _mm512_set1_ps(corr[i])));
-                m[i] = mn;
-                mlazy[i] = mn + PF_LAZY;
-                moved |= 1u << i;
-            }
-            const __m512 mv = _mm512_set1_ps(m[i]);
-            const __m512i p01 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(exp2_bf16(_mm512_sub_ps(s1, mv)), exp2_bf16(_mm512_sub_ps(s0, mv))));
-            _mm512_store_si512(pb + i * KB, p01);
-            // l sums the bf16 P, two at a time in one dot product against ones
-            _mm512_store_ps(l + 16 * i, _mm512_dpbf16_ps(_mm512_load_ps(l + 16 * i), reinterpret_cast<__m512bh>(p01), ones));
-        }
+        const unsigned moved = softmax_block32(s, pb, l, m, mlazy, corr, nrows, p0 + r0, k0, j == 0, sl);
         if (moved && j > 0) {
             o_tiles(true);
             for (int i = 0; i < nrows; ++i)
@@ -1575,6 +1587,115 @@ void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp,
         uint16_t* dst = out + static_cast<int64_t>(r0 + i) * out_stride + static_cast<int64_t>(h) * hd;
         for (int e = 0; e < hd; e += 16) narrow16(dst + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * hd + e), inv));
     }
+}
+
+// Rows [r0, r1) (at most 16) of query head h for head_dim 128 on AMX tiles: prefill_rows_amx64's
+// scheme in two passes over the keys, since four accumulator tiles hold 64 of O's 128 columns.
+// The first computes the scores, the softmax (each block's P kept in Pall, with the blocks at
+// which rows' max moved and their factors) and O's columns 0-63; the second O's columns 64-127
+// from the kept P, rescaled at the same blocks by the same factors. Each block's scores and
+// softmax are computed once (an earlier try computed them again for the second half of O and
+// lost to the 96-row kernel; docs/SPEED.md, "Qwen3's shapes").
+// Qb: 16 x 128 bf16; S: 2 x 16 x 32 f32; Ob: 16 x 64 f32; m: 16; l: 16 x 16; for nb key blocks:
+// Pall: nb x 16 x 32 bf16, corr: nb x 16 f32, moved: nb.
+void prefill_rows_amx128(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const uint16_t* Vp, int h, int r0, int r1, int p0,
+                         float scale, uint16_t* out, int64_t out_stride, float* Ob, float* m, float* l, uint16_t* Qb, float* S,
+                         uint16_t* Pall, float* corr, unsigned* moved) {
+    constexpr int hd = 128, KB = 32, half = 64;
+    const int nrows = r1 - r0;
+    alignas(64) float mlazy[16];
+    for (int i = 0; i < 16; ++i) {  // Q rows, zero past nrows
+        m[i] = mlazy[i] = -INFINITY;
+        uint16_t* dst = Qb + i * hd;
+        if (i < nrows)
+            std::memcpy(dst, q + (r0 + i) * q_stride + static_cast<int64_t>(h) * hd, sizeof(uint16_t) * hd);
+        else
+            std::memset(dst, 0, sizeof(uint16_t) * hd);
+    }
+    std::memset(l, 0, sizeof(float) * 16 * 16);
+    const int nb = (p0 + r1 - 1) / KB + 1;  // key blocks up to the last row's position
+    if (nrows < 16) std::memset(Pall, 0, sizeof(uint16_t) * nb * 16 * KB);  // rows past nrows stay 0
+    const __m512 sl = _mm512_set1_ps(scale * 1.44269504088896341f);
+    auto scores = [&](int j) {  // S = Q . K^T for block j into tiles 0-1, head_dim 32 a product
+        const uint16_t* kb = Kp + static_cast<int64_t>(j) * KB * hd;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int c = 0; c < hd / 32; ++c) {
+            _tile_loadd(6, Qb + 32 * c, hd * 2);
+            _tile_loadd(7, kb + 512 * c, 64);
+            _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(7, kb + 16 * hd + 512 * c, 64);
+            _tile_dpbf16ps(1, 6, 7);
+        }
+    };
+    auto store_s = [&](int j) {
+        float* s = S + (j & 1) * 16 * KB;
+        _tile_stored(0, s, KB * 4);
+        _tile_stored(1, s + 16, KB * 4);
+    };
+    auto o_tiles = [&](bool store) {  // O's half between tiles 2-5 and Ob
+        for (int c = 0; c < 4; ++c) {
+            float* o = Ob + 16 * c;
+            switch (c) {  // tile numbers are immediates
+                case 0: if (store) _tile_stored(2, o, half * 4); else _tile_loadd(2, o, half * 4); break;
+                case 1: if (store) _tile_stored(3, o, half * 4); else _tile_loadd(3, o, half * 4); break;
+                case 2: if (store) _tile_stored(4, o, half * 4); else _tile_loadd(4, o, half * 4); break;
+                default: if (store) _tile_stored(5, o, half * 4); else _tile_loadd(5, o, half * 4); break;
+            }
+        }
+    };
+    auto rescale = [&](int j) {  // O's half in the tiles times block j's factors, for its moved rows
+        o_tiles(true);
+        for (int i = 0; i < nrows; ++i)
+            if (moved[j] >> i & 1)
+                for (int e = 0; e < half; e += 16)
+                    _mm512_store_ps(Ob + i * half + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * half + e), _mm512_set1_ps(corr[j * 16 + i])));
+        o_tiles(false);
+    };
+    auto pv = [&](int j, int c0) {  // O's half += P . V's columns c0 .. c0 + 63 for block j
+        const uint16_t* vb = Vp + static_cast<int64_t>(j) * KB * hd + 2 * c0;
+        _tile_loadd(6, Pall + static_cast<int64_t>(j) * 16 * KB, KB * 2);
+        _tile_loadd(7, vb, hd * 4);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(7, vb + 32, hd * 4);
+        _tile_dpbf16ps(3, 6, 7);
+        _tile_loadd(7, vb + 64, hd * 4);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(7, vb + 96, hd * 4);
+        _tile_dpbf16ps(5, 6, 7);
+    };
+    auto emit = [&](int c0) {  // O's half, normalised, into out's columns c0 .. c0 + 63
+        o_tiles(true);
+        for (int i = 0; i < nrows; ++i) {
+            const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + 16 * i)));
+            uint16_t* dst = out + static_cast<int64_t>(r0 + i) * out_stride + static_cast<int64_t>(h) * hd + c0;
+            for (int e = 0; e < half; e += 16) narrow16(dst + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * half + e), inv));
+        }
+    };
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    scores(0);
+    store_s(0);
+    for (int j = 0; j < nb; ++j) {
+        if (j + 1 < nb) scores(j + 1);
+        moved[j] = softmax_block32(S + (j & 1) * 16 * KB, Pall + static_cast<int64_t>(j) * 16 * KB, l, m, mlazy, corr + j * 16, nrows, p0 + r0,
+                                   j * KB, j == 0, sl);
+        if (moved[j] && j > 0) rescale(j);
+        pv(j, 0);
+        if (j + 1 < nb) store_s(j + 1);  // after the softmax, as prefill_rows_amx64
+    }
+    emit(0);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int j = 0; j < nb; ++j) {
+        if (moved[j] && j > 0) rescale(j);
+        pv(j, half);
+    }
+    emit(half);
 }
 
 // One configuration for the attention tiles: all eight 16 rows x 64 bytes.
@@ -2184,22 +2305,33 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     const int tasks = H * qblocks;
 #if defined(ITERSERVE_AMX)
     const bool tiles = amx_permitted();
-    if (tiles && hd == 64) {
-        // Tasks of 16 rows, head by head (a head's packed K and V, 2 x 128 bytes a key, stay in
-        // the thread's L2 across its tasks), later rows first: they see more keys.
+    if (tiles && (hd == 64 || hd == 128)) {
+        // Tasks of 16 rows, head by head (a head's packed K and V, 2 x 2 x hd bytes a key, stay
+        // in the thread's L2 across its tasks), later rows first: they see more keys.
         const int groups = (n + 15) / 16;
+        const int nb_max = ctx_pad / 32;  // key blocks of the last row
 #pragma omp parallel
         {
             const FlushDenormals ftz;
             alignas(64) float Ob[16 * 64], S[2 * 16 * 32], m[16], l[16 * 16];
-            alignas(64) uint16_t Qb[16 * 64], Pb[2 * 16 * 32];
+            alignas(64) uint16_t Qb[16 * 128], Pb[2 * 16 * 32];
+            // head_dim 128: every block's P and rescale factors, for the second pass
+            // (P's rows are stored 64-byte aligned: Pall starts on a 64-byte boundary)
+            std::vector<uint16_t> pall_buf(hd == 128 ? static_cast<size_t>(nb_max) * 16 * 32 + 32 : 0);
+            uint16_t* Pall = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(pall_buf.data()) + 63) & ~uintptr_t(63));
+            std::vector<float> corr(hd == 128 ? static_cast<size_t>(nb_max) * 16 : 0);
+            std::vector<unsigned> moved(hd == 128 ? nb_max : 0);
             amx_configure_square();
 #pragma omp for schedule(dynamic, 1)
             for (int t = 0; t < H * groups; ++t) {
                 const int h = t / groups, b = groups - 1 - t % groups;
                 const int r0 = b * 16, r1 = std::min(n, r0 + 16);
-                prefill_rows_amx64(q, q_row_stride, Kp + (h / G) * head_elems, Vp + (h / G) * head_elems, h, r0, r1, p0, scale, out,
-                                   static_cast<int64_t>(H) * hd, Ob, m, l, Qb, S, Pb);
+                if (hd == 64)
+                    prefill_rows_amx64(q, q_row_stride, Kp + (h / G) * head_elems, Vp + (h / G) * head_elems, h, r0, r1, p0, scale, out,
+                                       static_cast<int64_t>(H) * hd, Ob, m, l, Qb, S, Pb);
+                else
+                    prefill_rows_amx128(q, q_row_stride, Kp + (h / G) * head_elems, Vp + (h / G) * head_elems, h, r0, r1, p0, scale, out,
+                                        static_cast<int64_t>(H) * hd, Ob, m, l, Qb, S, Pall, corr.data(), moved.data());
             }
             _tile_release();
         }

@@ -348,6 +348,65 @@ def test_gate_up_is_timed_with_the_fused_swiglu_on_amx(monkeypatch: pytest.Monke
     assert torch.equal(got, kern.silu_mul(amx(x)))
 
 
+def test_choose_glu_keeps_the_epilogue_unless_the_separate_pass_clearly_wins() -> None:
+    """``pick``'s rules with the epilogue as the baseline: the separate SwiGLU pass where it
+    beats the epilogue by MARGIN, a near tie between two buckets that chose it goes with them
+    (KEEP), untimed buckets carry the neighbour's; near ties everywhere keep the epilogue."""
+    fast = [None, None, 1.0, 1.0, 1.0, None]
+    t = {"epilogue": fast, "separate": [None, None, 0.7, 0.98, 0.7, None]}
+    assert autotune.choose_glu(t) == (True, True, False, False, False, False)
+    t = {"epilogue": fast, "separate": [None, None, 0.7, 1.3, 1.2, None]}
+    assert autotune.choose_glu(t) == (True, True, False, True, True, True)
+    same = {"epilogue": [1.0] * 6, "separate": [0.97] * 6}
+    assert autotune.choose_glu(same) == (True,) * 6
+
+
+def test_epilogue_rule_follows_the_row_buckets() -> None:
+    """A call of m rows takes the entry of the bucket that serves m rows (bucket_limits)."""
+    glu = (True, True, False, True, True, False)
+    rule = autotune.epilogue_rule(glu)
+    limits = autotune.bucket_limits(ROW_BUCKETS)
+    for i, limit in enumerate(limits[:-1]):
+        assert rule(limit) == glu[i] and rule(limit + 1) == glu[i + 1]
+    assert rule(10**6) is False
+
+
+def test_gate_up_takes_the_separate_pass_where_the_rule_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GateUpAct with an epilogue rule: the separate pass (GEMM, then silu_mul) where the rule
+    says no, gemm_amx_swiglu where it says yes; the same bits either way."""
+    kern = kernels.load()
+    if kern is None or not kern.has_amx:
+        pytest.skip("needs the C++ kernels built with AMX tiles on this CPU")
+    amx = autotune.gemm_builders(torch.bfloat16, kern, pack=False)["amx"](
+        (torch.randn(64, 64) * 0.1).bfloat16(), None
+    )
+    called: list[int] = []
+    real = kern.gemm_amx_swiglu
+    monkeypatch.setattr(kern, "gemm_amx_swiglu", lambda x, *a: called.append(len(x)) or real(x, *a))
+    gu = GateUpAct(amx, FusedSiluMul(kern), lambda rows: rows >= 32)
+    for rows in (EPILOGUE_MIN_ROWS, 32):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(gu(x), kern.silu_mul(amx(x)))
+        assert (gu.epilogue_at(rows) is not None) == (rows >= 32)
+    assert called == [32]
+
+
+def test_measure_glu_times_both_forms_where_asked() -> None:
+    """Both forms timed at the given row counts, None elsewhere."""
+    kern = kernels.load()
+    if kern is None or not kern.has_amx:
+        pytest.skip("needs the C++ kernels built with AMX tiles on this CPU")
+    amx = autotune.gemm_builders(torch.bfloat16, kern, pack=False)["amx"](
+        (torch.randn(64, 32) * 0.1).bfloat16(), None
+    )
+    rows = [None, None, 32, None, None, None]
+    got = autotune.measure_glu(32, torch.bfloat16, amx, FusedSiluMul(kern), rows, 1e18)
+    for form in ("epilogue", "separate"):
+        assert [t is not None for t in got[form]] == [m is not None for m in rows]
+
+
 def test_busy_measurement_is_not_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -485,7 +544,8 @@ def test_setting_parsing() -> None:
 
 def _choice() -> Choice:
     gemm = {k: ("torch", "torch", "panels", "packed", "packed", "packed") for k in KINDS}
-    return Choice(gemm, ("cpu", "cpu", "torch", "torch"), prefill=("torch",))
+    glu = (True, True, False, False, True, True)
+    return Choice(gemm, ("cpu", "cpu", "torch", "torch"), prefill=("torch",), glu=glu)
 
 
 def test_cache_round_trip(tmp_path: Path) -> None:
@@ -495,12 +555,16 @@ def test_cache_round_trip(tmp_path: Path) -> None:
     back = autotune.load_cached(key, tmp_path)
     assert back is not None and back.source == "cached"
     assert back.gemm == _choice().gemm and back.attn == _choice().attn
-    assert back.prefill == ("torch",)
+    assert back.prefill == ("torch",) and back.glu == _choice().glu
     assert autotune.load_cached({**key, "threads": 1}, tmp_path) is None  # another key
     d = json.loads(path.read_text())
     d["choice"]["gemm"]["qkv"] = ["warp"] * len(ROW_BUCKETS)
     path.write_text(json.dumps(d))
     assert autotune.load_cached(key, tmp_path) is None  # not a valid choice: measured again
+    d["choice"]["gemm"]["qkv"] = list(_choice().gemm["qkv"])
+    d["choice"]["glu"] = [True]  # one entry per bucket, or none
+    path.write_text(json.dumps(d))
+    assert autotune.load_cached(key, tmp_path) is None
     path.write_text("{not json")
     assert autotune.load_cached(key, tmp_path) is None
 

@@ -765,6 +765,41 @@ def test_qwen3_qk_norm_in_the_rope_kernel_gives_torchs_bits(
         ]
 
 
+def test_fused_decode_takes_the_swiglu_epilogue_where_gate_up_act_does(
+    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_layer's gate_up runs SwiGLU in the AMX epilogue exactly where the layer's
+    GateUpAct would (its measured rule, autotune.epilogue_rule): with the rule saying no, the
+    plan leaves it out and the step's logits stay those of the per-layer path."""
+    _needs_gemm("amx")
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=amx,attn=cpu,prefill=torch")
+    c = case("llama")
+    cc = CacheConfig(block_size=BLOCK, num_kv_blocks=26 * 16)
+    fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
+    fd = fused.model.fused_decode
+    assert fd is not None
+    plain.model.fused_decode = None
+    assert all(w.amx >> 4 & 1 for w in fd.plan(25) or [None])
+    for r in (fused, plain):
+        for layer in r.model.layers:
+            layer.gate_up_act.epilogue = lambda rows: rows > 25
+    fd._plans.clear()
+    plan = fd.plan(25)
+    assert plan is not None and not any(w.amx >> 4 & 1 for w in plan)
+    prompts = [prompt(10 + i, seed=40 + i) for i in range(25)]
+    tables = [[16 * i + j for j in range(16)] for i in range(25)]
+    items = [BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts)]
+    assert torch.equal(fused.execute(items), plain.execute(items))
+    ran: list[bool] = []
+    run = fd.run
+    fd.run = lambda *a: _record(ran, run(*a))  # type: ignore[method-assign]
+    items = [
+        BatchItem(f"s{i}", [p[-1]], len(p) - 1, tables[i], True) for i, p in enumerate(prompts)
+    ]
+    assert torch.equal(fused.execute(items), plain.execute(items))
+    assert ran == [True]
+
+
 def test_fused_decode_mixes_the_pair_gemms_per_projection(
     case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,9 +6,10 @@ kind (qkv, o, gate_up, down, lm_head; layer 0's) at a few row counts (``ROW_BUCK
 cpu backend's decode attention (the C++ kernel with software prefetch into L1, into L2, or
 none; SDPA) at a few decode counts, and its prefill attention (the C++ kernel or SDPA,
 ``PREFILL_TOKENS`` prompt tokens: a fresh chunk and a continued one) where the kernel fits the
-model, within a time budget (``BUDGET_S``: a few seconds for a ~100M model, milliseconds for
-the tests' tiny one; a larger model's measurement cut by it in the GEMMs' larger buckets only
-is cached as it is). The choice per kind and row range is cached in
+model, and, where gate_up runs on the AMX GEMM, its SwiGLU in the GEMM's epilogue against a
+separate pass (``measure_glu``), within a time budget (``BUDGET_S``: a few seconds for a ~100M
+model, milliseconds for the tests' tiny one; a larger model's measurement cut by it in the
+GEMMs' larger buckets only is cached as it is). The choice per kind and row range is cached in
 ``$ITERSERVE_CACHE/autotune/`` keyed by
 CPU model and flags, torch version, model shapes, dtype, threads and the candidate paths, and
 logged one line per layer kind. ``ITERSERVE_KERNELS`` (kernels.parse_setting) fixes a path or
@@ -40,9 +41,11 @@ from iterserve.model import attention, kernels
 from iterserve.model.builtin import cache_dir
 from iterserve.model.cpu import OtherLoad, has_native
 from iterserve.model.layers import (
+    EPILOGUE_MIN_ROWS,
     UPCAST_MIN_ROWS,
     AmxLinear,
     BucketedLinear,
+    FusedSiluMul,
     GateUpAct,
     Linear,
     OneDNNLinear,
@@ -93,7 +96,7 @@ BUSY_CORES = 0.3
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
 PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
-VERSION = 13  # bump when what is measured or how it is chosen changes
+VERSION = 14  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -288,6 +291,57 @@ def describe(paths: Sequence[str], buckets: Sequence[int]) -> str:
     return ", ".join(f"{p} up to {lim}" for lim, p in runs[:-1]) + f", {runs[-1][1]} above"
 
 
+def choose_glu(timings: Timings) -> tuple[bool, ...]:
+    """Per bucket, whether gate_up on the AMX GEMM takes SwiGLU in its epilogue: ``timings``
+    {"epilogue": ..., "separate": ...} (the GEMM, then ``silu_mul``), ``pick``'s rules with the
+    epilogue as the baseline (the separate pass must win by ``MARGIN``). Pure: tests feed it
+    fake timings."""
+    return tuple(p == "epilogue" for p in pick(timings))
+
+
+def epilogue_rule(glu: Sequence[bool]) -> Callable[[int], bool]:
+    """``Choice.glu`` as layers.GateUpAct's ``epilogue``: a call of m rows takes the entry of
+    the bucket that serves m rows (``bucket_limits``)."""
+    table = list(zip(bucket_limits(ROW_BUCKETS), glu))
+
+    def rule(rows: int) -> bool:
+        return next((g for limit, g in table if rows <= limit), table[-1][1])
+
+    return rule
+
+
+def measure_glu(
+    x_cols: int,
+    dtype: torch.dtype,
+    amx: Linear,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    rows: Sequence[int | None],
+    deadline: float,
+) -> dict[str, list[float | None]]:
+    """{"epilogue", "separate"} -> seconds per ROW_BUCKETS entry: gate_up on the AMX GEMM
+    (``amx``) with SwiGLU in its epilogue, and the GEMM then ``act``, at ``rows[i]`` rows (None:
+    not timed: the bucket does not run gate_up on AMX, has too few rows for the epilogue, or
+    no call gets there). At some shapes the epilogue loses (docs/SPEED.md, "A 1B-sized Llama
+    shape")."""
+    out: dict[str, list[float | None]] = {"epilogue": [], "separate": []}
+    fused = GateUpAct(amx, act)
+    for m in rows:
+        if m is None:
+            got: dict[str, float | None] = {"epilogue": None, "separate": None}
+        else:
+            x = torch.randn(m, x_cols).to(dtype)
+            got = time_paths(
+                {
+                    "epilogue": functools.partial(fused, x),
+                    "separate": functools.partial(lambda x: act(amx(x)), x),
+                },
+                deadline,
+            )
+        for p in out:
+            out[p].append(got[p])
+    return out
+
+
 @dataclass(frozen=True)
 class Choice:
     """Per layer kind, one GEMM path per ROW_BUCKETS entry; the cpu backend's decode path per
@@ -298,12 +352,16 @@ class Choice:
     attn: tuple[str, ...]
     source: str = "measured"  # measured | cached | fixed
     prefill: tuple[str, ...] = ()
+    # Per ROW_BUCKETS entry: whether gate_up on the AMX GEMM takes SwiGLU in its epilogue
+    # (layers.GateUpAct's ``epilogue``); empty: wherever it can (not measured).
+    glu: tuple[bool, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
             "gemm": {k: list(v) for k, v in self.gemm.items()},
             "attn": list(self.attn),
             "prefill": list(self.prefill),
+            "glu": list(self.glu),
         }
 
     @classmethod
@@ -311,8 +369,15 @@ class Choice:
         gemm = {str(k): tuple(str(p) for p in v) for k, v in d["gemm"].items()}
         attn = tuple(str(p) for p in d["attn"])
         prefill = tuple(str(p) for p in d["prefill"])
-        ok = set(gemm) == set(KINDS) and all(
-            len(v) == len(ROW_BUCKETS) and set(v) <= set(kernels.GEMM_PATHS) for v in gemm.values()
+        glu = tuple(d.get("glu", ()))
+        ok = len(glu) in (0, len(ROW_BUCKETS)) and all(type(g) is bool for g in glu)
+        ok = (
+            ok
+            and set(gemm) == set(KINDS)
+            and all(
+                len(v) == len(ROW_BUCKETS) and set(v) <= set(kernels.GEMM_PATHS)
+                for v in gemm.values()
+            )
         )
         if (
             not ok
@@ -322,7 +387,7 @@ class Choice:
             or not set(prefill) <= set(kernels.PREFILL_PATHS)
         ):
             raise ValueError(f"not a kernel choice: {dict(d)!r}")
-        return cls(gemm, attn, source, prefill)
+        return cls(gemm, attn, source, prefill, glu)
 
     def log_lines(self) -> list[str]:
         lines = [f"{k} GEMM: {describe(v, ROW_BUCKETS)} of rows" for k, v in self.gemm.items()]
@@ -330,6 +395,11 @@ class Choice:
             lines.append(f"decode attention: {describe(self.attn, DECODE_BUCKETS)} of decodes")
         if self.prefill:
             lines.append(f"prefill attention: {self.prefill[0]}")
+        if self.glu and not all(self.glu):
+            where = describe(
+                ["in the epilogue" if g else "separate" for g in self.glu], ROW_BUCKETS
+            )
+            lines.append(f"gate_up's SwiGLU on the AMX GEMM: {where} of rows")
         return lines
 
 
@@ -725,6 +795,7 @@ def choose(
         deadline = t_built + budget_s
         gemm_deadline = t_built + budget_s * GEMM_SHARE
         gemm: dict[str, tuple[str, ...]] = {}
+        glu: tuple[bool, ...] = ()
         cut_buckets: set[int] = set()  # GEMM buckets the deadline left partly untimed
         if gemm_fixed:
             gemm = {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS}
@@ -746,6 +817,7 @@ def choose(
                 functools.partial(time_layers, prob.weights, fns, prob.gate_up_act, gemm_deadline),
                 max_rows=min(prob.max_rows.get(k, sys.maxsize) for k in LAYER_KINDS),
             )
+            glu = _choose_glu(prob, fns, gemm, gemm_deadline)
             del fns
             for k in timed:
                 logger.debug("%s GEMM ms at rows %s: %s", k, ROW_BUCKETS, _ms(timed[k]))
@@ -771,7 +843,7 @@ def choose(
             logger.debug("prefill attention ms (%d tokens): %s", tokens, _ms(prefill_t))
         took = time.perf_counter() - t0
         others = load.cores()
-        choice = Choice(gemm, attn, "measured", prefill)
+        choice = Choice(gemm, attn, "measured", prefill, glu)
         # Cached even where the budget cut the GEMMs' larger buckets (a model that large is cut
         # about there at every start); not where it cut a decode-sized bucket or the attention
         # paths: a cut that early says as much about the machine's state as about the model.
@@ -804,6 +876,45 @@ def choose(
     else:
         logger.info("kernel choice from the cache (%s)", cache_file(key))
     return choice
+
+
+def _choose_glu(
+    prob: Problem,
+    fns: Mapping[str, Mapping[str, Linear]],
+    gemm: Mapping[str, Sequence[str]],
+    deadline: float,
+) -> tuple[bool, ...]:
+    """``Choice.glu`` for the measured GEMM choice: empty where gate_up never runs on the AMX
+    GEMM with the fused SwiGLU after it; else the epilogue against the separate pass at each
+    bucket that runs gate_up on AMX from EPILOGUE_MIN_ROWS rows on (the others: True, which no
+    call there takes)."""
+    act = prob.gate_up_act
+    if (
+        not isinstance(act, FusedSiluMul)
+        or "gate_up" not in gemm
+        or "amx" not in fns.get("gate_up", {})
+    ):
+        return ()
+    w = prob.weights["gate_up"][0]
+    limit = prob.max_rows.get("gate_up", sys.maxsize)
+    rows: list[int | None] = []
+    for i, m in enumerate(ROW_BUCKETS):
+        reached = not (i and ROW_BUCKETS[i - 1] >= limit)  # as measure_gemms
+        on_amx = gemm["gate_up"][i] == "amx" and m >= EPILOGUE_MIN_ROWS
+        rows.append(m if reached and on_amx else None)
+    if all(m is None for m in rows):
+        return ()
+    t = measure_glu(int(w.shape[1]), w.dtype, fns["gate_up"]["amx"], act, rows, deadline)
+    logger.debug("gate_up SwiGLU ms at rows %s: %s", ROW_BUCKETS, _ms(t))
+    if all(v is None for v in t["epilogue"]):
+        return ()
+    # buckets not timed: True (pick would carry a neighbour's choice into them; no call there
+    # takes the epilogue on AMX anyway, or the deadline cut them and the rule stays as it was)
+    picked = choose_glu(t)
+    return tuple(
+        g if m is not None and t["epilogue"][i] is not None else True
+        for i, (g, m) in enumerate(zip(picked, rows))
+    )
 
 
 def _ms(timings: Timings) -> str:

@@ -23,7 +23,6 @@ import torch
 from iterserve.model import attention, kernels
 from iterserve.model.attention_backends import CpuBackend, TorchMetadata
 from iterserve.model.layers import (
-    EPILOGUE_MIN_ROWS,
     PANEL_MAX_ROWS,
     AmxLinear,
     FusedRMSNorm,
@@ -94,8 +93,8 @@ class FusedDecode:
                 for x in lins
             ) and bool(self.kern.has_bf16_dot)
             amx = sum(1 << i for i, x in enumerate(lins) if type(x) is AmxLinear)
-            if type(lins[2]) is AmxLinear and rows >= EPILOGUE_MIN_ROWS:
-                amx |= 1 << 4  # gate_up and SwiGLU in one call, as GateUpAct takes them
+            if layer.gate_up_act.epilogue_at(rows) is not None:
+                amx |= 1 << 4  # gate_up and SwiGLU in one call, where GateUpAct takes it
             panels = all(
                 type(x) is PanelLinear
                 and x.kern is self.kern

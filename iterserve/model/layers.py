@@ -389,17 +389,29 @@ class GateUpAct:
     """``act(gate_up(x))``, the MLP's first half. Where ``act`` is the fused SwiGLU and the AMX
     GEMM runs ``gate_up`` for x's rows (from EPILOGUE_MIN_ROWS on), one call that computes
     SwiGLU in the GEMM's epilogue (``gemm_amx_swiglu``): the same bits, and the [rows, 2 *
-    intermediate] product is never stored."""
+    intermediate] product is never stored. ``epilogue(rows)``: whether to take that call at
+    this row count (the kernel choice's measurement, autotune.epilogue_rule: at some shapes the
+    GEMM and a separate SwiGLU pass are faster); None: wherever it can."""
 
-    def __init__(self, gate_up: Linear, act: Linear) -> None:
-        self.gate_up, self.act = gate_up, act
+    def __init__(
+        self, gate_up: Linear, act: Linear, epilogue: Callable[[int], bool] | None = None
+    ) -> None:
+        self.gate_up, self.act, self.epilogue = gate_up, act, epilogue
         self.fused = type(act) is FusedSiluMul
 
+    def epilogue_at(self, rows: int) -> AmxLinear | None:
+        """The AMX GEMM that runs gate_up and SwiGLU in one call at ``rows`` rows, or None."""
+        if not self.fused or rows < EPILOGUE_MIN_ROWS:
+            return None
+        fn = for_rows(self.gate_up, rows)
+        if type(fn) is not AmxLinear or fn.odd:
+            return None
+        return fn if self.epilogue is None or self.epilogue(rows) else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.shape[0] >= EPILOGUE_MIN_ROWS:
-            fn = for_rows(self.gate_up, x.shape[0])
-            if type(fn) is AmxLinear and not fn.odd:
-                out = fn.kern.gemm_amx_swiglu(x, fn.pairs, fn.out_features // 2, fn.bias)
-                if out is not None:
-                    return out
+        fn = self.epilogue_at(x.shape[0])
+        if fn is not None:
+            out = fn.kern.gemm_amx_swiglu(x, fn.pairs, fn.out_features // 2, fn.bias)
+            if out is not None:
+                return out
         return self.act(self.gate_up(x))

@@ -101,6 +101,9 @@ class Strategies:
     # (kind, weight, bias) -> the GEMM strategy (autotune.py's measured choice); None: the
     # fixed rules of ``choose_linear`` from pack / upcast / panel_kern.
     linear: Callable[[str, torch.Tensor, torch.Tensor | None], Linear] | None = None
+    # rows -> whether gate_up on the AMX GEMM takes SwiGLU in its epilogue (the kernel
+    # choice's measurement, autotune.epilogue_rule); None: wherever it can.
+    glu_epilogue: Callable[[int], bool] | None = None
 
     def make_linear(self, kind: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
         if self.linear is not None:
@@ -170,7 +173,7 @@ class DecoderLayer(nn.Module):
             self.qk_norm = no_qk_norm
             self.rotary = FusedRotary(s.fused, head_norm)
         self.act = choose_act(s.fused)
-        self.gate_up_act = GateUpAct(self.gate_up, self.act)
+        self.gate_up_act = GateUpAct(self.gate_up, self.act, s.glu_epilogue)
         self.attn = s.attention
 
     def forward(

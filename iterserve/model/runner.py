@@ -425,7 +425,8 @@ class ModelRunner:
                 choice.gemm[kind], autotune.ROW_BUCKETS, lambda p: builders[p](w, b)
             )
 
-        return Strategies(attention=self.attention, fused=fused, linear=linear)
+        glu = autotune.epilogue_rule(choice.glu) if choice.glu else None
+        return Strategies(attention=self.attention, fused=fused, linear=linear, glu_epilogue=glu)
 
     def _pack_allowed(self, flags: bool) -> bool:
         """Whether GEMM weights may get a prepacked f32 copy (``PackedLinear``): where the copy

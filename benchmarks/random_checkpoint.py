@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from iterserve.model.builtin import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
+from iterserve.model.builtin import BOS_ID, EOS_ID, PAD_ID, checkpoint_shapes, save_tokenizer
 
 # The shapes of the real models' config.json files (their Hub pages).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -63,34 +63,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every weight's name and shape, as the real checkpoint names them."""
-    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg["vocab_size"], h),
-        "model.norm.weight": (h,),
-    }
-    if not cfg["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
-        if cfg["model_type"] == "qwen3":  # per-head RMSNorm of q and k
-            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
-    return shapes
-
-
 def write(preset: str, out: str, seed: int = 0) -> str:
     cfg = {
         **PRESETS[preset],
@@ -108,7 +80,7 @@ def write(preset: str, out: str, seed: int = 0) -> str:
         name: torch.ones(shape, dtype=torch.bfloat16)
         if len(shape) == 1
         else (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-        for name, shape in tensor_shapes(cfg).items()
+        for name, shape in checkpoint_shapes(cfg).items()
     }
     os.makedirs(out, exist_ok=True)
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})

@@ -244,6 +244,36 @@ def _build_tiny_random(path: str) -> None:
     make_test_checkpoint(path, "llama", seed=1234, max_position_embeddings=2048)
 
 
+def checkpoint_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every weight of a Llama-family checkpoint with HF config ``cfg`` (a dict), by its name
+    in the checkpoint, in the order the built-ins draw them: the embedding, the final norm, the
+    LM head (where not tied), then each layer's norms and projections (and Qwen3's q / k norm)."""
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg["vocab_size"], h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if cfg["model_type"] == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    return shapes
+
+
 def _build_bench_134m(path: str) -> None:
     """Llama shape of ~134M params, written directly with torch + safetensors (a transformers
     init of this size takes far longer than drawing the numbers)."""
@@ -272,24 +302,7 @@ def _build_bench_134m(path: str) -> None:
         "pad_token_id": PAD_ID,
         "dtype": "bfloat16",
     }
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (vocab, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (vocab, h),
-    }
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (h, h),
-            p + "self_attn.k_proj.weight": (h, h),
-            p + "self_attn.v_proj.weight": (h, h),
-            p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
+    shapes = checkpoint_shapes(config)
     gen = torch.Generator().manual_seed(134)
     state = {
         name: (

@@ -1490,13 +1490,84 @@ inline unsigned softmax_block32(const float* s, uint16_t* pb, float* l, float* m
     return moved;
 }
 
+// The pieces prefill_rows_amx64 and prefill_rows_amx128 share. Tiles: 0-1 S (keys 0-15,
+// 16-31 of a 32-key block), 2-5 a 64-column half of O (16 columns each), 6 A, 7 B.
+
+// Q rows r0 .. r0 + nrows - 1 of head h (HD wide) into Qb's 16 rows, zero past nrows; the rows'
+// max m and its lazy margin to -inf, their sums l to 0.
+template <int HD>
+inline void amx_rows_start(const uint16_t* q, int64_t q_stride, int h, int r0, int nrows, uint16_t* Qb, float* m, float* mlazy, float* l) {
+    for (int i = 0; i < 16; ++i) {
+        m[i] = mlazy[i] = -INFINITY;
+        uint16_t* dst = Qb + i * HD;
+        if (i < nrows)
+            std::memcpy(dst, q + (r0 + i) * q_stride + static_cast<int64_t>(h) * HD, sizeof(uint16_t) * HD);
+        else
+            std::memset(dst, 0, sizeof(uint16_t) * HD);
+    }
+    std::memset(l, 0, sizeof(float) * 16 * 16);
+}
+
+// Block j's scores from tiles 0-1 into its half of S (2 x 16 x 32 f32).
+inline void amx_store_scores(float* S, int j) {
+    float* s = S + (j & 1) * 16 * 32;
+    _tile_stored(0, s, 32 * 4);
+    _tile_stored(1, s + 16, 32 * 4);
+}
+
+// O's half between tiles 2-5 and Ob (16 x 64 f32).
+inline void amx_o_tiles(float* Ob, bool store) {
+    if (store) {
+        _tile_stored(2, Ob, 64 * 4);
+        _tile_stored(3, Ob + 16, 64 * 4);
+        _tile_stored(4, Ob + 32, 64 * 4);
+        _tile_stored(5, Ob + 48, 64 * 4);
+    } else {
+        _tile_loadd(2, Ob, 64 * 4);
+        _tile_loadd(3, Ob + 16, 64 * 4);
+        _tile_loadd(4, Ob + 32, 64 * 4);
+        _tile_loadd(5, Ob + 48, 64 * 4);
+    }
+}
+
+// O's half (tiles 2-5) += P (pb: 16 x 32 bf16) . V's 64 columns at vb (the block's 16 key pairs,
+// rows v_row bytes apart).
+inline void amx_pv(const uint16_t* pb, const uint16_t* vb, int v_row) {
+    _tile_loadd(6, pb, 32 * 2);
+    _tile_loadd(7, vb, v_row);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_loadd(7, vb + 32, v_row);
+    _tile_dpbf16ps(3, 6, 7);
+    _tile_loadd(7, vb + 64, v_row);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_loadd(7, vb + 96, v_row);
+    _tile_dpbf16ps(5, 6, 7);
+}
+
+// O's half in the tiles, each row times its factor corr[i] where bit i of rows is set.
+inline void amx_rescale(float* Ob, unsigned rows, const float* corr, int nrows) {
+    amx_o_tiles(Ob, true);
+    for (int i = 0; i < nrows; ++i)
+        if (rows >> i & 1)
+            for (int e = 0; e < 64; e += 16) _mm512_store_ps(Ob + i * 64 + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * 64 + e), _mm512_set1_ps(corr[i])));
+    amx_o_tiles(Ob, false);
+}
+
+// O's half from the tiles, divided by the rows' sums, into dst's rows (out_stride apart).
+inline void amx_emit(float* Ob, const float* l, int nrows, uint16_t* dst, int64_t out_stride) {
+    amx_o_tiles(Ob, true);
+    for (int i = 0; i < nrows; ++i) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + 16 * i)));
+        for (int e = 0; e < 64; e += 16) narrow16(dst + i * out_stride + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * 64 + e), inv));
+    }
+}
+
 // Rows [r0, r1) (at most 16) of query head h for head_dim 64 on AMX tiles, with the output O
 // held in four accumulator tiles across all the key blocks (32 keys each): only K and V stream
 // in, while Q (2 KB), S (2 x 2 KB) and P (2 x 1 KB) stay in L1 (prefill_task_amx's ~85 KB of
 // Q, O and S for 96 rows did not fit it). The next block's scores go to the tiles before this
 // block's softmax (prefill_task's, on 32 keys) runs on the vector units. O is stored and
-// rescaled only when a row's max moves past its lazy margin. Tiles: 0-1 S (keys 0-15,
-// 16-31), 2-5 O (16 columns each), 6 A (Q, or P), 7 B (K, or V).
+// rescaled only when a row's max moves past its lazy margin.
 // Qb: 16 x 64 bf16; S: 2 x 16 x 32 f32; Pb: 2 x 16 x 32 bf16; Ob: 16 x 64 f32; m: 16; l: 16 x 16.
 void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const uint16_t* Vp, int h, int r0, int r1, int p0,
                         float scale, uint16_t* out, int64_t out_stride, float* Ob, float* m, float* l, uint16_t* Qb, float* S,
@@ -1504,15 +1575,7 @@ void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp,
     constexpr int hd = 64, KB = 32;
     const int nrows = r1 - r0;
     alignas(64) float mlazy[16];
-    for (int i = 0; i < 16; ++i) {  // Q rows, zero past nrows
-        m[i] = mlazy[i] = -INFINITY;
-        uint16_t* dst = Qb + i * hd;
-        if (i < nrows)
-            std::memcpy(dst, q + (r0 + i) * q_stride + static_cast<int64_t>(h) * hd, sizeof(uint16_t) * hd);
-        else
-            std::memset(dst, 0, sizeof(uint16_t) * hd);
-    }
-    std::memset(l, 0, sizeof(float) * 16 * 16);
+    amx_rows_start<hd>(q, q_stride, h, r0, nrows, Qb, m, mlazy, l);
     std::memset(Pb, 0, sizeof(uint16_t) * 2 * 16 * KB);  // rows past nrows stay 0
     const int nb = (p0 + r1 - 1) / KB + 1;  // key blocks up to the last row's position
     const __m512 sl = _mm512_set1_ps(scale * 1.44269504088896341f);
@@ -1531,62 +1594,25 @@ void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp,
         _tile_loadd(7, kb + 16 * hd + 512, 64);
         _tile_dpbf16ps(1, 6, 7);
     };
-    auto store_s = [&](int j) {
-        float* s = S + (j & 1) * 16 * KB;
-        _tile_stored(0, s, KB * 4);
-        _tile_stored(1, s + 16, KB * 4);
-    };
-    auto o_tiles = [&](bool store) {  // O between tiles 2-5 and Ob
-        for (int c = 0; c < 4; ++c) {
-            float* o = Ob + 16 * c;
-            switch (c) {  // tile numbers are immediates
-                case 0: if (store) _tile_stored(2, o, hd * 4); else _tile_loadd(2, o, hd * 4); break;
-                case 1: if (store) _tile_stored(3, o, hd * 4); else _tile_loadd(3, o, hd * 4); break;
-                case 2: if (store) _tile_stored(4, o, hd * 4); else _tile_loadd(4, o, hd * 4); break;
-                default: if (store) _tile_stored(5, o, hd * 4); else _tile_loadd(5, o, hd * 4); break;
-            }
-        }
-    };
     _tile_zero(2);
     _tile_zero(3);
     _tile_zero(4);
     _tile_zero(5);
     scores(0);
-    store_s(0);
+    amx_store_scores(S, 0);
     for (int j = 0; j < nb; ++j) {
         if (j + 1 < nb) scores(j + 1);
         const int k0 = j * KB;
-        const float* s = S + (j & 1) * 16 * KB;
         uint16_t* pb = Pb + (j & 1) * 16 * KB;
         alignas(64) float corr[16];
-        const unsigned moved = softmax_block32(s, pb, l, m, mlazy, corr, nrows, p0 + r0, k0, j == 0, sl);
-        if (moved && j > 0) {
-            o_tiles(true);
-            for (int i = 0; i < nrows; ++i)
-                if (moved >> i & 1)
-                    for (int e = 0; e < hd; e += 16) _mm512_store_ps(Ob + i * hd + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * hd + e), _mm512_set1_ps(corr[i])));
-            o_tiles(false);
-        }
+        const unsigned moved = softmax_block32(S + (j & 1) * 16 * KB, pb, l, m, mlazy, corr, nrows, p0 + r0, k0, j == 0, sl);
+        if (moved && j > 0) amx_rescale(Ob, moved, corr, nrows);
         // O += P . V: the block's 16 key pairs, 16 output columns a tile
-        const uint16_t* vb = Vp + static_cast<int64_t>(k0) * hd;
-        _tile_loadd(6, pb, KB * 2);
-        _tile_loadd(7, vb, hd * 4);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(7, vb + 32, hd * 4);
-        _tile_dpbf16ps(3, 6, 7);
-        _tile_loadd(7, vb + 64, hd * 4);
-        _tile_dpbf16ps(4, 6, 7);
-        _tile_loadd(7, vb + 96, hd * 4);
-        _tile_dpbf16ps(5, 6, 7);
+        amx_pv(pb, Vp + static_cast<int64_t>(k0) * hd, hd * 4);
         // stored here, after the softmax: stored right behind its products it held the softmax up
-        if (j + 1 < nb) store_s(j + 1);
+        if (j + 1 < nb) amx_store_scores(S, j + 1);
     }
-    o_tiles(true);
-    for (int i = 0; i < nrows; ++i) {
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + 16 * i)));
-        uint16_t* dst = out + static_cast<int64_t>(r0 + i) * out_stride + static_cast<int64_t>(h) * hd;
-        for (int e = 0; e < hd; e += 16) narrow16(dst + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * hd + e), inv));
-    }
+    amx_emit(Ob, l, nrows, out + static_cast<int64_t>(r0) * out_stride + static_cast<int64_t>(h) * hd, out_stride);
 }
 
 // Rows [r0, r1) (at most 16) of query head h for head_dim 128 on AMX tiles: prefill_rows_amx64's
@@ -1597,22 +1623,14 @@ void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp,
 // softmax are computed once (an earlier try computed them again for the second half of O and
 // lost to the 96-row kernel; docs/SPEED.md, "Qwen3's shapes").
 // Qb: 16 x 128 bf16; S: 2 x 16 x 32 f32; Ob: 16 x 64 f32; m: 16; l: 16 x 16; for nb key blocks:
-// Pall: nb x 16 x 32 bf16, corr: nb x 16 f32, moved: nb.
+// Pall: nb x 16 x 32 bf16 (64-byte aligned), corr: nb x 16 f32, moved: nb.
 void prefill_rows_amx128(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const uint16_t* Vp, int h, int r0, int r1, int p0,
                          float scale, uint16_t* out, int64_t out_stride, float* Ob, float* m, float* l, uint16_t* Qb, float* S,
                          uint16_t* Pall, float* corr, unsigned* moved) {
     constexpr int hd = 128, KB = 32, half = 64;
     const int nrows = r1 - r0;
     alignas(64) float mlazy[16];
-    for (int i = 0; i < 16; ++i) {  // Q rows, zero past nrows
-        m[i] = mlazy[i] = -INFINITY;
-        uint16_t* dst = Qb + i * hd;
-        if (i < nrows)
-            std::memcpy(dst, q + (r0 + i) * q_stride + static_cast<int64_t>(h) * hd, sizeof(uint16_t) * hd);
-        else
-            std::memset(dst, 0, sizeof(uint16_t) * hd);
-    }
-    std::memset(l, 0, sizeof(float) * 16 * 16);
+    amx_rows_start<hd>(q, q_stride, h, r0, nrows, Qb, m, mlazy, l);
     const int nb = (p0 + r1 - 1) / KB + 1;  // key blocks up to the last row's position
     if (nrows < 16) std::memset(Pall, 0, sizeof(uint16_t) * nb * 16 * KB);  // rows past nrows stay 0
     const __m512 sl = _mm512_set1_ps(scale * 1.44269504088896341f);
@@ -1628,74 +1646,33 @@ void prefill_rows_amx128(const uint16_t* q, int64_t q_stride, const uint16_t* Kp
             _tile_dpbf16ps(1, 6, 7);
         }
     };
-    auto store_s = [&](int j) {
-        float* s = S + (j & 1) * 16 * KB;
-        _tile_stored(0, s, KB * 4);
-        _tile_stored(1, s + 16, KB * 4);
-    };
-    auto o_tiles = [&](bool store) {  // O's half between tiles 2-5 and Ob
-        for (int c = 0; c < 4; ++c) {
-            float* o = Ob + 16 * c;
-            switch (c) {  // tile numbers are immediates
-                case 0: if (store) _tile_stored(2, o, half * 4); else _tile_loadd(2, o, half * 4); break;
-                case 1: if (store) _tile_stored(3, o, half * 4); else _tile_loadd(3, o, half * 4); break;
-                case 2: if (store) _tile_stored(4, o, half * 4); else _tile_loadd(4, o, half * 4); break;
-                default: if (store) _tile_stored(5, o, half * 4); else _tile_loadd(5, o, half * 4); break;
-            }
-        }
-    };
-    auto rescale = [&](int j) {  // O's half in the tiles times block j's factors, for its moved rows
-        o_tiles(true);
-        for (int i = 0; i < nrows; ++i)
-            if (moved[j] >> i & 1)
-                for (int e = 0; e < half; e += 16)
-                    _mm512_store_ps(Ob + i * half + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * half + e), _mm512_set1_ps(corr[j * 16 + i])));
-        o_tiles(false);
-    };
-    auto pv = [&](int j, int c0) {  // O's half += P . V's columns c0 .. c0 + 63 for block j
-        const uint16_t* vb = Vp + static_cast<int64_t>(j) * KB * hd + 2 * c0;
-        _tile_loadd(6, Pall + static_cast<int64_t>(j) * 16 * KB, KB * 2);
-        _tile_loadd(7, vb, hd * 4);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(7, vb + 32, hd * 4);
-        _tile_dpbf16ps(3, 6, 7);
-        _tile_loadd(7, vb + 64, hd * 4);
-        _tile_dpbf16ps(4, 6, 7);
-        _tile_loadd(7, vb + 96, hd * 4);
-        _tile_dpbf16ps(5, 6, 7);
-    };
-    auto emit = [&](int c0) {  // O's half, normalised, into out's columns c0 .. c0 + 63
-        o_tiles(true);
-        for (int i = 0; i < nrows; ++i) {
-            const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + 16 * i)));
-            uint16_t* dst = out + static_cast<int64_t>(r0 + i) * out_stride + static_cast<int64_t>(h) * hd + c0;
-            for (int e = 0; e < half; e += 16) narrow16(dst + e, _mm512_mul_ps(_mm512_load_ps(Ob + i * half + e), inv));
-        }
-    };
+    // block j's P . V for the half of O from column c0
+    auto pv = [&](int j, int c0) { amx_pv(Pall + static_cast<int64_t>(j) * 16 * KB, Vp + static_cast<int64_t>(j) * KB * hd + 2 * c0, hd * 4); };
+    uint16_t* dst = out + static_cast<int64_t>(r0) * out_stride + static_cast<int64_t>(h) * hd;
     _tile_zero(2);
     _tile_zero(3);
     _tile_zero(4);
     _tile_zero(5);
     scores(0);
-    store_s(0);
+    amx_store_scores(S, 0);
     for (int j = 0; j < nb; ++j) {
         if (j + 1 < nb) scores(j + 1);
         moved[j] = softmax_block32(S + (j & 1) * 16 * KB, Pall + static_cast<int64_t>(j) * 16 * KB, l, m, mlazy, corr + j * 16, nrows, p0 + r0,
                                    j * KB, j == 0, sl);
-        if (moved[j] && j > 0) rescale(j);
+        if (moved[j] && j > 0) amx_rescale(Ob, moved[j], corr + j * 16, nrows);
         pv(j, 0);
-        if (j + 1 < nb) store_s(j + 1);  // after the softmax, as prefill_rows_amx64
+        if (j + 1 < nb) amx_store_scores(S, j + 1);  // after the softmax, as prefill_rows_amx64
     }
-    emit(0);
+    amx_emit(Ob, l, nrows, dst, out_stride);
     _tile_zero(2);
     _tile_zero(3);
     _tile_zero(4);
     _tile_zero(5);
     for (int j = 0; j < nb; ++j) {
-        if (moved[j] && j > 0) rescale(j);
+        if (moved[j] && j > 0) amx_rescale(Ob, moved[j], corr + j * 16, nrows);
         pv(j, half);
     }
-    emit(half);
+    amx_emit(Ob, l, nrows, dst + half, out_stride);
 }
 
 // One configuration for the attention tiles: all eight 16 rows x 64 bytes.

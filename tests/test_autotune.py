@@ -349,12 +349,15 @@ def test_gate_up_is_timed_with_the_fused_swiglu_on_amx(monkeypatch: pytest.Monke
 
 
 def test_choose_glu_keeps_the_epilogue_unless_the_separate_pass_clearly_wins() -> None:
-    """``pick``'s rules with the epilogue as the baseline: the separate SwiGLU pass where it
-    beats the epilogue by MARGIN, a near tie between two buckets that chose it goes with them
-    (KEEP), untimed buckets carry the neighbour's; near ties everywhere keep the epilogue."""
+    """``pick`` with the epilogue as the baseline and no near-tie margin: the separate SwiGLU
+    pass where it beats the epilogue by MARGIN, or where it is faster at all and most buckets
+    chose it; never where it is slower; untimed buckets carry the neighbour's; near ties
+    everywhere keep the epilogue."""
     fast = [None, None, 1.0, 1.0, 1.0, None]
     t = {"epilogue": fast, "separate": [None, None, 0.7, 0.98, 0.7, None]}
     assert autotune.choose_glu(t) == (True, True, False, False, False, False)
+    t = {"epilogue": fast, "separate": [None, None, 0.7, 1.12, 0.7, None]}
+    assert autotune.choose_glu(t) == (True, True, False, True, False, False)
     t = {"epilogue": fast, "separate": [None, None, 0.7, 1.3, 1.2, None]}
     assert autotune.choose_glu(t) == (True, True, False, True, True, True)
     same = {"epilogue": [1.0] * 6, "separate": [0.97] * 6}

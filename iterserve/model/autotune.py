@@ -84,6 +84,7 @@ PRUNE = 2.0
 # theirs (docs/SPEED.md, "The measurement's budget and a large model").
 BUDGET_S = 20.0
 GEMM_SHARE = 0.8
+GLU_SHARE = 0.05  # at least this share for gate_up's SwiGLU forms (measure_glu)
 # A call this long (a large model's GEMM at the larger buckets), timed once after its warm-up,
 # is not timed twice more for a best of 3: its run-to-run noise is a smaller share of it, and
 # the two more calls of every path there took much of the budget.
@@ -293,10 +294,12 @@ def describe(paths: Sequence[str], buckets: Sequence[int]) -> str:
 
 def choose_glu(timings: Timings) -> tuple[bool, ...]:
     """Per bucket, whether gate_up on the AMX GEMM takes SwiGLU in its epilogue: ``timings``
-    {"epilogue": ..., "separate": ...} (the GEMM, then ``silu_mul``), ``pick``'s rules with the
-    epilogue as the baseline (the separate pass must win by ``MARGIN``). Pure: tests feed it
-    fake timings."""
-    return tuple(p == "epilogue" for p in pick(timings))
+    {"epilogue": ..., "separate": ...} (the GEMM, then ``silu_mul``), ``pick`` with the epilogue
+    as the baseline, so the separate pass must win by ``MARGIN`` (or be faster at all where most
+    buckets chose it), and without its near-tie margin (``KEEP``), which could keep the slower
+    form: both use the same weight and the one-call decode path takes either, so neither of that
+    margin's reasons applies. Pure: tests feed it fake timings."""
+    return tuple(p == "epilogue" for p in pick(timings, keep=0.0))
 
 
 def epilogue_rule(glu: Sequence[bool]) -> Callable[[int], bool]:
@@ -353,7 +356,8 @@ class Choice:
     source: str = "measured"  # measured | cached | fixed
     prefill: tuple[str, ...] = ()
     # Per ROW_BUCKETS entry: whether gate_up on the AMX GEMM takes SwiGLU in its epilogue
-    # (layers.GateUpAct's ``epilogue``); empty: wherever it can (not measured).
+    # (layers.GateUpAct's ``epilogue``); empty: wherever it can (not measured, as where
+    # ITERSERVE_KERNELS fixes the GEMM path).
     glu: tuple[bool, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -396,10 +400,11 @@ class Choice:
         if self.prefill:
             lines.append(f"prefill attention: {self.prefill[0]}")
         if self.glu and not all(self.glu):
-            where = describe(
-                ["in the epilogue" if g else "separate" for g in self.glu], ROW_BUCKETS
+            where = ", ".join(str(m) for m, g in zip(ROW_BUCKETS, self.glu) if not g)
+            lines.append(
+                f"gate_up's SwiGLU on the AMX GEMM: a separate pass at the {where}-row buckets, "
+                f"in the GEMM's epilogue elsewhere from {EPILOGUE_MIN_ROWS} rows"
             )
-            lines.append(f"gate_up's SwiGLU on the AMX GEMM: {where} of rows")
         return lines
 
 
@@ -817,7 +822,10 @@ def choose(
                 functools.partial(time_layers, prob.weights, fns, prob.gate_up_act, gemm_deadline),
                 max_rows=min(prob.max_rows.get(k, sys.maxsize) for k in LAYER_KINDS),
             )
-            glu = _choose_glu(prob, fns, gemm, gemm_deadline)
+            # its own small share past the GEMMs' (a few calls a bucket): a large model's
+            # GEMMs use up theirs, and this measurement's decode buckets matter most there
+            glu_deadline = max(gemm_deadline, time.perf_counter() + GLU_SHARE * budget_s)
+            glu = _choose_glu(prob, fns, gemm, glu_deadline)
             del fns
             for k in timed:
                 logger.debug("%s GEMM ms at rows %s: %s", k, ROW_BUCKETS, _ms(timed[k]))
@@ -887,13 +895,11 @@ def _choose_glu(
     """``Choice.glu`` for the measured GEMM choice: empty where gate_up never runs on the AMX
     GEMM with the fused SwiGLU after it; else the epilogue against the separate pass at each
     bucket that runs gate_up on AMX from EPILOGUE_MIN_ROWS rows on (the others: True, which no
-    call there takes)."""
+    call there takes; buckets the deadline leaves untimed: True, the rule before this
+    measurement). The GEMM path itself was chosen with the epilogue on: AMX and a separate
+    pass are not a candidate against the other paths."""
     act = prob.gate_up_act
-    if (
-        not isinstance(act, FusedSiluMul)
-        or "gate_up" not in gemm
-        or "amx" not in fns.get("gate_up", {})
-    ):
+    if type(act) is not FusedSiluMul or "amx" not in fns.get("gate_up", {}):
         return ()
     w = prob.weights["gate_up"][0]
     limit = prob.max_rows.get("gate_up", sys.maxsize)

@@ -5,10 +5,10 @@ At 1-8 decodes a layer's ten kernels take about as long as the Python around the
 argument checks, module calls; docs/SPEED.md, "One call per layer for decode steps"). Where
 every piece of a layer runs on iterserve's kernels for a step's row count (the four GEMMs all
 on the pair GEMM, in its dot-product or AMX form, or all on the f32-panel one, the kernel
-decode attention, the fused norms,
-RoPE and SwiGLU, no per-head q/k norm), ``decode_layer`` makes the same kernel calls in the
-same order with the same arguments, so the step's results are the same bits; any other step,
-or a layer that does not qualify, takes ``DecoderLayer.forward``.
+decode attention, the fused norms, RoPE (with Qwen3's per-head q/k norm inside it) and SwiGLU),
+``decode_layer`` makes the same kernel calls in the same order with the same arguments, so the
+step's results are the same bits; any other step, or a layer that does not qualify, takes
+``DecoderLayer.forward``.
 """
 
 from __future__ import annotations

@@ -373,7 +373,8 @@ class Kernels:
         """bf16 ``x * cos + rotate_half(x) * sin_signed`` (llama.py's ``apply_rope``); x [T, n, hd]
         with heads contiguous (a row stride is fine), cos / sin_signed [T, 1, hd]. ``norm``
         [n, hd] bf16: each head's RMSNorm first, ``F.rms_norm(x, (hd,), None, eps) * norm``
-        (Qwen3's q / k norm, layers.HeadRMSNorm), in the same call."""
+        (Qwen3's q / k norm, layers.HeadRMSNorm) with ``rms_norm``'s arithmetic, in the same
+        call."""
         T, n, hd = x.shape
         if (
             x.dtype != torch.bfloat16

@@ -351,7 +351,8 @@ class Rotary:
 
 class FusedRotary:
     """bf16 RoPE in one kernel call; with ``norm`` (Qwen3's per-head q / k norm), the norm
-    first in the same call and pass over q and k (the same bits as ``norm`` then ``Rotary``)."""
+    first in the same call and pass over q and k (``norm`` then ``Rotary``, but for the order
+    of the norm's f32 sum of squares: rms_norm_bf16's, the same bits as ``FusedRMSNorm``)."""
 
     def __init__(self, kern: kernels.Kernels, norm: HeadRMSNorm | None = None) -> None:
         self.kern, self.norm = kern, norm

@@ -1569,6 +1569,7 @@ inline void amx_emit(float* Ob, const float* l, int nrows, uint16_t* dst, int64_
 // block's softmax (prefill_task's, on 32 keys) runs on the vector units. O is stored and
 // rescaled only when a row's max moves past its lazy margin.
 // Qb: 16 x 64 bf16; S: 2 x 16 x 32 f32; Pb: 2 x 16 x 32 bf16; Ob: 16 x 64 f32; m: 16; l: 16 x 16.
+// S, Pb, Ob and l 64-byte aligned.
 void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const uint16_t* Vp, int h, int r0, int r1, int p0,
                         float scale, uint16_t* out, int64_t out_stride, float* Ob, float* m, float* l, uint16_t* Qb, float* S,
                         uint16_t* Pb) {
@@ -1623,7 +1624,7 @@ void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp,
 // softmax are computed once (an earlier try computed them again for the second half of O and
 // lost to the 96-row kernel; docs/SPEED.md, "Qwen3's shapes").
 // Qb: 16 x 128 bf16; S: 2 x 16 x 32 f32; Ob: 16 x 64 f32; m: 16; l: 16 x 16; for nb key blocks:
-// Pall: nb x 16 x 32 bf16 (64-byte aligned), corr: nb x 16 f32, moved: nb.
+// Pall: nb x 16 x 32 bf16, corr: nb x 16 f32, moved: nb. S, Ob, l and Pall 64-byte aligned.
 void prefill_rows_amx128(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const uint16_t* Vp, int h, int r0, int r1, int p0,
                          float scale, uint16_t* out, int64_t out_stride, float* Ob, float* m, float* l, uint16_t* Qb, float* S,
                          uint16_t* Pall, float* corr, unsigned* moved) {
@@ -1823,8 +1824,9 @@ void gemm_panels(const uint16_t* P, const void* x, void* y, const void* bias, in
     }
 }
 
-// The sum of squares of a bf16 row in f32, in the order rms_norm_bf16 adds them (its results
-// are compared bit for bit with torch's).
+// The sum of squares of a bf16 row in f32, in the order rms_norm_bf16 adds them (torch adds in
+// another order, which moves the last place of the sum and so, rarely, a bf16 output: about one
+// element in 10^5 on wide-ranged inputs).
 inline float sumsq_bf16(const uint16_t* x, int n) {
     int i0 = 0;
     float ss = 0.f;
@@ -1975,7 +1977,7 @@ void rope_token16(const uint16_t* xt, const uint16_t* c, const uint16_t* sn, uin
 // per-token cos / sin_signed [T, hd] (sin_signed = -sin on the first half): out = bf16(bf16(x *
 // cos) + bf16(x_rotated_half * sin_signed)), the roundings of the three torch ops it replaces.
 // norm_w (or null) [n, hd]: each head's RMSNorm first (Qwen3's q / k norm: rms_norm_bf16's
-// arithmetic on a row of hd, weight row h for head h).
+// arithmetic on a row of hd, the same bits as it, weight row h for head h).
 void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int T, int n, int hd,
                const uint16_t* norm_w, float eps) {
     const int half = hd / 2;
@@ -2286,7 +2288,7 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
         // Tasks of 16 rows, head by head (a head's packed K and V, 2 x 2 x hd bytes a key, stay
         // in the thread's L2 across its tasks), later rows first: they see more keys.
         const int groups = (n + 15) / 16;
-        const int nb_max = ctx_pad / 32;  // key blocks of the last row
+        const int nb_max = ctx_pad / 32;  // at least the key blocks of any task
 #pragma omp parallel
         {
             const FlushDenormals ftz;

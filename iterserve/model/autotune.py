@@ -97,7 +97,7 @@ BUSY_CORES = 0.3
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
 PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
-VERSION = 14  # bump when what is measured or how it is chosen changes
+VERSION = 15  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]

@@ -102,9 +102,11 @@ def test_build_is_cached_and_reports_compiler_errors(
 
 
 def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit(kern_variant: kernels.Kernels) -> None:
-    """RMSNorm, SwiGLU and RoPE in one call each round exactly as the torch ops they replace
-    (llama.py), vector and scalar paths (widths multiple of 16 and not), AVX-512 and AVX2; RoPE
-    with a per-head norm first as RMSNorm per head and then RoPE."""
+    """RMSNorm, SwiGLU and RoPE in one call each round as the torch ops they replace (llama.py),
+    bit for bit on these seeded inputs (RMSNorm's f32 sum of squares adds in another order than
+    torch's, which moves a last place in about one element in 10^5 on wide-ranged inputs), vector
+    and scalar paths (widths multiple of 16 and not), AVX-512 and AVX2; RoPE with a per-head
+    norm first exactly as RMSNorm per head and then RoPE."""
     from iterserve.model.layers import HeadRMSNorm, apply_rope
 
     kern = kern_variant
@@ -133,7 +135,7 @@ def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit(kern_variant: kernel
         heads = [kern.rms_norm(x[:, i].contiguous(), norm.weight[i], 1e-6) for i in range(4)]
         assert torch.equal(got, apply_rope(torch.stack(heads, 1), cos, sin))
         ref = apply_rope(norm(x), cos, sin)
-        assert (got != ref).float().mean() < 0.01
+        assert (got != ref).sum() <= 2
         assert (got.float() - ref.float()).abs().max() <= 2**-6 * ref.float().abs().max()
     with pytest.raises(ValueError, match="rms_norm takes bf16"):
         kern.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)

@@ -744,21 +744,36 @@ def test_qwen3_qk_norm_in_the_rope_kernel_matches_torchs_ops(
     against torch's ops for all of them (ITERSERVE_KERNELS=0), the GEMMs and attention on
     torch in both: the same logits within bf16 rounding, prefill and decode steps alike (the
     norms' f32 sums of squares add in another order than torch's: rare last-place
-    differences, test_kernels.py)."""
+    differences, test_kernels.py); and the same bits as the RMSNorm kernel per head followed by
+    RoPE in separate calls."""
     c = case("qwen3-qknorm-headdim")
     runners = []
-    for setting in ("gemm=torch,attn=torch,prefill=torch", "0"):
+    for setting in ("gemm=torch,attn=torch,prefill=torch",) * 2 + ("0",):
         monkeypatch.setenv("ITERSERVE_KERNELS", setting)
         runners.append(c.runner(dtype="bfloat16"))
-    fused, plain = runners
+    fused, per_head, plain = runners
     assert isinstance(fused.model.layers[0].rotary, FusedRotary)
     assert fused.model.layers[0].rotary.norm is not None
     assert isinstance(plain.model.layers[0].qk_norm, HeadRMSNorm)
+    # the same arithmetic in separate calls: the RMSNorm kernel per head, then RoPE alone
+    kern = per_head.kernels
+    assert kern is not None
+    for layer in per_head.model.layers:
+        norm = layer.rotary.norm
+        assert norm is not None
+
+        def heads(x: torch.Tensor, w: torch.Tensor = norm.weight, eps: float = norm.eps) -> Any:
+            rows = [kern.rms_norm(x[:, i].contiguous(), w[i], eps) for i in range(x.shape[1])]
+            return torch.stack(rows, 1)
+
+        layer.qk_norm, layer.rotary = heads, FusedRotary(kern)
+    per_head.model.fused_decode = None
     ids = [prompt(20 + 7 * i, seed=90 + i) for i in range(3)]
     tables = [list(range(16 * i, 16 * i + 16)) for i in range(3)]
     items = [BatchItem(f"s{i}", p, 0, tables[i], True) for i, p in enumerate(ids)]
     for _ in range(3):
         a, b = fused.execute(items), plain.execute(items)
+        assert torch.equal(a, per_head.execute(items))
         assert (a - b).abs().max() <= 0.02 * b.abs().max()
         nxt = a.argmax(-1).tolist()
         items = [

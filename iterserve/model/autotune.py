@@ -824,7 +824,9 @@ def choose(
             )
             # its own small share past the GEMMs' (a few calls a bucket): a large model's
             # GEMMs use up theirs, and this measurement's decode buckets matter most there
-            glu_deadline = max(gemm_deadline, time.perf_counter() + GLU_SHARE * budget_s)
+            glu_deadline = min(
+                deadline, max(gemm_deadline, time.perf_counter() + GLU_SHARE * budget_s)
+            )
             glu = _choose_glu(prob, fns, gemm, glu_deadline)
             del fns
             for k in timed:

@@ -410,6 +410,31 @@ def test_measure_glu_times_both_forms_where_asked() -> None:
         assert [t is not None for t in got[form]] == [m is not None for m in rows]
 
 
+def test_glu_setting_fixes_the_swiglu_form_without_measuring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ITERSERVE_KERNELS' glu= gives the form at every bucket, in a fixed choice and beside
+    measured GEMMs alike, and measure_glu is not called."""
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+
+    def no_glu(*a: Any) -> Any:
+        raise AssertionError("measure_glu called under glu=")
+
+    monkeypatch.setattr(autotune, "measure_glu", no_glu)
+    monkeypatch.setattr(
+        autotune, "measure_gemms", lambda w, *a: {k: {"torch": [1.0] * 6} for k in w}
+    )
+    monkeypatch.setattr(autotune, "measure_decodes", lambda *a: {"cpu": [1.0] * 4})
+    builders = autotune.gemm_builders(torch.float32, None, pack=False)
+    kern: Any = object()  # never called
+    fixed = autotune.choose(
+        _problem(), builders, kern, True, Setting(gemm="torch", attn="cpu", glu="separate")
+    )
+    assert fixed.source == "fixed" and fixed.glu == (False,) * len(ROW_BUCKETS)
+    measured = autotune.choose(_problem(), builders, kern, True, Setting(glu="epilogue"))
+    assert measured.source == "measured" and measured.glu == (True,) * len(ROW_BUCKETS)
+
+
 def test_busy_measurement_is_not_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -539,8 +564,9 @@ def test_setting_parsing() -> None:
     assert parse_setting("gemm=panels,attn=cpu") == Setting(gemm="panels", attn="cpu")
     assert parse_setting("ATTN=torch") == Setting(attn="torch")
     assert parse_setting("prefill=torch,attn=cpu_nopf") == Setting(attn="cpu_nopf", prefill="torch")
+    assert parse_setting("glu=separate,gemm=amx") == Setting(gemm="amx", glu="separate")
     for bad in ("yes", "gemm=fast", "gemm=panels,gemm=torch", "attn", "gemm=torch;attn=cpu", "2",
-                "prefill=sdpa", "prefill=cpu,prefill=torch"):  # fmt: skip
+                "prefill=sdpa", "prefill=cpu,prefill=torch", "glu=fused"):  # fmt: skip
         with pytest.raises(ValueError, match="ITERSERVE_KERNELS must be 0 .*gemm=<torch"):
             parse_setting(bad)
 

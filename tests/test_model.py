@@ -815,6 +815,10 @@ def test_fused_decode_takes_the_swiglu_epilogue_where_gate_up_act_does(
     ]
     assert torch.equal(fused.execute(items), plain.execute(items))
     assert ran == [True]
+    # ITERSERVE_KERNELS' glu= reaches the same rule
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=amx,attn=cpu,prefill=torch,glu=separate")
+    fd = c.runner(dtype="bfloat16", cache_config=cc).model.fused_decode
+    assert fd is not None and not any(w.amx >> 4 & 1 for w in fd.plan(25) or [None])
 
 
 def test_fused_decode_mixes_the_pair_gemms_per_projection(

@@ -775,12 +775,16 @@ def choose(
         )
     prefill_fixed = setting.prefill is not None or not prefill_paths
     fixed_prefill: tuple[str, ...] = (setting.prefill or "cpu",) if prefill_paths else ()
+    # glu=: the SwiGLU's form fixed at every bucket; else measured with the GEMMs (not where
+    # gemm= fixes the GEMM path: there the epilogue wherever it can, as before the measurement)
+    fixed_glu = () if setting.glu is None else (setting.glu == "epilogue",) * len(ROW_BUCKETS)
     if gemm_fixed and attn_fixed and prefill_fixed:
         return Choice(
             {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS},
             (fixed_attn,) * len(DECODE_BUCKETS) if attn_paths else (),
             "fixed",
             fixed_prefill,
+            fixed_glu,
         )
     shapes = {k: (int(w.shape[0]), int(w.shape[1])) for k, (w, _) in prob.weights.items()}
     attn_shape = (prob.heads, prob.kv_heads, prob.head_dim, prob.block_size)
@@ -788,7 +792,7 @@ def choose(
     key["max_rows"] = dict(prob.max_rows)
     key["max_decodes"] = prob.max_decodes
     key["max_ctx"] = min(ATTN_CTX, prob.max_ctx)
-    key["fixed"] = [setting.gemm, setting.attn, setting.prefill]
+    key["fixed"] = [setting.gemm, setting.attn, setting.prefill, setting.glu]
     choice = load_cached(key) if cache else None
     if choice is None:
         load = OtherLoad()
@@ -800,7 +804,7 @@ def choose(
         deadline = t_built + budget_s
         gemm_deadline = t_built + budget_s * GEMM_SHARE
         gemm: dict[str, tuple[str, ...]] = {}
-        glu: tuple[bool, ...] = ()
+        glu = fixed_glu
         cut_buckets: set[int] = set()  # GEMM buckets the deadline left partly untimed
         if gemm_fixed:
             gemm = {k: (fixed_gemm,) * len(ROW_BUCKETS) for k in KINDS}
@@ -827,7 +831,8 @@ def choose(
             glu_deadline = min(
                 deadline, max(gemm_deadline, time.perf_counter() + GLU_SHARE * budget_s)
             )
-            glu = _choose_glu(prob, fns, gemm, glu_deadline)
+            if setting.glu is None:
+                glu = _choose_glu(prob, fns, gemm, glu_deadline)
             del fns
             for k in timed:
                 logger.debug("%s GEMM ms at rows %s: %s", k, ROW_BUCKETS, _ms(timed[k]))

@@ -75,6 +75,8 @@ def decode_ahead(prefetch: int, prefetch_l2: bool) -> int:
 # Prefill attention paths of the cpu backend (plain causal bf16 chunks): iterserve's kernel over
 # the paged cache in place, or SDPA over gathered keys.
 PREFILL_PATHS = ("cpu", "torch")
+# gate_up's SwiGLU on the AMX GEMM: in the GEMM's epilogue, or a separate pass (autotune.py).
+GLU_FORMS = ("epilogue", "separate")
 SETTING_FORMS = (
     "ITERSERVE_KERNELS must be 0 (torch's kernels only), 1 or measure (time the paths at first "
     "start, cached; the default), flags (the CPU-flag rules), or any of gemm=<"
@@ -83,6 +85,8 @@ SETTING_FORMS = (
     + "|".join(ATTN_PATHS)
     + ">, prefill=<"
     + "|".join(PREFILL_PATHS)
+    + ">, glu=<"
+    + "|".join(GLU_FORMS)
     + "> joined by a comma (e.g. gemm=panels,attn=cpu)"
 )
 
@@ -90,13 +94,15 @@ SETTING_FORMS = (
 @dataclass(frozen=True)
 class Setting:
     """``ITERSERVE_KERNELS``, parsed: ``enabled`` builds the C++ kernels; ``mode`` is measure or
-    flags; ``gemm`` / ``attn`` / ``prefill`` fix that path (None: measured)."""
+    flags; ``gemm`` / ``attn`` / ``prefill`` fix that path, ``glu`` the SwiGLU's form on the
+    AMX GEMM (None: measured)."""
 
     enabled: bool = True
     mode: str = "measure"
     gemm: str | None = None
     attn: str | None = None
     prefill: str | None = None
+    glu: str | None = None
 
 
 def parse_setting(value: str) -> Setting:
@@ -111,11 +117,18 @@ def parse_setting(value: str) -> Setting:
     fixed: dict[str, str] = {}
     for part in v.split(","):
         key, eq, path = (s.strip() for s in part.partition("="))
-        allowed = {"gemm": GEMM_PATHS, "attn": ATTN_PATHS, "prefill": PREFILL_PATHS}.get(key)
+        allowed = {
+            "gemm": GEMM_PATHS, "attn": ATTN_PATHS, "prefill": PREFILL_PATHS, "glu": GLU_FORMS
+        }.get(key)  # fmt: skip
         if not eq or allowed is None or path not in allowed or key in fixed:
             raise ValueError(f"{SETTING_FORMS}; got {value!r}")
         fixed[key] = path
-    return Setting(gemm=fixed.get("gemm"), attn=fixed.get("attn"), prefill=fixed.get("prefill"))
+    return Setting(
+        gemm=fixed.get("gemm"),
+        attn=fixed.get("attn"),
+        prefill=fixed.get("prefill"),
+        glu=fixed.get("glu"),
+    )
 
 
 def setting() -> Setting:

@@ -245,6 +245,12 @@ def bucket_limits(buckets: Sequence[int]) -> tuple[int, ...]:
     return (*mids, sys.maxsize)
 
 
+def bucket_reached(i: int, max_rows: int) -> bool:
+    """Whether a call of at most ``max_rows`` rows can take ROW_BUCKETS[i]'s choice: the
+    buckets up to the first one at or past ``max_rows`` (the buckets above it go untimed)."""
+    return not (i and ROW_BUCKETS[i - 1] >= max_rows)
+
+
 def _runs(paths: Sequence[str], buckets: Sequence[int]) -> list[tuple[int, str]]:
     """(upper row count, path) per run of equal consecutive choices."""
     runs: list[tuple[int, str]] = []
@@ -374,17 +380,13 @@ class Choice:
         attn = tuple(str(p) for p in d["attn"])
         prefill = tuple(str(p) for p in d["prefill"])
         glu = tuple(d.get("glu", ()))
-        ok = len(glu) in (0, len(ROW_BUCKETS)) and all(type(g) is bool for g in glu)
-        ok = (
-            ok
-            and set(gemm) == set(KINDS)
-            and all(
-                len(v) == len(ROW_BUCKETS) and set(v) <= set(kernels.GEMM_PATHS)
-                for v in gemm.values()
-            )
+        ok = set(gemm) == set(KINDS) and all(
+            len(v) == len(ROW_BUCKETS) and set(v) <= set(kernels.GEMM_PATHS) for v in gemm.values()
         )
         if (
             not ok
+            or len(glu) not in (0, len(ROW_BUCKETS))
+            or not all(type(g) is bool for g in glu)
             or len(attn) not in (0, len(DECODE_BUCKETS))
             or not set(attn) <= set(kernels.ATTN_PATHS)
             or len(prefill) > 1
@@ -402,7 +404,7 @@ class Choice:
         if self.glu and not all(self.glu):
             where = ", ".join(str(m) for m, g in zip(ROW_BUCKETS, self.glu) if not g)
             lines.append(
-                f"gate_up's SwiGLU on the AMX GEMM: a separate pass at the {where}-row buckets, "
+                f"gate_up's SwiGLU on the AMX GEMM: a separate pass in the row buckets {where}, "
                 f"in the GEMM's epilogue elsewhere from {EPILOGUE_MIN_ROWS} rows"
             )
         return lines
@@ -555,7 +557,7 @@ def measure_gemms(
     }
     for i, rows in enumerate(ROW_BUCKETS):
         for kind, (w, _) in weights.items():
-            if i and ROW_BUCKETS[i - 1] >= max_rows[kind]:
+            if not bucket_reached(i, max_rows[kind]):
                 continue
             x = torch.randn(rows, w.shape[1]).to(w.dtype)
             prev: dict[str, float] = {
@@ -826,12 +828,12 @@ def choose(
                 functools.partial(time_layers, prob.weights, fns, prob.gate_up_act, gemm_deadline),
                 max_rows=min(prob.max_rows.get(k, sys.maxsize) for k in LAYER_KINDS),
             )
-            # its own small share past the GEMMs' (a few calls a bucket): a large model's
-            # GEMMs use up theirs, and this measurement's decode buckets matter most there
-            glu_deadline = min(
-                deadline, max(gemm_deadline, time.perf_counter() + GLU_SHARE * budget_s)
-            )
             if setting.glu is None:
+                # its own small share past the GEMMs' (a few calls a bucket): a large model's
+                # GEMMs use up theirs, and this measurement's decode buckets matter most there
+                glu_deadline = min(
+                    deadline, max(gemm_deadline, time.perf_counter() + GLU_SHARE * budget_s)
+                )
                 glu = _choose_glu(prob, fns, gemm, glu_deadline)
             del fns
             for k in timed:
@@ -912,9 +914,8 @@ def _choose_glu(
     limit = prob.max_rows.get("gate_up", sys.maxsize)
     rows: list[int | None] = []
     for i, m in enumerate(ROW_BUCKETS):
-        reached = not (i and ROW_BUCKETS[i - 1] >= limit)  # as measure_gemms
         on_amx = gemm["gate_up"][i] == "amx" and m >= EPILOGUE_MIN_ROWS
-        rows.append(m if reached and on_amx else None)
+        rows.append(m if bucket_reached(i, limit) and on_amx else None)
     if all(m is None for m in rows):
         return ()
     t = measure_glu(int(w.shape[1]), w.dtype, fns["gate_up"]["amx"], act, rows, deadline)

@@ -112,9 +112,9 @@ def swiglu_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
                 if f == "fused":
                     got = kern.gemm_amx_swiglu(x, P, inter)
                 elif f == "two":
-                    want = kern.silu_mul(kern.gemm_pairs(x, P, 2 * inter, None, amx=True))
+                    want = kern.silu_mul(kern.gemm_pairs(x, P, 2 * inter, None, amx=True), 16)
                 elif onednn is not None:
-                    kern.silu_mul(onednn[i % 24](x))
+                    kern.silu_mul(onednn[i % 24](x), 16)
                 else:
                     continue
                 ms[f].append(time.perf_counter() - t)

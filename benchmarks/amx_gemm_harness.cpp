@@ -10,6 +10,8 @@
 //                               of x in L2, as the GEMM's row blocks; default 1), buffers
 //                               MISALIGN bytes past a 64-byte boundary
 //   gemm M N K [WEIGHTS]        gemm_amx on one shape, the weight hot (1) or WEIGHTS copies cycled
+//   glu M I K [WEIGHTS]         gemm_amx_swiglu on a gate | up weight [2I, K], likewise
+//   glusep M I K [WEIGHTS]      the same as gemm_amx then silu_mul_bf16
 //   layers M [LAYERS]           a step's layer GEMMs back to back, every weight from memory
 //
 // ns per tile product (per thread), best of 7-9 rounds. Build and run from the repository root:
@@ -87,7 +89,9 @@ static int loop(int sa, int sb, int units, int misalign, int aunits) {
     return 0;
 }
 
-static int gemm(int M, int N, int K, int weights) {
+// form: 0 gemm_amx on y [M, N]; 1 gemm_amx_swiglu with N = 2I (act [M, I]); 2 gemm_amx then
+// silu_mul_bf16, the separate pass the kernel choice weighs the epilogue against.
+static int gemm(int M, int N, int K, int weights, int form = 0) {
     const size_t pe = size_t((N + 63) / 64) * (K / 2) * 128;  // pair panels, as pack_bf16_pairs lays them
     std::vector<std::vector<char>> store(weights, std::vector<char>(pe * 2 + 64));
     std::vector<const uint16_t*> P(weights);
@@ -101,11 +105,21 @@ static int gemm(int M, int N, int K, int weights) {
     for (size_t i = 0; i < size_t(M) * K; ++i) x[i] = static_cast<uint16_t>(0x3f00 + i % 5);
     uint16_t* y = reinterpret_cast<uint16_t*>(aligned_at(ys, 0));
     const int reps = std::max(weights, static_cast<int>(2e9 / (double(M) * N * K)));
-    const double s = best_s(9, reps, [&](int i) { gemm_amx(P[i % weights], x, y, nullptr, M, N, K); });
+    std::vector<char> as(size_t(M) * N + 64);
+    uint16_t* act = reinterpret_cast<uint16_t*>(aligned_at(as, 0));
+    const double s = best_s(9, reps, [&](int i) {
+        if (form == 1) {
+            gemm_amx_swiglu(P[i % weights], x, act, nullptr, M, N / 2, K);
+        } else {
+            gemm_amx(P[i % weights], x, y, nullptr, M, N, K);
+            if (form == 2) silu_mul_bf16(y, act, M, N / 2, GLU_BLOCK);
+        }
+    });
     const double flop = 2.0 * M * N * K;
     const int threads = omp_get_max_threads();
-    std::printf("gemm M=%d N=%d K=%d weights=%d threads=%d: %.3f ms, %.0f GFLOP/s, %.2f ns a product per thread\n", M, N, K, weights, threads,
-                s * 1e3, flop / s / 1e9, s * 1e9 / (flop / 16384 / threads));
+    const char* name[3] = {"gemm", "glu", "glusep"};
+    std::printf("%s M=%d N=%d K=%d weights=%d threads=%d: %.3f ms, %.0f GFLOP/s, %.2f ns a product per thread, weight %.1f GB/s\n", name[form], M, N,
+                K, weights, threads, s * 1e3, flop / s / 1e9, s * 1e9 / (flop / 16384 / threads), double(pe) * 2 / s / 1e9);
     return 0;
 }
 
@@ -147,8 +161,10 @@ int main(int argc, char** argv) {
     auto arg = [&](int i, int def) { return argc > i ? std::atoi(argv[i]) : def; };
     if (argc > 1 && !std::strcmp(argv[1], "loop")) return loop(arg(2, 64), arg(3, 64), arg(4, 1), arg(5, 0), arg(6, 1));
     if (argc > 4 && !std::strcmp(argv[1], "gemm")) return gemm(arg(2, 0), arg(3, 0), arg(4, 0), arg(5, 1));
+    if (argc > 4 && !std::strcmp(argv[1], "glu")) return gemm(arg(2, 0), 2 * arg(3, 0), arg(4, 0), arg(5, 1), 1);
+    if (argc > 4 && !std::strcmp(argv[1], "glusep")) return gemm(arg(2, 0), 2 * arg(3, 0), arg(4, 0), arg(5, 1), 2);
     if (argc > 2 && !std::strcmp(argv[1], "layers")) return layers(arg(2, 0), arg(3, 12));
-    std::printf("usage: %s loop SA SB UNITS MISALIGN [AUNITS] | gemm M N K [WEIGHTS] | layers M [LAYERS]\n", argv[0]);
+    std::printf("usage: %s loop SA SB UNITS MISALIGN [AUNITS] | gemm|glu|glusep M N|I K [WEIGHTS] | layers M [LAYERS]\n", argv[0]);
     return 2;
 }
 #else

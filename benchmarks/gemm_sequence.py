@@ -49,7 +49,7 @@ def gemms(rows: int, rounds: int) -> None:
     kern = kernels.load()
     builders = autotune.gemm_builders(torch.bfloat16, kern, pack=False)
     paths = [p for p in ("torch", "amx", "onednn") if p in builders]
-    act = choose_act(kern)
+    act = choose_act(kern, SHAPES["gate_up"][0] // 2)
     fns = {
         kind: {
             p: [

@@ -102,7 +102,8 @@ def shaped(ns: argparse.Namespace) -> None:
         max_rows={**dict.fromkeys(autotune.LAYER_KINDS, ns.max_num_batched_tokens),
                   "lm_head": autotune.LOGIT_ROWS},
         heads=heads, kv_heads=kv_heads, head_dim=hd, block_size=16,
-        max_decodes=autotune.DECODE_BUCKETS[-1], max_ctx=2048, gate_up_act=choose_act(kern),
+        max_decodes=autotune.DECODE_BUCKETS[-1], max_ctx=2048,
+        gate_up_act=choose_act(kern, shapes["gate_up"][0] // 2),
     )  # fmt: skip
     pack = not ns.no_pack and packing_available()
     builders = autotune.gemm_builders(torch.bfloat16, kern, pack=pack)

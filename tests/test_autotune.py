@@ -14,7 +14,7 @@ import torch
 from iterserve.model import autotune, kernels
 from iterserve.model.autotune import DECODE_BUCKETS, KINDS, ROW_BUCKETS, Choice, pick
 from iterserve.model.kernels import Setting, parse_setting
-from iterserve.model.layers import EPILOGUE_MIN_ROWS, FusedSiluMul, GateUpAct
+from iterserve.model.layers import EPILOGUE_MIN_ROWS, GLU_BLOCK, FusedSiluMul, GateUpAct
 
 
 @pytest.fixture(autouse=True)
@@ -333,7 +333,7 @@ def test_gate_up_is_timed_with_the_fused_swiglu_on_amx(monkeypatch: pytest.Monke
     builders = autotune.gemm_builders(torch.bfloat16, kern, pack=False)
     w = (torch.randn(64, 64) * 0.1).bfloat16()
     amx = builders["amx"](w, None)
-    act = FusedSiluMul(kern)
+    act = FusedSiluMul(kern, GLU_BLOCK)
     called: list[str] = []
     real = kern.gemm_amx_swiglu
 
@@ -345,7 +345,13 @@ def test_gate_up_is_timed_with_the_fused_swiglu_on_amx(monkeypatch: pytest.Monke
     x = torch.randn(EPILOGUE_MIN_ROWS, 64).bfloat16()
     got = GateUpAct(amx, act)(x)
     assert called == ["swiglu"]
-    assert torch.equal(got, kern.silu_mul(amx(x)))
+    assert torch.equal(got, kern.silu_mul(amx(x), GLU_BLOCK))
+    # an act that takes gate_up as [gate | up] never gets the epilogue, whose weight must be in
+    # GLU_BLOCK's layout
+    called.clear()
+    plain = GateUpAct(amx, FusedSiluMul(kern, 0))
+    assert plain.epilogue_at(EPILOGUE_MIN_ROWS) is None
+    assert torch.equal(plain(x), kern.silu_mul(amx(x))) and called == []
 
 
 def test_choose_glu_keeps_the_epilogue_unless_the_separate_pass_clearly_wins() -> None:
@@ -388,10 +394,10 @@ def test_gate_up_takes_the_separate_pass_where_the_rule_says(
     called: list[int] = []
     real = kern.gemm_amx_swiglu
     monkeypatch.setattr(kern, "gemm_amx_swiglu", lambda x, *a: called.append(len(x)) or real(x, *a))
-    gu = GateUpAct(amx, FusedSiluMul(kern), lambda rows: rows >= 32)
+    gu = GateUpAct(amx, FusedSiluMul(kern, GLU_BLOCK), lambda rows: rows >= 32)
     for rows in (EPILOGUE_MIN_ROWS, 32):
         x = torch.randn(rows, 64).bfloat16()
-        assert torch.equal(gu(x), kern.silu_mul(amx(x)))
+        assert torch.equal(gu(x), kern.silu_mul(amx(x), GLU_BLOCK))
         assert (gu.epilogue_at(rows) is not None) == (rows >= 32)
     assert called == [32]
 
@@ -405,7 +411,7 @@ def test_measure_glu_times_both_forms_where_asked() -> None:
         (torch.randn(64, 32) * 0.1).bfloat16(), None
     )
     rows = [None, None, 32, None, None, None]
-    got = autotune.measure_glu(32, torch.bfloat16, amx, FusedSiluMul(kern), rows, 1e18)
+    got = autotune.measure_glu(32, torch.bfloat16, amx, FusedSiluMul(kern, GLU_BLOCK), rows, 1e18)
     for form in ("epilogue", "separate"):
         assert [t is not None for t in got[form]] == [m is not None for m in rows]
 

@@ -107,7 +107,7 @@ def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit(kern_variant: kernel
     torch's, which moves a last place in about one element in 10^5 on wide-ranged inputs), vector
     and scalar paths (widths multiple of 16 and not), AVX-512 and AVX2; RoPE with a per-head
     norm first exactly as RMSNorm per head and then RoPE."""
-    from iterserve.model.layers import HeadRMSNorm, apply_rope
+    from iterserve.model.layers import HeadRMSNorm, apply_rope, interleave_gate_up
 
     kern = kern_variant
     torch.manual_seed(0)
@@ -120,7 +120,17 @@ def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit(kern_variant: kernel
         y = kern.rms_norm(x, w, 1e-6, add=a)  # x += a in place, then the norm
         assert torch.equal(x, h) and torch.equal(y, F.rms_norm(h, (n,), None, 1e-6) * w)
         gu = (torch.randn(64, 2 * n) * 4).bfloat16()
-        assert torch.equal(kern.silu_mul(gu), F.silu(gu[:, :n]) * gu[:, n:])
+        want = F.silu(gu[:, :n]) * gu[:, n:]
+        assert torch.equal(kern.silu_mul(gu), want)
+        # gate and up in alternating blocks (layers.interleave_gate_up: gu's columns are the
+        # product of a weight whose rows were laid out so)
+        for block in (16, 4):
+            if n % block == 0:
+                inter = interleave_gate_up(gu.T, block).T
+                assert not torch.equal(inter, gu)
+                assert torch.equal(kern.silu_mul(inter, block), want), (n, block)
+    with pytest.raises(ValueError, match="block must be 0 or divide"):
+        kern.silu_mul(torch.zeros(2, 2 * 40).bfloat16(), 16)
     for hd in (128, 64, 48, 20):
         qkv = (torch.randn(7, 5 * hd + 3) * 2).bfloat16()
         x = qkv[:, : 4 * hd].view(7, 4, hd)  # a strided view, as in the layer
@@ -436,12 +446,19 @@ def test_amx_gemm_argmax_is_the_argmax_of_its_f32_result() -> None:
 
 
 def test_amx_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:
-    """``gemm_amx_swiglu`` (gate_up and SwiGLU in one call, the product never stored): exactly
-    ``silu_mul(gemm_amx(x))`` over whole and half panels, several units per thread,
-    intermediate sizes whose up half starts mid-panel (96, 160), with and without bias; and
+    """``gemm_amx_swiglu`` (gate_up and SwiGLU in one call, the product never stored) on a
+    weight in GLU_BLOCK's layout: exactly ``silu_mul(gemm_amx(x), GLU_BLOCK)``, which is
+    ``silu_mul`` of the [gate; up] weight's product, over whole and half panels, several units
+    per thread, intermediate sizes that end mid-panel (96, 160), with and without bias; and
     ``GateUpAct`` gives ``act(gate_up(x))`` at every row count, fused or not. intermediate or
     K not a multiple of 32: None."""
-    from iterserve.model.layers import AmxLinear, FusedSiluMul, GateUpAct
+    from iterserve.model.layers import (
+        GLU_BLOCK,
+        AmxLinear,
+        FusedSiluMul,
+        GateUpAct,
+        gate_up_layout,
+    )
 
     kern = _kern()
     if not kern.has_amx:
@@ -452,12 +469,17 @@ def test_amx_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:
             w = torch.randn(2 * inter, K).bfloat16()
             x = torch.randn(M, K).bfloat16()
             for b in (None, torch.randn(2 * inter).bfloat16()):
-                P = kern.pack_pairs(w)
-                want = kern.silu_mul(kern.gemm_pairs(x, P, 2 * inter, b, amx=True))
-                got = kern.gemm_amx_swiglu(x, P, inter, b)
+                want = kern.silu_mul(kern.gemm_pairs(x, kern.pack_pairs(w), 2 * inter, b, amx=True))
+                act = FusedSiluMul(kern, GLU_BLOCK)
+                wi, bi = gate_up_layout(act, w, b)
+                P = kern.pack_pairs(wi)
+                assert torch.equal(
+                    kern.silu_mul(kern.gemm_pairs(x, P, 2 * inter, bi, amx=True), GLU_BLOCK), want
+                )
+                got = kern.gemm_amx_swiglu(x, P, inter, bi)
                 assert got is not None and torch.equal(got, want), (M, inter, K)
-                lin = AmxLinear(kern, w, b, P)
-                assert torch.equal(GateUpAct(lin, FusedSiluMul(kern))(x), want)
+                lin = AmxLinear(kern, wi, bi, P)
+                assert torch.equal(GateUpAct(lin, act)(x), want)
     w = torch.randn(2 * 48, 64).bfloat16()
     assert kern.gemm_amx_swiglu(torch.randn(20, 64).bfloat16(), kern.pack_pairs(w), 48) is None
     w = torch.randn(64, 48).bfloat16()

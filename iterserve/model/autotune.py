@@ -45,7 +45,6 @@ from iterserve.model.layers import (
     UPCAST_MIN_ROWS,
     AmxLinear,
     BucketedLinear,
-    FusedSiluMul,
     GateUpAct,
     Linear,
     OneDNNLinear,
@@ -54,6 +53,7 @@ from iterserve.model.layers import (
     PanelLinear,
     TorchLinear,
     UpcastLinear,
+    epilogue_act,
     linear_f32,
     packing_available,
 )
@@ -97,7 +97,7 @@ BUSY_CORES = 0.3
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
 PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
-VERSION = 15  # bump when what is measured or how it is chosen changes
+VERSION = 16  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -908,7 +908,7 @@ def _choose_glu(
     measurement). The GEMM path itself was chosen with the epilogue on: AMX and a separate
     pass are not a candidate against the other paths."""
     act = prob.gate_up_act
-    if type(act) is not FusedSiluMul or "amx" not in fns.get("gate_up", {}):
+    if act is None or not epilogue_act(act) or "amx" not in fns.get("gate_up", {}):
         return ()
     w = prob.weights["gate_up"][0]
     limit = prob.max_rows.get("gate_up", sys.maxsize)

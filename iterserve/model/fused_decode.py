@@ -139,7 +139,7 @@ class FusedDecode:
                 o.out_features, qkv.out_features, gu.out_features // 2,
                 layer.num_heads, layer.num_kv_heads, layer.head_dim,
                 layer.input_norm.eps, float(layer.head_dim**-0.5), int(panels), amx,
-                _ptr(None if norm is None else norm.weight),
+                _ptr(None if norm is None else norm.weight), layer.act.block,
             )  # fmt: skip
             out.append(w)
             keep += [layer.input_norm.weight, layer.post_norm.weight]

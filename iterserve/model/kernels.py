@@ -202,6 +202,7 @@ class DecodeLayerW(ctypes.Structure):
         # gate_up and SwiGLU in one call (gemm_amx_swiglu)
         ("amx", _I),
         ("qk_norm", _P),  # None, or Qwen3's per-head q / k norm weight [heads + kv_heads, head_dim]
+        ("glu_block", _I),  # gate_up's layout, silu_mul's ``block`` (layers.FusedSiluMul)
     ]  # fmt: skip
 
 
@@ -227,7 +228,7 @@ class Kernels:
         self.lib.gemm_panels.restype = None
         self.lib.rms_norm_bf16.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float]
         self.lib.rms_norm_bf16.restype = None
-        self.lib.silu_mul_bf16.argtypes = [_P, _P, _I, _I]
+        self.lib.silu_mul_bf16.argtypes = [_P, _P, _I, _I, _I]
         self.lib.silu_mul_bf16.restype = None
         self.lib.rope_bf16.argtypes = [
             _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _P, ctypes.c_float,
@@ -363,16 +364,20 @@ class Kernels:
         )
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """bf16 ``F.silu(gate) * up`` for gate_up = [gate | up] [T, 2n]; returns [T, n]."""
+    def silu_mul(self, gate_up: torch.Tensor, block: int = 0) -> torch.Tensor:
+        """bf16 ``F.silu(gate) * up`` for gate_up [T, 2n] = [gate | up] (``block`` 0) or with
+        gate and up in alternating blocks of ``block`` columns, gate first (n a multiple of it:
+        ``layers.interleave_gate_up``'s layout); returns [T, n]."""
         if gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2 or gate_up.shape[1] % 2:
             raise ValueError(
                 f"silu_mul takes bf16 [T, 2n], got {gate_up.dtype} {tuple(gate_up.shape)}"
             )
-        gate_up = gate_up.contiguous()
         n = gate_up.shape[1] // 2
+        if block < 0 or (block and n % block):
+            raise ValueError(f"silu_mul: block must be 0 or divide n = {n}, got {block}")
+        gate_up = gate_up.contiguous()
         out = torch.empty(gate_up.shape[0], n, dtype=torch.bfloat16)
-        self.lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
+        self.lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n, block)
         return out
 
     def rope(
@@ -610,10 +615,11 @@ class Kernels:
     def gemm_amx_swiglu(
         self, x: torch.Tensor, pairs: torch.Tensor, inter: int, b: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """``self.silu_mul(self.gemm_pairs(x, pairs, 2 * inter, b, amx=True))`` for a gate | up
-        weight [2 * inter, K], the same bits, without the [M, 2 * inter] product ever stored;
-        None where the AMX tiles cannot run it (inter or K not a multiple of 32), for the
-        caller to take the two calls."""
+        """``self.silu_mul(self.gemm_pairs(x, pairs, 2 * inter, b, amx=True), 16)`` for a gate
+        and up weight [2 * inter, K] whose rows alternate in blocks of 16
+        (``layers.interleave_gate_up``; the bias likewise), the same bits, without the [M, 2 *
+        inter] product ever stored; None where the AMX tiles cannot run it (inter or K not a
+        multiple of 32), for the caller to take the two calls."""
         x, b = self._amx_operands("gemm_amx_swiglu", x, pairs, 2 * inter, b)
         out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
         rc = self.lib.gemm_amx_swiglu(

@@ -363,8 +363,28 @@ class FusedRotary:
         return self.kern.rope(x, cos, sin, self.norm.weight, self.norm.eps)
 
 
+# Where the fused kernels run the MLP, gate_up's rows (the weight's and the bias's) alternate in
+# blocks of this many, gate first: gate 0-15, up 0-15, gate 16-31, ... (cpu_kernels.cpp's
+# GLU_BLOCK). So the AMX GEMM's units find a gate column's up column in the same panel lines and
+# read them whole, as the plain GEMM does, when SwiGLU runs in its epilogue (gemm_amx_swiglu);
+# with [gate; up] they read a quarter of each line in two panels (docs/SPEED.md, "gate and up
+# in one panel line"). Every other GEMM path computes the same columns in any order.
+GLU_BLOCK = 16
+
+
+def interleave_gate_up(t: torch.Tensor, block: int) -> torch.Tensor:
+    """gate_up's weight [2I, K] or bias [2I], [gate; up], with its rows in alternating blocks of
+    ``block`` (I a multiple of it), gate first; ``block`` 0: ``t`` as it is."""
+    if not block:
+        return t
+    blocks = t.shape[0] // (2 * block)
+    return t.reshape(2, blocks, block, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
 class SiluMul:
     """SwiGLU's ``silu(gate) * up`` for gate_up = [gate | up]."""
+
+    block = 0  # gate_up's layout (interleave_gate_up)
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         n = gate_up.shape[1] // 2
@@ -372,18 +392,36 @@ class SiluMul:
 
 
 class FusedSiluMul:
-    """The same roundings as ``SiluMul``, in one kernel call."""
+    """The same roundings as ``SiluMul``, in one kernel call, for gate_up in
+    ``interleave_gate_up``'s layout with ``block`` (0: [gate | up])."""
 
-    def __init__(self, kern: kernels.Kernels) -> None:
-        self.kern = kern
+    def __init__(self, kern: kernels.Kernels, block: int = 0) -> None:
+        self.kern, self.block = kern, block
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.kern.silu_mul(gate_up)
+        return self.kern.silu_mul(gate_up, self.block)
 
 
-def choose_act(fused: kernels.Kernels | None) -> SiluMul | FusedSiluMul:
-    """The MLP's SwiGLU: one kernel call where the fused kernels run the layer."""
-    return SiluMul() if fused is None else FusedSiluMul(fused)
+def choose_act(fused: kernels.Kernels | None, intermediate: int) -> SiluMul | FusedSiluMul:
+    """The MLP's SwiGLU: one kernel call where the fused kernels run the layer, for gate_up in
+    blocks of GLU_BLOCK where the intermediate size allows. The model lays gate_up's weight out
+    by the act's ``block`` (``interleave_gate_up``)."""
+    if fused is None:
+        return SiluMul()
+    return FusedSiluMul(fused, GLU_BLOCK if intermediate % GLU_BLOCK == 0 else 0)
+
+
+def epilogue_act(act: object) -> bool:
+    """Whether the AMX GEMM's SwiGLU epilogue can stand for ``act``: the fused SwiGLU on
+    gate_up in GLU_BLOCK's layout, the one gemm_amx_swiglu takes."""
+    return type(act) is FusedSiluMul and act.block == GLU_BLOCK
+
+
+def gate_up_layout(
+    act: SiluMul | FusedSiluMul, w: torch.Tensor, b: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gate_up's weight and bias ([gate; up], as loaded) in the layout ``act`` takes."""
+    return interleave_gate_up(w, act.block), None if b is None else interleave_gate_up(b, act.block)
 
 
 class GateUpAct:
@@ -398,7 +436,7 @@ class GateUpAct:
         self, gate_up: Linear, act: Linear, epilogue: Callable[[int], bool] | None = None
     ) -> None:
         self.gate_up, self.act, self.epilogue = gate_up, act, epilogue
-        self.fused = type(act) is FusedSiluMul
+        self.fused = epilogue_act(act)
 
     def epilogue_at(self, rows: int) -> AmxLinear | None:
         """The AMX GEMM that runs gate_up and SwiGLU in one call at ``rows`` rows, or None."""

@@ -34,6 +34,7 @@ from iterserve.model.layers import (
     choose_act,
     choose_linear,
     choose_norm,
+    gate_up_layout,
     linear_argmax,
     linear_f32,
     no_qk_norm,
@@ -154,10 +155,13 @@ class DecoderLayer(nn.Module):
 
     def select_strategies(self, s: Strategies) -> None:
         """Swaps every parameter for the strategy module that runs it (once, after loading)."""
+        self.act = choose_act(s.fused, self.intermediate)
         for name in self.LINEARS:
             w, b = getattr(self, f"{name}_proj"), getattr(self, f"{name}_bias")
             delattr(self, f"{name}_proj")
             delattr(self, f"{name}_bias")
+            if name == "gate_up":  # in the layout the act takes
+                w, b = gate_up_layout(self.act, w, b)
             setattr(self, name, s.make_linear(name, w, b))
         for name in ("input_norm", "post_norm"):
             w = getattr(self, name)
@@ -172,7 +176,6 @@ class DecoderLayer(nn.Module):
         else:  # the q / k norm inside RoPE's kernel call
             self.qk_norm = no_qk_norm
             self.rotary = FusedRotary(s.fused, head_norm)
-        self.act = choose_act(s.fused)
         self.gate_up_act = GateUpAct(self.gate_up, self.act, s.glu_epilogue)
         self.attn = s.attention
 

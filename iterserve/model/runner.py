@@ -84,7 +84,7 @@ from iterserve.model.device import (
     resolve_device,
     to_device_int32,
 )
-from iterserve.model.layers import Linear, choose_act, packing_available
+from iterserve.model.layers import Linear, choose_act, gate_up_layout, packing_available
 from iterserve.model.llama import DecoderLayer, DecoderModel, RotaryTable, Strategies
 from iterserve.model.loader import load_weights
 from iterserve.model.model_config import ModelConfig
@@ -381,11 +381,14 @@ class ModelRunner:
         ITERSERVE_KERNELS-fixed choice), logs it, and returns the strategies that run it."""
         cfg, kinds = self.model_config, DecoderLayer.LINEARS
         weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # the MLP's act (DecoderLayer.select_strategies): gate_up is timed with it, in its layout
+        act = choose_act(fused, cfg.intermediate_size)
         if self.model.layers:  # a layerless model (tests) times its LM head only
             layer0 = self.model.layers[0]
             weights = {
                 k: (getattr(layer0, f"{k}_proj"), getattr(layer0, f"{k}_bias")) for k in kinds
             }
+            weights["gate_up"] = gate_up_layout(act, *weights["gate_up"])
         weights["lm_head"] = (self.model.lm_head, None)
         prob = autotune.Problem(
             weights=weights,
@@ -401,8 +404,7 @@ class ModelRunner:
             block_size=block_size,
             max_decodes=autotune.DECODE_BUCKETS[-1],
             max_ctx=self.max_model_len,
-            # the MLP's act (DecoderLayer.select_strategies): gate_up is timed with it
-            gate_up_act=choose_act(fused),
+            gate_up_act=act,
         )
         builders = autotune.gemm_builders(self.dtype, kern, self._pack_allowed(flags=False))
         cpu = isinstance(self.attention, CpuBackend)

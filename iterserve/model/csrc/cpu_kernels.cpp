@@ -1914,29 +1914,38 @@ inline __m512 swiglu16(__m512 g, __m512 u) {
 }
 #endif
 
-// SwiGLU on bf16 rows [gate | up] of width 2 * n: out = bf16(bf16(silu(gate)) * up).
-void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n) {
-#pragma omp parallel for schedule(static) if (int64_t(rows) * 2 * n >= PAR_MIN_ELEMS)
-    for (int r = 0; r < rows; ++r) {
-        const uint16_t* g = gu + static_cast<int64_t>(r) * 2 * n;
-        const uint16_t* u = g + n;
-        uint16_t* o = out + static_cast<int64_t>(r) * n;
+// The gate and up weights' rows alternate in blocks of this many where the AMX GEMM runs
+// SwiGLU in its epilogue (gemm_amx_swiglu; layers.GLU_BLOCK says the same).
+constexpr int GLU_BLOCK = 16;
+
+// SwiGLU on bf16 rows of width 2 * n that hold gate and up: out = bf16(bf16(silu(gate)) * up).
+// block 0: [gate | up]; block > 0 (n a multiple of it): gate and up alternate in blocks of
+// `block` columns, gate first (GLU_BLOCK: the product of gemm_amx_swiglu's weight).
+void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n, int block) {
+    const int width = block > 0 ? block : n;  // columns of a gate span, its up span right after
+    auto span = [](const uint16_t* g, const uint16_t* u, uint16_t* o, int w) {
         int i = 0;
 #if defined(__AVX512F__)
-        for (; i + 16 <= n; i += 16) narrow16(o + i, swiglu16(widen16(g + i), widen16(u + i)));
+        for (; i + 16 <= w; i += 16) narrow16(o + i, swiglu16(widen16(g + i), widen16(u + i)));
 #elif defined(ITERSERVE_AVX2)
         const __m256 one = _mm256_set1_ps(1.f);
-        for (; i + 8 <= n; i += 8) {
+        for (; i + 8 <= w; i += 8) {
             const __m256 gv = widen8(g + i);
             const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
             narrow8(o + i, _mm256_mul_ps(round_bf16_8(sv), widen8(u + i)));
         }
 #endif
-        for (; i < n; ++i) {
+        for (; i < w; ++i) {
             const float gv = bf16_to_f32(g[i]);
             const float sv = bf16_to_f32(f32_to_bf16(gv / (1.f + std::exp(-gv))));
             o[i] = f32_to_bf16(sv * bf16_to_f32(u[i]));
         }
+    };
+#pragma omp parallel for schedule(static) if (int64_t(rows) * 2 * n >= PAR_MIN_ELEMS)
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t* row = gu + static_cast<int64_t>(r) * 2 * n;
+        uint16_t* o = out + static_cast<int64_t>(r) * n;
+        for (int c = 0; c < n; c += width) span(row + 2 * c, row + 2 * c + width, o + c, width);
     }
 }
 
@@ -2519,13 +2528,13 @@ inline void argmax_cols(const ArgRows& st, const uint16_t* bias, int N, int col,
     }
 }
 
-// SwiGLU of 16 gate columns from col (of I = N gate columns) and their up columns: the values
-// store_cols would store for both (bias added, rounded to bf16), then silu_mul_bf16's
-// arithmetic on them (swiglu16), so the same bits as the GEMM's bf16 output followed by
-// silu_mul_bf16.
+// SwiGLU of 16 gate columns from col (of I gate columns) and their up columns, in the GLU_BLOCK
+// layout (the bias's gate columns from 2 col, its up columns 16 on): the values store_cols
+// would store for both (bias added, rounded to bf16), then silu_mul_bf16's arithmetic on them
+// (swiglu16), so the same bits as the GEMM's bf16 output followed by silu_mul_bf16.
 template <typename G, typename U>
 inline void glu_store(uint16_t* out, int I, const uint16_t* bias, int col, int m0, int rows, G&& gate, U&& up) {
-    const __m512 bg = bias_cols(bias, col, 0xffff), bu = bias_cols(bias, I + col, 0xffff);
+    const __m512 bg = bias_cols(bias, 2 * col, 0xffff), bu = bias_cols(bias, 2 * col + 16, 0xffff);
     for (int r = 0; r < rows; ++r) {
         const __m512 gv = round_bf16(_mm512_add_ps(gate(r), bg));
         const __m512 uv = round_bf16(_mm512_add_ps(up(r), bu));
@@ -2554,10 +2563,12 @@ void amx_epilogue(const float* cb, void* y, int N, const uint16_t* bias, int n0,
     if (r1 <= r0) return;
     const float* c0 = cb + static_cast<int64_t>(r0) * LDC;
     if constexpr (GLU) {
-        // gate group j's columns are cb's 16 j.., its up columns NT / 2 groups on
+        // the weight's gate and up columns alternate in blocks of 16 (GLU_BLOCK): group 2j of
+        // cb holds gate columns n0 + 16 j.., group 2j + 1 their up columns
+        static_assert(GLU_BLOCK == 16, "a column group of the tiles");
         for (int j = 0; j < NT / 2; ++j)
-            glu_store(static_cast<uint16_t*>(y), N, bias, n0 + 16 * j, m0 + r0, r1 - r0, [&](int r) { return _mm512_loadu_ps(c0 + r * LDC + 16 * j); },
-                      [&](int r) { return _mm512_loadu_ps(c0 + r * LDC + 16 * (j + NT / 2)); });
+            glu_store(static_cast<uint16_t*>(y), N, bias, n0 + 16 * j, m0 + r0, r1 - r0, [&](int r) { return _mm512_loadu_ps(c0 + r * LDC + 32 * j); },
+                      [&](int r) { return _mm512_loadu_ps(c0 + r * LDC + 32 * j + 16); });
         return;
     }
     for (int c = 0; c < NT && n0 + 16 * c < N; ++c) {
@@ -2575,12 +2586,8 @@ void amx_epilogue(const float* cb, void* y, int N, const uint16_t* bias, int n0,
 // issued, during(kb, K / 32) runs: vector work there (the previous unit's epilogue) overlaps
 // the tile products, where after them it would wait for them and they for it.
 // Each k step also prefetches pf_bytes from pf on (into L2), where pf is given (NT = 2 only).
-// GLU: the unit's columns from Bq on (the up projection's, Bq its B tiles) pair with those from
-// Bp on (the gate's): NT = 4, 32 gate columns then their 32 up columns; NT = 2, 16 and 16.
-// pf2: a second prefetch stream.
-template <int NT, bool TWO, bool GLU = false, typename During>
-void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, int m0, float* cb, During&& during, const char* pf = nullptr, int pf_bytes = 0,
-              const uint16_t* Bq = nullptr, const char* pf2 = nullptr) {
+template <int NT, bool TWO, typename During>
+void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, int m0, float* cb, During&& during, const char* pf = nullptr, int pf_bytes = 0) {
     static_assert(NT == 4 || NT == 2, "column groups");
     static_assert(!(TWO && NT == 4), "two row blocks take a half panel");
     constexpr int LINE = GP_COLS * 2;  // uint16 per pair-panel line
@@ -2596,10 +2603,7 @@ void amx_unit(const uint16_t* Bp, const uint16_t* x, int K, int m0, float* cb, D
         const uint16_t* b = Bp + static_cast<int64_t>(kb) * 16 * LINE;
         if (pf)
             for (int off = 0; off < pf_bytes; off += 64) _mm_prefetch(pf + static_cast<int64_t>(kb) * pf_bytes + off, _MM_HINT_T1);
-        if (GLU && pf2)
-            for (int off = 0; off < pf_bytes; off += 64) _mm_prefetch(pf2 + static_cast<int64_t>(kb) * pf_bytes + off, _MM_HINT_T1);
-        // the second half of the unit's columns: the next ones, or (GLU) the up projection's
-        const uint16_t* bq = GLU ? Bq + static_cast<int64_t>(kb) * 16 * LINE : b + NT / 2 * 32;
+        const uint16_t* bq = b + NT / 2 * 32;  // the second half of the unit's columns
         _tile_loadd(4, xa + kb * 32, ldx);
         if constexpr (NT == 4) {
             _tile_loadd(5, b, LINE * 2);
@@ -2640,8 +2644,12 @@ constexpr int DEFER_MAX_ROWS = 1024;
 
 // ARG: y is an ArgRows per thread (ArgRows[omp_get_max_threads()]), each row's argmax folded
 // into the calling thread's instead of storing y; returns -1 where the tiles cannot run it.
-// GLU: P is a gate | up weight [2N, K] (N % 32 == 0) and y [M, N] bf16 its SwiGLU output
-// (glu_store); -1 likewise.
+// GLU: P packs a gate and up weight [2N, K] (N % 32 == 0) whose rows alternate in blocks of 16
+// (GLU_BLOCK: gate rows 0-15, up rows 0-15, gate rows 16-31, ...) and y [M, N] bf16 is its
+// SwiGLU output (glu_store); -1 likewise. So a unit's gate and up columns share its panel's
+// lines, which it reads as the plain GEMM does: with the gate and up weights one after the
+// other, a unit read a quarter of each line in two panels, and at K = 2,048 its weight
+// streamed 10-30% slower (docs/SPEED.md, "gate and up in one panel line").
 template <bool F32, bool ARG = false, bool GLU = false>
 int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t* bias, int M, int N, int K) {
     if (K % 32 || !amx_permitted()) {
@@ -2651,8 +2659,8 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
     const int64_t panel_elems = static_cast<int64_t>(K / 2) * GP_COLS * 2;
     // up to 16 rows: whole panels, each line streamed once; more: half panels, 32 rows a block
     const int nt = M <= 16 ? 4 : 2;
-    // a unit's columns of y (GLU: gate columns, each with its up column)
-    const int ucols = GLU ? nt * 8 : nt * 16, upp = GP_COLS / ucols;  // units per panel
+    // a unit's columns of y (GLU: gate columns, each with its up column), and per panel
+    const int ucols = GLU ? nt * 8 : nt * 16, upp = GP_COLS / (nt * 16);
     const int units = (N + ucols - 1) / ucols, mstep = nt == 4 ? 16 : 32;
     auto at = [&](int col) { return P + (col / GP_COLS) * panel_elems + (col % GP_COLS) * 2; };
     // Rows in chunks whose x stays in L2 (~1 MB) while the thread's units pass over it: at
@@ -2703,8 +2711,8 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
         };
         for (int c0 = 0; c0 < M; c0 += chunk)
         for (int u = u_begin; u < u_end; ++u) {
-            const int n0 = u * ucols;
-            const uint16_t* Bp = at(n0);
+            const int n0 = u * ucols, pc = GLU ? 2 * n0 : n0;  // pc: its first packed column
+            const uint16_t* Bp = at(pc);
             for (int m0 = c0; m0 < std::min(M, c0 + chunk); m0 += mstep) {
                 const int rows = std::min(M - m0, mstep);
                 const int r0 = std::min(rows, 16), r1 = rows - r0;
@@ -2719,32 +2727,26 @@ int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t*
                 // panel"). In every chunk, not only the first: the later chunks' passes over the
                 // weight find it gone from L2 too (docs/SPEED.md, "The next panel in every row
                 // chunk"). Up to 16 rows the one pass over each panel streams it well as it is.
-                // (GLU: the up projection's next panel too, where its panels line up with the
-                // gate's.)
-                const char *pf = nullptr, *pf2 = nullptr;
+                const char* pf = nullptr;
                 int pf_bytes = 0;
-                const int panel = n0 / GP_COLS;
+                const int panel = pc / GP_COLS;
                 if (nt == 2 && (panel + 1) * upp < u_end) {
                     const int passes = upp * blocks;  // a shorter last chunk leaves the tail out
-                    const int pass = (n0 % GP_COLS) / ucols * blocks + (m0 - c0) / mstep;
+                    const int pass = (pc % GP_COLS) / (nt * 16) * blocks + (m0 - c0) / mstep;
                     pf_bytes = (4096 / passes + 63) & ~63;  // a panel has 4 KB per k step of 32
                     const int64_t off = static_cast<int64_t>(pass) * pf_bytes * (K / 32);
                     pf = reinterpret_cast<const char*>(P + (panel + 1) * panel_elems) + off;
-                    if (GLU && N % GP_COLS == 0) pf2 = reinterpret_cast<const char*>(P + (N / GP_COLS + panel + 1) * panel_elems) + off;
                 }
-                const uint16_t* Bq = GLU ? at(N + n0) : nullptr;
                 float* cb = cbs[cur];
                 // Where nothing can be pending, none rather than during: even during's one
                 // check per k step slowed the small decode GEMMs (docs/SPEED.md, "Review").
                 auto none = [](int, int) {};
                 if (nt == 4)
-                    amx_unit<4, false, GLU>(Bp, x, K, m0, cb, none, nullptr, 0, Bq);
+                    amx_unit<4, false>(Bp, x, K, m0, cb, none);
                 else if (r1 > 0)
-                    defer ? amx_unit<2, true, GLU>(Bp, x, K, m0, cb, during, pf, pf_bytes, Bq, pf2)
-                          : amx_unit<2, true, GLU>(Bp, x, K, m0, cb, none, pf, pf_bytes, Bq, pf2);
+                    defer ? amx_unit<2, true>(Bp, x, K, m0, cb, during, pf, pf_bytes) : amx_unit<2, true>(Bp, x, K, m0, cb, none, pf, pf_bytes);
                 else
-                    defer ? amx_unit<2, false, GLU>(Bp, x, K, m0, cb, during, pf, pf_bytes, Bq, pf2)
-                          : amx_unit<2, false, GLU>(Bp, x, K, m0, cb, none, pf, pf_bytes, Bq, pf2);
+                    defer ? amx_unit<2, false>(Bp, x, K, m0, cb, during, pf, pf_bytes) : amx_unit<2, false>(Bp, x, K, m0, cb, none, pf, pf_bytes);
                 if (!defer) {
                     // Up to 16 rows the GEMM streams its weight and the epilogue is small: it
                     // runs at once (deferring it gained nothing there). Past DEFER_MAX_ROWS
@@ -2804,10 +2806,10 @@ int gemm_amx(const uint16_t* P, const uint16_t* x, uint16_t* y, const uint16_t* 
 int gemm_amx_f32(const uint16_t* P, const uint16_t* x, float* y, const uint16_t* bias, int M, int N, int K) {
     return gemm_amx_or_pairs<true>(P, x, y, bias, M, N, K);
 }
-// act[M, I] = silu_mul_bf16 of gemm_amx's gate | up output for P = pack_bf16_pairs(W [2I, K])
-// (bias [2I] or null), the same bits, without that output ever stored: each unit takes a gate
-// column range and the up range I columns on. -1 where it cannot (I not a multiple of 32, K not
-// one of 32, no AMX): take gemm_amx and silu_mul_bf16 then.
+// act[M, I] = silu_mul_bf16(gemm_amx's output, block 16) for P = pack_bf16_pairs(W [2I, K]) with
+// W's gate and up rows alternating in blocks of 16 (bias [2I] likewise, or null), the same bits,
+// without that output ever stored. -1 where it cannot (I not a multiple of 32, K not one of 32,
+// no AMX): take gemm_amx and silu_mul_bf16 then.
 int gemm_amx_swiglu(const uint16_t* P, const uint16_t* x, uint16_t* act, const uint16_t* bias, int M, int I, int K) {
 #if defined(ITERSERVE_AMX)
     if (I % 32) return -1;
@@ -2879,6 +2881,7 @@ struct DecodeLayerW {
     int amx;     // pair packed: bit i set runs GEMM i (qkv, o, gate_up, down) on gemm_amx;
                  // bit 4: gate_up and SwiGLU in one call, gemm_amx_swiglu (fused_decode.py)
     const uint16_t* qk_norm;  // null, or Qwen3's per-head q / k RMSNorm weight [heads + kv_heads, head_dim]
+    int glu_block;            // gate_up's layout: silu_mul_bf16's block (16 for gemm_amx_swiglu)
 };
 struct DecodeStep {
     const uint16_t *cos, *sin;  // [M, hd]
@@ -2931,7 +2934,7 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
     // the same bits either way (gemm_amx_swiglu)
     if (!(w->amx >> 4 & 1) || gemm_amx_swiglu(w->gate_up, normed, act, w->gate_up_b, M, w->inter, hid) != 0) {
         gemm(2, w->gate_up, normed, gu, w->gate_up_b, 2 * w->inter, hid);
-        silu_mul_bf16(gu, act, M, w->inter);
+        silu_mul_bf16(gu, act, M, w->inter, w->glu_block);
     }
     gemm(3, w->down, act, out, w->down_b, hid, w->inter);
     return 0;

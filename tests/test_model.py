@@ -502,6 +502,44 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: 
         close(out, ref.view(D, kvh * G, hd), atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["native", "avx2"])
+def test_grouped_query_decode_takes_each_query_heads_own_arithmetic(variant: str) -> None:
+    """The bf16 decode kernel gives a query head sharing its KV head with others the same bits
+    as with a KV head of its own (the cache's heads repeated per query head): it runs each
+    KV head's query heads a few at a time with their q and accumulators in registers, over runs
+    of positions cut at cache blocks and at the score groups of 16. Head sizes 32-256, 1-8
+    query heads a KV head, blocks of 4, 16 and 32, windows that start mid-group."""
+    from iterserve.model import kernels
+    from tests.test_kernels import avx2_kernels
+
+    kern = kernels.load() if variant == "native" else avx2_kernels()
+    assert kern is not None, "the C++ kernels did not build (see the warning logged)"
+    torch.manual_seed(0)
+    for hd, kvh, G, bs in (
+        (64, 2, 4, 16),
+        (128, 2, 3, 32),
+        (32, 1, 8, 4),
+        (256, 1, 2, 16),
+        (64, 3, 5, 16),
+    ):
+        nblocks, D = 48, 5
+        k_cache = torch.randn(nblocks * bs, kvh, hd).bfloat16()
+        v_cache = torch.randn(nblocks * bs, kvh, hd).bfloat16()
+        max_blocks = 70 // bs + 1
+        tables = torch.stack([torch.randperm(nblocks)[:max_blocks] for _ in range(D)])
+        ctx = torch.tensor([1, 16, 17, 45, 70])
+        starts = torch.tensor([0, 0, 3, 21, 9])
+        q = torch.randn(D, kvh * G, hd).bfloat16()
+        shared = kern.paged_decode_attention(q, k_cache, v_cache, tables, ctx, starts, bs)
+        own = kern.paged_decode_attention(
+            q,
+            k_cache.repeat_interleave(G, dim=1).contiguous(),
+            v_cache.repeat_interleave(G, dim=1).contiguous(),
+            tables, ctx, starts, bs,
+        )  # fmt: skip
+        assert torch.equal(shared, own), (hd, kvh, G, bs)
+
+
 def test_pack_weights_setting_is_checked(
     case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,6 +1,6 @@
 // The AMX GEMM's limits on this CPU, from C++ (docs/SPEED.md, "Prefetching the next panel").
 // Includes the library's source, so a copy of it with a change builds the same way
-// (-DKERNEL='"path"'). One thread unless OMP_NUM_THREADS says otherwise. Two modes:
+// (-DKERNEL='"path"'). One thread unless OMP_NUM_THREADS says otherwise. Modes:
 //
 //   loop SA SB UNITS MISALIGN [AUNITS]
 //                               the 2 x 2 tile loop alone (K = 768: 24 steps of 4 products on
@@ -10,8 +10,9 @@
 //                               of x in L2, as the GEMM's row blocks; default 1), buffers
 //                               MISALIGN bytes past a 64-byte boundary
 //   gemm M N K [WEIGHTS]        gemm_amx on one shape, the weight hot (1) or WEIGHTS copies cycled
-//   glu M I K [WEIGHTS]         gemm_amx_swiglu on a gate | up weight [2I, K], likewise
-//   glusep M I K [WEIGHTS]      the same as gemm_amx then silu_mul_bf16
+//   glu M I K [WEIGHTS]         gemm_amx_swiglu on a gate and up weight [2I, K] (I % 32 == 0),
+//                               likewise
+//   glusep M I K [WEIGHTS]      the same as gemm_amx then silu_mul_bf16 (GLU_BLOCK's layout)
 //   layers M [LAYERS]           a step's layer GEMMs back to back, every weight from memory
 //
 // ns per tile product (per thread), best of 7-9 rounds. Build and run from the repository root:
@@ -161,6 +162,10 @@ int main(int argc, char** argv) {
     auto arg = [&](int i, int def) { return argc > i ? std::atoi(argv[i]) : def; };
     if (argc > 1 && !std::strcmp(argv[1], "loop")) return loop(arg(2, 64), arg(3, 64), arg(4, 1), arg(5, 0), arg(6, 1));
     if (argc > 4 && !std::strcmp(argv[1], "gemm")) return gemm(arg(2, 0), arg(3, 0), arg(4, 0), arg(5, 1));
+    if (argc > 4 && (!std::strcmp(argv[1], "glu") || !std::strcmp(argv[1], "glusep")) && arg(3, 0) % 32) {
+        std::printf("glu, glusep: I must be a multiple of 32\n");
+        return 1;
+    }
     if (argc > 4 && !std::strcmp(argv[1], "glu")) return gemm(arg(2, 0), 2 * arg(3, 0), arg(4, 0), arg(5, 1), 1);
     if (argc > 4 && !std::strcmp(argv[1], "glusep")) return gemm(arg(2, 0), 2 * arg(3, 0), arg(4, 0), arg(5, 1), 2);
     if (argc > 2 && !std::strcmp(argv[1], "layers")) return layers(arg(2, 0), arg(3, 12));

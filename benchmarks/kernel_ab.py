@@ -8,7 +8,10 @@ its output held in the tiles").
     python benchmarks/kernel_ab.py --base-rev c9c3bd5 --decode-steps --batches 1,8,32,128
     python benchmarks/kernel_ab.py --base-rev fe33d3d --elementwise 512,2048
 
-Each library is built from its source (cached by source hash, as the engine builds it).
+Each library is built from its source (cached by source hash, as the engine builds it). Both run
+under this tree's Python: a revision before 2d8109a takes gate_up as [gate; up] where this tree
+lays it out in blocks of 16 (layers.GLU_BLOCK), so its engine's values are wrong there though
+its kernels' timings hold (its SwiGLU epilogue reads the weight in its own pattern).
 ``--prefill N``: per budget (max_num_batched_tokens), one engine (``LLM(--model,
 dtype="bfloat16")``, bench-134m by default) on each library; ``--rounds`` rounds each time a
 fresh random N-token prompt (one output token) on every engine in turn, the order reversed

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from iterserve.core.kv_cache_manager import cdiv
 from iterserve.model import attention, kernels
 from iterserve.model.cpu import empty_hugepages, has_native, tune_allocator
-from iterserve.model.layers import OneDNNLinear, PackedLinear
+from iterserve.model.layers import OneDNNLinear, PackedLinear, choose_act
 
 HIDDEN, INTER, LAYERS, HEADS, HEAD_DIM, VOCAB = 768, 2048, 12, 12, 64, 32000
 
@@ -247,9 +247,10 @@ def _elementwise_row(kern: kernels.Kernels, T: int, repeats: int) -> list[float]
     sin = torch.randn(T, 1, HEAD_DIM, generator=g).bfloat16()
     cache = torch.zeros(max(4096, 2 * T), HEADS, HEAD_DIM).bfloat16()
     slots = torch.randperm(cache.shape[0], generator=g)[:T].contiguous()
+    act = choose_act(kern, INTER)  # SwiGLU in the gate_up layout the model runs here
     calls: list[Callable[[], object]] = [
         lambda: kern.rms_norm(x, w, 1e-5, add),
-        lambda: kern.silu_mul(gate_up),
+        lambda: act(gate_up),
         lambda: kern.rope(qkv[:, : 2 * HEADS], cos, sin),
         lambda: kern.write_rows(qkv[:, 2 * HEADS :], cache, slots),
     ]

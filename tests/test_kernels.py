@@ -111,7 +111,7 @@ def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit(kern_variant: kernel
 
     kern = kern_variant
     torch.manual_seed(0)
-    for n in (768, 40, 36):
+    for n in (768, 48, 40, 36):
         x = (torch.randn(9, n) * 3).bfloat16()
         w = torch.randn(n).bfloat16()
         assert torch.equal(kern.rms_norm(x, w, 1e-6), F.rms_norm(x, (n,), None, 1e-6) * w)
@@ -124,7 +124,7 @@ def test_fused_bf16_elementwise_ops_equal_torch_bit_for_bit(kern_variant: kernel
         assert torch.equal(kern.silu_mul(gu), want)
         # gate and up in alternating blocks (layers.interleave_gate_up: gu's columns are the
         # product of a weight whose rows were laid out so)
-        for block in (16, 4):
+        for block in (16, 8, 4):
             if n % block == 0:
                 inter = interleave_gate_up(gu.T, block).T
                 assert not torch.equal(inter, gu)
@@ -449,7 +449,8 @@ def test_amx_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:
     """``gemm_amx_swiglu`` (gate_up and SwiGLU in one call, the product never stored) on a
     weight in GLU_BLOCK's layout: exactly ``silu_mul(gemm_amx(x), GLU_BLOCK)``, which is
     ``silu_mul`` of the [gate; up] weight's product, over whole and half panels, several units
-    per thread, intermediate sizes that end mid-panel (96, 160), with and without bias; and
+    per thread, intermediate sizes of an odd count of 32-column units (96, 160), with and
+    without bias; and
     ``GateUpAct`` gives ``act(gate_up(x))`` at every row count, fused or not. intermediate or
     K not a multiple of 32: None."""
     from iterserve.model.layers import (
@@ -484,6 +485,18 @@ def test_amx_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:
     assert kern.gemm_amx_swiglu(torch.randn(20, 64).bfloat16(), kern.pack_pairs(w), 48) is None
     w = torch.randn(64, 48).bfloat16()
     assert kern.gemm_amx_swiglu(torch.randn(20, 48).bfloat16(), kern.pack_pairs(w), 32) is None
+
+
+def test_the_act_takes_gate_up_in_blocks_only_where_the_epilogue_can_run() -> None:
+    """``choose_act``: the fused SwiGLU on gate_up in GLU_BLOCK's layout only with AMX tiles and
+    an intermediate size that is a multiple of 32 (where gemm_amx_swiglu can run); elsewhere
+    [gate | up], whose separate pass is the plain one; torch's SiluMul without the kernels."""
+    from iterserve.model.layers import GLU_BLOCK, SiluMul, choose_act
+
+    kern = _kern()
+    assert type(choose_act(None, 64)) is SiluMul and choose_act(None, 64).block == 0
+    assert choose_act(kern, 64).block == (GLU_BLOCK if kern.has_amx else 0)
+    assert choose_act(kern, 48).block == 0
 
 
 def test_amx_epilogue_deferred_or_not_gives_the_same_bits() -> None:

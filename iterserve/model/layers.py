@@ -366,9 +366,10 @@ class FusedRotary:
 # Where the fused kernels run the MLP, gate_up's rows (the weight's and the bias's) alternate in
 # blocks of this many, gate first: gate 0-15, up 0-15, gate 16-31, ... (cpu_kernels.cpp's
 # GLU_BLOCK). So the AMX GEMM's units find a gate column's up column in the same panel lines and
-# read them whole, as the plain GEMM does, when SwiGLU runs in its epilogue (gemm_amx_swiglu);
-# with [gate; up] they read a quarter of each line in two panels (docs/SPEED.md, "gate and up
-# in one panel line"). Every other GEMM path computes the same columns in any order.
+# read them as the plain GEMM does, when SwiGLU runs in its epilogue (gemm_amx_swiglu); with
+# [gate; up] they read a quarter of each line (past 16 rows; half up to 16) in two panels
+# (docs/SPEED.md, "Gate and up in one panel line"). Every other GEMM path computes the same
+# columns in any order.
 GLU_BLOCK = 16
 
 
@@ -404,11 +405,12 @@ class FusedSiluMul:
 
 def choose_act(fused: kernels.Kernels | None, intermediate: int) -> SiluMul | FusedSiluMul:
     """The MLP's SwiGLU: one kernel call where the fused kernels run the layer, for gate_up in
-    blocks of GLU_BLOCK where the intermediate size allows. The model lays gate_up's weight out
-    by the act's ``block`` (``interleave_gate_up``)."""
+    blocks of GLU_BLOCK where the AMX GEMM's epilogue can take it (AMX tiles, an intermediate
+    size that is a multiple of 32), else [gate | up]. The model lays gate_up's weight out by
+    the act's ``block`` (``interleave_gate_up``)."""
     if fused is None:
         return SiluMul()
-    return FusedSiluMul(fused, GLU_BLOCK if intermediate % GLU_BLOCK == 0 else 0)
+    return FusedSiluMul(fused, GLU_BLOCK if fused.has_amx and intermediate % 32 == 0 else 0)
 
 
 def epilogue_act(act: object) -> bool:

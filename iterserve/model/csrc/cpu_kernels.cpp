@@ -1922,7 +1922,9 @@ constexpr int GLU_BLOCK = 16;
 // block 0: [gate | up]; block > 0 (n a multiple of it): gate and up alternate in blocks of
 // `block` columns, gate first (GLU_BLOCK: the product of gemm_amx_swiglu's weight).
 void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n, int block) {
-    const int width = block > 0 ? block : n;  // columns of a gate span, its up span right after
+    // a block that does not divide n would run past the rows: [gate | up] then (the wrapper
+    // rejects it; this keeps a bad call inside its buffers)
+    const int width = block > 0 && n % block == 0 ? block : n;  // a gate span's columns, its up span next
     auto span = [](const uint16_t* g, const uint16_t* u, uint16_t* o, int w) {
         int i = 0;
 #if defined(__AVX512F__)
@@ -1945,6 +1947,21 @@ void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n, int block
     for (int r = 0; r < rows; ++r) {
         const uint16_t* row = gu + static_cast<int64_t>(r) * 2 * n;
         uint16_t* o = out + static_cast<int64_t>(r) * n;
+#if defined(__AVX512F__)
+        if (width == 16) {
+            // GLU_BLOCK: one vector a span, two spans a step (two independent exp chains, as the
+            // compiler interleaves span's own loop; one span a step took 1.25x as long)
+            int c = 0;
+            for (; c + 32 <= n; c += 32) {
+                const __m512 a = swiglu16(widen16(row + 2 * c), widen16(row + 2 * c + 16));
+                const __m512 b = swiglu16(widen16(row + 2 * c + 32), widen16(row + 2 * c + 48));
+                narrow16(o + c, a);
+                narrow16(o + c + 16, b);
+            }
+            if (c < n) narrow16(o + c, swiglu16(widen16(row + 2 * c), widen16(row + 2 * c + 16)));
+            continue;
+        }
+#endif
         for (int c = 0; c < n; c += width) span(row + 2 * c, row + 2 * c + width, o + c, width);
     }
 }
@@ -2648,8 +2665,8 @@ constexpr int DEFER_MAX_ROWS = 1024;
 // (GLU_BLOCK: gate rows 0-15, up rows 0-15, gate rows 16-31, ...) and y [M, N] bf16 is its
 // SwiGLU output (glu_store); -1 likewise. So a unit's gate and up columns share its panel's
 // lines, which it reads as the plain GEMM does: with the gate and up weights one after the
-// other, a unit read a quarter of each line in two panels, and at K = 2,048 its weight
-// streamed 10-30% slower (docs/SPEED.md, "gate and up in one panel line").
+// other, a unit read a quarter of each line (past 16 rows; half up to 16) in two panels, and at
+// K = 2,048 its weight streamed 10-30% slower (docs/SPEED.md, "Gate and up in one panel line").
 template <bool F32, bool ARG = false, bool GLU = false>
 int gemm_amx_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t* bias, int M, int N, int K) {
     if (K % 32 || !amx_permitted()) {

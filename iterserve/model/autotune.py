@@ -85,10 +85,12 @@ PRUNE = 2.0
 BUDGET_S = 20.0
 GEMM_SHARE = 0.8
 GLU_SHARE = 0.05  # at least this share for gate_up's SwiGLU forms (measure_glu)
-# A call this long (a large model's GEMM at the larger buckets), timed once after its warm-up,
-# is not timed twice more for a best of 3: its run-to-run noise is a smaller share of it, and
-# the two more calls of every path there took much of the budget.
+# A call this long (a large model's GEMM at the larger buckets) is timed twice after its warm-up,
+# not three times: its run-to-run noise is a smaller share of it, and the third call of every
+# path there took much of the budget. Not once: one timing of a 70-80 ms GEMM read 153 ms and
+# turned the choice at its bucket (docs/SPEED.md, "Gate and up in one panel line").
 LONG_CALL_S = 0.05
+LONG_CALL_REPS = 2
 # A measurement beside other processes taking more than this many cores is used but not cached:
 # a first start during a package install cached a choice timed at a third of the machine's speed,
 # and every later start took it (docs/SPEED.md, "AMX tiles for iterserve's own GEMM and prefill
@@ -97,7 +99,7 @@ BUSY_CORES = 0.3
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
 PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
-VERSION = 16  # bump when what is measured or how it is chosen changes
+VERSION = 17  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -469,8 +471,8 @@ def time_paths(
     calls: Mapping[str, Callable[[], object]], deadline: float, reps: int = 3
 ) -> dict[str, float | None]:
     """Best of ``reps`` wall times of each call, the paths interleaved (a warm-up call each
-    first), or only the first where that took LONG_CALL_S or more; None for a path not timed
-    before ``deadline``."""
+    first), or of LONG_CALL_REPS where a timed call took LONG_CALL_S or more; None for a path
+    not timed before ``deadline``."""
     best: dict[str, float | None] = dict.fromkeys(calls)
     for fn in calls.values():
         if time.perf_counter() > deadline:
@@ -478,7 +480,7 @@ def time_paths(
         fn()
     for r in range(reps):
         for p, fn in calls.items():
-            if r and (t := best[p]) is not None and t >= LONG_CALL_S:
+            if r >= LONG_CALL_REPS and (t := best[p]) is not None and t >= LONG_CALL_S:
                 continue
             if time.perf_counter() > deadline:
                 return best

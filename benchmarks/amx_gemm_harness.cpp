@@ -160,10 +160,14 @@ int main(int argc, char** argv) {
         return 1;
     }
     auto arg = [&](int i, int def) { return argc > i ? std::atoi(argv[i]) : def; };
+    if (argc > 5 && std::strcmp(argv[1], "loop") && arg(5, 1) < 1) {
+        std::printf("WEIGHTS must be >= 1\n");
+        return 1;
+    }
     if (argc > 1 && !std::strcmp(argv[1], "loop")) return loop(arg(2, 64), arg(3, 64), arg(4, 1), arg(5, 0), arg(6, 1));
     if (argc > 4 && !std::strcmp(argv[1], "gemm")) return gemm(arg(2, 0), arg(3, 0), arg(4, 0), arg(5, 1));
-    if (argc > 4 && (!std::strcmp(argv[1], "glu") || !std::strcmp(argv[1], "glusep")) && arg(3, 0) % 32) {
-        std::printf("glu, glusep: I must be a multiple of 32\n");
+    if (argc > 4 && (!std::strcmp(argv[1], "glu") || !std::strcmp(argv[1], "glusep")) && (arg(3, 0) % 32 || arg(4, 0) % 32)) {
+        std::printf("glu, glusep: I and K must be multiples of 32\n");
         return 1;
     }
     if (argc > 4 && !std::strcmp(argv[1], "glu")) return gemm(arg(2, 0), 2 * arg(3, 0), arg(4, 0), arg(5, 1), 1);

@@ -487,16 +487,18 @@ def test_amx_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:
     assert kern.gemm_amx_swiglu(torch.randn(20, 48).bfloat16(), kern.pack_pairs(w), 32) is None
 
 
-def test_the_act_takes_gate_up_in_blocks_only_where_the_epilogue_can_run() -> None:
+def test_the_act_takes_gate_up_in_blocks_only_with_amx_and_a_multiple_of_32() -> None:
     """``choose_act``: the fused SwiGLU on gate_up in GLU_BLOCK's layout only with AMX tiles and
-    an intermediate size that is a multiple of 32 (where gemm_amx_swiglu can run); elsewhere
-    [gate | up], whose separate pass is the plain one; torch's SiluMul without the kernels."""
+    an intermediate size that is a multiple of 32 (what gemm_amx_swiglu needs of them);
+    elsewhere [gate | up]; torch's SiluMul without the kernels."""
     from iterserve.model.layers import GLU_BLOCK, SiluMul, choose_act
 
     kern = _kern()
     assert type(choose_act(None, 64)) is SiluMul and choose_act(None, 64).block == 0
     assert choose_act(kern, 64).block == (GLU_BLOCK if kern.has_amx else 0)
     assert choose_act(kern, 48).block == 0
+    avx2 = avx2_kernels()  # built without AVX-512, so without the tiles
+    assert not avx2.has_amx and choose_act(avx2, 64).block == 0
 
 
 def test_amx_epilogue_deferred_or_not_gives_the_same_bits() -> None:

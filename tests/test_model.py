@@ -505,10 +505,10 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: 
 @pytest.mark.parametrize("variant", ["native", "avx2"])
 def test_grouped_query_decode_takes_each_query_heads_own_arithmetic(variant: str) -> None:
     """The bf16 decode kernel gives a query head sharing its KV head with others the same bits
-    as with a KV head of its own (the cache's heads repeated per query head): it runs each
-    KV head's query heads a few at a time with their q and accumulators in registers, over runs
-    of positions cut at cache blocks and at the score groups of 16. Head sizes 32-256, 1-8
-    query heads a KV head, blocks of 4, 16 and 32, windows that start mid-group."""
+    as with a KV head of its own (the cache's heads repeated per query head): grouped-query
+    attention takes each query head's own arithmetic, whatever the grouping (a rewrite that
+    batches a group's heads must keep it). Head sizes 32-256, 2-8 query heads a KV head,
+    blocks of 4, 16 and 32, windows that start mid-block."""
     from iterserve.model import kernels
     from tests.test_kernels import avx2_kernels
 

@@ -471,8 +471,8 @@ def time_paths(
     calls: Mapping[str, Callable[[], object]], deadline: float, reps: int = 3
 ) -> dict[str, float | None]:
     """Best of ``reps`` wall times of each call, the paths interleaved (a warm-up call each
-    first), or of LONG_CALL_REPS where a timed call took LONG_CALL_S or more; None for a path
-    not timed before ``deadline``."""
+    first), or of LONG_CALL_REPS where the best of that many timed calls took LONG_CALL_S or
+    more; None for a path not timed before ``deadline``."""
     best: dict[str, float | None] = dict.fromkeys(calls)
     for fn in calls.values():
         if time.perf_counter() > deadline:
@@ -600,7 +600,7 @@ def time_layers(
 ) -> dict[str, float | None]:
     """name -> seconds of a layer's four GEMMs (``fns``: ``build_gemms(weights, ...)``) on each
     assignment's paths, run back to back on ``rows`` rows as a step runs them (gate_up followed
-    by ``gate_up_act``); the assignments interleaved, best of 3 or of 1 (``time_paths``)."""
+    by ``gate_up_act``); the assignments interleaved, best of 3 or of 2 (``time_paths``)."""
     xs = {k: torch.randn(rows, weights[k][0].shape[1]).to(weights[k][0].dtype) for k in LAYER_KINDS}
 
     def layer(assign: Mapping[str, str]) -> None:

@@ -405,9 +405,10 @@ class FusedSiluMul:
 
 def choose_act(fused: kernels.Kernels | None, intermediate: int) -> SiluMul | FusedSiluMul:
     """The MLP's SwiGLU: one kernel call where the fused kernels run the layer, for gate_up in
-    blocks of GLU_BLOCK where the AMX GEMM's epilogue can take it (AMX tiles, an intermediate
-    size that is a multiple of 32), else [gate | up]. The model lays gate_up's weight out by
-    the act's ``block`` (``interleave_gate_up``)."""
+    blocks of GLU_BLOCK with AMX tiles and an intermediate size that is a multiple of 32 (what
+    gemm_amx_swiglu needs of them; whether a call takes the epilogue is GateUpAct's, and the
+    block layout's separate pass costs what [gate | up]'s does), else [gate | up]. The model
+    lays gate_up's weight out by the act's ``block`` (``interleave_gate_up``)."""
     if fused is None:
         return SiluMul()
     return FusedSiluMul(fused, GLU_BLOCK if fused.has_amx and intermediate % 32 == 0 else 0)

@@ -204,9 +204,10 @@ def test_final_finish_chunk_is_timed_as_vllm_does(server: ThreadingHTTPServer) -
     (t,) = res.timings
     assert t.success and t.output_tokens == 3 and t.finish_reason == "length", t.error
     assert _on_time(t.ttft, 0.100)
-    assert len(t.itl) == 3 and t.itl[2] == pytest.approx(0.200, abs=TOL)
+    assert len(t.itl) == 3 and _on_time(t.itl[2], 0.200)  # a late wake-up only lengthens a gap
     assert _on_time(t.latency, 0.400)  # E2E ends at the finish chunk
-    assert t.tpot == pytest.approx((0.400 - 0.100) / 2, abs=TOL)  # over usage's 3 tokens
+    assert t.latency is not None and t.ttft is not None
+    assert t.tpot == pytest.approx((t.latency - t.ttft) / 2, abs=1e-12)  # over usage's 3 tokens
 
 
 def test_api_key_and_headers_arrive(server: ThreadingHTTPServer) -> None:

@@ -1553,6 +1553,25 @@ inline void amx_rescale(float* Ob, unsigned rows, const float* corr, int nrows) 
     amx_o_tiles(Ob, false);
 }
 
+// The key-block loop of both AMX prefill kernels, O's half in tiles 2-5 from zero: block j + 1's
+// score products (scores(j + 1), into tiles 0-1) go to the tiles before block j's softmax and
+// P . V (block(j, its scores in S)) run, and are stored to S only after them (stored right behind
+// their products they held the softmax up).
+template <typename Scores, typename Block>
+inline void amx_key_blocks(int nb, float* S, Scores&& scores, Block&& block) {
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    scores(0);
+    amx_store_scores(S, 0);
+    for (int j = 0; j < nb; ++j) {
+        if (j + 1 < nb) scores(j + 1);
+        block(j, S + (j & 1) * 16 * 32);
+        if (j + 1 < nb) amx_store_scores(S, j + 1);
+    }
+}
+
 // O's half from the tiles, divided by the rows' sums, into dst's rows (out_stride apart).
 inline void amx_emit(float* Ob, const float* l, int nrows, uint16_t* dst, int64_t out_stride) {
     amx_o_tiles(Ob, true);
@@ -1595,24 +1614,15 @@ void prefill_rows_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* Kp,
         _tile_loadd(7, kb + 16 * hd + 512, 64);
         _tile_dpbf16ps(1, 6, 7);
     };
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_zero(5);
-    scores(0);
-    amx_store_scores(S, 0);
-    for (int j = 0; j < nb; ++j) {
-        if (j + 1 < nb) scores(j + 1);
+    amx_key_blocks(nb, S, scores, [&](int j, const float* sj) {
         const int k0 = j * KB;
         uint16_t* pb = Pb + (j & 1) * 16 * KB;
         alignas(64) float corr[16];
-        const unsigned moved = softmax_block32(S + (j & 1) * 16 * KB, pb, l, m, mlazy, corr, nrows, p0 + r0, k0, j == 0, sl);
+        const unsigned moved = softmax_block32(sj, pb, l, m, mlazy, corr, nrows, p0 + r0, k0, j == 0, sl);
         if (moved && j > 0) amx_rescale(Ob, moved, corr, nrows);
         // O += P . V: the block's 16 key pairs, 16 output columns a tile
         amx_pv(pb, Vp + static_cast<int64_t>(k0) * hd, hd * 4);
-        // stored here, after the softmax: stored right behind its products it held the softmax up
-        if (j + 1 < nb) amx_store_scores(S, j + 1);
-    }
+    });
     amx_emit(Ob, l, nrows, out + static_cast<int64_t>(r0) * out_stride + static_cast<int64_t>(h) * hd, out_stride);
 }
 
@@ -1650,20 +1660,11 @@ void prefill_rows_amx128(const uint16_t* q, int64_t q_stride, const uint16_t* Kp
     // block j's P . V for the half of O from column c0
     auto pv = [&](int j, int c0) { amx_pv(Pall + static_cast<int64_t>(j) * 16 * KB, Vp + static_cast<int64_t>(j) * KB * hd + 2 * c0, hd * 4); };
     uint16_t* dst = out + static_cast<int64_t>(r0) * out_stride + static_cast<int64_t>(h) * hd;
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_zero(5);
-    scores(0);
-    amx_store_scores(S, 0);
-    for (int j = 0; j < nb; ++j) {
-        if (j + 1 < nb) scores(j + 1);
-        moved[j] = softmax_block32(S + (j & 1) * 16 * KB, Pall + static_cast<int64_t>(j) * 16 * KB, l, m, mlazy, corr + j * 16, nrows, p0 + r0,
-                                   j * KB, j == 0, sl);
+    amx_key_blocks(nb, S, scores, [&](int j, const float* sj) {
+        moved[j] = softmax_block32(sj, Pall + static_cast<int64_t>(j) * 16 * KB, l, m, mlazy, corr + j * 16, nrows, p0 + r0, j * KB, j == 0, sl);
         if (moved[j] && j > 0) amx_rescale(Ob, moved[j], corr + j * 16, nrows);
         pv(j, 0);
-        if (j + 1 < nb) amx_store_scores(S, j + 1);  // after the softmax, as prefill_rows_amx64
-    }
+    });
     amx_emit(Ob, l, nrows, dst, out_stride);
     _tile_zero(2);
     _tile_zero(3);

@@ -1165,7 +1165,6 @@ inline __m512bh pair_bcast(const uint16_t* p) {  // the bf16 pair at p, in every
 
 inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
 
-#if defined(ITERSERVE_AMX)
 // 2^x for x <= 0, for a P that is rounded to bf16 next: x = n + r, |r| <= 1/2 (vreduceps), 2^r by
 // a degree-3 minimax polynomial (relative error 2.2e-4, a tenth of bf16's half ulp), times 2^n
 // by vscalefps. -inf gives 0 (vreduceps makes r 0, n -inf); results below 2^-126 are denormal,
@@ -1180,6 +1179,7 @@ inline __m512 exp2_bf16(__m512 x) {
     return _mm512_scalef_ps(p, _mm512_sub_ps(x, r));
 }
 
+#if defined(ITERSERVE_AMX)
 bool amx_permitted() {
     // Linux hands out the tiles' 8 KiB of register state only to a process that asks once.
     static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
@@ -1279,7 +1279,7 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
                 const int i = t0 + k;
                 __m512i p01, p23;
                 const bool moved = softmax_block_row(s[k], sl, k0, p0 + row[k], m[i], Pb[k], p01, p23, corr[k],
-                                                     [](__m512 v) { return exp2_ps(v); });
+                                                     [](__m512 v) { return exp2_bf16(v); });
                 // l sums the bf16-rounded P that O gets, so numerator and denominator agree (the
                 // max key's P is not 1 when m lags). 2^(-inf) on the first block is 0. The row
                 // sum stays 16 lanes wide until the end, so no horizontal add per block.

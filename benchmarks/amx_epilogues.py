@@ -1,5 +1,6 @@
-"""The AMX GEMM's fused epilogues against the GEMM's output and a second kernel over it
-(docs/SPEED.md, "The LM head's argmax and gate_up's SwiGLU in the AMX epilogue").
+"""The pair GEMM's fused epilogues against the GEMM's output and a second kernel over it
+(docs/SPEED.md, "The LM head's argmax and gate_up's SwiGLU in the AMX epilogue", and "gate_up's
+SwiGLU in the dot-product GEMM's epilogue").
 
     python benchmarks/amx_epilogues.py argmax --rows 1,4,8,16,32,64,128 --rounds 4
     python benchmarks/amx_epilogues.py swiglu --rows 1,8,32,64,128,256 --batches 32,128 --steps 96
@@ -12,8 +13,9 @@ each, equal tokens checked. Engine: ``LLM.generate`` on ``--engine-batch`` greed
 with ``plain_greedy`` patched to False (every step through the f32 logits and ``sample``),
 alternated over ``--rounds``; output tok/s, medians, their ratio; the same tokens checked.
 
-swiglu: gate_up and SwiGLU in one call (``gemm_amx_swiglu``) against ``gemm_amx`` +
-``silu_mul`` (and oneDNN's GEMM + ``silu_mul``, the kernel choice's other path at many rows).
+swiglu: gate_up and SwiGLU in one call (``Kernels.gemm_swiglu``) against the GEMM + ``silu_mul``
+(and oneDNN's GEMM + ``silu_mul``, the kernel choice's other path at many rows), on AMX tiles
+where the CPU has them, else on the AVX512-BF16 dot-product GEMM (argmax: AMX only).
 Kernel: bench-134m's gate_up (4,096 x 768), 24 weight copies in turn, median ms of 48 calls
 each, equal bits checked. Engine: B requests with 120-token random prompts decode
 together; steps alternate the two forms (on, off, off, on, ...: the context grows by one token
@@ -94,6 +96,8 @@ def argmax_engine(batch: int, rounds: int) -> None:
 
 def swiglu_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
     inter, K = 2048, 768
+    amx = kern.has_amx
+    gemm = "gemm_amx" if amx else "gemm_pairs"
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(2 * inter, K, generator=g).bfloat16() for _ in range(24)]
     weights = [kern.pack_pairs(w) for w in ws]
@@ -110,9 +114,9 @@ def swiglu_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
             for f in ("fused", "two", "onednn") if i % 2 else ("onednn", "two", "fused"):
                 t = time.perf_counter()
                 if f == "fused":
-                    got = kern.gemm_amx_swiglu(x, P, inter)
+                    got = kern.gemm_swiglu(x, P, inter, amx=amx)
                 elif f == "two":
-                    want = kern.silu_mul(kern.gemm_pairs(x, P, 2 * inter, None, amx=True), 16)
+                    want = kern.silu_mul(kern.gemm_pairs(x, P, 2 * inter, None, amx=amx), 16)
                 elif onednn is not None:
                     kern.silu_mul(onednn[i % 24](x), 16)
                 else:
@@ -120,7 +124,7 @@ def swiglu_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
                 ms[f].append(time.perf_counter() - t)
             assert got is not None and torch.equal(got, want)
         a, b = statistics.median(ms["two"]) * 1e3, statistics.median(ms["fused"]) * 1e3
-        print(f"  {M:4d} rows: gemm_amx + silu_mul {a:6.3f}, in the epilogue {b:6.3f}", end="")
+        print(f"  {M:4d} rows: {gemm} + silu_mul {a:6.3f}, in the epilogue {b:6.3f}", end="")
         print(f" ({b / a:.2f}x)", end="")
         if ms["onednn"]:
             print(f"; oneDNN + silu_mul {statistics.median(ms['onednn']) * 1e3:6.3f}", end="")
@@ -142,7 +146,7 @@ def swiglu_engine(batch: int, steps: int) -> None:
             break
     plan = (fd.plan(batch) if fd is not None else None) or []
     if not any(w.amx >> 4 & 1 for w in plan):
-        raise SystemExit(f"B={batch}: decode steps do not take gemm_amx_swiglu here")
+        raise SystemExit(f"B={batch}: decode steps do not take the SwiGLU epilogue here")
 
     def use(fused: bool) -> None:
         for layer in model.layers:
@@ -162,7 +166,7 @@ def swiglu_engine(batch: int, steps: int) -> None:
         use(True)
     a, b = statistics.median(ms[False]), statistics.median(ms[True])
     print(
-        f"decode B={batch}, median step of {steps // 2} each: gemm_amx + silu_mul {a:.2f} ms,",
+        f"decode B={batch}, median step of {steps // 2} each: GEMM + silu_mul {a:.2f} ms,",
         end="",
     )
     print(f" in the epilogue {b:.2f} ms ({b / a:.3f}x)")
@@ -178,8 +182,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=96, help="swiglu: steps per batch size")
     a = ap.parse_args()
     kern = kernels.load()
-    if kern is None or not kern.has_amx:
-        raise SystemExit("needs iterserve's C++ kernels on a CPU with AMX-BF16 tiles")
+    if kern is None or not (kern.has_amx if a.what == "argmax" else kern.has_bf16_dot):
+        raise SystemExit(
+            "needs iterserve's C++ kernels on a CPU with AMX-BF16 tiles (swiglu: or AVX512-BF16)"
+        )
     rows = [int(x) for x in a.rows.split(",")] if a.rows else []
     if a.what == "argmax":
         if rows:

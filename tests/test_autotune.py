@@ -14,7 +14,13 @@ import torch
 from iterserve.model import autotune, kernels
 from iterserve.model.autotune import DECODE_BUCKETS, KINDS, ROW_BUCKETS, Choice, pick
 from iterserve.model.kernels import Setting, parse_setting
-from iterserve.model.layers import EPILOGUE_MIN_ROWS, GLU_BLOCK, FusedSiluMul, GateUpAct
+from iterserve.model.layers import (
+    EPILOGUE_MIN_ROWS,
+    GLU_BLOCK,
+    FusedSiluMul,
+    GateUpAct,
+    glu_min_rows,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -326,35 +332,43 @@ def test_measure_gemms_times_gate_up_with_the_models_act(monkeypatch: pytest.Mon
     assert shapes["torch"] == [(1, 4), (1, 4)] and acted == [(1, 8)]
 
 
-def test_gate_up_is_timed_with_the_fused_swiglu_on_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the AMX GEMM runs gate_up, the timed call is the one the model makes: SwiGLU in
-    the GEMM's epilogue (gemm_amx_swiglu) from EPILOGUE_MIN_ROWS rows on, the same bits as the
-    GEMM followed by silu_mul."""
+@pytest.mark.parametrize("path", ["pairs", "amx"])
+def test_gate_up_is_timed_with_the_fused_swiglu_on_a_pair_gemm(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Where a pair GEMM runs gate_up, the timed call is the one the model makes: SwiGLU in the
+    GEMM's epilogue (gemm_swiglu) from glu_min_rows on (1 row on dot products, EPILOGUE_MIN_ROWS
+    on AMX tiles), the same bits as the GEMM followed by silu_mul."""
     kern = kernels.load()
-    if kern is None or not kern.has_amx:
-        pytest.skip("needs the C++ kernels built with AMX tiles on this CPU")
+    if kern is None or not (kern.has_amx if path == "amx" else kern.has_bf16_dot):
+        pytest.skip(f"needs the C++ kernels with the {path} GEMM on this CPU")
     builders = autotune.gemm_builders(torch.bfloat16, kern, pack=False)
     w = (torch.randn(64, 64) * 0.1).bfloat16()
-    amx = builders["amx"](w, None)
+    lin = builders[path](w, None)
     act = FusedSiluMul(kern, GLU_BLOCK)
-    called: list[str] = []
-    real = kern.gemm_amx_swiglu
+    called: list[int] = []
+    real = kern.gemm_swiglu
 
-    def spy(*a: Any, **k: Any) -> Any:
-        called.append("swiglu")
-        return real(*a, **k)
+    def spy(x: torch.Tensor, *a: Any, **k: Any) -> Any:
+        assert k["amx"] == (path == "amx")
+        called.append(len(x))
+        return real(x, *a, **k)
 
-    monkeypatch.setattr(kern, "gemm_amx_swiglu", spy)
-    x = torch.randn(EPILOGUE_MIN_ROWS, 64).bfloat16()
-    got = GateUpAct(amx, act)(x)
-    assert called == ["swiglu"]
-    assert torch.equal(got, kern.silu_mul(amx(x), GLU_BLOCK))
+    monkeypatch.setattr(kern, "gemm_swiglu", spy)
+    least = EPILOGUE_MIN_ROWS if path == "amx" else 1
+    assert glu_min_rows(lin) == least
+    for rows in range(max(1, least - 1), least + 1):
+        x = torch.randn(rows, 64).bfloat16()
+        got = GateUpAct(lin, act)(x)
+        assert torch.equal(got, kern.silu_mul(lin(x), GLU_BLOCK))
+    assert called == [least]
     # an act that takes gate_up as [gate | up] never gets the epilogue, whose weight must be in
     # GLU_BLOCK's layout
     called.clear()
-    plain = GateUpAct(amx, FusedSiluMul(kern, 0))
+    plain = GateUpAct(lin, FusedSiluMul(kern, 0))
+    x = torch.randn(EPILOGUE_MIN_ROWS, 64).bfloat16()
     assert plain.epilogue_at(EPILOGUE_MIN_ROWS) is None
-    assert torch.equal(plain(x), kern.silu_mul(amx(x))) and called == []
+    assert torch.equal(plain(x), kern.silu_mul(lin(x))) and called == []
 
 
 def test_choose_glu_keeps_the_epilogue_unless_the_separate_pass_clearly_wins() -> None:
@@ -387,20 +401,23 @@ def test_gate_up_takes_the_separate_pass_where_the_rule_says(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """GateUpAct with an epilogue rule: the separate pass (GEMM, then silu_mul) where the rule
-    says no, gemm_amx_swiglu where it says yes; the same bits either way."""
+    says no, gemm_swiglu where it says yes; the same bits either way."""
     kern = kernels.load()
-    if kern is None or not kern.has_amx:
-        pytest.skip("needs the C++ kernels built with AMX tiles on this CPU")
-    amx = autotune.gemm_builders(torch.bfloat16, kern, pack=False)["amx"](
+    if kern is None or not kern.has_bf16_dot:
+        pytest.skip("needs the C++ kernels built with AVX512-BF16 on this CPU")
+    path = "amx" if kern.has_amx else "pairs"
+    lin = autotune.gemm_builders(torch.bfloat16, kern, pack=False)[path](
         (torch.randn(64, 64) * 0.1).bfloat16(), None
     )
     called: list[int] = []
-    real = kern.gemm_amx_swiglu
-    monkeypatch.setattr(kern, "gemm_amx_swiglu", lambda x, *a: called.append(len(x)) or real(x, *a))
-    gu = GateUpAct(amx, FusedSiluMul(kern, GLU_BLOCK), lambda rows: rows >= 32)
+    real = kern.gemm_swiglu
+    monkeypatch.setattr(
+        kern, "gemm_swiglu", lambda x, *a, **k: called.append(len(x)) or real(x, *a, **k)
+    )
+    gu = GateUpAct(lin, FusedSiluMul(kern, GLU_BLOCK), lambda rows: rows >= 32)
     for rows in (EPILOGUE_MIN_ROWS, 32):
         x = torch.randn(rows, 64).bfloat16()
-        assert torch.equal(gu(x), kern.silu_mul(amx(x), GLU_BLOCK))
+        assert torch.equal(gu(x), kern.silu_mul(lin(x), GLU_BLOCK))
         assert (gu.epilogue_at(rows) is not None) == (rows >= 32)
     assert called == [32]
 
@@ -408,15 +425,15 @@ def test_gate_up_takes_the_separate_pass_where_the_rule_says(
 def test_measure_glu_times_both_forms_where_asked() -> None:
     """Both forms timed at the given row counts, None elsewhere."""
     kern = kernels.load()
-    if kern is None or not kern.has_amx:
-        pytest.skip("needs the C++ kernels built with AMX tiles on this CPU")
-    amx = autotune.gemm_builders(torch.bfloat16, kern, pack=False)["amx"](
+    if kern is None or not kern.has_bf16_dot:
+        pytest.skip("needs the C++ kernels built with AVX512-BF16 on this CPU")
+    lin = autotune.gemm_builders(torch.bfloat16, kern, pack=False)["pairs"](
         (torch.randn(64, 32) * 0.1).bfloat16(), None
     )
-    rows = [None, None, 32, None, None, None]
-    got = autotune.measure_glu(32, torch.bfloat16, amx, FusedSiluMul(kern, GLU_BLOCK), rows, 1e18)
+    at: list[tuple[int, Any] | None] = [None, None, (32, lin), None, None, None]
+    got = autotune.measure_glu(32, torch.bfloat16, at, FusedSiluMul(kern, GLU_BLOCK), 1e18)
     for form in ("epilogue", "separate"):
-        assert [t is not None for t in got[form]] == [m is not None for m in rows]
+        assert [t is not None for t in got[form]] == [e is not None for e in at]
 
 
 def test_glu_setting_fixes_the_swiglu_form_without_measuring(

@@ -445,60 +445,76 @@ def test_amx_gemm_argmax_is_the_argmax_of_its_f32_result() -> None:
     assert kern.gemm_amx_argmax(torch.randn(2, 48).bfloat16(), w48, 9) is None
 
 
-def test_amx_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:
-    """``gemm_amx_swiglu`` (gate_up and SwiGLU in one call, the product never stored) on a
-    weight in GLU_BLOCK's layout: exactly ``silu_mul(gemm_amx(x), GLU_BLOCK)``, which is
-    ``silu_mul`` of the [gate; up] weight's product, over whole and half panels, several units
-    per thread, intermediate sizes of an odd count of 32-column units (96, 160), with and
-    without bias; and
-    ``GateUpAct`` gives ``act(gate_up(x))`` at every row count, fused or not. intermediate or
-    K not a multiple of 32: None."""
+def test_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:
+    """``gemm_swiglu`` (gate_up and SwiGLU in one call, the product never stored) on a weight
+    in GLU_BLOCK's layout, on the dot-product pair GEMM and on AMX tiles where the CPU has
+    them: exactly ``silu_mul(gemm_pairs(x), GLU_BLOCK)`` on the same GEMM, which is ``silu_mul``
+    of the [gate; up] weight's product, over every row tile (6, 4, 2, 1; AMX: whole and half
+    panels), several panels or units per thread, intermediate sizes of an odd count of
+    32-column units (96, 160), with and without bias; and ``GateUpAct`` gives
+    ``act(gate_up(x))`` at every row count, fused or not. intermediate not a multiple of 32
+    (on AMX also K): None."""
     from iterserve.model.layers import (
         GLU_BLOCK,
         AmxLinear,
         FusedSiluMul,
         GateUpAct,
+        PairLinear,
         gate_up_layout,
     )
 
     kern = _kern()
-    if not kern.has_amx:
-        pytest.skip("compiled in only where the CPU has AMX-BF16 tiles")
+    if not kern.has_bf16_dot:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16")
     torch.manual_seed(0)
-    for M in (1, 7, 16, 17, 32, 33, 100):
-        for inter, K in ((64, 64), (96, 128), (160, 32), (512, 96)):
-            w = torch.randn(2 * inter, K).bfloat16()
-            x = torch.randn(M, K).bfloat16()
-            for b in (None, torch.randn(2 * inter).bfloat16()):
-                want = kern.silu_mul(kern.gemm_pairs(x, kern.pack_pairs(w), 2 * inter, b, amx=True))
-                act = FusedSiluMul(kern, GLU_BLOCK)
-                wi, bi = gate_up_layout(act, w, b)
-                P = kern.pack_pairs(wi)
-                assert torch.equal(
-                    kern.silu_mul(kern.gemm_pairs(x, P, 2 * inter, bi, amx=True), GLU_BLOCK), want
-                )
-                got = kern.gemm_amx_swiglu(x, P, inter, bi)
-                assert got is not None and torch.equal(got, want), (M, inter, K)
-                lin = AmxLinear(kern, wi, bi, P)
-                assert torch.equal(GateUpAct(lin, act)(x), want)
-    w = torch.randn(2 * 48, 64).bfloat16()
-    assert kern.gemm_amx_swiglu(torch.randn(20, 64).bfloat16(), kern.pack_pairs(w), 48) is None
-    w = torch.randn(64, 48).bfloat16()
-    assert kern.gemm_amx_swiglu(torch.randn(20, 48).bfloat16(), kern.pack_pairs(w), 32) is None
+    for amx in (False, True) if kern.has_amx else (False,):
+        for M in (1, 5, 7, 16, 17, 32, 33, 100):
+            for inter, K in ((64, 64), (96, 128), (160, 32), (512, 96), (64, 48)):
+                if amx and K % 32:
+                    continue
+                w = torch.randn(2 * inter, K).bfloat16()
+                x = torch.randn(M, K).bfloat16()
+                for b in (None, torch.randn(2 * inter).bfloat16()):
+                    want = kern.silu_mul(
+                        kern.gemm_pairs(x, kern.pack_pairs(w), 2 * inter, b, amx=amx)
+                    )
+                    act = FusedSiluMul(kern, GLU_BLOCK)
+                    wi, bi = gate_up_layout(act, w, b)
+                    P = kern.pack_pairs(wi)
+                    assert torch.equal(
+                        kern.silu_mul(kern.gemm_pairs(x, P, 2 * inter, bi, amx=amx), GLU_BLOCK),
+                        want,
+                    )
+                    got = kern.gemm_swiglu(x, P, inter, bi, amx=amx)
+                    assert got is not None and torch.equal(got, want), (amx, M, inter, K)
+                    lin = (AmxLinear if amx else PairLinear)(kern, wi, bi, P)
+                    assert torch.equal(GateUpAct(lin, act)(x), want)
+        w = torch.randn(2 * 48, 64).bfloat16()
+        assert (
+            kern.gemm_swiglu(torch.randn(20, 64).bfloat16(), kern.pack_pairs(w), 48, amx=amx)
+            is None
+        )
+    if kern.has_amx:
+        w = torch.randn(64, 48).bfloat16()
+        assert (
+            kern.gemm_swiglu(torch.randn(20, 48).bfloat16(), kern.pack_pairs(w), 32, amx=True)
+            is None
+        )
 
 
-def test_the_act_takes_gate_up_in_blocks_only_with_amx_and_a_multiple_of_32() -> None:
-    """``choose_act``: the fused SwiGLU on gate_up in GLU_BLOCK's layout only with AMX tiles and
-    an intermediate size that is a multiple of 32 (what gemm_amx_swiglu needs of them);
-    elsewhere [gate | up]; torch's SiluMul without the kernels."""
+def test_the_act_takes_gate_up_in_blocks_only_with_the_pair_gemm_and_a_multiple_of_32() -> None:
+    """``choose_act``: the fused SwiGLU on gate_up in GLU_BLOCK's layout only where the pair
+    GEMM runs (AVX512-BF16, with or without AMX tiles) and the intermediate size is a multiple
+    of 32 (what its SwiGLU epilogue needs); elsewhere [gate | up]; torch's SiluMul without the
+    kernels."""
     from iterserve.model.layers import GLU_BLOCK, SiluMul, choose_act
 
     kern = _kern()
     assert type(choose_act(None, 64)) is SiluMul and choose_act(None, 64).block == 0
-    assert choose_act(kern, 64).block == (GLU_BLOCK if kern.has_amx else 0)
+    assert choose_act(kern, 64).block == (GLU_BLOCK if kern.has_bf16_dot else 0)
     assert choose_act(kern, 48).block == 0
-    avx2 = avx2_kernels()  # built without AVX-512, so without the tiles
-    assert not avx2.has_amx and choose_act(avx2, 64).block == 0
+    avx2 = avx2_kernels()  # built without AVX-512, so without the pair GEMM
+    assert not avx2.has_bf16_dot and choose_act(avx2, 64).block == 0
 
 
 def test_amx_epilogue_deferred_or_not_gives_the_same_bits() -> None:
@@ -520,7 +536,8 @@ def test_amx_epilogue_deferred_or_not_gives_the_same_bits() -> None:
     big_a, small_a = kern.gemm_amx_argmax(x, P, 200, b), kern.gemm_amx_argmax(x[:1024], P, 200, b)
     assert big_a is not None and small_a is not None and torch.equal(big_a[:1024], small_a)
     gu = kern.pack_pairs(torch.randn(2 * 96, 64).bfloat16())
-    big_s, small_s = kern.gemm_amx_swiglu(x, gu, 96), kern.gemm_amx_swiglu(x[:1024], gu, 96)
+    big_s = kern.gemm_swiglu(x, gu, 96, amx=True)
+    small_s = kern.gemm_swiglu(x[:1024], gu, 96, amx=True)
     assert big_s is not None and small_s is not None and torch.equal(big_s[:1024], small_s)
 
 

@@ -761,9 +761,14 @@ def test_fused_decode_layers_give_the_same_bits(
         for i in range(n):
             pos[i] += 1
     assert bool(fused_argmax) == (gemm == "amx")  # at 25 rows
-    # gate_up and SwiGLU in one call on AMX from 17 rows (GateUpAct's rule)
-    assert [w.amx >> 4 & 1 for w in fd.plan(25) or []] == [int(gemm == "amx")] * len(plan9)
-    assert [w.amx >> 4 & 1 for w in plan9] == [0] * len(plan9)
+    # gate_up and SwiGLU in one call on the pair GEMM where gate_up is in GLU_BLOCK's layout
+    # (an intermediate size that is a multiple of 32): on AMX from 17 rows, on dot products at
+    # any count (GateUpAct's rule)
+    glu = fused.model.layers[0].act.block > 0
+    assert glu == (fused.model.layers[0].intermediate % 32 == 0)
+    want = {9: int(glu and gemm == "pairs"), 25: int(glu and gemm != "panels")}
+    for n, on in want.items():
+        assert [w.amx >> 4 & 1 for w in fd.plan(n) or []] == [on] * len(plan9)
     # 5 decodes beside a new prompt's prefill: not decode-only
     both(
         [BatchItem(f"s{i}", [prompts[i][-1]], pos[i], tables[i], True) for i in range(5)]

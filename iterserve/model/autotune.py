@@ -6,7 +6,7 @@ kind (qkv, o, gate_up, down, lm_head; layer 0's) at a few row counts (``ROW_BUCK
 cpu backend's decode attention (the C++ kernel with software prefetch into L1, into L2, or
 none; SDPA) at a few decode counts, and its prefill attention (the C++ kernel or SDPA,
 ``PREFILL_TOKENS`` prompt tokens: a fresh chunk and a continued one) where the kernel fits the
-model, and, where gate_up runs on the AMX GEMM, its SwiGLU in the GEMM's epilogue against a
+model, and, where gate_up runs on a pair GEMM, its SwiGLU in the GEMM's epilogue against a
 separate pass (``measure_glu``), within a time budget (``BUDGET_S``: a few seconds for a ~100M
 model, milliseconds for the tests' tiny one; a larger model's measurement cut by it in the
 GEMMs' larger buckets only is cached as it is). The choice per kind and row range is cached in
@@ -54,6 +54,7 @@ from iterserve.model.layers import (
     TorchLinear,
     UpcastLinear,
     epilogue_act,
+    glu_min_rows,
     linear_f32,
     packing_available,
 )
@@ -99,7 +100,7 @@ BUSY_CORES = 0.3
 ATTN_CTX = 256  # context per sequence when timing decode attention
 DECODE_POOL_BYTES = 64 << 20  # per cache, past the L3 of the CPUs measured (docs/SPEED.md)
 PREFILL_TOKENS = 512  # prompt tokens a step, when timing prefill attention
-VERSION = 17  # bump when what is measured or how it is chosen changes
+VERSION = 18  # bump when what is measured or how it is chosen changes
 
 Timings = Mapping[str, Sequence[float | None]]  # path -> seconds per bucket (None: not timed)
 Builder = Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -301,7 +302,7 @@ def describe(paths: Sequence[str], buckets: Sequence[int]) -> str:
 
 
 def choose_glu(timings: Timings) -> tuple[bool, ...]:
-    """Per bucket, whether gate_up on the AMX GEMM takes SwiGLU in its epilogue: ``timings``
+    """Per bucket, whether gate_up on the pair GEMM takes SwiGLU in its epilogue: ``timings``
     {"epilogue": ..., "separate": ...} (the GEMM, then ``silu_mul``), ``pick`` with the epilogue
     as the baseline, so the separate pass must win by ``MARGIN`` (or be faster at all where most
     buckets chose it), and without its near-tie margin (``KEEP``), which could keep the slower
@@ -324,27 +325,26 @@ def epilogue_rule(glu: Sequence[bool]) -> Callable[[int], bool]:
 def measure_glu(
     x_cols: int,
     dtype: torch.dtype,
-    amx: Linear,
+    at: Sequence[tuple[int, Linear] | None],
     act: Callable[[torch.Tensor], torch.Tensor],
-    rows: Sequence[int | None],
     deadline: float,
 ) -> dict[str, list[float | None]]:
-    """{"epilogue", "separate"} -> seconds per ROW_BUCKETS entry: gate_up on the AMX GEMM
-    (``amx``) with SwiGLU in its epilogue, and the GEMM then ``act``, at ``rows[i]`` rows (None:
-    not timed: the bucket does not run gate_up on AMX, has too few rows for the epilogue, or
-    no call gets there). At some shapes the epilogue loses (docs/SPEED.md, "A 1B-sized Llama
-    shape")."""
+    """{"epilogue", "separate"} -> seconds per ROW_BUCKETS entry: gate_up on the pair GEMM
+    ``at[i]`` = (rows, GEMM) with SwiGLU in its epilogue, and the GEMM then ``act`` (None: not
+    timed: the bucket does not run gate_up on a pair GEMM, has too few rows for the epilogue,
+    or no call gets there). At some shapes the epilogue loses (docs/SPEED.md, "A 1B-sized
+    Llama shape")."""
     out: dict[str, list[float | None]] = {"epilogue": [], "separate": []}
-    fused = GateUpAct(amx, act)
-    for m in rows:
-        if m is None:
+    for entry in at:
+        if entry is None:
             got: dict[str, float | None] = {"epilogue": None, "separate": None}
         else:
+            m, lin = entry
             x = torch.randn(m, x_cols).to(dtype)
             got = time_paths(
                 {
-                    "epilogue": functools.partial(fused, x),
-                    "separate": functools.partial(lambda x: act(amx(x)), x),
+                    "epilogue": functools.partial(GateUpAct(lin, act), x),
+                    "separate": functools.partial(lambda x, lin: act(lin(x)), x, lin),
                 },
                 deadline,
             )
@@ -363,7 +363,7 @@ class Choice:
     attn: tuple[str, ...]
     source: str = "measured"  # measured | cached | fixed
     prefill: tuple[str, ...] = ()
-    # Per ROW_BUCKETS entry: whether gate_up on the AMX GEMM takes SwiGLU in its epilogue
+    # Per ROW_BUCKETS entry: whether gate_up on the pair GEMM takes SwiGLU in its epilogue
     # (layers.GateUpAct's ``epilogue``); empty: wherever it can (not measured, as where
     # ITERSERVE_KERNELS fixes the GEMM path).
     glu: tuple[bool, ...] = ()
@@ -406,8 +406,8 @@ class Choice:
         if self.glu and not all(self.glu):
             where = ", ".join(str(m) for m, g in zip(ROW_BUCKETS, self.glu) if not g)
             lines.append(
-                f"gate_up's SwiGLU on the AMX GEMM: a separate pass in the row buckets {where}, "
-                f"in the GEMM's epilogue elsewhere from {EPILOGUE_MIN_ROWS} rows"
+                f"gate_up's SwiGLU on the pair GEMM: a separate pass in the row buckets {where}, "
+                f"in the GEMM's epilogue elsewhere (on AMX tiles from {EPILOGUE_MIN_ROWS} rows)"
             )
         return lines
 
@@ -730,8 +730,9 @@ class Problem:
     max_decodes: int
     max_ctx: int
     # The activation the model applies to gate_up's output: gate_up is timed with it, as
-    # layers.GateUpAct runs it (the AMX GEMM computes SwiGLU in its epilogue, the other paths
-    # pay a separate pass over their [rows, 2 x intermediate] output). None: the GEMM alone.
+    # layers.GateUpAct runs it (the pair GEMMs compute SwiGLU in their epilogue, the other
+    # paths pay a separate pass over their [rows, 2 x intermediate] output). None: the GEMM
+    # alone.
     gate_up_act: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
@@ -903,33 +904,35 @@ def _choose_glu(
     gemm: Mapping[str, Sequence[str]],
     deadline: float,
 ) -> tuple[bool, ...]:
-    """``Choice.glu`` for the measured GEMM choice: empty where gate_up never runs on the AMX
-    GEMM with the fused SwiGLU after it; else the epilogue against the separate pass at each
-    bucket that runs gate_up on AMX from EPILOGUE_MIN_ROWS rows on (the others: True, which no
-    call there takes; buckets the deadline leaves untimed: True, the rule before this
-    measurement). The GEMM path itself was chosen with the epilogue on: AMX and a separate
-    pass are not a candidate against the other paths."""
+    """``Choice.glu`` for the measured GEMM choice: empty where gate_up never runs on a pair
+    GEMM (AMX or dot products) with the fused SwiGLU after it; else the epilogue against the
+    separate pass at each bucket that runs gate_up on one from its ``glu_min_rows`` on (the
+    others: True, which no call there takes; buckets the deadline leaves untimed: True, the
+    rule before this measurement). The GEMM path itself was chosen with the epilogue on: a
+    pair GEMM and a separate pass are not a candidate against the other paths."""
     act = prob.gate_up_act
-    if act is None or not epilogue_act(act) or "amx" not in fns.get("gate_up", {}):
+    paths = fns.get("gate_up", {})
+    if act is None or not epilogue_act(act) or not {"amx", "pairs"} & set(paths):
         return ()
     w = prob.weights["gate_up"][0]
     limit = prob.max_rows.get("gate_up", sys.maxsize)
-    rows: list[int | None] = []
+    at: list[tuple[int, Linear] | None] = []
     for i, m in enumerate(ROW_BUCKETS):
-        on_amx = gemm["gate_up"][i] == "amx" and m >= EPILOGUE_MIN_ROWS
-        rows.append(m if bucket_reached(i, limit) and on_amx else None)
-    if all(m is None for m in rows):
+        lin = paths.get(gemm["gate_up"][i]) if gemm["gate_up"][i] in ("amx", "pairs") else None
+        ok = isinstance(lin, PairLinear) and m >= glu_min_rows(lin) and bucket_reached(i, limit)
+        at.append((m, lin) if ok and lin is not None else None)
+    if all(e is None for e in at):
         return ()
-    t = measure_glu(int(w.shape[1]), w.dtype, fns["gate_up"]["amx"], act, rows, deadline)
+    t = measure_glu(int(w.shape[1]), w.dtype, at, act, deadline)
     logger.debug("gate_up SwiGLU ms at rows %s: %s", ROW_BUCKETS, _ms(t))
     if all(v is None for v in t["epilogue"]):
         return ()
     # buckets not timed: True (pick would carry a neighbour's choice into them; no call there
-    # takes the epilogue on AMX anyway, or the deadline cut them and the rule stays as it was)
+    # takes the epilogue anyway, or the deadline cut them and the rule stays as it was)
     picked = choose_glu(t)
     return tuple(
-        g if m is not None and t["epilogue"][i] is not None else True
-        for i, (g, m) in enumerate(zip(picked, rows))
+        g if e is not None and t["epilogue"][i] is not None else True
+        for i, (g, e) in enumerate(zip(picked, at))
     )
 
 

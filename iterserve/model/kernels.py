@@ -199,7 +199,7 @@ class DecodeLayerW(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("panels", _I),  # 1: the weights are pack_panels', 0: pack_pairs'
         # pair-packed: bit i set runs GEMM i (qkv, o, gate_up, down) on gemm_amx; bit 4:
-        # gate_up and SwiGLU in one call (gemm_amx_swiglu)
+        # gate_up and SwiGLU in one call (gemm_amx_swiglu with bit 2, else gemm_pairs_swiglu)
         ("amx", _I),
         ("qk_norm", _P),  # None, or Qwen3's per-head q / k norm weight [heads + kv_heads, head_dim]
         ("glu_block", _I),  # gate_up's layout, silu_mul's ``block`` (layers.FusedSiluMul)
@@ -263,11 +263,12 @@ class Kernels:
         self.lib.has_prefill_kernel.restype = _I
         self.lib.pack_bf16_pairs.argtypes = [_P, _P, _I, _I]
         self.lib.pack_bf16_pairs.restype = None
-        for name in ("gemm_pairs", "gemm_pairs_f32", "gemm_amx", "gemm_amx_f32"):
+        for name in (
+            "gemm_pairs", "gemm_pairs_f32", "gemm_amx", "gemm_amx_f32", "gemm_pairs_swiglu",
+            "gemm_amx_swiglu",
+        ):  # fmt: skip
             getattr(self.lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I]
             getattr(self.lib, name).restype = _I
-        self.lib.gemm_amx_swiglu.argtypes = [_P, _P, _P, _P, _I, _I, _I]
-        self.lib.gemm_amx_swiglu.restype = _I
         self.lib.gemm_amx_argmax.argtypes = [_P, _P, _P, _I, _I, _I, _P]
         self.lib.gemm_amx_argmax.restype = _I
         self.lib.paged_prefill_attention.argtypes = [
@@ -597,13 +598,21 @@ class Kernels:
         )  # fmt: skip
         return y
 
-    def _amx_operands(
-        self, name: str, x: torch.Tensor, pairs: torch.Tensor, N: int, b: torch.Tensor | None
+    def _epilogue_operands(
+        self,
+        name: str,
+        x: torch.Tensor,
+        pairs: torch.Tensor,
+        N: int,
+        b: torch.Tensor | None,
+        amx: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What the AMX epilogue calls check: the tiles, x bf16 [M, K even], ``pairs`` packed for
-        N >= 1 outputs of K, b [N]; x and b contiguous."""
-        if not self.has_amx:
+        """What the GEMM epilogue calls check: the AMX tiles (``amx``) or AVX512-BF16, x bf16
+        [M, K even], ``pairs`` packed for N >= 1 outputs of K, b [N]; x and b contiguous."""
+        if amx and not self.has_amx:
             raise ValueError(f"{name} needs a CPU with AMX-BF16 tiles")
+        if not self.has_bf16_dot:
+            raise ValueError(f"{name} needs a CPU with AVX512-BF16")
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2 or N < 1:
             raise ValueError(
                 f"{name} takes bf16 x [M, K even] and N >= 1 outputs, got {x.dtype} "
@@ -612,17 +621,24 @@ class Kernels:
         _check_packed(name, x, pairs, -(-N // 64) * (x.shape[1] // 2) * 128, N, b)
         return x.contiguous(), None if b is None else b.contiguous()
 
-    def gemm_amx_swiglu(
-        self, x: torch.Tensor, pairs: torch.Tensor, inter: int, b: torch.Tensor | None = None
+    def gemm_swiglu(
+        self,
+        x: torch.Tensor,
+        pairs: torch.Tensor,
+        inter: int,
+        b: torch.Tensor | None = None,
+        amx: bool = False,
     ) -> torch.Tensor | None:
-        """``self.silu_mul(self.gemm_pairs(x, pairs, 2 * inter, b, amx=True), 16)`` for a gate
+        """``self.silu_mul(self.gemm_pairs(x, pairs, 2 * inter, b, amx=amx), 16)`` for a gate
         and up weight [2 * inter, K] whose rows alternate in blocks of 16
         (``layers.interleave_gate_up``; the bias likewise), the same bits, without the [M, 2 *
-        inter] product ever stored; None where the AMX tiles cannot run it (inter or K not a
-        multiple of 32), for the caller to take the two calls."""
-        x, b = self._amx_operands("gemm_amx_swiglu", x, pairs, 2 * inter, b)
+        inter] product ever stored (``gemm_amx_swiglu`` / ``gemm_pairs_swiglu``); None where
+        the GEMM cannot run it (inter not a multiple of 32; on AMX, K not one either), for the
+        caller to take the two calls."""
+        name = "gemm_amx_swiglu" if amx else "gemm_pairs_swiglu"
+        x, b = self._epilogue_operands(name, x, pairs, 2 * inter, b, amx)
         out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
-        rc = self.lib.gemm_amx_swiglu(
+        rc = getattr(self.lib, name)(
             pairs.data_ptr(), x.data_ptr(), out.data_ptr(), None if b is None else b.data_ptr(),
             x.shape[0], inter, x.shape[1],
         )  # fmt: skip
@@ -635,7 +651,7 @@ class Kernels:
         int64 [M], without the f32 result ever stored (the LM head under greedy sampling); None
         where the AMX tiles cannot run it (K not a multiple of 32), for the caller to take the
         two calls."""
-        x, b = self._amx_operands("gemm_amx_argmax", x, pairs, N, b)
+        x, b = self._epilogue_operands("gemm_amx_argmax", x, pairs, N, b)
         out = torch.empty(x.shape[0], dtype=torch.int64)
         rc = self.lib.gemm_amx_argmax(
             pairs.data_ptr(), x.data_ptr(), None if b is None else b.data_ptr(),

@@ -232,8 +232,14 @@ def linear_f32(lin: Linear, x: torch.Tensor) -> torch.Tensor:
 # The AMX GEMM's fused epilogues (the LM head's argmax, gate_up's SwiGLU) from this many rows on,
 # where it takes half panels; on whole panels (up to 16 rows) the SwiGLU measured slower than the
 # GEMM's output and a second kernel over it, and the argmax not faster in every run (docs/
-# SPEED.md, "The LM head's argmax and gate_up's SwiGLU in the AMX epilogue").
+# SPEED.md, "The LM head's argmax and gate_up's SwiGLU in the AMX epilogue"). The dot-product
+# GEMM runs the same row tiles at any count, so its SwiGLU epilogue has no such floor.
 EPILOGUE_MIN_ROWS = 17
+
+
+def glu_min_rows(fn: PairLinear) -> int:
+    """The fewest rows at which ``fn`` (a pair GEMM) runs gate_up with SwiGLU in its epilogue."""
+    return EPILOGUE_MIN_ROWS if fn.amx else 1
 
 
 def linear_argmax(lin: Linear, x: torch.Tensor, kern: kernels.Kernels | None) -> torch.Tensor:
@@ -365,11 +371,11 @@ class FusedRotary:
 
 # Where the fused kernels run the MLP, gate_up's rows (the weight's and the bias's) alternate in
 # blocks of this many, gate first: gate 0-15, up 0-15, gate 16-31, ... (cpu_kernels.cpp's
-# GLU_BLOCK). So the AMX GEMM's units find a gate column's up column in the same panel lines and
-# read them as the plain GEMM does, when SwiGLU runs in its epilogue (gemm_amx_swiglu); with
-# [gate; up] they read a quarter of each line (past 16 rows; half up to 16) in two panels
-# (docs/SPEED.md, "Gate and up in one panel line"). Every other GEMM path computes the same
-# columns in any order.
+# GLU_BLOCK). So the pair GEMM's tiles (on AMX or on vdpbf16ps) find a gate column's up column
+# in the same panel lines and read them as the plain GEMM does, when SwiGLU runs in its
+# epilogue (Kernels.gemm_swiglu); with [gate; up] the AMX units read a quarter of each line
+# (past 16 rows; half up to 16) in two panels (docs/SPEED.md, "Gate and up in one panel line").
+# Every other GEMM path computes the same columns in any order.
 GLU_BLOCK = 16
 
 
@@ -405,18 +411,19 @@ class FusedSiluMul:
 
 def choose_act(fused: kernels.Kernels | None, intermediate: int) -> SiluMul | FusedSiluMul:
     """The MLP's SwiGLU: one kernel call where the fused kernels run the layer, for gate_up in
-    blocks of GLU_BLOCK with AMX tiles and an intermediate size that is a multiple of 32 (what
-    gemm_amx_swiglu needs of them; whether a call takes the epilogue is GateUpAct's, and the
-    block layout's separate pass costs what [gate | up]'s does), else [gate | up]. The model
-    lays gate_up's weight out by the act's ``block`` (``interleave_gate_up``)."""
+    blocks of GLU_BLOCK with the pair GEMM (AVX512-BF16, AMX tiles or not) and an intermediate
+    size that is a multiple of 32 (what its SwiGLU epilogue needs; whether a call takes the
+    epilogue is GateUpAct's, and the block layout's separate pass costs what [gate | up]'s
+    does), else [gate | up]. The model lays gate_up's weight out by the act's ``block``
+    (``interleave_gate_up``)."""
     if fused is None:
         return SiluMul()
-    return FusedSiluMul(fused, GLU_BLOCK if fused.has_amx and intermediate % 32 == 0 else 0)
+    return FusedSiluMul(fused, GLU_BLOCK if fused.has_bf16_dot and intermediate % 32 == 0 else 0)
 
 
 def epilogue_act(act: object) -> bool:
-    """Whether the AMX GEMM's SwiGLU epilogue can stand for ``act``: the fused SwiGLU on
-    gate_up in GLU_BLOCK's layout, the one gemm_amx_swiglu takes."""
+    """Whether the pair GEMM's SwiGLU epilogue can stand for ``act``: the fused SwiGLU on
+    gate_up in GLU_BLOCK's layout, the one Kernels.gemm_swiglu takes."""
     return type(act) is FusedSiluMul and act.block == GLU_BLOCK
 
 
@@ -428,12 +435,13 @@ def gate_up_layout(
 
 
 class GateUpAct:
-    """``act(gate_up(x))``, the MLP's first half. Where ``act`` is the fused SwiGLU and the AMX
-    GEMM runs ``gate_up`` for x's rows (from EPILOGUE_MIN_ROWS on), one call that computes
-    SwiGLU in the GEMM's epilogue (``gemm_amx_swiglu``): the same bits, and the [rows, 2 *
-    intermediate] product is never stored. ``epilogue(rows)``: whether to take that call at
-    this row count (the kernel choice's measurement, autotune.epilogue_rule: at some shapes the
-    GEMM and a separate SwiGLU pass are faster); None: wherever it can."""
+    """``act(gate_up(x))``, the MLP's first half. Where ``act`` is the fused SwiGLU and the pair
+    GEMM runs ``gate_up`` for x's rows (on AMX tiles from EPILOGUE_MIN_ROWS on: ``glu_min_rows``),
+    one call that computes SwiGLU in the GEMM's epilogue (``Kernels.gemm_swiglu``): the same
+    bits, and the [rows, 2 * intermediate] product is never stored. ``epilogue(rows)``: whether
+    to take that call at this row count (the kernel choice's measurement,
+    autotune.epilogue_rule: at some shapes the GEMM and a separate SwiGLU pass are faster);
+    None: wherever it can."""
 
     def __init__(
         self, gate_up: Linear, act: Linear, epilogue: Callable[[int], bool] | None = None
@@ -441,19 +449,19 @@ class GateUpAct:
         self.gate_up, self.act, self.epilogue = gate_up, act, epilogue
         self.fused = epilogue_act(act)
 
-    def epilogue_at(self, rows: int) -> AmxLinear | None:
-        """The AMX GEMM that runs gate_up and SwiGLU in one call at ``rows`` rows, or None."""
-        if not self.fused or rows < EPILOGUE_MIN_ROWS:
+    def epilogue_at(self, rows: int) -> PairLinear | None:
+        """The pair GEMM that runs gate_up and SwiGLU in one call at ``rows`` rows, or None."""
+        if not self.fused:
             return None
         fn = for_rows(self.gate_up, rows)
-        if type(fn) is not AmxLinear or fn.odd:
+        if type(fn) not in (PairLinear, AmxLinear) or fn.odd or rows < glu_min_rows(fn):
             return None
         return fn if self.epilogue is None or self.epilogue(rows) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         fn = self.epilogue_at(x.shape[0])
         if fn is not None:
-            out = fn.kern.gemm_amx_swiglu(x, fn.pairs, fn.out_features // 2, fn.bias)
+            out = fn.kern.gemm_swiglu(x, fn.pairs, fn.out_features // 2, fn.bias, amx=fn.amx)
             if out is not None:
                 return out
         return self.act(self.gate_up(x))

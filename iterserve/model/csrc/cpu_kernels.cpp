@@ -221,6 +221,12 @@ inline __m512 round_bf16(__m512 v) {  // f32 -> nearest bf16, as f32
 inline void narrow16(uint16_t* p, __m512 v) {  // f32 -> 16 bf16 (nearest even)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
 }
+// bf16(silu(g)) * u for 16 bf16-valued g and u (f32): SwiGLU's arithmetic, before the output's
+// rounding; silu_mul_bf16 and the GEMMs' SwiGLU epilogue (glu_store) both take it.
+inline __m512 swiglu16(__m512 g, __m512 u) {
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return _mm512_mul_ps(round_bf16(s), u);
+}
 #endif
 
 #if defined(ITERSERVE_AVX2)
@@ -1719,11 +1725,27 @@ inline void store_cols(void* y, int64_t ldy, const uint16_t* bias, int N, int co
     }
 }
 
+// SwiGLU of 16 gate columns from col (of I gate columns) and their up columns, in the GLU_BLOCK
+// layout (the bias's gate columns from 2 col, its up columns 16 on): the values store_cols
+// would store for both (bias added, rounded to bf16), then silu_mul_bf16's arithmetic on them
+// (swiglu16), so the same bits as the GEMM's bf16 output followed by silu_mul_bf16.
+template <typename G, typename U>
+inline void glu_store(uint16_t* out, int I, const uint16_t* bias, int col, int m0, int rows, G&& gate, U&& up) {
+    const __m512 bg = bias_cols(bias, 2 * col, 0xffff), bu = bias_cols(bias, 2 * col + 16, 0xffff);
+    for (int r = 0; r < rows; ++r) {
+        const __m512 gv = round_bf16(_mm512_add_ps(gate(r), bg));
+        const __m512 uv = round_bf16(_mm512_add_ps(up(r), bu));
+        narrow16(out + static_cast<int64_t>(m0 + r) * I + col, swiglu16(gv, uv));
+    }
+}
+
 // Q > 0: also prefetches Q lines a k pair from pf on, K2 Q lines in all (its share of the next
 // panel, see gemm_pairs).
 // F32: y is f32 and gets the bf16-rounded values widened (what .float() of the bf16 result
 // gives), for the LM head, whose logits the sampler takes in f32.
-template <int R, int Q = 0, bool F32 = false>
+// GLU: P packs a gate and up weight in GLU_BLOCK's layout (N a multiple of 64: the panel's
+// column groups are gate, up, gate, up), y [M, N / 2] (ldy N / 2) gets their SwiGLU (glu_store).
+template <int R, int Q = 0, bool F32 = false, bool GLU = false>
 void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t* bias, void* y, int64_t ldy, int N, int K2, int n0,
                int m0, const char* pf = nullptr) {
     __m512 acc[R][4];
@@ -1743,8 +1765,14 @@ void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t
             for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
         }
     }
-    for (int c = 0; c < 4 && n0 + 16 * c < N; ++c)
-        store_cols<F32>(y, ldy, bias, N, n0 + 16 * c, m0, R, [&](int r) { return acc[r][c]; });
+    if constexpr (GLU) {
+        for (int c = 0; c < 4; c += 2)
+            glu_store(static_cast<uint16_t*>(y), static_cast<int>(ldy), bias, n0 / 2 + 8 * c, m0, R, [&](int r) { return acc[r][c]; },
+                      [&](int r) { return acc[r][c + 1]; });
+    } else {
+        for (int c = 0; c < 4 && n0 + 16 * c < N; ++c)
+            store_cols<F32>(y, ldy, bias, N, n0 + 16 * c, m0, R, [&](int r) { return acc[r][c]; });
+    }
 }
 #endif
 
@@ -1905,15 +1933,6 @@ void rms_norm_bf16(uint16_t* x, const uint16_t* add, const uint16_t* w, uint16_t
         scale_row_bf16(xr, 1.f / std::sqrt(ss / static_cast<float>(n) + eps), w, out + static_cast<int64_t>(r) * n, n);
     }
 }
-
-#if defined(__AVX512F__)
-// bf16(silu(g)) * u for 16 bf16-valued g and u (f32): SwiGLU's arithmetic, before the output's
-// rounding; silu_mul_bf16 and the AMX GEMM's SwiGLU epilogue (glu_store) both take it.
-inline __m512 swiglu16(__m512 g, __m512 u) {
-    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    return _mm512_mul_ps(round_bf16(s), u);
-}
-#endif
 
 // The gate and up weights' rows alternate in blocks of this many where the AMX GEMM runs
 // SwiGLU in its epilogue (gemm_amx_swiglu; layers.GLU_BLOCK says the same).
@@ -2466,10 +2485,13 @@ void pack_bf16_pairs(const uint16_t* W, uint16_t* P, int N, int K) {
 }  // extern "C"
 
 namespace {
-template <bool F32>
+// GLU: y [M, N / 2] is SwiGLU of the product, for P packed from gate_up in GLU_BLOCK's layout
+// and N a multiple of 64 (pair_tile's GLU).
+template <bool F32, bool GLU = false>
 int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t* bias, int M, int N, int K) {
 #if defined(__AVX512BF16__)
     const int K2 = K / 2, panels = (N + GP_COLS - 1) / GP_COLS;
+    const int64_t ldy = GLU ? N / 2 : N;
     // A panel's first row tile reads it from memory and the later tiles from L2, so memory and
     // arithmetic would take turns. With 12 rows or more, the first 2 (24 rows or more: 4) full
     // tiles prefetch the thread's next panel (4 K2 lines) instead, 2 (1) lines a k pair each.
@@ -2491,15 +2513,15 @@ int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_
                 const int64_t share = panel_elems * 2 / pf_tiles;  // bytes each tile fetches
                 for (int t = 0; t < pf_tiles; ++t, m0 += 6) {
                     if (pf_tiles == 4)
-                        pair_tile<6, 1, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share);
+                        pair_tile<6, 1, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0, nxt + t * share);
                     else
-                        pair_tile<6, 2, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0, nxt + t * share);
+                        pair_tile<6, 2, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0, nxt + t * share);
                 }
             }
-            for (; M - m0 >= 6; m0 += 6) pair_tile<6, 0, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0);
-            if (M - m0 >= 4) { pair_tile<4, 0, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 4; }
-            if (M - m0 >= 2) { pair_tile<2, 0, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0); m0 += 2; }
-            if (M - m0 >= 1) pair_tile<1, 0, F32>(Pp, x, K, bias, y, N, N, K2, n0, m0);
+            for (; M - m0 >= 6; m0 += 6) pair_tile<6, 0, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0);
+            if (M - m0 >= 4) { pair_tile<4, 0, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0); m0 += 4; }
+            if (M - m0 >= 2) { pair_tile<2, 0, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0); m0 += 2; }
+            if (M - m0 >= 1) pair_tile<1, 0, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0);
         }
     }
     return 0;
@@ -2543,20 +2565,6 @@ inline void argmax_cols(const ArgRows& st, const uint16_t* bias, int N, int col,
                                      (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(bv, bv, _CMP_ORD_Q)));
         _mm512_storeu_ps(bp, _mm512_mask_blend_ps(take, bv, v));
         _mm512_storeu_si512(ip, _mm512_mask_blend_epi32(take, _mm512_loadu_si512(ip), cols));
-    }
-}
-
-// SwiGLU of 16 gate columns from col (of I gate columns) and their up columns, in the GLU_BLOCK
-// layout (the bias's gate columns from 2 col, its up columns 16 on): the values store_cols
-// would store for both (bias added, rounded to bf16), then silu_mul_bf16's arithmetic on them
-// (swiglu16), so the same bits as the GEMM's bf16 output followed by silu_mul_bf16.
-template <typename G, typename U>
-inline void glu_store(uint16_t* out, int I, const uint16_t* bias, int col, int m0, int rows, G&& gate, U&& up) {
-    const __m512 bg = bias_cols(bias, 2 * col, 0xffff), bu = bias_cols(bias, 2 * col + 16, 0xffff);
-    for (int r = 0; r < rows; ++r) {
-        const __m512 gv = round_bf16(_mm512_add_ps(gate(r), bg));
-        const __m512 uv = round_bf16(_mm512_add_ps(up(r), bu));
-        narrow16(out + static_cast<int64_t>(m0 + r) * I + col, swiglu16(gv, uv));
     }
 }
 
@@ -2807,6 +2815,15 @@ int gemm_pairs_f32(const uint16_t* P, const uint16_t* x, float* y, const uint16_
     return gemm_pairs_impl<true>(P, x, y, bias, M, N, K);
 }
 
+// act[M, I] = silu_mul_bf16(gemm_pairs's output, block 16) for P = pack_bf16_pairs(W [2I, K])
+// with W's gate and up rows alternating in blocks of 16 (bias [2I] likewise, or null), the same
+// bits, without that output ever stored (gemm_amx_swiglu's, on vdpbf16ps). -1 where it cannot
+// (I not a multiple of 32, no AVX512-BF16): take gemm_pairs and silu_mul_bf16 then.
+int gemm_pairs_swiglu(const uint16_t* P, const uint16_t* x, uint16_t* act, const uint16_t* bias, int M, int I, int K) {
+    if (I % 32) return -1;
+    return gemm_pairs_impl<false, true>(P, x, act, bias, M, 2 * I, K);
+}
+
 // 1 where gemm_amx runs on AMX tiles: compiled for them, and the kernel let this process use
 // them.
 int has_amx() {
@@ -2897,9 +2914,10 @@ struct DecodeLayerW {
     float eps, scale;
     int panels;  // 1: the four weights are f32-panel packed (pack_bf16_panels), 0: pair packed
     int amx;     // pair packed: bit i set runs GEMM i (qkv, o, gate_up, down) on gemm_amx;
-                 // bit 4: gate_up and SwiGLU in one call, gemm_amx_swiglu (fused_decode.py)
+                 // bit 4: gate_up and SwiGLU in one call, gemm_amx_swiglu where bit 2 is set,
+                 // else gemm_pairs_swiglu (fused_decode.py)
     const uint16_t* qk_norm;  // null, or Qwen3's per-head q / k RMSNorm weight [heads + kv_heads, head_dim]
-    int glu_block;            // gate_up's layout: silu_mul_bf16's block (16 for gemm_amx_swiglu)
+    int glu_block;            // gate_up's layout: silu_mul_bf16's block (16 for the SwiGLU epilogues)
 };
 struct DecodeStep {
     const uint16_t *cos, *sin;  // [M, hd]
@@ -2949,8 +2967,10 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
                            s->max_blocks, w->scale, s->ahead);
     gemm(1, w->o, attn, o, w->o_b, hid, q_size);
     rms_norm_bf16(h, o, w->post_norm, normed, M, hid, w->eps);
-    // the same bits either way (gemm_amx_swiglu)
-    if (!(w->amx >> 4 & 1) || gemm_amx_swiglu(w->gate_up, normed, act, w->gate_up_b, M, w->inter, hid) != 0) {
+    // the same bits either way (gemm_amx_swiglu, gemm_pairs_swiglu)
+    if (!(w->amx >> 4 & 1) ||
+        (w->amx >> 2 & 1 ? gemm_amx_swiglu(w->gate_up, normed, act, w->gate_up_b, M, w->inter, hid)
+                         : gemm_pairs_swiglu(w->gate_up, normed, act, w->gate_up_b, M, w->inter, hid)) != 0) {
         gemm(2, w->gate_up, normed, gu, w->gate_up_b, 2 * w->inter, hid);
         silu_mul_bf16(gu, act, M, w->inter, w->glu_block);
     }

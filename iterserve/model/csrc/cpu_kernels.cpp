@@ -1175,7 +1175,8 @@ inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m512bh>(_
 // a degree-3 minimax polynomial (relative error 2.2e-4, a tenth of bf16's half ulp), times 2^n
 // by vscalefps. -inf gives 0 (vreduceps makes r 0, n -inf); results below 2^-126 are denormal,
 // which the callers' FlushDenormals makes 0. Six operations against exp2_ps's ten: the AMX
-// attention's softmax is bound by them.
+// attention's softmax is bound by them, and the dot-product kernel's shares the FMA pipes with
+// vdpbf16ps (a Zen 4 layer at 2,048 queries: 20.6-20.9 -> 19.9 ms).
 inline __m512 exp2_bf16(__m512 x) {
     const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // x - nearest integer
     __m512 p = _mm512_set1_ps(0.05286732f);

@@ -1,6 +1,6 @@
 """The pair GEMM's fused epilogues against the GEMM's output and a second kernel over it
-(docs/SPEED.md, "The LM head's argmax and gate_up's SwiGLU in the AMX epilogue", and "gate_up's
-SwiGLU in the dot-product GEMM's epilogue").
+(docs/SPEED.md, "The LM head's argmax and gate_up's SwiGLU in the AMX epilogue", and "An AMD
+EPYC Zen 4 again", "2. SwiGLU in the dot-product pair GEMM's epilogue").
 
     python benchmarks/amx_epilogues.py argmax --rows 1,4,8,16,32,64,128 --rounds 4
     python benchmarks/amx_epilogues.py swiglu --rows 1,8,32,64,128,256 --batches 32,128 --steps 96

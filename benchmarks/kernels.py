@@ -28,8 +28,8 @@ prefill: one prompt chunk of --tokens queries at positions --start.. against all
 
 elementwise: one layer's row-wise kernels at --rows rows of bench-134m: ``rms_norm`` with the
 residual add (768 wide), ``silu_mul`` (gate and up, 2 x 2,048, in the layout the model's act
-takes: blocks of 16 on an AMX CPU), ``rope`` on q and k (24 heads of 64, a view of qkv) and
-``write_rows`` of V into a bf16 cache (12 heads of 64, random slots); us
+takes: blocks of 16 on a CPU with AVX512-BF16), ``rope`` on q and k (24 heads of 64, a view
+of qkv) and ``write_rows`` of V into a bf16 cache (12 heads of 64, random slots); us
 per call: the median of 200 calls after 10 warm-up calls in each of --repeats rounds, and the
 median of the rounds (the wrapper's Python overhead, a few us, is included).
 """

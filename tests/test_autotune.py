@@ -4,6 +4,7 @@ that measures (tiny shapes, milliseconds) then reuses its cached choice."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -781,3 +782,35 @@ def test_runner_measures_and_stays_exact(
         outs.append(tokens)
     assert outs[0] == outs[1]
     assert set(DECODE_BUCKETS) and runner.attention.name == "cpu" if kernels.load() else True
+
+
+def test_choose_glu_times_each_bucket_on_its_own_pair_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_choose_glu times the epilogue at each bucket on the pair GEMM the measured choice gave
+    gate_up there (dot products from 1 row, AMX tiles from EPILOGUE_MIN_ROWS), at the bucket's
+    row count; buckets on another path, under the AMX floor or past the most rows a call gets
+    are not timed and keep the epilogue."""
+    from iterserve.model.layers import AmxLinear, PairLinear
+
+    pairs, amx = object.__new__(PairLinear), object.__new__(AmxLinear)
+    for lin in (pairs, amx):
+        lin.odd = False
+    fns: dict[str, dict[str, Any]] = {"gate_up": {"pairs": pairs, "amx": amx, "torch": object()}}
+    gemm = {"gate_up": ("pairs", "amx", "amx", "torch", "pairs", "amx")}
+    seen: list[list[Any]] = []
+
+    def fake_measure(x_cols: int, dtype: Any, at: Any, act: Any, deadline: float) -> Any:
+        seen.append(list(at))
+        times = {32: (1.0, 0.5)}  # the separate pass clearly wins at 32 rows only
+        return {
+            form: [None if e is None else times.get(e[0], (1.0, 2.0))[j] for e in at]
+            for j, form in enumerate(("epilogue", "separate"))
+        }
+
+    monkeypatch.setattr(autotune, "measure_glu", fake_measure)
+    prob = dataclasses.replace(_problem(), gate_up_act=FusedSiluMul(None, GLU_BLOCK))  # type: ignore[arg-type]
+    got = autotune._choose_glu(prob, fns, gemm, 1e18)
+    assert seen == [[(1, pairs), None, (32, amx), None, (512, pairs), None]]
+    assert got == (True, True, False, True, True, True)
+    # the act in [gate | up] (no block layout): nothing to time
+    plain = dataclasses.replace(prob, gate_up_act=FusedSiluMul(None, 0))  # type: ignore[arg-type]
+    assert autotune._choose_glu(plain, fns, gemm, 1e18) == () and len(seen) == 1

@@ -825,14 +825,16 @@ def test_qwen3_qk_norm_in_the_rope_kernel_matches_torchs_ops(
         ]
 
 
+@pytest.mark.parametrize("gemm", ["pairs", "amx"])
 def test_fused_decode_takes_the_swiglu_epilogue_where_gate_up_act_does(
-    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
+    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch, gemm: str
 ) -> None:
-    """decode_layer's gate_up runs SwiGLU in the AMX epilogue exactly where the layer's
-    GateUpAct would (its measured rule, autotune.epilogue_rule): with the rule saying no, the
-    plan leaves it out and the step's logits stay those of the per-layer path."""
-    _needs_gemm("amx")
-    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=amx,attn=cpu,prefill=torch")
+    """decode_layer's gate_up runs SwiGLU in the pair GEMM's epilogue (dot products or AMX)
+    exactly where the layer's GateUpAct would (its measured rule, autotune.epilogue_rule): with
+    the rule saying no, the plan leaves it out and the step's logits stay those of the per-layer
+    path."""
+    _needs_gemm(gemm)
+    monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm={gemm},attn=cpu,prefill=torch")
     c = case("llama")
     cc = CacheConfig(block_size=BLOCK, num_kv_blocks=26 * 16)
     fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
@@ -859,18 +861,25 @@ def test_fused_decode_takes_the_swiglu_epilogue_where_gate_up_act_does(
     assert torch.equal(fused.execute(items), plain.execute(items))
     assert ran == [True]
     # ITERSERVE_KERNELS' glu= reaches the same rule
-    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=amx,attn=cpu,prefill=torch,glu=separate")
+    monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm={gemm},attn=cpu,prefill=torch,glu=separate")
     fd = c.runner(dtype="bfloat16", cache_config=cc).model.fused_decode
     assert fd is not None and not any(w.amx >> 4 & 1 for w in fd.plan(25) or [None])
 
 
+@pytest.mark.parametrize(
+    ("to_pairs", "mask"), [(("o", "down"), 0b0101), (("qkv", "gate_up"), 0b11010)]
+)
 def test_fused_decode_mixes_the_pair_gemms_per_projection(
-    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
+    case: Callable[[str], Case],
+    monkeypatch: pytest.MonkeyPatch,
+    to_pairs: tuple[str, str],
+    mask: int,
 ) -> None:
-    """A layer whose o and down GEMMs run the dot-product pair GEMM and whose qkv and gate_up
-    run the same packed weights on AMX tiles (a measured choice can mix them at a row count):
-    one call per layer still, telling each GEMM which kernel; the same bits as the per-layer
-    path."""
+    """A layer whose o and down (or qkv and gate_up) GEMMs run the dot-product pair GEMM and
+    whose other two run the same packed weights on AMX tiles (a measured choice can mix them at
+    a row count): one call per layer still, telling each GEMM which kernel; gate_up on the
+    dot-product GEMM takes SwiGLU in its epilogue at 7 rows (bit 4 without bit 2); the same
+    bits as the per-layer path."""
     from iterserve.model.layers import AmxLinear, PairLinear
 
     _needs_gemm("amx")
@@ -880,14 +889,16 @@ def test_fused_decode_mixes_the_pair_gemms_per_projection(
     fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
     for r in (fused, plain):
         for layer in r.model.layers:
-            for n in ("o", "down"):
+            for n in to_pairs:
                 lin = getattr(layer, n)
                 assert type(lin) is AmxLinear
                 pair = copy.copy(lin)  # the same packed weight and bias, the dot-product kernel
                 pair.__class__ = PairLinear
                 setattr(layer, n, pair)
+                if n == "gate_up":
+                    layer.gate_up_act.gate_up = pair
     fd = fused.model.fused_decode
-    assert fd is not None and all(w.amx == 0b0101 for w in fd.plan(7) or [None])  # type: ignore[union-attr]
+    assert fd is not None and all(w.amx == mask for w in fd.plan(7) or [None])  # type: ignore[union-attr]
     plain.model.fused_decode = None
     prompts = [prompt(10 + i, seed=90 + i) for i in range(7)]
     tables = [[16 * i + j for j in range(16)] for i in range(7)]

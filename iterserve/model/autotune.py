@@ -407,7 +407,8 @@ class Choice:
             where = ", ".join(str(m) for m, g in zip(ROW_BUCKETS, self.glu) if not g)
             lines.append(
                 f"gate_up's SwiGLU on the pair GEMM: a separate pass in the row buckets {where}, "
-                f"in the GEMM's epilogue elsewhere (on AMX tiles from {EPILOGUE_MIN_ROWS} rows)"
+                f"in the GEMM's epilogue elsewhere (where it takes it: AMX tiles from "
+                f"{EPILOGUE_MIN_ROWS} rows)"
             )
         return lines
 
@@ -919,8 +920,10 @@ def _choose_glu(
     at: list[tuple[int, Linear] | None] = []
     for i, m in enumerate(ROW_BUCKETS):
         lin = paths.get(gemm["gate_up"][i]) if gemm["gate_up"][i] in ("amx", "pairs") else None
-        ok = isinstance(lin, PairLinear) and m >= glu_min_rows(lin) and bucket_reached(i, limit)
-        at.append((m, lin) if ok and lin is not None else None)
+        if isinstance(lin, PairLinear) and m >= glu_min_rows(lin) and bucket_reached(i, limit):
+            at.append((m, lin))
+        else:
+            at.append(None)
     if all(e is None for e in at):
         return ()
     t = measure_glu(int(w.shape[1]), w.dtype, at, act, deadline)

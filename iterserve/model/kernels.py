@@ -75,7 +75,8 @@ def decode_ahead(prefetch: int, prefetch_l2: bool) -> int:
 # Prefill attention paths of the cpu backend (plain causal bf16 chunks): iterserve's kernel over
 # the paged cache in place, or SDPA over gathered keys.
 PREFILL_PATHS = ("cpu", "torch")
-# gate_up's SwiGLU on the AMX GEMM: in the GEMM's epilogue, or a separate pass (autotune.py).
+# gate_up's SwiGLU on the pair GEMM (dot products or AMX): in the GEMM's epilogue, or a separate
+# pass (autotune.py).
 GLU_FORMS = ("epilogue", "separate")
 SETTING_FORMS = (
     "ITERSERVE_KERNELS must be 0 (torch's kernels only), 1 or measure (time the paths at first "
@@ -95,7 +96,7 @@ SETTING_FORMS = (
 class Setting:
     """``ITERSERVE_KERNELS``, parsed: ``enabled`` builds the C++ kernels; ``mode`` is measure or
     flags; ``gemm`` / ``attn`` / ``prefill`` fix that path, ``glu`` the SwiGLU's form on the
-    AMX GEMM (None: measured)."""
+    pair GEMM, dot products or AMX (None: measured)."""
 
     enabled: bool = True
     mode: str = "measure"
@@ -605,7 +606,7 @@ class Kernels:
         pairs: torch.Tensor,
         N: int,
         b: torch.Tensor | None,
-        amx: bool = True,
+        amx: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What the GEMM epilogue calls check: the AMX tiles (``amx``) or AVX512-BF16, x bf16
         [M, K even], ``pairs`` packed for N >= 1 outputs of K, b [N]; x and b contiguous."""
@@ -651,7 +652,7 @@ class Kernels:
         int64 [M], without the f32 result ever stored (the LM head under greedy sampling); None
         where the AMX tiles cannot run it (K not a multiple of 32), for the caller to take the
         two calls."""
-        x, b = self._epilogue_operands("gemm_amx_argmax", x, pairs, N, b)
+        x, b = self._epilogue_operands("gemm_amx_argmax", x, pairs, N, b, amx=True)
         out = torch.empty(x.shape[0], dtype=torch.int64)
         rc = self.lib.gemm_amx_argmax(
             pairs.data_ptr(), x.data_ptr(), None if b is None else b.data_ptr(),

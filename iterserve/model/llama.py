@@ -102,7 +102,7 @@ class Strategies:
     # (kind, weight, bias) -> the GEMM strategy (autotune.py's measured choice); None: the
     # fixed rules of ``choose_linear`` from pack / upcast / panel_kern.
     linear: Callable[[str, torch.Tensor, torch.Tensor | None], Linear] | None = None
-    # rows -> whether gate_up on the AMX GEMM takes SwiGLU in its epilogue (the kernel
+    # rows -> whether gate_up on the pair GEMM takes SwiGLU in its epilogue (the kernel
     # choice's measurement, autotune.epilogue_rule); None: wherever it can.
     glu_epilogue: Callable[[int], bool] | None = None
 

@@ -1935,13 +1935,14 @@ void rms_norm_bf16(uint16_t* x, const uint16_t* add, const uint16_t* w, uint16_t
     }
 }
 
-// The gate and up weights' rows alternate in blocks of this many where the AMX GEMM runs
-// SwiGLU in its epilogue (gemm_amx_swiglu; layers.GLU_BLOCK says the same).
+// The gate and up weights' rows alternate in blocks of this many where the pair GEMM (dot
+// products or AMX) runs SwiGLU in its epilogue (gemm_pairs_swiglu, gemm_amx_swiglu;
+// layers.GLU_BLOCK says the same).
 constexpr int GLU_BLOCK = 16;
 
 // SwiGLU on bf16 rows of width 2 * n that hold gate and up: out = bf16(bf16(silu(gate)) * up).
 // block 0: [gate | up]; block > 0 (n a multiple of it): gate and up alternate in blocks of
-// `block` columns, gate first (GLU_BLOCK: the product of gemm_amx_swiglu's weight).
+// `block` columns, gate first (GLU_BLOCK: the product of the SwiGLU epilogues' weight).
 void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int n, int block) {
     // a block that does not divide n would run past the rows: [gate | up] then (the wrapper
     // rejects it; this keeps a bad call inside its buffers)

@@ -212,7 +212,7 @@ def test_prefill_attention_matches_sdpa(kern_variant: kernels.Kernels) -> None:
         assert err < 0.03, (n, p0, H, kvh, hd, err)
         if kern.has_bf16_dot and not kern.has_amx:
             # P rounded to bf16 (from exp2_bf16): on average within 1.5x torch's bf16 SDPA's
-            # error (1.10-1.37x on these cases, with exp2_bf16 as with the degree-6 2^x before
+            # error (1.10-1.37x on these cases, with exp2_bf16 as with the degree-5 2^x before
             # it; a 2^x one term short, ~0.5% off, adds 30-50%)
             mean, yard = ((o.float() - ref).abs().mean().item() for o in (out, low))
             assert mean <= 1.5 * yard, (n, p0, H, kvh, hd, mean, yard)

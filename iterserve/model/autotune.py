@@ -912,14 +912,14 @@ def _choose_glu(
     rule before this measurement). The GEMM path itself was chosen with the epilogue on: a
     pair GEMM and a separate pass are not a candidate against the other paths."""
     act = prob.gate_up_act
-    paths = fns.get("gate_up", {})
-    if act is None or not epilogue_act(act) or not {"amx", "pairs"} & set(paths):
+    if act is None or not epilogue_act(act):
         return ()
+    paths = fns.get("gate_up", {})
     w = prob.weights["gate_up"][0]
     limit = prob.max_rows.get("gate_up", sys.maxsize)
     at: list[tuple[int, Linear] | None] = []
     for i, m in enumerate(ROW_BUCKETS):
-        lin = paths.get(gemm["gate_up"][i]) if gemm["gate_up"][i] in ("amx", "pairs") else None
+        lin = paths.get(gemm["gate_up"][i])  # a pair GEMM (dot products or AMX) or another path
         if isinstance(lin, PairLinear) and m >= glu_min_rows(lin) and bucket_reached(i, limit):
             at.append((m, lin))
         else:

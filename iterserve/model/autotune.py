@@ -915,7 +915,6 @@ def _choose_glu(
     if act is None or not epilogue_act(act):
         return ()
     paths = fns.get("gate_up", {})
-    w = prob.weights["gate_up"][0]
     limit = prob.max_rows.get("gate_up", sys.maxsize)
     at: list[tuple[int, Linear] | None] = []
     for i, m in enumerate(ROW_BUCKETS):
@@ -926,6 +925,7 @@ def _choose_glu(
             at.append(None)
     if all(e is None for e in at):
         return ()
+    w = prob.weights["gate_up"][0]
     t = measure_glu(int(w.shape[1]), w.dtype, at, act, deadline)
     logger.debug("gate_up SwiGLU ms at rows %s: %s", ROW_BUCKETS, _ms(t))
     if all(v is None for v in t["epilogue"]):

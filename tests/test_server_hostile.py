@@ -242,7 +242,7 @@ def test_unread_stream_holds_one_coalesced_output_and_is_aborted_past_its_buffer
     from iterserve.engine.async_engine import RequestFailedError
     from iterserve.sampling_params import SamplingParams
 
-    def held_bytes(read: bool, buffer_tokens: int) -> tuple[int, int, str]:
+    def held_bytes(read: bool, buffer_tokens: int, stall_s: float = 0.0) -> tuple[int, int, str]:
         fake = FakeEngine(max_model_len=4096, num_blocks=2048, block_size=4)
         engine = AsyncEngine(fake, stream_buffer_tokens=buffer_tokens)  # type: ignore[arg-type]
 
@@ -259,6 +259,8 @@ def test_unread_stream_holds_one_coalesced_output_and_is_aborted_past_its_buffer
             else:
                 while fake.reqs:  # the client reads nothing while the request runs
                     peak_items = max(peak_items, len(stream.queue))
+                    # stall_s: the loop blocked, as when other work starves it of CPU
+                    time.sleep(stall_s)
                     await asyncio.sleep(0.005)
                 try:
                     async for _ in stream:
@@ -279,6 +281,13 @@ def test_unread_stream_holds_one_coalesced_output_and_is_aborted_past_its_buffer
     assert items <= 2, items
     assert outcome == "finished"
     assert unread_bytes < 3 * read_bytes + (8 << 20), (unread_bytes, read_bytes)
+    # A starved loop: the steps' outputs merge on their way to it as well, where one callback
+    # per step waited on the loop with a cumulative output each (16-50 MB held here, read or
+    # not, against 2-3 MB since).
+    stalled_bytes, items, outcome = held_bytes(read=False, buffer_tokens=1 << 20, stall_s=0.2)
+    assert items <= 2, items
+    assert outcome == "finished"
+    assert stalled_bytes < (8 << 20), stalled_bytes
     # With a 500-token buffer the request is aborted (KV freed) as soon as it overflows.
     _, _, outcome = held_bytes(read=False, buffer_tokens=500)
     assert "did not read its stream" in outcome and "--stream-buffer-tokens" in outcome

@@ -18,10 +18,12 @@ Threading model
   an add's acknowledgement or refusal goes straight to the loop (before any output of the
   request exists), so a slow decode never holds up admission. At most ``max_pending_steps``
   steps wait for the output thread (past that the engine thread waits: bounded memory).
-* Outputs go back to per-request mailboxes (``_Mailbox``): one
-  ``loop.call_soon_threadsafe`` per engine step delivers the whole step's batch. Unread
-  outputs merge into one, and past ``stream_buffer_tokens`` / ``stream_buffer_bytes`` of
-  unread deltas the request is aborted, so a client that does not read costs O(buffer).
+* Outputs go back to per-request mailboxes (``_Mailbox``) through an outbox that at most one
+  ``loop.call_soon_threadsafe`` callback at a time empties, so a starved loop does not
+  collect a callback per step; consecutive outputs of a stream merge in the outbox as in
+  the mailbox. Unread outputs merge into one, and past ``stream_buffer_tokens`` /
+  ``stream_buffer_bytes`` of unread deltas the request is aborted, so a client that does
+  not read costs O(buffer).
 * ``/health`` turns unhealthy when no step completed within ``stall_timeout_s`` while
   requests are pending (a stalled loop is not a healthy one), or when the output thread has
   had work waiting for that long without finishing any.
@@ -519,6 +521,9 @@ class AsyncEngine:
         self._out_thread: threading.Thread | None = None
         self._out_busy_since: float | None = None  # when the output thread took its message
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox = _Outbox()
+        self._outbox_lock = threading.Lock()
+        self._outbox_scheduled = False  # a _flush_outbox callback waits on the loop
 
         # Loop-thread state.
         self._active: dict[str, RequestStream] = {}
@@ -1101,20 +1106,62 @@ class AsyncEngine:
         return snap
 
     def _deliver(self, batch: list[tuple[RequestStream, _Item]]) -> None:
+        """Hands ``batch`` to the loop through the outbox, with at most one callback waiting
+        on the loop: a loop starved of CPU must not collect one callback per step, each
+        holding a cumulative output (text and token ids so far) of every stream."""
         if not batch:
             return
         loop = self._loop
         if loop is None or loop.is_closed():
             return
+        with self._outbox_lock:
+            self._outbox.add(batch)
+            if self._outbox_scheduled:
+                return
+            self._outbox_scheduled = True
         try:
-            loop.call_soon_threadsafe(_put_all, batch)
+            loop.call_soon_threadsafe(self._flush_outbox)
         except RuntimeError:  # loop closed between the check and the call
             pass
 
+    def _flush_outbox(self) -> None:
+        with self._outbox_lock:
+            items = self._outbox.take()
+            self._outbox_scheduled = False
+        for stream, item in items:
+            stream.queue.put_nowait(item)
 
-def _put_all(batch: list[tuple[RequestStream, _Item]]) -> None:
-    for stream, item in batch:
-        stream.queue.put_nowait(item)
+
+class _Outbox:
+    """Items on their way to the loop (under AsyncEngine's lock), in order per stream;
+    consecutive unfinished outputs of a stream merge as the stream's mailbox would merge
+    them, so what waits here is bounded by the streams, not by the steps."""
+
+    def __init__(self) -> None:
+        self._items: dict[RequestStream, list[_Item]] = {}
+        self._owned: set[RequestStream] = set()  # the last item is a merge built here
+
+    def add(self, batch: list[tuple[RequestStream, _Item]]) -> None:
+        for stream, item in batch:
+            pending = self._items.setdefault(stream, [])
+            last = pending[-1] if pending else None
+            if (
+                isinstance(item, RequestOutput)
+                and isinstance(last, RequestOutput)
+                and not last.finished
+                and last.error is None
+            ):
+                pending[-1] = _merge(last, item, stream in self._owned)
+                self._owned.add(stream)
+            else:
+                pending.append(item)
+                self._owned.discard(stream)
+
+    def take(self) -> list[tuple[RequestStream, _Item]]:
+        items = [(stream, item) for stream, pending in self._items.items() for item in pending]
+        self._items.clear()
+        self._owned.clear()
+        return items
 
 
 def _reason(out: RequestOutput) -> str:

@@ -2,24 +2,28 @@
 (docs/SPEED.md, "The LM head's argmax and gate_up's SwiGLU in the AMX epilogue", and "An AMD
 EPYC Zen 4 again", "2. SwiGLU in the dot-product pair GEMM's epilogue").
 
-    python benchmarks/amx_epilogues.py argmax --rows 1,4,8,16,32,64,128 --rounds 4
+    python benchmarks/amx_epilogues.py argmax --rows 1,4,8,16,32,64,128 --rounds 4 --batches ''
+    python benchmarks/amx_epilogues.py argmax --rows 1,8,32,128 --engine-batch 0 --batches 1,32,128
     python benchmarks/amx_epilogues.py swiglu --rows 1,8,32,64,128,256 --batches 32,128 --steps 96
 
-argmax: the LM head's greedy tokens (``gemm_amx_argmax``) against f32 logits + ``argmax``.
+argmax: the LM head's greedy tokens (``Kernels.gemm_argmax``) against f32 logits + ``argmax``,
+on AMX tiles where the CPU has them, else on the AVX512-BF16 dot-product GEMM.
 Kernel: bench-134m's LM head (32,000 x 768), 8 weight copies in turn (392 MB, so each call
 streams its weight from memory as in a step), the two forms alternated, median ms of 30 calls
 each, equal tokens checked. Engine: ``LLM.generate`` on ``--engine-batch`` greedy requests
 (random prompts of 16-63 tokens, 100-199 output tokens, ignore_eos) in one process, as it is and
 with ``plain_greedy`` patched to False (every step through the f32 logits and ``sample``),
 alternated over ``--rounds``; output tok/s, medians, their ratio; the same tokens checked.
+Steps (``--batches``): as swiglu's below, the steps alternating ``plain_greedy`` as it is and
+patched.
 
 swiglu: gate_up and SwiGLU in one call (``Kernels.gemm_swiglu``) against the GEMM + ``silu_mul``
 (and oneDNN's GEMM + ``silu_mul``, the kernel choice's other path at many rows), on AMX tiles
-where the CPU has them, else on the AVX512-BF16 dot-product GEMM (argmax: AMX only).
+where the CPU has them, else on the AVX512-BF16 dot-product GEMM.
 Kernel: bench-134m's gate_up (4,096 x 768), 24 weight copies in turn, median ms of 48 calls
-each, equal bits checked. Engine: B requests with 120-token random prompts decode
-together; steps alternate the two forms (on, off, off, on, ...: the context grows by one token
-a step for both), the median step of each over ``--steps`` steps.
+each, equal bits checked. Steps (``--batches``, either mode): B requests with 120-token random
+prompts decode together; steps alternate the two forms (on, off, off, on, ...: the context
+grows by one token a step for both), the median step of each over ``--steps`` steps.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ def argmax_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
     N, K = 32000, 768
     g = torch.Generator().manual_seed(0)
     weights = [kern.pack_pairs(torch.randn(N, K, generator=g).bfloat16()) for _ in range(8)]
-    print(f"LM head {N} x {K}, ms a call (median of 30), 8 weights in turn:")
+    amx = kern.has_amx
+    gemm = "gemm_amx" if amx else "gemm_pairs"
+    print(f"LM head {N} x {K} on {gemm}, ms a call (median of 30), 8 weights in turn:")
     for M in rows:
         x = torch.randn(M, K, generator=g).bfloat16()
         two: list[float] = []
@@ -51,10 +57,10 @@ def argmax_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
             for f in (True, False) if i % 2 else (False, True):
                 t = time.perf_counter()
                 if f:
-                    got = kern.gemm_amx_argmax(x, P, N)
+                    got = kern.gemm_argmax(x, P, N, amx=amx)
                     fused.append(time.perf_counter() - t)
                 else:
-                    want = kern.argmax(kern.gemm_pairs(x, P, N, None, out_f32=True, amx=True))
+                    want = kern.argmax(kern.gemm_pairs(x, P, N, None, out_f32=True, amx=amx))
                     two.append(time.perf_counter() - t)
             assert got is not None and torch.equal(got, want)
         a, b = statistics.median(two) * 1e3, statistics.median(fused) * 1e3
@@ -131,7 +137,9 @@ def swiglu_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
         print()
 
 
-def swiglu_engine(batch: int, steps: int) -> None:
+def engine_steps(what: str, batch: int, steps: int) -> None:
+    """B requests decode together; their steps alternate the epilogue and the separate pass
+    (on, off, off, on, ...: the context grows by one token a step for both)."""
     llm = LLM("bench-134m", dtype="bfloat16", seed=0, enable_prefix_caching=False, max_num_seqs=256)
     eng, model = llm.engine, llm.engine.runner.model
     fd = model.fused_decode
@@ -145,10 +153,14 @@ def swiglu_engine(batch: int, steps: int) -> None:
         if st is not None and not st.num_prefill_tokens and st.num_decode_tokens == batch:
             break
     plan = (fd.plan(batch) if fd is not None else None) or []
-    if not any(w.amx >> 4 & 1 for w in plan):
+    real = llm_engine.plain_greedy
+    if what == "swiglu" and not any(w.amx >> 4 & 1 for w in plan):
         raise SystemExit(f"B={batch}: decode steps do not take the SwiGLU epilogue here")
 
     def use(fused: bool) -> None:
+        if what == "argmax":  # off: every step through the f32 logits and ``sample``
+            llm_engine.plain_greedy = real if fused else (lambda *a, **k: False)  # type: ignore[assignment]
+            return
         for layer in model.layers:
             layer.gate_up_act.fused = fused  # type: ignore[union-attr]
         for w in plan:
@@ -165,10 +177,8 @@ def swiglu_engine(batch: int, steps: int) -> None:
     finally:
         use(True)
     a, b = statistics.median(ms[False]), statistics.median(ms[True])
-    print(
-        f"decode B={batch}, median step of {steps // 2} each: GEMM + silu_mul {a:.2f} ms,",
-        end="",
-    )
+    two = "GEMM + silu_mul" if what == "swiglu" else "f32 logits + sample"
+    print(f"decode B={batch}, median step of {steps // 2} each: {two} {a:.2f} ms,", end="")
     print(f" in the epilogue {b:.2f} ms ({b / a:.3f}x)")
 
 
@@ -178,25 +188,19 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,16,32,64,128", help="kernel: row counts ('' skips)")
     ap.add_argument("--engine-batch", type=int, default=128, help="argmax: requests (0 skips)")
     ap.add_argument("--rounds", type=int, default=4, help="argmax: engine rounds")
-    ap.add_argument("--batches", default="32,128", help="swiglu: decode batch sizes ('' skips)")
-    ap.add_argument("--steps", type=int, default=96, help="swiglu: steps per batch size")
+    ap.add_argument("--batches", default="32,128", help="decode batch sizes ('' skips)")
+    ap.add_argument("--steps", type=int, default=96, help="steps per batch size")
     a = ap.parse_args()
     kern = kernels.load()
-    if kern is None or not (kern.has_amx if a.what == "argmax" else kern.has_bf16_dot):
-        raise SystemExit(
-            "needs iterserve's C++ kernels on a CPU with AMX-BF16 tiles (swiglu: or AVX512-BF16)"
-        )
+    if kern is None or not kern.has_bf16_dot:
+        raise SystemExit("needs iterserve's C++ kernels on a CPU with AVX512-BF16 (or AMX-BF16)")
     rows = [int(x) for x in a.rows.split(",")] if a.rows else []
-    if a.what == "argmax":
-        if rows:
-            argmax_kernel(kern, rows)
-        if a.engine_batch:
-            argmax_engine(a.engine_batch, a.rounds)
-        return
     if rows:
-        swiglu_kernel(kern, rows)
+        (argmax_kernel if a.what == "argmax" else swiglu_kernel)(kern, rows)
+    if a.what == "argmax" and a.engine_batch:
+        argmax_engine(a.engine_batch, a.rounds)
     for b in [int(x) for x in a.batches.split(",")] if a.batches else []:
-        swiglu_engine(b, a.steps)
+        engine_steps(a.what, b, a.steps)
 
 
 if __name__ == "__main__":

@@ -194,7 +194,7 @@ def named_kernels() -> Iterator[None]:
     from iterserve.model import kernels
 
     names = ("paged_prefill_attention", "write_rows", "rms_norm", "silu_mul", "rope")
-    names += ("gemm_panels", "gemm_pairs", "gemm_swiglu", "gemm_amx_argmax")
+    names += ("gemm_panels", "gemm_pairs", "gemm_swiglu", "gemm_argmax")
     names += ("paged_decode_attention", "argmax")
     originals = {n: getattr(kernels.Kernels, n) for n in names}
 

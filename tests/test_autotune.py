@@ -20,7 +20,7 @@ from iterserve.model.layers import (
     GLU_BLOCK,
     FusedSiluMul,
     GateUpAct,
-    glu_min_rows,
+    epilogue_min_rows,
 )
 
 
@@ -338,8 +338,8 @@ def test_gate_up_is_timed_with_the_fused_swiglu_on_a_pair_gemm(
     monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     """Where a pair GEMM runs gate_up, the timed call is the one the model makes: SwiGLU in the
-    GEMM's epilogue (gemm_swiglu) from glu_min_rows on (1 row on dot products, EPILOGUE_MIN_ROWS
-    on AMX tiles), the same bits as the GEMM followed by silu_mul."""
+    GEMM's epilogue (gemm_swiglu) from epilogue_min_rows on (1 row on dot products,
+    EPILOGUE_MIN_ROWS on AMX tiles), the same bits as the GEMM followed by silu_mul."""
     kern = kernels.load()
     if kern is None or not (kern.has_amx if path == "amx" else kern.has_bf16_dot):
         pytest.skip(f"needs the C++ kernels with the {path} GEMM on this CPU")
@@ -357,7 +357,7 @@ def test_gate_up_is_timed_with_the_fused_swiglu_on_a_pair_gemm(
 
     monkeypatch.setattr(kern, "gemm_swiglu", spy)
     least = EPILOGUE_MIN_ROWS if path == "amx" else 1
-    assert glu_min_rows(lin) == least
+    assert epilogue_min_rows(lin) == least
     for rows in range(max(1, least - 1), least + 1):
         x = torch.randn(rows, 64).bfloat16()
         got = GateUpAct(lin, act)(x)

@@ -406,53 +406,60 @@ def test_amx_gemm_matches_torch() -> None:
         kern.gemm_pairs(torch.zeros(2, 41).bfloat16(), kern.pack_pairs(w), N, amx=True)
 
 
-def test_amx_gemm_argmax_is_the_argmax_of_its_f32_result() -> None:
-    """``gemm_amx_argmax`` (the LM head's greedy tokens without its logits): the argmax of what
-    ``gemm_amx_f32`` stores, row by row, over whole and half panels, several panels per thread,
-    N not a multiple of 16, with and without bias; the first of equal maxima (duplicated weight
-    rows, also across the threads' column ranges), a NaN above any number (the first NaN), and
-    every value -inf giving column 0, as ``kern.argmax`` and torch's argmax. K not a multiple
-    of 32: None (the caller takes the two calls)."""
-    from iterserve.model.layers import AmxLinear, linear_argmax
+def test_gemm_argmax_is_the_argmax_of_its_f32_result() -> None:
+    """``gemm_argmax`` (the LM head's greedy tokens without its logits), on the dot-product pair
+    GEMM and on AMX tiles where the CPU has them: the argmax of what the same GEMM's f32 output
+    holds, row by row, over every row tile (6, 4, 2, 1; AMX: whole and half panels), several
+    panels per thread, N not a multiple of 16, K not one of 32 (dot products), with and without
+    bias; the first of equal maxima (duplicated weight rows, also across the threads' column
+    ranges), a NaN above any number (the first NaN), and every value -inf giving column 0, as
+    ``kern.argmax`` and torch's argmax; ``linear_argmax`` gives the same. On AMX, K not a
+    multiple of 32: None (the caller takes the two calls)."""
+    from iterserve.model.layers import AmxLinear, PairLinear, linear_argmax
 
     kern = _kern()
-    if not kern.has_amx:
-        pytest.skip("compiled in only where the CPU has AMX-BF16 tiles")
+    if not kern.has_bf16_dot:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16")
     torch.manual_seed(0)
-    for M in (1, 5, 16, 17, 32, 40, 130):
-        for N in (37, 64, 1000, 4100):
-            x = torch.randn(M, 64).bfloat16()
-            w = torch.randn(N, 64).bfloat16()
-            w[N - 3] = w[5]  # a tie between the first and (for 2 threads) the last column range
-            w[N // 2 + 1] = w[5]
-            x[0] = w[5]  # row 0's maximum is the duplicated column, most likely
-            b = torch.randn(N).bfloat16()
-            for bias in (None, b):
-                P = kern.pack_pairs(w)
-                logits = kern.gemm_pairs(x, P, N, bias, out_f32=True, amx=True)
-                got = kern.gemm_amx_argmax(x, P, N, bias)
-                assert got is not None and torch.equal(got, kern.argmax(logits)), (M, N)
-                assert torch.equal(got, logits.argmax(-1)), (M, N)
-                assert torch.equal(linear_argmax(AmxLinear(kern, w, bias), x, kern), got)
-    # inf weights: +inf, -inf and NaN (inf - inf) columns
-    w = torch.randn(300, 64).bfloat16()
-    w[[40, 200], 0] = float("inf")
-    w[[100, 250], 0] = float("-inf")
-    x = torch.randn(4, 64).bfloat16()
-    x[:, 0] = torch.tensor([1.0, -1.0, 0.0, 2.0])  # 0 * inf: NaN columns in row 2
-    P = kern.pack_pairs(w)
-    logits = kern.gemm_pairs(x, P, 300, None, out_f32=True, amx=True)
-    assert torch.isnan(logits[2]).any() and torch.isinf(logits[0]).any()
-    got = kern.gemm_amx_argmax(x, P, 300)
-    assert got is not None and torch.equal(got, kern.argmax(logits)), (got, kern.argmax(logits))
-    assert torch.equal(got, logits.argmax(-1))
-    # every logit -inf: column 0
-    w = torch.zeros(50, 32).bfloat16()
-    w[:, 0] = float("-inf")
-    got = kern.gemm_amx_argmax(torch.ones(3, 32).bfloat16(), kern.pack_pairs(w), 50)
-    assert got is not None and got.tolist() == [0, 0, 0]
-    w48 = kern.pack_pairs(torch.randn(9, 48).bfloat16())
-    assert kern.gemm_amx_argmax(torch.randn(2, 48).bfloat16(), w48, 9) is None
+    for amx in (False, True) if kern.has_amx else (False,):
+        for M in (1, 5, 7, 16, 17, 32, 40, 130):
+            for N, K in ((37, 64), (64, 48), (1000, 64), (4100, 32)):
+                if amx and K % 32:
+                    continue
+                x = torch.randn(M, K).bfloat16()
+                w = torch.randn(N, K).bfloat16()
+                w[N - 3] = w[5]  # a tie between the first and (for 2 threads) the last column range
+                w[N // 2 + 1] = w[5]
+                x[0] = w[5]  # row 0's maximum is the duplicated column, most likely
+                b = torch.randn(N).bfloat16()
+                for bias in (None, b):
+                    P = kern.pack_pairs(w)
+                    logits = kern.gemm_pairs(x, P, N, bias, out_f32=True, amx=amx)
+                    got = kern.gemm_argmax(x, P, N, bias, amx=amx)
+                    assert got is not None and torch.equal(got, kern.argmax(logits)), (amx, M, N)
+                    assert torch.equal(got, logits.argmax(-1)), (amx, M, N)
+                    lin = (AmxLinear if amx else PairLinear)(kern, w, bias, P)
+                    assert torch.equal(linear_argmax(lin, x, kern), got)
+        # inf weights: +inf, -inf and NaN (inf - inf) columns
+        w = torch.randn(300, 64).bfloat16()
+        w[[40, 200], 0] = float("inf")
+        w[[100, 250], 0] = float("-inf")
+        x = torch.randn(4, 64).bfloat16()
+        x[:, 0] = torch.tensor([1.0, -1.0, 0.0, 2.0])  # 0 * inf: NaN columns in row 2
+        P = kern.pack_pairs(w)
+        logits = kern.gemm_pairs(x, P, 300, None, out_f32=True, amx=amx)
+        assert torch.isnan(logits[2]).any() and torch.isinf(logits[0]).any()
+        got = kern.gemm_argmax(x, P, 300, amx=amx)
+        assert got is not None and torch.equal(got, kern.argmax(logits)), (got, logits)
+        assert torch.equal(got, logits.argmax(-1))
+        # every logit -inf: column 0
+        w = torch.zeros(50, 32).bfloat16()
+        w[:, 0] = float("-inf")
+        got = kern.gemm_argmax(torch.ones(3, 32).bfloat16(), kern.pack_pairs(w), 50, amx=amx)
+        assert got is not None and got.tolist() == [0, 0, 0]
+    if kern.has_amx:
+        w48 = kern.pack_pairs(torch.randn(9, 48).bfloat16())
+        assert kern.gemm_argmax(torch.randn(2, 48).bfloat16(), w48, 9, amx=True) is None
 
 
 def test_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:
@@ -543,7 +550,8 @@ def test_amx_epilogue_deferred_or_not_gives_the_same_bits() -> None:
         big = kern.gemm_pairs(x, P, 200, b, out_f32=out_f32, amx=True)
         small = kern.gemm_pairs(x[:1024], P, 200, b, out_f32=out_f32, amx=True)
         assert torch.equal(big[:1024], small)
-    big_a, small_a = kern.gemm_amx_argmax(x, P, 200, b), kern.gemm_amx_argmax(x[:1024], P, 200, b)
+    big_a = kern.gemm_argmax(x, P, 200, b, amx=True)
+    small_a = kern.gemm_argmax(x[:1024], P, 200, b, amx=True)
     assert big_a is not None and small_a is not None and torch.equal(big_a[:1024], small_a)
     gu = kern.pack_pairs(torch.randn(2 * 96, 64).bfloat16())
     big_s = kern.gemm_swiglu(x, gu, 96, amx=True)

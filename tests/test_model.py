@@ -744,14 +744,16 @@ def test_fused_decode_layers_give_the_same_bits(
     kern = fused.kernels
     assert kern is not None
     fused_argmax = []
-    argmax_fn = kern.gemm_amx_argmax
-    monkeypatch.setattr(kern, "gemm_amx_argmax", lambda *a: _record(fused_argmax, argmax_fn(*a)))
+    argmax_fn = kern.gemm_argmax
+    monkeypatch.setattr(
+        kern, "gemm_argmax", lambda *a, **k: _record(fused_argmax, argmax_fn(*a, **k))
+    )
 
     def both(items: list[BatchItem]) -> None:
         a, b = fused.execute(items), plain.execute(items)
         assert torch.equal(a, b)
-        # the greedy tokens (the LM head's argmax in its epilogue on AMX past 16 rows): the
-        # logits' argmax (the step again writes the same KV rows)
+        # the greedy tokens (the LM head's argmax in a pair GEMM's epilogue: on AMX past 16
+        # rows): the logits' argmax (the step again writes the same KV rows)
         assert torch.equal(fused.execute(items, greedy=True), a.argmax(-1))
 
     both([BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts[:25])])
@@ -760,7 +762,7 @@ def test_fused_decode_layers_give_the_same_bits(
         both([BatchItem(f"s{i}", [prompts[i][-1]], pos[i], tables[i], True) for i in range(n)])
         for i in range(n):
             pos[i] += 1
-    assert bool(fused_argmax) == (gemm == "amx")  # at 25 rows
+    assert bool(fused_argmax) == (gemm != "panels")  # at 25 rows
     # gate_up and SwiGLU in one call on the pair GEMM where gate_up is in GLU_BLOCK's layout
     # (an intermediate size that is a multiple of 32): on AMX from 17 rows, on dot products at
     # any count (GateUpAct's rule)

@@ -181,28 +181,29 @@ def test_plain_greedy_is_exactly_where_sample_takes_the_argmax() -> None:
 
 
 def test_greedy_tokens_from_the_lm_head_equal_the_samplers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An engine step of plain greedy rows takes the LM head's argmax (on AMX past 16 rows, in
-    its epilogue, never storing the logits); the same requests asking for logprobs go through
-    ``sample``: the same tokens, in bf16, on the AMX GEMM where the CPU has it."""
+    """An engine step of plain greedy rows takes the LM head's argmax (on a pair GEMM in its
+    epilogue, never storing the logits; on AMX past 16 rows); the same requests asking for
+    logprobs go through ``sample``: the same tokens, in bf16, on the AMX GEMM where the CPU
+    has it, else on the dot-product one where it has that."""
     from iterserve.model import kernels
 
     kern = kernels.load()
-    if kern is not None and kern.has_amx:
-        monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=amx")
+    fused = kern is not None and kern.has_bf16_dot
+    if kern is not None and fused:
+        monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=amx" if kern.has_amx else "gemm=pairs")
+        fn = kern.gemm_argmax
+        monkeypatch.setattr(kern, "gemm_argmax", lambda *a, **k: calls.append(1) or fn(*a, **k))
     calls: list[int] = []
-    if kern is not None and kern.has_amx:
-        fn = kern.gemm_amx_argmax
-        monkeypatch.setattr(kern, "gemm_amx_argmax", lambda *a: calls.append(1) or fn(*a))
     prompts = [[5 + (7 * i + j) % 200 for j in range(4 + i % 9)] for i in range(24)]
     outs = []
     for lp in (None, 0):
         llm = LLM("tiny-random", dtype="bfloat16", seed=0, enable_prefix_caching=False)
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=lp)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        if lp is None and kern is not None and kern.has_amx:
+        if lp is None and fused:
             assert calls  # 24 greedy decodes a step: the fused argmax ran
             n = len(calls)
-    if kern is not None and kern.has_amx:
+    if fused:
         assert len(calls) == n  # the logprobs run sampled from the logits
     assert outs[0] == outs[1]
     assert all(len(t) == 6 for t in outs[0])

@@ -54,7 +54,7 @@ from iterserve.model.layers import (
     TorchLinear,
     UpcastLinear,
     epilogue_act,
-    glu_min_rows,
+    epilogue_min_rows,
     linear_f32,
     packing_available,
 )
@@ -907,7 +907,7 @@ def _choose_glu(
 ) -> tuple[bool, ...]:
     """``Choice.glu`` for the measured GEMM choice: empty where gate_up never runs on a pair
     GEMM (AMX or dot products) with the fused SwiGLU after it; else the epilogue against the
-    separate pass at each bucket that runs gate_up on one from its ``glu_min_rows`` on (the
+    separate pass at each bucket that runs gate_up on one from its ``epilogue_min_rows`` on (the
     others: True, which no call there takes; buckets the deadline leaves untimed: True, the
     rule before this measurement). The GEMM path itself was chosen with the epilogue on: a
     pair GEMM and a separate pass are not a candidate against the other paths."""
@@ -919,7 +919,7 @@ def _choose_glu(
     at: list[tuple[int, Linear] | None] = []
     for i, m in enumerate(ROW_BUCKETS):
         lin = paths.get(gemm["gate_up"][i])  # a pair GEMM (dot products or AMX) or another path
-        if isinstance(lin, PairLinear) and m >= glu_min_rows(lin) and bucket_reached(i, limit):
+        if isinstance(lin, PairLinear) and m >= epilogue_min_rows(lin) and bucket_reached(i, limit):
             at.append((m, lin))
         else:
             at.append(None)

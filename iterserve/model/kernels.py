@@ -270,8 +270,9 @@ class Kernels:
         ):  # fmt: skip
             getattr(self.lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I]
             getattr(self.lib, name).restype = _I
-        self.lib.gemm_amx_argmax.argtypes = [_P, _P, _P, _I, _I, _I, _P]
-        self.lib.gemm_amx_argmax.restype = _I
+        for name in ("gemm_amx_argmax", "gemm_pairs_argmax"):
+            getattr(self.lib, name).argtypes = [_P, _P, _P, _I, _I, _I, _P]
+            getattr(self.lib, name).restype = _I
         self.lib.paged_prefill_attention.argtypes = [
             _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P,
         ]  # fmt: skip
@@ -645,16 +646,22 @@ class Kernels:
         )  # fmt: skip
         return out if rc == 0 else None
 
-    def gemm_amx_argmax(
-        self, x: torch.Tensor, pairs: torch.Tensor, N: int, b: torch.Tensor | None = None
+    def gemm_argmax(
+        self,
+        x: torch.Tensor,
+        pairs: torch.Tensor,
+        N: int,
+        b: torch.Tensor | None = None,
+        amx: bool = False,
     ) -> torch.Tensor | None:
-        """``self.argmax(self.gemm_pairs(x, pairs, N, b, out_f32=True, amx=True))``, the same
-        int64 [M], without the f32 result ever stored (the LM head under greedy sampling); None
-        where the AMX tiles cannot run it (K not a multiple of 32), for the caller to take the
-        two calls."""
-        x, b = self._epilogue_operands("gemm_amx_argmax", x, pairs, N, b, amx=True)
+        """``self.argmax(self.gemm_pairs(x, pairs, N, b, out_f32=True, amx=amx))``, the same
+        int64 [M], without the f32 result ever stored (the LM head under greedy sampling;
+        ``gemm_amx_argmax`` / ``gemm_pairs_argmax``); None where the GEMM cannot run it (on
+        AMX, K not a multiple of 32), for the caller to take the two calls."""
+        name = "gemm_amx_argmax" if amx else "gemm_pairs_argmax"
+        x, b = self._epilogue_operands(name, x, pairs, N, b, amx)
         out = torch.empty(x.shape[0], dtype=torch.int64)
-        rc = self.lib.gemm_amx_argmax(
+        rc = getattr(self.lib, name)(
             pairs.data_ptr(), x.data_ptr(), None if b is None else b.data_ptr(),
             x.shape[0], N, x.shape[1], out.data_ptr(),
         )  # fmt: skip

@@ -233,23 +233,24 @@ def linear_f32(lin: Linear, x: torch.Tensor) -> torch.Tensor:
 # where it takes half panels; on whole panels (up to 16 rows) the SwiGLU measured slower than the
 # GEMM's output and a second kernel over it, and the argmax not faster in every run (docs/
 # SPEED.md, "The LM head's argmax and gate_up's SwiGLU in the AMX epilogue"). The dot-product
-# GEMM runs the same row tiles at any count, so its SwiGLU epilogue has no such floor.
+# GEMM runs the same row tiles at any count, so its epilogues have no such floor.
 EPILOGUE_MIN_ROWS = 17
 
 
-def glu_min_rows(fn: PairLinear) -> int:
-    """The fewest rows at which ``fn`` (a pair GEMM) runs gate_up with SwiGLU in its epilogue."""
+def epilogue_min_rows(fn: PairLinear) -> int:
+    """The fewest rows at which ``fn`` (a pair GEMM) takes its fused epilogues (gate_up's
+    SwiGLU, the LM head's argmax)."""
     return EPILOGUE_MIN_ROWS if fn.amx else 1
 
 
 def linear_argmax(lin: Linear, x: torch.Tensor, kern: kernels.Kernels | None) -> torch.Tensor:
     """``linear_f32(lin, x)``'s argmax per row (int64 [rows]), the token the sampler picks for a
     greedy row with nothing that edits the logits: the first index of the maximum, as
-    ``sampler.greedy_argmax`` gives it. On the AMX GEMM the argmax runs in its
-    epilogue and the logits are never stored."""
+    ``sampler.greedy_argmax`` gives it. On a pair GEMM the argmax runs in its epilogue and
+    the logits are never stored."""
     fn = for_rows(lin, x.shape[0])
-    if type(fn) is AmxLinear and not fn.odd and x.shape[0] >= EPILOGUE_MIN_ROWS:
-        tokens = fn.kern.gemm_amx_argmax(x, fn.pairs, fn.out_features, fn.bias)
+    if type(fn) in (PairLinear, AmxLinear) and not fn.odd and x.shape[0] >= epilogue_min_rows(fn):
+        tokens = fn.kern.gemm_argmax(x, fn.pairs, fn.out_features, fn.bias, amx=fn.amx)
         if tokens is not None:
             return tokens
     return greedy_argmax(linear_f32(lin, x), kern)
@@ -436,7 +437,7 @@ def gate_up_layout(
 
 class GateUpAct:
     """``act(gate_up(x))``, the MLP's first half. Where ``act`` is the fused SwiGLU and the pair
-    GEMM runs ``gate_up`` for x's rows (on AMX tiles from EPILOGUE_MIN_ROWS on: ``glu_min_rows``),
+    GEMM runs ``gate_up`` for x's rows (``epilogue_min_rows``: on AMX tiles from 17 rows on),
     one call that computes SwiGLU in the GEMM's epilogue (``Kernels.gemm_swiglu``): the same
     bits, and the [rows, 2 * intermediate] product is never stored. ``epilogue(rows)``: whether
     to take that call at this row count (the kernel choice's measurement,
@@ -454,7 +455,7 @@ class GateUpAct:
         if not self.fused:
             return None
         fn = for_rows(self.gate_up, rows)
-        if type(fn) not in (PairLinear, AmxLinear) or fn.odd or rows < glu_min_rows(fn):
+        if type(fn) not in (PairLinear, AmxLinear) or fn.odd or rows < epilogue_min_rows(fn):
             return None
         return fn if self.epilogue is None or self.epilogue(rows) else None
 

@@ -1740,13 +1740,41 @@ inline void glu_store(uint16_t* out, int I, const uint16_t* bias, int col, int m
     }
 }
 
+// A thread's running argmax of each row over the columns it has seen, per lane: 16 values
+// and their columns a row ([M][16] each). Columns reach a lane in increasing order, so a
+// strict > keeps the first of equal values; a NaN beats any number, the first NaN stays.
+struct ArgRows {
+    float* best;
+    int32_t* idx;
+};
+
+// The values store_cols would store (bf16-rounded, bias added), folded into st instead.
+template <typename Acc>
+inline void argmax_cols(const ArgRows& st, const uint16_t* bias, int N, int col, int m0, int rows, Acc&& acc) {
+    const int valid = N - col < 16 ? N - col : 16;
+    const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 b = bias_cols(bias, col, mk);
+    const __m512i cols = _mm512_add_epi32(_mm512_set1_epi32(col), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    for (int r = 0; r < rows; ++r) {
+        const __m512 v = round_bf16(_mm512_add_ps(acc(r), b));
+        float* bp = st.best + static_cast<int64_t>(m0 + r) * 16;
+        int32_t* ip = st.idx + static_cast<int64_t>(m0 + r) * 16;
+        const __m512 bv = _mm512_loadu_ps(bp);
+        const __mmask16 take = mk & (_mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ) |
+                                     (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(bv, bv, _CMP_ORD_Q)));
+        _mm512_storeu_ps(bp, _mm512_mask_blend_ps(take, bv, v));
+        _mm512_storeu_si512(ip, _mm512_mask_blend_epi32(take, _mm512_loadu_si512(ip), cols));
+    }
+}
+
 // Q > 0: also prefetches Q lines a k pair from pf on, K2 Q lines in all (its share of the next
 // panel, see gemm_pairs).
 // F32: y is f32 and gets the bf16-rounded values widened (what .float() of the bf16 result
 // gives), for the LM head, whose logits the sampler takes in f32.
 // GLU: P packs a gate and up weight in GLU_BLOCK's layout (N a multiple of 64: the panel's
 // column groups are gate, up, gate, up), y [M, N / 2] (ldy N / 2) gets their SwiGLU (glu_store).
-template <int R, int Q = 0, bool F32 = false, bool GLU = false>
+// ARG: y is the thread's ArgRows, and the values F32 would store are folded into it.
+template <int R, int Q = 0, bool F32 = false, bool GLU = false, bool ARG = false>
 void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t* bias, void* y, int64_t ldy, int N, int K2, int n0,
                int m0, const char* pf = nullptr) {
     __m512 acc[R][4];
@@ -1766,7 +1794,10 @@ void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t
             for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
         }
     }
-    if constexpr (GLU) {
+    if constexpr (ARG) {
+        for (int c = 0; c < 4 && n0 + 16 * c < N; ++c)
+            argmax_cols(*static_cast<const ArgRows*>(y), bias, N, n0 + 16 * c, m0, R, [&](int r) { return acc[r][c]; });
+    } else if constexpr (GLU) {
         for (int c = 0; c < 4; c += 2)
             glu_store(static_cast<uint16_t*>(y), static_cast<int>(ldy), bias, n0 / 2 + 8 * c, m0, R, [&](int r) { return acc[r][c]; },
                       [&](int r) { return acc[r][c + 1]; });
@@ -2488,8 +2519,8 @@ void pack_bf16_pairs(const uint16_t* W, uint16_t* P, int N, int K) {
 
 namespace {
 // GLU: y [M, N / 2] is SwiGLU of the product, for P packed from gate_up in GLU_BLOCK's layout
-// and N a multiple of 64 (pair_tile's GLU).
-template <bool F32, bool GLU = false>
+// and N a multiple of 64 (pair_tile's GLU). ARG: y is an ArgRows per thread (pair_tile's ARG).
+template <bool F32, bool GLU = false, bool ARG = false>
 int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_t* bias, int M, int N, int K) {
 #if defined(__AVX512BF16__)
     const int K2 = K / 2, panels = (N + GP_COLS - 1) / GP_COLS;
@@ -2505,6 +2536,10 @@ int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_
 #pragma omp parallel
     {
         const auto [p_begin, p_end] = thread_share(panels);
+        void* yt = y;
+#if defined(_OPENMP)
+        if constexpr (ARG) yt = static_cast<ArgRows*>(y) + omp_get_thread_num();
+#endif
         for (int p = p_begin; p < p_end; ++p) {
             const uint16_t* Pp = P + p * panel_elems;
             const int n0 = p * GP_COLS;
@@ -2515,15 +2550,15 @@ int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_
                 const int64_t share = panel_elems * 2 / pf_tiles;  // bytes each tile fetches
                 for (int t = 0; t < pf_tiles; ++t, m0 += 6) {
                     if (pf_tiles == 4)
-                        pair_tile<6, 1, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0, nxt + t * share);
+                        pair_tile<6, 1, F32, GLU, ARG>(Pp, x, K, bias, yt, ldy, N, K2, n0, m0, nxt + t * share);
                     else
-                        pair_tile<6, 2, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0, nxt + t * share);
+                        pair_tile<6, 2, F32, GLU, ARG>(Pp, x, K, bias, yt, ldy, N, K2, n0, m0, nxt + t * share);
                 }
             }
-            for (; M - m0 >= 6; m0 += 6) pair_tile<6, 0, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0);
-            if (M - m0 >= 4) { pair_tile<4, 0, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0); m0 += 4; }
-            if (M - m0 >= 2) { pair_tile<2, 0, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0); m0 += 2; }
-            if (M - m0 >= 1) pair_tile<1, 0, F32, GLU>(Pp, x, K, bias, y, ldy, N, K2, n0, m0);
+            for (; M - m0 >= 6; m0 += 6) pair_tile<6, 0, F32, GLU, ARG>(Pp, x, K, bias, yt, ldy, N, K2, n0, m0);
+            if (M - m0 >= 4) { pair_tile<4, 0, F32, GLU, ARG>(Pp, x, K, bias, yt, ldy, N, K2, n0, m0); m0 += 4; }
+            if (M - m0 >= 2) { pair_tile<2, 0, F32, GLU, ARG>(Pp, x, K, bias, yt, ldy, N, K2, n0, m0); m0 += 2; }
+            if (M - m0 >= 1) pair_tile<1, 0, F32, GLU, ARG>(Pp, x, K, bias, yt, ldy, N, K2, n0, m0);
         }
     }
     return 0;
@@ -2532,6 +2567,48 @@ int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_
     return -1;
 #endif
 }
+#if defined(__AVX512BF16__)
+// out[M]: each row's argmax over what run(ArgRows per thread) folded in (argmax_f32's answer:
+// the first index of the maximum, a NaN the largest); run returns 0, else this returns -1.
+template <typename Run>
+int argmax_rows(int M, int64_t* out, Run&& run) {
+    int threads = 1;
+#if defined(_OPENMP)
+    threads = omp_get_max_threads();
+#endif
+    // Each thread's rows on cache lines of its own (64 floats apart, from a 64-byte boundary):
+    // the threads update them on every column tile, and a shared line moved between the cores
+    // at each update.
+    const size_t per = static_cast<size_t>(M) * 16 + 16;
+    std::vector<float> best(threads * per + 16, -INFINITY);
+    std::vector<int32_t> idx(best.size(), INT32_MAX);
+    float* b0 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(best.data()) + 63) & ~uintptr_t(63));
+    int32_t* i0 = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(idx.data()) + 63) & ~uintptr_t(63));
+    std::vector<ArgRows> st(threads);
+    for (int t = 0; t < threads; ++t) st[t] = ArgRows{b0 + t * per, i0 + t * per};
+    if (run(st.data()) != 0) return -1;
+    for (int r = 0; r < M; ++r) {
+        float bv = -INFINITY;
+        int32_t bi = INT32_MAX;
+        bool bnan = false;
+        for (int t = 0; t < threads; ++t)
+            for (int j = 0; j < 16; ++j) {
+                const float v = st[t].best[r * 16 + j];
+                const int32_t i = st[t].idx[r * 16 + j];
+                if (i == INT32_MAX) continue;  // this lane never took a column
+                const bool nan = std::isnan(v);
+                // a NaN beats any number; among NaNs, or equal numbers, the first column
+                if (nan ? !bnan || i < bi : !bnan && (v > bv || (v == bv && i < bi))) {
+                    bv = v;
+                    bi = i;
+                    bnan = nan;
+                }
+            }
+        out[r] = bi == INT32_MAX ? 0 : bi;  // every value -inf: the first column
+    }
+    return 0;
+}
+#endif
 #if defined(ITERSERVE_AMX)
 // --- The pair GEMM on AMX tiles ---------------------------------------------------------------
 // A pair panel's lines (one k pair, 64 columns x 2 bf16, 256 bytes) are already the layout
@@ -2542,33 +2619,6 @@ int gemm_pairs_impl(const uint16_t* P, const uint16_t* x, void* y, const uint16_
 // Tiles: 0-3 accumulators C (rows x 16 f32), 4-5 x rows A (rows x 32 bf16), 5-7 weights B.
 // Two shapes: one row block of up to 16 rows against a whole panel (NT = 4 column groups: C0-3,
 // A4, B5-7), or two row blocks of up to 16 against a half panel (NT = 2: C0-3, A4-5, B6-7).
-
-// A thread's running argmax of each row over the columns it has seen, per lane: 16 values
-// and their columns a row ([M][16] each). Columns reach a lane in increasing order, so a
-// strict > keeps the first of equal values; a NaN beats any number, the first NaN stays.
-struct ArgRows {
-    float* best;
-    int32_t* idx;
-};
-
-// The values store_cols would store (bf16-rounded, bias added), folded into st instead.
-template <typename Acc>
-inline void argmax_cols(const ArgRows& st, const uint16_t* bias, int N, int col, int m0, int rows, Acc&& acc) {
-    const int valid = N - col < 16 ? N - col : 16;
-    const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 b = bias_cols(bias, col, mk);
-    const __m512i cols = _mm512_add_epi32(_mm512_set1_epi32(col), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-    for (int r = 0; r < rows; ++r) {
-        const __m512 v = round_bf16(_mm512_add_ps(acc(r), b));
-        float* bp = st.best + static_cast<int64_t>(m0 + r) * 16;
-        int32_t* ip = st.idx + static_cast<int64_t>(m0 + r) * 16;
-        const __m512 bv = _mm512_loadu_ps(bp);
-        const __mmask16 take = mk & (_mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ) |
-                                     (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(bv, bv, _CMP_ORD_Q)));
-        _mm512_storeu_ps(bp, _mm512_mask_blend_ps(take, bv, v));
-        _mm512_storeu_si512(ip, _mm512_mask_blend_epi32(take, _mm512_loadu_si512(ip), cols));
-    }
-}
 
 void amx_configure(int nt, int r0, int r1) {
     TileConfig c{};
@@ -2826,6 +2876,18 @@ int gemm_pairs_swiglu(const uint16_t* P, const uint16_t* x, uint16_t* act, const
     return gemm_pairs_impl<false, true>(P, x, act, bias, M, 2 * I, K);
 }
 
+// gemm_amx_argmax's answer on vdpbf16ps: out[M] = the argmax over columns of what gemm_pairs_f32
+// would store, without storing it. -1 where it cannot (no AVX512-BF16): take gemm_pairs_f32 and
+// argmax_f32 then.
+int gemm_pairs_argmax(const uint16_t* P, const uint16_t* x, const uint16_t* bias, int M, int N, int K, int64_t* out) {
+#if defined(__AVX512BF16__)
+    return argmax_rows(M, out, [&](ArgRows* st) { return gemm_pairs_impl<true, false, true>(P, x, st, bias, M, N, K); });
+#else
+    (void)P; (void)x; (void)bias; (void)M; (void)N; (void)K; (void)out;
+    return -1;
+#endif
+}
+
 // 1 where gemm_amx runs on AMX tiles: compiled for them, and the kernel let this process use
 // them.
 int has_amx() {
@@ -2864,41 +2926,7 @@ int gemm_amx_swiglu(const uint16_t* P, const uint16_t* x, uint16_t* act, const u
 // argmax_f32 then.
 int gemm_amx_argmax(const uint16_t* P, const uint16_t* x, const uint16_t* bias, int M, int N, int K, int64_t* out) {
 #if defined(ITERSERVE_AMX)
-    int threads = 1;
-#if defined(_OPENMP)
-    threads = omp_get_max_threads();
-#endif
-    // Each thread's rows on cache lines of its own (64 floats apart, from a 64-byte boundary):
-    // the threads update them on every column tile, and a shared line moved between the cores
-    // at each update.
-    const size_t per = static_cast<size_t>(M) * 16 + 16;
-    std::vector<float> best(threads * per + 16, -INFINITY);
-    std::vector<int32_t> idx(best.size(), INT32_MAX);
-    float* b0 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(best.data()) + 63) & ~uintptr_t(63));
-    int32_t* i0 = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(idx.data()) + 63) & ~uintptr_t(63));
-    std::vector<ArgRows> st(threads);
-    for (int t = 0; t < threads; ++t) st[t] = ArgRows{b0 + t * per, i0 + t * per};
-    if (gemm_amx_impl<true, true>(P, x, st.data(), bias, M, N, K) != 0) return -1;
-    for (int r = 0; r < M; ++r) {
-        float bv = -INFINITY;
-        int32_t bi = INT32_MAX;
-        bool bnan = false;
-        for (int t = 0; t < threads; ++t)
-            for (int j = 0; j < 16; ++j) {
-                const float v = st[t].best[r * 16 + j];
-                const int32_t i = st[t].idx[r * 16 + j];
-                if (i == INT32_MAX) continue;  // this lane never took a column
-                const bool nan = std::isnan(v);
-                // a NaN beats any number; among NaNs, or equal numbers, the first column
-                if (nan ? !bnan || i < bi : !bnan && (v > bv || (v == bv && i < bi))) {
-                    bv = v;
-                    bi = i;
-                    bnan = nan;
-                }
-            }
-        out[r] = bi == INT32_MAX ? 0 : bi;  // every value -inf: the first column
-    }
-    return 0;
+    return argmax_rows(M, out, [&](ArgRows* st) { return gemm_amx_impl<true, true>(P, x, st, bias, M, N, K); });
 #else
     (void)P; (void)x; (void)bias; (void)M; (void)N; (void)K; (void)out;
     return -1;

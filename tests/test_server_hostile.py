@@ -282,7 +282,7 @@ def test_unread_stream_holds_one_coalesced_output_and_is_aborted_past_its_buffer
     assert outcome == "finished"
     assert unread_bytes < 3 * read_bytes + (8 << 20), (unread_bytes, read_bytes)
     # A starved loop: the steps' outputs merge on their way to it as well, where one callback
-    # per step waited on the loop with a cumulative output each (16-50 MB held here, read or
+    # per step waited on the loop with a cumulative output each (16-51 MB held here, read or
     # not, against 2-3 MB since).
     stalled_bytes, items, outcome = held_bytes(read=False, buffer_tokens=1 << 20, stall_s=0.2)
     assert items <= 2, items

@@ -1,6 +1,7 @@
 """The pair GEMM's fused epilogues against the GEMM's output and a second kernel over it
-(docs/SPEED.md, "The LM head's argmax and gate_up's SwiGLU in the AMX epilogue", and "An AMD
-EPYC Zen 4 again", "2. SwiGLU in the dot-product pair GEMM's epilogue").
+(docs/SPEED.md, "The LM head's argmax and gate_up's SwiGLU in the AMX epilogue"; "An AMD EPYC
+Zen 4 again", "2. SwiGLU in the dot-product pair GEMM's epilogue"; "Zen 4 once more", "1. The
+LM head's argmax in the dot-product GEMM's epilogue"). Both GEMMs, despite the file's name.
 
     python benchmarks/amx_epilogues.py argmax --rows 1,4,8,16,32,64,128 --rounds 4 --batches ''
     python benchmarks/amx_epilogues.py argmax --rows 1,8,32,128 --engine-batch 0 --batches 1,32,128
@@ -38,7 +39,7 @@ import torch
 import iterserve.engine.llm_engine as llm_engine
 from iterserve import LLM, SamplingParams
 from iterserve.model import kernels
-from iterserve.model.layers import OneDNNLinear
+from iterserve.model.layers import OneDNNLinear, PairLinear, epilogue_min_rows, for_rows
 
 
 def argmax_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
@@ -68,6 +69,15 @@ def argmax_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
         print(f" ({b / a:.2f}x)")
 
 
+_REAL_PLAIN_GREEDY = llm_engine.plain_greedy
+
+
+def greedy_in_lm_head(on: bool) -> None:
+    """The engine's LM-head argmax for plain greedy rows (on), or every row through the f32
+    logits and ``sample`` (off)."""
+    llm_engine.plain_greedy = _REAL_PLAIN_GREEDY if on else (lambda *a, **k: False)  # type: ignore[assignment]
+
+
 def argmax_engine(batch: int, rounds: int) -> None:
     rng = random.Random(0)
     prompts = [
@@ -78,20 +88,19 @@ def argmax_engine(batch: int, rounds: int) -> None:
         for _ in range(batch)
     ]
     llm = LLM("bench-134m", dtype="bfloat16", seed=0, enable_prefix_caching=False, max_num_seqs=256)
-    real = llm_engine.plain_greedy
     rates: dict[bool, list[float]] = {True: [], False: []}
     tokens: dict[bool, list[list[int]]] = {}
     try:
         for r in range(rounds):
             for fused in (True, False) if r % 2 == 0 else (False, True):
-                llm_engine.plain_greedy = real if fused else (lambda *a, **k: False)  # type: ignore[assignment]
+                greedy_in_lm_head(fused)
                 t = time.perf_counter()
                 outs = llm.generate(prompts, params)
                 dt = time.perf_counter() - t
                 rates[fused].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
                 tokens.setdefault(fused, [list(o.outputs[0].token_ids) for o in outs])
     finally:
-        llm_engine.plain_greedy = real
+        greedy_in_lm_head(True)
     assert tokens[True] == tokens[False], "the two paths gave different tokens"
     a, b = statistics.median(rates[False]), statistics.median(rates[True])
     print(f"engine, {batch} greedy requests, output tok/s per round:")
@@ -153,13 +162,17 @@ def engine_steps(what: str, batch: int, steps: int) -> None:
         if st is not None and not st.num_prefill_tokens and st.num_decode_tokens == batch:
             break
     plan = (fd.plan(batch) if fd is not None else None) or []
-    real = llm_engine.plain_greedy
     if what == "swiglu" and not any(w.amx >> 4 & 1 for w in plan):
         raise SystemExit(f"B={batch}: decode steps do not take the SwiGLU epilogue here")
+    head = for_rows(model.lm_head, batch)
+    if what == "argmax" and not (
+        isinstance(head, PairLinear) and not head.odd and batch >= epilogue_min_rows(head)
+    ):
+        raise SystemExit(f"B={batch}: the LM head does not take the argmax epilogue here")
 
     def use(fused: bool) -> None:
-        if what == "argmax":  # off: every step through the f32 logits and ``sample``
-            llm_engine.plain_greedy = real if fused else (lambda *a, **k: False)  # type: ignore[assignment]
+        if what == "argmax":
+            greedy_in_lm_head(fused)
             return
         for layer in model.layers:
             layer.gate_up_act.fused = fused  # type: ignore[union-attr]

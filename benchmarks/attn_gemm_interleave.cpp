@@ -10,7 +10,8 @@
 //   OMP_NUM_THREADS=2 /tmp/agi B CTX MODE [LINES [STEPS]]
 //
 // MODE 0: in turn, as decode_layer runs them (qkv, attention, o, gate_up, down); 3: the GEMMs
-// alone; 1: o, gate_up and down with one attention task (a sequence, all heads) after each of
+// alone (o, gate_up and down through this file's panel loop, as in modes 1 and 2, which has no
+// next-panel prefetch, unlike gemm_pairs in mode 0); 1: o, gate_up and down with one attention task (a sequence, all heads) after each of
 // the thread's panels, the next task's K and V prefetched into L2, LINES lines after each
 // 6-row tile of the panel (the tasks left over run after down); 2: as 1, the task's own
 // prefetch on as well. The attention's inputs do not depend on the GEMMs' outputs here (an
@@ -24,7 +25,7 @@
 #include <random>
 #include <algorithm>
 #include <cstdio>
-static double T_task[2];  // per thread: seconds in the interleaved tasks
+static double T_task[2];  // per thread (the first two): seconds in the interleaved tasks
 static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 struct Range { const char* p; int64_t n; };
 struct Cursor {  // lines still to prefetch for the next task
@@ -38,6 +39,7 @@ struct Cursor {  // lines still to prefetch for the next task
     }
 };
 int main(int argc, char** argv) {
+    if (argc < 4) { fprintf(stderr, "usage: %s B CTX MODE [LINES [STEPS]]\n", argv[0]); return 2; }
     int B = atoi(argv[1]), ctx = atoi(argv[2]), mode = atoi(argv[3]); int lines = argc > 4 ? atoi(argv[4]) : 64; int reps = argc > 5 ? atoi(argv[5]) : 10;
     const int L = 12, hid = 768, H = 12, hd = 64, inter = 2048, bs = 16, row = H * hd;
     const int per = (ctx + bs - 1) / bs, nb = 2 * B * per;
@@ -92,7 +94,7 @@ int main(int argc, char** argv) {
                 aim(d);
                 auto side = [&]() {
                     if (d >= d_end || mode == 3) return;
-                    { double a = now(); task(d, mode == 2 ? -8 : 0); T_task[omp_get_thread_num()] += now() - a; } ++d; aim(d);
+                    { double a = now(); task(d, mode == 2 ? -8 : 0); if (tid < 2) T_task[tid] += now() - a; } ++d; aim(d);
                 };
                 auto gemm = [&](const uint16_t* P, void* yy, int N, int K, bool glu) {
                     const int K2 = K / 2, panels = (N + 63) / 64; const int64_t pe = (int64_t)K2 * 128;

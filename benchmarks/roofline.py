@@ -312,10 +312,13 @@ def main(argv: list[str] | None = None) -> None:
     # start: some hosts' read rate jumps (34 -> 62 GB/s on a Zen 4 VM) for minutes, and a
     # step timed in a fast stretch against the start's slow probe gave "0.90x the bound".
     machines: dict[int, Machine] = {}
-    for b in need:
-        before = m.read_gbps if a.machine else measure_bandwidth(repeats=3)
+    probe = not a.machine
+    after = m.read_gbps
+    for i, b in enumerate(need):
+        # one batch's probe after is the next one's before
+        before = measure_bandwidth(repeats=3) if probe and i == 0 else after
         results[b] = measure_decode(llm, b, a.ctx, a.steps)
-        after = m.read_gbps if a.machine else measure_bandwidth(repeats=3)
+        after = measure_bandwidth(repeats=3) if probe else m.read_gbps
         machines[b] = replace(m, read_gbps=max(m.read_gbps, before, after))
         r = results[b]
         print(

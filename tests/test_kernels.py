@@ -457,6 +457,19 @@ def test_gemm_argmax_is_the_argmax_of_its_f32_result() -> None:
         w[:, 0] = float("-inf")
         got = kern.gemm_argmax(torch.ones(3, 32).bfloat16(), kern.pack_pairs(w), 50, amx=amx)
         assert got is not None and got.tolist() == [0, 0, 0]
+        # one thread, and more threads than cores (some with fewer panels than others)
+        threads = torch.get_num_threads()
+        try:
+            for nt in (1, 3):
+                torch.set_num_threads(nt)
+                x = torch.randint(-2, 3, (40, 64)).bfloat16()  # small integers: many ties
+                w = torch.randint(-2, 3, (1000, 64)).bfloat16()
+                P = kern.pack_pairs(w)
+                logits = kern.gemm_pairs(x, P, 1000, None, out_f32=True, amx=amx)
+                got = kern.gemm_argmax(x, P, 1000, amx=amx)
+                assert got is not None and torch.equal(got, logits.argmax(-1)), (amx, nt)
+        finally:
+            torch.set_num_threads(threads)
     if kern.has_amx:
         w48 = kern.pack_pairs(torch.randn(9, 48).bfloat16())
         assert kern.gemm_argmax(torch.randn(2, 48).bfloat16(), w48, 9, amx=True) is None

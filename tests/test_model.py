@@ -762,7 +762,8 @@ def test_fused_decode_layers_give_the_same_bits(
         both([BatchItem(f"s{i}", [prompts[i][-1]], pos[i], tables[i], True) for i in range(n)])
         for i in range(n):
             pos[i] += 1
-    assert bool(fused_argmax) == (gemm != "panels")  # at 25 rows
+    # the pair GEMMs' epilogue (on AMX from 17 rows: the 25-row steps)
+    assert bool(fused_argmax) == (gemm != "panels")
     # gate_up and SwiGLU in one call on the pair GEMM where gate_up is in GLU_BLOCK's layout
     # (an intermediate size that is a multiple of 32): on AMX from 17 rows, on dot products at
     # any count (GateUpAct's rule)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -291,6 +292,41 @@ def test_unread_stream_holds_one_coalesced_output_and_is_aborted_past_its_buffer
     # With a 500-token buffer the request is aborted (KV freed) as soon as it overflows.
     _, _, outcome = held_bytes(read=False, buffer_tokens=500)
     assert "did not read its stream" in outcome and "--stream-buffer-tokens" in outcome
+
+
+@pytest.mark.parametrize("stall_s", [0.0, 0.01, 0.05])
+def test_a_starved_loop_still_gets_every_token_in_order(stall_s: float) -> None:
+    """Outputs that merged on their way to a starved loop (and in the stream's mailbox) join
+    back into exactly the final token ids and text of each of n sequences."""
+    import asyncio
+
+    from iterserve.sampling_params import SamplingParams
+
+    fake = FakeEngine(max_model_len=4096, num_blocks=2048, block_size=4, step_delay=0.002)
+    engine = AsyncEngine(fake, stream_buffer_tokens=1 << 20)  # type: ignore[arg-type]
+
+    async def main() -> tuple[dict[int, list[int]], dict[int, str], list[Any]]:
+        engine.start()
+        params = SamplingParams(n=3, max_tokens=300, ignore_eos=True)
+        stream = await engine.add_request("r", "hello", params)
+        ids: dict[int, list[int]] = {}
+        text: dict[int, str] = {}
+        final: list[Any] = []
+        async for out in stream:
+            for c in out.outputs:
+                ids.setdefault(c.index, []).extend(c.new_token_ids)
+                text[c.index] = text.get(c.index, "") + c.new_text
+            final = out.outputs
+            time.sleep(stall_s)  # the loop blocked between reads
+        await engine.shutdown()
+        return ids, text, final
+
+    ids, text, final = asyncio.run(main())
+    assert len(final) == 3
+    for c in final:
+        assert len(c.token_ids) == 300
+        assert ids[c.index] == c.token_ids, c.index
+        assert text[c.index] == c.text, c.index
 
 
 def test_stream_write_timeout_aborts_a_client_that_does_not_read_and_frees_kv() -> None:

@@ -243,8 +243,9 @@ def _merge(old: RequestOutput, new: RequestOutput, owned: bool) -> RequestOutput
     outs = []
     for c in new.outputs:
         p = prev.get(c.index)
-        if p is None:
-            outs.append(c)
+        if p is None:  # copies: the next merge may extend this output's lists in place
+            lps0 = None if c.new_logprobs is None else list(c.new_logprobs)
+            outs.append(replace(c, new_token_ids=list(c.new_token_ids), new_logprobs=lps0))
             continue
         ids = p.new_token_ids if owned else list(p.new_token_ids)
         ids.extend(c.new_token_ids)
@@ -258,6 +259,16 @@ def _merge(old: RequestOutput, new: RequestOutput, owned: bool) -> RequestOutput
             replace(c, new_token_ids=ids, new_text=p.new_text + c.new_text, new_logprobs=lps)
         )
     return with_prompt_logprobs(replace(new, outputs=outs), old)
+
+
+def _mergeable(last: _Item | None, item: _Item) -> bool:
+    """Whether ``item`` may merge into ``last``, the stream's unread item before it."""
+    return (
+        isinstance(item, RequestOutput)
+        and isinstance(last, RequestOutput)
+        and not last.finished
+        and last.error is None
+    )
 
 
 def _unread(item: _Item) -> tuple[int, int]:
@@ -293,12 +304,8 @@ class _Mailbox:
     def put_nowait(self, item: _Item) -> None:
         toks, nbytes = _unread(item)
         last = self._items[-1] if self._items else None
-        if (
-            isinstance(item, RequestOutput)
-            and isinstance(last, RequestOutput)
-            and not last.finished
-            and last.error is None
-        ):
+        if _mergeable(last, item):
+            assert isinstance(last, RequestOutput) and isinstance(item, RequestOutput)
             self._items[-1] = _merge(last, item, self._owned)
             self._owned = True
         else:
@@ -1122,14 +1129,18 @@ class AsyncEngine:
         try:
             loop.call_soon_threadsafe(self._flush_outbox)
         except RuntimeError:  # loop closed between the check and the call
-            pass
+            with self._outbox_lock:
+                self._outbox_scheduled = False
 
     def _flush_outbox(self) -> None:
         with self._outbox_lock:
             items = self._outbox.take()
             self._outbox_scheduled = False
         for stream, item in items:
-            stream.queue.put_nowait(item)
+            try:
+                stream.queue.put_nowait(item)
+            except Exception:  # noqa: BLE001 - one stream's failure must not drop the others'
+                logger.exception("delivering to request %s failed", stream.request_id)
 
 
 class _Outbox:
@@ -1145,12 +1156,8 @@ class _Outbox:
         for stream, item in batch:
             pending = self._items.setdefault(stream, [])
             last = pending[-1] if pending else None
-            if (
-                isinstance(item, RequestOutput)
-                and isinstance(last, RequestOutput)
-                and not last.finished
-                and last.error is None
-            ):
+            if _mergeable(last, item):
+                assert isinstance(last, RequestOutput) and isinstance(item, RequestOutput)
                 pending[-1] = _merge(last, item, stream in self._owned)
                 self._owned.add(stream)
             else:

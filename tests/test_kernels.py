@@ -440,6 +440,11 @@ def test_gemm_argmax_is_the_argmax_of_its_f32_result() -> None:
                     assert torch.equal(got, logits.argmax(-1)), (amx, M, N)
                     lin = (AmxLinear if amx else PairLinear)(kern, w, bias, P)
                     assert torch.equal(linear_argmax(lin, x, kern), got)
+        # an odd K: the layer pads x with a zero column, as its GEMM does
+        w, x = torch.randn(300, 47).bfloat16(), torch.randn(9, 47).bfloat16()
+        lin = (AmxLinear if amx else PairLinear)(kern, w, None)
+        want = lin.f32(x).argmax(-1)
+        assert torch.equal(linear_argmax(lin, x, kern), want), amx
         # inf weights: +inf, -inf and NaN (inf - inf) columns
         w = torch.randn(300, 64).bfloat16()
         w[[40, 200], 0] = float("inf")

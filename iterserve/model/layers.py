@@ -249,8 +249,9 @@ def linear_argmax(lin: Linear, x: torch.Tensor, kern: kernels.Kernels | None) ->
     ``sampler.greedy_argmax`` gives it. On a pair GEMM the argmax runs in its epilogue and
     the logits are never stored."""
     fn = for_rows(lin, x.shape[0])
-    if type(fn) in (PairLinear, AmxLinear) and not fn.odd and x.shape[0] >= epilogue_min_rows(fn):
-        tokens = fn.kern.gemm_argmax(x, fn.pairs, fn.out_features, fn.bias, amx=fn.amx)
+    if type(fn) in (PairLinear, AmxLinear) and x.shape[0] >= epilogue_min_rows(fn):
+        xp = F.pad(x, (0, 1)) if fn.odd else x  # as PairLinear.__call__ pads
+        tokens = fn.kern.gemm_argmax(xp, fn.pairs, fn.out_features, fn.bias, amx=fn.amx)
         if tokens is not None:
             return tokens
     return greedy_argmax(linear_f32(lin, x), kern)

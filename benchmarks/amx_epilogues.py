@@ -39,7 +39,7 @@ import torch
 import iterserve.engine.llm_engine as llm_engine
 from iterserve import LLM, SamplingParams
 from iterserve.model import kernels
-from iterserve.model.layers import OneDNNLinear, PairLinear, epilogue_min_rows, for_rows
+from iterserve.model.layers import OneDNNLinear, epilogue_gemm
 
 
 def argmax_kernel(kern: kernels.Kernels, rows: list[int]) -> None:
@@ -164,10 +164,7 @@ def engine_steps(what: str, batch: int, steps: int) -> None:
     plan = (fd.plan(batch) if fd is not None else None) or []
     if what == "swiglu" and not any(w.amx >> 4 & 1 for w in plan):
         raise SystemExit(f"B={batch}: decode steps do not take the SwiGLU epilogue here")
-    head = for_rows(model.lm_head, batch)
-    if what == "argmax" and not (
-        isinstance(head, PairLinear) and not head.odd and batch >= epilogue_min_rows(head)
-    ):
+    if what == "argmax" and epilogue_gemm(model.lm_head, batch) is None:
         raise SystemExit(f"B={batch}: the LM head does not take the argmax epilogue here")
 
     def use(fused: bool) -> None:

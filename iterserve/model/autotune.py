@@ -54,7 +54,7 @@ from iterserve.model.layers import (
     TorchLinear,
     UpcastLinear,
     epilogue_act,
-    epilogue_min_rows,
+    epilogue_gemm,
     linear_f32,
     packing_available,
 )
@@ -918,11 +918,8 @@ def _choose_glu(
     limit = prob.max_rows.get("gate_up", sys.maxsize)
     at: list[tuple[int, Linear] | None] = []
     for i, m in enumerate(ROW_BUCKETS):
-        lin = paths.get(gemm["gate_up"][i])  # a pair GEMM (dot products or AMX) or another path
-        if isinstance(lin, PairLinear) and m >= epilogue_min_rows(lin) and bucket_reached(i, limit):
-            at.append((m, lin))
-        else:
-            at.append(None)
+        lin = epilogue_gemm(paths.get(gemm["gate_up"][i]), m)
+        at.append((m, lin) if lin is not None and bucket_reached(i, limit) else None)
     if all(e is None for e in at):
         return ()
     w = prob.weights["gate_up"][0]

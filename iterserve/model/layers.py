@@ -243,13 +243,22 @@ def epilogue_min_rows(fn: PairLinear) -> int:
     return EPILOGUE_MIN_ROWS if fn.amx else 1
 
 
+def epilogue_gemm(lin: Any, rows: int) -> PairLinear | None:
+    """The pair GEMM (dot products or AMX) that runs ``lin`` (possibly row-routed) for ``rows``
+    rows, where it takes its fused epilogues at that count; else None."""
+    fn = for_rows(lin, rows)
+    if type(fn) in (PairLinear, AmxLinear) and rows >= epilogue_min_rows(fn):
+        return fn  # type: ignore[no-any-return]
+    return None
+
+
 def linear_argmax(lin: Linear, x: torch.Tensor, kern: kernels.Kernels | None) -> torch.Tensor:
     """``linear_f32(lin, x)``'s argmax per row (int64 [rows]), the token the sampler picks for a
     greedy row with nothing that edits the logits: the first index of the maximum, as
     ``sampler.greedy_argmax`` gives it. On a pair GEMM the argmax runs in its epilogue and
     the logits are never stored."""
-    fn = for_rows(lin, x.shape[0])
-    if type(fn) in (PairLinear, AmxLinear) and x.shape[0] >= epilogue_min_rows(fn):
+    fn = epilogue_gemm(lin, x.shape[0])
+    if fn is not None:
         xp = F.pad(x, (0, 1)) if fn.odd else x  # as PairLinear.__call__ pads
         tokens = fn.kern.gemm_argmax(xp, fn.pairs, fn.out_features, fn.bias, amx=fn.amx)
         if tokens is not None:
@@ -455,8 +464,8 @@ class GateUpAct:
         """The pair GEMM that runs gate_up and SwiGLU in one call at ``rows`` rows, or None."""
         if not self.fused:
             return None
-        fn = for_rows(self.gate_up, rows)
-        if type(fn) not in (PairLinear, AmxLinear) or fn.odd or rows < epilogue_min_rows(fn):
+        fn = epilogue_gemm(self.gate_up, rows)
+        if fn is None or fn.odd:
             return None
         return fn if self.epilogue is None or self.epilogue(rows) else None
 

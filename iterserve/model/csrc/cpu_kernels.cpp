@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -1017,8 +1018,12 @@ void prefill_task_avx2(const uint16_t* q, int64_t q_stride, const float* Kp, con
         for (int t0 = 0; t0 < nrows; t0 += PA_R) {
             if (k0 > p0 + r0 + std::min(t0 + PA_R, nrows) - 1) continue;  // no row of the tile sees this block yet
             const float* qt = Qf + static_cast<int64_t>(t0) * hd;
+            // On the diagonal block the tile's rows see only the first ng groups of 16 keys; the
+            // rest are masked below (their stale S too) and their P is 0, so no product runs on
+            // them.
+            const int ng = std::min(PA_KB / 16, (p0 + r0 + std::min(t0 + PA_R, nrows) - 1 - k0) / 16 + 1);
             // S = Q K^T, 16 keys at a time
-            for (int g = 0; g < PA_KB / 16; ++g) {
+            for (int g = 0; g < ng; ++g) {
                 const float* kg = kblk + static_cast<int64_t>(g) * 16 * hd;
                 __m256 acc[PA_R][2];
                 for (int r = 0; r < PA_R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -1089,7 +1094,7 @@ void prefill_task_avx2(const uint16_t* q, int64_t q_stride, const float* Kp, con
                         o[r][1] = _mm256_mul_ps(o[r][1], cv);
                     }
                 }
-                for (int j = 0; j < PA_KB; ++j) {
+                for (int j = 0; j < 16 * ng; ++j) {
                     const __m256 v0 = _mm256_loadu_ps(vblk + static_cast<int64_t>(j) * hd + e0);
                     const __m256 v1 = _mm256_loadu_ps(vblk + static_cast<int64_t>(j) * hd + e0 + 8);
 #pragma GCC unroll 6
@@ -1244,6 +1249,17 @@ inline bool softmax_block_row(__m512 (&s)[4], __m512 sl, int k0, int pos, float&
     return true;
 }
 
+// f(std::integral_constant<int, n>) for n = 1..4: loops over n groups of 16 keys unrolled.
+template <typename F>
+inline void with_groups(int n, F&& f) {
+    switch (n) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        default: f(std::integral_constant<int, 4>{}); break;
+    }
+}
+
 // Rows [r0, r1) (at most PF_QB) of query head h against its KV head's packed Kp / Vp (keys
 // padded to a multiple of PF_KB with zeros). O, m, l: scratch for r1 - r0 + PF_R rows (a short
 // last tile computes duplicates of its last row into the spare slots, never stored); l holds 16
@@ -1272,14 +1288,21 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
                 qrow[k] = q + row[k] * q_stride + static_cast<int64_t>(h) * hd;
                 for (int c = 0; c < 4; ++c) s[k][c] = _mm512_setzero_ps();
             }
-            for (int d = 0; d < hp; ++d) {
-                __m512bh kv[4];
-                for (int c = 0; c < 4; ++c) kv[c] = load_bh(kblk + (static_cast<int64_t>(c) * hp + d) * 32);
-                for (int k = 0; k < PF_R; ++k) {
-                    const __m512bh qb = pair_bcast(qrow[k] + 2 * d);
-                    for (int c = 0; c < 4; ++c) s[k][c] = _mm512_dpbf16_ps(s[k][c], qb, kv[c]);
+            // On the diagonal block the tile's rows see only the first nc groups of 16 keys; the
+            // rest are masked (scores -inf, P 0), so neither product runs on them (a short chunk
+            // spends much of its time on diagonal blocks).
+            const int nc = std::min(4, (p0 + row[PF_R - 1] - k0) / 16 + 1);
+            with_groups(nc, [&](auto groups) {
+                constexpr int NC = decltype(groups)::value;
+                for (int d = 0; d < hp; ++d) {
+                    __m512bh kv[NC];
+                    for (int c = 0; c < NC; ++c) kv[c] = load_bh(kblk + (static_cast<int64_t>(c) * hp + d) * 32);
+                    for (int k = 0; k < PF_R; ++k) {
+                        const __m512bh qb = pair_bcast(qrow[k] + 2 * d);
+                        for (int c = 0; c < NC; ++c) s[k][c] = _mm512_dpbf16_ps(s[k][c], qb, kv[c]);
+                    }
                 }
-            }
+            });
             __m512 corr[PF_R];
             bool rescale = false;
             for (int k = 0; k < PF_R; ++k) {
@@ -1308,7 +1331,7 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
                         o[k][c] = _mm512_loadu_ps(O + static_cast<int64_t>(t0 + k) * hd + e0 + 16 * c);
                         if (rescale) o[k][c] = _mm512_mul_ps(o[k][c], corr[k]);
                     }
-                for (int j = 0; j < PF_KB / 2; ++j) {
+                for (int j = 0; j < 8 * nc; ++j) {
                     __m512bh vv[4];
                     for (int c = 0; c < 4; ++c) vv[c] = load_bh(vblk + (static_cast<int64_t>(j) * hd + e0 + 16 * c) * 2);
                     for (int k = 0; k < PF_R; ++k) {

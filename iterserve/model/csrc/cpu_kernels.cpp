@@ -1273,7 +1273,7 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
     const int hp = hd / 2;
     const int last_key = p0 + r1 - 1;
     const __m512 sl = _mm512_set1_ps(scale * 1.44269504088896341f);
-    const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m512bh ones = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3f80));  // bf16 1.0
     alignas(64) uint16_t Pb[PF_R][PF_KB];
     for (int k0 = 0; k0 <= last_key; k0 += PF_KB) {
         const uint16_t* kblk = Kp + static_cast<int64_t>(k0) * hd;
@@ -1312,16 +1312,16 @@ void prefill_task(const uint16_t* q, int64_t q_stride, const uint16_t* Kp, const
                                                      [](__m512 v) { return exp2_bf16(v); });
                 // l sums the bf16-rounded P that O gets, so numerator and denominator agree (the
                 // max key's P is not 1 when m lags). 2^(-inf) on the first block is 0. The row
-                // sum stays 16 lanes wide until the end, so no horizontal add per block.
-                const __m512 sum = _mm512_add_ps(
-                    _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p01, 16)), _mm512_castsi512_ps(_mm512_and_si512(p01, hi_mask))),
-                    _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p23, 16)), _mm512_castsi512_ps(_mm512_and_si512(p23, hi_mask))));
+                // sum stays 16 lanes wide until the end, so no horizontal add per block; P's
+                // pairs go in as dot products with ones, two operations where widening and
+                // adding them took seven.
                 __m512 lv = _mm512_loadu_ps(l + 16 * i);
                 if (moved) {
                     lv = _mm512_mul_ps(lv, corr[k]);
                     rescale = true;
                 }
-                _mm512_storeu_ps(l + 16 * i, _mm512_add_ps(lv, sum));
+                lv = _mm512_dpbf16_ps(lv, reinterpret_cast<__m512bh>(p01), ones);
+                _mm512_storeu_ps(l + 16 * i, _mm512_dpbf16_ps(lv, reinterpret_cast<__m512bh>(p23), ones));
             }
             // O[i] = O[i] * corr + P[i] . V, 64 output columns at a time.
             for (int e0 = 0; e0 < hd; e0 += 64) {

@@ -53,7 +53,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, MutableSequence, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -261,14 +261,22 @@ def _merge(old: RequestOutput, new: RequestOutput, owned: bool) -> RequestOutput
     return with_prompt_logprobs(replace(new, outputs=outs), old)
 
 
-def _mergeable(last: _Item | None, item: _Item) -> bool:
-    """Whether ``item`` may merge into ``last``, the stream's unread item before it."""
-    return (
+def _push(items: MutableSequence[_Item], item: _Item, owned: bool) -> bool:
+    """Appends ``item`` to a stream's unread ``items``, merged into the last one where both
+    are outputs and the last is neither finished nor failed; ``owned``: the last item is a
+    merge built here (its lists may be extended in place). Returns that flag for the new last
+    item. The mailbox and the outbox on its way to the loop both keep their items so."""
+    last = items[-1] if items else None
+    if (
         isinstance(item, RequestOutput)
         and isinstance(last, RequestOutput)
         and not last.finished
         and last.error is None
-    )
+    ):
+        items[-1] = _merge(last, item, owned)
+        return True
+    items.append(item)
+    return False
 
 
 def _unread(item: _Item) -> tuple[int, int]:
@@ -303,14 +311,7 @@ class _Mailbox:
 
     def put_nowait(self, item: _Item) -> None:
         toks, nbytes = _unread(item)
-        last = self._items[-1] if self._items else None
-        if _mergeable(last, item):
-            assert isinstance(last, RequestOutput) and isinstance(item, RequestOutput)
-            self._items[-1] = _merge(last, item, self._owned)
-            self._owned = True
-        else:
-            self._items.append(item)
-            self._owned = False
+        self._owned = _push(self._items, item, self._owned)
         self.unread_tokens += toks
         self.unread_bytes += nbytes
         if self._waiter is not None and not self._waiter.done():
@@ -1155,13 +1156,9 @@ class _Outbox:
     def add(self, batch: list[tuple[RequestStream, _Item]]) -> None:
         for stream, item in batch:
             pending = self._items.setdefault(stream, [])
-            last = pending[-1] if pending else None
-            if _mergeable(last, item):
-                assert isinstance(last, RequestOutput) and isinstance(item, RequestOutput)
-                pending[-1] = _merge(last, item, stream in self._owned)
+            if _push(pending, item, stream in self._owned):
                 self._owned.add(stream)
             else:
-                pending.append(item)
                 self._owned.discard(stream)
 
     def take(self) -> list[tuple[RequestStream, _Item]]:

@@ -20,7 +20,7 @@ holds every index and mask for that; it is built once per step and shared by all
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +49,32 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
     num_decodes: int  # rows [0, num_decodes) are single-token items
     decode_block_ids: torch.Tensor | None  # [D * max_blocks] int64, row-major, padded with block 0
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] additive (0 / -inf)
     prefills: list[PrefillChunk]
     # For iterserve's paged decode kernel: decode d sees keys
     # [decode_starts[d], decode_ctx_lens[d]).
     decode_ctx_lens: torch.Tensor | None = None  # [D] int64
     decode_starts: torch.Tensor | None = None  # [D] int64 (> 0 only under a sliding window)
+    block_size: int = 16
+    mask_dtype: torch.dtype = torch.float32  # the dtype SDPA computes the decodes in
+    _decode_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def decode_mask(self) -> torch.Tensor | None:
+        """[D, 1, 1, max_blocks * block_size] additive (0 / -inf) over the padded window of
+        ``sdpa_decodes``: key j is seen where starts <= j < ctx_lens. Built on first use, on
+        the ctx lens' device: the kernel decodes never read it, and its torch ops cost a
+        decode step's Python more than the kernel path's whole metadata (docs/SPEED.md)."""
+        D = self.num_decodes
+        if self._decode_mask is None and D:
+            assert self.decode_block_ids is not None
+            assert self.decode_ctx_lens is not None and self.decode_starts is not None
+            keys = self.decode_block_ids.numel() // D * self.block_size
+            key_pos = torch.arange(keys, device=self.decode_ctx_lens.device)
+            seen = (key_pos < self.decode_ctx_lens[:, None]) & (
+                key_pos >= self.decode_starts[:, None]
+            )
+            self._decode_mask = _additive(seen, self.mask_dtype).view(D, 1, 1, keys)
+        return self._decode_mask
 
 
 @dataclass
@@ -82,57 +102,64 @@ def build_attention_metadata(
     sees at least its own key, so no mask row is all -inf. Masks are in the dtype attention
     computes in (f32 where this CPU only emulates ``dtype``, see ``paged_attention``)."""
     dtype = torch.float32 if needs_upcast(dtype) else dtype
-    slots: list[int] = []
+    # Every index of the step goes into one int64 tensor (one torch call, not one per field or
+    # chunk); the fields are views of it.
+    ints: list[int] = []
     for it in items:
         bt, p0 = it.block_table, it.start_pos
-        slots.extend(
+        ints.extend(
             bt[p // block_size] * block_size + p % block_size for p in range(p0, p0 + it.num_tokens)
         )
-    slot_mapping = torch.tensor(slots, dtype=torch.int64)
-
-    decode_block_ids = decode_mask = ctx_lens = starts = None
-    if num_decodes:
-        decodes = items[:num_decodes]
+    T = len(ints)
+    spans = [T]  # where each later field ends in ints
+    D = num_decodes
+    if D:
+        decodes = items[:D]
         nblocks = [it.start_pos // block_size + 1 for it in decodes]
         max_blocks = max(nblocks)
-        flat: list[int] = []
         for it, nb in zip(decodes, nblocks):
-            flat.extend(it.block_table[:nb])
-            flat.extend([0] * (max_blocks - nb))  # padding keys, masked out below
-        decode_block_ids = torch.tensor(flat, dtype=torch.int64)
-        key_pos = torch.arange(max_blocks * block_size)
-        q_pos = torch.tensor([it.start_pos for it in decodes], dtype=torch.int64)[:, None]
-        mask = key_pos <= q_pos
-        ctx_lens = q_pos.view(-1) + 1
-        starts = torch.zeros_like(ctx_lens)
-        if sliding_window is not None:
-            mask &= key_pos > q_pos - sliding_window
-            starts = (ctx_lens - sliding_window).clamp_(min=0)
-        decode_mask = _additive(mask, dtype).view(num_decodes, 1, 1, -1)
+            ints.extend(it.block_table[:nb])
+            ints.extend([0] * (max_blocks - nb))  # padding keys, masked out
+        ctx = [it.start_pos + 1 for it in decodes]
+        ints.extend(ctx)
+        ints.extend(0 if sliding_window is None else max(c - sliding_window, 0) for c in ctx)
+        spans += [T + D * max_blocks, T + D * max_blocks + D, T + D * max_blocks + 2 * D]
+    for it in items[D:]:
+        ints.extend(it.block_table[: (it.start_pos + it.num_tokens - 1) // block_size + 1])
+        spans.append(len(ints))
+    flat = torch.tensor(ints, dtype=torch.int64)
+    views = [flat[a:b] for a, b in zip([0, *spans], spans)]
+    slot_mapping = views.pop(0)
+    decode_block_ids = ctx_lens = starts = None
+    if D:
+        decode_block_ids, ctx_lens, starts = views[:3]
+        del views[:3]
 
     prefills: list[PrefillChunk] = []
-    row = num_decodes
-    for it in items[num_decodes:]:
+    row = D
+    for it, table in zip(items[D:], views):
         n, p0 = it.num_tokens, it.start_pos
-        ctx = p0 + n
-        table = torch.tensor(it.block_table[: (ctx - 1) // block_size + 1], dtype=torch.int64)
+        ctx_len = p0 + n
         block_ids = table if p0 > 0 else None
         chunk_mask = None
-        if sliding_window is not None and (p0 > 0 or n > sliding_window):
-            q_pos = torch.arange(p0, ctx)[:, None]
-            key_pos = torch.arange(ctx)
+        windowed = sliding_window is not None and (p0 > 0 or n > sliding_window)
+        if windowed:
+            assert sliding_window is not None
+            q_pos = torch.arange(p0, ctx_len)[:, None]
+            key_pos = torch.arange(ctx_len)
             chunk_mask = _additive((key_pos <= q_pos) & (key_pos > q_pos - sliding_window), dtype)
         elif p0 > 0:
             # Query i (position p0 + i) sees keys 0 .. p0 + i: -inf above diagonal p0. Two ops
             # instead of six; at 497 x 1009 (a continued chunk of 512) 0.16 against 0.48 ms.
-            chunk_mask = torch.full((n, ctx), float("-inf"), dtype=dtype).triu_(p0 + 1)
-        windowed = sliding_window is not None and (p0 > 0 or n > sliding_window)
+            chunk_mask = torch.full((n, ctx_len), float("-inf"), dtype=dtype).triu_(p0 + 1)
         prefills.append(
-            PrefillChunk(row, row + n, ctx, block_ids, chunk_mask, p0, None if windowed else table)
+            PrefillChunk(
+                row, row + n, ctx_len, block_ids, chunk_mask, p0, None if windowed else table
+            )
         )
         row += n
     return AttentionMetadata(
-        slot_mapping, num_decodes, decode_block_ids, decode_mask, prefills, ctx_lens, starts
+        slot_mapping, D, decode_block_ids, prefills, ctx_lens, starts, block_size, dtype
     )
 
 

@@ -152,7 +152,7 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
         meta,
         slot_mapping=meta.slot_mapping.to(device),
         decode_block_ids=move(meta.decode_block_ids),
-        decode_mask=move(meta.decode_mask),
+        _decode_mask=None,  # rebuilt on the device from the moved ctx lens and starts
         prefills=prefills,
         decode_ctx_lens=move(meta.decode_ctx_lens),
         decode_starts=move(meta.decode_starts),

@@ -61,6 +61,9 @@ class FusedDecode:
         # (kept alive with them), or None
         self._plans: dict[int, tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None] = {}
         self._prefetch: dict[int, int] = {}  # per row count: DecodeStep.ahead
+        # the last KV cache list run checks passed, and its layers' (K, V) data pointers
+        self._kv_checked: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._kv_ptrs: list[tuple[int, int]] = []
 
     def plan(self, rows: int) -> list[kernels.DecodeLayerW] | None:
         """One structure per layer, or None when some layer does not run every piece on the
@@ -168,14 +171,19 @@ class FusedDecode:
             return None
         w0 = plan[0]
         row = (w0.kv_heads, w0.head_dim)
-        # what the wrappers check per call, once per step (the C++ reads and writes through
-        # these without bounds)
-        if not h.is_contiguous() or not all(
-            c.dtype == torch.bfloat16 and c.is_contiguous() and c.shape[1:] == row
-            for kv in kv_caches
-            for c in kv
-        ):
+        # what the wrappers check per call (the C++ reads and writes through these without
+        # bounds): the caches once per list (the runner allocates its list once), h per step
+        if not h.is_contiguous():
             return None
+        if kv_caches is not self._kv_checked:
+            if not all(
+                c.dtype == torch.bfloat16 and c.is_contiguous() and c.shape[1:] == row
+                for kv in kv_caches
+                for c in kv
+            ):
+                return None
+            self._kv_ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
+            self._kv_checked = kv_caches
         assert m.decode_block_ids is not None and m.decode_ctx_lens is not None
         assert m.decode_starts is not None
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -204,9 +212,8 @@ class FusedDecode:
         fn, sp = self.kern.lib.decode_layer, ctypes.byref(step)
         h_p, work_p, out_p = h.data_ptr(), work.data_ptr(), out.data_ptr()
         pending = None
-        for w, (k_cache, v_cache) in zip(plan, kv_caches):
-            rc = fn(ctypes.byref(w), sp, h_p, pending, k_cache.data_ptr(), v_cache.data_ptr(),
-                    work_p, out_p)  # fmt: skip
+        for w, (k_p, v_p) in zip(plan, self._kv_ptrs):
+            rc = fn(ctypes.byref(w), sp, h_p, pending, k_p, v_p, work_p, out_p)
             if rc != 0:  # only pairs in a library built without AVX512-BF16 (plan() excludes)
                 raise RuntimeError(f"decode_layer failed ({rc})")
             pending = out_p

@@ -256,12 +256,13 @@ class DecoderModel(nn.Module):
         sin: torch.Tensor,
         meta: object,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        logit_rows: torch.Tensor,
+        logit_rows: torch.Tensor | None,
         greedy: bool = False,
         kern: kernels.Kernels | None = None,
     ) -> torch.Tensor:
         """Returns float32 logits for ``logit_rows`` only (the final norm is per row, so skipping
-        the other rows before it changes nothing). ``meta``: the attention backend's metadata
+        the other rows before it changes nothing; None: every row, in order, with no gather).
+        ``meta``: the attention backend's metadata
         for this step. ``greedy``: their argmax instead (int64, ``linear_argmax``; ``kern``:
         the runner's kernels, for its argmax)."""
         h = F.embedding(input_ids, self.embed_tokens)
@@ -271,10 +272,13 @@ class DecoderModel(nn.Module):
         if pending is None:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 h, pending = layer(h, pending, cos, sin, meta, k_cache, v_cache)
+        if logit_rows is not None:
+            h = h[logit_rows]
+            pending = None if pending is None else pending[logit_rows]
         if pending is None:  # no layers
-            normed = self.norm(h[logit_rows])
+            normed = self.norm(h)
         else:
-            _, normed = self.norm.add(h[logit_rows], pending[logit_rows])
+            _, normed = self.norm.add(h, pending)
         if greedy:
             return linear_argmax(self.lm_head, normed, kern)
         return linear_f32(self.lm_head, normed)

@@ -10,8 +10,8 @@ call of its own); only steps in which all B requests decode are counted. "outsid
 step minus the time inside the calls: input preparation, the layers' Python, sampling, output.
 ``--prefill N``: instead, one N-token prompt (one output token) at a time through an engine with
 max_num_batched_tokens ``--budget`` (N by default: one step), 7 prompts, the first 2 not
-counted; the same split per prefill. The GEMMs that run through torch's ops (oneDNN, and the
-AMX ones registered as torch ops) count as outside.
+counted; the same split per prefill. The GEMMs that run through torch's ops (oneDNN) count as
+outside.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main() -> None:
     if kern is None:
         raise SystemExit("iterserve's C++ kernels are not available here")
     timed = _Timed(kern.lib)
-    kern.lib = timed
+    kern.use_lib(timed)
     if ns.prefill:
         prefill_split(ns.model, ns.prefill, ns.budget or ns.prefill, timed)
         return

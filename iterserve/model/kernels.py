@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -290,13 +291,19 @@ class Kernels:
         self.lib.has_amx.restype = _I
         # AMX tiles: compiled in (a CPU with AMX-BF16) and granted to this process by Linux.
         self.has_amx = bool(self.lib.has_amx())
-        # [amx][out_f32]: gemm_pairs' four entry points, looked up once
-        self._pair_fns = (
-            (self.lib.gemm_pairs, self.lib.gemm_pairs_f32),
-            (self.lib.gemm_amx, self.lib.gemm_amx_f32),
-        )
+        self.use_lib(self.lib)
         self.has_prefill_kernel = bool(self.lib.has_prefill_kernel())
         self.path = path
+
+    def use_lib(self, lib: Any) -> None:
+        """Calls go through ``lib``: the loaded library, or a proxy of it with the same
+        functions (benchmarks/step_split.py times every call through one)."""
+        self.lib = lib
+        # [amx][out_f32]: gemm_pairs' four entry points, looked up once
+        self._pair_fns = (
+            (lib.gemm_pairs, lib.gemm_pairs_f32),
+            (lib.gemm_amx, lib.gemm_amx_f32),
+        )
 
     def pack_panels(self, w: torch.Tensor) -> torch.Tensor:
         """A bf16 weight [N, K] laid out for ``gemm_panels``: [ceil(N / 32) * K * 32] bf16."""

@@ -50,12 +50,12 @@ class AttentionMetadata:
     num_decodes: int  # rows [0, num_decodes) are single-token items
     decode_block_ids: torch.Tensor | None  # [D * max_blocks] int64, row-major, padded with block 0
     prefills: list[PrefillChunk]
+    block_size: int
+    mask_dtype: torch.dtype  # the dtype SDPA computes the decodes in
     # For iterserve's paged decode kernel: decode d sees keys
     # [decode_starts[d], decode_ctx_lens[d]).
     decode_ctx_lens: torch.Tensor | None = None  # [D] int64
     decode_starts: torch.Tensor | None = None  # [D] int64 (> 0 only under a sliding window)
-    block_size: int = 16
-    mask_dtype: torch.dtype = torch.float32  # the dtype SDPA computes the decodes in
     _decode_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -159,7 +159,7 @@ def build_attention_metadata(
         )
         row += n
     return AttentionMetadata(
-        slot_mapping, D, decode_block_ids, prefills, ctx_lens, starts, block_size, dtype
+        slot_mapping, D, decode_block_ids, prefills, block_size, dtype, ctx_lens, starts
     )
 
 

@@ -262,9 +262,8 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Returns float32 logits for ``logit_rows`` only (the final norm is per row, so skipping
         the other rows before it changes nothing; None: every row, in order, with no gather).
-        ``meta``: the attention backend's metadata
-        for this step. ``greedy``: their argmax instead (int64, ``linear_argmax``; ``kern``:
-        the runner's kernels, for its argmax)."""
+        ``meta``: the attention backend's metadata for this step. ``greedy``: their argmax
+        instead (int64, ``linear_argmax``; ``kern``: the runner's kernels, for its argmax)."""
         h = F.embedding(input_ids, self.embed_tokens)
         pending: torch.Tensor | None = None
         if self.fused_decode is not None:

@@ -502,6 +502,36 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: 
         close(out, ref.view(D, kvh * G, hd), atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_decode_mask_is_built_when_read_on_the_metadatas_device(window: int | None) -> None:
+    """The SDPA decode mask is not built with the step's metadata (the kernel decodes never read
+    it); read, it hides each decode's keys outside [max(pos + 1 - window, 0), pos], padding
+    included, in the dtype attention computes in, on the device the metadata was moved to (the
+    torch backend on a GPU moves it: the 'meta' device stands in for one here)."""
+    from iterserve.model import attention
+    from iterserve.model.attention_backends import _to_device
+
+    bs, positions = 4, [0, 5, 13]
+    items = [
+        attention.StepItem(1, p, list(range(10 * i, 10 * i + 10))) for i, p in enumerate(positions)
+    ]
+    meta = attention.build_attention_metadata(items, len(items), bs, window, torch.bfloat16)
+    assert meta._decode_mask is None
+    mask = meta.decode_mask
+    assert mask is not None and meta.decode_mask is mask  # built once
+    keys = (max(positions) // bs + 1) * bs
+    assert mask.shape == (len(items), 1, 1, keys) and mask.dtype == meta.mask_dtype
+    key_pos = torch.arange(keys)
+    for d, p in enumerate(positions):
+        seen = key_pos <= p
+        if window is not None:
+            seen &= key_pos > p - window
+        assert torch.equal(mask[d, 0, 0] == 0, seen) and bool((mask[d, 0, 0][~seen] < 0).all())
+    moved = _to_device(meta, torch.device("meta"))
+    assert moved.decode_ctx_lens is not None and moved.decode_mask is not None
+    assert moved.decode_mask.device.type == "meta" and moved.decode_mask.shape == mask.shape
+
+
 @pytest.mark.parametrize("variant", ["native", "avx2"])
 def test_grouped_query_decode_takes_each_query_heads_own_arithmetic(variant: str) -> None:
     """The bf16 decode kernel gives a query head sharing its KV head with others the same bits

@@ -28,6 +28,10 @@ import torch.nn.functional as F
 from iterserve.model import kernels
 from iterserve.model.cpu import needs_upcast
 
+# Each layer's (K, V) cache: a tuple, never changed in place, so a check of one such object
+# holds for as long as it is passed (fused_decode.py checks the caches once per object).
+KVCaches = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
 
 @dataclass
 class PrefillChunk:
@@ -88,7 +92,9 @@ class StepItem:
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # SDPA would convert a bool mask to this form in every layer; do it once per step.
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
 
 
 def build_attention_metadata(

@@ -61,8 +61,8 @@ class FusedDecode:
         # (kept alive with them), or None
         self._plans: dict[int, tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None] = {}
         self._prefetch: dict[int, int] = {}  # per row count: DecodeStep.ahead
-        # the last KV cache list run checks passed, and its layers' (K, V) data pointers
-        self._kv_checked: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # the last KV caches run checked, and their layers' (K, V) data pointers
+        self._kv_checked: attention.KVCaches | None = None
         self._kv_ptrs: list[tuple[int, int]] = []
 
     def plan(self, rows: int) -> list[kernels.DecodeLayerW] | None:
@@ -156,7 +156,7 @@ class FusedDecode:
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: object,
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: attention.KVCaches,
     ) -> torch.Tensor | None:
         """All layers of a decode-only step on h [T, hidden] (updated in place, as the norms'
         residual adds do); returns the last layer's MLP output, or None (nothing run) when this
@@ -172,11 +172,12 @@ class FusedDecode:
         w0 = plan[0]
         row = (w0.kv_heads, w0.head_dim)
         # what the wrappers check per call (the C++ reads and writes through these without
-        # bounds): the caches once per list (the runner allocates its list once), h per step
+        # bounds): h per step, the caches once per tuple (the runner allocates its one at start;
+        # a tuple's tensors cannot be swapped, so the same object passes the same checks)
         if not h.is_contiguous():
             return None
         if kv_caches is not self._kv_checked:
-            if not all(
+            if type(kv_caches) is not tuple or not all(
                 c.dtype == torch.bfloat16 and c.is_contiguous() and c.shape[1:] == row
                 for kv in kv_caches
                 for c in kv

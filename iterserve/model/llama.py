@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model import kernels
+from iterserve.model.attention import KVCaches
 from iterserve.model.attention_backends import AttentionBackend, CpuBackend
 from iterserve.model.fused_decode import FusedDecode
 from iterserve.model.layers import (
@@ -255,7 +256,7 @@ class DecoderModel(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: object,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KVCaches,
         logit_rows: torch.Tensor | None,
         greedy: bool = False,
         kern: kernels.Kernels | None = None,

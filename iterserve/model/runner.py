@@ -54,7 +54,7 @@ import torch
 from iterserve import config
 from iterserve.config import CacheConfig
 from iterserve.model import autotune, kernels
-from iterserve.model.attention import StepItem
+from iterserve.model.attention import KVCaches, StepItem
 from iterserve.model.attention_backends import (
     AttentionBackend,
     CpuBackend,
@@ -244,9 +244,7 @@ class ModelRunner:
             )
         # Allocated once; zero-filled (not empty) because padded decode windows read unused slots
         # with a zero attention weight, and 0 * NaN garbage would still be NaN.
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = self._allocate_kv(
-            self.num_kv_blocks
-        )
+        self.kv_caches: KVCaches = self._allocate_kv(self.num_kv_blocks)
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB on %s",
             self.num_kv_blocks,
@@ -260,7 +258,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             trim_heap()  # the checkpoint's copies that packing replaced, freed in glibc's heap
 
-    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv(self, num_blocks: int) -> KVCaches:
         cfg, slots = self.model_config, num_blocks * self.block_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
 
@@ -269,7 +267,7 @@ class ModelRunner:
                 return empty_hugepages(shape, self.dtype)
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+        return tuple((zeros(), zeros()) for _ in range(cfg.num_layers))
 
     # ---- GPU: memory budget and CUDA graphs -------------------------------------------------
 

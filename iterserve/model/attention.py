@@ -117,7 +117,6 @@ def build_attention_metadata(
             bt[p // block_size] * block_size + p % block_size for p in range(p0, p0 + it.num_tokens)
         )
     T = len(ints)
-    spans = [T]  # where each later field ends in ints
     D = num_decodes
     if D:
         decodes = items[:D]
@@ -129,21 +128,21 @@ def build_attention_metadata(
         ctx = [it.start_pos + 1 for it in decodes]
         ints.extend(ctx)
         ints.extend(0 if sliding_window is None else max(c - sliding_window, 0) for c in ctx)
-        spans += [T + D * max_blocks, T + D * max_blocks + D, T + D * max_blocks + 2 * D]
+    bounds = [len(ints)]  # each prefill chunk's table is ints[bounds[i] : bounds[i + 1]]
     for it in items[D:]:
         ints.extend(it.block_table[: (it.start_pos + it.num_tokens - 1) // block_size + 1])
-        spans.append(len(ints))
+        bounds.append(len(ints))
     flat = torch.tensor(ints, dtype=torch.int64)
-    views = [flat[a:b] for a, b in zip([0, *spans], spans)]
-    slot_mapping = views.pop(0)
+    slot_mapping = flat[:T]
     decode_block_ids = ctx_lens = starts = None
     if D:
-        decode_block_ids, ctx_lens, starts = views[:3]
-        del views[:3]
+        e = T + D * max_blocks
+        decode_block_ids, ctx_lens, starts = flat[T:e], flat[e : e + D], flat[e + D : e + 2 * D]
 
     prefills: list[PrefillChunk] = []
     row = D
-    for it, table in zip(items[D:], views):
+    for it, a, b in zip(items[D:], bounds, bounds[1:]):
+        table = flat[a:b]
         n, p0 = it.num_tokens, it.start_pos
         ctx_len = p0 + n
         block_ids = table if p0 > 0 else None

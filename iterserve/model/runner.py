@@ -533,17 +533,16 @@ class ModelRunner:
             logits = self._replay_decodes(ids, positions, step_items, logit_rows)
             return (logits.argmax(-1) if greedy else logits), {}
         with torch.inference_mode():
-            # None: every row, in order, which the model takes unindexed: T logit rows from
-            # T tokens, at most one per item, is T single-token items (decodes, in item order)
-            rows_t: torch.Tensor | None = None
-            every_row = not prompt_items and num_sampled == len(ids)
             if self.device.type == "cpu":  # one torch call for the three
+                # Every row, in order, needs no rows tensor (the model then gathers nothing): T
+                # logit rows from T tokens, at most one per item, is T single-token items.
+                every_row = not prompt_items and num_sampled == len(ids)
                 T = len(ids)
                 flat = torch.tensor(
                     positions + ids + ([] if every_row else logit_rows), dtype=torch.int64
                 )
                 pos, ids_t = flat[:T], flat[T : 2 * T]
-                rows_t = None if every_row else flat[2 * T :]
+                rows_t: torch.Tensor | None = None if every_row else flat[2 * T :]
             else:  # one pinned copy for the runner's inputs (the backend's metadata is another)
                 pos, ids_t, rows_t = to_device_int32([positions, ids, logit_rows], self.device)
             cos, sin = self.rope.gather(pos)

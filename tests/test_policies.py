@@ -153,6 +153,17 @@ def test_victim_rules_disagree_where_they_should() -> None:
     assert make_policy("priority", cfg).pick_victim([a, b]) is b
 
 
+def test_reads_priority_where_the_queue_or_the_victim_rule_orders_by_it() -> None:
+    # what the server checks before it accepts a non-zero priority
+    for name in ("continuous", "static", "fair", "slo"):
+        assert not make_policy(name).reads_priority, name
+        cfg = SchedulerConfig(policy=name, preemption_victim="lowest-priority")
+        assert make_policy(name, cfg).reads_priority, name
+    assert make_policy("priority").reads_priority
+    cfg = SchedulerConfig(policy="priority", preemption_victim="newest")
+    assert make_policy("priority", cfg).reads_priority  # its queue still orders by it
+
+
 @PROPERTY
 @given(data=st.data(), victim=st.sampled_from(VICTIMS), num_blocks=st.integers(8, 40))
 def test_property_recomputed_tokens_are_exactly_the_repeated_work(

@@ -6,9 +6,10 @@ tiny-random, greedy) and asserts that it changed the output or behaviour as it s
 that the server answered 400 naming it. ``test_tables_cover_every_field`` fails for a new field
 without a row: add one (a check function taking the ``Ctx`` and the endpoint).
 
-``user``, ``priority``, ``slo_ttft_ms`` and ``slo_tpot_ms`` change scheduling only under the
-fair / priority / slo policies; here the check is that the engine receives them
-(tests/test_policies_engine.py shows what each policy does with them).
+``user``, ``slo_ttft_ms`` and ``slo_tpot_ms`` change scheduling only under the fair / slo
+policies, and ``priority`` only under a policy that reads it (else it is refused); here the
+check is that the engine receives them (tests/test_policies_engine.py shows what each policy
+does with them).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.server.limits import ServerLimits
 from iterserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from iterserve.server.serving import UNHONOURED_VLLM_EXTRAS
+from iterserve.server.serving import UNHONOURED_OPENAI_FIELDS, UNHONOURED_VLLM_EXTRAS
 
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 CHAT = [{"role": "user", "content": "Tell me about foxes"}]
@@ -146,6 +147,20 @@ def _engine_got(key: str, value: Any, **fields: Any) -> Check:
         assert c.calls[-1][key] == value, (key, c.calls[-1])
 
     return check
+
+
+def priority(c: Ctx, ep: str) -> None:
+    # refused where the policy reads no priorities (the default, continuous), as vLLM does;
+    # where one does, the engine gets it
+    policy = c.engine.scheduler.policy
+    assert not policy.reads_priority
+    c.refused(ep, "priority", priority=3)
+    c.post(ep, priority=0)
+    policy.reads_priority = True
+    try:
+        _engine_got("priority", 3, priority=3)(c, ep)
+    finally:
+        policy.reads_priority = False
 
 
 def stream(c: Ctx, ep: str) -> None:
@@ -455,7 +470,7 @@ COMMON: dict[str, Check] = {
     "repetition_penalty": _penalty("repetition_penalty", 2.0),
     "ignore_eos": ignore_eos,
     "stop_token_ids": stop_token_ids,
-    "priority": _engine_got("priority", 3, priority=3),
+    "priority": priority,
     "slo_ttft_ms": _engine_got("slo_ttft_s", 0.25, slo_ttft_ms=250),
     "slo_tpot_ms": _engine_got("slo_tpot_s", 0.05, slo_tpot_ms=50),
     "skip_special_tokens": skip_special_tokens,
@@ -563,3 +578,15 @@ def test_unimplemented_vllm_extras_are_refused_unless_default(ctx: Ctx, field: s
         ctx.refused(ep, field, **{field: other})
         ctx.post(ep, **{field: default})
     ctx.post("completions", some_future_openai_field=1)
+
+
+@pytest.mark.parametrize("field", list(UNHONOURED_OPENAI_FIELDS))
+def test_unimplemented_openai_fields_are_refused_unless_they_ask_for_nothing(
+    ctx: Ctx, field: str
+) -> None:
+    accepted = UNHONOURED_OPENAI_FIELDS[field][0]
+    asks = {"modalities": ["text", "audio"], "store": True, "service_tier": "flex"}
+    for ep in PATHS:
+        ctx.refused(ep, field, **{field: asks.get(field, {"x": 1})})
+        for value in accepted:
+            ctx.post(ep, **{field: value})

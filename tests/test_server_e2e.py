@@ -434,8 +434,21 @@ def test_bad_inputs_get_their_status_and_message(main_server: ServerProcess) -> 
         check(
             post("/v1/completions", json={"prompt": [5] * 2000, "max_tokens": 100}),
             400,
+            param="max_tokens",
             contains=("2100", str(MAX_MODEL_LEN), "2000 in the prompt", "100 in the completion"),
         )
+        # token ids past the vocabulary, named by their field (a stop id could never be met)
+        for field, value in (
+            ("stop_token_ids", [999999]),
+            ("allowed_token_ids", [5, 999999]),
+            ("logit_bias", {"999999": 1.0}),
+        ):
+            check(
+                post("/v1/completions", json={"prompt": "hi", field: value}),
+                400,
+                param=field,
+                contains=("999999",),
+            )
         check(post("/v1/completions", json={"prompt": "x" * 300_000}), 413)
         check(
             post(

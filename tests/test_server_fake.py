@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import httpx
 import openai
@@ -221,6 +222,31 @@ def test_queued_token_limit_rejects_big_backlogs() -> None:
     with server:
         codes = [r.status_code for r in asyncio.run(main())]
         assert codes == [200, 503, 503], codes
+
+
+def test_a_request_larger_than_the_queue_is_a_400_naming_the_limit_even_when_idle() -> None:
+    # Its prompts are admitted one by one and each n candidate queues on its own: past the
+    # queue's size it would fill it on an idle server, and a 503's "retry later" never works.
+    _, server = serve(FakeEngine(max_num_seqs=1), max_queued_requests=4, max_queued_tokens=12)
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        for body, param, flag in (
+            ({"prompt": ["a", "b", "c"], "n": 2}, "prompt", "--max-queued-requests"),
+            ({"prompt": "a", "n": 5}, "n", "--max-queued-requests"),
+            ({"prompt": "a", "n": 1, "best_of": 5}, "n", "--max-queued-requests"),
+            # 8 + 8 byte-level tokens together, past 12
+            ({"prompt": ["prompt 1", "prompt 2"]}, "prompt", "--max-queued-tokens"),
+        ):
+            r = c.post("/v1/completions", json={**body, "max_tokens": 2})
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "limit_exceeded" and err["param"] == param, err
+            assert flag in err["message"], err
+        # Nothing was admitted or left behind: requests that fit still complete.
+        for body in ({"prompt": ["a", "b"], "n": 2}, {"prompt": "prompt 1 and more"}):
+            r = c.post("/v1/completions", json={**body, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        m = metric_values(c.get("/metrics").text)
+        assert m.get('iterserve:num_requests_rejected_total{reason="queue_full"}', 0) == 0
 
 
 def test_client_disconnect_aborts_streaming_and_non_streaming_requests() -> None:
@@ -465,3 +491,47 @@ def test_known_but_unsupported_fields_are_refused() -> None:
             },
         )
         assert r.status_code == 200, r.text
+
+
+def test_values_of_the_wrong_json_type_are_refused_not_converted() -> None:
+    # As OpenAI refuses them: true is not 1 token, "2" and 2.0 are not the integer 2.
+    _, server = serve(FakeEngine())
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        for route, body, field in (
+            ("/v1/completions", {"prompt": "a", "max_tokens": True}, "max_tokens"),
+            ("/v1/completions", {"prompt": "a", "max_tokens": "5"}, "max_tokens"),
+            ("/v1/completions", {"prompt": "a", "n": 2.0}, "n"),
+            ("/v1/completions", {"prompt": "a", "seed": "1"}, "seed"),
+            ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs"),
+            ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream"),
+            ("/v1/completions", {"prompt": "a", "temperature": "0.5"}, "temperature"),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "a"}], "max_tokens": "4"},
+                "max_tokens",
+            ),  # fmt: skip
+        ):
+            r = c.post(route, json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] == field, (body, r.json())
+        # an integer is still a number
+        r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+
+def test_chat_content_parts_errors_name_the_part() -> None:
+    _, server = serve(FakeEngine())
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+
+        def err(content: Any) -> dict[str, Any]:
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, r.text
+            return r.json()["error"]  # type: ignore[no-any-return]
+
+        e = err([{"type": "text", "text": "a"}, {"type": "text", "text": 5}])
+        assert e["param"] == "messages.0.content.1.text" and "must be a string" in e["message"]
+        e = err([{"type": "image_url", "image_url": {"url": "u"}}])
+        assert e["code"] == "unsupported_content" and "'image_url'" in e["message"], e
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}
+        assert c.post("/v1/chat/completions", json={**body, "max_tokens": 2}).status_code == 200

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import IO, TypedDict
 
+from iterserve.core.request import InvalidRequestError
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
 from iterserve.outputs import StepStats
 
@@ -137,26 +138,33 @@ class Books:
         left in the context). Raises ValueError saying what to change when it can never run."""
         n, max_len, kv = num_prompt_tokens, self.max_model_len, self.kv
         if n == 0:
-            raise ValueError("prompt is empty after tokenization; send at least one token")
+            raise InvalidRequestError(
+                "prompt is empty after tokenization; send at least one token", param="prompt"
+            )
         if n >= max_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt has {n} tokens but the model's context length (max_model_len) is "
                 f"{max_len}, which must also leave room for at least one generated "
-                "token; shorten the prompt"
+                "token; shorten the prompt",
+                param="prompt",
+                code="context_length_exceeded",
             )
         needed = kv.blocks_for(n + 1)
         if needed > kv.num_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt has {n} tokens and needs {needed} KV-cache blocks but the pool "
                 f"holds {kv.num_blocks}; raise kv_cache_memory / num_kv_blocks or shorten "
-                "the prompt"
+                "the prompt",
+                param="prompt",
             )
         room = max_len - n
         if reject_overlong_max_tokens and max_tokens is not None and max_tokens > room:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, you "
                 f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
-                "completion). Please reduce the length of the prompt or max_tokens."
+                "completion). Please reduce the length of the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
             )
         return room if max_tokens is None else min(max_tokens, room)
 

@@ -175,6 +175,8 @@ class Policy:
     admit_beyond_budget: ClassVar[bool] = False
     # The victim score used when SchedulerConfig.preemption_victim is None.
     default_victim: ClassVar[str] = "newest"
+    # Whether the waiting queue admits by ``Request.priority``.
+    orders_by_priority: ClassVar[bool] = False
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         victim = config.preemption_victim if config is not None else None
@@ -183,6 +185,11 @@ class Policy:
         ]
         # Whether the scheduler must estimate ``lost_if_preempted`` before each pick.
         self.victim_needs_loss = (victim or self.default_victim) in LOSS_AWARE_VICTIMS
+        # Whether a request's ``priority`` changes anything here (the server refuses a
+        # non-zero one otherwise, as vLLM does): the admission order or the victim rule.
+        self.reads_priority = (
+            self.orders_by_priority or (victim or self.default_victim) == "lowest-priority"
+        )
 
     def make_waiting_queue(self) -> WaitingQueue:
         """The waiting queue, which fixes the admission order."""
@@ -271,6 +278,7 @@ class PriorityPolicy(Policy):
 
     name = "priority"
     default_victim = "lowest-priority"
+    orders_by_priority = True
 
     def make_waiting_queue(self) -> WaitingQueue:
         return PriorityWaitingQueue()

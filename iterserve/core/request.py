@@ -7,6 +7,16 @@ import enum
 from iterserve.sampling_params import SamplingParams
 
 
+class InvalidRequestError(ValueError):
+    """A request the engine can never run, with the request field to change (``param``) and
+    an OpenAI-style ``code``, so the server's 400 names them rather than guessing."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -904,7 +904,9 @@ class AsyncEngine:
                     )
                 except ValueError as e:
                     self._release(cmd.request_id)
-                    batch.append((cmd.stream, _Failed(str(e), ValueError(str(e)))))
+                    # as raised (InvalidRequestError carries the field to name), minus the
+                    # engine thread's frames
+                    batch.append((cmd.stream, _Failed(str(e), e.with_traceback(None))))
                 except Exception as e:  # noqa: BLE001 - one bad request must not kill the loop
                     self._release(cmd.request_id)
                     logger.exception("add_request(%s) failed", cmd.request_id)

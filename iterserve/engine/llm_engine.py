@@ -22,7 +22,7 @@ import torch
 from iterserve.config import CacheConfig, EngineArgs
 from iterserve.core.books import Books, EngineStats
 from iterserve.core.kv_cache_manager import KVCacheManager, cdiv
-from iterserve.core.request import FinishReason, Request
+from iterserve.core.request import FinishReason, InvalidRequestError, Request
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
 from iterserve.model.runner import BatchItem
@@ -167,16 +167,22 @@ class LLMEngine:
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty; send at least one character or token")
+                raise InvalidRequestError(
+                    "prompt is empty; send at least one character or token", param="prompt"
+                )
             return prompt, list(self.tokenizer.encode(prompt))
         if not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
-            raise ValueError("prompt must be a string or a list of integer token ids")
+            raise InvalidRequestError(
+                "prompt must be a string or a list of integer token ids", param="prompt"
+            )
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param="prompt"
+            )
         return None, ids
 
     def add_request(
@@ -295,12 +301,14 @@ class LLMEngine:
         for name, toks in (
             ("logit_bias", list(params.logit_bias or ())),
             ("allowed_token_ids", params.allowed_token_ids or []),
+            ("stop_token_ids", params.stop_token_ids or []),
         ):
             bad = [t for t in toks if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(
+                raise InvalidRequestError(
                     f"{name} names token ids outside the vocabulary [0, {self.vocab_size}): "
-                    f"{bad[:5]}"
+                    f"{bad[:5]}",
+                    param=name,
                 )
 
     def _bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:

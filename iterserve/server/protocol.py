@@ -23,7 +23,9 @@ TokenIds = list[StrictInt]
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: a value of the wrong JSON type is refused, as OpenAI refuses it, not converted
+    # ("5" or 5.0 for an integer, true for max_tokens); an integer still serves as a number.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(OpenAIModel):

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from iterserve import __version__
+from iterserve.core.request import InvalidRequestError
 from iterserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -70,6 +71,22 @@ UNHONOURED_VLLM_EXTRAS: dict[str, object] = {
 }
 
 
+# OpenAI request fields this server does not implement: refused unless they carry a value
+# that asks for nothing (absent, null or the listed ones), with what to send instead.
+# (``prediction`` and ``metadata`` change no output and stay ignored.)
+UNHONOURED_OPENAI_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
+    "functions": ((None,), "send tools"),
+    "function_call": ((None,), "send tool_choice"),
+    "audio": ((None,), "this server answers in text only"),
+    "modalities": ((None, ["text"]), "this server answers in text only"),
+    "web_search_options": ((None,), "this server has no web search"),
+    "reasoning_effort": ((None,), "leave it out"),
+    "verbosity": ((None,), "leave it out"),
+    "store": ((None, False), "this server does not store chat completions"),
+    "service_tier": ((None, "auto", "default"), "leave it out"),
+}
+
+
 class Serving:
     """What the route handlers call: one method per endpoint, over the engine, the served
     model names and the metrics (``app.state.serving``)."""
@@ -98,6 +115,10 @@ class Serving:
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="iterserve-tokenizer")
         self._templates: TemplateSandbox | None = None
         self.system_fingerprint = system_fingerprint(engine, self.served_model_names)
+        # The scheduling policy, where the engine has one (not a test double): a request's
+        # priority is refused where it would change nothing.
+        inner = getattr(engine, "engine", None)
+        self._policy = getattr(getattr(inner, "scheduler", None), "policy", None)
 
     @property
     def model_name(self) -> str:
@@ -154,6 +175,12 @@ class Serving:
                     param=name,
                     code="unsupported_parameter",
                 )
+            if name in UNHONOURED_OPENAI_FIELDS and value not in UNHONOURED_OPENAI_FIELDS[name][0]:
+                raise bad_request(
+                    f"{name} is not supported by this server: {UNHONOURED_OPENAI_FIELDS[name][1]}",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
         params = req.sampling_params()
@@ -204,6 +231,41 @@ class Serving:
     ) -> list[RequestStream]:
         """Submits ``prompts``, already cut by ``params.truncate_prompt_tokens`` (where they
         were tokenized), to the engine, which is told not to cut them again."""
+        policy = self._policy
+        if priority != 0 and policy is not None and not policy.reads_priority:
+            raise bad_request(
+                f"priority {priority} would change nothing: this server schedules with the "
+                f"{policy.name!r} policy, which does not read priorities (start it with "
+                "--policy priority); send priority 0 or leave it out",
+                param="priority",
+                code="unsupported_parameter",
+            )
+        # The queue counts each candidate sequence (prompts x n or best_of) and admits a
+        # request's prompts one by one: a request with more than it holds would fill it even
+        # on an idle server, and a 503 would then send its client to retry in vain.
+        cap = self.engine.max_queued_requests
+        seqs = len(prompts) * params.num_candidates
+        if cap is not None and seqs > cap:
+            raise bad_request(
+                f"the request asks for {seqs} sequences ({len(prompts)} prompt(s) x "
+                f"{params.num_candidates} candidate(s) each, from n / best_of), more than this "
+                f"server queues at once ({cap}, --max-queued-requests); send fewer prompts or a "
+                "smaller n / best_of",
+                param="n" if len(prompts) == 1 else "prompt",
+                code="limit_exceeded",
+            )
+        # Likewise the prompt tokens a request's prompts queue together (one prompt past the
+        # bound is still taken when nothing else waits).
+        cap_tok = self.engine.max_queued_tokens
+        tokens = sum(len(p) for p in prompts)
+        if cap_tok is not None and len(prompts) > 1 and tokens > cap_tok:
+            raise bad_request(
+                f"the request's {len(prompts)} prompts have {tokens} tokens together, more than "
+                f"this server queues at once ({cap_tok}, --max-queued-tokens); send them in "
+                "several requests",
+                param="prompt",
+                code="limit_exceeded",
+            )
         base = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         route = route or Routing()
@@ -237,11 +299,10 @@ class Serving:
 
     def _admission_error(self, e: Exception) -> Exception:
         retry = {"Retry-After": str(self.retry_after_s)}
+        if isinstance(e, InvalidRequestError):
+            return bad_request(str(e), param=e.param, code=e.code)
         if isinstance(e, ValueError):
-            msg = str(e)
-            return bad_request(
-                msg, param="prompt" if "prompt" in msg else None, code="invalid_value"
-            )
+            return bad_request(str(e), code="invalid_value")
         if isinstance(e, QueueFullError):
             self.metrics.rejected("queue_full")
             return APIError(503, f"server overloaded: {e}", code="queue_full", headers=retry)
@@ -1140,13 +1201,19 @@ def _message_text(m: ChatMessage, i: int) -> str:
     if isinstance(c, str):
         return c
     parts = []
-    for part in c:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+    for j, part in enumerate(c):
+        if part.get("type") != "text":
             raise bad_request(
                 f"messages[{i}].content: only text content parts are supported, "
                 f"got type {part.get('type')!r}",
                 param=f"messages.{i}.content",
                 code="unsupported_content",
+            )
+        if not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"messages[{i}].content[{j}].text must be a string, got "
+                f"{type(part.get('text')).__name__}",
+                param=f"messages.{i}.content.{j}.text",
             )
         parts.append(part["text"])
     return "\n".join(parts)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from iterserve.core.books import EngineStats
 from iterserve.core.kv_cache_manager import cdiv
 from iterserve.core.policies import SLO_REJECTION
+from iterserve.core.request import InvalidRequestError
 from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput
 from iterserve.model.sampler import TokenLogprobs
 from iterserve.outputs import RequestMetrics, StepStats
@@ -127,19 +128,22 @@ class FakeEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise InvalidRequestError("prompt is empty", param="prompt")
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
             bad = [t for t in ids if not 0 <= t < len(self.tokenizer)]
             if bad:
-                raise ValueError(
-                    f"prompt token ids must be in [0, {len(self.tokenizer)}); got {bad[:5]}"
+                raise InvalidRequestError(
+                    f"prompt token ids must be in [0, {len(self.tokenizer)}); got {bad[:5]}",
+                    param="prompt",
                 )
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}"
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}",
+                param="prompt",
+                code="context_length_exceeded",
             )
         now = time.monotonic()
         r = _Req(

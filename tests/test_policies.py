@@ -23,6 +23,7 @@ from iterserve.core.policies import (
     RESERVATIONS,
     VICTIM_SCORES,
     VICTIMS,
+    Policy,
     SloPolicy,
     make_policy,
     policy_class,
@@ -162,6 +163,11 @@ def test_reads_priority_where_the_queue_or_the_victim_rule_orders_by_it() -> Non
     assert make_policy("priority").reads_priority
     cfg = SchedulerConfig(policy="priority", preemption_victim="newest")
     assert make_policy("priority", cfg).reads_priority  # its queue still orders by it
+
+    class Own(Policy):  # a module:Class policy: what its methods read is unknown, so yes
+        pass
+
+    assert Own().reads_priority
 
 
 @PROPERTY

@@ -224,15 +224,16 @@ def test_queued_token_limit_rejects_big_backlogs() -> None:
         assert codes == [200, 503, 503], codes
 
 
-def test_a_request_larger_than_the_queue_is_a_400_naming_the_limit_even_when_idle() -> None:
-    # Its prompts are admitted one by one and each n candidate queues on its own: past the
-    # queue's size it would fill it on an idle server, and a 503's "retry later" never works.
+def test_a_request_larger_than_queue_and_slots_is_a_400_naming_the_limits() -> None:
+    # Its prompts are admitted one by one and each n candidate queues on its own: past what
+    # the queue and the running slots hold together it fills the queue with its own sequences
+    # on an idle server, and a 503's "retry later" never works. Up to that, it is served.
     _, server = serve(FakeEngine(max_num_seqs=1), max_queued_requests=4, max_queued_tokens=12)
     with server, httpx.Client(base_url=server.url, timeout=30) as c:
         for body, param, flag in (
             ({"prompt": ["a", "b", "c"], "n": 2}, "prompt", "--max-queued-requests"),
-            ({"prompt": "a", "n": 5}, "n", "--max-queued-requests"),
-            ({"prompt": "a", "n": 1, "best_of": 5}, "n", "--max-queued-requests"),
+            ({"prompt": "a", "n": 6}, "n", "--max-num-seqs"),
+            ({"prompt": "a", "n": 1, "best_of": 6}, "best_of", "--max-queued-requests"),
             # 8 + 8 byte-level tokens together, past 12
             ({"prompt": ["prompt 1", "prompt 2"]}, "prompt", "--max-queued-tokens"),
         ):
@@ -241,10 +242,16 @@ def test_a_request_larger_than_the_queue_is_a_400_naming_the_limit_even_when_idl
             err = r.json()["error"]
             assert err["code"] == "limit_exceeded" and err["param"] == param, err
             assert flag in err["message"], err
-        # Nothing was admitted or left behind: requests that fit still complete.
-        for body in ({"prompt": ["a", "b"], "n": 2}, {"prompt": "prompt 1 and more"}):
+        # Nothing was admitted or left behind; requests that fit queue and slots are served,
+        # a single prompt past the token bound too (taken when nothing else waits).
+        for body in (
+            {"prompt": "a", "n": 5},
+            {"prompt": "a", "best_of": 5},
+            {"prompt": ["a", "b", "c", "d"]},  # fits the queue even if none ran yet
+            {"prompt": "prompt 1 and more"},
+        ):
             r = c.post("/v1/completions", json={**body, "max_tokens": 2})
-            assert r.status_code == 200, r.text
+            assert r.status_code == 200, (body, r.text)
         m = metric_values(c.get("/metrics").text)
         assert m.get('iterserve:num_requests_rejected_total{reason="queue_full"}', 0) == 0
 

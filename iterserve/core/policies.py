@@ -186,9 +186,13 @@ class Policy:
         # Whether the scheduler must estimate ``lost_if_preempted`` before each pick.
         self.victim_needs_loss = (victim or self.default_victim) in LOSS_AWARE_VICTIMS
         # Whether a request's ``priority`` changes anything here (the server refuses a
-        # non-zero one otherwise, as vLLM does): the admission order or the victim rule.
+        # non-zero one otherwise, as vLLM does): the admission order or the victim rule. A
+        # policy class of one's own (module:Class) is taken to read it: nothing here can tell
+        # what its methods read.
         self.reads_priority = (
-            self.orders_by_priority or (victim or self.default_victim) == "lowest-priority"
+            self.orders_by_priority
+            or (victim or self.default_victim) == "lowest-priority"
+            or type(self) not in POLICY_CLASSES.values()
         )
 
     def make_waiting_queue(self) -> WaitingQueue:

@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queued-requests",
         type=int,
         default=DEFAULT_MAX_QUEUED_REQUESTS,
-        help="answer 503 + Retry-After when this many requests already wait to be scheduled "
-        "(finite by default, so a burst cannot queue without bound)",
+        help="answer 503 + Retry-After when this many requests (each n / best_of candidate "
+        "counts) already wait to be scheduled (finite by default, so a burst cannot queue "
+        "without bound); one request with more than this plus --max-num-seqs gets a 400",
     )
     g.add_argument(
         "--max-queued-tokens",

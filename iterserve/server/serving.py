@@ -75,8 +75,8 @@ UNHONOURED_VLLM_EXTRAS: dict[str, object] = {
 # that asks for nothing (absent, null or the listed ones), with what to send instead.
 # (``prediction`` and ``metadata`` change no output and stay ignored.)
 UNHONOURED_OPENAI_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
-    "functions": ((None,), "send tools"),
-    "function_call": ((None,), "send tool_choice"),
+    "functions": ((None, []), "send tools"),
+    "function_call": ((None, "none", "auto"), "send tool_choice"),
     "audio": ((None,), "this server answers in text only"),
     "modalities": ((None, ["text"]), "this server answers in text only"),
     "web_search_options": ((None,), "this server has no web search"),
@@ -118,7 +118,12 @@ class Serving:
         # The scheduling policy, where the engine has one (not a test double): a request's
         # priority is refused where it would change nothing.
         inner = getattr(engine, "engine", None)
-        self._policy = getattr(getattr(inner, "scheduler", None), "policy", None)
+        scheduler = getattr(inner, "scheduler", None)
+        self._policy = getattr(scheduler, "policy", None)
+        # sequences the engine runs at once (a test double may say so itself)
+        self._slots: int = getattr(
+            getattr(scheduler, "config", None), "max_num_seqs", getattr(inner, "max_num_seqs", 0)
+        )
 
     @property
     def model_name(self) -> str:
@@ -232,7 +237,7 @@ class Serving:
         """Submits ``prompts``, already cut by ``params.truncate_prompt_tokens`` (where they
         were tokenized), to the engine, which is told not to cut them again."""
         policy = self._policy
-        if priority != 0 and policy is not None and not policy.reads_priority:
+        if priority != 0 and policy is not None and not getattr(policy, "reads_priority", True):
             raise bad_request(
                 f"priority {priority} would change nothing: this server schedules with the "
                 f"{policy.name!r} policy, which does not read priorities (start it with "
@@ -241,17 +246,19 @@ class Serving:
                 code="unsupported_parameter",
             )
         # The queue counts each candidate sequence (prompts x n or best_of) and admits a
-        # request's prompts one by one: a request with more than it holds would fill it even
-        # on an idle server, and a 503 would then send its client to retry in vain.
+        # request's prompts one by one: a request with more than the queue and the running
+        # slots hold together fills the queue with its own sequences even on an idle server,
+        # and a 503 would then send its client to retry in vain.
         cap = self.engine.max_queued_requests
         seqs = len(prompts) * params.num_candidates
-        if cap is not None and seqs > cap:
+        if cap is not None and seqs > cap + self._slots:
+            many = "best_of" if (params.best_of or 0) > params.n else "n"
             raise bad_request(
                 f"the request asks for {seqs} sequences ({len(prompts)} prompt(s) x "
-                f"{params.num_candidates} candidate(s) each, from n / best_of), more than this "
-                f"server queues at once ({cap}, --max-queued-requests); send fewer prompts or a "
-                "smaller n / best_of",
-                param="n" if len(prompts) == 1 else "prompt",
+                f"{params.num_candidates} from {many}), more than this server queues and runs at "
+                f"once ({cap} queued, --max-queued-requests, + {self._slots} running, "
+                f"--max-num-seqs); send fewer prompts or a smaller {many}",
+                param=many if len(prompts) == 1 else "prompt",
                 code="limit_exceeded",
             )
         # Likewise the prompt tokens a request's prompts queue together (one prompt past the

@@ -23,6 +23,7 @@ from iterserve.core.policies import (
     RESERVATIONS,
     VICTIM_SCORES,
     VICTIMS,
+    FairPolicy,
     Policy,
     SloPolicy,
     make_policy,
@@ -557,6 +558,27 @@ def test_fair_admits_the_light_tenant_ahead_of_a_flood() -> None:
     fifo.add_request(tenant_req("l0", "light", 8, 8, seed=99))
     ended = drive(fifo, [])
     assert ended["l0"] > 70  # FCFS: behind all 20
+
+
+def test_fair_books_stay_bounded_when_every_request_names_a_new_tenant() -> None:
+    # Tenant names come from clients (x-tenant, user): 600 requests, each its own tenant,
+    # beside a steady one, must not leave the policy a book per name (nor a walk over them
+    # every step), and a tenant dropped from the books comes back no better off.
+    s = sched(num_blocks=400, policy="fair", max_num_seqs=4, max_num_batched_tokens=64)
+    policy = s.policy
+    assert isinstance(policy, FairPolicy)
+    arrivals = [(i, tenant_req(f"r{i}", f"t{i}", 6, 3, seed=i)) for i in range(600)]
+    arrivals += [(i, tenant_req(f"s{i}", "steady", 6, 3, seed=i)) for i in range(0, 600, 3)]
+    ended = drive(s, arrivals)
+    assert len(ended) == 800
+    assert policy.live == {}
+    assert len(policy.counters) <= 2 * 1 + 64 + 4, len(policy.counters)  # last prune's bound
+    # a dropped tenant (its counter no higher than the least live one's then) starts again
+    # from the largest dropped counter, not from 0
+    gone = next(f"t{i}" for i in range(600) if f"t{i}" not in policy.counters)
+    assert policy.forgotten > 0
+    s.add_request(tenant_req("back", gone, 6, 3, seed=1))
+    assert policy.counters[gone] == policy.forgotten
 
 
 def light_first_token(

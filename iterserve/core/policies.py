@@ -447,6 +447,7 @@ class FairPolicy(Policy):
         self.weights = parse_tenant_weights(config.tenant_weights) if config else {}
         self.counters: dict[str, float] = {}
         self.live: dict[str, int] = {}  # tenant -> requests waiting or running
+        self.forgotten = 0.0  # the largest counter dropped from the books (on_schedule)
         self.slots: dict[str, int] = {}  # tenant -> requests running as this step began
         self.max_num_seqs = config.max_num_seqs if config is not None else 1 << 30
         self.budget = config.max_num_batched_tokens if config is not None else 512
@@ -479,7 +480,16 @@ class FairPolicy(Policy):
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
         c, slots = self.counters, self.slots
-        self.least = min((c.get(t, 0.0) for t, n in self.live.items() if n), default=0.0)
+        self.least = min((c.get(t, 0.0) for t in self.live), default=0.0)
+        # Tenant names come from clients (x-tenant, user): the books keep only tenants with
+        # something live, and gone ones whose counter is still above the least live one (on
+        # return they would be lifted to at least that), so a client that names a new tenant
+        # per request cannot grow them, or this step's walks over them, without bound.
+        # A dropped tenant that comes back into an idle system starts from the largest counter
+        # dropped, not from 0, so dropping its books gives it no credit over those kept.
+        if len(c) > 2 * len(self.live) + 64:
+            for t in [t for t, v in c.items() if v <= self.least and t not in self.live]:
+                self.forgotten = max(self.forgotten, c.pop(t))
         slots.clear()
         for r in running:
             slots[r.tenant] = slots.get(r.tenant, 0) + 1
@@ -515,9 +525,9 @@ class FairPolicy(Policy):
     def on_arrival(self, req: Request) -> None:
         t, live = req.tenant, self.live
         if not live.get(t):
-            others = [self.counters.get(u, 0.0) for u, n in live.items() if n and u != t]
-            if others:
-                self.counters[t] = max(self.counters.get(t, 0.0), min(others))
+            others = [self.counters.get(u, 0.0) for u in live if u != t]
+            mine = self.counters.get(t, self.forgotten)
+            self.counters[t] = max(mine, min(others)) if others else mine
         live[t] = live.get(t, 0) + 1
         self._rerank(t)
 
@@ -539,7 +549,11 @@ class FairPolicy(Policy):
         self._rerank()
 
     def on_finish(self, req: Request) -> None:
-        self.live[req.tenant] -= 1
+        t = req.tenant
+        if self.live[t] > 1:
+            self.live[t] -= 1
+        else:
+            del self.live[t]  # live holds tenants with a request waiting or running
 
 
 class StepTimeFit:

@@ -87,6 +87,13 @@ UNHONOURED_OPENAI_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
 }
 
 
+# Every refused extra field: the values that ask for nothing, and what the 400 says instead.
+_REFUSED_EXTRAS: dict[str, tuple[tuple[object, ...], str]] = {
+    **{k: ((v,), f"only its default, {v!r}") for k, v in UNHONOURED_VLLM_EXTRAS.items()},
+    **UNHONOURED_OPENAI_FIELDS,
+}
+
+
 class Serving:
     """What the route handlers call: one method per endpoint, over the engine, the served
     model names and the metrics (``app.state.serving``)."""
@@ -173,19 +180,22 @@ class Serving:
                 code="unsupported_parameter",
             )
         for name, value in (req.model_extra or {}).items():
-            if name in UNHONOURED_VLLM_EXTRAS and value != UNHONOURED_VLLM_EXTRAS[name]:
+            refused = _REFUSED_EXTRAS.get(name)
+            if refused is not None and value not in refused[0]:
                 raise bad_request(
-                    f"{name} is not supported by this server (only its default, "
-                    f"{UNHONOURED_VLLM_EXTRAS[name]!r})",
+                    f"{name} is not supported by this server: {refused[1]}",
                     param=name,
                     code="unsupported_parameter",
                 )
-            if name in UNHONOURED_OPENAI_FIELDS and value not in UNHONOURED_OPENAI_FIELDS[name][0]:
-                raise bad_request(
-                    f"{name} is not supported by this server: {UNHONOURED_OPENAI_FIELDS[name][1]}",
-                    param=name,
-                    code="unsupported_parameter",
-                )
+        policy = self._policy
+        if req.priority != 0 and policy is not None and not getattr(policy, "reads_priority", True):
+            raise bad_request(
+                f"priority {req.priority} would change nothing: this server schedules with the "
+                f"{policy.name!r} policy, which does not read priorities (start it with "
+                "--policy priority); send priority 0 or leave it out",
+                param="priority",
+                code="unsupported_parameter",
+            )
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
         params = req.sampling_params()
@@ -236,15 +246,6 @@ class Serving:
     ) -> list[RequestStream]:
         """Submits ``prompts``, already cut by ``params.truncate_prompt_tokens`` (where they
         were tokenized), to the engine, which is told not to cut them again."""
-        policy = self._policy
-        if priority != 0 and policy is not None and not getattr(policy, "reads_priority", True):
-            raise bad_request(
-                f"priority {priority} would change nothing: this server schedules with the "
-                f"{policy.name!r} policy, which does not read priorities (start it with "
-                "--policy priority); send priority 0 or leave it out",
-                param="priority",
-                code="unsupported_parameter",
-            )
         # The queue counts each candidate sequence (prompts x n or best_of) and admits a
         # request's prompts one by one: a request with more than the queue and the running
         # slots hold together fills the queue with its own sequences even on an idle server,

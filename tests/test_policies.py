@@ -171,6 +171,17 @@ def test_reads_priority_where_the_queue_or_the_victim_rule_orders_by_it() -> Non
     assert Own().reads_priority
 
 
+def test_only_the_slo_policy_and_own_policies_read_slo_targets() -> None:
+    for name in ("continuous", "static", "priority", "fair"):
+        assert not make_policy(name).reads_slo_targets, name
+    assert make_policy("slo").reads_slo_targets
+
+    class Own(Policy):
+        pass
+
+    assert Own().reads_slo_targets
+
+
 @PROPERTY
 @given(data=st.data(), victim=st.sampled_from(VICTIMS), num_blocks=st.integers(8, 40))
 def test_property_recomputed_tokens_are_exactly_the_repeated_work(

@@ -6,10 +6,10 @@ tiny-random, greedy) and asserts that it changed the output or behaviour as it s
 that the server answered 400 naming it. ``test_tables_cover_every_field`` fails for a new field
 without a row: add one (a check function taking the ``Ctx`` and the endpoint).
 
-``user``, ``slo_ttft_ms`` and ``slo_tpot_ms`` change scheduling only under the fair / slo
-policies, and ``priority`` only under a policy that reads it (else it is refused); here the
-check is that the engine receives them (tests/test_policies_engine.py shows what each policy
-does with them).
+``user`` changes scheduling only under the fair policy, and ``priority``, ``slo_ttft_ms`` and
+``slo_tpot_ms`` only under a policy that reads them (else they are refused); here the check is
+that the engine receives them (tests/test_policies_engine.py shows what each policy does with
+them).
 """
 
 from __future__ import annotations
@@ -161,6 +161,22 @@ def priority(c: Ctx, ep: str) -> None:
         _engine_got("priority", 3, priority=3)(c, ep)
     finally:
         policy.reads_priority = False
+
+
+def _slo_target(field: str, ms: float, key: str, seconds: float) -> Check:
+    # refused where the policy reads no SLO targets (the default, continuous); where one
+    # does, the engine gets it in seconds
+    def check(c: Ctx, ep: str) -> None:
+        policy = c.engine.scheduler.policy
+        assert not policy.reads_slo_targets
+        c.refused(ep, field, **{field: ms})
+        policy.reads_slo_targets = True
+        try:
+            _engine_got(key, seconds, **{field: ms})(c, ep)
+        finally:
+            policy.reads_slo_targets = False
+
+    return check
 
 
 def stream(c: Ctx, ep: str) -> None:
@@ -471,8 +487,8 @@ COMMON: dict[str, Check] = {
     "ignore_eos": ignore_eos,
     "stop_token_ids": stop_token_ids,
     "priority": priority,
-    "slo_ttft_ms": _engine_got("slo_ttft_s", 0.25, slo_ttft_ms=250),
-    "slo_tpot_ms": _engine_got("slo_tpot_s", 0.05, slo_tpot_ms=50),
+    "slo_ttft_ms": _slo_target("slo_ttft_ms", 250, "slo_ttft_s", 0.25),
+    "slo_tpot_ms": _slo_target("slo_tpot_ms", 50, "slo_tpot_s", 0.05),
     "skip_special_tokens": skip_special_tokens,
     "allowed_token_ids": allowed_token_ids,
     "bad_words": bad_words,

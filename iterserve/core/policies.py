@@ -177,6 +177,8 @@ class Policy:
     default_victim: ClassVar[str] = "newest"
     # Whether the waiting queue admits by ``Request.priority``.
     orders_by_priority: ClassVar[bool] = False
+    # Whether it reads a request's own ``slo_ttft_s`` / ``slo_tpot_s`` targets.
+    uses_slo_targets: ClassVar[bool] = False
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         victim = config.preemption_victim if config is not None else None
@@ -186,14 +188,15 @@ class Policy:
         # Whether the scheduler must estimate ``lost_if_preempted`` before each pick.
         self.victim_needs_loss = (victim or self.default_victim) in LOSS_AWARE_VICTIMS
         # Whether a request's ``priority`` changes anything here (the server refuses a
-        # non-zero one otherwise, as vLLM does): the admission order or the victim rule. A
-        # policy class of one's own (module:Class) is taken to read it: nothing here can tell
-        # what its methods read.
+        # non-zero one otherwise, as vLLM does): the admission order or the victim rule; and
+        # whether its SLO targets do (the server refuses them in the body otherwise). A policy
+        # class of one's own (module:Class) is taken to read both: nothing here can tell what
+        # its methods read.
+        own = type(self) not in POLICY_CLASSES.values()
         self.reads_priority = (
-            self.orders_by_priority
-            or (victim or self.default_victim) == "lowest-priority"
-            or type(self) not in POLICY_CLASSES.values()
+            self.orders_by_priority or (victim or self.default_victim) == "lowest-priority" or own
         )
+        self.reads_slo_targets = self.uses_slo_targets or own
 
     def make_waiting_queue(self) -> WaitingQueue:
         """The waiting queue, which fixes the admission order."""
@@ -626,6 +629,7 @@ class SloPolicy(Policy):
     is not what pushes it over and is not held back; before any step ran, nothing is."""
 
     name = "slo"
+    uses_slo_targets = True
     EMA = 0.2  # weight of the latest step in the step-time average
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:

@@ -196,6 +196,16 @@ class Serving:
                 param="priority",
                 code="unsupported_parameter",
             )
+        if policy is not None and not getattr(policy, "reads_slo_targets", True):
+            for name in ("slo_ttft_ms", "slo_tpot_ms"):
+                if getattr(req, name) is not None:
+                    raise bad_request(
+                        f"{name} would change nothing: this server schedules with the "
+                        f"{policy.name!r} policy, which reads no SLO targets (start it with "
+                        f"--policy slo); leave {name} out",
+                        param=name,
+                        code="unsupported_parameter",
+                    )
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
         params = req.sampling_params()

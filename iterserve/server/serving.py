@@ -122,8 +122,8 @@ class Serving:
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="iterserve-tokenizer")
         self._templates: TemplateSandbox | None = None
         self.system_fingerprint = system_fingerprint(engine, self.served_model_names)
-        # The scheduling policy, where the engine has one (not a test double): a request's
-        # priority is refused where it would change nothing.
+        # The scheduling policy, where the engine has one (not a test double): the fields only
+        # some policies read are refused where it reads none.
         inner = getattr(engine, "engine", None)
         scheduler = getattr(inner, "scheduler", None)
         self._policy = getattr(scheduler, "policy", None)
@@ -187,25 +187,21 @@ class Serving:
                     param=name,
                     code="unsupported_parameter",
                 )
+        # Fields only some scheduling policies read: refused where this one reads none.
         policy = self._policy
-        if req.priority != 0 and policy is not None and not getattr(policy, "reads_priority", True):
-            raise bad_request(
-                f"priority {req.priority} would change nothing: this server schedules with the "
-                f"{policy.name!r} policy, which does not read priorities (start it with "
-                "--policy priority); send priority 0 or leave it out",
-                param="priority",
-                code="unsupported_parameter",
-            )
-        if policy is not None and not getattr(policy, "reads_slo_targets", True):
-            for name in ("slo_ttft_ms", "slo_tpot_ms"):
-                if getattr(req, name) is not None:
-                    raise bad_request(
-                        f"{name} would change nothing: this server schedules with the "
-                        f"{policy.name!r} policy, which reads no SLO targets (start it with "
-                        f"--policy slo); leave {name} out",
-                        param=name,
-                        code="unsupported_parameter",
-                    )
+        for name, sent, reads, flag in (
+            ("priority", req.priority != 0, "reads_priority", "--policy priority"),
+            ("slo_ttft_ms", req.slo_ttft_ms is not None, "reads_slo_targets", "--policy slo"),
+            ("slo_tpot_ms", req.slo_tpot_ms is not None, "reads_slo_targets", "--policy slo"),
+        ):
+            if sent and policy is not None and not getattr(policy, reads, True):
+                raise bad_request(
+                    f"{name} would change nothing: this server schedules with the "
+                    f"{policy.name!r} policy, which does not read it (start it with {flag}); "
+                    f"leave {name} out",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
         params = req.sampling_params()

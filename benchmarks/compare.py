@@ -132,6 +132,7 @@ def run_iterserve(
     max_model_len: int,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
+    temperature: float = 0.0,
 ) -> Result:
     from iterserve.engine.llm import LLM
     from iterserve.sampling_params import SamplingParams
@@ -148,7 +149,7 @@ def run_iterserve(
     llm.generate(
         [warmup_prompt(wl)], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     )  # warm-up
-    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in wl]
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=temperature) for _, o in wl]
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in wl], params)
     wall = time.perf_counter() - t0
@@ -170,6 +171,7 @@ def run_iterserve_proc(
     seqs: int,
     tokens: int,
     omp_wait_policy: str | None = None,
+    temperature: float = 0.0,
 ) -> Result:
     """run_iterserve in a fresh process, as the vLLM peer runs, so neither inherits the other's
     allocator, threads or caches."""
@@ -178,7 +180,8 @@ def run_iterserve_proc(
     import tempfile
 
     job = {"model": model, "wl": wl, "threads": threads, "max_model_len": max_model_len,
-           "max_num_seqs": seqs, "max_num_batched_tokens": tokens}  # fmt: skip
+           "max_num_seqs": seqs, "max_num_batched_tokens": tokens,
+           "temperature": temperature}  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(job, f)
         f.flush()
@@ -211,7 +214,7 @@ def _run_job(path: str) -> None:
     torch.set_num_threads(j["threads"])
     r = run_iterserve(
         j["model"], wl, j["threads"], j["max_model_len"], j["max_num_seqs"],
-        j["max_num_batched_tokens"],
+        j["max_num_batched_tokens"], j["temperature"],
     )  # fmt: skip
     out = {"wall_s": r.wall_s, "output_tokens": r.output_tokens, "note": r.note}
     print(_MARK + json.dumps(out), flush=True)
@@ -230,11 +233,13 @@ def run_vllm(
     kv_gib: int,
     venv: str | None = None,
     dtype: str = "bfloat16",
+    temperature: float = 0.0,
 ) -> Result:
     d = vllm_cpu.run_offline(
         model_dir, wl, max_num_seqs=seqs, max_num_batched_tokens=tokens,
         max_model_len=max_model_len, threads=threads, kv_cache_gib=kv_gib,
         venv=Path(venv) if venv else None, warmup=warmup_prompt(wl), dtype=dtype,
+        temperature=temperature,
     )  # fmt: skip
     note = f"vllm-cpu {vllm_cpu.VLLM_CPU_VERSION} {dtype}: max_num_seqs {seqs}, "
     note += f"max_num_batched_tokens {tokens}, KV {kv_gib} GiB"
@@ -375,6 +380,7 @@ def _candidates(a: argparse.Namespace, model_dir: str, wl: Workload) -> list[tup
                         q,
                         t,
                         a.iterserve_omp_wait_policy,
+                        a.temperature,
                     ),
                 )  # fmt: skip
                 for q, t in grid
@@ -383,7 +389,7 @@ def _candidates(a: argparse.Namespace, model_dir: str, wl: Workload) -> list[tup
             out += [
                 (sysname, partial(run_vllm, model_dir, wl, a.threads, a.max_model_len, q, t,
                                   a.vllm_kv_gib, a.vllm_venv,
-                                  vllm_cpu.resolve_dtype(a.vllm_dtype)))
+                                  vllm_cpu.resolve_dtype(a.vllm_dtype), a.temperature))
                 for q, t in grid
             ]  # fmt: skip
         elif sysname == "llamacpp":
@@ -466,7 +472,14 @@ def main(argv: list[str] | None = None) -> None:
         "loaded for the probe) and vLLM's helper processes spin beside the engines",
     )
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="sampling temperature of every request (0: greedy); iterserve and vllm-cpu only",
+    )  # fmt: skip
     a = ap.parse_args(argv)
+    others = {s for s in a.systems.split(",") if s} - {"iterserve", "vllm-cpu"}
+    if a.temperature != 0.0 and others:
+        ap.error(f"--temperature reaches iterserve and vllm-cpu only, not {sorted(others)}")
     if a.job:
         _run_job(a.job)
         return

@@ -165,6 +165,52 @@ def test_argmax_equals_torch(kern_variant: kernels.Kernels) -> None:
     assert torch.equal(kern.argmax(x), x.argmax(-1))
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _philox4x32_10(c: tuple[int, ...], k0: int, k1: int) -> list[int]:
+    """Philox4x32-10 in plain Python, from the paper's definition (Salmon et al., SC'11)."""
+    w = list(c)
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * w[0], 0xCD9E8D57 * w[2]
+        w = [(p1 >> 32) ^ w[1] ^ k0, p1 & _M32, (p0 >> 32) ^ w[3] ^ k1, p0 & _M32]
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return w
+
+
+def test_philox_uniform_is_the_reference_stream(kern_variant: kernels.Kernels) -> None:
+    """The sampler's uniforms: Philox4x32-10 (checked against Random123's known answers), word
+    (j % 64) // 16 of counter j // 64 * 16 + j % 16 as its top 24 bits over 2^24; a row alone
+    equals the same row in a batch; a vocabulary that is not a multiple of 64."""
+    kat = [
+        ((0, 0, 0, 0), (0, 0), [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
+        ((_M32,) * 4, (_M32, _M32), [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1],
+        ),
+    ]
+    for c, (k0, k1), want in kat:
+        assert _philox4x32_10(c, k0, k1) == want
+    kern = kern_variant
+    keys = torch.tensor([0, 1, -1, 0x0123456789ABCDEF, -(2**63)], dtype=torch.int64)
+    u = kern.uniform(keys, 200)
+    for r, key in enumerate(keys.tolist()):
+        k = key % 2**64
+        ref = [
+            (_philox4x32_10((j // 64 * 16 + j % 16, 0, 0, 0), k & _M32, k >> 32)[j % 64 // 16] >> 8)
+            / 2**24
+            for j in range(200)
+        ]
+        assert u[r].tolist() == ref, key
+    assert torch.equal(kern.uniform(keys[3:4], 200), u[3:4])
+    assert 0.0 <= u.min() and u.max() < 1.0
+    assert kern.uniform(keys, 0).shape == (5, 0)
+    with pytest.raises(ValueError, match="int64 keys"):
+        kern.uniform(keys.int(), 3)
+
+
 def _prefill_case(
     n: int, p0: int, H: int, kvh: int, hd: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ import torch
 
 from iterserve import LLM, SamplingParams
 from iterserve.core.request import Request
+from iterserve.model import kernels
 from iterserve.model.sampler import SampleRow, sample
 
 V = 32
@@ -207,3 +208,34 @@ def test_greedy_tokens_from_the_lm_head_equal_the_samplers(monkeypatch: pytest.M
         assert len(calls) == n  # the logprobs run sampled from the logits
     assert outs[0] == outs[1]
     assert all(len(t) == 6 for t in outs[0])
+
+
+@pytest.mark.parametrize("with_kernels", [True, False])
+def test_sampled_tokens_follow_the_distribution(with_kernels: bool) -> None:
+    """The exponential race draws from softmax(logits): on CPU from the kernels' Philox noise
+    (or torch's exponential_ without them); tokens of probability 0 never come; a seeded row
+    gives the same token alone and among others."""
+    kern = kernels.load() if with_kernels else None
+    if with_kernels and kern is None:
+        pytest.skip("no C++ compiler: the kernels' noise cannot be built here")
+    head = [0.3, 0.2, 0.15, 0.1, 0.1, 0.05]
+    probs = torch.tensor(head + [0.1 / 60] * 60 + [0.0] * 4)  # 70 tokens, the last 4 banned
+    n = 20000
+    rows = [_row(SamplingParams(temperature=1.0)) for _ in range(n)]
+    torch.manual_seed(0)
+    tokens = torch.tensor(sample(probs.log().repeat(n, 1), rows, kern)[0])
+    assert int((tokens >= 66).sum()) == 0
+    counts = torch.bincount(tokens, minlength=70).double()
+    seen = torch.cat([counts[:6], counts[6:66].sum().unsqueeze(0)])
+    want = torch.tensor([*head, 0.1], dtype=torch.float64) * n
+    chi2 = float(((seen - want) ** 2 / want).sum())
+    assert chi2 < 38.0, (seen.tolist(), chi2)  # 6 degrees of freedom: p ~ 1e-6
+    seeded = SamplingParams(temperature=1.0, seed=5)
+    logits = _logits(4)
+
+    def gen_row() -> SampleRow:
+        return SampleRow(seeded, torch.Generator().manual_seed(5), _row(seeded).request)
+
+    alone = sample(logits[2:3].clone(), [gen_row()], kern)[0]
+    batch = sample(logits.clone(), [_row(seeded), _row(seeded), gen_row(), _row(seeded)], kern)[0]
+    assert batch[2] == alone[0]

@@ -238,6 +238,8 @@ class Kernels:
         self.lib.rope_bf16.restype = None
         self.lib.argmax_f32.argtypes = [_P, _I, _I, _P]
         self.lib.argmax_f32.restype = None
+        self.lib.philox_uniform.argtypes = [_P, _I, ctypes.c_int64, _P]
+        self.lib.philox_uniform.restype = None
         self.lib.paged_decode_attention.argtypes = [
             _P,
             ctypes.c_int64,
@@ -444,6 +446,18 @@ class Kernels:
         x = x.contiguous()
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self.lib.argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out
+
+    def uniform(self, keys: torch.Tensor, n: int) -> torch.Tensor:
+        """f32 [len(keys), n] in [0, 1): row r is the Philox4x32-10 stream of key ``keys[r]``
+        (int64, any value), element j a function of the key and j alone (``philox_uniform``),
+        the same on every CPU and thread count."""
+        if keys.dtype != torch.int64 or keys.dim() != 1 or n < 0:
+            raise ValueError(f"uniform takes int64 keys [rows] and n >= 0, got {keys.dtype} {n}")
+        keys = keys.contiguous()
+        out = torch.empty(keys.shape[0], n, dtype=torch.float32)
+        if keys.shape[0] and n:
+            self.lib.philox_uniform(keys.data_ptr(), keys.shape[0], n, out.data_ptr())
         return out
 
     def paged_decode_attention(

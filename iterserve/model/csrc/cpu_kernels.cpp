@@ -2144,6 +2144,94 @@ void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const
     }
 }
 
+// --- Uniform random numbers for sampling: Philox4x32-10 (Salmon et al., SC'11; the generator
+// behind torch's and cuRAND's GPU streams), counter-based, so any element of any row is
+// computed on its own and rows split across threads with the same result. torch's CPU
+// exponential_ took ~19 ns an element (0.9 ms for one row of a 49,152-token vocabulary,
+// docs/SPEED.md "Sampling noise"); this is one pass of integer arithmetic.
+constexpr uint32_t PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;
+constexpr uint32_t PHILOX_W0 = 0x9E3779B9u, PHILOX_W1 = 0xBB67AE85u;
+
+// The four words of Philox4x32-10 at counter c, key k (Random123's philox4x32_R(10, ...)).
+inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
+    for (int r = 0; r < 10; ++r) {
+        const uint64_t p0 = uint64_t(PHILOX_M0) * c[0], p1 = uint64_t(PHILOX_M1) * c[2];
+        const uint32_t n0 = uint32_t(p1 >> 32) ^ c[1] ^ k0, n2 = uint32_t(p0 >> 32) ^ c[3] ^ k1;
+        c[1] = uint32_t(p1);
+        c[3] = uint32_t(p0);
+        c[0] = n0;
+        c[2] = n2;
+        k0 += PHILOX_W0;
+        k1 += PHILOX_W1;
+    }
+}
+
+// u in [0, 1) from a 32-bit word: its top 24 bits over 2^24 (exact in f32; never 1, so -log(u)
+// is never 0, and 0 only once in 2^24, where -log(u) is +inf and the element cannot win a race).
+inline float philox_unit(uint32_t w) { return static_cast<float>(w >> 8) * (1.f / 16777216.f); }
+
+#if defined(__AVX512F__)
+// Philox4x32-10 on 16 counters at once (lanes), the same words as philox4x32_10.
+inline void philox16(__m512i (&c)[4], uint32_t k0, uint32_t k1) {
+    const __m512i m0 = _mm512_set1_epi32(static_cast<int>(PHILOX_M0)), m1 = _mm512_set1_epi32(static_cast<int>(PHILOX_M1));
+    // the high 32 bits of each lane's 32 x 32-bit product: even lanes from one widening
+    // multiply, odd lanes from another on the odd dwords
+    auto mulhi = [](__m512i a, __m512i m) {
+        const __m512i even = _mm512_srli_epi64(_mm512_mul_epu32(a, m), 32);
+        const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
+        return _mm512_mask_blend_epi32(0xAAAA, even, odd);
+    };
+    for (int r = 0; r < 10; ++r) {
+        const __m512i h0 = mulhi(c[0], m0), h1 = mulhi(c[2], m1);
+        const __m512i l0 = _mm512_mullo_epi32(c[0], m0), l1 = _mm512_mullo_epi32(c[2], m1);
+        const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(h1, c[1]), _mm512_set1_epi32(static_cast<int>(k0)));
+        const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(h0, c[3]), _mm512_set1_epi32(static_cast<int>(k1)));
+        c[0] = n0;
+        c[1] = l1;
+        c[2] = n2;
+        c[3] = l0;
+        k0 += PHILOX_W0;
+        k1 += PHILOX_W1;
+    }
+}
+#endif
+
+// out [rows, n] f32: element j of row r is word (j % 64) / 16 of Philox4x32-10 at counter
+// (j / 64 * 16 + j % 16, 0, 0, 0) with key keys[r] (low 32 bits, high 32 bits), as a unit
+// float (philox_unit). A group of 64 elements is 16 counters' four words, one word's 16 lanes
+// contiguous, so the vector path stores whole vectors; the scalar path makes the same numbers.
+void philox_uniform(const uint64_t* keys, int rows, int64_t n, float* out) {
+    const int64_t groups = (n + 63) / 64;
+#pragma omp parallel for schedule(static) collapse(2) if (int64_t(rows) * n >= PAR_MIN_ELEMS)
+    for (int r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < groups; ++g) {
+            const uint32_t k0 = static_cast<uint32_t>(keys[r]), k1 = static_cast<uint32_t>(keys[r] >> 32);
+            float* o = out + static_cast<int64_t>(r) * n;
+            const int64_t e0 = g * 64;
+            alignas(64) float tmp[64];
+            float* dst = e0 + 64 <= n ? o + e0 : tmp;  // the last, short group goes through tmp
+#if defined(__AVX512F__)
+            __m512i c[4];
+            c[0] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(g * 16)),
+                                    _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+            c[1] = c[2] = c[3] = _mm512_setzero_si512();
+            philox16(c, k0, k1);
+            const __m512 scale = _mm512_set1_ps(1.f / 16777216.f);
+            for (int w = 0; w < 4; ++w)
+                _mm512_storeu_ps(dst + 16 * w, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c[w], 8)), scale));
+#else
+            for (int l = 0; l < 16; ++l) {
+                uint32_t c[4] = {static_cast<uint32_t>(g * 16 + l), 0, 0, 0};
+                philox4x32_10(c, k0, k1);
+                for (int w = 0; w < 4; ++w) dst[16 * w + l] = philox_unit(c[w]);
+            }
+#endif
+            if (dst == tmp)
+                for (int64_t j = e0; j < n; ++j) o[j] = tmp[j - e0];
+        }
+    }
+}
+
 // Index of each row's largest value, the first one on ties, a NaN counting as the largest (as
 // torch.argmax). x [rows, n] f32 contiguous.
 void argmax_f32(const float* x, int rows, int n, int64_t* out) {

@@ -133,20 +133,3 @@ def test_tpot_target_comes_from_the_header_over_the_body() -> None:
         assert err["param"] == "x-slo-tpot-ms" and "time-per-output-token" in err["message"]
         r = c.post("/v1/completions", json={**BODY, "slo_tpot_ms": 0})
         assert r.status_code == 400 and r.json()["error"]["param"] == "slo_tpot_ms"
-
-
-def test_a_list_of_prompts_reaches_the_engine_as_one_call() -> None:
-    """The scheduler shares the sequence slots between client calls (tests/test_call_sharing.py):
-    the server names each call of several prompts, and nothing for a call of one."""
-    fake = FakeEngine()
-    engine, server = serve(fake)
-    with server, httpx.Client(base_url=server.url, timeout=10) as c:
-        r = c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})
-        assert r.status_code == 200, r.text
-        groups = sorted(fake.groups.values(), key=lambda g: g[1])
-        assert [g[1] for g in groups] == [0, 1, 2]
-        assert len({g[0] for g in groups}) == 1 and groups[0][0] is not None
-        before = set(fake.groups)
-        assert c.post("/v1/completions", json={**BODY, "n": 2}).status_code == 200
-        (rid,) = set(fake.groups) - before
-        assert fake.groups[rid] == (None, 0)  # the engine makes n > 1 one call itself

@@ -45,77 +45,31 @@ SLO_REJECTION = "cannot meet its time-to-first-token target"
 
 
 class WaitingQueue:
-    """FCFS: arrival order; preempted requests go back to the head.
-
-    The sequences of one client call (several prompts, n > 1: ``Request.group``) take turns
-    with other calls: a request waits in the lane of its ``group_index`` (0 for a call of one
-    sequence), lanes are served in index order, each in arrival order. A call's k-th
-    sequence so waits behind every other call's first k, and a later call does not wait
-    behind all of an earlier one's hundreds; with one sequence a call, this is plain FCFS.
-    """
+    """FCFS: arrival order; preempted requests go back to the head."""
 
     def __init__(self) -> None:
-        self._q: deque[Request] = deque()  # lane 0: every call's first sequence
-        self._lanes: dict[int, deque[Request]] = {}  # lanes past 0 that hold requests
-        self._lane_keys: list[int] = []  # their indices, ascending
-        self._len = 0
-
-    def _lane(self, req: Request) -> deque[Request]:
-        k = req.group_index
-        if k == 0:
-            return self._q
-        lane = self._lanes.get(k)
-        if lane is None:
-            lane = self._lanes[k] = deque()
-            bisect.insort(self._lane_keys, k)
-        return lane
-
-    def _head_lane(self) -> deque[Request]:
-        if self._q:
-            return self._q
-        if not self._lane_keys:
-            raise IndexError("peek from an empty waiting queue")
-        return self._lanes[self._lane_keys[0]]
-
-    def _drop_if_empty(self, k: int) -> None:
-        if k and not self._lanes[k]:
-            del self._lanes[k]
-            self._lane_keys.remove(k)
+        self._q: deque[Request] = deque()
 
     def push(self, req: Request) -> None:
-        self._lane(req).append(req)
-        self._len += 1
+        self._q.append(req)
 
     def push_front(self, req: Request) -> None:
-        self._lane(req).appendleft(req)
-        self._len += 1
+        self._q.appendleft(req)
 
     def peek(self) -> Request:
-        return self._head_lane()[0]
+        return self._q[0]
 
     def pop(self) -> Request:
-        req = self._head_lane().popleft()
-        self._len -= 1
-        self._drop_if_empty(req.group_index)
-        return req
+        return self._q.popleft()
 
     def remove(self, req: Request) -> None:
-        self._lane(req).remove(req)
-        self._len -= 1
-        self._drop_if_empty(req.group_index)
-
-    def goes_before(self, a: Request, b: Request) -> bool:
-        """Would ``a``, pushed back to the front (a preemption), wait ahead of waiting ``b``?"""
-        return a.group_index <= b.group_index
+        self._q.remove(req)
 
     def __len__(self) -> int:
-        return self._len
+        return len(self._q)
 
     def __iter__(self) -> Iterator[Request]:
-        """In admission order: lane by lane."""
-        yield from self._q
-        for k in self._lane_keys:
-            yield from self._lanes[k]
+        return iter(self._q)
 
 
 class KeyedWaitingQueue(WaitingQueue):
@@ -144,9 +98,6 @@ class KeyedWaitingQueue(WaitingQueue):
                 return
         raise ValueError(f"{req.request_id} not waiting")
 
-    def goes_before(self, a: Request, b: Request) -> bool:
-        return self._key(a) <= self._key(b)
-
     def __len__(self) -> int:
         return len(self._items)
 
@@ -154,14 +105,13 @@ class KeyedWaitingQueue(WaitingQueue):
         return (t[1] for t in self._items)
 
 
-def _priority_key(req: Request) -> tuple[int, int, int]:
-    return (req.priority, req.group_index, req.arrival_seq)
+def _priority_key(req: Request) -> tuple[int, int]:
+    return (req.priority, req.arrival_seq)
 
 
 class PriorityWaitingQueue(KeyedWaitingQueue):
-    """Lower ``priority`` value first, then (as ``WaitingQueue``'s lanes) the lower place in
-    its client call, then earlier arrival. A preempted request keeps its key, which puts it
-    ahead of every later arrival of the same priority and place."""
+    """Lower ``priority`` value first, then earlier arrival. A preempted request keeps its
+    key, which puts it ahead of every later arrival of the same priority."""
 
     def __init__(self) -> None:
         super().__init__(_priority_key)
@@ -229,13 +179,6 @@ class Policy:
     orders_by_priority: ClassVar[bool] = False
     # Whether it reads a request's own ``slo_ttft_s`` / ``slo_tpot_s`` targets.
     uses_slo_targets: ClassVar[bool] = False
-    # Whether the scheduler shares the sequence slots between client calls (``Request.group``:
-    # several prompts or n > 1 in one call): with every slot taken, one sequence of the call
-    # holding the most gives its slot to a call waiting at the head of the queue that holds
-    # fewer, and a short KV pool takes its victims from that call first
-    # (``Scheduler._slot_victim``). Off where a policy shares by its own books (fair: tenants)
-    # or never preempts for waiting requests (static).
-    shares_slots_between_calls: ClassVar[bool] = True
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         victim = config.preemption_victim if config is not None else None
@@ -332,7 +275,6 @@ class StaticPolicy(Policy):
 
     name = "static"
     admit_beyond_budget = True
-    shares_slots_between_calls = False
 
     def can_admit(self, num_running: int) -> bool:
         return num_running == 0
@@ -437,9 +379,6 @@ class FairWaitingQueue(WaitingQueue):
                 return
         raise ValueError(f"{req.request_id} not waiting")
 
-    def goes_before(self, a: Request, b: Request) -> bool:
-        return True  # tenants' ranks move with the books: no call-by-call swaps here
-
     def _after_removal(self, tenant: str, q: list[Request], head: bool) -> None:
         self._len -= 1
         if not q:
@@ -505,7 +444,6 @@ class FairPolicy(Policy):
 
     name = "fair"
     TOLERANCE_STEPS = 2
-    shares_slots_between_calls = False
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         super().__init__(config)

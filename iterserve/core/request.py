@@ -60,8 +60,6 @@ class Request:
         "max_computed_tokens",
         "resumed_at",
         "tenant",
-        "group",
-        "group_index",
         "slo_ttft_s",
         "slo_tpot_s",
         "lost_if_preempted",
@@ -80,8 +78,6 @@ class Request:
         tenant: str = "",
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
-        group: str | None = None,
-        group_index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -106,11 +102,6 @@ class Request:
         self.max_computed_tokens = 0
         self.resumed_at = -1  # the scheduler step that re-admitted it after a preemption
         self.tenant = tenant  # who sent it (OpenAI ``user``): the fair policy's unit
-        # The client call it is one sequence of (several prompts, n > 1; None: a call of one
-        # sequence), and its place in that call: the scheduler shares the sequence slots
-        # between calls (Scheduler._share_slots, WaitingQueue).
-        self.group = group
-        self.group_index = group_index
         self.slo_ttft_s = slo_ttft_s  # its time-to-first-token target (the slo policy's)
         self.slo_tpot_s = slo_tpot_s  # its time-per-output-token target (likewise)
         # The scheduler's estimate, set on each candidate before a loss-aware victim rule

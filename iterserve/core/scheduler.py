@@ -16,21 +16,12 @@ Long-prompt mode (``long_prefill_threshold`` > 0): a prompt with more uncomputed
 the threshold runs at most that many a step, and at most ``max_long_partial_prefills`` such
 prompts run per step; a long waiting prompt beyond that cap is passed over (keeping its
 place), so short prompts behind it are admitted at once.
-
-Client calls of several sequences (``Request.group``: a list of prompts, n > 1) share the
-sequence slots with other calls where the policy says so (``Policy.shares_slots_between_calls``):
-the waiting queue puts a call's k-th sequence behind every other call's first k; when every
-slot is taken, one sequence of the call holding the most gives its slot to the call at the
-head of the queue if that one holds no more than the other after the swap (at most one a
-step); and a short KV pool takes its victims from the call holding the most slots. Without
-that, one call of 256 prompts held every later request until most of its own had finished.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -87,10 +78,6 @@ class Scheduler:
         )
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Live requests of each client call of several sequences (Request.group): empty, as
-        # it is without such calls, keeps every step clear of the slot sharing.
-        self._groups: dict[str, int] = {}
-        self._share = self.policy.shares_slots_between_calls
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
         # Cumulative counters (the engine's stats read them).
@@ -110,8 +97,6 @@ class Scheduler:
         req.arrival_seq = next(self._arrivals)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
-        if req.group is not None:
-            self._groups[req.group] = self._groups.get(req.group, 0) + 1
         self.policy.on_arrival(req)
         self.waiting.push(req)
 
@@ -151,12 +136,6 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         self.kv.free(req)
         del self.requests[req.request_id]
-        g = req.group
-        if g is not None:
-            if self._groups[g] > 1:
-                self._groups[g] -= 1
-            else:
-                del self._groups[g]
         self.policy.on_finish(req)
 
     def _preempt(self, req: Request, scheduled: bool = False) -> None:
@@ -188,45 +167,6 @@ class Scheduler:
                 candidates = spare
         return self.policy.pick_victim(candidates)
 
-    def _holdings(self) -> tuple[Counter[str], str, int] | None:
-        """Sequence slots held by each client call of several sequences that runs, the call
-        holding the most and its count; None when no such call runs."""
-        held = Counter(r.group for r in self.running if r.group is not None)
-        if not held:
-            return None
-        big, n = held.most_common(1)[0]
-        return held, big, n
-
-    def _largest_call(self, candidates: list[Request]) -> list[Request]:
-        """The candidates of the client call holding the most sequence slots, if it holds more
-        than one, else all: where calls share the slots, a short pool takes from it first."""
-        h = self._holdings() if self._groups and self._share else None
-        if h is None:
-            return candidates
-        _, big, n = h
-        mine = [r for r in candidates if r.group == big]
-        return mine if n > 1 and mine else candidates
-
-    def _slot_victim(self) -> Request | None:
-        """With every sequence slot taken: a running sequence of the client call holding the
-        most slots, to give its slot to the call whose request heads the waiting queue, if
-        that call holds no more than the other after the swap (a swap back would need the
-        reverse, so none is undone at once; two calls end up holding half each) and the
-        sequence, back in the queue, would wait behind the head. Else None."""
-        if not self.waiting or len(self.running) < self.config.max_num_seqs:
-            return None
-        h = self._holdings()
-        if h is None:
-            return None
-        held, big, n = h
-        head = self.waiting.peek()
-        mine = held.get(head.group, 0) if head.group is not None else 0
-        if head.group == big or mine + 1 > n - 1:
-            return None
-        before = self.waiting.goes_before
-        candidates = [r for r in self.running if r.group == big and not before(r, head)]
-        return self._pick_victim(candidates) if candidates else None
-
     # ---- the step decision --------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -240,11 +180,6 @@ class Scheduler:
             victim = self._pick_victim(candidates)
             self._preempt(victim)  # before anything is scheduled: nothing to give back
             out.preempted.append(victim)
-        if self._groups and self._share:
-            shared = self._slot_victim()
-            if shared is not None:
-                self._preempt(shared)
-                out.preempted.append(shared)
         made_room = len(out.preempted)  # admission still runs after these
         split = self.policy.split_budget(budget)
         prefill_left = split.partial_prefill  # None: no cap
@@ -283,9 +218,7 @@ class Scheduler:
                 # Every running request is a candidate, those already given tokens this step
                 # too (as in vLLM): otherwise the rule could only choose among the few not
                 # yet reached, and the asking request itself was the victim most of the time.
-                victim = self._pick_victim(
-                    self._largest_call([req, *(r for r in self.running if r is not req)])
-                )
+                victim = self._pick_victim([req, *(r for r in self.running if r is not req)])
                 if victim is req and len(self.running) == 1:
                     self._fail(req, out, self._too_big_message(req, num_new))
                     break
@@ -539,9 +472,6 @@ class Scheduler:
             raise AssertionError(f"live {live} != running {running} | waiting {waiting}")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running > max_num_seqs")
-        calls = Counter(r.group for r in self.requests.values() if r.group is not None)
-        if calls != Counter(self._groups):
-            raise AssertionError(f"call books {self._groups} != live calls {dict(calls)}")
         for r in self.waiting:
             if self.kv.block_table(r.request_id):
                 raise AssertionError(f"waiting request {r.request_id} holds blocks")

@@ -170,8 +170,6 @@ class _AddCmd:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     output_kind: OutputKind = "cumulative"
-    group: str | None = None
-    group_index: int = 0
 
 
 @dataclass
@@ -668,8 +666,6 @@ class AsyncEngine:
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
         output_kind: OutputKind = "cumulative",
-        group: str | None = None,
-        group_index: int = 0,
     ) -> RequestStream:
         """Submits a request and waits until the engine accepted it.
 
@@ -677,8 +673,7 @@ class AsyncEngine:
         EngineShuttingDownError or EngineDeadError. ``num_prompt_tokens`` (if known) feeds
         ``max_queued_tokens``; it defaults to ``len(prompt)`` for token-id prompts and to a
         tokenization of the string otherwise (only when that limit is set). ``tenant``,
-        ``slo_ttft_s``, ``slo_tpot_s``, ``group`` and ``group_index`` go to the engine
-        (``EngineInterface.add_request``).
+        ``slo_ttft_s`` and ``slo_tpot_s`` go to the engine (``EngineInterface.add_request``).
         ``output_kind`` (output_processor.OutputKind): how the stream's outputs carry token ids
         and logprobs; the server takes ``finished_lists``.
         """
@@ -718,8 +713,6 @@ class AsyncEngine:
                 slo_ttft_s=slo_ttft_s,
                 slo_tpot_s=slo_tpot_s,
                 output_kind=output_kind,
-                group=group,
-                group_index=group_index,
             )
         )
         thread = self._thread
@@ -908,8 +901,6 @@ class AsyncEngine:
                         tenant=cmd.tenant,
                         slo_ttft_s=cmd.slo_ttft_s,
                         slo_tpot_s=cmd.slo_tpot_s,
-                        group=cmd.group,
-                        group_index=cmd.group_index,
                     )
                 except ValueError as e:
                     self._release(cmd.request_id)

@@ -196,18 +196,12 @@ class LLMEngine:
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
         final_only: bool = False,
-        group: str | None = None,
-        group_index: int = 0,
     ) -> None:
         """Queues a request. Raises ValueError (changing nothing) for bad input.
 
         ``tenant`` is who sent it (the ``fair`` policy's unit); ``slo_ttft_s`` /
         ``slo_tpot_s`` its own TTFT / TPOT targets for the ``slo`` policy (None: the
-        scheduler's ``slo_ttft_ms`` / ``slo_tpot_ms``). ``group``: the client call this
-        request is part of when that call has several (the server's list of prompts), and
-        ``group_index`` its place in it; the scheduler shares the sequence slots between
-        calls (``Policy.shares_slots_between_calls``). A request's own n > 1 sequences are
-        one call without it. ``final_only``: ``step()`` returns
+        scheduler's ``slo_ttft_ms`` / ``slo_tpot_ms``). ``final_only``: ``step()`` returns
         this request's output once, when it finishes (vLLM's ``RequestOutputKind.FINAL_ONLY``),
         so no step copies its growing token ids and logprobs."""
         params = params or SamplingParams()
@@ -216,8 +210,6 @@ class LLMEngine:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v}")
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if group_index < 0:
-            raise ValueError(f"group_index must be >= 0, got {group_index}")
         text, ids = self._prompt_ids(prompt)
         ids = params.truncate_prompt(ids, self.max_model_len)
         self._check_token_ids(params)
@@ -237,8 +229,6 @@ class LLMEngine:
         )
         # best_of > n: best_of candidates (the output processor returns the n best)
         num_seqs = params.num_candidates
-        if group is None and num_seqs > 1:
-            group = request_id
         want_lps = params.needs_logprobs
         for i in range(num_seqs):
             sid = request_id if num_seqs == 1 else f"{request_id}#{i}"
@@ -258,8 +248,6 @@ class LLMEngine:
                 tenant=tenant,
                 slo_ttft_s=slo_ttft_s,
                 slo_tpot_s=slo_tpot_s,
-                group=group,
-                group_index=group_index * num_seqs + i,
             )
             seq = _Seq(req, parent, i, gen, [] if want_lps else None, bad_words_token_ids=bad_words)
             parent.seqs.append(seq)

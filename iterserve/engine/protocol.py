@@ -91,15 +91,11 @@ class EngineInterface(Protocol):
         tenant: str = "",
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
-        *,
-        group: str | None = None,
-        group_index: int = 0,
     ) -> None:
         """Queues a request; raises ValueError (changing nothing) when it is invalid.
         ``tenant`` feeds the ``fair`` policy, ``slo_ttft_s`` / ``slo_tpot_s`` (None: the
         engine's defaults) the ``slo`` policy, which may end the request with an error
-        output instead. ``group`` / ``group_index``: the client call it is part of, and its
-        place there (``LLMEngine.add_request``)."""
+        output instead."""
         ...
 
     def abort_request(self, request_id: str) -> None:

@@ -285,8 +285,6 @@ class Serving:
         route = route or Routing()
         if params.truncate_prompt_tokens is not None:
             params = dataclasses.replace(params, truncate_prompt_tokens=None)
-        # Several prompts are one call: the scheduler shares the slots between calls.
-        group = base if len(prompts) > 1 else None
         try:
             for i, p in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
@@ -300,8 +298,6 @@ class Serving:
                         slo_ttft_s=route.slo_ttft_s,
                         slo_tpot_s=route.slo_tpot_s,
                         output_kind="finished_lists",  # no per-step copies of the lists
-                        group=group,
-                        group_index=i,
                     )
                 )
         except Exception as e:

@@ -108,7 +108,6 @@ class FakeEngine:
         self.min_ttft_s: float | None = None
         self.routing: dict[str, tuple[str, float | None]] = {}  # id -> (tenant, slo_ttft_s)
         self.tpot_targets: dict[str, float | None] = {}  # id -> slo_tpot_s
-        self.groups: dict[str, tuple[str | None, int]] = {}  # id -> (group, group_index)
         self.num_rejected = 0
         self.recomputed_tokens = 0  # reported by stats() as set (the fake never preempts)
         self.recompute_tax = 0.0
@@ -124,8 +123,6 @@ class FakeEngine:
         tenant: str = "",
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
-        group: str | None = None,
-        group_index: int = 0,
     ) -> None:
         if request_id in self.reqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -159,7 +156,6 @@ class FakeEngine:
         )
         self.routing[request_id] = (tenant, slo_ttft_s)
         self.tpot_targets[request_id] = slo_tpot_s
-        self.groups[request_id] = (group, group_index)
         r.out = [[] for _ in range(params.num_candidates)]
         r.finish = [None] * params.num_candidates
         r.stop_reason = [None] * params.num_candidates

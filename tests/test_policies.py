@@ -571,6 +571,34 @@ def test_fair_admits_the_light_tenant_ahead_of_a_flood() -> None:
     assert ended["l0"] > 70  # FCFS: behind all 20
 
 
+def test_fair_fails_a_deferred_request_that_can_never_fit_instead_of_waiting_for_ever() -> None:
+    # 48 token slots; tenant b's request grows to 54 tokens. Once tenant a waits, b's decodes
+    # are deferred until admission has had the step, and admission waits for blocks b holds:
+    # before, neither ever moved again. Now a step that scheduled nothing lets the deferred
+    # request preempt as running ones do, and alone and too big it fails.
+    s = sched(num_blocks=12, block_size=4, policy="fair", max_num_seqs=4, max_num_batched_tokens=16)
+    big, small = tenant_req("b0", "b", 25, 29, seed=1), tenant_req("a0", "a", 19, 4, seed=2)
+    ended = drive(s, [(0, big), (8, small)], max_steps=200)
+    assert big.finish_reason is FinishReason.ERROR and "KV" in (big.error or "")
+    assert small.finish_reason is FinishReason.LENGTH and ended["a0"] > ended["b0"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), num_blocks=st.integers(8, 40))
+def test_property_fair_ends_every_request_on_tiny_pools(
+    data: st.DataObject, num_blocks: int
+) -> None:
+    """Tenants on pools too small for some of their requests: every request ends (finished or
+    failed as too big) within drive's step bound, and the books hold after every step. (300
+    examples, ~4 s: at the usual 40 the deferred-request deadlock above was not found.)"""
+    s = sched(num_blocks=num_blocks, policy="fair", max_num_seqs=data.draw(st.integers(1, 6)))
+    arrivals = workload(data)
+    for _, r in arrivals:
+        r.tenant = data.draw(st.sampled_from(["", "a", "b"]))
+    ended = drive(s, arrivals)
+    assert set(ended) == {r.request_id for _, r in arrivals}
+
+
 def test_fair_books_stay_bounded_when_every_request_names_a_new_tenant() -> None:
     # Tenant names come from clients (x-tenant, user): 600 requests, each its own tenant,
     # beside a steady one, must not leave the policy a book per name (nor a walk over them

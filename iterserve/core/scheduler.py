@@ -245,7 +245,7 @@ class Scheduler:
 
         if len(out.preempted) == made_room and self.policy.can_admit(len(self.running)):
             budget, long_left = self._admit(out, budget, split.new_prompt, long_left)
-        for req in later:  # what admission left; never by preempting
+        for req in later:  # what admission left; by preempting only where nothing else ran
             if budget == 0:
                 break
             if req.status is not running:
@@ -254,7 +254,14 @@ class Scheduler:
             prefilling, is_long = num_new > 1, False
             if prefilling:
                 num_new, is_long = self._chunk(num_new, budget, prefill_left, long_left)
-            if num_new == 0 or not allocate(req, num_new):
+            if num_new == 0:
+                continue
+            # With the pool full and nothing scheduled this step, a deferred request that only
+            # waited for blocks would wait for ever (and one that can never fit would never
+            # fail): then it preempts, or fails alone, as running requests do.
+            if not allocate(req, num_new) and (
+                out.requests or not self._make_room(req, num_new, out)
+            ):
                 continue
             self._add_to_output(out, req, num_new)
             budget -= num_new
@@ -419,6 +426,23 @@ class Scheduler:
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += num_new
+
+    def _make_room(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Preempts victims (the policy's rule among all running requests) until running ``req``
+        gets ``num_new`` tokens' blocks: True once it has them; False where ``req`` itself went,
+        or failed as too big for the pool when it ran alone. Only for a step that has scheduled
+        nothing yet (nothing to give back)."""
+        while True:
+            victim = self._pick_victim([req, *(r for r in self.running if r is not req)])
+            if victim is req and len(self.running) == 1:
+                self._fail(req, out, self._too_big_message(req, num_new))
+                return False
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+            if self.kv.allocate_slots(req, num_new):
+                return True
 
     def _too_big_message(self, req: Request, num_new: int) -> str:
         need = (

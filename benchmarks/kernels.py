@@ -4,6 +4,7 @@
     python benchmarks/kernels.py attention --batch 32 --ctx 136  # paged decode attention, one layer
     python benchmarks/kernels.py prefill --tokens 2048 --start 0  # prefill attention, one layer
     python benchmarks/kernels.py elementwise --rows 1,8,32,64,512  # RMSNorm, SwiGLU, RoPE, KV write
+    python benchmarks/kernels.py sampling --rows 1,8,32,128       # a sampled step's noise
 
 gemm: the 49 bf16 weights of a bench-134m forward (12 layers x q/k/v fused, o, gate/up fused,
 down, plus the LM head; 219 MB, more than the caches, so every call streams its weight), random
@@ -32,6 +33,12 @@ takes: blocks of 16 on a CPU with AVX512-BF16), ``rope`` on q and k (24 heads of
 of qkv) and ``write_rows`` of V into a bf16 cache (12 heads of 64, random slots); us
 per call: the median of 200 calls after 10 warm-up calls in each of --repeats rounds, and the
 median of the rounds (the wrapper's Python overhead, a few us, is included).
+
+sampling: --rows rows of random logits over a --vocab vocabulary (49,152: SmolLM2's), every row
+at temperature 1 without a seed: the exponential noise of the sampler's race from torch's
+``exponential_`` and from iterserve's Philox kernel (``sampler._exponential_noise``: the
+kernel's uniforms, then -log), and the whole ``sampler.sample`` call with the kernels and
+without (torch's noise); ms per call, the median of --repeats calls.
 """
 
 from __future__ import annotations
@@ -267,16 +274,44 @@ def bench_elementwise(kern: kernels.Kernels, rows: list[int], repeats: int) -> N
         print(f"{T:>6} {med[0]:>9.1f} {med[1]:>9.1f} {med[2]:>7.1f} {med[3]:>11.1f}")
 
 
+def _sampling_row(kern: kernels.Kernels, n: int, vocab: int, repeats: int) -> list[float]:
+    from iterserve.core.request import Request
+    from iterserve.model import sampler
+    from iterserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=1.0)
+    logits = torch.randn(n, vocab)
+    probs = logits.softmax(-1)
+    rows = [sampler.SampleRow(params, None, Request("r", [1], params, 16))] * n
+    gens: list[torch.Generator | None] = [None] * n
+    return [
+        _median_ms(lambda: torch.empty_like(probs).exponential_(), repeats),
+        _median_ms(lambda: sampler._exponential_noise(probs, gens, kern), repeats),
+        _median_ms(lambda: sampler.sample(logits.clone(), rows, None), repeats),
+        _median_ms(lambda: sampler.sample(logits.clone(), rows, kern), repeats),
+    ]
+
+
+def bench_sampling(kern: kernels.Kernels, rows: list[int], vocab: int, repeats: int) -> None:
+    print(f"sampling, vocabulary {vocab}, ms per call (median of {repeats}):")
+    head = ("exponential_", "philox noise", "sample, torch", "sample")
+    print(f"{'rows':>6} " + " ".join(f"{h:>13}" for h in head))
+    for n in rows:
+        t = _sampling_row(kern, n, vocab, repeats)
+        print(f"{n:>6} " + " ".join(f"{x:>13.2f}" for x in t))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("what", choices=("gemm", "attention", "prefill", "elementwise"))
+    ap.add_argument("what", choices=("gemm", "attention", "prefill", "elementwise", "sampling"))
     ap.add_argument(
         "--rows",
         default="1,2,4,8,16,32,64,128,256,512",
-        help="gemm, elementwise: rows of x, comma-separated",
+        help="gemm, elementwise, sampling: rows of x, comma-separated",
     )
+    ap.add_argument("--vocab", type=int, default=49152, help="sampling: vocabulary size")
     ap.add_argument("--batch", type=int, default=32, help="attention: sequences")
     ap.add_argument("--ctx", type=int, default=136, help="attention: keys per sequence")
     ap.add_argument(
@@ -315,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_prefill(kern, args.tokens, args.start, args.block_size, args.repeats)
     elif args.what == "elementwise":
         bench_elementwise(kern, [int(r) for r in args.rows.split(",")], args.repeats)
+    elif args.what == "sampling":
+        bench_sampling(kern, [int(r) for r in args.rows.split(",")], args.vocab, args.repeats)
     else:
         if not 1 <= args.block_sets <= 12:
             ap.error(f"--block-sets takes 1 to 12, got {args.block_sets}")

@@ -163,10 +163,11 @@ def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
 
 
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as -inf masks (rows with none skip the sort)."""
+    """Temperature, then top-k, top-p and min-p as -inf masks (rows with none skip the sort).
+    Divides ``logits`` in place."""
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
-    logits = logits / temps.unsqueeze(1)
+    logits = logits.div_(temps.unsqueeze(1))
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
@@ -255,6 +256,18 @@ def _exponential_noise(
     return noise
 
 
+def _race(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    gens: Sequence[torch.Generator | None],
+    kern: kernels.Kernels | None,
+) -> torch.Tensor:
+    """One token per row from softmax of the filtered ``logits`` (modified in place) by the
+    exponential race: argmax(p / E) with E ~ Exp(1) draws from p."""
+    probs = _filter(logits, params).softmax(-1)
+    return probs.div_(_exponential_noise(probs, gens, kern)).argmax(-1)
+
+
 @torch.inference_mode()
 def sample(
     logits: torch.Tensor,
@@ -288,13 +301,14 @@ def sample(
 
     rand = [i for i, p in enumerate(params) if not p.greedy]
     dev = logits.device
-    tokens = greedy_argmax(logits, kern)
-    if rand:
-        ridx = torch.tensor(rand, device=dev)
-        probs = _filter(logits[ridx], [params[i] for i in rand]).softmax(-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
-        noise = _exponential_noise(probs, [rows[i].generator for i in rand], kern)
-        tokens[ridx] = probs.div_(noise).argmax(-1)
+    if len(rand) == len(rows):  # every row samples: no greedy argmax, no gathered copy
+        tokens = _race(logits, params, [r.generator for r in rows], kern)
+    else:
+        tokens = greedy_argmax(logits, kern)
+        if rand:
+            ridx = torch.tensor(rand, device=dev)
+            gens = [rows[i].generator for i in rand]
+            tokens[ridx] = _race(logits[ridx], [params[i] for i in rand], gens, kern)
     lps: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is None:
         token_list: list[int] = tokens.tolist()  # the step's one device-to-host sync

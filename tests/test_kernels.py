@@ -178,10 +178,19 @@ def _philox4x32_10(c: tuple[int, ...], k0: int, k1: int) -> list[int]:
     return w
 
 
+def _unit(words: list[int]) -> list[float]:
+    """philox_unit: min((w + 1/2) / 2^32, 1 - 2^-24), each step an f32 operation."""
+    w = torch.tensor(words, dtype=torch.int64).to(torch.float32)
+    v = (w + 0.5) * 2.0**-32
+    return torch.minimum(v, torch.tensor(1.0 - 2.0**-24)).tolist()
+
+
 def test_philox_uniform_is_the_reference_stream(kern_variant: kernels.Kernels) -> None:
     """The sampler's uniforms: Philox4x32-10 (checked against Random123's known answers), word
-    (j % 64) // 16 of counter j // 64 * 16 + j % 16 as its top 24 bits over 2^24; a row alone
-    equals the same row in a batch; a vocabulary that is not a multiple of 64."""
+    (j % 64) // 16 of counter j // 64 * 16 + j % 16 as min((w + 1/2) / 2^32, 1 - 2^-24) in f32,
+    never 0 or 1 (-log(1 - v) then is finite and positive: an infinite noise once made a row
+    whose one allowed token drew it return token 0); a row alone equals the same row in a
+    batch; a vocabulary that is not a multiple of 64."""
     kat = [
         ((0, 0, 0, 0), (0, 0), [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
         ((_M32,) * 4, (_M32, _M32), [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
@@ -198,14 +207,15 @@ def test_philox_uniform_is_the_reference_stream(kern_variant: kernels.Kernels) -
     u = kern.uniform(keys, 200)
     for r, key in enumerate(keys.tolist()):
         k = key % 2**64
-        ref = [
-            (_philox4x32_10((j // 64 * 16 + j % 16, 0, 0, 0), k & _M32, k >> 32)[j % 64 // 16] >> 8)
-            / 2**24
+        words = [
+            _philox4x32_10((j // 64 * 16 + j % 16, 0, 0, 0), k & _M32, k >> 32)[j % 64 // 16]
             for j in range(200)
         ]
-        assert u[r].tolist() == ref, key
+        assert u[r].tolist() == _unit(words), key
     assert torch.equal(kern.uniform(keys[3:4], 200), u[3:4])
-    assert 0.0 <= u.min() and u.max() < 1.0
+    assert 0.0 < u.min() and u.max() < 1.0
+    lo, hi = _unit([0, _M32])
+    assert lo == 2.0**-33 and hi == 1.0 - 2.0**-24  # the extreme words stay inside (0, 1)
     assert kern.uniform(keys, 0).shape == (5, 0)
     with pytest.raises(ValueError, match="int64 keys"):
         kern.uniform(keys.int(), 3)

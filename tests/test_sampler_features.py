@@ -239,3 +239,9 @@ def test_sampled_tokens_follow_the_distribution(with_kernels: bool) -> None:
     alone = sample(logits[2:3].clone(), [gen_row()], kern)[0]
     batch = sample(logits.clone(), [_row(seeded), _row(seeded), gen_row(), _row(seeded)], kern)[0]
     assert batch[2] == alone[0]
+    # a row with one token left (allowed_token_ids, top_k = 1) draws it, whatever its noise
+    only = [_row(SamplingParams(temperature=1.0, allowed_token_ids=[17])) for _ in range(2000)]
+    only += [_row(SamplingParams(temperature=0.7, top_k=1)) for _ in range(2000)]
+    picked = sample(_logits(4000), only, kern)[0]
+    top = _logits(4000)[2000:].argmax(-1).tolist()
+    assert picked[:2000] == [17] * 2000 and picked[2000:] == top

@@ -449,9 +449,10 @@ class Kernels:
         return out
 
     def uniform(self, keys: torch.Tensor, n: int) -> torch.Tensor:
-        """f32 [len(keys), n] in [0, 1): row r is the Philox4x32-10 stream of key ``keys[r]``
-        (int64, any value), element j a function of the key and j alone (``philox_uniform``),
-        the same on every CPU and thread count."""
+        """f32 [len(keys), n] in (0, 1), never 0 or 1: row r is the Philox4x32-10 stream of key
+        ``keys[r]`` (int64, any value), a word w as min((w + 1/2) / 2^32, 1 - 2^-24), element j
+        a function of the key and j alone (``philox_uniform``), the same on every CPU and
+        thread count."""
         if keys.dtype != torch.int64 or keys.dim() != 1 or n < 0:
             raise ValueError(f"uniform takes int64 keys [rows] and n >= 0, got {keys.dtype} {n}")
         keys = keys.contiguous()

@@ -233,7 +233,7 @@ def _exponential_noise(
     generator), or from torch's default generator where it is None.
 
     On CPU with iterserve's kernels each row draws one 64-bit key from its generator a step and
-    takes -log(u) of the kernel's Philox stream for that key (``Kernels.uniform``): torch's
+    takes -log(1 - v) of the kernel's Philox stream for that key (``Kernels.uniform``): torch's
     CPU ``exponential_`` costs ~19 ns an element, 0.9 ms a row at a 49,152-token vocabulary,
     more than a whole decode step's forward at 128 rows (docs/SPEED.md, "Sampling noise").
     A seed still fixes a request's tokens, whatever else is in the batch."""
@@ -246,7 +246,8 @@ def _exponential_noise(
         for j, gen in enumerate(gens):
             if gen is not None:
                 keys[j] = torch.randint(_KEY_LOW, _KEY_HIGH, (1,), generator=gen)
-        return kern.uniform(keys, n).log_().neg_()
+        # -log(1 - v), v in (0, 1): finite and positive, fine-grained near 0
+        return kern.uniform(keys, n).neg_().log1p_().neg_()
     noise = torch.empty_like(probs)
     if unseeded:
         noise[unseeded] = torch.empty(len(unseeded), n, device=dev).exponential_()

@@ -2166,9 +2166,15 @@ inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
     }
 }
 
-// u in [0, 1) from a 32-bit word: its top 24 bits over 2^24 (exact in f32; never 1, so -log(u)
-// is never 0, and 0 only once in 2^24, where -log(u) is +inf and the element cannot win a race).
-inline float philox_unit(uint32_t w) { return static_cast<float>(w >> 8) * (1.f / 16777216.f); }
+// v in (0, 1) from a 32-bit word: (w + 1/2) / 2^32 in f32, at most the largest f32 below 1, so
+// the sampler's noise -log(1 - v) is finite and positive (an infinite one made a row whose only
+// allowed token drew it return index 0; a zero one, 0 / 0). Small noise, where a race against
+// an unlikely token is decided, keeps all 32 bits: it starts at 1.2e-10, not 6e-8 (24 bits
+// under-drew tokens below ~1e-7 of the row's top probability).
+constexpr float PHILOX_V_MAX = 1.f - 1.f / 16777216.f;
+inline float philox_unit(uint32_t w) {
+    return std::min((static_cast<float>(w) + 0.5f) * (1.f / 4294967296.f), PHILOX_V_MAX);
+}
 
 #if defined(__AVX512F__)
 // Philox4x32-10 on 16 counters at once (lanes), the same words as philox4x32_10.
@@ -2197,8 +2203,8 @@ inline void philox16(__m512i (&c)[4], uint32_t k0, uint32_t k1) {
 #endif
 
 // out [rows, n] f32: element j of row r is word (j % 64) / 16 of Philox4x32-10 at counter
-// (j / 64 * 16 + j % 16, 0, 0, 0) with key keys[r] (low 32 bits, high 32 bits), as a unit
-// float (philox_unit). A group of 64 elements is 16 counters' four words, one word's 16 lanes
+// (j / 64 * 16 + j % 16, 0, 0, 0) with key keys[r] (low 32 bits, high 32 bits), as a float in
+// (0, 1) (philox_unit). A group of 64 elements is 16 counters' four words, one word's 16 lanes
 // contiguous, so the vector path stores whole vectors; the scalar path makes the same numbers.
 void philox_uniform(const uint64_t* keys, int rows, int64_t n, float* out) {
     const int64_t groups = (n + 63) / 64;
@@ -2216,9 +2222,9 @@ void philox_uniform(const uint64_t* keys, int rows, int64_t n, float* out) {
                                     _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
             c[1] = c[2] = c[3] = _mm512_setzero_si512();
             philox16(c, k0, k1);
-            const __m512 scale = _mm512_set1_ps(1.f / 16777216.f);
-            for (int w = 0; w < 4; ++w)
-                _mm512_storeu_ps(dst + 16 * w, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c[w], 8)), scale));
+            const __m512 scale = _mm512_set1_ps(1.f / 4294967296.f), half = _mm512_set1_ps(0.5f), vmax = _mm512_set1_ps(PHILOX_V_MAX);
+            for (int w = 0; w < 4; ++w)  // philox_unit, the same f32 operations
+                _mm512_storeu_ps(dst + 16 * w, _mm512_min_ps(_mm512_mul_ps(_mm512_add_ps(_mm512_cvtepu32_ps(c[w]), half), scale), vmax));
 #else
             for (int l = 0; l < 16; ++l) {
                 uint32_t c[4] = {static_cast<uint32_t>(g * 16 + l), 0, 0, 0};

@@ -234,8 +234,8 @@ def _exponential_noise(
 
     On CPU with iterserve's kernels each row draws one 64-bit key from its generator a step and
     takes -log(1 - v) of the kernel's Philox stream for that key (``Kernels.uniform``): torch's
-    CPU ``exponential_`` costs ~19 ns an element, 0.9 ms a row at a 49,152-token vocabulary,
-    more than a whole decode step's forward at 128 rows (docs/SPEED.md, "Sampling noise").
+    CPU ``exponential_`` made the noise of 128 rows cost more than their decode step's forward
+    (docs/SPEED.md, "Sampling noise").
     A seed still fixes a request's tokens, whatever else is in the batch."""
     dev, n = probs.device, probs.shape[1]
     unseeded = [j for j, g in enumerate(gens) if g is None]

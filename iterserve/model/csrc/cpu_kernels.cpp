@@ -2147,8 +2147,8 @@ void rope_bf16(const uint16_t* x, int64_t row_stride, const uint16_t* cos, const
 // --- Uniform random numbers for sampling: Philox4x32-10 (Salmon et al., SC'11; the generator
 // behind torch's and cuRAND's GPU streams), counter-based, so any element of any row is
 // computed on its own and rows split across threads with the same result. torch's CPU
-// exponential_ took ~19 ns an element (0.9 ms for one row of a 49,152-token vocabulary,
-// docs/SPEED.md "Sampling noise"); this is one pass of integer arithmetic.
+// exponential_ is a serial generator and a log an element, over an order of magnitude slower
+// (docs/SPEED.md, "Sampling noise"); this is one pass of integer arithmetic.
 constexpr uint32_t PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;
 constexpr uint32_t PHILOX_W0 = 0x9E3779B9u, PHILOX_W1 = 0xBB67AE85u;
 
@@ -2167,10 +2167,9 @@ inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
 }
 
 // v in (0, 1) from a 32-bit word: (w + 1/2) / 2^32 in f32, at most the largest f32 below 1, so
-// the sampler's noise -log(1 - v) is finite and positive (an infinite one made a row whose only
-// allowed token drew it return index 0; a zero one, 0 / 0). Small noise, where a race against
-// an unlikely token is decided, keeps all 32 bits: it starts at 1.2e-10, not 6e-8 (24 bits
-// under-drew tokens below ~1e-7 of the row's top probability).
+// the sampler's noise -log(1 - v) is finite and positive (infinite noise on a row's only
+// allowed token would hand the race to index 0; zero noise, 0 / 0). Small noise, where a race
+// against an unlikely token is decided, keeps all 32 bits of resolution (docs/SAMPLING.md).
 constexpr float PHILOX_V_MAX = 1.f - 1.f / 16777216.f;
 inline float philox_unit(uint32_t w) {
     return std::min((static_cast<float>(w) + 0.5f) * (1.f / 4294967296.f), PHILOX_V_MAX);

@@ -214,27 +214,15 @@ class Scheduler:
                 num_new, is_long = self._chunk(num_new, budget, prefill_left, long_left)
                 if num_new == 0:
                     continue
-            while not allocate(req, num_new):
-                # Every running request is a candidate, those already given tokens this step
-                # too (as in vLLM): otherwise the rule could only choose among the few not
-                # yet reached, and the asking request itself was the victim most of the time.
-                victim = self._pick_victim([req, *(r for r in self.running if r is not req)])
-                if victim is req and len(self.running) == 1:
-                    self._fail(req, out, self._too_big_message(req, num_new))
-                    break
-                undo = done.pop(victim.request_id, None)
-                if undo is not None:  # it gives back what it was scheduled this step
-                    n, was_long = self._unschedule(out, victim, undo)
+            if not allocate(req, num_new):
+                got, given_back = self._make_room(req, num_new, out, done)
+                for n, was_long in given_back:
                     budget += n
                     long_left += was_long
                     if prefill_left is not None and n > 1:
                         prefill_left += n
-                self._preempt(victim, scheduled=undo is not None)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
-                continue
+                if not got:
+                    continue
             high, recomputed = req.max_computed_tokens, out.recomputed_tokens
             self._add_to_output(out, req, num_new)
             done[req.request_id] = (high, out.recomputed_tokens - recomputed, is_long)
@@ -260,7 +248,7 @@ class Scheduler:
             # waited for blocks would wait for ever (and one that can never fit would never
             # fail): then it preempts, or fails alone, as running requests do.
             if not allocate(req, num_new) and (
-                out.requests or not self._make_room(req, num_new, out)
+                out.requests or not self._make_room(req, num_new, out, {})[0]
             ):
                 continue
             self._add_to_output(out, req, num_new)
@@ -427,22 +415,35 @@ class Scheduler:
         else:
             out.num_prefill_tokens += num_new
 
-    def _make_room(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Preempts victims (the policy's rule among all running requests) until running ``req``
-        gets ``num_new`` tokens' blocks: True once it has them; False where ``req`` itself went,
-        or failed as too big for the pool when it ran alone. Only for a step that has scheduled
-        nothing yet (nothing to give back)."""
+    def _make_room(
+        self,
+        req: Request,
+        num_new: int,
+        out: SchedulerOutput,
+        done: dict[str, tuple[int, int, bool]],
+    ) -> tuple[bool, list[tuple[int, bool]]]:
+        """After running ``req`` failed to get ``num_new`` tokens' blocks: preempts victims (the
+        policy's rule) until it gets them. Returns whether it did (not where ``req`` itself
+        went, or failed as too big for the pool when it ran alone), and the (tokens, was long)
+        each victim already scheduled this step (in ``done``) gave back."""
+        given_back: list[tuple[int, bool]] = []
         while True:
+            # Every running request is a candidate, those already given tokens this step too
+            # (as in vLLM): otherwise the rule could only choose among the few not yet
+            # reached, and the asking request itself was the victim most of the time.
             victim = self._pick_victim([req, *(r for r in self.running if r is not req)])
             if victim is req and len(self.running) == 1:
                 self._fail(req, out, self._too_big_message(req, num_new))
-                return False
-            self._preempt(victim)
+                return False, given_back
+            undo = done.pop(victim.request_id, None)
+            if undo is not None:  # it gives back what it was scheduled this step
+                given_back.append(self._unschedule(out, victim, undo))
+            self._preempt(victim, scheduled=undo is not None)
             out.preempted.append(victim)
             if victim is req:
-                return False
+                return False, given_back
             if self.kv.allocate_slots(req, num_new):
-                return True
+                return True, given_back
 
     def _too_big_message(self, req: Request, num_new: int) -> str:
         need = (

@@ -37,8 +37,10 @@ median of the rounds (the wrapper's Python overhead, a few us, is included).
 sampling: --rows rows of random logits over a --vocab vocabulary (49,152: SmolLM2's), every row
 at temperature 1 without a seed: the exponential noise of the sampler's race from torch's
 ``exponential_`` and from iterserve's Philox kernel (``sampler._exponential_noise``: the
-kernel's uniforms, then -log), and the whole ``sampler.sample`` call with the kernels and
-without (torch's noise); ms per call, the median of --repeats calls.
+kernel's uniforms, then -log), and the whole ``sampler.sample`` call (a copy of the logits
+included) without the kernels (torch's noise), with the kernels' noise but torch's softmax,
+division and argmax (the race kernel turned off), and with the one-pass race
+(``Kernels.race``, where the CPU has AVX-512); ms per call, the median of --repeats calls.
 """
 
 from __future__ import annotations
@@ -284,17 +286,24 @@ def _sampling_row(kern: kernels.Kernels, n: int, vocab: int, repeats: int) -> li
     probs = logits.softmax(-1)
     rows = [sampler.SampleRow(params, None, Request("r", [1], params, 16))] * n
     gens: list[torch.Generator | None] = [None] * n
-    return [
+    times = [
         _median_ms(lambda: torch.empty_like(probs).exponential_(), repeats),
         _median_ms(lambda: sampler._exponential_noise(probs, gens, kern), repeats),
         _median_ms(lambda: sampler.sample(logits.clone(), rows, None), repeats),
-        _median_ms(lambda: sampler.sample(logits.clone(), rows, kern), repeats),
     ]
+    has_race = kern.has_race
+    try:
+        kern.has_race = False
+        times.append(_median_ms(lambda: sampler.sample(logits.clone(), rows, kern), repeats))
+    finally:
+        kern.has_race = has_race
+    times.append(_median_ms(lambda: sampler.sample(logits.clone(), rows, kern), repeats))
+    return times
 
 
 def bench_sampling(kern: kernels.Kernels, rows: list[int], vocab: int, repeats: int) -> None:
     print(f"sampling, vocabulary {vocab}, ms per call (median of {repeats}):")
-    head = ("exponential_", "philox noise", "sample, torch", "sample")
+    head = ("exponential_", "philox noise", "sample, torch", "sample, noise", "sample")
     print(f"{'rows':>6} " + " ".join(f"{h:>13}" for h in head))
     for n in rows:
         t = _sampling_row(kern, n, vocab, repeats)

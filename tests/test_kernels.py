@@ -221,6 +221,59 @@ def test_philox_uniform_is_the_reference_stream(kern_variant: kernels.Kernels) -
         kern.uniform(keys.int(), 3)
 
 
+def _race_reference(
+    logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, kern: kernels.Kernels
+) -> torch.Tensor:
+    """Each row's scores of the exponential race in f64: logits / T - log(-log1p(-v)) on the
+    kernels' uniforms (checked above against the reference stream)."""
+    v = kern.uniform(keys, logits.shape[1]).double()
+    return logits.double() / temps.double().unsqueeze(1) - torch.log(-torch.log1p(-v))
+
+
+def _assert_race(
+    kern: kernels.Kernels, logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """The kernel's tokens are the f64 reference's argmax, or (rounding) within 1e-5 of it."""
+    got = kern.race(logits, temps, keys)
+    score = _race_reference(logits, temps, keys, kern)
+    best = score.max(-1).values
+    picked = score.gather(1, got.unsqueeze(1)).squeeze(1)
+    assert torch.all(best - picked <= 1e-5), (best - picked).max()
+    return got
+
+
+def test_race_is_the_exponential_race_on_the_stream(kern_variant: kernels.Kernels) -> None:
+    """philox_race: the first index of the largest logits / T - log(E), E = -log(1 - v) of the
+    Philox uniforms, in one pass; unlikely tokens (e^-12 of the top: won only where E ~ 1e-6,
+    the resolution the noise keeps near 0) drawn as the reference draws them; vocabularies
+    that are not a multiple of 16; -inf never wins; a row alone equals the same row in a
+    batch. AVX-512 only: the AVX2 build says so."""
+    kern = kern_variant
+    keys = torch.randint(-(2**63), 2**63 - 1, (600,), generator=torch.Generator().manual_seed(1))
+    if not kern.has_race:
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            kern.race(torch.zeros(1, 4), torch.ones(1), keys[:1])
+        return
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 64, 100, 1000, 49152):
+        rows = 8 if n > 1000 else 40
+        logits = torch.randn(rows, n, generator=g) * 3
+        temps = torch.rand(rows, generator=g) * 1.5 + 0.1
+        got = _assert_race(kern, logits, temps, keys[:rows])
+        assert torch.equal(kern.race(logits[3:4], temps[3:4], keys[3:4]), got[3:4])
+    # the tail: one token at 0, 4,095 at -12 (a row's tail mass ~2.5%)
+    logits = torch.full((600, 4096), -12.0)
+    logits[:, 5] = 0.0
+    got = _assert_race(kern, logits, torch.ones(600), keys)
+    assert int((got != 5).sum()) >= 5  # the reference's rare draws happen, and match
+    # masked tokens: a row with one allowed token draws it, a row of -inf gives 0
+    logits = torch.full((3, 300), float("-inf"))
+    logits[0, 299] = logits[1, 17] = 4.0
+    assert kern.race(logits, torch.ones(3), keys[:3]).tolist() == [299, 17, 0]
+    with pytest.raises(ValueError, match="int64 keys"):
+        kern.race(logits, torch.ones(3), keys[:3].int())
+
+
 def _prefill_case(
     n: int, p0: int, H: int, kvh: int, hd: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -240,6 +240,8 @@ class Kernels:
         self.lib.argmax_f32.restype = None
         self.lib.philox_uniform.argtypes = [_P, _I, ctypes.c_int64, _P]
         self.lib.philox_uniform.restype = None
+        self.lib.philox_race.argtypes = [_P, _I, _I, _P, _P, _P]
+        self.lib.philox_race.restype = _I
         self.lib.paged_decode_attention.argtypes = [
             _P,
             ctypes.c_int64,
@@ -289,6 +291,10 @@ class Kernels:
         # The pair GEMM is compiled in only where the compiler targets AVX512-BF16 (vdpbf16ps);
         # the prefill attention there and, in f32 FMA, on AVX2 without AVX-512.
         self.has_bf16_dot = bool(self.lib.has_bf16_dot())
+        self.lib.has_race.argtypes = []
+        self.lib.has_race.restype = _I
+        # the sampler's one-pass race (philox_race): AVX-512 only
+        self.has_race = bool(self.lib.has_race())
         self.lib.has_amx.argtypes = []
         self.lib.has_amx.restype = _I
         # AMX tiles: compiled in (a CPU with AMX-BF16) and granted to this process by Linux.
@@ -459,6 +465,37 @@ class Kernels:
         out = torch.empty(keys.shape[0], n, dtype=torch.float32)
         if keys.shape[0] and n:
             self.lib.philox_uniform(keys.data_ptr(), keys.shape[0], n, out.data_ptr())
+        return out
+
+    def race(self, logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """One token per row of f32 ``logits`` [rows, n >= 1]: the first index of the largest
+        ``logits[r] / temps[r] - log(E[r])``, E = -log(1 - v) of :meth:`uniform` (keys[r], n),
+        that is the exponential race (a draw from softmax(logits[r] / temps[r])) in one pass
+        (``philox_race``). Only where ``has_race`` (AVX-512)."""
+        rows = logits.shape[0] if logits.dim() == 2 else -1
+        if (
+            logits.dtype != torch.float32
+            or rows < 0
+            or logits.shape[1] < 1
+            or temps.dtype != torch.float32
+            or keys.dtype != torch.int64
+            or tuple(temps.shape) != (rows,)
+            or tuple(keys.shape) != (rows,)
+        ):
+            raise ValueError(
+                "race takes f32 logits [rows, n >= 1], f32 temps [rows] and int64 keys [rows], "
+                f"got {logits.dtype} {tuple(logits.shape)}, {temps.dtype} {tuple(temps.shape)}, "
+                f"{keys.dtype} {tuple(keys.shape)}"
+            )
+        if not self.has_race:
+            raise RuntimeError("race needs the AVX-512 build of the kernels (has_race is False)")
+        logits, temps, keys = logits.contiguous(), temps.contiguous(), keys.contiguous()
+        out = torch.zeros(rows, dtype=torch.int64)
+        if rows:
+            self.lib.philox_race(
+                logits.data_ptr(), rows, logits.shape[1], keys.data_ptr(), temps.data_ptr(),
+                out.data_ptr(),
+            )  # fmt: skip
         return out
 
     def paged_decode_attention(

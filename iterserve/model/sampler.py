@@ -226,6 +226,19 @@ def plain_greedy(rows: Sequence[SampleRow], grammar_mask: GrammarMask | None = N
 _KEY_LOW, _KEY_HIGH = -(2**63), 2**63 - 1
 
 
+def _row_keys(gens: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One 64-bit Philox key a row for this step: row j's from ``gens[j]`` (a seeded request's
+    generator), or from torch's default generator where it is None."""
+    keys = torch.empty(len(gens), dtype=torch.int64)
+    unseeded = [j for j, g in enumerate(gens) if g is None]
+    if unseeded:
+        keys[unseeded] = torch.randint(_KEY_LOW, _KEY_HIGH, (len(unseeded),))
+    for j, gen in enumerate(gens):
+        if gen is not None:
+            keys[j] = torch.randint(_KEY_LOW, _KEY_HIGH, (1,), generator=gen)
+    return keys
+
+
 def _exponential_noise(
     probs: torch.Tensor, gens: Sequence[torch.Generator | None], kern: kernels.Kernels | None
 ) -> torch.Tensor:
@@ -238,23 +251,23 @@ def _exponential_noise(
     (docs/SPEED.md, "Sampling noise").
     A seed still fixes a request's tokens, whatever else is in the batch."""
     dev, n = probs.device, probs.shape[1]
-    unseeded = [j for j, g in enumerate(gens) if g is None]
     if kern is not None and dev.type == "cpu":
-        keys = torch.empty(len(gens), dtype=torch.int64)
-        if unseeded:
-            keys[unseeded] = torch.randint(_KEY_LOW, _KEY_HIGH, (len(unseeded),))
-        for j, gen in enumerate(gens):
-            if gen is not None:
-                keys[j] = torch.randint(_KEY_LOW, _KEY_HIGH, (1,), generator=gen)
         # -log(1 - v), v in (0, 1): finite and positive, fine-grained near 0
-        return kern.uniform(keys, n).neg_().log1p_().neg_()
+        return kern.uniform(_row_keys(gens), n).neg_().log1p_().neg_()
     noise = torch.empty_like(probs)
+    unseeded = [j for j, g in enumerate(gens) if g is None]
     if unseeded:
         noise[unseeded] = torch.empty(len(unseeded), n, device=dev).exponential_()
     for j, gen in enumerate(gens):
         if gen is not None:
             noise[j] = torch.empty(n, device=dev).exponential_(generator=gen)
     return noise
+
+
+def _filters(params: Sequence[SamplingParams]) -> bool:
+    """Whether any row asks for top-k, top-p or min-p (``_filter`` then masks, not only
+    divides)."""
+    return any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
 
 
 def _race(
@@ -264,7 +277,24 @@ def _race(
     kern: kernels.Kernels | None,
 ) -> torch.Tensor:
     """One token per row from softmax of the filtered ``logits`` (modified in place) by the
-    exponential race: argmax(p / E) with E ~ Exp(1) draws from p."""
+    exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+
+    On CPU with the AVX-512 kernels the race is one pass over the logits
+    (``Kernels.race``, the same noise as ``_exponential_noise``'s): the softmax, noise and
+    division over 128 rows took four times as long in torch (docs/SPEED.md, "The race in one
+    pass"). Either way a row's temperature divides its logits exactly once, so a seeded row
+    draws the same token whatever the others ask for."""
+    if (
+        kern is not None
+        and kern.has_race
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+    ):
+        if _filters(params):
+            logits, temps = _filter(logits, params), torch.ones(len(params))
+        else:  # the kernel divides, as _filter's div_ would
+            temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        return kern.race(logits, temps, _row_keys(gens))
     probs = _filter(logits, params).softmax(-1)
     return probs.div_(_exponential_noise(probs, gens, kern)).argmax(-1)
 

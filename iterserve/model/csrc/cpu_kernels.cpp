@@ -2237,6 +2237,81 @@ void philox_uniform(const uint64_t* keys, int rows, int64_t n, float* out) {
     }
 }
 
+// One token per row by the exponential race on the Philox stream of philox_uniform: out[r] is
+// the first index j of the largest l[r, j] / temps[r] - ln E[r, j], E = -ln(1 - v) of the row's
+// uniform v at j (so argmax p / E, p the softmax of l / T: a draw from p). One pass, no
+// softmax, noise or score arrays: the sampler's torch ops over 128 rows of a 49,152-token
+// vocabulary took about four times this (docs/SPEED.md, "The race in one pass"). The division
+// is IEEE's, as torch's, so a row divided by its temperature beforehand (temps 1) scores the
+// same. -inf logits never win; a row of -inf gives 0. Returns 0, or -1 where not compiled in
+// (has_race: AVX-512 only, the logs are vgetexp/vgetmant and a polynomial).
+#if defined(__AVX512F__)
+// ln x for 16 lanes of positive normal x: x = m 2^k with m in [0.75, 1.5) (vgetmantps), ln m
+// = 2 atanh(t), t = (m - 1) / (m + 1), |t| <= 0.2, by its odd series to t^9 (truncation ~2e-9).
+inline __m512 log_ps(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_src);
+    __m512 k = _mm512_getexp_ps(x);
+    // a mantissa >= 1.5 comes back halved, into [0.75, 1): its exponent is one more
+    k = _mm512_mask_add_ps(k, _mm512_cmp_ps_mask(m, one, _CMP_LT_OQ), k, one);
+    const __m512 t = _mm512_div_ps(_mm512_sub_ps(m, one), _mm512_add_ps(m, one));
+    const __m512 t2 = _mm512_mul_ps(t, t);
+    __m512 p = _mm512_set1_ps(1.f / 9);
+    p = _mm512_fmadd_ps(p, t2, _mm512_set1_ps(1.f / 7));
+    p = _mm512_fmadd_ps(p, t2, _mm512_set1_ps(1.f / 5));
+    p = _mm512_fmadd_ps(p, t2, _mm512_set1_ps(1.f / 3));
+    p = _mm512_fmadd_ps(p, t2, one);
+    return _mm512_fmadd_ps(k, _mm512_set1_ps(0.693147180559945309f), _mm512_mul_ps(_mm512_add_ps(t, t), p));
+}
+#endif
+
+int philox_race(const float* logits, int rows, int n, const uint64_t* keys, const float* temps, int64_t* out) {
+#if defined(__AVX512F__)
+    const int64_t groups = (int64_t(n) + 63) / 64;
+#pragma omp parallel for schedule(static) if (int64_t(rows) * n >= PAR_MIN_ELEMS)
+    for (int r = 0; r < rows; ++r) {
+        const uint32_t k0 = static_cast<uint32_t>(keys[r]), k1 = static_cast<uint32_t>(keys[r] >> 32);
+        const float* lr = logits + static_cast<int64_t>(r) * n;
+        const __m512 temp = _mm512_set1_ps(temps[r]), one = _mm512_set1_ps(1.f), ninf = _mm512_set1_ps(-INFINITY);
+        const __m512 scale = _mm512_set1_ps(1.f / 4294967296.f), half = _mm512_set1_ps(0.5f), vmax = _mm512_set1_ps(PHILOX_V_MAX);
+        const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        __m512 best = ninf;
+        __m512i best_j = _mm512_setzero_si512();
+        for (int64_t g = 0; g < groups; ++g) {
+            __m512i c[4];
+            c[0] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(g * 16)), lanes);
+            c[1] = c[2] = c[3] = _mm512_setzero_si512();
+            philox16(c, k0, k1);
+            for (int w = 0; w < 4; ++w) {
+                const int64_t e0 = g * 64 + 16 * w;
+                if (e0 >= n) break;
+                const __mmask16 in = n - e0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - e0)) - 1);
+                const __m512 l = _mm512_mask_loadu_ps(ninf, in, lr + e0);
+                // v as philox_unit; E = -ln(1 - v) = -log1p(-v), by Goldberg's log1p: ln u * v / (u - 1)
+                // with u = 1 - v rounded, and v itself where u rounds to 1 (v < 2^-25)
+                const __m512 v = _mm512_min_ps(_mm512_mul_ps(_mm512_add_ps(_mm512_cvtepu32_ps(c[w]), half), scale), vmax);
+                const __m512 u = _mm512_sub_ps(one, v);
+                const __m512 um1 = _mm512_sub_ps(u, one);
+                const __mmask16 exact = _mm512_cmp_ps_mask(um1, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+                const __m512 e = _mm512_mask_div_ps(v, exact, _mm512_mul_ps(log_ps(u), v), um1);
+                const __m512 score = _mm512_sub_ps(_mm512_div_ps(l, temp), log_ps(e));
+                const __mmask16 gt = _mm512_cmp_ps_mask(score, best, _CMP_GT_OQ);
+                best = _mm512_mask_mov_ps(best, gt, score);
+                best_j = _mm512_mask_mov_epi32(best_j, gt, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(e0)), lanes));
+            }
+        }
+        // the largest score, then the first index holding it (each lane kept its first)
+        const float mx = _mm512_reduce_max_ps(best);
+        const __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(mx), _CMP_EQ_OQ);
+        out[r] = _mm512_mask_reduce_min_epi32(at, best_j);
+    }
+    return 0;
+#else
+    (void)logits, (void)rows, (void)n, (void)keys, (void)temps, (void)out;
+    return -1;
+#endif
+}
+
 // Index of each row's largest value, the first one on ties, a NaN counting as the largest (as
 // torch.argmax). x [rows, n] f32 contiguous.
 void argmax_f32(const float* x, int rows, int n, int64_t* out) {
@@ -2596,6 +2671,15 @@ int paged_prefill_attention(const uint16_t* q, int64_t q_row_stride, const uint1
     (void)q; (void)q_row_stride; (void)k_cache; (void)v_cache; (void)block_ids; (void)block_size; (void)n; (void)p0;
     (void)H; (void)KvH; (void)hd; (void)scale; (void)out;
     return -1;
+#endif
+}
+
+// 1 when philox_race is compiled in (AVX-512), else 0.
+int has_race() {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
 #endif
 }
 

@@ -96,7 +96,8 @@ class SchedulerConfig:
     ``admission_reservation``: KV blocks admission keeps back for running requests' future
     tokens. ``long_prefill_threshold`` (0: off): a prompt with more uncomputed tokens than
     this is long; it is prefilled at most this many tokens a step, and at most
-    ``max_long_partial_prefills`` long prompts run per step, so short prompts pass them.
+    ``max_long_partial_prefills`` long prompts are part-way through at once, so short prompts
+    pass them.
     ``tenant_weights`` ('alice=2,bob=1'; others weigh 1): the ``fair`` policy's shares.
     ``slo_ttft_ms`` / ``slo_tpot_ms``: the ``slo`` policy's TTFT / TPOT targets for
     requests that carry none.
@@ -263,6 +264,9 @@ def _policy_arg(text: str) -> str:
 
 
 def _check_scheduler_knobs(c: SchedulerConfig | EngineArgs) -> None:
+    # late: iterserve.core imports us
+    from iterserve.core.policies import FairPolicy, parse_tenant_weights, policy_class
+
     for name, allowed in _scheduler_choices().items():
         value = getattr(c, name)
         if value is not None and value not in allowed:
@@ -273,6 +277,15 @@ def _check_scheduler_knobs(c: SchedulerConfig | EngineArgs) -> None:
         raise ValueError(
             f"preemption_resume_headroom must be >= 0 (0: off), got {c.preemption_resume_headroom}"
         )
+    if c.preemption_resume_headroom == 0 and issubclass(policy_class(c.policy), FairPolicy):
+        # fair ranks a tenant with nothing running first, so it readmits a preempted request
+        # ahead of the running one that preempted it; without the resume check two requests
+        # the pool cannot hold together could take turns preempting each other for ever.
+        raise ValueError(
+            "the fair policy needs preemption_resume_headroom >= 1 (default 32): without the "
+            "resume check two requests the KV pool cannot hold together can preempt each "
+            "other for ever under fair's ranking"
+        )
     if c.long_prefill_threshold < 0:
         raise ValueError(
             f"long_prefill_threshold must be >= 0 (0: off), got {c.long_prefill_threshold}"
@@ -281,8 +294,6 @@ def _check_scheduler_knobs(c: SchedulerConfig | EngineArgs) -> None:
         raise ValueError(
             f"max_long_partial_prefills must be >= 1, got {c.max_long_partial_prefills}"
         )
-    from iterserve.core.policies import parse_tenant_weights  # late: iterserve.core imports us
-
     parse_tenant_weights(c.tenant_weights)
     if c.slo_ttft_ms is not None and not c.slo_ttft_ms > 0:
         raise ValueError(f"slo_ttft_ms must be > 0 (or None: no default), got {c.slo_ttft_ms}")

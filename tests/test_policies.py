@@ -422,6 +422,15 @@ def test_short_prompt_behind_a_long_one_gets_its_first_token_within_a_few_steps(
     assert _first_token_step(long_mode, 16000) <= 2
 
 
+def long_begun(s: Scheduler, threshold: int) -> int:
+    """Running requests part-way through a prefill still longer than ``threshold``."""
+    return sum(
+        1
+        for r in s.running
+        if 0 < r.num_computed_tokens and len(r.all_token_ids) - r.num_computed_tokens > threshold
+    )
+
+
 @PROPERTY
 @given(
     data=st.data(),
@@ -429,19 +438,29 @@ def test_short_prompt_behind_a_long_one_gets_its_first_token_within_a_few_steps(
     cap=st.integers(1, 3),
     num_blocks=st.integers(10, 60),
     budget=st.integers(4, 48),
+    policy=st.sampled_from(["continuous", "fair"]),
 )
 def test_property_long_prompt_mode_ends_every_request(
-    data: st.DataObject, threshold: int, cap: int, num_blocks: int, budget: int
+    data: st.DataObject, threshold: int, cap: int, num_blocks: int, budget: int, policy: str
 ) -> None:
+    """Every request ends; no step runs more than ``cap`` long prompts or a chunk over the
+    threshold; and no more than ``cap`` long prompts are ever part-way through their prefill,
+    also under fair, which defers running prefills behind admissions (a deferred one keeps its
+    place: admitting another long prompt into it let partial prefills of different tenants
+    take turns preempting each other for ever on a short pool)."""
     s = sched(
         num_blocks=num_blocks,
         block_size=4,
         max_num_batched_tokens=budget,
         long_prefill_threshold=threshold,
         max_long_partial_prefills=cap,
+        policy=policy,
     )
     arrivals = workload(data)
-    counts: list[tuple[int, int]] = []  # per step: long prompts run, their largest chunk
+    if policy == "fair":
+        for _, r in arrivals:
+            r.tenant = data.draw(st.sampled_from(["", "a", "b"]))
+    counts: list[tuple[int, int, int]] = []  # per step: long prompts run, largest chunk, begun
 
     def check(out: SchedulerOutput) -> None:
         # Called after the step: a chunk that ran ends at num_computed_tokens now.
@@ -451,11 +470,30 @@ def test_property_long_prompt_mode_ends_every_request(
             for r, n, c in zip(out.requests, out.num_tokens, starts)
             if len(r.prompt_token_ids) - c > threshold
         ]
-        counts.append((len(long_items), max(long_items, default=0)))
+        counts.append((len(long_items), max(long_items, default=0), long_begun(s, threshold)))
 
     ended = drive(s, arrivals, check=check)
     assert_all_ended(arrivals, ended)
-    assert all(n <= cap and chunk <= threshold for n, chunk in counts)
+    assert all(n <= cap and chunk <= threshold and begun <= cap for n, chunk, begun in counts)
+
+
+def test_fair_keeps_a_deferred_long_prefills_place() -> None:
+    """One long-prompt place; tenants a and b each send a long prompt. Fair defers a's running
+    prefill behind b's admission, and b's prompt used to take a's place: two long prompts
+    part-way through at once (on a short pool, random driving found such prefills taking
+    turns preempting each other for ever). Now a's keeps its place and b's waits for it."""
+    s = sched(
+        num_blocks=64, policy="fair", max_num_seqs=4, max_num_batched_tokens=16,
+        long_prefill_threshold=8, max_long_partial_prefills=1,
+    )  # fmt: skip
+    a, b = tenant_req("a0", "a", 32, 8, seed=0), tenant_req("b0", "b", 21, 4, seed=1)
+    begun: list[int] = []
+
+    def check(out: SchedulerOutput) -> None:
+        begun.append(long_begun(s, 8))
+
+    assert_all_ended([(3, a), (3, b)], drive(s, [(3, a), (3, b)], check=check))
+    assert max(begun) == 1
 
 
 def test_long_prompt_mode_needs_chunked_prefill() -> None:
@@ -479,6 +517,10 @@ def test_long_prompt_mode_needs_chunked_prefill() -> None:
         ({"policy": "fifo"}, "policy must be one of"),
         ({"policy": "no_such_module:P"}, "cannot load 'P' from module 'no_such_module'"),
         ({"policy": "iterserve.core.request:Request"}, "is not a subclass of"),
+        (
+            {"policy": "fair", "preemption_resume_headroom": 0},
+            "fair policy needs preemption_resume_headroom >= 1",
+        ),
     ],
 )
 def test_bad_knobs_say_what_to_change(knobs: dict[str, Any], message: str) -> None:
@@ -588,10 +630,20 @@ def test_fair_fails_a_deferred_request_that_can_never_fit_instead_of_waiting_for
 def test_property_fair_ends_every_request_on_tiny_pools(
     data: st.DataObject, num_blocks: int
 ) -> None:
-    """Tenants on pools too small for some of their requests: every request ends (finished or
-    failed as too big) within drive's step bound, and the books hold after every step. (300
-    examples, ~4 s: at the usual 40 the deferred-request deadlock above was not found.)"""
-    s = sched(num_blocks=num_blocks, policy="fair", max_num_seqs=data.draw(st.integers(1, 6)))
+    """Tenants on pools too small for some of their requests, under the preemption knobs and
+    long-prompt mode: every request ends (finished or failed as too big) within drive's step
+    bound, and the books hold after every step. (300 examples, ~4 s: at the usual 40 the
+    deferred-request deadlock above was not found.)"""
+    s = sched(
+        num_blocks=num_blocks,
+        policy="fair",
+        max_num_seqs=data.draw(st.integers(1, 6)),
+        preemption_victim=data.draw(st.sampled_from(VICTIMS)),
+        preemption_protect_steps=data.draw(st.sampled_from([0, 2, 8])),
+        preemption_resume_headroom=data.draw(st.sampled_from([1, 8, 32])),
+        long_prefill_threshold=data.draw(st.sampled_from([0, 8, 16])),
+        max_long_partial_prefills=data.draw(st.integers(1, 2)),
+    )
     arrivals = workload(data)
     for _, r in arrivals:
         r.tenant = data.draw(st.sampled_from(["", "a", "b"]))

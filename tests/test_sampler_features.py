@@ -245,3 +245,90 @@ def test_sampled_tokens_follow_the_distribution(with_kernels: bool) -> None:
     picked = sample(_logits(4000), only, kern)[0]
     top = _logits(4000)[2000:].argmax(-1).tolist()
     assert picked[:2000] == [17] * 2000 and picked[2000:] == top
+
+
+def _reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The filtered distribution by torch's ops (``_filter``: temperature, then top-k, top-p
+    and min-p over the whole sorted row), the GPU path's, as probabilities [rows, vocab]."""
+    from iterserve.model.sampler import _filter
+
+    return _filter(logits.clone(), [params] * logits.shape[0]).softmax(-1)
+
+
+@pytest.mark.parametrize("with_kernels", [True, False])
+@pytest.mark.parametrize(
+    "filt",
+    [
+        {"top_k": 3},
+        {"top_p": 0.6},
+        {"top_k": 5, "top_p": 0.8},
+        {"min_p": 0.3},
+        {"top_p": 0.9, "min_p": 0.2},
+    ],
+)
+def test_filtered_rows_draw_from_the_filtered_distribution(
+    with_kernels: bool, filt: dict[str, float]
+) -> None:
+    """top-k, top-p and min-p (alone and together, at temperature 0.8) draw each token with
+    its probability in the filtered distribution of torch's full sort (chi-square), and never
+    a token it removes; with the kernels, rows race among their top tokens ranked."""
+    kern = kernels.load() if with_kernels else None
+    if with_kernels and (kern is None or not kern.has_race):
+        pytest.skip("the race kernel is not built here (no compiler or no AVX-512)")
+    head = [0.3, 0.2, 0.15, 0.12, 0.08, 0.05]  # no ties: every filter's cut is unambiguous
+    probs = torch.tensor(head + [0.1 / 60] * 60)
+    params = SamplingParams(temperature=0.8, **filt)  # type: ignore[arg-type]
+    n = 20000
+    logits = probs.log().repeat(n, 1)
+    want = _reference(logits[:1], params)[0].double()
+    torch.manual_seed(0)
+    tokens = torch.tensor(sample(logits.clone(), [_row(params)] * n, kern)[0])
+    counts = torch.bincount(tokens, minlength=66).double()
+    assert int(counts[want == 0].sum()) == 0
+    keep = want > 0
+    seen, expect = counts[keep], want[keep] * n
+    chi2 = float(((seen - expect) ** 2 / expect).sum())
+    dof = int(keep.sum()) - 1
+    assert chi2 < 15 + 3 * dof, (filt, seen.tolist(), expect.tolist(), chi2)  # p < ~1e-4
+
+
+def test_top_p_rows_past_the_candidate_tiers_are_still_exact() -> None:
+    """A top-p row whose nucleus passes the first tiers of candidates (256, then 4,096 top
+    tokens) is raced again on more: its draws stay in torch's nucleus and reach tokens ranked
+    past 4,096; rows of every kind give the same token alone and in a batch (the candidates
+    a batch takes depend on its largest top-k)."""
+    kern = kernels.load()
+    if kern is None or not kern.has_race:
+        pytest.skip("the race kernel is not built here (no compiler or no AVX-512)")
+    from iterserve.model.sampler import NUCLEUS_TIERS
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 8192
+    flat = SamplingParams(temperature=1.0, top_p=0.99)  # a nucleus of ~8,000 tokens
+    mid = SamplingParams(temperature=1.0, top_p=0.9)
+    n = 400
+    logits = torch.randn(n, vocab, generator=g) * 0.3
+    ref = _reference(logits, flat)
+    assert int((ref > 0).sum(-1).min()) > NUCLEUS_TIERS[-1]
+    torch.manual_seed(0)
+    tokens = torch.tensor(sample(logits.clone(), [_row(flat)] * n, kern)[0])
+    assert bool((ref.gather(1, tokens.unsqueeze(1)) > 0).all())
+    ranks = (logits > logits.gather(1, tokens.unsqueeze(1))).sum(-1)
+    assert int((ranks >= NUCLEUS_TIERS[-1]).sum()) > 20  # ~50% expected
+    mixed = [
+        flat, mid, SamplingParams(temperature=0.7, top_k=5000), SamplingParams(temperature=1.3),
+        SamplingParams(temperature=0.9, min_p=0.5), SamplingParams(temperature=1.0, top_k=7),
+    ]  # fmt: skip
+    peaked = torch.randn(len(mixed), vocab, generator=g) * 2.5
+    for i, p in enumerate(mixed):
+        row = peaked[i : i + 1]
+        if i == 1:  # a nucleus between the tiers
+            assert NUCLEUS_TIERS[0] < int((_reference(row, p) > 0).sum()) < NUCLEUS_TIERS[1]
+
+        def seeded(p: SamplingParams = p) -> SampleRow:
+            return SampleRow(p, torch.Generator().manual_seed(11), _row(p).request)
+
+        alone = sample(row.clone(), [seeded()], kern)[0]
+        others = [_row(q) for q in mixed]
+        others[i] = seeded()
+        assert sample(peaked.clone(), others, kern)[0][i] == alone[0], p

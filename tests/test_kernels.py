@@ -274,6 +274,34 @@ def test_race_is_the_exponential_race_on_the_stream(kern_variant: kernels.Kernel
         kern.race(logits, torch.ones(3), keys[:3].int())
 
 
+def test_top_p_floor_is_the_last_token_of_the_nucleus(kern_variant: kernels.Kernels) -> None:
+    """top_p_floor: the value of the last token a sort keeps (largest first, while the mass
+    before it is below top_p), against an f64 sort of the softmax, over rows from flat
+    (nuclei of ~50,000 tokens) to peaked (one token), -inf rows and top_p 1; the race with
+    those floors only draws tokens at or above them."""
+    kern = kern_variant
+    g = torch.Generator().manual_seed(0)
+    for scale in (0.3, 1.0, 2.0, 4.0, 8.0):
+        x = torch.randn(32, 49152 if scale == 0.3 else 3001, generator=g) * scale
+        tp = torch.rand(32, generator=g) * 0.98 + 0.01
+        tp[0] = 1.0
+        x[1, :] = float("-inf")
+        x[2, 100:] = float("-inf")  # a masked row: the nucleus is among the first 100
+        srt = x.double().sort(-1, descending=True).values
+        p = srt.softmax(-1)
+        keep = (p.cumsum(-1) - p) < tp.double().unsqueeze(1)
+        want = srt.gather(1, (keep.sum(-1) - 1).clamp(min=0).unsqueeze(1)).squeeze(1).float()
+        want[0] = want[1] = float("-inf")
+        got = kern.top_p_floor(x, tp)
+        assert torch.equal(got, want), (scale, (got != want).nonzero().flatten().tolist())
+        if kern.has_race:
+            keys = torch.arange(32, dtype=torch.int64)
+            tokens = kern.race(x[2:], torch.ones(30), keys[2:], got[2:])
+            assert bool((x[2:].gather(1, tokens.unsqueeze(1)).squeeze(1) >= got[2:]).all())
+    with pytest.raises(ValueError, match="top_p_floor takes"):
+        kern.top_p_floor(torch.zeros(2, 3), torch.ones(3))
+
+
 def _prefill_case(
     n: int, p0: int, H: int, kvh: int, hd: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -271,84 +271,46 @@ def _filters(params: Sequence[SamplingParams]) -> bool:
     return any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
 
 
-# How many top tokens a top-p row without top-k is tried on, in turn, before its whole row
-# is sorted: torch's topk of 256 (or 4,096) costs ~1/20 (1/6) of sorting a 49,152-token row,
-# and a model's nucleus is usually far smaller (SmolLM2-135M at temperature 1, top-p 0.95:
-# median 68 tokens, 30% over 256, 1% over 4,096; docs/SAMPLING.md).
-NUCLEUS_TIERS = (256, 4096)
-
-
-def _ranked_race(
-    scaled: torch.Tensor, params: Sequence[SamplingParams], keys: torch.Tensor,
-    kern: kernels.Kernels, tier: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The race over each row's top tokens of ``scaled`` (logits / T) in descending order,
-    after top-k, top-p (over the top k tokens where the row has a top-k, else over the whole
-    row) and min-p; the noise of the token at rank j is the row's Philox uniform j. A row
-    without top-k races among its top ``tier`` tokens. Returns the tokens and, per row,
-    whether those held its nucleus: where not (the top ``tier`` tokens do not reach top_p)
-    the row's token here is not its draw, and it must run again with a larger tier."""
-    dev, rows, vocab = scaled.device, len(params), scaled.shape[1]
-    k = min(vocab, max(p.top_k if p.top_k else tier for p in params))
-    vals, idx = scaled.topk(k, dim=-1)  # sorted, largest first
-    pos = torch.arange(k, device=dev).unsqueeze(0)
-    ks = torch.tensor([p.top_k if 0 < p.top_k < k else k for p in params], device=dev)
-    cut = pos >= ks.unsqueeze(1)
-    held = torch.ones(rows, dtype=torch.bool, device=dev)
-    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
-    if nucleus:
-        top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
-        masked = vals.masked_fill(cut, float("-inf"))
-        # a row with top-k renormalises over its k tokens (as _filter), one without over all
-        norm = masked.logsumexp(-1)
-        whole = [i for i in nucleus if not params[i].top_k]
-        if whole:
-            norm[whole] = scaled[whole].logsumexp(-1)
-        probs = (masked - norm.unsqueeze(1)).exp_()
-        before = probs.cumsum(-1) - probs
-        cut[nucleus] |= before[nucleus] >= top_p[nucleus]
-        if whole and k < vocab:  # exact only where the first `tier` tokens reach top_p
-            held[whole] = probs[whole, : min(k, tier)].sum(-1) >= top_p[whole].squeeze(1)
-    floors = [math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params]
-    if any(f > -math.inf for f in floors):
-        # min-p keeps p >= min_p * max p: a floor on the logit, whatever the normaliser
-        cut |= vals < vals[:, :1] + torch.tensor(floors, device=dev).unsqueeze(1)
-    vals.masked_fill_(cut, float("-inf"))
-    ranks = kern.race(vals, torch.ones(rows), keys)
-    return idx.gather(1, ranks.unsqueeze(1)).squeeze(1), held
-
-
 def _filtered_race(
     logits: torch.Tensor, params: Sequence[SamplingParams], keys: torch.Tensor,
     kern: kernels.Kernels,
 ) -> torch.Tensor:  # fmt: skip
     """``_race`` on CPU with the race kernel where some row asks for top-k, top-p or min-p:
-    a row with top-k or top-p races among its top tokens ranked (``_ranked_race``: torch's
-    sort of every 49,152-token row made such a step of 128 rows ~270-360 ms, three times its
-    forward); a row with min-p alone races over its whole row with the floor. Each row's draw
-    depends on its own logits, parameters and key alone, whatever the batch."""
+    each row's filters become one floor on logits / T, and the race runs over the whole row
+    above it. torch's sort of every 49,152-token row (``_filter``) made such a step of 128
+    rows ~270-360 ms, three times its forward. The floor of a row with top-k is its k-th
+    value, or with top-p too the last of the nucleus of its top k (torch's topk); of a row
+    with top-p alone, the last of its nucleus (``Kernels.top_p_floor``, no sort); min-p
+    raises it to the row's max + log(min_p). Tokens tied with the floor all stay (a sort
+    would keep some of them, in no particular order)."""
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     scaled = logits.div_(temps.unsqueeze(1))
-    tokens = torch.empty(len(params), dtype=torch.int64)
-    ranked = [i for i, p in enumerate(params) if p.top_k or p.top_p < 1.0]
-    plain = [i for i, p in enumerate(params) if not (p.top_k or p.top_p < 1.0)]
-    if plain:
-        sub = scaled[plain] if len(plain) < len(params) else scaled
-        floors = [math.log(params[i].min_p) if params[i].min_p > 0.0 else -math.inf for i in plain]
-        if any(f > -math.inf for f in floors):
-            # min-p keeps p >= min_p * max p: a floor on the logit, whatever the normaliser
-            floor = sub.amax(-1, keepdim=True) + torch.tensor(floors).unsqueeze(1)
-            sub = sub.masked_fill(sub < floor, float("-inf"))
-        tokens[plain] = kern.race(sub, torch.ones(len(plain)), keys[plain])
-    for tier in (*NUCLEUS_TIERS, scaled.shape[1]):  # rows whose nucleus a tier missed go on
-        if not ranked:
-            break
-        sub = scaled[ranked] if len(ranked) < len(params) else scaled
-        got, held = _ranked_race(sub, [params[i] for i in ranked], keys[ranked], kern, tier)
-        done = held.tolist()
-        tokens[[i for i, d in zip(ranked, done) if d]] = got[held]
-        ranked = [i for i, d in zip(ranked, done) if not d]
-    return tokens
+    vocab = scaled.shape[1]
+    floors = torch.full((len(params),), -math.inf)
+    topk = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+    if topk:
+        ps = [params[i] for i in topk]
+        k = max(p.top_k for p in ps)
+        vals = scaled[topk].topk(k, dim=-1).values  # sorted, largest first
+        cut = torch.arange(k).unsqueeze(0) >= torch.tensor([p.top_k for p in ps]).unsqueeze(1)
+        nucleus = [j for j, p in enumerate(ps) if p.top_p < 1.0]
+        if nucleus:  # top-p over the top k, renormalised (as _filter)
+            probs = vals[nucleus].masked_fill(cut[nucleus], float("-inf")).softmax(-1)
+            before = probs.cumsum(-1) - probs
+            top_p = torch.tensor([ps[j].top_p for j in nucleus]).unsqueeze(1)
+            cut[nucleus] |= before >= top_p
+        last = (~cut).sum(-1) - 1  # what stays is a prefix, never empty
+        floors[topk] = vals.gather(1, last.unsqueeze(1)).squeeze(1)
+    whole = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p < 1.0]
+    if whole:
+        top_p = torch.tensor([params[i].top_p for i in whole], dtype=torch.float32)
+        floors[whole] = kern.top_p_floor(scaled[whole], top_p)
+    min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if min_p:
+        # min-p keeps p >= min_p * max p: a floor on the logit, whatever the normaliser
+        logs = torch.tensor([math.log(params[i].min_p) for i in min_p])
+        floors[min_p] = torch.maximum(floors[min_p], scaled[min_p].amax(-1) + logs)
+    return kern.race(scaled, torch.ones(len(params)), keys, floors)
 
 
 def _race(
@@ -363,7 +325,7 @@ def _race(
     On CPU with the AVX-512 kernels the race is one pass over the logits
     (``Kernels.race``, the same noise as ``_exponential_noise``'s): the softmax, noise and
     division over 128 rows took four times as long in torch (docs/SPEED.md, "The race in one
-    pass"); rows with top-k or top-p race among their top tokens (``_filtered_race``)."""
+    pass"); top-k, top-p and min-p become a floor on the logits (``_filtered_race``)."""
     if (
         kern is not None
         and kern.has_race

@@ -2243,7 +2243,8 @@ void philox_uniform(const uint64_t* keys, int rows, int64_t n, float* out) {
 // softmax, noise or score arrays: the sampler's torch ops over 128 rows of a 49,152-token
 // vocabulary took about four times this (docs/SPEED.md, "The race in one pass"). The division
 // is IEEE's, as torch's, so a row divided by its temperature beforehand (temps 1) scores the
-// same. -inf logits never win; a row of -inf gives 0. Returns 0, or -1 where not compiled in
+// same. floors (nullable): a token whose l / T is below floors[r] never wins (top-k, top-p,
+// min-p as one cut). -inf logits never win; a row of -inf gives 0. Returns 0, or -1 where not compiled in
 // (has_race: AVX-512 only, the logs are vgetexp/vgetmant and a polynomial).
 #if defined(__AVX512F__)
 // ln x for 16 lanes of positive normal x: x = m 2^k with m in [0.75, 1.5) (vgetmantps), ln m
@@ -2265,7 +2266,7 @@ inline __m512 log_ps(__m512 x) {
 }
 #endif
 
-int philox_race(const float* logits, int rows, int n, const uint64_t* keys, const float* temps, int64_t* out) {
+int philox_race(const float* logits, int rows, int n, const uint64_t* keys, const float* temps, const float* floors, int64_t* out) {
 #if defined(__AVX512F__)
     const int64_t groups = (int64_t(n) + 63) / 64;
 #pragma omp parallel for schedule(static) if (int64_t(rows) * n >= PAR_MIN_ELEMS)
@@ -2273,6 +2274,7 @@ int philox_race(const float* logits, int rows, int n, const uint64_t* keys, cons
         const uint32_t k0 = static_cast<uint32_t>(keys[r]), k1 = static_cast<uint32_t>(keys[r] >> 32);
         const float* lr = logits + static_cast<int64_t>(r) * n;
         const __m512 temp = _mm512_set1_ps(temps[r]), one = _mm512_set1_ps(1.f), ninf = _mm512_set1_ps(-INFINITY);
+        const __m512 floor = _mm512_set1_ps(floors ? floors[r] : -INFINITY);
         const __m512 scale = _mm512_set1_ps(1.f / 4294967296.f), half = _mm512_set1_ps(0.5f), vmax = _mm512_set1_ps(PHILOX_V_MAX);
         const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         __m512 best = ninf;
@@ -2294,8 +2296,9 @@ int philox_race(const float* logits, int rows, int n, const uint64_t* keys, cons
                 const __m512 um1 = _mm512_sub_ps(u, one);
                 const __mmask16 exact = _mm512_cmp_ps_mask(um1, _mm512_setzero_ps(), _CMP_NEQ_OQ);
                 const __m512 e = _mm512_mask_div_ps(v, exact, _mm512_mul_ps(log_ps(u), v), um1);
-                const __m512 score = _mm512_sub_ps(_mm512_div_ps(l, temp), log_ps(e));
-                const __mmask16 gt = _mm512_cmp_ps_mask(score, best, _CMP_GT_OQ);
+                const __m512 lt = _mm512_div_ps(l, temp);
+                const __m512 score = _mm512_sub_ps(lt, log_ps(e));
+                const __mmask16 gt = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(lt, floor, _CMP_GE_OQ), score, best, _CMP_GT_OQ);
                 best = _mm512_mask_mov_ps(best, gt, score);
                 best_j = _mm512_mask_mov_epi32(best_j, gt, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(e0)), lanes));
             }
@@ -2307,9 +2310,125 @@ int philox_race(const float* logits, int rows, int n, const uint64_t* keys, cons
     }
     return 0;
 #else
-    (void)logits, (void)rows, (void)n, (void)keys, (void)temps, (void)out;
+    (void)logits, (void)rows, (void)n, (void)keys, (void)temps, (void)floors, (void)out;
     return -1;
 #endif
+}
+
+// The smallest value of each row's top-p nucleus: x [rows, n] f32 (logits / T), the row sorted
+// largest first, a token staying while the probability mass before it is below top_p[r] (the
+// first always stays); out[r] = the last one's value, -inf where top_p[r] >= 1 or the row is
+// all -inf. Without a sort: the max, the exps and their sum, then a histogram of mass over
+// NUCLEUS_BUCKETS buckets of x (each NUCLEUS_RANGE / NUCLEUS_BUCKETS wide below the max, the
+// last taking everything lower, never the cut's) finds the bucket where the mass crosses
+// top_p, and only that bucket's tokens are sorted. torch's sort of 128 rows of 49,152 tokens took ~250 ms.
+constexpr int NUCLEUS_BUCKETS = 1024;
+constexpr float NUCLEUS_RANGE = 32.f;  // e^-32 of the max: below it one bucket holds the rest
+
+void top_p_floor(const float* x, int rows, int n, const float* top_p, float* out) {
+    constexpr int TAIL = NUCLEUS_BUCKETS - 1;
+#pragma omp parallel if (int64_t(rows) * n >= PAR_MIN_ELEMS)
+    {
+        // the mass adds up in f64: the cut then is the exact one, up to the exps' rounding
+        std::vector<float> ex(n);
+        std::vector<int32_t> bk(n);
+        // TAIL's elements go to 16 spare slots by lane, not to one (a chain of dependent adds)
+        std::vector<double> hmass(NUCLEUS_BUCKETS + 16);
+        std::vector<int> hcount(NUCLEUS_BUCKETS + 16);
+        std::vector<std::pair<float, float>> cand;  // (x, exp) of the crossing bucket
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; ++r) {
+            const float* xr = x + static_cast<int64_t>(r) * n;
+            out[r] = -INFINITY;
+            if (!(top_p[r] < 1.f)) continue;
+            float m = -INFINITY;
+            int i = 0;
+#if defined(__AVX512F__)
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(xr + i));
+            m = _mm512_reduce_max_ps(mx);
+#endif
+            for (; i < n; ++i) m = std::max(m, xr[i]);
+            if (m == -INFINITY) continue;
+            const float per = NUCLEUS_BUCKETS / NUCLEUS_RANGE;
+            // bucket 0 holds the max; a larger x never lands lower; TAIL takes everything below
+            // e^-32 of the max (whose mass, under n e^-32 of the row's, is below what 1 - top_p
+            // can be in f32, so the cut is never there)
+            auto bucket = [&](float v, int j) {
+                const float d = (m - v) * per;
+                return d < TAIL ? static_cast<int32_t>(d) : NUCLEUS_BUCKETS + (j & 15);
+            };
+            double z = 0.;
+            i = 0;
+#if defined(__AVX512F__)
+            __m512d z0 = _mm512_setzero_pd(), z1 = _mm512_setzero_pd();
+            const __m512 mv = _mm512_set1_ps(m), pv = _mm512_set1_ps(per), tiny = _mm512_set1_ps(-87.f);
+            const __m512 tail = _mm512_set1_ps(static_cast<float>(TAIL));
+            const __m512i spare = _mm512_add_epi32(_mm512_set1_epi32(NUCLEUS_BUCKETS),
+                                                   _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+            for (; i + 16 <= n; i += 16) {
+                const __m512 v = _mm512_loadu_ps(xr + i);
+                // exps below e^-87 would be subnormal, slow to add; their mass is nothing
+                const __m512 dv = _mm512_sub_ps(v, mv);
+                const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(dv, tiny, _CMP_GE_OQ), exp_ps(dv));
+                _mm512_storeu_ps(ex.data() + i, e);
+                z0 = _mm512_add_pd(z0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+                z1 = _mm512_add_pd(z1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+                const __m512 d = _mm512_mul_ps(_mm512_sub_ps(mv, v), pv);
+                const __mmask16 in = _mm512_cmp_ps_mask(d, tail, _CMP_LT_OQ);
+                _mm512_storeu_si512(bk.data() + i, _mm512_mask_mov_epi32(spare, in, _mm512_cvttps_epi32(_mm512_maskz_mov_ps(in, d))));
+            }
+            z = _mm512_reduce_add_pd(_mm512_add_pd(z0, z1));
+#endif
+            for (; i < n; ++i) {
+                z += (ex[i] = xr[i] - m < -87.f ? 0.f : std::exp(xr[i] - m));
+                bk[i] = bucket(xr[i], i);
+            }
+            const double target = static_cast<double>(top_p[r]) * z;
+            std::fill(hmass.begin(), hmass.end(), 0.);
+            std::fill(hcount.begin(), hcount.end(), 0);
+            for (int j = 0; j < n; ++j) {
+                hmass[bk[j]] += ex[j];
+                ++hcount[bk[j]];
+            }
+            double before = 0.;
+            int cross = -1;
+            for (int b = 0; b < TAIL; ++b) {
+                if (hcount[b] && before + hmass[b] >= target) {
+                    cross = b;
+                    break;
+                }
+                before += hmass[b];
+            }
+            if (cross < 0) {  // rounding left the row short of target: its lowest bucket
+                cross = TAIL - 1;
+                while (cross > 0 && !hcount[cross]) --cross;
+                before -= hmass[cross];
+            }
+            cand.clear();
+            int j = 0;
+#if defined(__AVX512F__)
+            const __m512i cv = _mm512_set1_epi32(cross);
+            for (; j + 16 <= n; j += 16) {
+                __mmask16 hit = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(bk.data() + j), cv);
+                for (; hit; hit &= hit - 1) {
+                    const int l = j + __builtin_ctz(hit);
+                    cand.emplace_back(xr[l], ex[l]);
+                }
+            }
+#endif
+            for (; j < n; ++j)
+                if (bk[j] == cross) cand.emplace_back(xr[j], ex[j]);
+            std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+            float tau = cand.front().first;  // the crossing bucket holds a token (hcount)
+            for (const auto& [v, e] : cand) {
+                if (before >= target) break;
+                tau = v;
+                before += e;
+            }
+            out[r] = tau;
+        }
+    }
 }
 
 // Index of each row's largest value, the first one on ties, a NaN counting as the largest (as

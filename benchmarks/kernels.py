@@ -301,12 +301,55 @@ def _sampling_row(kern: kernels.Kernels, n: int, vocab: int, repeats: int) -> li
     return times
 
 
-def bench_sampling(kern: kernels.Kernels, rows: list[int], vocab: int, repeats: int) -> None:
+FILTERS: dict[str, dict[str, float]] = {
+    "top-k 50": {"top_k": 50},
+    "top-p 0.95": {"top_p": 0.95},
+    "k 40 + p 0.9": {"top_k": 40, "top_p": 0.9},
+    "min-p 0.05": {"min_p": 0.05},
+}
+
+
+def _filtered_row(
+    kern: kernels.Kernels, n: int, vocab: int, repeats: int, scale: float
+) -> list[float]:
+    """``sample`` at temperature 0.8 with each of FILTERS: torch's sort (the race kernel
+    off), then the floors (on); random logits times ``scale`` (larger: more peaked rows)."""
+    from iterserve.core.request import Request
+    from iterserve.model import sampler
+    from iterserve.sampling_params import SamplingParams
+
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0)) * scale
+    times = []
+    has_race = kern.has_race
+    for race in (False, True):
+        for filt in FILTERS.values():
+            params = SamplingParams(temperature=0.8, **filt)  # type: ignore[arg-type]
+            rows = [sampler.SampleRow(params, None, Request("r", [1], params, 16))] * n
+
+            def call(rows: list[sampler.SampleRow] = rows) -> None:
+                sampler.sample(logits.clone(), rows, kern)
+
+            try:
+                kern.has_race = race and has_race
+                times.append(_median_ms(call, repeats))
+            finally:
+                kern.has_race = has_race
+    return times
+
+
+def bench_sampling(
+    kern: kernels.Kernels, rows: list[int], vocab: int, repeats: int, scale: float
+) -> None:
     print(f"sampling, vocabulary {vocab}, ms per call (median of {repeats}):")
     head = ("exponential_", "philox noise", "sample, torch", "sample, noise", "sample")
     print(f"{'rows':>6} " + " ".join(f"{h:>13}" for h in head))
     for n in rows:
         t = _sampling_row(kern, n, vocab, repeats)
+        print(f"{n:>6} " + " ".join(f"{x:>13.2f}" for x in t))
+    print(f"filtered rows at temperature 0.8, logits N(0, 1) x {scale}: sort, then floors")
+    print(f"{'rows':>6} " + " ".join(f"{h:>13}" for h in (*FILTERS, *FILTERS)))
+    for n in rows:
+        t = _filtered_row(kern, n, vocab, repeats, scale)
         print(f"{n:>6} " + " ".join(f"{x:>13.2f}" for x in t))
 
 
@@ -321,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         help="gemm, elementwise, sampling: rows of x, comma-separated",
     )
     ap.add_argument("--vocab", type=int, default=49152, help="sampling: vocabulary size")
+    ap.add_argument(
+        "--logit-scale", type=float, default=4.0,
+        help="sampling: the filtered rows' logits are N(0, 1) times this",
+    )  # fmt: skip
     ap.add_argument("--batch", type=int, default=32, help="attention: sequences")
     ap.add_argument("--ctx", type=int, default=136, help="attention: keys per sequence")
     ap.add_argument(
@@ -360,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "elementwise":
         bench_elementwise(kern, [int(r) for r in args.rows.split(",")], args.repeats)
     elif args.what == "sampling":
-        bench_sampling(kern, [int(r) for r in args.rows.split(",")], args.vocab, args.repeats)
+        rows = [int(r) for r in args.rows.split(",")]
+        bench_sampling(kern, rows, args.vocab, args.repeats, args.logit_scale)
     else:
         if not 1 <= args.block_sets <= 12:
             ap.error(f"--block-sets takes 1 to 12, got {args.block_sets}")

@@ -22,9 +22,13 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from online_compare import wait_ready  # noqa: E402
 
 BIG_CALLS: dict[str, dict[str, Any]] = {
     "256 prompts x 2,000 tokens": {"prompt": ["hi there"] * 256, "max_tokens": 2000},
@@ -36,20 +40,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _wait_ready(base: str, server: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with {server.returncode} before it was ready")
-        try:
-            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"the server was not ready within {timeout_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_ready(base, server)
+            wait_ready(base, server, 180.0)
             httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
             for name, call in BIG_CALLS.items():
                 body = {**call, "ignore_eos": True, "user": "big"}

@@ -25,12 +25,15 @@ def _token_bias(bias: Mapping[Any, Any]) -> dict[int, float]:
     return out
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (field names follow vLLM / OpenAI).
 
-    ``temperature == 0`` means greedy. Every invalid value raises ``ValueError`` naming the
-    field and its allowed range.
+    ``temperature`` below ``GREEDY_BELOW`` (0 included) means greedy. Every invalid value
+    raises ``ValueError`` naming the field and its allowed range.
     """
 
     n: int = 1
@@ -196,7 +199,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As vLLM's _SAMPLING_EPS: below it logits / T overflow f32 or round the race's noise
+        # away, and the draw is the argmax anyway.
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_penalties(self) -> bool:

@@ -276,30 +276,66 @@ def test_race_is_the_exponential_race_on_the_stream(kern_variant: kernels.Kernel
 
 def test_top_p_floor_is_the_last_token_of_the_nucleus(kern_variant: kernels.Kernels) -> None:
     """top_p_floor: the value of the last token a sort keeps (largest first, while the mass
-    before it is below top_p), against an f64 sort of the softmax, over rows from flat
-    (nuclei of ~50,000 tokens) to peaked (one token), -inf rows and top_p 1; the race with
-    those floors only draws tokens at or above them."""
+    before it is below top_p) and how many tokens equal to it the cut keeps, against an f64
+    sort of the softmax, over rows from flat (nuclei of ~50,000 tokens) to peaked (one
+    token), rows of bf16 values (ties at the cut), -inf rows and top_p 1; +inf and NaN rows
+    give a floor without crashing; the race with those floors and ties only draws tokens the
+    sort keeps."""
     kern = kern_variant
     g = torch.Generator().manual_seed(0)
     for scale in (0.3, 1.0, 2.0, 4.0, 8.0):
         x = torch.randn(32, 49152 if scale == 0.3 else 3001, generator=g) * scale
+        x[16:] = x[16:].bfloat16().float()  # many equal values
         tp = torch.rand(32, generator=g) * 0.98 + 0.01
         tp[0] = 1.0
         x[1, :] = float("-inf")
         x[2, 100:] = float("-inf")  # a masked row: the nucleus is among the first 100
         srt = x.double().sort(-1, descending=True).values
         p = srt.softmax(-1)
-        keep = (p.cumsum(-1) - p) < tp.double().unsqueeze(1)
-        want = srt.gather(1, (keep.sum(-1) - 1).clamp(min=0).unsqueeze(1)).squeeze(1).float()
-        want[0] = want[1] = float("-inf")
-        got = kern.top_p_floor(x, tp)
+        kept = ((p.cumsum(-1) - p) < tp.double().unsqueeze(1)).sum(-1, keepdim=True)
+        want = srt.gather(1, (kept - 1).clamp(min=0)).float()
+        pos = torch.arange(x.shape[1]).unsqueeze(0)
+        want_ties = ((srt.float() == want) & (pos < kept)).sum(-1).int()
+        want, want_ties = want.squeeze(1), want_ties
+        want[:2], want_ties[:2] = float("-inf"), -1
+        got, ties = kern.top_p_floor(x, tp)
         assert torch.equal(got, want), (scale, (got != want).nonzero().flatten().tolist())
+        assert torch.equal(ties, want_ties), (scale, (ties != want_ties).nonzero().flatten())
         if kern.has_race:
-            keys = torch.arange(32, dtype=torch.int64)
-            tokens = kern.race(x[2:], torch.ones(30), keys[2:], got[2:])
-            assert bool((x[2:].gather(1, tokens.unsqueeze(1)).squeeze(1) >= got[2:]).all())
+            keys = torch.arange(30, dtype=torch.int64)
+            tokens = kern.race(x[2:], torch.ones(30), keys, got[2:], ties[2:])
+            picked = x[2:].gather(1, tokens.unsqueeze(1)).squeeze(1)
+            assert bool((picked >= got[2:]).all())
+    odd = torch.randn(3, 500, generator=g)
+    odd[0, 7], odd[1, :], odd[2, 9] = float("inf"), float("nan"), float("nan")
+    got, ties = kern.top_p_floor(odd, torch.full((3,), 0.9))
+    assert got[0] == float("inf") and got[1] == float("-inf") and ties[:2].tolist() == [-1, -1]
     with pytest.raises(ValueError, match="top_p_floor takes"):
         kern.top_p_floor(torch.zeros(2, 3), torch.ones(3))
+
+
+def test_race_keeps_the_first_ties_at_the_floor_and_refuses_bad_temperatures() -> None:
+    """Of the tokens equal to the floor only the first ``ties`` by index can win (a sort's cut
+    keeps a count of them: top-k exactly k); a tiny temperature still splits a tie evenly
+    (the scores are taken relative to the row's max, so f32 steps of a huge l / T do not
+    round the noise away); temperatures must be finite and > 0."""
+    kern = _kern()
+    if not kern.has_race:
+        pytest.skip("the race kernel is AVX-512 only")
+    x = torch.full((2000, 40), -5.0)
+    x[:, [3, 10, 17, 30]] = 2.0  # four tokens tied at the floor
+    keys = torch.arange(2000, dtype=torch.int64)
+    floors = torch.full((2000,), 2.0)
+    for budget, allowed in ((1, {3}), (2, {3, 10}), (-1, {3, 10, 17, 30})):
+        ties = torch.full((2000,), budget, dtype=torch.int32)
+        assert set(kern.race(x, torch.ones(2000), keys, floors, ties).tolist()) == allowed
+    pair = torch.full((20000, 8), -100.0)
+    pair[:, 2] = pair[:, 5] = 80.0  # l / T = 8e6 at T = 1e-5, where f32 steps by 1
+    keys = torch.arange(20000, dtype=torch.int64)
+    first = float((kern.race(pair, torch.full((20000,), 1e-5), keys) == 2).double().mean())
+    assert abs(first - 0.5) < 0.015, first  # sd 0.0035
+    with pytest.raises(ValueError, match="finite temperatures"):
+        kern.race(pair[:2], -torch.ones(2), keys[:2])
 
 
 def _prefill_case(

@@ -330,3 +330,32 @@ def test_filtered_rows_of_a_large_vocabulary_stay_in_torchs_cut() -> None:
         others = [_row(q) for q in mixed]
         others[i] = seeded()
         assert sample(peaked.clone(), others, kern)[0][i] == alone[0], p
+
+
+def test_ties_at_the_cut_keep_the_sorted_count_first_by_index() -> None:
+    """Logits in coarse steps (bf16's) tie often: with the race kernel top-k keeps exactly k
+    tokens, those tied at the k-th value taken first by index (as a stable sort would), so
+    every draw is one of them; top-k 1 on a tied max always gives the first; a temperature
+    below GREEDY_BELOW is greedy on every path."""
+    kern = kernels.load()
+    if kern is None or not kern.has_race:
+        pytest.skip("the race kernel is not built here (no compiler or no AVX-512)")
+    from iterserve.sampling_params import GREEDY_BELOW
+
+    g = torch.Generator().manual_seed(0)
+    row = (torch.randn(2000, generator=g) * 8).round() / 4  # steps of 0.25, as bf16 near 32
+    order = sorted(range(2000), key=lambda j: (-float(row[j]), j))
+    assert float(row[order[49]]) == float(row[order[50]])  # a tie across the cut
+    n = 20000
+    params = SamplingParams(temperature=1.0, top_k=50)
+    torch.manual_seed(0)
+    drawn = set(sample(row.repeat(n, 1), [_row(params)] * n, kern)[0])
+    assert drawn <= set(order[:50]) and len(drawn) >= 45
+    tied = torch.zeros(4, 30)
+    tied[:, 4] = tied[:, 11] = 3.0
+    one = SamplingParams(temperature=1.0, top_k=1)
+    assert sample(tied, [_row(one)] * 4, kern)[0] == [4] * 4
+    cold = SamplingParams(temperature=GREEDY_BELOW / 10)
+    assert cold.greedy
+    logits = _logits(8) * 50
+    assert sample(logits.clone(), [_row(cold)] * 8, kern)[0] == logits.argmax(-1).tolist()

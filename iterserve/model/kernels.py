@@ -240,9 +240,9 @@ class Kernels:
         self.lib.argmax_f32.restype = None
         self.lib.philox_uniform.argtypes = [_P, _I, ctypes.c_int64, _P]
         self.lib.philox_uniform.restype = None
-        self.lib.philox_race.argtypes = [_P, _I, _I, _P, _P, _P, _P]
+        self.lib.philox_race.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P]
         self.lib.philox_race.restype = _I
-        self.lib.top_p_floor.argtypes = [_P, _I, _I, _P, _P]
+        self.lib.top_p_floor.argtypes = [_P, _I, _I, _P, _P, _P]
         self.lib.top_p_floor.restype = None
         self.lib.paged_decode_attention.argtypes = [
             _P,
@@ -475,46 +475,59 @@ class Kernels:
         temps: torch.Tensor,
         keys: torch.Tensor,
         floors: torch.Tensor | None = None,
+        ties: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token per row of f32 ``logits`` [rows, n >= 1]: the first index of the largest
         ``logits[r] / temps[r] - log(E[r])``, E = -log(1 - v) of :meth:`uniform` (keys[r], n),
         that is the exponential race (a draw from softmax(logits[r] / temps[r])) in one pass
-        (``philox_race``); with ``floors`` (f32 [rows]) only among tokens whose
-        ``logits / temps`` is at least the row's floor. Only where ``has_race`` (AVX-512)."""
+        (``philox_race``). With ``floors`` (f32 [rows]) only tokens whose ``logits / temps``
+        is at least the row's floor can win, and with ``ties`` (int32 [rows]) of those equal
+        to it only the first ``ties[r]`` by index (< 0: all). ``temps`` finite and > 0. Only
+        where ``has_race`` (AVX-512)."""
         rows = logits.shape[0] if logits.dim() == 2 else -1
+        per_row = (
+            (temps, torch.float32),
+            (keys, torch.int64),
+            *(((floors, torch.float32),) if floors is not None else ()),
+            *(((ties, torch.int32),) if ties is not None else ()),
+        )
+        given = (logits, *(t for t, _ in per_row))
         if (
             logits.dtype != torch.float32
             or rows < 0
             or logits.shape[1] < 1
-            or temps.dtype != torch.float32
-            or keys.dtype != torch.int64
-            or tuple(temps.shape) != (rows,)
-            or tuple(keys.shape) != (rows,)
-            or (floors is not None and (floors.dtype != torch.float32 or floors.shape != (rows,)))
+            or any(t.dtype != d or tuple(t.shape) != (rows,) for t, d in per_row)
+            or any(t.device.type != "cpu" for t in given)
         ):
             raise ValueError(
-                "race takes f32 logits [rows, n >= 1], f32 temps [rows], int64 keys [rows] and "
-                f"f32 floors [rows] or None, got {logits.dtype} {tuple(logits.shape)}, "
-                f"{temps.dtype} {tuple(temps.shape)}, {keys.dtype} {tuple(keys.shape)}, "
-                f"{None if floors is None else (floors.dtype, tuple(floors.shape))}"
+                "race takes CPU tensors: f32 logits [rows, n >= 1], f32 temps [rows], int64 keys "
+                "[rows], f32 floors [rows] or None, int32 ties [rows] or None; got "
+                + ", ".join(f"{t.dtype} {tuple(t.shape)} on {t.device}" for t in given)
             )
+        if not bool(torch.isfinite(temps).all()) or not bool((temps > 0).all()):
+            raise ValueError(f"race takes finite temperatures > 0, got {temps.tolist()}")
         if not self.has_race:
             raise RuntimeError("race needs the AVX-512 build of the kernels (has_race is False)")
         logits, temps, keys = logits.contiguous(), temps.contiguous(), keys.contiguous()
         floors = None if floors is None else floors.contiguous()
+        ties = None if ties is None else ties.contiguous()
         out = torch.zeros(rows, dtype=torch.int64)
         if rows:
             self.lib.philox_race(
                 logits.data_ptr(), rows, logits.shape[1], keys.data_ptr(), temps.data_ptr(),
-                None if floors is None else floors.data_ptr(), out.data_ptr(),
+                None if floors is None else floors.data_ptr(),
+                None if ties is None else ties.data_ptr(), out.data_ptr(),
             )  # fmt: skip
         return out
 
-    def top_p_floor(self, x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    def top_p_floor(
+        self, x: torch.Tensor, top_p: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """f32 [rows]: the smallest value of each row's top-p nucleus in f32 ``x`` [rows, n]
         (the row sorted largest first, a token staying while the softmax mass before it is
-        below ``top_p[r]``; the first always stays), -inf where top_p >= 1 or the row is all
-        -inf (``top_p_floor``: a histogram of the mass, no sort)."""
+        below ``top_p[r]``; the first always stays), and int32 [rows]: how many tokens equal
+        to it the cut keeps (for :meth:`race`'s ``ties``). -inf and -1 where top_p >= 1 or the
+        row is all -inf or NaN (``top_p_floor``: a histogram of the mass, no sort)."""
         rows = x.shape[0] if x.dim() == 2 else -1
         if (
             x.dtype != torch.float32
@@ -522,16 +535,22 @@ class Kernels:
             or x.shape[1] < 1
             or top_p.dtype != torch.float32
             or tuple(top_p.shape) != (rows,)
+            or x.device.type != "cpu"
+            or top_p.device.type != "cpu"
         ):
             raise ValueError(
-                "top_p_floor takes f32 x [rows, n >= 1] and f32 top_p [rows], got "
-                f"{x.dtype} {tuple(x.shape)}, {top_p.dtype} {tuple(top_p.shape)}"
+                "top_p_floor takes CPU f32 x [rows, n >= 1] and f32 top_p [rows], got "
+                f"{x.dtype} {tuple(x.shape)} on {x.device}, {top_p.dtype} {tuple(top_p.shape)}"
             )
         x, top_p = x.contiguous(), top_p.contiguous()
-        out = torch.empty(rows, dtype=torch.float32)
+        floors = torch.empty(rows, dtype=torch.float32)
+        ties = torch.empty(rows, dtype=torch.int32)
         if rows:
-            self.lib.top_p_floor(x.data_ptr(), rows, x.shape[1], top_p.data_ptr(), out.data_ptr())
-        return out
+            self.lib.top_p_floor(
+                x.data_ptr(), rows, x.shape[1], top_p.data_ptr(), floors.data_ptr(),
+                ties.data_ptr(),
+            )  # fmt: skip
+        return floors, ties
 
     def paged_decode_attention(
         self,

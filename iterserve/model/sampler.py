@@ -281,12 +281,14 @@ def _filtered_race(
     rows ~270-360 ms, three times its forward. The floor of a row with top-k is its k-th
     value, or with top-p too the last of the nucleus of its top k (torch's topk); of a row
     with top-p alone, the last of its nucleus (``Kernels.top_p_floor``, no sort); min-p
-    raises it to the row's max + log(min_p). Tokens tied with the floor all stay (a sort
-    would keep some of them, in no particular order)."""
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    raises it to the row's max + log(min_p). Of the tokens equal to a top-k or top-p floor,
+    as many stay as the sorted cut keeps, the first by index (top-k keeps exactly k)."""
+    f32 = torch.float32
+    temps = torch.tensor([p.temperature for p in params], dtype=f32)
     scaled = logits.div_(temps.unsqueeze(1))
     vocab = scaled.shape[1]
-    floors = torch.full((len(params),), -math.inf)
+    floors = torch.full((len(params),), -math.inf, dtype=f32)
+    ties = torch.full((len(params),), -1, dtype=torch.int32)
     topk = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
     if topk:
         ps = [params[i] for i in topk]
@@ -297,20 +299,26 @@ def _filtered_race(
         if nucleus:  # top-p over the top k, renormalised (as _filter)
             probs = vals[nucleus].masked_fill(cut[nucleus], float("-inf")).softmax(-1)
             before = probs.cumsum(-1) - probs
-            top_p = torch.tensor([ps[j].top_p for j in nucleus]).unsqueeze(1)
+            top_p = torch.tensor([ps[j].top_p for j in nucleus], dtype=f32).unsqueeze(1)
             cut[nucleus] |= before >= top_p
-        last = (~cut).sum(-1) - 1  # what stays is a prefix, never empty
-        floors[topk] = vals.gather(1, last.unsqueeze(1)).squeeze(1)
+        last = (~cut).sum(-1, keepdim=True) - 1  # what stays is a prefix, never empty
+        floor = vals.gather(1, last)
+        floors[topk] = floor.squeeze(1)
+        ties[topk] = ((vals == floor) & ~cut).sum(-1).to(torch.int32)
     whole = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p < 1.0]
     if whole:
-        top_p = torch.tensor([params[i].top_p for i in whole], dtype=torch.float32)
-        floors[whole] = kern.top_p_floor(scaled[whole], top_p)
+        top_p = torch.tensor([params[i].top_p for i in whole], dtype=f32)
+        floors[whole], ties[whole] = kern.top_p_floor(scaled[whole], top_p)
     min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if min_p:
-        # min-p keeps p >= min_p * max p: a floor on the logit, whatever the normaliser
-        logs = torch.tensor([math.log(params[i].min_p) for i in min_p])
-        floors[min_p] = torch.maximum(floors[min_p], scaled[min_p].amax(-1) + logs)
-    return kern.race(scaled, torch.ones(len(params)), keys, floors)
+        # min-p keeps p >= min_p * max p, ties included: a floor on the logit, whatever the
+        # normaliser; where it is above the row's other floor it replaces it
+        logs = torch.tensor([math.log(params[i].min_p) for i in min_p], dtype=f32)
+        raised = scaled[min_p].amax(-1) + logs
+        above = raised > floors[min_p]
+        floors[min_p] = torch.where(above, raised, floors[min_p])
+        ties[min_p] = torch.where(above, -1, ties[min_p]).to(torch.int32)
+    return kern.race(scaled, torch.ones(len(params), dtype=f32), keys, floors, ties)
 
 
 def _race(

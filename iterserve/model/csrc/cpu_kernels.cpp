@@ -2244,7 +2244,8 @@ void philox_uniform(const uint64_t* keys, int rows, int64_t n, float* out) {
 // vocabulary took about four times this (docs/SPEED.md, "The race in one pass"). The division
 // is IEEE's, as torch's, so a row divided by its temperature beforehand (temps 1) scores the
 // same. floors (nullable): a token whose l / T is below floors[r] never wins (top-k, top-p,
-// min-p as one cut). -inf logits never win; a row of -inf gives 0. Returns 0, or -1 where not compiled in
+// min-p as one cut), and of those equal to it only the first ties[r] by index can (ties
+// nullable or < 0: all). -inf logits never win; a row of -inf gives 0. Returns 0, or -1 where not compiled in
 // (has_race: AVX-512 only, the logs are vgetexp/vgetmant and a polynomial).
 #if defined(__AVX512F__)
 // ln x for 16 lanes of positive normal x: x = m 2^k with m in [0.75, 1.5) (vgetmantps), ln m
@@ -2266,7 +2267,8 @@ inline __m512 log_ps(__m512 x) {
 }
 #endif
 
-int philox_race(const float* logits, int rows, int n, const uint64_t* keys, const float* temps, const float* floors, int64_t* out) {
+int philox_race(const float* logits, int rows, int n, const uint64_t* keys, const float* temps, const float* floors,
+                const int32_t* ties, int64_t* out) {
 #if defined(__AVX512F__)
     const int64_t groups = (int64_t(n) + 63) / 64;
 #pragma omp parallel for schedule(static) if (int64_t(rows) * n >= PAR_MIN_ELEMS)
@@ -2277,6 +2279,19 @@ int philox_race(const float* logits, int rows, int n, const uint64_t* keys, cons
         const __m512 floor = _mm512_set1_ps(floors ? floors[r] : -INFINITY);
         const __m512 scale = _mm512_set1_ps(1.f / 4294967296.f), half = _mm512_set1_ps(0.5f), vmax = _mm512_set1_ps(PHILOX_V_MAX);
         const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        // The scores are l / T - max - ln E: at a small T, l / T is large and without the
+        // max its f32 steps would round the noise away (ties then going to the first).
+        __m512 top = ninf;
+        for (int64_t e0 = 0; e0 < n; e0 += 16) {
+            const __mmask16 in = n - e0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - e0)) - 1);
+            top = _mm512_max_ps(top, _mm512_div_ps(_mm512_mask_loadu_ps(ninf, in, lr + e0), temp));
+        }
+        const float m = _mm512_reduce_max_ps(top);
+        const __m512 shift = _mm512_set1_ps(std::isfinite(m) ? m : 0.f);
+        // Of the tokens equal to the floor only the first ties[r] by index stay (< 0: all):
+        // the count a sort's cut keeps (top-k keeps exactly k).
+        const int budget = ties ? ties[r] : -1;
+        int seen = 0;
         __m512 best = ninf;
         __m512i best_j = _mm512_setzero_si512();
         for (int64_t g = 0; g < groups; ++g) {
@@ -2297,8 +2312,22 @@ int philox_race(const float* logits, int rows, int n, const uint64_t* keys, cons
                 const __mmask16 exact = _mm512_cmp_ps_mask(um1, _mm512_setzero_ps(), _CMP_NEQ_OQ);
                 const __m512 e = _mm512_mask_div_ps(v, exact, _mm512_mul_ps(log_ps(u), v), um1);
                 const __m512 lt = _mm512_div_ps(l, temp);
-                const __m512 score = _mm512_sub_ps(lt, log_ps(e));
-                const __mmask16 gt = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(lt, floor, _CMP_GE_OQ), score, best, _CMP_GT_OQ);
+                const __m512 score = _mm512_sub_ps(_mm512_sub_ps(lt, shift), log_ps(e));
+                __mmask16 ok = _mm512_mask_cmp_ps_mask(in, lt, floor, _CMP_GE_OQ);
+                if (budget >= 0) {
+                    __mmask16 eq = _mm512_mask_cmp_ps_mask(in, lt, floor, _CMP_EQ_OQ);
+                    if (eq) {
+                        const int cnt = __builtin_popcount(eq), left = std::max(0, budget - seen);
+                        seen += cnt;
+                        // keep the lowest `left` lanes of eq, drop the rest
+                        for (int extra = cnt - left; extra > 0; --extra) {
+                            const __mmask16 hi = __mmask16(1u << (31 - __builtin_clz(static_cast<unsigned>(eq))));
+                            ok &= static_cast<__mmask16>(~hi);
+                            eq &= static_cast<__mmask16>(~hi);
+                        }
+                    }
+                }
+                const __mmask16 gt = _mm512_mask_cmp_ps_mask(ok, score, best, _CMP_GT_OQ);
                 best = _mm512_mask_mov_ps(best, gt, score);
                 best_j = _mm512_mask_mov_epi32(best_j, gt, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(e0)), lanes));
             }
@@ -2310,22 +2339,23 @@ int philox_race(const float* logits, int rows, int n, const uint64_t* keys, cons
     }
     return 0;
 #else
-    (void)logits, (void)rows, (void)n, (void)keys, (void)temps, (void)floors, (void)out;
+    (void)logits, (void)rows, (void)n, (void)keys, (void)temps, (void)floors, (void)ties, (void)out;
     return -1;
 #endif
 }
 
 // The smallest value of each row's top-p nucleus: x [rows, n] f32 (logits / T), the row sorted
 // largest first, a token staying while the probability mass before it is below top_p[r] (the
-// first always stays); out[r] = the last one's value, -inf where top_p[r] >= 1 or the row is
-// all -inf. Without a sort: the max, the exps and their sum, then a histogram of mass over
+// first always stays); out[r] = the last one's value and ties[r] how many tokens equal to it
+// the cut keeps (-inf and -1 where top_p[r] >= 1 or the row is all -inf or NaN; +inf where
+// it has +inf, which then are the nucleus). Without a sort: the max, the exps and their sum, then a histogram of mass over
 // NUCLEUS_BUCKETS buckets of x (each NUCLEUS_RANGE / NUCLEUS_BUCKETS wide below the max, the
 // last taking everything lower, never the cut's) finds the bucket where the mass crosses
 // top_p, and only that bucket's tokens are sorted. torch's sort of 128 rows of 49,152 tokens took ~250 ms.
 constexpr int NUCLEUS_BUCKETS = 1024;
 constexpr float NUCLEUS_RANGE = 32.f;  // e^-32 of the max: below it one bucket holds the rest
 
-void top_p_floor(const float* x, int rows, int n, const float* top_p, float* out) {
+void top_p_floor(const float* x, int rows, int n, const float* top_p, float* out, int32_t* ties) {
     constexpr int TAIL = NUCLEUS_BUCKETS - 1;
 #pragma omp parallel if (int64_t(rows) * n >= PAR_MIN_ELEMS)
     {
@@ -2340,6 +2370,7 @@ void top_p_floor(const float* x, int rows, int n, const float* top_p, float* out
         for (int r = 0; r < rows; ++r) {
             const float* xr = x + static_cast<int64_t>(r) * n;
             out[r] = -INFINITY;
+            ties[r] = -1;
             if (!(top_p[r] < 1.f)) continue;
             float m = -INFINITY;
             int i = 0;
@@ -2349,7 +2380,11 @@ void top_p_floor(const float* x, int rows, int n, const float* top_p, float* out
             m = _mm512_reduce_max_ps(mx);
 #endif
             for (; i < n; ++i) m = std::max(m, xr[i]);
-            if (m == -INFINITY) continue;
+            if (std::isnan(m) || m == -INFINITY) continue;  // no mass to cut: no floor
+            if (m == INFINITY) {  // logits / T overflowed: the infinite tokens are the nucleus
+                out[r] = INFINITY;
+                continue;
+            }
             const float per = NUCLEUS_BUCKETS / NUCLEUS_RANGE;
             // bucket 0 holds the max; a larger x never lands lower; TAIL takes everything below
             // e^-32 of the max (whose mass, under n e^-32 of the row's, is below what 1 - top_p
@@ -2419,14 +2454,18 @@ void top_p_floor(const float* x, int rows, int n, const float* top_p, float* out
 #endif
             for (; j < n; ++j)
                 if (bk[j] == cross) cand.emplace_back(xr[j], ex[j]);
+            if (cand.empty()) continue;  // NaNs made the sums meaningless: no floor
             std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-            float tau = cand.front().first;  // the crossing bucket holds a token (hcount)
+            float tau = cand.front().first;
+            int at_tau = 0;  // how many tokens equal to tau the cut keeps
             for (const auto& [v, e] : cand) {
                 if (before >= target) break;
+                at_tau = v == tau ? at_tau + 1 : 1;
                 tau = v;
                 before += e;
             }
             out[r] = tau;
+            ties[r] = at_tau;
         }
     }
 }

@@ -278,7 +278,7 @@ def _filtered_race(
     """``_race`` on CPU with the race kernel where some row asks for top-k, top-p or min-p:
     each row's filters become one floor on logits / T, and the race runs over the whole row
     above it. torch's sort of every 49,152-token row (``_filter``) made such a step of 128
-    rows ~270-360 ms, three times its forward. The floor of a row with top-k is its k-th
+    rows ~270-360 ms, about twice the step itself. The floor of a row with top-k is its k-th
     value, or with top-p too the last of the nucleus of its top k (torch's topk); of a row
     with top-p alone, the last of its nucleus (``Kernels.top_p_floor``, no sort); min-p
     raises it to the row's max + log(min_p). Of the tokens equal to a top-k or top-p floor,

@@ -2351,7 +2351,8 @@ int philox_race(const float* logits, int rows, int n, const uint64_t* keys, cons
 // it has +inf, which then are the nucleus). Without a sort: the max, the exps and their sum, then a histogram of mass over
 // NUCLEUS_BUCKETS buckets of x (each NUCLEUS_RANGE / NUCLEUS_BUCKETS wide below the max, the
 // last taking everything lower, never the cut's) finds the bucket where the mass crosses
-// top_p, and only that bucket's tokens are sorted. torch's sort of 128 rows of 49,152 tokens took ~250 ms.
+// top_p, and only that bucket's tokens are sorted (torch's sort of 128 rows of 49,152 tokens:
+// 260-300 ms, docs/SPEED.md).
 constexpr int NUCLEUS_BUCKETS = 1024;
 constexpr float NUCLEUS_RANGE = 32.f;  // e^-32 of the max: below it one bucket holds the rest
 

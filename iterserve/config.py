@@ -96,8 +96,7 @@ class SchedulerConfig:
     ``admission_reservation``: KV blocks admission keeps back for running requests' future
     tokens. ``long_prefill_threshold`` (0: off): a prompt with more uncomputed tokens than
     this is long; it is prefilled at most this many tokens a step, and at most
-    ``max_long_partial_prefills`` long prompts are part-way through at once, so short prompts
-    pass them.
+    ``max_long_partial_prefills`` long prompts run per step, so short prompts pass them.
     ``tenant_weights`` ('alice=2,bob=1'; others weigh 1): the ``fair`` policy's shares.
     ``slo_ttft_ms`` / ``slo_tpot_ms``: the ``slo`` policy's TTFT / TPOT targets for
     requests that carry none.
@@ -323,6 +322,15 @@ def variant_args(variant: str, base: EngineArgs, max_model_len: int | None) -> E
         max_model_len=max_model_len,
         max_num_batched_tokens=max(base.max_num_batched_tokens, max_model_len),
     )
+
+
+def check_variants(policies: list[str], base: EngineArgs) -> None:
+    """Raises the ValueError ``base`` would raise under any of ``policies`` (e.g. fair with
+    no resume headroom) before a run starts, not when that policy's turn comes."""
+    from iterserve.core.policies import policy_variant  # late: iterserve.core imports us
+
+    for p in policies:
+        base.replace(policy=policy_variant(p).policy)  # __post_init__ validates
 
 
 def parse_policies(text: str, flag: str = "--policies") -> list[str]:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from iterserve.config import EngineArgs, variant_args
+from iterserve.config import EngineArgs, check_variants, variant_args
 from iterserve.workload.datasets import RequestSpec
 from iterserve.workload.metrics import RequestTiming, summarize
 from iterserve.workload.replay import ReplayResult, replay, warmup
@@ -120,6 +120,7 @@ def run_offline(
     the model's vocabulary and context; every variant then gets the same requests.
     ``on_run(variant, num_requests)`` is told before each run.
     """
+    check_variants(policies, base)
     runs = []
     specs: list[RequestSpec] | None = None
     max_model_len = base.max_model_len

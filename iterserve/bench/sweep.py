@@ -19,7 +19,7 @@ from iterserve.bench.offline import (
     make_variant_engine,
     run_on_engine,
 )
-from iterserve.config import EngineArgs
+from iterserve.config import EngineArgs, check_variants
 from iterserve.workload.datasets import RequestSpec
 from iterserve.workload.replay import warmup
 
@@ -59,6 +59,7 @@ def run_sweep(
 
     One engine per policy serves all its rates (the prefix cache is reset between runs).
     """
+    check_variants(policies, base)
     order = list(policies)
     if rates is None and "continuous" in order:  # measure the capacity on continuous batching
         order.remove("continuous")

@@ -14,9 +14,8 @@
 
 Long-prompt mode (``long_prefill_threshold`` > 0): a prompt with more uncomputed tokens than
 the threshold runs at most that many a step, and at most ``max_long_partial_prefills`` such
-prompts are part-way through at once (a running one the policy defers keeps its place); a
-long waiting prompt beyond that cap is passed over (keeping its place), so short prompts
-behind it are admitted at once.
+prompts run per step; a long waiting prompt beyond that cap is passed over (keeping its
+place), so short prompts behind it are admitted at once.
 """
 
 from __future__ import annotations
@@ -200,11 +199,6 @@ class Scheduler:
         done: dict[str, tuple[int, int, bool]] = {}
         defer, defer_decode = self.policy.defer_prefill, self.policy.defer_decode
         later: list[Request] = []  # running work the policy put after this step's admissions
-        # Deferred long prefills keep their long-prompt places: admitting a long prompt into
-        # one would leave more long prompts in progress than the cap, which on a short pool
-        # had partial prefills take turns preempting each other for ever.
-        long_kept: set[str] = set()
-        long_thr = cfg.long_prefill_threshold
         for req in order:
             if budget == 0:
                 break
@@ -215,9 +209,6 @@ class Scheduler:
             prefilling = num_new > 1  # its chunk counts against the prefill cap, even of 1
             if defer(req) if prefilling else defer_decode(req):
                 later.append(req)
-                if long_thr and num_new > long_thr and long_left > 0:
-                    long_kept.add(req.request_id)
-                    long_left -= 1
                 continue
             if prefilling:
                 num_new, is_long = self._chunk(num_new, budget, prefill_left, long_left)
@@ -249,8 +240,6 @@ class Scheduler:
                 continue
             num_new = len(req.all_token_ids) - req.num_computed_tokens
             prefilling, is_long = num_new > 1, False
-            if req.request_id in long_kept:
-                long_left += 1  # the place kept for it
             if prefilling:
                 num_new, is_long = self._chunk(num_new, budget, prefill_left, long_left)
             if num_new == 0:

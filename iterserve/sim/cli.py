@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from iterserve.config import EngineArgs, parse_policies, variant_args
+from iterserve.config import EngineArgs, check_variants, parse_policies, variant_args
 from iterserve.core.policies import POLICY_VARIANTS
 from iterserve.sim.capacity import (
     CAPACITY_KINDS,
@@ -514,6 +514,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         + report.describe()
     )
     base = engine_args(ns)
+    check_variants(policies, base)
     config = {k: v for k, v in vars(ns).items() if k != "func"} | {"deployment": dep.to_dict()}
 
     if ns.find_max_rate:

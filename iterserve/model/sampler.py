@@ -163,12 +163,22 @@ def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
         )
 
 
+def _temperatures(params: Sequence[SamplingParams], like: torch.Tensor) -> torch.Tensor:
+    """The rows' temperatures [rows], in ``like``'s dtype and on its device."""
+    return torch.tensor([p.temperature for p in params], dtype=like.dtype, device=like.device)
+
+
+def _scale(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` divided in place by each row's temperature: the one division every path
+    makes (torch's, IEEE), so a row scores alike whatever else its batch asks for."""
+    return logits.div_(_temperatures(params, logits).unsqueeze(1))
+
+
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks (rows with none skip the sort).
     Divides ``logits`` in place."""
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
-    logits = logits.div_(temps.unsqueeze(1))
+    logits = _scale(logits, params)
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
@@ -284,8 +294,7 @@ def _filtered_race(
     raises it to the row's max + log(min_p). Of the tokens equal to a top-k or top-p floor,
     as many stay as the sorted cut keeps, the first by index (top-k keeps exactly k)."""
     f32 = torch.float32
-    temps = torch.tensor([p.temperature for p in params], dtype=f32)
-    scaled = logits.div_(temps.unsqueeze(1))
+    scaled = _scale(logits, params)
     vocab = scaled.shape[1]
     floors = torch.full((len(params),), -math.inf, dtype=f32)
     ties = torch.full((len(params),), -1, dtype=torch.int32)
@@ -343,8 +352,8 @@ def _race(
         keys = _row_keys(gens)
         if _filters(params):
             return _filtered_race(logits, params, keys, kern)
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        return kern.race(logits, temps, keys)  # the kernel divides, as _filter's div_ would
+        # the kernel divides, the same IEEE division as _scale's
+        return kern.race(logits, _temperatures(params, logits), keys)
     probs = _filter(logits, params).softmax(-1)
     return probs.div_(_exponential_noise(probs, gens, kern)).argmax(-1)
 

@@ -2199,6 +2199,12 @@ inline void philox16(__m512i (&c)[4], uint32_t k0, uint32_t k1) {
         k1 += PHILOX_W1;
     }
 }
+
+// philox_unit of 16 words, the same f32 operations
+inline __m512 philox_unit16(__m512i w) {
+    const __m512 v = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepu32_ps(w), _mm512_set1_ps(0.5f)), _mm512_set1_ps(1.f / 4294967296.f));
+    return _mm512_min_ps(v, _mm512_set1_ps(PHILOX_V_MAX));
+}
 #endif
 
 // out [rows, n] f32: element j of row r is word (j % 64) / 16 of Philox4x32-10 at counter
@@ -2221,9 +2227,7 @@ void philox_uniform(const uint64_t* keys, int rows, int64_t n, float* out) {
                                     _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
             c[1] = c[2] = c[3] = _mm512_setzero_si512();
             philox16(c, k0, k1);
-            const __m512 scale = _mm512_set1_ps(1.f / 4294967296.f), half = _mm512_set1_ps(0.5f), vmax = _mm512_set1_ps(PHILOX_V_MAX);
-            for (int w = 0; w < 4; ++w)  // philox_unit, the same f32 operations
-                _mm512_storeu_ps(dst + 16 * w, _mm512_min_ps(_mm512_mul_ps(_mm512_add_ps(_mm512_cvtepu32_ps(c[w]), half), scale), vmax));
+            for (int w = 0; w < 4; ++w) _mm512_storeu_ps(dst + 16 * w, philox_unit16(c[w]));
 #else
             for (int l = 0; l < 16; ++l) {
                 uint32_t c[4] = {static_cast<uint32_t>(g * 16 + l), 0, 0, 0};
@@ -2277,7 +2281,6 @@ int philox_race(const float* logits, int rows, int n, const uint64_t* keys, cons
         const float* lr = logits + static_cast<int64_t>(r) * n;
         const __m512 temp = _mm512_set1_ps(temps[r]), one = _mm512_set1_ps(1.f), ninf = _mm512_set1_ps(-INFINITY);
         const __m512 floor = _mm512_set1_ps(floors ? floors[r] : -INFINITY);
-        const __m512 scale = _mm512_set1_ps(1.f / 4294967296.f), half = _mm512_set1_ps(0.5f), vmax = _mm512_set1_ps(PHILOX_V_MAX);
         const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         // The scores are l / T - max - ln E: at a small T, l / T is large and without the
         // max its f32 steps would round the noise away (ties then going to the first).
@@ -2306,7 +2309,7 @@ int philox_race(const float* logits, int rows, int n, const uint64_t* keys, cons
                 const __m512 l = _mm512_mask_loadu_ps(ninf, in, lr + e0);
                 // v as philox_unit; E = -ln(1 - v) = -log1p(-v), by Goldberg's log1p: ln u * v / (u - 1)
                 // with u = 1 - v rounded, and v itself where u rounds to 1 (v < 2^-25)
-                const __m512 v = _mm512_min_ps(_mm512_mul_ps(_mm512_add_ps(_mm512_cvtepu32_ps(c[w]), half), scale), vmax);
+                const __m512 v = philox_unit16(c[w]);
                 const __m512 u = _mm512_sub_ps(one, v);
                 const __m512 um1 = _mm512_sub_ps(u, one);
                 const __mmask16 exact = _mm512_cmp_ps_mask(um1, _mm512_setzero_ps(), _CMP_NEQ_OQ);

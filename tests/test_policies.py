@@ -1002,7 +1002,8 @@ def test_step_time_fit_recovers_a_linear_cost() -> None:
 @given(
     data=st.data(),
     budget=st.integers(8, 64),
-    tpot_ms=st.sampled_from([5.5, 6.0, 7.0, 9.0, 12.0]),
+    # 5.05: room for half a token, where a bound of no tokens once stalled prefills.
+    tpot_ms=st.sampled_from([5.05, 5.5, 6.0, 7.0, 9.0, 12.0]),
 )
 def test_property_tpot_holds_back_only_what_would_push_past_the_target(
     data: st.DataObject, budget: int, tpot_ms: float
@@ -1055,6 +1056,29 @@ def test_property_tpot_holds_back_only_what_would_push_past_the_target(
         del fin
     assert s.num_rejected == 0
     assert all(r.status is RequestStatus.FINISHED for _, r in arrivals)
+
+
+def test_tpot_bound_never_stalls_a_prefill_without_decodes() -> None:
+    """A target between the empty step's time and one token's more leaves the prefill no
+    room; with no decodes in the step there is no TPOT to protect, so the prompt goes on
+    (it once stalled the engine forever with nothing scheduled)."""
+    s = sched(policy="slo", max_num_batched_tokens=8, slo_tpot_ms=5.05)
+    books = Books(s)
+    s.add_request(make_req("short", 3, 1, seed=1))
+    steps = 0
+    while s.has_unfinished_requests() or steps == 1:
+        if steps == 1:  # the fit has seen 3 tokens; the prompt's first chunk gives it 8
+            s.add_request(make_req("long", 40, 2, seed=2))
+        steps += 1
+        assert steps < 50
+        out, _ = step_once(s)
+        assert out.total_tokens > 0
+        books.record_step(out, 0.0, linear_step_s(out.total_tokens), 0)
+    policy = s.policy
+    assert isinstance(policy, SloPolicy)
+    # The fit knows the cost, and a decode's step is past the target on its own.
+    assert policy.fit.coefficients() == pytest.approx((0.005, 1e-4))
+    assert policy.fit.max_tokens_within(0.00505) == pytest.approx(0.5)
 
 
 def test_tpot_target_keeps_running_requests_tpot_in_the_simulator() -> None:

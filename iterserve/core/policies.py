@@ -626,7 +626,8 @@ class SloPolicy(Policy):
     tokens that keep ``a + b * (d + prefill tokens)`` within it (``StepTimeFit`` over the
     steps run). A prompt that finds no such room waits (deferred, keeping its place; it is
     never rejected for TPOT). When the decodes alone already exceed the target, prefill work
-    is not what pushes it over and is not held back; before any step ran, nothing is."""
+    is not what pushes it over and is not held back; in a step without decodes, or before
+    any step ran, nothing is."""
 
     name = "slo"
     uses_slo_targets = True
@@ -718,7 +719,10 @@ class SloPolicy(Policy):
         self.decodes, self.prefill_ahead = decodes, prefill
         self.waiting_behind = len(waiting) - 1
         targets = [t for r in running if (t := self.tpot_target(r)) is not None]
-        if not targets:
+        if not targets or decodes == 0:
+            # Without decodes no running request's TPOT depends on this step (a prompt's last
+            # chunk gives its first token, which TPOT does not count); holding prefills back
+            # would only idle the step, forever where the empty step alone meets the target.
             return
         room = self.fit.max_tokens_within(min(targets)) - decodes
         if room < 0 or room == math.inf:

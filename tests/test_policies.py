@@ -613,6 +613,36 @@ def test_property_fair_ends_every_request_on_tiny_pools(
     assert set(ended) == {r.request_id for _, r in arrivals}
 
 
+def test_fair_long_prompts_take_turns_at_the_place_under_a_stream_of_short_ones() -> None:
+    """One long-prompt place (threshold 8), a 40-token prompt of tenant a, another of tenant
+    c two steps later, and a short request of tenant b every step on a 64-token pool. a's
+    prompt holds the place and is never deferred, so both long prompts get their first
+    tokens within a few steps of their five chunks each (a kept place that fair could defer
+    once starved them for hundreds of steps); check_integrity holds the cap every step."""
+    s = sched(
+        num_blocks=16,
+        policy="fair",
+        max_num_seqs=16,
+        max_num_batched_tokens=16,
+        long_prefill_threshold=8,
+        max_long_partial_prefills=1,
+    )
+    first: dict[str, int] = {}
+    steps = [0]
+
+    def check(out: SchedulerOutput) -> None:
+        steps[0] += 1
+        for r in out.requests:
+            if r.num_output_tokens:
+                first.setdefault(r.request_id, steps[0])
+
+    arrivals = [(0, tenant_req("A", "a", 40, 4, seed=0)), (2, tenant_req("L", "c", 40, 4, seed=1))]
+    arrivals += [(i, tenant_req(f"b{i}", "b", 8, 4, seed=100 + i)) for i in range(1, 300)]
+    ended = drive(s, arrivals, check=check)
+    assert len(ended) == len(arrivals)
+    assert first["A"] <= 12 and first["L"] <= 24, first
+
+
 def test_fair_books_stay_bounded_when_every_request_names_a_new_tenant() -> None:
     # Tenant names come from clients (x-tenant, user): 600 requests, each its own tenant,
     # beside a steady one, must not leave the policy a book per name (nor a walk over them

@@ -14,8 +14,11 @@
 
 Long-prompt mode (``long_prefill_threshold`` > 0): a prompt with more uncomputed tokens than
 the threshold runs at most that many a step, and at most ``max_long_partial_prefills`` such
-prompts run per step; a long waiting prompt beyond that cap is passed over (keeping its
-place), so short prompts behind it are admitted at once.
+prompts are part-way through at once (as vLLM's cap): a running one holds its place until
+its uncomputed tokens fall to the threshold, and is never deferred by the policy (the prompts
+waiting for its place would wait for it). A long waiting prompt finding no place is passed
+over (keeping its place in the queue), so short prompts behind it are admitted at once, and
+no running request is preempted to free a sequence slot for it.
 """
 
 from __future__ import annotations
@@ -176,14 +179,25 @@ class Scheduler:
         if self.reservation is not None:
             self.reservation.on_step()
         self.policy.on_schedule(self.running, self.waiting)
-        for candidates in self.policy.preempt_for_waiting(self.running, self.waiting):
+        long_thr = cfg.long_prefill_threshold
+        holds_place = self._holds_long_place
+        # A slot freed for a long head that finds no place would go to a request behind it,
+        # and the victim would come back for it: churn, not fairness.
+        head_blocked = (
+            bool(long_thr)
+            and bool(self.waiting)
+            and self.waiting.peek().num_tokens > long_thr
+            and sum(map(holds_place, self.running)) >= cfg.max_long_partial_prefills
+        )
+        for candidates in (
+            () if head_blocked else self.policy.preempt_for_waiting(self.running, self.waiting)
+        ):
             victim = self._pick_victim(candidates)
             self._preempt(victim)  # before anything is scheduled: nothing to give back
             out.preempted.append(victim)
         made_room = len(out.preempted)  # admission still runs after these
         split = self.policy.split_budget(budget)
         prefill_left = split.partial_prefill  # None: no cap
-        long_left = cfg.max_long_partial_prefills
 
         running = RequestStatus.RUNNING
         allocate = self.kv.allocate_slots
@@ -195,8 +209,8 @@ class Scheduler:
             key=lambda r: (len(r.all_token_ids) - r.num_computed_tokens > 1, r.admit_seq),
         )
         # Requests scheduled so far this step -> what _unschedule needs to take it back:
-        # (its high-water mark before, the recomputed tokens it added, whether it was long).
-        done: dict[str, tuple[int, int, bool]] = {}
+        # (its high-water mark before, the recomputed tokens it added).
+        done: dict[str, tuple[int, int]] = {}
         defer, defer_decode = self.policy.defer_prefill, self.policy.defer_decode
         later: list[Request] = []  # running work the policy put after this step's admissions
         for req in order:
@@ -205,43 +219,46 @@ class Scheduler:
             if req.status is not running:
                 continue  # preempted earlier in this loop
             num_new = len(req.all_token_ids) - req.num_computed_tokens
-            is_long = False
             prefilling = num_new > 1  # its chunk counts against the prefill cap, even of 1
-            if defer(req) if prefilling else defer_decode(req):
+            # A long prompt's place is never deferred: whatever waits for the place would wait
+            # behind it, and it behind them (starvation, with a stream of short arrivals).
+            if (defer(req) if prefilling else defer_decode(req)) and not holds_place(req):
                 later.append(req)
                 continue
             if prefilling:
-                num_new, is_long = self._chunk(num_new, budget, prefill_left, long_left)
+                num_new = self._chunk(num_new, budget, prefill_left)
                 if num_new == 0:
                     continue
             if not allocate(req, num_new):
                 got, given_back = self._make_room(req, num_new, out, done)
-                for n, was_long in given_back:
+                for n in given_back:
                     budget += n
-                    long_left += was_long
                     if prefill_left is not None and n > 1:
                         prefill_left += n
                 if not got:
                     continue
             high, recomputed = req.max_computed_tokens, out.recomputed_tokens
             self._add_to_output(out, req, num_new)
-            done[req.request_id] = (high, out.recomputed_tokens - recomputed, is_long)
+            done[req.request_id] = (high, out.recomputed_tokens - recomputed)
             budget -= num_new
-            long_left -= is_long
             if prefill_left is not None and prefilling:
                 prefill_left -= num_new
 
         if len(out.preempted) == made_room and self.policy.can_admit(len(self.running)):
-            budget, long_left = self._admit(out, budget, split.new_prompt, long_left)
+            # The places left are the cap less the running long prompts (deferred or not).
+            long_left = cfg.max_long_partial_prefills - (
+                sum(map(holds_place, self.running)) if long_thr else 0
+            )
+            budget = self._admit(out, budget, split.new_prompt, long_left)
         for req in later:  # what admission left; by preempting only where nothing else ran
             if budget == 0:
                 break
             if req.status is not running:
                 continue
             num_new = len(req.all_token_ids) - req.num_computed_tokens
-            prefilling, is_long = num_new > 1, False
+            prefilling = num_new > 1
             if prefilling:
-                num_new, is_long = self._chunk(num_new, budget, prefill_left, long_left)
+                num_new = self._chunk(num_new, budget, prefill_left)
             if num_new == 0:
                 continue
             # With the pool full and nothing scheduled this step, a deferred request that only
@@ -253,37 +270,38 @@ class Scheduler:
                 continue
             self._add_to_output(out, req, num_new)
             budget -= num_new
-            long_left -= is_long
             if prefill_left is not None and prefilling:
                 prefill_left -= num_new
         self.policy.on_step(out)
         return out
 
-    def _chunk(
-        self, num_new: int, budget: int, prefill_left: int | None, long_left: int
-    ) -> tuple[int, bool]:
-        """How many of a running prefill's ``num_new`` uncomputed tokens fit this step's caps,
-        and whether it runs as a long prompt; (0, False) if a cap leaves it none."""
+    def _holds_long_place(self, req: Request) -> bool:
+        """A running prompt with more uncomputed tokens than the long-prompt threshold: one of
+        the ``max_long_partial_prefills`` part-way through."""
+        thr = self.config.long_prefill_threshold
+        return bool(thr) and len(req.all_token_ids) - req.num_computed_tokens > thr
+
+    def _chunk(self, num_new: int, budget: int, prefill_left: int | None) -> int:
+        """How many of a running prefill's ``num_new`` uncomputed tokens fit this step's caps
+        (a long prompt, which holds its place, at most the threshold); 0 if a cap leaves it
+        none."""
         cfg = self.config
         chunked, long_thr = cfg.enable_chunked_prefill, cfg.long_prefill_threshold
-        is_long = False
         if long_thr and num_new > long_thr:
-            if long_left == 0:
-                return 0, False  # enough long prompts this step
-            is_long, num_new = True, long_thr
+            num_new = long_thr
         if prefill_left is not None:
             if prefill_left == 0 or (num_new > prefill_left and not chunked):
-                return 0, False
+                return 0
             num_new = min(num_new, prefill_left)
         if num_new > budget and not chunked:
-            return 0, False
-        return min(num_new, budget), is_long
+            return 0
+        return min(num_new, budget)
 
     def _admit(
         self, out: SchedulerOutput, budget: int, new_left: int | None, long_left: int
-    ) -> tuple[int, int]:
-        """Admits waiting requests in queue order into what is left of this step; returns
-        the budget and the long-prompt places left."""
+    ) -> int:
+        """Admits waiting requests in queue order into what is left of this step, long
+        prompts into ``long_left`` places; returns the budget left."""
         cfg = self.config
         chunked = cfg.enable_chunked_prefill
         long_thr = cfg.long_prefill_threshold
@@ -312,7 +330,7 @@ class Scheduler:
             num_new = req.num_tokens - num_hit
             is_long = bool(long_thr) and num_new > long_thr
             if is_long:
-                if long_left == 0:
+                if long_left <= 0:
                     passed_over.append(self.waiting.pop())
                     continue
                 num_new = long_thr
@@ -351,7 +369,7 @@ class Scheduler:
             self.policy.on_admit(req, num_new)  # only now: each check above could still fail it
         for req in reversed(passed_over):
             self.waiting.push_front(req)  # back in their places, ahead of later arrivals
-        return budget, long_left
+        return budget
 
     def _resume_fits(self, req: Request, hits: list[int]) -> bool:
         """May preempted ``req`` resume now? Only if, after its prefix hits, the free blocks
@@ -376,11 +394,9 @@ class Scheduler:
         for r, need in zip(candidates, needs):
             r.lost_if_preempted = kv.preemption_loss(r, total - need)
 
-    def _unschedule(
-        self, out: SchedulerOutput, req: Request, undo: tuple[int, int, bool]
-    ) -> tuple[int, bool]:
+    def _unschedule(self, out: SchedulerOutput, req: Request, undo: tuple[int, int]) -> int:
         """Takes ``req``'s tokens out of this step (it is about to be preempted); returns
-        them and whether they ran as a long prompt, so the step's caps get them back."""
+        them, so the step's caps get them back."""
         i = next(k for k, r in enumerate(out.requests) if r is req)
         out.requests.pop(i)
         n = out.num_tokens.pop(i)
@@ -388,11 +404,11 @@ class Scheduler:
             out.num_prefill_tokens -= n
         else:
             out.num_decode_tokens -= n
-        high, redo, was_long = undo
+        high, redo = undo
         req.max_computed_tokens = high
         out.recomputed_tokens -= redo
         self.recomputed_tokens -= redo
-        return n, was_long
+        return n
 
     def _add_to_output(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         # A decode is one new token right after a sampled one; anything else computes
@@ -420,13 +436,13 @@ class Scheduler:
         req: Request,
         num_new: int,
         out: SchedulerOutput,
-        done: dict[str, tuple[int, int, bool]],
-    ) -> tuple[bool, list[tuple[int, bool]]]:
+        done: dict[str, tuple[int, int]],
+    ) -> tuple[bool, list[int]]:
         """After running ``req`` failed to get ``num_new`` tokens' blocks: preempts victims (the
         policy's rule) until it gets them. Returns whether it did (not where ``req`` itself
-        went, or failed as too big for the pool when it ran alone), and the (tokens, was long)
-        each victim already scheduled this step (in ``done``) gave back."""
-        given_back: list[tuple[int, bool]] = []
+        went, or failed as too big for the pool when it ran alone), and the tokens each
+        victim already scheduled this step (in ``done``) gave back."""
+        given_back: list[int] = []
         while True:
             # Every running request is a candidate, those already given tokens this step too
             # (as in vLLM): otherwise the rule could only choose among the few not yet
@@ -497,6 +513,9 @@ class Scheduler:
             raise AssertionError(f"live {live} != running {running} | waiting {waiting}")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running > max_num_seqs")
+        long_running = sum(map(self._holds_long_place, self.running))
+        if long_running > self.config.max_long_partial_prefills:
+            raise AssertionError(f"{long_running} long prompts part-way through > the cap")
         for r in self.waiting:
             if self.kv.block_table(r.request_id):
                 raise AssertionError(f"waiting request {r.request_id} holds blocks")

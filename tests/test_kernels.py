@@ -314,6 +314,44 @@ def test_top_p_floor_is_the_last_token_of_the_nucleus(kern_variant: kernels.Kern
         kern.top_p_floor(torch.zeros(2, 3), torch.ones(3))
 
 
+def test_top_k_values_are_torchs_topk(kern_variant: kernels.Kernels) -> None:
+    """top_k_values: for the chosen rows, each one's k largest values largest first, equal to
+    torch.topk's, then -inf to the widest k; rows of every length (k blocks or fewer), k from
+    1 to n, bf16 rows (ties), -inf rows and partly masked rows, a NaN (the largest, as
+    torch's) and +inf; a row chosen twice; bad rows or k refused."""
+    kern = kern_variant
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, 16, 100, 1000, 3001, 49152):
+        x = torch.randn(10, n, generator=g) * 4
+        x[3, :] = float("-inf")
+        x[4, ::3] = float("-inf")
+        x[5] = x[5].bfloat16().float().round()  # few distinct values: ties everywhere
+        if n > 4:
+            x[6, 2] = float("nan")
+            x[7, -1] = float("inf")
+        for k in sorted({1, 2, 7, 50, n // 2 + 1, n}):
+            if k > n:
+                continue
+            rows = torch.tensor([0, 3, 4, 5, 6, 7, 8, 9, 9], dtype=torch.int64)
+            ks = torch.full((9,), k, dtype=torch.int32)
+            ks[6] = 1
+            out = kern.top_k_values(x, rows, ks)
+            assert out.shape == (9, k)
+            for i, (r, q) in enumerate(zip(rows.tolist(), ks.tolist())):
+                want = x[r].topk(q).values
+                assert torch.equal(out[i, :q].nan_to_num(nan=7e7), want.nan_to_num(nan=7e7)), (
+                    n, k, r,
+                )  # fmt: skip
+                assert bool((out[i, q:] == float("-inf")).all())
+    assert kern.top_k_values(x, torch.zeros(0, dtype=torch.int64), ks[:0]).shape == (0, 0)
+    with pytest.raises(ValueError, match="ks in 1.."):
+        kern.top_k_values(x, rows, torch.full((9,), n + 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="rows must be in"):
+        kern.top_k_values(x, rows + 10, ks)
+    with pytest.raises(ValueError, match="int32 ks"):
+        kern.top_k_values(x, rows, ks.long())
+
+
 def test_race_keeps_the_first_ties_at_the_floor_and_refuses_bad_temperatures() -> None:
     """Of the tokens equal to the floor only the first ``ties`` by index can win (a sort's cut
     keeps a count of them: top-k exactly k); a tiny temperature still splits a tie evenly

@@ -244,6 +244,8 @@ class Kernels:
         self.lib.philox_race.restype = _I
         self.lib.top_p_floor.argtypes = [_P, _I, _I, _P, _P, _P]
         self.lib.top_p_floor.restype = None
+        self.lib.top_k_values.argtypes = [_P, _I, _P, _I, _P, _I, _P]
+        self.lib.top_k_values.restype = None
         self.lib.paged_decode_attention.argtypes = [
             _P,
             ctypes.c_int64,
@@ -551,6 +553,46 @@ class Kernels:
                 ties.data_ptr(),
             )  # fmt: skip
         return floors, ties
+
+    def top_k_values(self, x: torch.Tensor, rows: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
+        """f32 [len(rows), max(ks)]: the ``ks[i]`` largest values of row ``rows[i]`` of f32 ``x``
+        [*, n], largest first (``torch.topk``'s values, a NaN the largest), then -inf to the
+        width (``top_k_values``: a threshold from block maxima, no sort of the row, and no
+        gathered copy of the rows). ``rows`` int64, ``ks`` int32 in 1..n."""
+        m = rows.shape[0] if rows.dim() == 1 else -1
+        if (
+            x.dtype != torch.float32
+            or x.dim() != 2
+            or x.shape[1] < 1
+            or rows.dtype != torch.int64
+            or ks.dtype != torch.int32
+            or tuple(ks.shape) != (m,)
+            or any(t.device.type != "cpu" for t in (x, rows, ks))
+        ):
+            raise ValueError(
+                "top_k_values takes CPU f32 x [rows, n >= 1], int64 rows [m] and int32 ks [m], "
+                f"got {x.dtype} {tuple(x.shape)} on {x.device}, {rows.dtype} "
+                f"{tuple(rows.shape)}, {ks.dtype} {tuple(ks.shape)}"
+            )
+        n = x.shape[1]
+        if m and (
+            int(rows.min()) < 0
+            or int(rows.max()) >= x.shape[0]
+            or int(ks.min()) < 1
+            or int(ks.max()) > n
+        ):
+            raise ValueError(
+                f"top_k_values: rows must be in 0..{x.shape[0] - 1} and ks in 1..{n}, got rows "
+                f"{rows.tolist()}, ks {ks.tolist()}"
+            )
+        x, rows, ks = x.contiguous(), rows.contiguous(), ks.contiguous()
+        kmax = int(ks.max()) if m else 0
+        out = torch.empty(m, kmax, dtype=torch.float32)
+        if m:
+            self.lib.top_k_values(
+                x.data_ptr(), n, rows.data_ptr(), m, ks.data_ptr(), kmax, out.data_ptr()
+            )
+        return out
 
     def paged_decode_attention(
         self,

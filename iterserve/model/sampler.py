@@ -289,21 +289,25 @@ def _filtered_race(
     each row's filters become one floor on logits / T, and the race runs over the whole row
     above it. torch's sort of every 49,152-token row (``_filter``) made such a step of 128
     rows ~270-360 ms, about twice the step itself. The floor of a row with top-k is its k-th
-    value, or with top-p too the last of the nucleus of its top k (torch's topk); of a row
-    with top-p alone, the last of its nucleus (``Kernels.top_p_floor``, no sort); min-p
-    raises it to the row's max + log(min_p). Of the tokens equal to a top-k or top-p floor,
+    value, or with top-p too the last of the nucleus of its top k (``Kernels.top_k_values``,
+    no sort of the row); of a row with top-p alone, the last of its nucleus
+    (``Kernels.top_p_floor``, no sort); min-p raises it to the row's max + log(min_p). Of the tokens equal to a top-k or top-p floor,
     as many stay as the sorted cut keeps, the first by index (top-k keeps exactly k)."""
     f32 = torch.float32
     scaled = _scale(logits, params)
     vocab = scaled.shape[1]
     floors = torch.full((len(params),), -math.inf, dtype=f32)
     ties = torch.full((len(params),), -1, dtype=torch.int32)
+
+    def some(idx: list[int]) -> torch.Tensor:  # those rows; no gathered copy of all of them
+        return scaled if len(idx) == len(params) else scaled[idx]
+
     topk = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
     if topk:
         ps = [params[i] for i in topk]
-        k = max(p.top_k for p in ps)
-        vals = scaled[topk].topk(k, dim=-1).values  # sorted, largest first
-        cut = torch.arange(k).unsqueeze(0) >= torch.tensor([p.top_k for p in ps]).unsqueeze(1)
+        ks = torch.tensor([p.top_k for p in ps], dtype=torch.int32)
+        vals = kern.top_k_values(scaled, torch.tensor(topk), ks)  # largest first, -inf past k
+        cut = torch.arange(vals.shape[1]).unsqueeze(0) >= ks.unsqueeze(1)
         nucleus = [j for j, p in enumerate(ps) if p.top_p < 1.0]
         if nucleus:  # top-p over the top k, renormalised (as _filter)
             probs = vals[nucleus].masked_fill(cut[nucleus], float("-inf")).softmax(-1)
@@ -317,13 +321,13 @@ def _filtered_race(
     whole = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p < 1.0]
     if whole:
         top_p = torch.tensor([params[i].top_p for i in whole], dtype=f32)
-        floors[whole], ties[whole] = kern.top_p_floor(scaled[whole], top_p)
+        floors[whole], ties[whole] = kern.top_p_floor(some(whole), top_p)
     min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if min_p:
         # min-p keeps p >= min_p * max p, ties included: a floor on the logit, whatever the
         # normaliser; where it is above the row's other floor it replaces it
         logs = torch.tensor([math.log(params[i].min_p) for i in min_p], dtype=f32)
-        raised = scaled[min_p].amax(-1) + logs
+        raised = some(min_p).amax(-1) + logs
         above = raised > floors[min_p]
         floors[min_p] = torch.where(above, raised, floors[min_p])
         ties[min_p] = torch.where(above, -1, ties[min_p]).to(torch.int32)

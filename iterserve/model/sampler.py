@@ -291,8 +291,9 @@ def _filtered_race(
     rows ~270-360 ms, about twice the step itself. The floor of a row with top-k is its k-th
     value, or with top-p too the last of the nucleus of its top k (``Kernels.top_k_values``,
     no sort of the row); of a row with top-p alone, the last of its nucleus
-    (``Kernels.top_p_floor``, no sort); min-p raises it to the row's max + log(min_p). Of the tokens equal to a top-k or top-p floor,
-    as many stay as the sorted cut keeps, the first by index (top-k keeps exactly k)."""
+    (``Kernels.top_p_floor``, no sort); min-p raises it to the row's max + log(min_p). Of
+    the tokens equal to a top-k or top-p floor, as many stay as the sorted cut keeps, the
+    first by index (top-k keeps exactly k)."""
     f32 = torch.float32
     scaled = _scale(logits, params)
     vocab = scaled.shape[1]

@@ -286,6 +286,14 @@ def _check_scheduler_knobs(c: SchedulerConfig | EngineArgs) -> None:
             "resume check two requests the KV pool cannot hold together can preempt each "
             "other for ever under fair's ranking"
         )
+    if c.preemption_resume_headroom == 0 and c.long_prefill_threshold > 0:
+        # Long prompts then run a threshold a step side by side: two the pool cannot hold
+        # together took turns preempting each other for ever (random scheduler runs).
+        raise ValueError(
+            "long-prompt mode (long_prefill_threshold > 0) needs preemption_resume_headroom "
+            ">= 1 (default 32): without the resume check two long prompts the KV pool cannot "
+            "hold together can preempt each other for ever"
+        )
     if c.long_prefill_threshold < 0:
         raise ValueError(
             f"long_prefill_threshold must be >= 0 (0: off), got {c.long_prefill_threshold}"

@@ -483,6 +483,10 @@ def test_long_prompt_mode_needs_chunked_prefill() -> None:
             {"policy": "fair", "preemption_resume_headroom": 0},
             "fair policy needs preemption_resume_headroom >= 1",
         ),
+        (
+            {"long_prefill_threshold": 8, "preemption_resume_headroom": 0},
+            "long-prompt mode .* needs preemption_resume_headroom >= 1",
+        ),
     ],
 )
 def test_bad_knobs_say_what_to_change(knobs: dict[str, Any], message: str) -> None:
@@ -643,6 +647,46 @@ def test_fair_long_prompts_take_turns_at_the_place_under_a_stream_of_short_ones(
     assert first["A"] <= 12 and first["L"] <= 24, first
 
 
+def test_fair_swaps_no_slot_for_a_long_head_without_a_place() -> None:
+    """Every slot and the one long-prompt place are the heavy tenants': a light tenant's long
+    prompt arrives. A slot freed for it would go straight back (it is passed over for the
+    place), so none is preempted; it starts once the holder's prompt is done. Its tenant's
+    short request behind it still gets a slot at once."""
+
+    def setup() -> Scheduler:
+        s = sched(
+            num_blocks=400,
+            policy="fair",
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            long_prefill_threshold=8,
+            max_long_partial_prefills=1,
+            max_model_len=512,
+        )
+        s.add_request(tenant_req("A", "a", 200, 4, seed=0))  # the place holder
+        for i in range(3):
+            s.add_request(tenant_req(f"V{i}", "b", 4, 80, seed=10 + i))
+        for _ in range(3):
+            step_once(s)
+        return s
+
+    s = setup()
+    s.add_request(tenant_req("L", "c", 64, 4, seed=5))
+    started = None
+    for step in range(1, 40):
+        out, _ = step_once(s)
+        assert not out.preempted
+        if started is None and s.requests["L"].status is RequestStatus.RUNNING:
+            started = step
+    assert started is not None and started <= 26  # A's 200 tokens, 8 a step
+    s = setup()
+    s.add_request(tenant_req("L", "c", 64, 4, seed=5))
+    s.add_request(tenant_req("S", "c", 4, 4, seed=6))
+    for _ in range(2):
+        step_once(s)
+    assert s.requests["S"].num_output_tokens >= 1
+
+
 def test_fair_books_stay_bounded_when_every_request_names_a_new_tenant() -> None:
     # Tenant names come from clients (x-tenant, user): 600 requests, each its own tenant,
     # beside a steady one, must not leave the policy a book per name (nor a walk over them
@@ -665,12 +709,17 @@ def test_fair_books_stay_bounded_when_every_request_names_a_new_tenant() -> None
 
 
 def light_first_token(
-    policy: str, heavy: tuple[int, int, int], light_prompt: int, seqs: int, full_steps: int
+    policy: str,
+    heavy: tuple[int, int, int],
+    light_prompt: int,
+    seqs: int,
+    full_steps: int,
+    **knobs: Any,
 ) -> int:
     """The step at which a light request gets its first token, arriving after 3 steps of
     ``heavy`` = (requests, prompt, max_tokens) with a 32-token budget; the first
     ``full_steps`` steps after it arrived must use the whole budget (work-conserving)."""
-    s = sched(num_blocks=400, policy=policy, max_num_batched_tokens=32, max_num_seqs=seqs)
+    s = sched(num_blocks=400, policy=policy, max_num_batched_tokens=32, max_num_seqs=seqs, **knobs)
     n, prompt, out_len = heavy
     for i in range(n):
         s.add_request(tenant_req(f"h{i}", "heavy", prompt, out_len, seed=i))
@@ -693,6 +742,11 @@ def test_fair_puts_a_light_prompt_ahead_of_heavy_prefills_already_running() -> N
     their prefills."""
     assert light_first_token("fair", (3, 200, 4), 20, seqs=8, full_steps=2) <= 2
     assert light_first_token("continuous", (3, 200, 4), 20, seqs=8, full_steps=0) > 10
+    # In long-prompt mode too (the heavy prompts hold the places; a short prompt needs none),
+    # whether the places' chunks fill the budget or not.
+    for thr, k in ((8, 4), (16, 1), (32, 1)):
+        knobs = {"long_prefill_threshold": thr, "max_long_partial_prefills": k}
+        assert light_first_token("fair", (3, 200, 4), 8, seqs=8, full_steps=0, **knobs) == 1
 
 
 def test_fair_runs_a_light_prompt_ahead_of_heavy_decodes() -> None:
@@ -1039,9 +1093,9 @@ def test_property_tpot_holds_back_only_what_would_push_past_the_target(
     data: st.DataObject, budget: int, tpot_ms: float
 ) -> None:
     """With ample KV and sequence slots, each step's prefill tokens stay within the room
-    the fitted cost gives under the tightest running TPOT target (so the predicted step
-    meets it), and fill that room whenever prefill work is left: nothing is deferred that
-    the cost model says fits. Nothing is rejected for TPOT; every request ends."""
+    the fitted cost gives under the tightest running decode's TPOT target (so the predicted
+    step meets it), and fill that room whenever prefill work is left: nothing is deferred
+    that the cost model says fits. Nothing is rejected for TPOT; every request ends."""
     s = sched(
         num_blocks=2000,
         policy="slo",
@@ -1062,7 +1116,14 @@ def test_property_tpot_holds_back_only_what_would_push_past_the_target(
         assert steps < 5000
         # One token each for requests with one left (decodes), which are never held back.
         ones = sum(1 for r in s.running if r.num_tokens - r.num_computed_tokens == 1)
-        tight = min((policy.tpot_target(r) or math.inf for r in s.running), default=math.inf)
+        tight = min(
+            (
+                policy.tpot_target(r) or math.inf
+                for r in s.running
+                if r.num_tokens - r.num_computed_tokens == 1
+            ),
+            default=math.inf,
+        )
         out = s.schedule()
         room = policy.prefill_room
         total = out.total_tokens

@@ -159,8 +159,11 @@ def test_property_on_admit_sees_exactly_the_admitted_requests(
         "max_num_batched_tokens": data.draw(st.integers(8, 48)),
         "long_prefill_threshold": long_thr,
         "admission_reservation": reservation,
-        # fair refuses headroom 0 (two requests could preempt each other for ever)
-        "preemption_resume_headroom": max(headroom, 1) if policy == "fair" else headroom,
+        # fair and long-prompt mode refuse headroom 0 (two requests could preempt each other
+        # for ever)
+        "preemption_resume_headroom": max(headroom, 1)
+        if policy == "fair" or long_thr
+        else headroom,
     }
     cfg = SchedulerConfig(policy=policy, max_model_len=256, **knobs)
     recording = _recording(type(make_policy(policy, cfg)), calls, s_ref)(cfg)

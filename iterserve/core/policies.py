@@ -26,6 +26,7 @@ import bisect
 import enum
 import heapq
 import importlib
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -70,6 +71,10 @@ class WaitingQueue:
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self._q)
+
+    def first_of(self, tenant: str, n: int) -> list[Request]:
+        """The first ``n`` waiting requests of ``tenant``, in queue order."""
+        return list(itertools.islice((r for r in self if r.tenant == tenant), n))
 
 
 class KeyedWaitingQueue(WaitingQueue):
@@ -227,7 +232,8 @@ class Policy:
         """Should running ``req``, which has more than one token to compute, wait until the
         waiting requests admitted this step got their share of the budget? It then runs on
         what they left, in the same step (never by preempting). Default: no, running
-        prefills go first."""
+        prefills go first. In long-prompt mode the scheduler runs a long prompt first even
+        when this says yes, while a waiting long prompt is passed over for its place."""
         return False
 
     def defer_decode(self, req: Request) -> bool:
@@ -242,7 +248,8 @@ class Policy:
         request gets a place; admission then runs as usual. Each entry is a set of running
         candidates, of which the scheduler preempts one by the victim rule (with preemption
         protection and loss estimates, as for a block shortage). Their full blocks stay in
-        the prefix cache. Default: none."""
+        the prefix cache. Default: none. Not asked in long-prompt mode while a freed slot
+        would only go back (``Scheduler._swap_futile``)."""
         return ()
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
@@ -395,6 +402,9 @@ class FairWaitingQueue(WaitingQueue):
         """Tenant by tenant, each in arrival order."""
         return (r for q in self._by_tenant.values() for r in q)
 
+    def first_of(self, tenant: str, n: int) -> list[Request]:
+        return self._by_tenant.get(tenant, [])[:n]
+
 
 def parse_tenant_weights(text: str) -> dict[str, float]:
     """'alice=2,bob=1' -> {'alice': 2.0, 'bob': 1.0} (unnamed tenants weigh 1)."""
@@ -440,7 +450,8 @@ class FairPolicy(Policy):
     for the first-ranked waiting one, if that tenant still holds fewer slots than the
     victim's after the swap (so a swap is never undone at once); at most one a step, a
     request not yet preempted if the tenant has one; its full blocks stay in the prefix
-    cache."""
+    cache. (Long-prompt mode bends both, see ``defer_prefill`` and ``preempt_for_waiting``
+    of Policy.)"""
 
     name = "fair"
     TOLERANCE_STEPS = 2
@@ -621,13 +632,13 @@ class SloPolicy(Policy):
 
     TPOT: a request's target is ``Request.slo_tpot_s``, else ``SchedulerConfig.slo_tpot_ms``.
     A running request gets one token per step, so its TPOT is the step time. Each step,
-    the tightest target among running requests bounds the step: with ``d`` decodes
+    the tightest target among the running decodes bounds the step: with ``d`` decodes
     scheduled, prefill work (running partial prefills, then new prompts) gets at most the
     tokens that keep ``a + b * (d + prefill tokens)`` within it (``StepTimeFit`` over the
     steps run). A prompt that finds no such room waits (deferred, keeping its place; it is
     never rejected for TPOT). When the decodes alone already exceed the target, prefill work
-    is not what pushes it over and is not held back; in a step without decodes, or before
-    any step ran, nothing is."""
+    is not what pushes it over and is not held back; in a step without decodes with a
+    target, or before any step ran, nothing is."""
 
     name = "slo"
     uses_slo_targets = True
@@ -640,6 +651,7 @@ class SloPolicy(Policy):
         tpot_ms = config.slo_tpot_ms if config is not None else None
         self.default_tpot_s = tpot_ms / 1000 if tpot_ms is not None else None
         self.budget = config.max_num_batched_tokens if config is not None else 512
+        self.long_thr = config.long_prefill_threshold if config is not None else 0
         self.step_s = 0.0  # 0 until a step has run: nothing is rejected before
         self.fit = StepTimeFit()
         # This step's prefill room under the tightest running TPOT target (None: no bound),
@@ -709,26 +721,31 @@ class SloPolicy(Policy):
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
         self.prefill_room = None
-        decodes = prefill = 0
+        decodes = prefill = step_prefill = 0
+        targets = []
         for r in running:
             left = len(r.all_token_ids) - r.num_computed_tokens
             if left == 1:
                 decodes += 1
+                if (t := self.tpot_target(r)) is not None:
+                    targets.append(t)
             else:
                 prefill += left
+                # a long prompt runs at most the threshold a step (long-prompt mode)
+                step_prefill += min(left, self.long_thr) if self.long_thr else left
         self.decodes, self.prefill_ahead = decodes, prefill
         self.waiting_behind = len(waiting) - 1
-        targets = [t for r in running if (t := self.tpot_target(r)) is not None]
-        if not targets or decodes == 0:
-            # Without decodes no running request's TPOT depends on this step (a prompt's last
-            # chunk gives its first token, which TPOT does not count); holding prefills back
-            # would only idle the step, forever where the empty step alone meets the target.
+        # Only the decodes' targets: a request still in its prompt has no TPOT this step (its
+        # last chunk gives its first token, which TPOT does not count), and holding prefills
+        # back for it, its own included, only idled the step (for ever without decodes, where
+        # the empty step alone met the target).
+        if not targets:
             return
         room = self.fit.max_tokens_within(min(targets)) - decodes
         if room < 0 or room == math.inf:
             return  # decodes alone miss it (or no bound known): prefills are not the cause
         self.prefill_room = int(room)
-        self.running_prefill = min(prefill, self.prefill_room)
+        self.running_prefill = min(step_prefill, self.prefill_room)
 
     def split_budget(self, budget: int) -> BudgetSplit:
         room = self.prefill_room

@@ -15,10 +15,11 @@
 Long-prompt mode (``long_prefill_threshold`` > 0): a prompt with more uncomputed tokens than
 the threshold runs at most that many a step, and at most ``max_long_partial_prefills`` such
 prompts are part-way through at once (as vLLM's cap): a running one holds its place until
-its uncomputed tokens fall to the threshold, and is never deferred by the policy (the prompts
-waiting for its place would wait for it). A long waiting prompt finding no place is passed
-over (keeping its place in the queue), so short prompts behind it are admitted at once, and
-no running request is preempted to free a sequence slot for it.
+its uncomputed tokens fall to the threshold. A long waiting prompt finding no place is passed
+over (keeping its place in the queue), so short prompts behind it are admitted at once; while
+one is passed over, the running long prompts are not deferred by the policy (a stream of
+short arrivals could otherwise keep a deferred holder, and so the prompt waiting for its
+place, from running for ever).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from iterserve.core.reservation import Reservation
 # its prompt and run this many tokens more are what a victim's cached blocks are expected to
 # lose before it resumes (chosen among 0-64 tried on the KV-pressure run of docs/SCHEDULING.md).
 LOSS_HORIZON_TOKENS = 8
+# How many of the waiting head's tenant's requests _swap_futile looks at for a short one.
+SWAP_LOOKAHEAD = 16
 
 
 @dataclass
@@ -90,6 +93,8 @@ class Scheduler:
         self.recomputed_tokens = 0
         self.num_rejected = 0  # ended by the policy's admission filter
         self.num_schedules = 0  # schedule() calls: the clock of preemption protection
+        # The last admission passed a long prompt over for want of a place (see the module doc).
+        self.long_passed_over = False
         # What time-aware policies call "now"; the simulator sets its virtual clock here.
         self.clock: Callable[[], float] = time.monotonic
 
@@ -179,18 +184,9 @@ class Scheduler:
         if self.reservation is not None:
             self.reservation.on_step()
         self.policy.on_schedule(self.running, self.waiting)
-        long_thr = cfg.long_prefill_threshold
-        holds_place = self._holds_long_place
-        # A slot freed for a long head that finds no place would go to a request behind it,
-        # and the victim would come back for it: churn, not fairness.
-        head_blocked = (
-            bool(long_thr)
-            and bool(self.waiting)
-            and self.waiting.peek().num_tokens > long_thr
-            and sum(map(holds_place, self.running)) >= cfg.max_long_partial_prefills
-        )
+        futile = self._swap_futile()
         for candidates in (
-            () if head_blocked else self.policy.preempt_for_waiting(self.running, self.waiting)
+            () if futile else self.policy.preempt_for_waiting(self.running, self.waiting)
         ):
             victim = self._pick_victim(candidates)
             self._preempt(victim)  # before anything is scheduled: nothing to give back
@@ -212,6 +208,8 @@ class Scheduler:
         # (its high-water mark before, the recomputed tokens it added).
         done: dict[str, tuple[int, int]] = {}
         defer, defer_decode = self.policy.defer_prefill, self.policy.defer_decode
+        holds_place = self._holds_long_place
+        keep_holders = self.long_passed_over  # see the module doc
         later: list[Request] = []  # running work the policy put after this step's admissions
         for req in order:
             if budget == 0:
@@ -220,9 +218,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = len(req.all_token_ids) - req.num_computed_tokens
             prefilling = num_new > 1  # its chunk counts against the prefill cap, even of 1
-            # A long prompt's place is never deferred: whatever waits for the place would wait
-            # behind it, and it behind them (starvation, with a stream of short arrivals).
-            if (defer(req) if prefilling else defer_decode(req)) and not holds_place(req):
+            if (defer(req) if prefilling else defer_decode(req)) and not (
+                keep_holders and holds_place(req)
+            ):
                 later.append(req)
                 continue
             if prefilling:
@@ -245,11 +243,7 @@ class Scheduler:
                 prefill_left -= num_new
 
         if len(out.preempted) == made_room and self.policy.can_admit(len(self.running)):
-            # The places left are the cap less the running long prompts (deferred or not).
-            long_left = cfg.max_long_partial_prefills - (
-                sum(map(holds_place, self.running)) if long_thr else 0
-            )
-            budget = self._admit(out, budget, split.new_prompt, long_left)
+            budget = self._admit(out, budget, split.new_prompt)
         for req in later:  # what admission left; by preempting only where nothing else ran
             if budget == 0:
                 break
@@ -281,6 +275,32 @@ class Scheduler:
         thr = self.config.long_prefill_threshold
         return bool(thr) and len(req.all_token_ids) - req.num_computed_tokens > thr
 
+    def _swap_futile(self) -> bool:
+        """Whether a preemption for the waiting head (the policy's ``preempt_for_waiting``)
+        would only hand the slot back: in long-prompt mode with every place held, when the
+        first ``SWAP_LOOKAHEAD`` waiting requests of the head's tenant are all long prompts
+        (after prefix hits) that admission would pass over. (fair preempted a request every
+        step for such a head, and re-admitted it into the slot.)"""
+        cfg = self.config
+        thr = cfg.long_prefill_threshold
+        if (
+            not thr
+            or not self.waiting
+            or type(self.policy).preempt_for_waiting is Policy.preempt_for_waiting
+            or self._num_long_running() < cfg.max_long_partial_prefills
+        ):
+            return False
+        kv = self.kv
+        return all(
+            r.num_tokens - kv.get_computed_blocks(r)[1] > thr
+            for r in self.waiting.first_of(self.waiting.peek().tenant, SWAP_LOOKAHEAD)
+        )
+
+    def _num_long_running(self) -> int:
+        if not self.config.long_prefill_threshold:
+            return 0
+        return sum(map(self._holds_long_place, self.running))
+
     def _chunk(self, num_new: int, budget: int, prefill_left: int | None) -> int:
         """How many of a running prefill's ``num_new`` uncomputed tokens fit this step's caps
         (a long prompt, which holds its place, at most the threshold); 0 if a cap leaves it
@@ -297,14 +317,13 @@ class Scheduler:
             return 0
         return min(num_new, budget)
 
-    def _admit(
-        self, out: SchedulerOutput, budget: int, new_left: int | None, long_left: int
-    ) -> int:
+    def _admit(self, out: SchedulerOutput, budget: int, new_left: int | None) -> int:
         """Admits waiting requests in queue order into what is left of this step, long
-        prompts into ``long_left`` places; returns the budget left."""
+        prompts into the places the running ones leave; returns the budget left."""
         cfg = self.config
         chunked = cfg.enable_chunked_prefill
         long_thr = cfg.long_prefill_threshold
+        long_left = cfg.max_long_partial_prefills - self._num_long_running()
         beyond = self.policy.admit_beyond_budget
         reserve = self.reservation
         outstanding = reserve.outstanding(self.running) if reserve is not None else 0
@@ -369,6 +388,7 @@ class Scheduler:
             self.policy.on_admit(req, num_new)  # only now: each check above could still fail it
         for req in reversed(passed_over):
             self.waiting.push_front(req)  # back in their places, ahead of later arrivals
+        self.long_passed_over = bool(passed_over)
         return budget
 
     def _resume_fits(self, req: Request, hits: list[int]) -> bool:
@@ -513,7 +533,7 @@ class Scheduler:
             raise AssertionError(f"live {live} != running {running} | waiting {waiting}")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running > max_num_seqs")
-        long_running = sum(map(self._holds_long_place, self.running))
+        long_running = self._num_long_running()
         if long_running > self.config.max_long_partial_prefills:
             raise AssertionError(f"{long_running} long prompts part-way through > the cap")
         for r in self.waiting:

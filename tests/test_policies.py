@@ -687,6 +687,33 @@ def test_fair_swaps_no_slot_for_a_long_head_without_a_place() -> None:
     assert s.requests["S"].num_output_tokens >= 1
 
 
+def test_a_place_holder_runs_every_step_while_a_long_prompt_waits() -> None:
+    """A policy that defers every running request, a budget of 8 = the threshold: the place
+    holder (400 tokens) takes the whole budget while a long prompt waits, so admission does
+    not look at the queue; the holder still runs every step (it had run every other one, the
+    flag that exempts it cleared by the admission that looked at nothing)."""
+
+    class DeferAll(Policy):
+        def defer_prefill(self, req: Request) -> bool:
+            return True
+
+        defer_decode = defer_prefill
+
+    cfg = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8, max_model_len=4096,
+                          long_prefill_threshold=8, max_long_partial_prefills=1)  # fmt: skip
+    s = Scheduler(cfg, KVCacheManager(5000, 4, False), DeferAll(cfg))
+    s.add_request(make_req("H", 400, 1, seed=1))
+    step_once(s)
+    s.add_request(make_req("L", 200, 1, seed=2))
+    for step in range(1, 200):
+        for i in range(4):
+            s.add_request(make_req(f"s{step}.{i}", 2, 1, seed=3))
+        out, _ = step_once(s)
+        if s.requests["L"].status is RequestStatus.RUNNING:
+            break
+    assert step <= 50  # H's remaining 392 tokens, 8 a step, then L's turn
+
+
 def test_fair_books_stay_bounded_when_every_request_names_a_new_tenant() -> None:
     # Tenant names come from clients (x-tenant, user): 600 requests, each its own tenant,
     # beside a steady one, must not leave the policy a book per name (nor a walk over them
@@ -1170,6 +1197,37 @@ def test_tpot_bound_never_stalls_a_prefill_without_decodes() -> None:
     # The fit knows the cost, and a decode's step is past the target on its own.
     assert policy.fit.coefficients() == pytest.approx((0.005, 1e-4))
     assert policy.fit.max_tokens_within(0.00505) == pytest.approx(0.5)
+
+
+def test_slo_admits_a_short_prompt_beside_a_long_prefill() -> None:
+    """Long-prompt mode: a 2,000-token prompt runs 16 tokens a step, so a 10-token prompt
+    arriving behind it runs in the next step; the TTFT prediction counted the long prompt's
+    whole remainder as ahead of it and rejected it (a 60 ms target, 5 ms + 0.1 ms a token)."""
+    s = sched(num_blocks=4000, prefix=False, policy="slo", max_num_seqs=16,
+              max_num_batched_tokens=64, max_model_len=8192, slo_ttft_ms=60.0,
+              long_prefill_threshold=16)  # fmt: skip
+    clock = [0.0]
+    s.clock = lambda: clock[0]
+    books = Books(s)
+
+    def step() -> SchedulerOutput:
+        out, _ = step_once(s)
+        duration = linear_step_s(out.total_tokens) if out.requests else 0.001
+        clock[0] += duration
+        books.record_step(out, 0.0, duration, 0)
+        return out
+
+    for i, n in enumerate([5, 40, 10, 60]):  # the fit sees several step sizes
+        s.add_request(slo_req(f"w{i}", n, clock[0], None, seed=i))
+        while s.has_unfinished_requests():
+            step()
+    s.add_request(slo_req("long", 2000, clock[0], 100.0, seed=10))
+    step()
+    step()
+    s.add_request(slo_req("short", 10, clock[0], None, seed=11))
+    out = step()
+    assert s.num_rejected == 0
+    assert "short" in out.decision()
 
 
 def test_tpot_target_keeps_running_requests_tpot_in_the_simulator() -> None:

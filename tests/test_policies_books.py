@@ -55,9 +55,11 @@ def test_fair_charges_nothing_for_a_long_prompt_passed_over() -> None:
 
 def test_slo_counts_no_prefill_work_for_a_long_prompt_passed_over() -> None:
     """One long prompt runs in the only long-prompt place; a second (l1) is asked about,
-    admitted by the policy, then passed over by the scheduler, so its 200 tokens are not
-    ahead of the short prompt behind it. Counted, they pushed the short prompt's predicted
-    first token past its deadline and it was rejected."""
+    admitted by the policy, then passed over by the scheduler, so nothing of it is ahead of
+    the short prompt behind it: the books after the step hold l0's share of a step and s0's
+    tokens only. (Counted, l1's 200 tokens once pushed the short prompt's predicted first
+    token past its deadline and it was rejected; in long-prompt mode a long prompt now counts
+    its threshold a step, not its remainder.)"""
     s = sched(num_blocks=400, policy="slo", max_num_batched_tokens=64, max_num_seqs=8,
               long_prefill_threshold=16, max_long_partial_prefills=1)  # fmt: skip
     policy = s.policy
@@ -66,15 +68,14 @@ def test_slo_counts_no_prefill_work_for_a_long_prompt_passed_over() -> None:
     s.add_request(slo_req("l0", 200, 0.0, None, seed=0))
     step_once(s)  # l0 runs 16 tokens a step in the long-prompt place
     policy.step_s = 0.01  # each step 10 ms (no fitted slope yet)
-    # Both share a deadline (EDF then goes by arrival). Ahead of l1: l0's 184 tokens, so
-    # 384 / 64 = 6 steps = 60 ms <= 65 ms. Ahead of s0 without l1: 184 + 8 -> 3 steps;
-    # with l1's 200 counted: 392 -> 7 steps = 70 ms > 65 ms.
-    s.add_request(slo_req("l1", 200, 0.0, 0.065, seed=1))
-    s.add_request(slo_req("s0", 8, 0.0, 0.065, seed=2))
+    # Both share a deadline (EDF then goes by arrival); l1 needs 200 / 16 = 13 steps.
+    s.add_request(slo_req("l1", 200, 0.0, 0.2, seed=1))
+    s.add_request(slo_req("s0", 8, 0.0, 0.2, seed=2))
     out, _ = step_once(s)
     assert not out.failed, [r.error for r in out.failed]
     assert [r.request_id for r in out.new_requests] == ["s0"]
     assert s.requests["l1"].status is RequestStatus.WAITING
+    assert (policy.long_share, policy.prefill_ahead) == (16, 8)
 
 
 def _workload(data: st.DataObject, tenants: int) -> list[tuple[int, Request]]:

@@ -629,6 +629,9 @@ class SloPolicy(Policy):
     simulator); when more requests wait behind it, they fill its last step, and the
     prediction is ``now + k * (a + b * budget)``. Before the fit has a slope, ``now + k *``
     the running mean step. A request is rejected when that prediction is past its deadline.
+    In long-prompt mode a long prompt ahead runs the threshold ``L`` a step beside it rather
+    than all of it first: its ``L`` counts with the decodes (``d``) and not in ``W``, and a
+    long prompt of its own needs at least ``ceil(own / L)`` steps.
 
     TPOT: a request's target is ``Request.slo_tpot_s``, else ``SchedulerConfig.slo_tpot_ms``.
     A running request gets one token per step, so its TPOT is the step time. Each step,
@@ -658,9 +661,11 @@ class SloPolicy(Policy):
         # and how much of it running partial prefills may take first.
         self.prefill_room: int | None = None
         self.running_prefill = 0
-        # This step's running decodes and the prefill tokens ahead of the next admission.
+        # This step's running decodes and the prefill tokens ahead of the next admission
+        # (long prompts' share of each step apart, in long-prompt mode).
         self.decodes = 0
         self.prefill_ahead = 0
+        self.long_share = 0
         self.waiting_behind = 0  # requests waiting behind the next admission
         self.queue: WaitingQueue | None = None
 
@@ -680,18 +685,22 @@ class SloPolicy(Policy):
 
     def predicted_first_token(self, req: Request, now: float) -> float:
         """When ``req``'s first token would come if admitted now (see the class doc)."""
-        work = self.prefill_ahead + max(1, len(req.all_token_ids) - req.num_computed_tokens)
+        own = max(1, len(req.all_token_ids) - req.num_computed_tokens)
+        work = self.prefill_ahead + own
         per_step = self.budget - self.decodes
         if self.prefill_room is not None:
             per_step = min(per_step, self.prefill_room)
-        per_step = max(1, per_step)
+        per_step = max(1, per_step - self.long_share)
         steps = math.ceil(work / per_step)
+        if self.long_thr and own > self.long_thr:
+            steps = max(steps, math.ceil(own / self.long_thr))
         ab = self.fit.coefficients()
         if ab is None or ab[1] == 0.0:
             return now + steps * self.step_s
         a, b = ab
         full = self.waiting_behind > 0  # what waits behind it fills its last step
-        tokens = steps * (self.decodes + per_step) if full else steps * self.decodes + work
+        every = self.decodes + self.long_share  # the tokens of each of its steps before its own
+        tokens = steps * (every + per_step) if full else steps * every + work
         return now + steps * a + b * tokens
 
     def admit(self, req: Request, clock: Callable[[], float]) -> Admission:
@@ -701,8 +710,12 @@ class SloPolicy(Policy):
 
     def on_admit(self, req: Request, num_new: int) -> None:
         # Its prompt is ahead of the next admission's; it has computed nothing before this
-        # step, so all of it (as _admission counted it), prefix hits included.
-        self.prefill_ahead += req.num_tokens
+        # step, so all of it (as _admission counted it), prefix hits included; a long one
+        # takes its share of each step.
+        if self.long_thr and req.num_tokens > self.long_thr:
+            self.long_share += self.long_thr
+        else:
+            self.prefill_ahead += req.num_tokens
 
     def _admission(self, req: Request, clock: Callable[[], float]) -> Admission:
         deadline = self.deadline(req)
@@ -721,19 +734,20 @@ class SloPolicy(Policy):
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
         self.prefill_room = None
-        decodes = prefill = step_prefill = 0
+        decodes = prefill = long_share = 0
         targets = []
+        thr = self.long_thr
         for r in running:
             left = len(r.all_token_ids) - r.num_computed_tokens
             if left == 1:
                 decodes += 1
                 if (t := self.tpot_target(r)) is not None:
                     targets.append(t)
+            elif thr and left > thr:
+                long_share += thr  # a long prompt runs the threshold a step (long-prompt mode)
             else:
                 prefill += left
-                # a long prompt runs at most the threshold a step (long-prompt mode)
-                step_prefill += min(left, self.long_thr) if self.long_thr else left
-        self.decodes, self.prefill_ahead = decodes, prefill
+        self.decodes, self.prefill_ahead, self.long_share = decodes, prefill, long_share
         self.waiting_behind = len(waiting) - 1
         # Only the decodes' targets: a request still in its prompt has no TPOT this step (its
         # last chunk gives its first token, which TPOT does not count), and holding prefills
@@ -745,7 +759,7 @@ class SloPolicy(Policy):
         if room < 0 or room == math.inf:
             return  # decodes alone miss it (or no bound known): prefills are not the cause
         self.prefill_room = int(room)
-        self.running_prefill = min(step_prefill, self.prefill_room)
+        self.running_prefill = min(prefill + long_share, self.prefill_room)
 
     def split_budget(self, budget: int) -> BudgetSplit:
         room = self.prefill_room

@@ -93,7 +93,8 @@ class Scheduler:
         self.recomputed_tokens = 0
         self.num_rejected = 0  # ended by the policy's admission filter
         self.num_schedules = 0  # schedule() calls: the clock of preemption protection
-        # The last admission passed a long prompt over for want of a place (see the module doc).
+        # The last admission that looked at the queue passed a long prompt over for want of a
+        # place (see the module doc).
         self.long_passed_over = False
         # What time-aware policies call "now"; the simulator sets its virtual clock here.
         self.clock: Callable[[], float] = time.monotonic
@@ -328,7 +329,9 @@ class Scheduler:
         reserve = self.reservation
         outstanding = reserve.outstanding(self.running) if reserve is not None else 0
         passed_over: list[Request] = []  # long prompts beyond this step's cap
+        looked = False  # at the queue: else long_passed_over stays as the last look left it
         while self.waiting and (budget > 0 or beyond) and len(self.running) < cfg.max_num_seqs:
+            looked = True
             room = budget if new_left is None else min(budget, new_left)
             if room <= 0 and not beyond:
                 break
@@ -388,7 +391,8 @@ class Scheduler:
             self.policy.on_admit(req, num_new)  # only now: each check above could still fail it
         for req in reversed(passed_over):
             self.waiting.push_front(req)  # back in their places, ahead of later arrivals
-        self.long_passed_over = bool(passed_over)
+        if looked:
+            self.long_passed_over = bool(passed_over)
         return budget
 
     def _resume_fits(self, req: Request, hits: list[int]) -> bool:

@@ -2492,7 +2492,7 @@ void top_k_values(const float* x, int n, const int64_t* idx, int m, const int32_
             const float* xr = x + idx[r] * static_cast<int64_t>(n);
             float* o = out + static_cast<int64_t>(r) * kmax;
             const int k = std::min(std::max(ks[r], 1), n);
-            const int s = std::max(1, n / (16 * 4 * k));  // vectors a block
+            const int s = static_cast<int>(std::max<int64_t>(1, n / (int64_t(64) * k)));  // vectors a block
             const int bsize = 16 * s, nb = n / bsize;
             float t = -INFINITY;  // at least k elements are >= t
             bool nan = false;

@@ -97,7 +97,8 @@ class SchedulerConfig:
     tokens. ``long_prefill_threshold`` (0: off): a prompt with more uncomputed tokens than
     this is long; it is prefilled at most this many tokens a step, and at most
     ``max_long_partial_prefills`` long prompts are part-way through at once (a running one
-    is never deferred by the policy), so short prompts pass them.
+    holds its place until its uncomputed tokens fall to the threshold), so short prompts pass
+    them.
     ``tenant_weights`` ('alice=2,bob=1'; others weigh 1): the ``fair`` policy's shares.
     ``slo_ttft_ms`` / ``slo_tpot_ms``: the ``slo`` policy's TTFT / TPOT targets for
     requests that carry none.

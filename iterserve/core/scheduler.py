@@ -185,10 +185,12 @@ class Scheduler:
         if self.reservation is not None:
             self.reservation.on_step()
         self.policy.on_schedule(self.running, self.waiting)
-        futile = self._swap_futile()
-        for candidates in (
-            () if futile else self.policy.preempt_for_waiting(self.running, self.waiting)
-        ):
+        swaps = (
+            ()
+            if self._swap_futile()
+            else self.policy.preempt_for_waiting(self.running, self.waiting)
+        )
+        for candidates in swaps:
             victim = self._pick_victim(candidates)
             self._preempt(victim)  # before anything is scheduled: nothing to give back
             out.preempted.append(victim)

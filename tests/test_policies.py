@@ -620,9 +620,10 @@ def test_property_fair_ends_every_request_on_tiny_pools(
 def test_fair_long_prompts_take_turns_at_the_place_under_a_stream_of_short_ones() -> None:
     """One long-prompt place (threshold 8), a 40-token prompt of tenant a, another of tenant
     c two steps later, and a short request of tenant b every step on a 64-token pool. a's
-    prompt holds the place and is never deferred, so both long prompts get their first
-    tokens within a few steps of their five chunks each (a kept place that fair could defer
-    once starved them for hundreds of steps); check_integrity holds the cap every step."""
+    prompt holds the place and, while c's waits for it, is not deferred, so both long
+    prompts get their first tokens within a few steps of their five chunks each (a kept
+    place that fair could defer once starved them for hundreds of steps); check_integrity
+    holds the cap every step."""
     s = sched(
         num_blocks=16,
         policy="fair",

@@ -1231,6 +1231,51 @@ def test_slo_admits_a_short_prompt_beside_a_long_prefill() -> None:
     assert "short" in out.decision()
 
 
+def _slo_first_token(s: Scheduler, arrivals: dict[int, Request], watch: str) -> int:
+    """Steps ``s`` (5 ms + 0.1 ms a token, fed to the policy) adding ``arrivals[k]`` before
+    step k, until request ``watch`` has a token; returns that step."""
+    books = Books(s)
+    for k in range(1, 2000):
+        if k in arrivals:
+            s.add_request(arrivals[k])
+        out, _ = step_once(s)
+        books.record_step(out, 0.0, linear_step_s(out.total_tokens) if out.requests else 0.0, 0)
+        if watch in s.requests and s.requests[watch].num_output_tokens:
+            return k
+    raise AssertionError(f"{watch} never got a token")
+
+
+def test_slo_tpot_bound_comes_from_the_decodes_targets_only() -> None:
+    """A decodes 300 tokens with no TPOT target; B, a 200-token prompt, carries a target
+    with room for 1.5 tokens (half a token beside A's decode). B's own target bounded the
+    steps it prefills in (its first token at step 306, after all of A's); no decode in them
+    has a target, so B's prompt runs as without one."""
+
+    def b(target: float | None) -> int:
+        s = sched(num_blocks=2000, policy="slo", max_num_batched_tokens=32, max_model_len=1024)
+        req = make_req("B", 200, 4, seed=2)
+        req.slo_tpot_s = target
+        return _slo_first_token(s, {1: make_req("A", 4, 300, seed=1), 3: req}, "B")
+
+    assert b(0.00515) == b(None) <= 12
+
+
+def test_slo_tpot_room_counts_a_long_prompts_threshold_not_its_remainder() -> None:
+    """A TPOT target of 8 ms leaves 29 tokens a step beside a decode; a 600-token prompt runs
+    8 a step in long-prompt mode. A short prompt arriving then got no room until the long
+    prefill ended (its whole remainder had been counted against the room); now it runs at
+    once, as without the target."""
+
+    def short(tpot_ms: float | None, thr: int) -> int:
+        s = sched(num_blocks=2000, policy="slo", max_num_batched_tokens=64, max_model_len=1024,
+                  slo_tpot_ms=tpot_ms, long_prefill_threshold=thr)  # fmt: skip
+        arrivals = {1: make_req("D", 4, 400, seed=1), 3: make_req("LONG", 600, 2, seed=2)}
+        arrivals[6] = make_req("SHORT", 6, 2, seed=3)
+        return _slo_first_token(s, arrivals, "SHORT") - 5
+
+    assert short(8.0, 8) == short(None, 8) == 1
+
+
 def test_tpot_target_keeps_running_requests_tpot_in_the_simulator() -> None:
     """A stream of prompts against running decodes: with a 9 ms TPOT target the slo policy
     holds prefill chunks back so decodes keep within it; FCFS lets prompts stretch the

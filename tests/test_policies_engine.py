@@ -30,6 +30,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "priority": {**TIGHT, "policy": "priority"},
     "fair": {**TIGHT, "policy": "fair"},
     "slo": {**TIGHT, "policy": "slo", "slo_ttft_ms": 600_000.0},  # a target all can meet
+    # long-prompt places under the policies that defer or bound prefills
+    "fair_long_prefill": {**TIGHT, "policy": "fair", "long_prefill_threshold": 8},
+    "slo_long_prefill": {
+        **TIGHT,
+        "policy": "slo",
+        "slo_ttft_ms": 600_000.0,
+        "slo_tpot_ms": 1.0,  # below these steps: the rule for decodes that miss it alone
+        "long_prefill_threshold": 8,
+    },
     "user_shortest_first": {**TIGHT, "policy": "shortest_first:ShortestPromptFirst"},
 }
 

@@ -506,7 +506,7 @@ class Kernels:
                 "[rows], f32 floors [rows] or None, int32 ties [rows] or None; got "
                 + ", ".join(f"{t.dtype} {tuple(t.shape)} on {t.device}" for t in given)
             )
-        if not bool(torch.isfinite(temps).all()) or not bool((temps > 0).all()):
+        if not bool((torch.isfinite(temps) & (temps > 0)).all()):
             raise ValueError(f"race takes finite temperatures > 0, got {temps.tolist()}")
         if not self.has_race:
             raise RuntimeError("race needs the AVX-512 build of the kernels (has_race is False)")
@@ -575,18 +575,15 @@ class Kernels:
                 f"{tuple(rows.shape)}, {ks.dtype} {tuple(ks.shape)}"
             )
         n = x.shape[1]
+        kmax = int(ks.max()) if m else 0
         if m and (
-            int(rows.min()) < 0
-            or int(rows.max()) >= x.shape[0]
-            or int(ks.min()) < 1
-            or int(ks.max()) > n
+            int(rows.min()) < 0 or int(rows.max()) >= x.shape[0] or int(ks.min()) < 1 or kmax > n
         ):
             raise ValueError(
                 f"top_k_values: rows must be in 0..{x.shape[0] - 1} and ks in 1..{n}, got rows "
                 f"{rows.tolist()}, ks {ks.tolist()}"
             )
         x, rows, ks = x.contiguous(), rows.contiguous(), ks.contiguous()
-        kmax = int(ks.max()) if m else 0
         out = torch.empty(m, kmax, dtype=torch.float32)
         if m:
             self.lib.top_k_values(

@@ -303,7 +303,8 @@ def _filtered_race(
     def some(idx: list[int]) -> torch.Tensor:  # those rows; no gathered copy of all of them
         return scaled if len(idx) == len(params) else scaled[idx]
 
-    topk = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+    has_k = [0 < p.top_k < vocab for p in params]  # top_k 0 or the whole vocabulary: none
+    topk = [i for i, k in enumerate(has_k) if k]
     if topk:
         ps = [params[i] for i in topk]
         ks = torch.tensor([p.top_k for p in ps], dtype=torch.int32)
@@ -319,7 +320,7 @@ def _filtered_race(
         floor = vals.gather(1, last)
         floors[topk] = floor.squeeze(1)
         ties[topk] = ((vals == floor) & ~cut).sum(-1).to(torch.int32)
-    whole = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p < 1.0]
+    whole = [i for i, (p, k) in enumerate(zip(params, has_k)) if not k and p.top_p < 1.0]
     if whole:
         top_p = torch.tensor([params[i].top_p for i in whole], dtype=f32)
         floors[whole], ties[whole] = kern.top_p_floor(some(whole), top_p)

@@ -37,10 +37,12 @@ def generate_main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="iterserve generate", description="Generate text offline.")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    # Unset: the model's sampling default (--generation-config), else generate's own.
+    model_default = "default: the model's generation config, else %s"
+    p.add_argument("--max-tokens", type=int, default=None, help=model_default % "32")
+    p.add_argument("--temperature", type=float, default=None, help=model_default % "0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None, help=model_default % "1")
+    p.add_argument("--top-k", type=int, default=None, help=model_default % "0 (off)")
     p.add_argument("--sampling-seed", type=int, default=None)
     EngineArgs.add_cli_args(p)
     ns = p.parse_args(argv)
@@ -51,13 +53,22 @@ def generate_main(argv: list[str]) -> int:
         print(f"iterserve generate: error: {e}", file=sys.stderr)
         return 2
     prompts = ns.prompt or ["Hello, my name is", "The capital of France is", "Continuous batching"]
-    params = SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        seed=ns.sampling_seed,
-    )
+    given = {
+        "max_tokens": ns.max_tokens,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "top_k": ns.top_k,
+    }
+    own = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    try:
+        params = SamplingParams.from_defaults(
+            {**own, **llm.engine.default_sampling},
+            **{k: v for k, v in given.items() if v is not None},
+            seed=ns.sampling_seed,
+        )
+    except ValueError as e:
+        print(f"iterserve generate: error: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0

@@ -173,6 +173,12 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     # No CUDA graphs: every step runs eagerly (CPU steps always do).
     enforce_eager: bool = False
+    # Where requests that leave temperature, top_p, top_k, min_p, the penalties or max_tokens
+    # unset get them (vLLM's flag): "auto" the model folder's generation_config.json, "vllm"
+    # nowhere (the neutral defaults), else a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # Sampling defaults that win over the generation config's, e.g. {"temperature": 0.5}.
+    override_generation_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -191,6 +197,36 @@ class EngineArgs:
             parse_size(self.kv_cache_memory)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not self.generation_config:
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a folder with a "
+                "generation_config.json, got ''"
+            )
+        if self.override_generation_config is not None:
+            if not isinstance(self.override_generation_config, dict):
+                raise ValueError(
+                    "override_generation_config must be a JSON object such as "
+                    f'{{"temperature": 0.5}}, got {self.override_generation_config!r}'
+                )
+            from iterserve.sampling_params import sampling_defaults
+
+            sampling_defaults({}, self.override_generation_config, "override_generation_config")
+
+    def sampling_defaults(self, model_path: str) -> dict[str, float]:
+        """The SamplingParams defaults of requests that leave a sampling field unset, for the
+        model in ``model_path`` (``generation_config`` and ``override_generation_config``)."""
+        from iterserve.model.model_config import read_generation_config
+        from iterserve.sampling_params import sampling_defaults
+
+        src = self.generation_config
+        if src == "vllm":
+            config: dict[str, Any] = {}
+        elif src == "auto":
+            config = read_generation_config(model_path)
+        else:
+            config = read_generation_config(src, required=True)
+        where = "generation_config.json" if src == "auto" else f"generation_config {src!r}"
+        return sampling_defaults(config, self.override_generation_config, where)
 
     def cache_config(self, device_type: str = "cpu") -> CacheConfig:
         """On ``cuda`` with neither ``num_kv_blocks`` nor ``kv_cache_memory`` the pool is sized
@@ -221,7 +257,9 @@ class EngineArgs:
         registered name or a user policy ``module:Class`` (unless ``choices`` overrides it,
         as the simulator's comma-separated list does)."""
         overrides = options.pop("choices", {})
-        arg_types = {} if "policy" in overrides else {"policy": _policy_arg}
+        arg_types: dict[str, Callable[[str], object]] = {"override_generation_config": _json_object}
+        if "policy" not in overrides:
+            arg_types["policy"] = _policy_arg
         choices = {
             "dtype": DTYPES,
             "attention_backend": ATTENTION_BACKENDS,
@@ -231,6 +269,11 @@ class EngineArgs:
         }
         helps = {
             "policy": f"one of {', '.join(policy_names())}, or module:Class (a Policy subclass)",
+            "generation_config": "where requests that leave temperature, top_p, top_k, min_p, "
+            "the penalties or max_tokens unset get them: auto (the model's "
+            "generation_config.json), vllm (nowhere: neutral defaults) or a folder",
+            "override_generation_config": "a JSON object of sampling defaults that win, e.g. "
+            "'{\"temperature\": 0.5}'",
             **options.pop("helps", {}),
         }
         add_dataclass_args(parser, cls, choices=choices, helps=helps, types=arg_types, **options)
@@ -242,6 +285,21 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """argparse type of a JSON-object flag."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object such as '{{\"temperature\": 0.5}}', got {text!r}"
+        )
+    return value
 
 
 def _check_utilization(value: float | None) -> None:

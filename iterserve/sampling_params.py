@@ -162,6 +162,12 @@ class SamplingParams:
                     f"best_of must be an integer in [n, 128] (n={self.n}), got {self.best_of!r}"
                 )
 
+    @classmethod
+    def from_defaults(cls, defaults: Mapping[str, float], **fields: Any) -> SamplingParams:
+        """SamplingParams of ``fields``, a field not among them from ``defaults`` (a model's
+        sampling defaults, ``sampling_defaults``), the rest at the class defaults."""
+        return cls(**{**defaults, **fields})
+
     def kept_prompt_tokens(self, max_model_len: int) -> int | None:
         """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps in a context
         of ``max_model_len`` (None: all); a value that context cannot hold is a ValueError."""
@@ -210,3 +216,59 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+# The generation_config.json keys a model's creator may set as its sampling defaults (vLLM's
+# list, ``ModelConfig.get_diff_sampling_param``) and the SamplingParams field each sets:
+# transformers' ``max_new_tokens`` is ``max_tokens``.
+GENERATION_CONFIG_FIELDS: dict[str, str] = {
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(
+    config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None, source: str = ""
+) -> dict[str, float]:
+    """The SamplingParams defaults a generation config sets: its known sampling keys with a
+    value (``null`` sets nothing; other keys, such as eos ids or ``do_sample``, are not
+    sampling defaults, as in vLLM), ``overrides`` applied on top. Raises ValueError naming
+    ``source`` and the key when a value is not one SamplingParams accepts, or an override is
+    not a known key."""
+    unknown = sorted(set(overrides or {}) - set(GENERATION_CONFIG_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"override_generation_config: {unknown} are not sampling defaults; use only "
+            f"{sorted(GENERATION_CONFIG_FIELDS)}"
+        )
+    merged = {**config, **(overrides or {})}
+    out: dict[str, float] = {}  # top_k and max_tokens stay ints
+    for key, name in GENERATION_CONFIG_FIELDS.items():
+        value = merged.get(key)
+        if value is None:
+            continue
+        integral = name in ("top_k", "max_tokens")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (integral and not isinstance(value, int)):
+            kind = "an integer" if integral else "a number"
+            raise ValueError(
+                f"{source or 'generation config'}: {key} must be {kind}, got {value!r}"
+            )
+        out[name] = value if integral else float(value)
+    if out.get("top_k") == -1:
+        out["top_k"] = 0
+    try:
+        SamplingParams.from_defaults(out)
+    except ValueError as e:
+        raise ValueError(
+            f"{source or 'generation config'} sets a sampling default SamplingParams refuses: "
+            f"{e}; fix it, override it (override_generation_config) or ignore the file "
+            "(generation_config='vllm')"
+        ) from None
+    return out

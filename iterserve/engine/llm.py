@@ -46,6 +46,11 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params ``generate`` uses when given none: the model's generation_config.json
+        sampling defaults (see EngineArgs.generation_config), else SamplingParams()'s."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -56,7 +61,8 @@ class LLM:
         slo_ttft_s: float | Sequence[float | None] | None = None,
         slo_tpot_s: float | Sequence[float | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in prompt order.
+        """Runs every prompt to completion; outputs come back in prompt order. ``params``:
+        one for all prompts or one per prompt; None: ``get_default_sampling_params()``.
 
         Per prompt (each a sequence as long as the prompts, or for the targets one value
         for all): ``priorities`` (the ``priority`` policy), ``tenants`` (the ``fair``
@@ -70,7 +76,7 @@ class LLM:
         prompt_list = list(prompts)  # type: ignore[arg-type]
         n = len(prompt_list)
         if params is None or isinstance(params, SamplingParams):
-            param_list = [params or SamplingParams()] * n
+            param_list = [params or self.get_default_sampling_params()] * n
         else:
             param_list = _per_prompt(params, n, "SamplingParams")
         prio = _per_prompt(priorities, n, "priorities") if priorities is not None else [0] * n

@@ -87,6 +87,17 @@ class LLMEngine:
             torch.set_num_threads(a.num_threads)
         self.model_name = a.model
         self.model_path = resolve_model(a.model)
+        # Before the weights load, so a bad generation config fails at once.
+        self.default_sampling: dict[str, float] = a.sampling_defaults(self.model_path)
+        if self.default_sampling:
+            logger.warning(
+                "requests that leave them unset get the sampling defaults %s from %s; start "
+                "with generation_config 'vllm' (--generation-config vllm) for the neutral ones",
+                self.default_sampling,
+                "the model's generation_config.json"
+                if a.generation_config == "auto"
+                else f"generation_config {a.generation_config!r}",
+            )
         device = resolve_device(a.device)
         cache_config = self._size_kv_pool(a, device.type)
         self.runner = ModelRunner(
@@ -131,6 +142,11 @@ class LLMEngine:
         self.last_error: str | None = None
         if a.record_steps:
             self.record_steps(a.record_steps)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's sampling defaults (``default_sampling``): what a
+        request without params gets (vLLM's ``LLM.get_default_sampling_params``)."""
+        return SamplingParams.from_defaults(self.default_sampling)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -204,7 +220,7 @@ class LLMEngine:
         scheduler's ``slo_ttft_ms`` / ``slo_tpot_ms``). ``final_only``: ``step()`` returns
         this request's output once, when it finishes (vLLM's ``RequestOutputKind.FINAL_ONLY``),
         so no step copies its growing token ids and logprobs."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
             if v is not None and not (0 < v < float("inf")):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v}")

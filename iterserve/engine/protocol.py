@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from iterserve.core.books import EngineStats
     from iterserve.engine.output_processor import CoreOutput
     from iterserve.outputs import StepStats
@@ -56,6 +58,12 @@ class EngineInterface(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def default_sampling(self) -> Mapping[str, float]:
+        """SamplingParams field -> value for the sampling fields a request leaves unset (the
+        model's generation_config.json, ``EngineArgs.generation_config``); may be empty."""
+        ...
 
     @property
     def tokenizer(self) -> Tokenizer: ...

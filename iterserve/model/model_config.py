@@ -94,12 +94,7 @@ class ModelConfig:
             )
         with open(cfg_file) as f:
             hf: dict[str, Any] = json.load(f)
-        gen: dict[str, Any] = {}
-        gen_file = os.path.join(path, "generation_config.json")
-        if os.path.isfile(gen_file):
-            with open(gen_file) as f:
-                gen = json.load(f)
-        return cls.from_dict(hf, gen)
+        return cls.from_dict(hf, read_generation_config(path))
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -171,6 +166,27 @@ class ModelConfig:
             bos_token_id=(generation or {}).get("bos_token_id", hf.get("bos_token_id")),
             hf_config=hf,
         )
+
+
+def read_generation_config(
+    folder: str | os.PathLike[str], required: bool = False
+) -> dict[str, Any]:
+    """``folder``'s generation_config.json as a dict; {} where there is none, unless
+    ``required`` (then FileNotFoundError naming what the folder holds)."""
+    gen_file = os.path.join(os.fspath(folder), "generation_config.json")
+    if not os.path.isfile(gen_file):
+        if not required:
+            return {}
+        found = sorted(os.listdir(folder)) if os.path.isdir(folder) else "no such folder"
+        raise FileNotFoundError(
+            f"generation_config: expected a folder with a generation_config.json at "
+            f"{os.fspath(folder)!r}; found: {found}"
+        )
+    with open(gen_file) as f:
+        gen = json.load(f)
+    if not isinstance(gen, dict):
+        raise ValueError(f"{gen_file} must hold a JSON object, got {type(gen).__name__}")
+    return gen
 
 
 def _parse_rope(hf: dict[str, Any], max_pos: int) -> RopeConfig:

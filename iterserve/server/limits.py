@@ -144,9 +144,14 @@ class ServerLimits:
         self._check_sizes(num_prompts, stop if isinstance(stop, list) else [])
 
     def check_request(
-        self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int, max_model_len: int
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        num_prompts: int,
+        max_model_len: int,
+        default_max_tokens: int | None = None,
     ) -> None:
-        """Raises a 400 naming the bound (and its flag) that ``req`` exceeds."""
+        """Raises a 400 naming the bound (and its flag) that ``req`` exceeds;
+        ``default_max_tokens``: what an unset max_tokens becomes (the model's default)."""
         from iterserve.server.protocol import CompletionRequest
 
         if req.n > self.max_n:
@@ -162,6 +167,8 @@ class ServerLimits:
         else:
             logprobs, lp_param = req.top_logprobs, "top_logprobs"
             max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max_tokens
         if logprobs is not None and logprobs > self.max_logprobs:
             self._refuse(lp_param, f"{lp_param} is {logprobs}", "max-logprobs", self.max_logprobs)
         if req.prompt_logprobs is not None and req.prompt_logprobs > self.max_logprobs:

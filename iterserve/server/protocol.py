@@ -37,6 +37,18 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+# The sampling fields a model's generation config may default, and OpenAI's default of each.
+_SAMPLING_NEUTRAL: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
 class SamplingExtras(OpenAIModel):
     """Fields shared by completions and chat: OpenAI's sampling knobs and vLLM's extras.
 
@@ -51,8 +63,8 @@ class SamplingExtras(OpenAIModel):
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     stream: bool | None = False
@@ -86,18 +98,21 @@ class SamplingExtras(OpenAIModel):
     guided_grammar: str | None = None
 
     @classmethod
-    def sampling_kwargs(cls, v: Mapping[str, Any]) -> dict[str, Any]:
-        """The :class:`SamplingParams` arguments that the field values ``v`` stand for."""
+    def sampling_kwargs(
+        cls, v: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The :class:`SamplingParams` arguments that the field values ``v`` stand for; a
+        sampling field left unset (None) takes the server's ``defaults`` (the model's
+        generation config), else the OpenAI default. ``max_tokens`` left unset stays None:
+        the server caps a default one at each prompt's room (``Serving.add_streams``)."""
+        d = defaults or {}
         return dict(
             n=v["n"],
             min_tokens=v["min_tokens"],
-            temperature=_or(v["temperature"], 1.0),
-            top_p=_or(v["top_p"], 1.0),
-            top_k=_or(v["top_k"], 0),
-            min_p=_or(v["min_p"], 0.0),
-            presence_penalty=v["presence_penalty"] or 0.0,
-            frequency_penalty=v["frequency_penalty"] or 0.0,
-            repetition_penalty=_or(v["repetition_penalty"], 1.0),
+            **{
+                name: _or(v[name], d.get(name, neutral))
+                for name, neutral in _SAMPLING_NEUTRAL.items()
+            },
             seed=v["seed"],
             stop=v["stop"],
             stop_token_ids=v["stop_token_ids"],
@@ -111,9 +126,9 @@ class SamplingExtras(OpenAIModel):
             prompt_logprobs=v["prompt_logprobs"],
         )
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         return SamplingParams(
-            **self.sampling_kwargs({k: getattr(self, k) for k in type(self).model_fields})
+            **self.sampling_kwargs({k: getattr(self, k) for k in type(self).model_fields}, defaults)
         )
 
     @classmethod
@@ -143,9 +158,11 @@ class CompletionRequest(SamplingExtras):
     suffix: str | None = None
 
     @classmethod
-    def sampling_kwargs(cls, v: Mapping[str, Any]) -> dict[str, Any]:
+    def sampling_kwargs(
+        cls, v: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         return {
-            **super().sampling_kwargs(v),
+            **super().sampling_kwargs(v, defaults),
             "max_tokens": v["max_tokens"],
             "logprobs": v["logprobs"],
             "best_of": v["best_of"],
@@ -183,9 +200,11 @@ class ChatCompletionRequest(SamplingExtras):
     chat_template_kwargs: dict[str, Any] | None = None
 
     @classmethod
-    def sampling_kwargs(cls, v: Mapping[str, Any]) -> dict[str, Any]:
+    def sampling_kwargs(
+        cls, v: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         return {
-            **super().sampling_kwargs(v),
+            **super().sampling_kwargs(v, defaults),
             "max_tokens": _or(v["max_completion_tokens"], v["max_tokens"]),
             "logprobs": _or(v["top_logprobs"], 0) if v["logprobs"] else None,
         }

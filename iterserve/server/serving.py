@@ -122,6 +122,10 @@ class Serving:
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="iterserve-tokenizer")
         self._templates: TemplateSandbox | None = None
         self.system_fingerprint = system_fingerprint(engine, self.served_model_names)
+        # What a request's unset sampling fields take (the model's generation config).
+        self.sampling_defaults: dict[str, float] = dict(engine.default_sampling)
+        default_max = self.sampling_defaults.get("max_tokens")
+        self.default_max_tokens = None if default_max is None else int(default_max)
         # The scheduling policy, where the engine has one (not a test double): the fields only
         # some policies read are refused where it reads none.
         inner = getattr(engine, "engine", None)
@@ -204,7 +208,19 @@ class Serving:
                 )
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
-        params = req.sampling_params()
+        try:
+            params = req.sampling_params(self.sampling_defaults)
+        except ValueError as e:  # each value alone was valid; the model's defaults were too
+            raise bad_request(str(e)) from None
+        default_max = self.default_max_tokens
+        if params.max_tokens is None and default_max is not None:
+            if params.min_tokens > default_max:
+                raise bad_request(
+                    f"min_tokens ({params.min_tokens}) must be <= max_tokens, which this request "
+                    f"leaves to the model's default ({default_max}, its generation config's "
+                    "max_new_tokens); send max_tokens",
+                    param="min_tokens",
+                )
         try:  # before any tokenizing: a value the context cannot hold is refused at once
             params.kept_prompt_tokens(self.engine.max_model_len)
         except ValueError as e:
@@ -292,7 +308,7 @@ class Serving:
                     await self.engine.add_request(
                         rid,
                         p,
-                        params,
+                        self._with_default_max_tokens(params, len(p)),
                         priority,
                         tenant=route.tenant,
                         slo_ttft_s=route.slo_ttft_s,
@@ -310,6 +326,18 @@ class Serving:
             raise
         self.metrics.admitted(params, len(streams))
         return streams
+
+    def _with_default_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """``params`` with max_tokens, where the request left it unset and the model's
+        generation config sets one, at that default capped at the prompt's room in the context
+        (as vLLM: the client did not ask for the default, so it is never a 400 over the room)."""
+        default_max = self.default_max_tokens
+        if params.max_tokens is not None or default_max is None:
+            return params
+        cap = min(default_max, self.engine.max_model_len - prompt_len)
+        if cap < max(1, params.min_tokens):  # no room: the engine's own answer for that
+            return params
+        return dataclasses.replace(params, max_tokens=cap)
 
     def _admission_error(self, e: Exception) -> Exception:
         retry = {"Retry-After": str(self.retry_after_s)}
@@ -375,7 +403,9 @@ class Serving:
                 code="unsupported_parameter",
             )
         prompts = _completion_prompts(req.prompt)
-        self.limits.check_request(req, len(prompts), self.engine.max_model_len)
+        self.limits.check_request(
+            req, len(prompts), self.engine.max_model_len, self.default_max_tokens
+        )
         params = self.sampling_params(req)
         await self.constrain(req, params)
         ids = await self.completion_prompt_ids(prompts, params)
@@ -403,7 +433,7 @@ class Serving:
             )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        self.limits.check_request(req, 1, self.engine.max_model_len)
+        self.limits.check_request(req, 1, self.engine.max_model_len, self.default_max_tokens)
         params = self.sampling_params(req)
         await self.constrain(req, params, plan)
         ids = await self.render_chat(req, params=params)

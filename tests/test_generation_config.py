@@ -1,0 +1,263 @@
+"""The model's sampling defaults from its generation_config.json (vLLM's ``--generation-config
+auto``): what requests that leave a sampling field unset get, offline and over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_helpers.fake_engine import FakeEngine
+from server_helpers.servers import serve
+
+from iterserve.config import EngineArgs
+from iterserve.engine import LLM
+from iterserve.model.builtin import resolve_model
+from iterserve.sampling_params import SamplingParams, sampling_defaults
+from iterserve.server.cli import main as serve_main
+
+QWEN3_LIKE = {  # Qwen3's generation_config.json, in substance
+    "bos_token_id": 151643,
+    "do_sample": True,
+    "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
+    "transformers_version": "4.51.0",
+}
+
+
+def test_the_sampling_keys_are_read_and_the_rest_ignored() -> None:
+    assert sampling_defaults(QWEN3_LIKE) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    got = sampling_defaults(
+        {
+            "max_new_tokens": 64,
+            "repetition_penalty": 1.1,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0,
+            "min_p": 0.05,
+            "top_k": -1,
+            "temperature": None,  # null sets nothing
+            "max_length": 4096,  # not a sampling default (vLLM reads only max_new_tokens)
+        }
+    )
+    assert got == {
+        "max_tokens": 64,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.0,
+        "min_p": 0.05,
+        "top_k": 0,
+    }
+    assert isinstance(got["max_tokens"], int) and isinstance(got["frequency_penalty"], float)
+    # overrides win, and may add keys
+    over = sampling_defaults(QWEN3_LIKE, {"temperature": 0.2, "max_new_tokens": 8})
+    assert over == {"temperature": 0.2, "top_k": 20, "top_p": 0.95, "max_tokens": 8}
+    assert sampling_defaults({}) == {}
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "match"),
+    [
+        ({"top_p": 1.5}, None, r"x\.json sets a sampling default .*top_p must be in \(0, 1\]"),
+        ({"temperature": "hot"}, None, "x.json: temperature must be a number, got 'hot'"),
+        ({"top_k": 20.0}, None, "x.json: top_k must be an integer, got 20.0"),
+        ({"max_new_tokens": True}, None, "max_new_tokens must be an integer"),
+        ({"max_new_tokens": 0}, None, "max_tokens must be an integer >= 1"),
+        ({}, {"seed": 3}, r"\['seed'\] are not sampling defaults; use only"),
+        ({"top_p": 1.5}, {"top_p": 0.5}, None),  # the override fixes the file's value
+    ],
+)
+def test_a_bad_default_is_refused_naming_the_file_and_key(
+    config: dict[str, Any], overrides: dict[str, Any] | None, match: str | None
+) -> None:
+    if match is None:
+        assert sampling_defaults(config, overrides, "x.json") == {"top_p": 0.5}
+        return
+    with pytest.raises(ValueError, match=match):
+        sampling_defaults(config, overrides, "x.json")
+
+
+def test_engine_args_validate_the_override_at_once() -> None:
+    with pytest.raises(ValueError, match=r"\['bogus'\] are not sampling defaults"):
+        EngineArgs(override_generation_config={"bogus": 1})
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        EngineArgs(override_generation_config=[1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="generation_config must be"):
+        EngineArgs(generation_config="")
+
+
+def _model_with(tmp_path: Path, generation: dict[str, Any]) -> Path:
+    """tiny-random's folder (its files linked) with ``generation`` added to its
+    generation_config.json."""
+    src = Path(resolve_model("tiny-random"))
+    out = tmp_path / "model"
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "generation_config.json":
+            os.symlink(f, out / f.name)
+    gen = json.loads((src / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**gen, **generation}))
+    return out
+
+
+def test_the_folder_defaults_come_from_generation_config(tmp_path: Path) -> None:
+    folder = _model_with(tmp_path, QWEN3_LIKE | {"max_new_tokens": 9})
+    args = EngineArgs(model=str(folder))
+    want = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 9}
+    assert args.sampling_defaults(str(folder)) == want
+    assert args.replace(generation_config="vllm").sampling_defaults(str(folder)) == {}
+    # another folder's file; the model's own is then not read
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.3}))
+    assert args.replace(generation_config=str(other)).sampling_defaults(str(folder)) == {
+        "temperature": 0.3
+    }
+    with pytest.raises(FileNotFoundError, match="expected a folder with a generation_config"):
+        args.replace(generation_config=str(tmp_path / "nowhere")).sampling_defaults(str(folder))
+    # tiny-random's own file names only bos / eos / pad: no sampling defaults
+    assert EngineArgs().sampling_defaults(resolve_model("tiny-random")) == {}
+
+
+def test_llm_generate_without_params_uses_the_models_defaults(tmp_path: Path) -> None:
+    """A greedy default (temperature 0) with max_new_tokens: generate() with no params gives
+    exactly the explicit greedy params' tokens; explicit params win over the defaults."""
+    folder = _model_with(tmp_path, {"temperature": 0.0, "top_k": 20, "max_new_tokens": 6})
+    llm = LLM(model=str(folder), num_kv_blocks=64)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 20, 6)
+    assert defaults.top_p == 1.0 and defaults.n == 1  # the rest at SamplingParams' own
+    prompts = ["Hello, my name is", "The capital of France is"]
+    got = llm.generate(prompts)
+    want = llm.generate(prompts, SamplingParams(temperature=0.0, top_k=20, max_tokens=6))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert all(1 <= len(o.outputs[0].token_ids) <= 6 for o in got)
+    explicit = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2))
+    assert all(len(o.outputs[0].token_ids) <= 2 for o in explicit)
+    # --generation-config vllm: the neutral defaults
+    plain = LLM(model=str(folder), num_kv_blocks=64, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+    over = LLM(model=str(folder), num_kv_blocks=64, override_generation_config={"top_k": 5})
+    assert over.get_default_sampling_params().top_k == 5
+    assert over.get_default_sampling_params().max_tokens == 6
+
+
+class _Recording(FakeEngine):
+    """The fake engine, keeping the params of every request it was given."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.given: list[SamplingParams] = []
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    *args: Any, **kwargs: Any) -> None:  # fmt: skip
+        self.given.append(params)
+        super().add_request(request_id, prompt, params, *args, **kwargs)
+
+
+def _params_of(fake: _Recording) -> SamplingParams:
+    (params,) = fake.given
+    fake.given.clear()
+    return params
+
+
+def test_server_requests_take_the_defaults_they_leave_unset() -> None:
+    defaults = {
+        "temperature": 0.0,
+        "top_p": 0.5,
+        "top_k": 7,
+        "min_p": 0.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "max_tokens": 5,
+    }
+    fake = _Recording(max_model_len=64, default_sampling=defaults)
+    _, server = serve(fake)
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        # chat leaving every sampling field unset: all defaults, max_tokens capped at 5
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5
+        p = _params_of(fake)
+        assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.0, 0.5, 7, 0.1)
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
+        assert p.max_tokens == 5
+        # what the request sets wins, null included as "unset"
+        body = {
+            "prompt": "hello",
+            "temperature": 1.0,
+            "top_k": 0,
+            "presence_penalty": None,
+            "max_tokens": 3,
+        }
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        p = _params_of(fake)
+        assert (p.temperature, p.top_k, p.presence_penalty, p.top_p) == (1.0, 0, 0.5, 0.5)
+        assert p.max_tokens == 3 and r.json()["usage"]["completion_tokens"] == 3
+        # completions' max_tokens is 16 unless sent as null; null takes the model's default
+        r = c.post("/v1/completions", json={"prompt": "hello"})
+        assert _params_of(fake).max_tokens == 16
+        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": None})
+        assert r.status_code == 200 and _params_of(fake).max_tokens == 5
+        # a prompt with less room than the default: capped at the room, not a 400
+        long_prompt = "x" * 61  # 61 tokens of the fake tokenizer's one token a character
+        r = c.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": None})
+        assert r.status_code == 200, r.text
+        assert _params_of(fake).max_tokens == 64 - 61
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        # an explicit max_tokens reaches the engine as sent (over the room, the real engine's
+        # 400: its reject_overlong_max_tokens)
+        r = c.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 5})
+        assert _params_of(fake).max_tokens == 5
+        # min_tokens above a default max_tokens the request did not send
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "min_tokens": 6},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+        assert "send max_tokens" in r.json()["error"]["message"]
+        assert fake.given == []
+        # /v1/responses goes through chat: its unset temperature / top_p are the defaults
+        r = c.post("/v1/responses", json={"input": "hi"})
+        assert r.status_code == 200, r.text
+        assert (r.json()["temperature"], r.json()["top_p"]) == (0.0, 0.5)
+
+
+def test_serve_refuses_a_bad_generation_config_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = _model_with(tmp_path, {"top_p": 2.0})
+    assert serve_main(["--model", str(folder), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "generation_config.json sets a sampling default" in err and "top_p" in err
+    assert "--generation-config vllm" in err or "generation_config='vllm'" in err
+    assert serve_main(["--override-generation-config", '{"seed": 1}']) == 2
+    assert "['seed'] are not sampling defaults" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_main(["--override-generation-config", "[1]"])
+    assert "expected a JSON object" in capsys.readouterr().err
+
+
+def test_a_default_max_tokens_past_the_room_is_capped_on_the_real_engine(tmp_path: Path) -> None:
+    """The server's real engine refuses an explicit max_tokens past the context's room (as
+    OpenAI and vLLM do); the model's default one is capped at the room instead."""
+    from iterserve.engine.llm_engine import LLMEngine
+
+    folder = _model_with(tmp_path, {"temperature": 0.0, "max_new_tokens": 1000})
+    eng = LLMEngine(EngineArgs(model=str(folder), num_kv_blocks=64, max_model_len=48))
+    eng.reject_overlong_max_tokens = True
+    _, server = serve(eng)
+    body = {"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "ignore_eos": True}
+    with server, httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.post("/v1/completions", json=body | {"max_tokens": None})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 48 - 8
+        r = c.post("/v1/completions", json=body | {"max_tokens": 1000})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -212,7 +213,7 @@ class EngineArgs:
 
             sampling_defaults({}, self.override_generation_config, "override_generation_config")
 
-    def sampling_defaults(self, model_path: str) -> dict[str, float]:
+    def sampling_defaults(self, model_path: str) -> dict[str, int | float]:
         """The SamplingParams defaults of requests that leave a sampling field unset, for the
         model in ``model_path`` (``generation_config`` and ``override_generation_config``)."""
         from iterserve.model.model_config import read_generation_config
@@ -225,7 +226,8 @@ class EngineArgs:
             config = read_generation_config(model_path)
         else:
             config = read_generation_config(src, required=True)
-        where = "generation_config.json" if src == "auto" else f"generation_config {src!r}"
+        folder = model_path if src in ("auto", "vllm") else src
+        where = f"{os.path.join(folder, 'generation_config.json')}"
         return sampling_defaults(config, self.override_generation_config, where)
 
     def cache_config(self, device_type: str = "cpu") -> CacheConfig:

@@ -163,7 +163,7 @@ class SamplingParams:
                 )
 
     @classmethod
-    def from_defaults(cls, defaults: Mapping[str, float], **fields: Any) -> SamplingParams:
+    def from_defaults(cls, defaults: Mapping[str, int | float], **fields: Any) -> SamplingParams:
         """SamplingParams of ``fields``, a field not among them from ``defaults`` (a model's
         sampling defaults, ``sampling_defaults``), the rest at the class defaults."""
         return cls(**{**defaults, **fields})
@@ -235,40 +235,45 @@ GENERATION_CONFIG_FIELDS: dict[str, str] = {
 
 def sampling_defaults(
     config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None, source: str = ""
-) -> dict[str, float]:
-    """The SamplingParams defaults a generation config sets: its known sampling keys with a
-    value (``null`` sets nothing; other keys, such as eos ids or ``do_sample``, are not
-    sampling defaults, as in vLLM), ``overrides`` applied on top. Raises ValueError naming
-    ``source`` and the key when a value is not one SamplingParams accepts, or an override is
-    not a known key."""
-    unknown = sorted(set(overrides or {}) - set(GENERATION_CONFIG_FIELDS))
+) -> dict[str, int | float]:
+    """The SamplingParams defaults a generation config (``config``, read from ``source``)
+    sets: its known sampling keys with a value (``null`` sets nothing; other keys, such as eos
+    ids or ``do_sample``, are not sampling defaults, as in vLLM), ``overrides`` applied on top
+    (a ``null`` there removes the file's value). Raises ValueError naming the key, where it
+    came from and what to change when a value is not one SamplingParams accepts, or an
+    override is not a known key."""
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(GENERATION_CONFIG_FIELDS))
     if unknown:
         raise ValueError(
-            f"override_generation_config: {unknown} are not sampling defaults; use only "
-            f"{sorted(GENERATION_CONFIG_FIELDS)}"
+            f"override_generation_config (--override-generation-config): {unknown} are not "
+            f"sampling defaults; use only {sorted(GENERATION_CONFIG_FIELDS)}"
         )
-    merged = {**config, **(overrides or {})}
-    out: dict[str, float] = {}  # top_k and max_tokens stay ints
+    source = source or "the generation config"
+    out: dict[str, int | float] = {}  # top_k and max_tokens stay ints
     for key, name in GENERATION_CONFIG_FIELDS.items():
-        value = merged.get(key)
+        where = (
+            "override_generation_config (--override-generation-config)"
+            if key in overrides
+            else source
+        )
+        value = overrides[key] if key in overrides else config.get(key)
         if value is None:
             continue
         integral = name in ("top_k", "max_tokens")
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        bad = f"{where} sets {key} to {value!r}"
         if not number or (integral and not isinstance(value, int)):
-            kind = "an integer" if integral else "a number"
-            raise ValueError(
-                f"{source or 'generation config'}: {key} must be {kind}, got {value!r}"
+            raise ValueError(f"{bad}: it must be {'an integer' if integral else 'a number'}")
+        out[name] = (0 if value == -1 and name == "top_k" else value) if integral else float(value)
+        try:  # each key alone: no rule of SamplingParams ties two of these keys together
+            SamplingParams.from_defaults({name: out[name]})
+        except ValueError as e:
+            fix = (
+                "send another override"
+                if key in overrides
+                else "fix the file, override the key (--override-generation-config) or ignore "
+                "the file (--generation-config vllm)"
             )
-        out[name] = value if integral else float(value)
-    if out.get("top_k") == -1:
-        out["top_k"] = 0
-    try:
-        SamplingParams.from_defaults(out)
-    except ValueError as e:
-        raise ValueError(
-            f"{source or 'generation config'} sets a sampling default SamplingParams refuses: "
-            f"{e}; fix it, override it (override_generation_config) or ignore the file "
-            "(generation_config='vllm')"
-        ) from None
+            raise ValueError(f"{bad}, which SamplingParams refuses ({e}); {fix}") from None
     return out

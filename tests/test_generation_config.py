@@ -60,26 +60,33 @@ def test_the_sampling_keys_are_read_and_the_rest_ignored() -> None:
     assert sampling_defaults({}) == {}
 
 
+FILE_FIX = r"fix the file, override the key \(--override-generation-config\) or ignore the file"
+OVER = r"override_generation_config \(--override-generation-config\)"
+
+
 @pytest.mark.parametrize(
     ("config", "overrides", "match"),
     [
-        ({"top_p": 1.5}, None, r"x\.json sets a sampling default .*top_p must be in \(0, 1\]"),
-        ({"temperature": "hot"}, None, "x.json: temperature must be a number, got 'hot'"),
-        ({"top_k": 20.0}, None, "x.json: top_k must be an integer, got 20.0"),
-        ({"max_new_tokens": True}, None, "max_new_tokens must be an integer"),
-        ({"max_new_tokens": 0}, None, "max_tokens must be an integer >= 1"),
-        ({}, {"seed": 3}, r"\['seed'\] are not sampling defaults; use only"),
-        ({"top_p": 1.5}, {"top_p": 0.5}, None),  # the override fixes the file's value
+        ({"top_p": 1.5}, None, r"x\.json sets top_p to 1\.5, .*must be in \(0, 1\].*" + FILE_FIX),
+        ({"temperature": "hot"}, None, "x.json sets temperature to 'hot': it must be a number"),
+        ({"top_k": 20.0}, None, "x.json sets top_k to 20.0: it must be an integer"),
+        ({"max_new_tokens": True}, None, "x.json sets max_new_tokens to True: it must be an int"),
+        ({"max_new_tokens": 0}, None, r"x\.json sets max_new_tokens to 0, .*max_tokens must be"),
+        ({}, {"seed": 3}, OVER + r": \['seed'\] are not sampling defaults; use only"),
+        ({}, {"top_p": 0}, OVER + r" sets top_p to 0, .*; send another override"),
     ],
-)
-def test_a_bad_default_is_refused_naming_the_file_and_key(
-    config: dict[str, Any], overrides: dict[str, Any] | None, match: str | None
+)  # fmt: skip
+def test_a_bad_default_is_refused_naming_its_source_key_and_fix(
+    config: dict[str, Any], overrides: dict[str, Any] | None, match: str
 ) -> None:
-    if match is None:
-        assert sampling_defaults(config, overrides, "x.json") == {"top_p": 0.5}
-        return
     with pytest.raises(ValueError, match=match):
         sampling_defaults(config, overrides, "x.json")
+
+
+def test_overrides_fix_add_and_remove_the_files_values() -> None:
+    assert sampling_defaults({"top_p": 1.5}, {"top_p": 0.5}) == {"top_p": 0.5}
+    assert sampling_defaults(QWEN3_LIKE, {"top_k": None}) == {"temperature": 0.6, "top_p": 0.95}
+    assert sampling_defaults({}, {"min_p": 0.1}) == {"min_p": 0.1}
 
 
 def test_engine_args_validate_the_override_at_once() -> None:
@@ -120,6 +127,15 @@ def test_the_folder_defaults_come_from_generation_config(tmp_path: Path) -> None
     }
     with pytest.raises(FileNotFoundError, match="expected a folder with a generation_config"):
         args.replace(generation_config=str(tmp_path / "nowhere")).sampling_defaults(str(folder))
+    gen_file = str(other / "generation_config.json")
+    with pytest.raises(FileNotFoundError, match="a file; pass the folder that holds it"):
+        args.replace(generation_config=gen_file).sampling_defaults(str(folder))
+    # "vllm" ignores the file, not the overrides
+    over = args.replace(generation_config="vllm", override_generation_config={"top_p": 0.9})
+    assert over.sampling_defaults(str(folder)) == {"top_p": 0.9}
+    (other / "generation_config.json").write_text("{temperature: 0.3}")
+    with pytest.raises(ValueError, match=r"other/generation_config\.json is not valid JSON"):
+        args.replace(generation_config=str(other)).sampling_defaults(str(folder))
     # tiny-random's own file names only bos / eos / pad: no sampling defaults
     assert EngineArgs().sampling_defaults(resolve_model("tiny-random")) == {}
 
@@ -201,20 +217,24 @@ def test_server_requests_take_the_defaults_they_leave_unset() -> None:
         p = _params_of(fake)
         assert (p.temperature, p.top_k, p.presence_penalty, p.top_p) == (1.0, 0, 0.5, 0.5)
         assert p.max_tokens == 3 and r.json()["usage"]["completion_tokens"] == 3
-        # completions' max_tokens is 16 unless sent as null; null takes the model's default
-        r = c.post("/v1/completions", json={"prompt": "hello"})
-        assert _params_of(fake).max_tokens == 16
-        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": None})
-        assert r.status_code == 200 and _params_of(fake).max_tokens == 5
+        # completions' max_tokens is 16 when not sent or sent as null (as vLLM): no default
+        for body in ({"prompt": "hello"}, {"prompt": "hello", "max_tokens": None}):
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and _params_of(fake).max_tokens == 16
+        # chat's max_completion_tokens (or max_tokens) beats the default
+        hi = [{"role": "user", "content": "hi"}]
+        r = c.post("/v1/chat/completions", json={"messages": hi, "max_completion_tokens": 2})
+        assert r.json()["usage"]["completion_tokens"] == 2 and _params_of(fake).max_tokens == 2
         # a prompt with less room than the default: capped at the room, not a 400
-        long_prompt = "x" * 61  # 61 tokens of the fake tokenizer's one token a character
-        r = c.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": None})
+        long = [{"role": "user", "content": "x" * 44}]  # 62 tokens with the template
+        r = c.post("/v1/chat/completions", json={"messages": long})
         assert r.status_code == 200, r.text
-        assert _params_of(fake).max_tokens == 64 - 61
+        room = 64 - r.json()["usage"]["prompt_tokens"]
+        assert 0 < room < 5 and _params_of(fake).max_tokens == room
         assert r.json()["choices"][0]["finish_reason"] == "length"
         # an explicit max_tokens reaches the engine as sent (over the room, the real engine's
         # 400: its reject_overlong_max_tokens)
-        r = c.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 5})
+        r = c.post("/v1/chat/completions", json={"messages": long, "max_tokens": 5})
         assert _params_of(fake).max_tokens == 5
         # min_tokens above a default max_tokens the request did not send
         r = c.post(
@@ -224,10 +244,12 @@ def test_server_requests_take_the_defaults_they_leave_unset() -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
         assert "send max_tokens" in r.json()["error"]["message"]
         assert fake.given == []
-        # /v1/responses goes through chat: its unset temperature / top_p are the defaults
+        # /v1/responses goes through chat: what it leaves unset takes the defaults
         r = c.post("/v1/responses", json={"input": "hi"})
         assert r.status_code == 200, r.text
         assert (r.json()["temperature"], r.json()["top_p"]) == (0.0, 0.5)
+        p = _params_of(fake)
+        assert (p.top_k, p.presence_penalty, p.repetition_penalty, p.max_tokens) == (7, 0.5, 1.2, 5)
 
 
 def test_serve_refuses_a_bad_generation_config_at_start(
@@ -236,8 +258,8 @@ def test_serve_refuses_a_bad_generation_config_at_start(
     folder = _model_with(tmp_path, {"top_p": 2.0})
     assert serve_main(["--model", str(folder), "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert "generation_config.json sets a sampling default" in err and "top_p" in err
-    assert "--generation-config vllm" in err or "generation_config='vllm'" in err
+    assert "generation_config.json sets top_p to 2.0, which SamplingParams refuses" in err
+    assert "ignore the file (--generation-config vllm)" in err and "Traceback" not in err
     assert serve_main(["--override-generation-config", '{"seed": 1}']) == 2
     assert "['seed'] are not sampling defaults" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -247,17 +269,49 @@ def test_serve_refuses_a_bad_generation_config_at_start(
 
 def test_a_default_max_tokens_past_the_room_is_capped_on_the_real_engine(tmp_path: Path) -> None:
     """The server's real engine refuses an explicit max_tokens past the context's room (as
-    OpenAI and vLLM do); the model's default one is capped at the room instead."""
+    OpenAI and vLLM do); the model's default one, the file's or an override's, is capped at the
+    room instead; min_tokens past the room is refused rather than quietly not met."""
     from iterserve.engine.llm_engine import LLMEngine
 
     folder = _model_with(tmp_path, {"temperature": 0.0, "max_new_tokens": 1000})
-    eng = LLMEngine(EngineArgs(model=str(folder), num_kv_blocks=64, max_model_len=48))
-    eng.reject_overlong_max_tokens = True
-    _, server = serve(eng)
-    body = {"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "ignore_eos": True}
-    with server, httpx.Client(base_url=server.url, timeout=60) as c:
-        r = c.post("/v1/completions", json=body | {"max_tokens": None})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 48 - 8
-        r = c.post("/v1/completions", json=body | {"max_tokens": 1000})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    chat = {"messages": [{"role": "user", "content": "Hello there"}], "ignore_eos": True}
+    for override, want_room in ((None, True), ({"max_new_tokens": 3}, False)):
+        eng = LLMEngine(
+            EngineArgs(
+                model=str(folder),
+                num_kv_blocks=64,
+                max_model_len=48,
+                override_generation_config=override,
+            )
+        )
+        eng.reject_overlong_max_tokens = True
+        _, server = serve(eng)
+        with server, httpx.Client(base_url=server.url, timeout=60) as c:
+            r = c.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            want = 48 - usage["prompt_tokens"] if want_room else 3
+            assert usage["completion_tokens"] == want
+            r = c.post("/v1/chat/completions", json=chat | {"max_tokens": 1000})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+            r = c.post("/v1/chat/completions", json=chat | {"min_tokens": 45, "max_tokens": 45})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+            r = c.post("/v1/completions", json={"prompt": [5] * 40, "min_tokens": 9})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
+def test_generate_flags_beat_the_models_defaults_which_beat_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from iterserve import cli
+
+    folder = str(_model_with(tmp_path, {"temperature": 0.0, "max_new_tokens": 4}))
+    argv = ["generate", "--model", folder, "--prompt", "Hello", "--num-kv-blocks", "64"]
+    for extra, tokens in (
+        ([], 4),
+        (["--max-tokens", "2"], 2),
+        (["--generation-config", "vllm"], 32),
+    ):
+        assert cli.main(argv + extra) == 0
+        out = capsys.readouterr().out
+        assert f"-> ({tokens} tokens, length)" in out, (extra, out)

@@ -107,6 +107,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
             "record_steps": "write each run's per-step stats (JSON lines) into this folder",
         },
         metavars={"record_steps": "DIR"},
+        # every bench request sets its own sampling (greedy, ignore_eos): no model defaults
+        skip=("generation_config", "override_generation_config"),
     )
 
 

@@ -133,9 +133,11 @@ class Books:
         num_prompt_tokens: int,
         max_tokens: int | None,
         reject_overlong_max_tokens: bool = False,
+        min_tokens: int = 0,
     ) -> int:
         """The ``max_tokens`` a tokenized prompt of this length runs with (capped at the room
-        left in the context). Raises ValueError saying what to change when it can never run."""
+        left in the context). Raises ValueError saying what to change when it can never run,
+        or never give its ``min_tokens``."""
         n, max_len, kv = num_prompt_tokens, self.max_model_len, self.kv
         if n == 0:
             raise InvalidRequestError(
@@ -158,6 +160,14 @@ class Books:
                 param="prompt",
             )
         room = max_len - n
+        if min_tokens > room:
+            raise InvalidRequestError(
+                f"min_tokens is {min_tokens} but the context (max_model_len {max_len}) leaves "
+                f"room for {room} tokens after the {n}-token prompt; lower min_tokens or "
+                "shorten the prompt",
+                param="min_tokens",
+                code="context_length_exceeded",
+            )
         if reject_overlong_max_tokens and max_tokens is not None and max_tokens > room:
             raise InvalidRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, you "

@@ -88,7 +88,7 @@ class LLMEngine:
         self.model_name = a.model
         self.model_path = resolve_model(a.model)
         # Before the weights load, so a bad generation config fails at once.
-        self.default_sampling: dict[str, float] = a.sampling_defaults(self.model_path)
+        self.default_sampling: dict[str, int | float] = a.sampling_defaults(self.model_path)
         if self.default_sampling:
             logger.warning(
                 "requests that leave them unset get the sampling defaults %s from %s; start "
@@ -230,7 +230,9 @@ class LLMEngine:
         ids = params.truncate_prompt(ids, self.max_model_len)
         self._check_token_ids(params)
         bad_words = self._bad_words_token_ids(params.bad_words or ())
-        max_tokens = self.books.admit(len(ids), params.max_tokens, self.reject_overlong_max_tokens)
+        max_tokens = self.books.admit(
+            len(ids), params.max_tokens, self.reject_overlong_max_tokens, params.min_tokens
+        )
         now = time.monotonic()
         parent = _Parent(
             request_id,

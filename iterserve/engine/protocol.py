@@ -60,7 +60,7 @@ class EngineInterface(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
-    def default_sampling(self) -> Mapping[str, float]:
+    def default_sampling(self) -> Mapping[str, int | float]:
         """SamplingParams field -> value for the sampling fields a request leaves unset (the
         model's generation_config.json, ``EngineArgs.generation_config``); may be empty."""
         ...

@@ -177,13 +177,19 @@ def read_generation_config(
     if not os.path.isfile(gen_file):
         if not required:
             return {}
-        found = sorted(os.listdir(folder)) if os.path.isdir(folder) else "no such folder"
+        if os.path.isfile(folder):
+            found: object = "a file; pass the folder that holds it"
+        else:
+            found = sorted(os.listdir(folder)) if os.path.isdir(folder) else "no such folder"
         raise FileNotFoundError(
             f"generation_config: expected a folder with a generation_config.json at "
             f"{os.fspath(folder)!r}; found: {found}"
         )
     with open(gen_file) as f:
-        gen = json.load(f)
+        try:
+            gen = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{gen_file} is not valid JSON: {e}") from None
     if not isinstance(gen, dict):
         raise ValueError(f"{gen_file} must hold a JSON object, got {type(gen).__name__}")
     return gen

@@ -152,7 +152,7 @@ class ServerLimits:
     ) -> None:
         """Raises a 400 naming the bound (and its flag) that ``req`` exceeds;
         ``default_max_tokens``: what an unset max_tokens becomes (the model's default)."""
-        from iterserve.server.protocol import CompletionRequest
+        from iterserve.server.protocol import COMPLETIONS_MAX_TOKENS, CompletionRequest
 
         if req.n > self.max_n:
             self._refuse("n", f"n is {req.n}", "max-n", self.max_n)
@@ -163,12 +163,10 @@ class ServerLimits:
         self._check_sizes(num_prompts, [req.stop] if isinstance(req.stop, str) else req.stop or [])
         if isinstance(req, CompletionRequest):
             logprobs, lp_param = req.logprobs, "logprobs"
-            max_tokens = req.max_tokens
+            max_tokens: int | None = req.max_tokens or COMPLETIONS_MAX_TOKENS
         else:
             logprobs, lp_param = req.top_logprobs, "top_logprobs"
-            max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None:
-            max_tokens = default_max_tokens
+            max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
         if logprobs is not None and logprobs > self.max_logprobs:
             self._refuse(lp_param, f"{lp_param} is {logprobs}", "max-logprobs", self.max_logprobs)
         if req.prompt_logprobs is not None and req.prompt_logprobs > self.max_logprobs:

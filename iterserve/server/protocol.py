@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
 
 TokenIds = list[StrictInt]
 
@@ -37,15 +37,12 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-# The sampling fields a model's generation config may default, and OpenAI's default of each.
-_SAMPLING_NEUTRAL: dict[str, Any] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
+# The sampling fields a model's generation config may default (max_tokens aside: the server
+# caps a default one per prompt), each with SamplingParams' own default where neither sets it.
+_DEFAULTED: dict[str, Any] = {
+    name: SamplingParams.__dataclass_fields__[name].default
+    for name in GENERATION_CONFIG_FIELDS.values()
+    if name != "max_tokens"
 }
 
 
@@ -103,16 +100,13 @@ class SamplingExtras(OpenAIModel):
     ) -> dict[str, Any]:
         """The :class:`SamplingParams` arguments that the field values ``v`` stand for; a
         sampling field left unset (None) takes the server's ``defaults`` (the model's
-        generation config), else the OpenAI default. ``max_tokens`` left unset stays None:
-        the server caps a default one at each prompt's room (``Serving.add_streams``)."""
+        generation config), else SamplingParams' own. Chat's ``max_tokens`` left unset stays
+        None: the server caps a default one at each prompt's room (``Serving.add_streams``)."""
         d = defaults or {}
         return dict(
             n=v["n"],
             min_tokens=v["min_tokens"],
-            **{
-                name: _or(v[name], d.get(name, neutral))
-                for name, neutral in _SAMPLING_NEUTRAL.items()
-            },
+            **{name: _or(v[name], d.get(name, neutral)) for name, neutral in _DEFAULTED.items()},
             seed=v["seed"],
             stop=v["stop"],
             stop_token_ids=v["stop_token_ids"],
@@ -148,9 +142,14 @@ class SamplingExtras(OpenAIModel):
         return value
 
 
+# Completions' max_tokens when not sent, or sent as null (OpenAI's default; vLLM turns null into
+# it too, so a model's max_new_tokens never applies to completions).
+COMPLETIONS_MAX_TOKENS = 16
+
+
 class CompletionRequest(SamplingExtras):
     prompt: Annotated[str | list[str] | TokenIds | list[TokenIds], Field(union_mode="smart")]
-    max_tokens: int | None = 16
+    max_tokens: int | None = COMPLETIONS_MAX_TOKENS
     min_tokens: int = 0
     logprobs: int | None = None
     echo: bool = False
@@ -163,7 +162,7 @@ class CompletionRequest(SamplingExtras):
     ) -> dict[str, Any]:
         return {
             **super().sampling_kwargs(v, defaults),
-            "max_tokens": v["max_tokens"],
+            "max_tokens": _or(v["max_tokens"], COMPLETIONS_MAX_TOKENS),
             "logprobs": v["logprobs"],
             "best_of": v["best_of"],
             # echo + logprobs: the echoed prompt's tokens come with logprobs too (as in vLLM)

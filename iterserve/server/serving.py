@@ -123,7 +123,7 @@ class Serving:
         self._templates: TemplateSandbox | None = None
         self.system_fingerprint = system_fingerprint(engine, self.served_model_names)
         # What a request's unset sampling fields take (the model's generation config).
-        self.sampling_defaults: dict[str, float] = dict(engine.default_sampling)
+        self.sampling_defaults: dict[str, int | float] = dict(engine.default_sampling)
         default_max = self.sampling_defaults.get("max_tokens")
         self.default_max_tokens = None if default_max is None else int(default_max)
         # The scheduling policy, where the engine has one (not a test double): the fields only
@@ -208,10 +208,7 @@ class Serving:
                 )
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
-        try:
-            params = req.sampling_params(self.sampling_defaults)
-        except ValueError as e:  # each value alone was valid; the model's defaults were too
-            raise bad_request(str(e)) from None
+        params = req.sampling_params(self.sampling_defaults)
         default_max = self.default_max_tokens
         if params.max_tokens is None and default_max is not None:
             if params.min_tokens > default_max:
@@ -956,7 +953,7 @@ class _CompletionFormat(_Format):
             return None
         tokens: list[str] = []
         token_lps: list[float | None] = []
-        tops: list[dict[str, float] | None] = []
+        tops: list[dict[str, int | float] | None] = []
         offsets: list[int] = []
         pairs: list[tuple[int, dict[int, Logprob] | None]] = []
         if echo_of is not None and echo_of.prompt_logprobs is not None:
@@ -977,7 +974,7 @@ class _CompletionFormat(_Format):
             s = self.s.token_str(tid, lp, self.as_ids)
             tokens.append(s)
             token_lps.append(_lp_value(lp))
-            top: dict[str, float] = {}
+            top: dict[str, int | float] = {}
             for t, v in sorted(entry.items(), key=lambda kv: kv[1].rank or 0):
                 top.setdefault(self.s.token_str(t, v, self.as_ids), _lp_value(v))
             tops.append(top if self.params.logprobs else None)
@@ -1173,7 +1170,11 @@ def system_fingerprint(engine: AsyncEngine, served_model_names: Sequence[str]) -
     configuration (version, checkpoint, served names, engine arguments: dtype, seed, block
     size, threads...), different when any of them changes what the model may answer."""
     args = getattr(engine.engine, "args", None)  # LLMEngine's EngineArgs; a fake has none
-    basis = "|".join((__version__, engine.model_path, ",".join(served_model_names), repr(args)))
+    # the sampling defaults as read: a generation config's file can change under the same args
+    defaults = repr(sorted(engine.default_sampling.items()))
+    basis = "|".join(
+        (__version__, engine.model_path, ",".join(served_model_names), repr(args), defaults)
+    )
     return "fp_" + hashlib.sha256(basis.encode()).hexdigest()[:12]
 
 

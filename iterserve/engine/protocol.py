@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer that the engine and the server use."""
 
+    chat_template: str | None  # the model's (or --chat-template's); None: none
+
     @property
     def eos_token_id(self) -> int | None: ...
 

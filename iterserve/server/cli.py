@@ -22,6 +22,7 @@ from typing import Any
 
 from iterserve.config import EngineArgs
 from iterserve.server.limits import ServerLimits, uvicorn_config
+from iterserve.server.templates import load_chat_template
 from iterserve.server.tools import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
@@ -96,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(Hermes/Qwen <tool_call>{...}</tool_call>) or llama3_json (Llama 3 JSON calls); "
         'without it "auto" is refused (required and named functions need no parser)',
     )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template of /v1/chat/completions, /v1/responses and /tokenize in place "
+        "of the model's: a file, or the template itself (vLLM's flag)",
+    )
     ServerLimits.add_cli_args(p.add_argument_group("per-request limits and timeouts"))
     EngineArgs.add_cli_args(p)
     return p
@@ -156,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = EngineArgs.from_cli_args(ns)
         limits = ServerLimits.from_cli_args(ns)
-    except ValueError as e:
+        chat_template = None if ns.chat_template is None else load_chat_template(ns.chat_template)
+    except (ValueError, OSError) as e:
         print(f"iterserve serve: {e}", file=sys.stderr)
         return 2
     problems = []
@@ -179,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm_engine = LLMEngine(args)
         llm_engine.reject_overlong_max_tokens = True  # a 400, as OpenAI and vLLM answer
+        if chat_template is not None:  # before AsyncEngine copies the tokenizer
+            llm_engine.tokenizer.chat_template = chat_template
         engine = AsyncEngine(
             llm_engine,
             max_queued_requests=ns.max_queued_requests,

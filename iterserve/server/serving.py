@@ -1170,10 +1170,13 @@ def system_fingerprint(engine: AsyncEngine, served_model_names: Sequence[str]) -
     configuration (version, checkpoint, served names, engine arguments: dtype, seed, block
     size, threads...), different when any of them changes what the model may answer."""
     args = getattr(engine.engine, "args", None)  # LLMEngine's EngineArgs; a fake has none
-    # the sampling defaults as read: a generation config's file can change under the same args
+    # the sampling defaults as read (a generation config's file can change under the same
+    # args) and the chat template (--chat-template's or the model's)
     defaults = repr(sorted(engine.default_sampling.items()))
+    template = str(getattr(engine.tokenizer, "chat_template", None))
     basis = "|".join(
         (__version__, engine.model_path, ",".join(served_model_names), repr(args), defaults)
+        + (template,)
     )
     return "fp_" + hashlib.sha256(basis.encode()).hexdigest()[:12]
 

@@ -30,6 +30,33 @@ class TemplateError(ValueError):
     """The template failed, or ran past a limit: the client's to fix (a 400)."""
 
 
+def load_chat_template(value: str) -> str:
+    """``--chat-template``'s template: the file ``value`` names, or ``value`` itself when it
+    holds Jinja (as vLLM's flag). Raises ValueError saying what to change when it is neither,
+    or when the template does not parse. The operator's own template, so it is rendered as the
+    model's is (transformers' sandboxed ``apply_chat_template``), not in the request sandbox."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+        where = value
+    elif any(c in value for c in "{}\n"):
+        template, where = value, "the template given"
+    else:
+        raise ValueError(
+            f"--chat-template: {value!r} is not a file, nor a template (no Jinja in it); give "
+            "the path of a .jinja file or the template itself"
+        )
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        msg = f"--chat-template: {where} does not parse: {e} (line {e.lineno})"
+        raise ValueError(msg) from None
+    return template
+
+
 class TemplateSandbox:
     """One long-lived worker process; ``render`` is thread-safe (one render at a time)."""
 

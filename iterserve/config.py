@@ -227,8 +227,18 @@ class EngineArgs:
         else:
             config = read_generation_config(src, required=True)
         folder = model_path if src in ("auto", "vllm") else src
-        where = f"{os.path.join(folder, 'generation_config.json')}"
+        where = os.path.join(folder, "generation_config.json")
         return sampling_defaults(config, self.override_generation_config, where)
+
+    def max_tokens_cap(self, defaults: Mapping[str, int | float]) -> int | None:
+        """The server-wide limit on every request's max_tokens, as vLLM's: the max_new_tokens
+        of a generation_config FOLDER's file, or of override_generation_config (the model's
+        own file's is only a default). ``defaults``: ``sampling_defaults``'s answer."""
+        if self.generation_config in ("auto", "vllm"):
+            value = (self.override_generation_config or {}).get("max_new_tokens")
+        else:
+            value = defaults.get("max_tokens")
+        return None if value is None else int(value)
 
     def cache_config(self, device_type: str = "cpu") -> CacheConfig:
         """On ``cuda`` with neither ``num_kv_blocks`` nor ``kv_cache_memory`` the pool is sized

@@ -33,6 +33,35 @@ def test_a_file_or_the_template_itself(tmp_path: Path) -> None:
         load_chat_template(str(f))
     with pytest.raises(ValueError, match="the template given does not parse"):
         load_chat_template("{{ unclosed")
+    # what transformers renders is accepted: its loop controls and {% generation %} tag
+    for t in (
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m }}{% endfor %}",
+        "{% for m in messages %}{% generation %}{{ m }}{% endgeneration %}{% endfor %}",
+    ):
+        assert load_chat_template(t) == t
+    f.write_text("  \n")
+    with pytest.raises(ValueError, match=r"plain\.jinja is empty; give a template"):
+        load_chat_template(str(f))
+    f.write_bytes(b"{{ m }}\xff\xfe")
+    with pytest.raises(ValueError, match=r"cannot read .*plain\.jinja"):
+        load_chat_template(str(f))
+    with pytest.raises(ValueError, match="is a folder; give the template's file"):
+        load_chat_template(str(tmp_path))
+
+
+def test_the_fingerprint_follows_the_template_and_the_sampling_defaults() -> None:
+    from server_helpers.fake_engine import FakeEngine
+
+    from iterserve.engine.async_engine import AsyncEngine
+    from iterserve.server.serving import system_fingerprint
+
+    def fp(template: str, defaults: dict[str, float]) -> str:
+        fake = FakeEngine(chat_template=template, default_sampling=defaults)
+        return system_fingerprint(AsyncEngine(fake), ["m"])
+
+    base = fp("a", {})
+    assert fp("a", {}) == base
+    assert fp("b", {}) != base and fp("a", {"temperature": 0.5}) != base
 
 
 def test_serve_refuses_a_bad_template_before_loading_the_model(

@@ -136,6 +136,13 @@ def test_the_folder_defaults_come_from_generation_config(tmp_path: Path) -> None
     (other / "generation_config.json").write_text("{temperature: 0.3}")
     with pytest.raises(ValueError, match=r"other/generation_config\.json is not valid JSON"):
         args.replace(generation_config=str(other)).sampling_defaults(str(folder))
+    # max_new_tokens is a server-wide limit from a FOLDER's file or an override (vLLM's
+    # override_max_tokens), only a default from the model's own file
+    assert args.max_tokens_cap(want) is None
+    assert args.replace(override_generation_config={"max_new_tokens": 3}).max_tokens_cap({}) == 3
+    (other / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7}))
+    folder_args = args.replace(generation_config=str(other))
+    assert folder_args.max_tokens_cap(folder_args.sampling_defaults(str(folder))) == 7
     # tiny-random's own file names only bos / eos / pad: no sampling defaults
     assert EngineArgs().sampling_defaults(resolve_model("tiny-random")) == {}
 
@@ -252,6 +259,29 @@ def test_server_requests_take_the_defaults_they_leave_unset() -> None:
         assert (p.top_k, p.presence_penalty, p.repetition_penalty, p.max_tokens) == (7, 0.5, 1.2, 5)
 
 
+def test_the_servers_max_tokens_limit_bounds_every_request() -> None:
+    fake = _Recording(max_model_len=64, default_sampling={"max_tokens": 5}, max_tokens_cap=4)
+    _, server = serve(fake)
+    hi = [{"role": "user", "content": "hi"}]
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        for path, body in (
+            ("/v1/completions", {"prompt": "hello"}),  # completions' 16
+            ("/v1/completions", {"prompt": "hello", "max_tokens": 10}),
+            ("/v1/chat/completions", {"messages": hi}),  # the default 5
+            ("/v1/chat/completions", {"messages": hi, "max_completion_tokens": 30}),
+        ):
+            r = c.post(path, json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4 and _params_of(fake).max_tokens == 4
+        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        assert _params_of(fake).max_tokens == 2
+        r = c.post("/v1/completions", json={"prompt": "hello", "min_tokens": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+        msg = r.json()["error"]["message"]
+        assert "here 4: the server's limit" in msg and "lower min_tokens" in msg
+        assert fake.given == []
+
+
 def test_serve_refuses_a_bad_generation_config_at_start(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -298,6 +328,12 @@ def test_a_default_max_tokens_past_the_room_is_capped_on_the_real_engine(tmp_pat
             assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
             r = c.post("/v1/completions", json={"prompt": [5] * 40, "min_tokens": 9})
             assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+            # no max_tokens: the default (capped at the room) is less than min_tokens
+            r = c.post("/v1/chat/completions", json=chat | {"min_tokens": 45})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    llm = LLM(model=str(folder), num_kv_blocks=64, max_model_len=48)
+    with pytest.raises(ValueError, match="min_tokens is 45 but the context"):
+        llm.generate([[5] * 8], SamplingParams(max_tokens=None, min_tokens=45))
 
 
 def test_generate_flags_beat_the_models_defaults_which_beat_its_own(

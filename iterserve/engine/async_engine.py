@@ -501,6 +501,7 @@ class AsyncEngine:
         self.model_path = engine.model_path
         self.max_model_len = engine.max_model_len
         self.default_sampling = dict(engine.default_sampling)
+        self.max_tokens_cap = engine.max_tokens_cap
         # The engine thread uses engine.tokenizer; the event loop and the output thread get
         # their own copies so no two threads share one (HF fast tokenizers are not safe to
         # share).

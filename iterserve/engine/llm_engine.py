@@ -89,6 +89,7 @@ class LLMEngine:
         self.model_path = resolve_model(a.model)
         # Before the weights load, so a bad generation config fails at once.
         self.default_sampling: dict[str, int | float] = a.sampling_defaults(self.model_path)
+        self.max_tokens_cap: int | None = a.max_tokens_cap(self.default_sampling)
         if self.default_sampling:
             logger.warning(
                 "requests that leave them unset get the sampling defaults %s from %s; start "

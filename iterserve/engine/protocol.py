@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer that the engine and the server use."""
 
-    chat_template: str | None  # the model's (or --chat-template's); None: none
+    # the model's (or --chat-template's); a dict of named templates in some checkpoints
+    chat_template: str | dict[str, str] | None
 
     @property
     def eos_token_id(self) -> int | None: ...
@@ -65,6 +66,11 @@ class EngineInterface(Protocol):
     def default_sampling(self) -> Mapping[str, int | float]:
         """SamplingParams field -> value for the sampling fields a request leaves unset (the
         model's generation_config.json, ``EngineArgs.generation_config``); may be empty."""
+        ...
+
+    @property
+    def max_tokens_cap(self) -> int | None:
+        """The server's limit on every request's max_tokens (``EngineArgs.max_tokens_cap``)."""
         ...
 
     @property

@@ -149,9 +149,11 @@ class ServerLimits:
         num_prompts: int,
         max_model_len: int,
         default_max_tokens: int | None = None,
+        max_tokens_cap: int | None = None,
     ) -> None:
         """Raises a 400 naming the bound (and its flag) that ``req`` exceeds;
-        ``default_max_tokens``: what an unset max_tokens becomes (the model's default)."""
+        ``default_max_tokens``: what an unset max_tokens becomes (the model's default),
+        ``max_tokens_cap``: the server's limit on every request's."""
         from iterserve.server.protocol import COMPLETIONS_MAX_TOKENS, CompletionRequest
 
         if req.n > self.max_n:
@@ -176,7 +178,8 @@ class ServerLimits:
                 "max-logprobs",
                 self.max_logprobs,
             )
-        per_seq = max_model_len if max_tokens is None else min(max_tokens, max_model_len)
+        caps = [v for v in (max_tokens, max_tokens_cap) if v is not None]
+        per_seq = min([max_model_len, *caps])
         total = num_prompts * best_of * per_seq
         if total > self.max_request_tokens:
             self._refuse(

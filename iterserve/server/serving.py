@@ -126,6 +126,7 @@ class Serving:
         self.sampling_defaults: dict[str, int | float] = dict(engine.default_sampling)
         default_max = self.sampling_defaults.get("max_tokens")
         self.default_max_tokens = None if default_max is None else int(default_max)
+        self.max_tokens_cap: int | None = engine.max_tokens_cap  # every request's, as vLLM's
         # The scheduling policy, where the engine has one (not a test double): the fields only
         # some policies read are refused where it reads none.
         inner = getattr(engine, "engine", None)
@@ -209,15 +210,19 @@ class Serving:
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
         params = req.sampling_params(self.sampling_defaults)
-        default_max = self.default_max_tokens
-        if params.max_tokens is None and default_max is not None:
-            if params.min_tokens > default_max:
-                raise bad_request(
-                    f"min_tokens ({params.min_tokens}) must be <= max_tokens, which this request "
-                    f"leaves to the model's default ({default_max}, its generation config's "
-                    "max_new_tokens); send max_tokens",
-                    param="min_tokens",
-                )
+        upper = self._max_tokens_limits(params)
+        if upper and params.min_tokens > min(upper):
+            cap = self.max_tokens_cap
+            why, fix = (
+                ("the server's limit (its generation config's max_new_tokens)", "lower min_tokens")
+                if cap is not None and cap == min(upper)
+                else ("the model's default, as the request sends none", "send max_tokens")
+            )
+            raise bad_request(
+                f"min_tokens ({params.min_tokens}) must be <= max_tokens, here {min(upper)}: "
+                f"{why}; {fix}",
+                param="min_tokens",
+            )
         try:  # before any tokenizing: a value the context cannot hold is refused at once
             params.kept_prompt_tokens(self.engine.max_model_len)
         except ValueError as e:
@@ -305,7 +310,7 @@ class Serving:
                     await self.engine.add_request(
                         rid,
                         p,
-                        self._with_default_max_tokens(params, len(p)),
+                        self._max_tokens_for(params, len(p)),
                         priority,
                         tenant=route.tenant,
                         slo_ttft_s=route.slo_ttft_s,
@@ -324,17 +329,25 @@ class Serving:
         self.metrics.admitted(params, len(streams))
         return streams
 
-    def _with_default_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        """``params`` with max_tokens, where the request left it unset and the model's
-        generation config sets one, at that default capped at the prompt's room in the context
-        (as vLLM: the client did not ask for the default, so it is never a 400 over the room)."""
-        default_max = self.default_max_tokens
-        if params.max_tokens is not None or default_max is None:
+    def _max_tokens_limits(self, params: SamplingParams) -> list[int]:
+        """What bounds a request's max_tokens before its prompt's room, as vLLM: its own, else
+        the model's default; and the server's limit (``max_tokens_cap``)."""
+        own = params.max_tokens if params.max_tokens is not None else self.default_max_tokens
+        return [v for v in (own, self.max_tokens_cap) if v is not None]
+
+    def _max_tokens_for(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """``params`` with the max_tokens a prompt of ``prompt_len`` tokens runs with: the
+        least of ``_max_tokens_limits`` and the prompt's room in the context (a default the
+        client did not ask for is never a 400 over the room). An explicit max_tokens past the
+        room is left as sent: the engine's 400, as vLLM's."""
+        room = self.engine.max_model_len - prompt_len
+        limits = self._max_tokens_limits(params)
+        if not limits or (params.max_tokens is not None and params.max_tokens > room):
             return params
-        cap = min(default_max, self.engine.max_model_len - prompt_len)
-        if cap < max(1, params.min_tokens):  # no room: the engine's own answer for that
+        value = min(*limits, room)
+        if value < max(1, params.min_tokens):  # no room: the engine's own answer for that
             return params
-        return dataclasses.replace(params, max_tokens=cap)
+        return dataclasses.replace(params, max_tokens=value)
 
     def _admission_error(self, e: Exception) -> Exception:
         retry = {"Retry-After": str(self.retry_after_s)}
@@ -401,7 +414,11 @@ class Serving:
             )
         prompts = _completion_prompts(req.prompt)
         self.limits.check_request(
-            req, len(prompts), self.engine.max_model_len, self.default_max_tokens
+            req,
+            len(prompts),
+            self.engine.max_model_len,
+            self.default_max_tokens,
+            self.max_tokens_cap,
         )
         params = self.sampling_params(req)
         await self.constrain(req, params)
@@ -430,7 +447,9 @@ class Serving:
             )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        self.limits.check_request(req, 1, self.engine.max_model_len, self.default_max_tokens)
+        self.limits.check_request(
+            req, 1, self.engine.max_model_len, self.default_max_tokens, self.max_tokens_cap
+        )
         params = self.sampling_params(req)
         await self.constrain(req, params, plan)
         ids = await self.render_chat(req, params=params)
@@ -532,7 +551,7 @@ class Serving:
         if chat_template is not None and not self.limits.trust_request_chat_template:
             raise bad_request(
                 "this server does not accept chat templates in requests (it would run client "
-                "code); drop chat_template to use the model's own, or start the server with "
+                "code); drop chat_template to use the server's, or start the server with "
                 "--trust-request-chat-template",
                 param="chat_template",
                 code="chat_template_not_allowed",
@@ -541,7 +560,8 @@ class Serving:
             raise bad_request(
                 f"model `{self.model_name}` has no chat template (its tokenizer config defines "
                 "no chat_template), so /v1/chat/completions cannot format messages; use "
-                "/v1/completions with a plain prompt",
+                "/v1/completions with a plain prompt, or start the server with "
+                "--chat-template FILE",
                 param="messages",
                 code="no_chat_template",
             )
@@ -953,7 +973,7 @@ class _CompletionFormat(_Format):
             return None
         tokens: list[str] = []
         token_lps: list[float | None] = []
-        tops: list[dict[str, int | float] | None] = []
+        tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
         pairs: list[tuple[int, dict[int, Logprob] | None]] = []
         if echo_of is not None and echo_of.prompt_logprobs is not None:
@@ -974,7 +994,7 @@ class _CompletionFormat(_Format):
             s = self.s.token_str(tid, lp, self.as_ids)
             tokens.append(s)
             token_lps.append(_lp_value(lp))
-            top: dict[str, int | float] = {}
+            top: dict[str, float] = {}
             for t, v in sorted(entry.items(), key=lambda kv: kv[1].rank or 0):
                 top.setdefault(self.s.token_str(t, v, self.as_ids), _lp_value(v))
             tops.append(top if self.params.logprobs else None)

@@ -33,14 +33,19 @@ class TemplateError(ValueError):
 def load_chat_template(value: str) -> str:
     """``--chat-template``'s template: the file ``value`` names, or ``value`` itself when it
     holds Jinja (as vLLM's flag). Raises ValueError saying what to change when it is neither,
-    or when the template does not parse. The operator's own template, so it is rendered as the
-    model's is (transformers' sandboxed ``apply_chat_template``), not in the request sandbox."""
+    cannot be read, is empty or does not compile. The operator's own template, so it renders
+    as the model's does (transformers' sandboxed ``apply_chat_template``, in the server
+    process), not in the request sandbox."""
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    if os.path.isdir(value):
+        raise ValueError(f"--chat-template: {value!r} is a folder; give the template's file")
     if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            template = f.read()
+        try:
+            with open(value, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: cannot read {value!r}: {e}") from None
         where = value
     elif any(c in value for c in "{}\n"):
         template, where = value, "the template given"
@@ -49,12 +54,27 @@ def load_chat_template(value: str) -> str:
             f"--chat-template: {value!r} is not a file, nor a template (no Jinja in it); give "
             "the path of a .jinja file or the template itself"
         )
+    if not template.strip():
+        raise ValueError(f"--chat-template: {where} is empty; give a template")
     try:
-        ImmutableSandboxedEnvironment().parse(template)
+        _compile(template)
     except jinja2.TemplateSyntaxError as e:
         msg = f"--chat-template: {where} does not parse: {e} (line {e.lineno})"
         raise ValueError(msg) from None
     return template
+
+
+def _compile(template: str) -> None:
+    """Compiles ``template`` in the environment transformers renders chat templates in (its
+    loop controls and ``{% generation %}`` tag included), so what it renders is accepted."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers without it: a plain sandbox with loop controls
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        return
+    _compile_jinja_template(template)
 
 
 class TemplateSandbox:

@@ -84,12 +84,14 @@ class FakeEngine:
         step_delay: float = 0.0,
         chat_template: str | None = "fake",
         default_sampling: dict[str, Any] | None = None,
+        max_tokens_cap: int | None = None,
     ) -> None:
         self.tokenizer = FakeTokenizer(chat_template)
         self.model_name = "fake-model"
         self.model_path = "/models/fake-model"
         self.max_model_len = max_model_len
         self.default_sampling: dict[str, Any] = dict(default_sampling or {})
+        self.max_tokens_cap = max_tokens_cap
         self.max_num_seqs = max_num_seqs
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -274,7 +274,12 @@ def test_the_servers_max_tokens_limit_bounds_every_request() -> None:
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 4 and _params_of(fake).max_tokens == 4
         r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
-        assert _params_of(fake).max_tokens == 2
+        assert r.status_code == 200 and _params_of(fake).max_tokens == 2
+        # the prompt's room bounds what the request did not send: completions' 16 included
+        r = c.post("/v1/completions", json={"prompt": ["hello", "x" * 62]})
+        assert r.status_code == 200, r.text
+        assert sorted(p.max_tokens for p in fake.given) == [2, 4]
+        fake.given.clear()
         r = c.post("/v1/completions", json={"prompt": "hello", "min_tokens": 5})
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
         msg = r.json()["error"]["message"]
@@ -323,9 +328,16 @@ def test_a_default_max_tokens_past_the_room_is_capped_on_the_real_engine(tmp_pat
             want = 48 - usage["prompt_tokens"] if want_room else 3
             assert usage["completion_tokens"] == want
             r = c.post("/v1/chat/completions", json=chat | {"max_tokens": 1000})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+            if want_room:  # an explicit max_tokens past the room: the engine's 400 (OpenAI's)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+            else:  # the override's max_new_tokens limits it first (vLLM's override_max_tokens)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
             r = c.post("/v1/chat/completions", json=chat | {"min_tokens": 45, "max_tokens": 45})
             assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+            # completions' own 16 is a default too: capped at the room (8), not a 400
+            r = c.post("/v1/completions", json={"prompt": [5] * 40, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == (8 if want_room else 3)
             r = c.post("/v1/completions", json={"prompt": [5] * 40, "min_tokens": 9})
             assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
             # no max_tokens: the default (capped at the room) is less than min_tokens

@@ -92,12 +92,15 @@ class LLMEngine:
         self.max_tokens_cap: int | None = a.max_tokens_cap(self.default_sampling)
         if self.default_sampling:
             logger.warning(
-                "requests that leave them unset get the sampling defaults %s from %s; start "
+                "requests that leave them unset get the sampling defaults %s from %s%s; start "
                 "with generation_config 'vllm' (--generation-config vllm) for the neutral ones",
                 self.default_sampling,
                 "the model's generation_config.json"
                 if a.generation_config == "auto"
                 else f"generation_config {a.generation_config!r}",
+                ""
+                if self.max_tokens_cap is None
+                else f"; the server limits every request's max_tokens to {self.max_tokens_cap}",
             )
         device = resolve_device(a.device)
         cache_config = self._size_kv_pool(a, device.type)
@@ -138,7 +141,7 @@ class LLMEngine:
         torch.manual_seed(a.seed)
         self.healthy = True
         # Offline use caps max_tokens at the room left in the context; the OpenAI server sets
-        # this so an over-long request is a 400, as in OpenAI's and vLLM's servers.
+        # this so an over-long request is a 400, as in OpenAI's server (vLLM 0.32 clamps it).
         self.reject_overlong_max_tokens = False
         self.last_error: str | None = None
         if a.record_steps:

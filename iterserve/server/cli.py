@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         llm_engine = LLMEngine(args)
-        llm_engine.reject_overlong_max_tokens = True  # a 400, as OpenAI and vLLM answer
+        # a 400, as OpenAI answers (vLLM 0.32 clamps max_tokens to the room instead)
+        llm_engine.reject_overlong_max_tokens = True
         if chat_template is not None:  # before AsyncEngine copies the tokenizer
             llm_engine.tokenizer.chat_template = chat_template
         engine = AsyncEngine(

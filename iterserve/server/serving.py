@@ -31,6 +31,7 @@ from iterserve.server.errors import APIError, bad_request, dumps, error_body
 from iterserve.server.limits import ServerLimits
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
+    COMPLETIONS_MAX_TOKENS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -210,13 +211,21 @@ class Serving:
         if req.model_extra:
             logger.debug("ignoring unknown request fields: %s", sorted(req.model_extra))
         params = req.sampling_params(self.sampling_defaults)
-        upper = self._max_tokens_limits(params)
+        if isinstance(req, CompletionRequest) and (
+            req.max_tokens is None or "max_tokens" not in req.model_fields_set
+        ):  # completions' 16 is a default too: capped at the room, never a 400 over it
+            params = dataclasses.replace(params, max_tokens=None)
+        upper = self._max_tokens_limits(params, self.default_max_tokens_of(req))
         if upper and params.min_tokens > min(upper):
             cap = self.max_tokens_cap
             why, fix = (
-                ("the server's limit (its generation config's max_new_tokens)", "lower min_tokens")
+                (
+                    "the server's limit on max_tokens (the max_new_tokens of "
+                    "--generation-config FOLDER or --override-generation-config)",
+                    "lower min_tokens",
+                )
                 if cap is not None and cap == min(upper)
-                else ("the model's default, as the request sends none", "send max_tokens")
+                else ("the default, as the request sends none", "send max_tokens")
             )
             raise bad_request(
                 f"min_tokens ({params.min_tokens}) must be <= max_tokens, here {min(upper)}: "
@@ -267,9 +276,12 @@ class Serving:
         params: SamplingParams,
         priority: int,
         route: Routing | None = None,
+        default_max_tokens: int | None = None,
     ) -> list[RequestStream]:
         """Submits ``prompts``, already cut by ``params.truncate_prompt_tokens`` (where they
-        were tokenized), to the engine, which is told not to cut them again."""
+        were tokenized), to the engine, which is told not to cut them again; each with the
+        max_tokens ``_max_tokens_for`` gives it (``default_max_tokens``: the endpoint's,
+        ``default_max_tokens_of``)."""
         # The queue counts each candidate sequence (prompts x n or best_of) and admits a
         # request's prompts one by one: a request with more than the queue and the running
         # slots hold together fills the queue with its own sequences even on an idle server,
@@ -310,7 +322,7 @@ class Serving:
                     await self.engine.add_request(
                         rid,
                         p,
-                        self._max_tokens_for(params, len(p)),
+                        self._max_tokens_for(params, len(p), default_max_tokens),
                         priority,
                         tenant=route.tenant,
                         slo_ttft_s=route.slo_ttft_s,
@@ -329,22 +341,36 @@ class Serving:
         self.metrics.admitted(params, len(streams))
         return streams
 
-    def _max_tokens_limits(self, params: SamplingParams) -> list[int]:
+    def default_max_tokens_of(self, req: CompletionRequest | ChatCompletionRequest) -> int | None:
+        """The max_tokens of a request that sends none: completions' 16 (OpenAI's; vLLM's for
+        a null too), else the model's default (None: up to the context's end)."""
+        return (
+            COMPLETIONS_MAX_TOKENS
+            if isinstance(req, CompletionRequest)
+            else self.default_max_tokens
+        )
+
+    def _max_tokens_limits(self, params: SamplingParams, default: int | None) -> list[int]:
         """What bounds a request's max_tokens before its prompt's room, as vLLM: its own, else
-        the model's default; and the server's limit (``max_tokens_cap``)."""
-        own = params.max_tokens if params.max_tokens is not None else self.default_max_tokens
+        the endpoint's ``default``; and the server's limit (``max_tokens_cap``)."""
+        own = params.max_tokens if params.max_tokens is not None else default
         return [v for v in (own, self.max_tokens_cap) if v is not None]
 
-    def _max_tokens_for(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+    def _max_tokens_for(
+        self, params: SamplingParams, prompt_len: int, default: int | None
+    ) -> SamplingParams:
         """``params`` with the max_tokens a prompt of ``prompt_len`` tokens runs with: the
-        least of ``_max_tokens_limits`` and the prompt's room in the context (a default the
-        client did not ask for is never a 400 over the room). An explicit max_tokens past the
-        room is left as sent: the engine's 400, as vLLM's."""
+        least of ``_max_tokens_limits`` and the prompt's room in the context, as vLLM 0.32
+        clamps it. Except that a max_tokens the client sent that, after the server's limit,
+        is still past the room goes to the engine as that value, for its 400 (OpenAI's
+        answer; vLLM 0.32 clamps it too)."""
         room = self.engine.max_model_len - prompt_len
-        limits = self._max_tokens_limits(params)
-        if not limits or (params.max_tokens is not None and params.max_tokens > room):
+        limits = self._max_tokens_limits(params, default)
+        if not limits:
             return params
-        value = min(*limits, room)
+        value = min(limits)
+        if params.max_tokens is None or value <= room:
+            value = min(value, room)
         if value < max(1, params.min_tokens):  # no room: the engine's own answer for that
             return params
         return dataclasses.replace(params, max_tokens=value)
@@ -423,7 +449,9 @@ class Serving:
         params = self.sampling_params(req)
         await self.constrain(req, params)
         ids = await self.completion_prompt_ids(prompts, params)
-        streams = await self.add_streams("cmpl", list(ids), params, req.priority, route)
+        streams = await self.add_streams(
+            "cmpl", list(ids), params, req.priority, route, self.default_max_tokens_of(req)
+        )
         fmt = _CompletionFormat(self, req, params, prompts)
         return await self._respond(streams, fmt, bool(req.stream))
 
@@ -453,7 +481,9 @@ class Serving:
         params = self.sampling_params(req)
         await self.constrain(req, params, plan)
         ids = await self.render_chat(req, params=params)
-        streams = await self.add_streams("chatcmpl", [ids], params, req.priority, route)
+        streams = await self.add_streams(
+            "chatcmpl", [ids], params, req.priority, route, self.default_max_tokens_of(req)
+        )
         fmt = (
             make_format(self, req, params)
             if make_format is not None

@@ -59,22 +59,34 @@ def load_chat_template(value: str) -> str:
     try:
         _compile(template)
     except jinja2.TemplateSyntaxError as e:
-        msg = f"--chat-template: {where} does not parse: {e} (line {e.lineno})"
+        msg = f"--chat-template: {where} does not compile: {e} (line {e.lineno})"
         raise ValueError(msg) from None
     return template
 
 
 def _compile(template: str) -> None:
-    """Compiles ``template`` in the environment transformers renders chat templates in (its
-    loop controls and ``{% generation %}`` tag included), so what it renders is accepted."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:  # a transformers without it: a plain sandbox with loop controls
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """Compiles ``template`` in an environment like the one transformers renders chat
+    templates in (sandboxed, its loop controls and ``{% generation %}`` tag), so what it
+    renders is accepted; built here, as transformers' own is private."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
-        return
-    _compile_jinja_template(template)
+    class GenerationTag(Extension):  # renders its body: only the parse matters here
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, "jinja2.ext.loopcontrols"]
+    )
+    env.from_string(template)
 
 
 class TemplateSandbox:

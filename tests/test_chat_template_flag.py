@@ -33,6 +33,8 @@ def test_a_file_or_the_template_itself(tmp_path: Path) -> None:
         load_chat_template(str(f))
     with pytest.raises(ValueError, match="the template given does not compile"):
         load_chat_template("{{ unclosed")
+    with pytest.raises(ValueError, match="No filter named 'nosuch'"):
+        load_chat_template("{% for m in messages %}{{ m | nosuch }}{% endfor %}")
     # what transformers renders is accepted: its loop controls and {% generation %} tag
     for t in (
         "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m }}{% endfor %}",

@@ -280,6 +280,23 @@ def test_the_servers_max_tokens_limit_bounds_every_request() -> None:
         assert r.status_code == 200, r.text
         assert sorted(p.max_tokens for p in fake.given) == [2, 4]
         fake.given.clear()
+        # the metric counts what each sequence runs with (as vLLM), sent or not
+        from server_helpers.servers import metric_values
+
+        before = metric_values(c.get("/metrics").text)
+        r = c.post("/v1/completions", json={"prompt": ["hello", "x" * 62], "n": 2})
+        assert r.status_code == 200 and len(fake.given) == 2
+        fake.given.clear()
+        after = metric_values(c.get("/metrics").text)
+        for name in ("iterserve:request_params_max_tokens", "vllm:request_params_max_tokens"):
+            key = name + ("_count" if name.startswith("iterserve") else '_count{engine="0"}')
+            assert after[key] - before[key] == 4  # 2 prompts x n 2
+            key = key.replace("_count", "_sum")
+            assert after[key] - before[key] == 2 * 4 + 2 * 2
+        # min_tokens no prompt leaves room for: refused before tokenizing
+        r = c.post("/v1/chat/completions", json={"messages": hi, "min_tokens": 64})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+        assert "more than the context (max_model_len 64)" in r.json()["error"]["message"]
         r = c.post("/v1/completions", json={"prompt": "hello", "min_tokens": 5})
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
         msg = r.json()["error"]["message"]
@@ -304,8 +321,9 @@ def test_serve_refuses_a_bad_generation_config_at_start(
 
 def test_a_default_max_tokens_past_the_room_is_capped_on_the_real_engine(tmp_path: Path) -> None:
     """The server's real engine refuses an explicit max_tokens past the context's room (as
-    OpenAI and vLLM do); the model's default one, the file's or an override's, is capped at the
-    room instead; min_tokens past the room is refused rather than quietly not met."""
+    OpenAI does; vLLM 0.32 clamps it); the model's default one, the file's or an override's,
+    is capped at the room instead; min_tokens past the room is refused rather than quietly
+    not met."""
     from iterserve.engine.llm_engine import LLMEngine
 
     folder = _model_with(tmp_path, {"temperature": 0.0, "max_new_tokens": 1000})
@@ -334,10 +352,19 @@ def test_a_default_max_tokens_past_the_room_is_capped_on_the_real_engine(tmp_pat
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
             r = c.post("/v1/chat/completions", json=chat | {"min_tokens": 45, "max_tokens": 45})
             assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
-            # completions' own 16 is a default too: capped at the room (8), not a 400
-            r = c.post("/v1/completions", json={"prompt": [5] * 40, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == (8 if want_room else 3)
+            # completions' own 16 is a default too, left out or null: capped at the room (8)
+            for extra in ({}, {"max_tokens": None}):
+                body = {"prompt": [5] * 40, "ignore_eos": True} | extra
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["completion_tokens"] == (8 if want_room else 3)
+            # sent, 16 is the client's: past the room a 400, unless the limit brings it in
+            r = c.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 16})
+            assert r.status_code == (400 if want_room else 200), r.text
+            if not want_room:  # still past the room after the limit: the 400 quotes what was sent
+                r = c.post("/v1/completions", json={"prompt": [5] * 46, "max_tokens": 10})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+                assert "46 in the prompt, 10 in the completion" in r.json()["error"]["message"]
             r = c.post("/v1/completions", json={"prompt": [5] * 40, "min_tokens": 9})
             assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
             # no max_tokens: the default (capped at the room) is less than min_tokens

@@ -91,16 +91,22 @@ class LLMEngine:
         self.default_sampling: dict[str, int | float] = a.sampling_defaults(self.model_path)
         self.max_tokens_cap: int | None = a.max_tokens_cap(self.default_sampling)
         if self.default_sampling:
-            logger.warning(
-                "requests that leave them unset get the sampling defaults %s from %s%s; start "
-                "with generation_config 'vllm' (--generation-config vllm) for the neutral ones",
-                self.default_sampling,
+            source = (
                 "the model's generation_config.json"
                 if a.generation_config == "auto"
-                else f"generation_config {a.generation_config!r}",
+                else "no file"
+                if a.generation_config == "vllm"
+                else f"generation_config {a.generation_config!r}"
+            )
+            logger.warning(
+                "requests that leave them unset get the sampling defaults %s (from %s%s)%s",
+                self.default_sampling,
+                source,
+                ", override_generation_config" if a.override_generation_config else "",
                 ""
                 if self.max_tokens_cap is None
-                else f"; the server limits every request's max_tokens to {self.max_tokens_cap}",
+                else "; the OpenAI server limits every request's max_tokens to "
+                f"{self.max_tokens_cap}",
             )
         device = resolve_device(a.device)
         cache_config = self._size_kv_pool(a, device.type)

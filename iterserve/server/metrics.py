@@ -307,8 +307,8 @@ class ServerMetrics:
         )
         self._h_max_tokens = hist(
             "request_params_max_tokens",
-            "The max_tokens request parameter, per sequence, when the request set it "
-            "(at admission).",
+            "The max_tokens each sequence runs with: the request's, else the default, at most "
+            "the context's room (at admission).",
             TOKEN_BUCKETS,
             vllm_tokens,
         )
@@ -345,13 +345,13 @@ class ServerMetrics:
     def rejected(self, reason: str) -> None:
         self.requests_rejected.labels(self.model_name, reason).inc()
 
-    def admitted(self, params: SamplingParams, num_prompts: int) -> None:
-        """The request parameters of an accepted request (``num_prompts`` engine requests)."""
-        for _ in range(num_prompts):
+    def admitted(self, params: SamplingParams, max_tokens: Sequence[int]) -> None:
+        """The request parameters of an accepted request: one engine request per prompt,
+        ``max_tokens[i]`` what the i-th runs with (vLLM observes the effective value)."""
+        for value in max_tokens:
             self._h_n.observe(params.n)
-            if params.max_tokens is not None:
-                for _ in range(params.n):
-                    self._h_max_tokens.observe(params.max_tokens)
+            for _ in range(params.n):
+                self._h_max_tokens.observe(value)
 
     def _success_for(self, reason: str) -> _Both:
         s = self._success.get(reason)

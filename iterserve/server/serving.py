@@ -215,6 +215,14 @@ class Serving:
             req.max_tokens is None or "max_tokens" not in req.model_fields_set
         ):  # completions' 16 is a default too: capped at the room, never a 400 over it
             params = dataclasses.replace(params, max_tokens=None)
+        context = self.engine.max_model_len - 1  # the most any prompt leaves room for
+        if params.min_tokens > context:
+            raise bad_request(
+                f"min_tokens ({params.min_tokens}) is more than the context (max_model_len "
+                f"{self.engine.max_model_len}) leaves after any prompt ({context}); lower "
+                "min_tokens",
+                param="min_tokens",
+            )
         upper = self._max_tokens_limits(params, self.default_max_tokens_of(req))
         if upper and params.min_tokens > min(upper):
             cap = self.max_tokens_cap
@@ -276,7 +284,8 @@ class Serving:
         params: SamplingParams,
         priority: int,
         route: Routing | None = None,
-        default_max_tokens: int | None = None,
+        *,
+        default_max_tokens: int | None,
     ) -> list[RequestStream]:
         """Submits ``prompts``, already cut by ``params.truncate_prompt_tokens`` (where they
         were tokenized), to the engine, which is told not to cut them again; each with the
@@ -315,14 +324,18 @@ class Serving:
         route = route or Routing()
         if params.truncate_prompt_tokens is not None:
             params = dataclasses.replace(params, truncate_prompt_tokens=None)
+        runs: list[int] = []  # the max_tokens each engine request runs with
         try:
             for i, p in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
+                run = self._max_tokens_for(params, len(p), default_max_tokens)
+                room = self.engine.max_model_len - len(p)
+                runs.append(room if run.max_tokens is None else min(run.max_tokens, room))
                 streams.append(
                     await self.engine.add_request(
                         rid,
                         p,
-                        self._max_tokens_for(params, len(p), default_max_tokens),
+                        run,
                         priority,
                         tenant=route.tenant,
                         slo_ttft_s=route.slo_ttft_s,
@@ -338,7 +351,7 @@ class Serving:
             for s in streams:
                 await s.aclose()
             raise
-        self.metrics.admitted(params, len(streams))
+        self.metrics.admitted(params, runs)
         return streams
 
     def default_max_tokens_of(self, req: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -366,11 +379,9 @@ class Serving:
         answer; vLLM 0.32 clamps it too)."""
         room = self.engine.max_model_len - prompt_len
         limits = self._max_tokens_limits(params, default)
-        if not limits:
-            return params
-        value = min(limits)
-        if params.max_tokens is None or value <= room:
-            value = min(value, room)
+        if not limits or (params.max_tokens is not None and min(limits) > room):
+            return params  # nothing to bound, or the engine's 400 quoting what was sent
+        value = min(*limits, room)
         if value < max(1, params.min_tokens):  # no room: the engine's own answer for that
             return params
         return dataclasses.replace(params, max_tokens=value)
@@ -450,7 +461,12 @@ class Serving:
         await self.constrain(req, params)
         ids = await self.completion_prompt_ids(prompts, params)
         streams = await self.add_streams(
-            "cmpl", list(ids), params, req.priority, route, self.default_max_tokens_of(req)
+            "cmpl",
+            list(ids),
+            params,
+            req.priority,
+            route,
+            default_max_tokens=self.default_max_tokens_of(req),
         )
         fmt = _CompletionFormat(self, req, params, prompts)
         return await self._respond(streams, fmt, bool(req.stream))
@@ -482,7 +498,12 @@ class Serving:
         await self.constrain(req, params, plan)
         ids = await self.render_chat(req, params=params)
         streams = await self.add_streams(
-            "chatcmpl", [ids], params, req.priority, route, self.default_max_tokens_of(req)
+            "chatcmpl",
+            [ids],
+            params,
+            req.priority,
+            route,
+            default_max_tokens=self.default_max_tokens_of(req),
         )
         fmt = (
             make_format(self, req, params)

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from server_helpers.fake_engine import FakeEngine
-from server_helpers.servers import serve
+from server_helpers.servers import parse_sse, serve
 
 from iterserve.config import EngineArgs
 from iterserve.engine import LLM
@@ -390,3 +390,30 @@ def test_generate_flags_beat_the_models_defaults_which_beat_its_own(
         assert cli.main(argv + extra) == 0
         out = capsys.readouterr().out
         assert f"-> ({tokens} tokens, length)" in out, (extra, out)
+
+
+def test_a_capped_default_holds_for_streams_n_best_of_echo_and_responses() -> None:
+    fake = _Recording(max_model_len=64, default_sampling={"max_tokens": 5}, max_tokens_cap=6)
+    _, server = serve(fake)
+    hi = [{"role": "user", "content": "hi"}]
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        body = {"messages": hi, "stream": True, "stream_options": {"include_usage": True}, "n": 2}
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [e for e in parse_sse(r.read().decode()) if e != "[DONE]"]
+        assert events[-1]["usage"]["completion_tokens"] == 2 * 5
+        assert _params_of(fake).max_tokens == 5
+        # completions: best_of candidates and echo run with completions' 16 at most the limit
+        r = c.post("/v1/completions", json={"prompt": "hi", "n": 1, "best_of": 2, "echo": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6 and _params_of(fake).max_tokens == 6
+        # truncate_prompt_tokens: the room after the cut
+        body = {"prompt": "x" * 80, "truncate_prompt_tokens": 60}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert _params_of(fake).max_tokens == 4  # 64 - 60
+        # /v1/responses: max_output_tokens above the limit runs at the limit
+        r = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 50})
+        assert r.status_code == 200, r.text
+        assert _params_of(fake).max_tokens == 6
+        assert r.json()["usage"]["output_tokens"] == 6

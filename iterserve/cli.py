@@ -38,11 +38,19 @@ def generate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="iterserve generate", description="Generate text offline.")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     # Unset: the model's sampling default (--generation-config), else generate's own.
-    model_default = "default: the model's generation config, else %s"
-    p.add_argument("--max-tokens", type=int, default=None, help=model_default % "32")
-    p.add_argument("--temperature", type=float, default=None, help=model_default % "0 (greedy)")
-    p.add_argument("--top-p", type=float, default=None, help=model_default % "1")
-    p.add_argument("--top-k", type=int, default=None, help=model_default % "0 (off)")
+    own = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    for name, kind in (
+        ("max_tokens", int),
+        ("temperature", float),
+        ("top_p", float),
+        ("top_k", int),
+    ):
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=None,
+            help=f"default: the model's generation config, else {own[name]}",
+        )
     p.add_argument("--sampling-seed", type=int, default=None)
     EngineArgs.add_cli_args(p)
     ns = p.parse_args(argv)
@@ -53,18 +61,10 @@ def generate_main(argv: list[str]) -> int:
         print(f"iterserve generate: error: {e}", file=sys.stderr)
         return 2
     prompts = ns.prompt or ["Hello, my name is", "The capital of France is", "Continuous batching"]
-    given = {
-        "max_tokens": ns.max_tokens,
-        "temperature": ns.temperature,
-        "top_p": ns.top_p,
-        "top_k": ns.top_k,
-    }
-    own = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    given = {k: getattr(ns, k) for k in own if getattr(ns, k) is not None}
     try:
         params = SamplingParams.from_defaults(
-            {**own, **llm.engine.default_sampling},
-            **{k: v for k, v in given.items() if v is not None},
-            seed=ns.sampling_seed,
+            {**own, **llm.engine.default_sampling}, **given, seed=ns.sampling_seed
         )
     except ValueError as e:
         print(f"iterserve generate: error: {e}", file=sys.stderr)

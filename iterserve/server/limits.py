@@ -152,9 +152,9 @@ class ServerLimits:
         max_tokens_cap: int | None = None,
     ) -> None:
         """Raises a 400 naming the bound (and its flag) that ``req`` exceeds;
-        ``default_max_tokens``: what an unset max_tokens becomes (the model's default),
-        ``max_tokens_cap``: the server's limit on every request's."""
-        from iterserve.server.protocol import COMPLETIONS_MAX_TOKENS, CompletionRequest
+        ``default_max_tokens``: what an unset max_tokens becomes (``Serving.
+        default_max_tokens_of``), ``max_tokens_cap``: the server's limit on every request's."""
+        from iterserve.server.protocol import CompletionRequest
 
         if req.n > self.max_n:
             self._refuse("n", f"n is {req.n}", "max-n", self.max_n)
@@ -165,7 +165,7 @@ class ServerLimits:
         self._check_sizes(num_prompts, [req.stop] if isinstance(req.stop, str) else req.stop or [])
         if isinstance(req, CompletionRequest):
             logprobs, lp_param = req.logprobs, "logprobs"
-            max_tokens: int | None = req.max_tokens or COMPLETIONS_MAX_TOKENS
+            max_tokens = req.max_tokens or default_max_tokens
         else:
             logprobs, lp_param = req.top_logprobs, "top_logprobs"
             max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens

@@ -454,7 +454,7 @@ class Serving:
             req,
             len(prompts),
             self.engine.max_model_len,
-            self.default_max_tokens,
+            self.default_max_tokens_of(req),
             self.max_tokens_cap,
         )
         params = self.sampling_params(req)
@@ -492,7 +492,7 @@ class Serving:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.limits.check_request(
-            req, 1, self.engine.max_model_len, self.default_max_tokens, self.max_tokens_cap
+            req, 1, self.engine.max_model_len, self.default_max_tokens_of(req), self.max_tokens_cap
         )
         params = self.sampling_params(req)
         await self.constrain(req, params, plan)

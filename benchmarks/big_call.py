@@ -1,16 +1,19 @@
 """How long one client's small requests wait behind another client's big multi-prompt call
 (docs/RELIABILITY.md, "One client's big call").
 
-    python benchmarks/big_call.py                         # the default policy (FCFS)
+    python benchmarks/big_call.py                         # the default policy (continuous)
+    python benchmarks/big_call.py --anonymous             # the same, no `user` sent
     python benchmarks/big_call.py --policy fair           # fair share by user / x-tenant
 
 Starts ``iterserve serve --model tiny-random --max-num-seqs 64`` (plus the given serve flags)
 on a free port. For each big call (256 prompts x 2,000 tokens; 64 prompts x n = 16 x 300
-tokens; ``ignore_eos``, OpenAI ``user`` "big"), it sends the call, waits a second, then sends
-``--small`` requests one after the other (4 tokens, ``user`` "small") and prints each one's
-latency and the big call's. Under FCFS the small requests queue behind every sequence of the
-big call that arrived first (as in vLLM); under ``--policy fair`` the users are tenants, and
-a small request takes a slot from the big one at the next step.
+tokens; ``ignore_eos``, OpenAI ``user`` "big" unless ``--anonymous``), it sends the call,
+waits a second, then sends ``--small`` requests one after the other (4 tokens, ``user``
+"small") and prints each one's latency and the big call's. Under plain FCFS (vLLM's default)
+the small requests queue behind every sequence of the big call that arrived first; the
+default ``continuous`` policy shares the slots between calls, and ``--policy fair`` between
+the users (tenants): either way a small request takes a slot from the big call at the next
+step.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--small", type=int, default=5, help="small requests sent during each call")
     ap.add_argument("--delay-s", type=float, default=1.0, help="seconds from the big call to them")
+    ap.add_argument("--anonymous", action="store_true", help="send no `user` field")
     args, serve_args = ap.parse_known_args(argv)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -63,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             wait_ready(base, server, 180.0)
             httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
             for name, call in BIG_CALLS.items():
-                body = {**call, "ignore_eos": True, "user": "big"}
+                who = {} if args.anonymous else {"user": "big"}
+                body = {**call, "ignore_eos": True, **who}
                 big: dict[str, Any] = {}
 
                 def send(body: dict[str, Any] = body, big: dict[str, Any] = big) -> None:
@@ -80,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
                         t = time.monotonic()
                         r = c.post(
                             base + "/v1/completions",
-                            json={"prompt": "hello there", "max_tokens": 4, "user": "small"},
+                            json={
+                                "prompt": "hello there",
+                                "max_tokens": 4,
+                                **({} if args.anonymous else {"user": "small"}),
+                            },
                         )
                         r.raise_for_status()
                         waits.append(time.monotonic() - t)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_core import fake_step, make_req
+from test_core import EOS, fake_step, make_req
 
 from iterserve.config import EngineArgs, SchedulerConfig, parse_policies
 from iterserve.core import KVCacheManager, Request, Scheduler, SchedulerOutput
@@ -23,6 +23,7 @@ from iterserve.core.policies import (
     RESERVATIONS,
     VICTIM_SCORES,
     VICTIMS,
+    CallWaitingQueue,
     FairPolicy,
     Policy,
     SloPolicy,
@@ -30,6 +31,7 @@ from iterserve.core.policies import (
     policy_class,
 )
 from iterserve.core.request import FinishReason, RequestStatus
+from iterserve.sampling_params import SamplingParams
 from iterserve.workload.metrics import RequestTiming
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -1393,3 +1395,200 @@ def test_a_policy_list_is_checked_before_any_policy_runs() -> None:
     check_variants(["continuous", "priority"], base)
     with pytest.raises(ValueError, match="fair policy needs preemption_resume_headroom"):
         check_variants(["continuous", "fair"], base)
+
+
+# ---- continuous: API calls share the sequence slots --------------------------------------
+
+
+def call_req(rid: str, call: str, prompt_len: int, max_tokens: int, seed: int) -> Request:
+    req = make_req(rid, prompt_len, max_tokens, seed=seed)
+    req.call = call
+    return req
+
+
+def test_continuous_preempts_the_biggest_call_for_a_slot() -> None:
+    """Every slot is held by one call's long requests when a one-request call arrives: the
+    default policy preempts one of the big call's (the newest) for it at once, and admits
+    it ahead of the big call's own waiting requests; the victim resumes on its cached
+    blocks. With one call (every request outside the server), the request waits (FCFS)."""
+    waits = {}
+    for small_call in ("small", ""):
+        s = sched(num_blocks=400, max_num_seqs=4, max_num_batched_tokens=64)
+        for i in range(12):
+            s.add_request(call_req(f"b{i}", "big" if small_call else "", 16, 30, seed=i))
+        for _ in range(5):
+            step_once(s)
+        s.add_request(call_req("s0", small_call, 8, 4, seed=99))
+        waits[small_call] = 0
+        while s.requests["s0"].status is not RequestStatus.RUNNING:
+            out, _ = step_once(s)
+            waits[small_call] += 1
+        if small_call:
+            assert s.num_preemptions == 1
+            victim = out.preempted[0]
+            assert victim.call == "big" and victim.request_id == "b3"  # the newest
+            ended = drive(s, [])
+            assert "b3" in ended and s.prefix_hit_tokens >= 16  # resumed on its cached blocks
+            assert ended["s0"] < min(ended[f"b{i}"] for i in range(12))
+        else:
+            assert s.num_preemptions == 0
+    assert waits["small"] == 1
+    assert waits[""] > 10
+
+
+def test_continuous_takes_block_victims_from_the_biggest_call() -> None:
+    """A big call's requests fill the KV pool with slots to spare when a one-request call
+    arrives: it is admitted, and the block shortages that follow preempt the big call's
+    requests, not it (the victim rule alone, newest, would take it each time, as it does
+    with one call: it then ends after the big call's first requests)."""
+    ended_at = {}
+    for small_call in ("small", ""):
+        s = sched(num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64)
+        for i in range(6):
+            s.add_request(call_req(f"b{i}", "big" if small_call else "", 16, 60, seed=i))
+        for _ in range(12):
+            step_once(s)
+        assert len(s.running) < 8 and s.num_preemptions > 0  # the pool, not the slots
+        s.add_request(call_req("s0", small_call, 8, 4, seed=99))
+        ended = drive(s, [])
+        ended_at[small_call] = ended["s0"]
+    assert ended_at["small"] <= 6
+    assert ended_at[""] > 40
+
+
+def test_continuous_swaps_only_while_the_waiting_call_holds_fewer_slots() -> None:
+    """Two calls of 6 long requests on 4 slots: the second call takes slots from the first
+    until they hold 2 each (a third swap would leave the first holding fewer), one swap a
+    step, and then neither preempts the other."""
+    s = sched(num_blocks=400, max_num_seqs=4, max_num_batched_tokens=64)
+    for i in range(6):
+        s.add_request(call_req(f"a{i}", "A", 8, 40, seed=i))
+    for _ in range(3):
+        step_once(s)
+    for i in range(6):
+        s.add_request(call_req(f"b{i}", "B", 8, 40, seed=10 + i))
+    swaps = []
+    for _ in range(8):
+        out, _ = step_once(s)
+        swaps.append(len(out.preempted))
+        held = [r.call for r in s.running]
+    assert swaps[:2] == [1, 1] and sum(swaps) == 2
+    assert sorted(held) == ["A", "A", "B", "B"]
+
+
+def test_the_n_sequences_of_a_call_run_side_by_side_under_a_stream_of_single_calls() -> None:
+    """Slots are counted in prompts: a call of one prompt with n = 4, queued behind a backlog
+    of one-request calls that keeps coming, gets its four sequences running together, as
+    under FCFS (counted in sequences, each sibling would rank after every single call and
+    they would run one after another)."""
+    s = sched(num_blocks=400, max_num_seqs=6, max_num_batched_tokens=64)
+    for i in range(12):
+        s.add_request(call_req(f"s{i}", f"s{i}", 8, 6, seed=i))
+    params = SamplingParams(n=4, max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    for k in range(4):
+        s.add_request(Request(f"m#{k}", prompt, params, 6, frozenset({EOS}), call="m"))
+    together = 0
+    for step in range(60):
+        s.add_request(call_req(f"t{step}", f"t{step}", 8, 6, seed=100 + step))
+        step_once(s)
+        running = sum(r.call == "m" for r in s.running)
+        together = max(together, running)
+    assert together == 4
+    assert not any(r.call == "m" for r in s.requests.values())  # all four ended
+
+
+def _schedule_log(s: Scheduler, arrivals: list[tuple[int, Request]]) -> list[object]:
+    log: list[object] = []
+    drive(
+        s,
+        arrivals,
+        check=lambda out: log.append(
+            (
+                [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens)],
+                [r.request_id for r in out.preempted],
+                [r.request_id for r in out.failed],
+            )
+        ),
+    )
+    return log
+
+
+@PROPERTY
+@given(data=st.data(), num_blocks=st.integers(8, 40))
+def test_property_requests_alone_in_their_calls_are_scheduled_as_fcfs(
+    data: st.DataObject, num_blocks: int
+) -> None:
+    """Each request its own call (the OpenAI clients' usual request) decides every step as
+    one shared call does (plain FCFS), preemptions and failures included, on pools small
+    enough to preempt."""
+    knobs = {
+        "max_num_seqs": data.draw(st.integers(1, 6)),
+        "max_num_batched_tokens": data.draw(st.integers(8, 64)),
+        "preemption_victim": data.draw(st.sampled_from(VICTIMS)),
+        "preemption_protect_steps": data.draw(st.sampled_from([0, 2])),
+    }
+    arrivals = workload(data)
+    logs = []
+    for own in (False, True):
+        twin = [
+            (
+                t,
+                Request(
+                    r.request_id,
+                    r.prompt_token_ids,
+                    r.params,
+                    r.max_tokens,
+                    r.eos_token_ids,
+                    priority=r.priority,
+                    call=r.request_id if own else "",
+                ),
+            )
+            for t, r in arrivals
+        ]
+        logs.append(_schedule_log(sched(num_blocks=num_blocks, **knobs), twin))
+    assert logs[0] == logs[1]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), num_blocks=st.integers(8, 40))
+def test_property_calls_sharing_slots_end_every_request_on_tiny_pools(
+    data: st.DataObject, num_blocks: int
+) -> None:
+    """Requests of a few calls on pools too small for some of them, under the preemption
+    knobs and long-prompt mode: every request ends (finished or failed as too big) within
+    drive's step bound, and the books hold after every step."""
+    s = sched(
+        num_blocks=num_blocks,
+        max_num_seqs=data.draw(st.integers(1, 6)),
+        preemption_victim=data.draw(st.sampled_from(VICTIMS)),
+        preemption_protect_steps=data.draw(st.sampled_from([0, 2, 8])),
+        preemption_resume_headroom=data.draw(st.sampled_from([1, 8, 32])),
+        long_prefill_threshold=data.draw(st.sampled_from([0, 8, 16])),
+        max_long_partial_prefills=data.draw(st.integers(1, 2)),
+    )
+    arrivals = workload(data)
+    for _, r in arrivals:
+        r.call = data.draw(st.sampled_from(["", "a", "b", "c"]))
+    ended = drive(s, arrivals)
+    assert set(ended) == {r.request_id for _, r in arrivals}
+
+
+def test_the_call_queue_keeps_its_heap_bounded() -> None:
+    """A call whose slots change every step while it waits (a big call behind others) must
+    not grow the queue's books step by step."""
+    slots = {"a": 0, "b": 0}
+    q = CallWaitingQueue(lambda r: slots[r.call])
+    for i, call in enumerate(["a", "b", "b"]):
+        r = call_req(f"r{i}", call, 4, 4, seed=i)
+        r.arrival_seq = i
+        q.push(r)
+    for k in range(10_000):
+        slots["b"] = k % 7
+        q.rerank("b")
+    assert len(q._heap) <= 2 * 2 + 64 + 1
+    assert q.peek().request_id == "r0" and len(q) == 3
+    slots["a"] = 9
+    q.rerank("a")
+    assert q.peek().call == "b"
+    assert [q.pop().request_id for _ in range(3)] == ["r1", "r2", "r0"]

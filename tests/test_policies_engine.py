@@ -90,3 +90,32 @@ def test_greedy_matches_transformers_under_fair_with_two_tenants(case: dict[str,
             break
     assert [done[f"r{i}"] for i in range(len(prompts))] == case["ref"]
     assert e.stats()["num_preemptions"] > 0
+
+
+def test_greedy_matches_transformers_with_calls_sharing_slots(case: dict[str, Any]) -> None:
+    """The default policy with two API calls on 3 slots: the big call's requests hold every
+    slot when the small call's arrive, so one of them is preempted for each small request
+    (a path one call never takes); the small requests end before the big call does, and
+    every token stays transformers'."""
+    llm = LLM(case["path"], dtype="float32", seed=0, **{**TIGHT, "max_num_seqs": 3})
+    e, prompts = llm.engine, case["prompts"]
+    small = {i for i in range(len(prompts)) if i % 5 == 4}
+    for i in sorted(set(range(len(prompts))) - small):
+        e.add_request(f"r{i}", prompts[i], GREEDY, call="big")
+    done: dict[str, list[int]] = {}
+    ended_at: dict[str, int] = {}
+    for step in range(1000):
+        if step == 2:
+            for i in sorted(small):
+                e.add_request(f"r{i}", prompts[i], GREEDY, call=f"small{i}")
+        for o in e.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+                ended_at[o.request_id] = step
+        if step > 2 and not e.has_unfinished_requests():
+            break
+    assert [done[f"r{i}"] for i in range(len(prompts))] == case["ref"]
+    assert e.stats()["num_preemptions"] > 0
+    last_small = max(ended_at[f"r{i}"] for i in small)
+    big = [ended_at[f"r{i}"] for i in range(len(prompts)) if i not in small]
+    assert sum(t > last_small for t in big) >= len(big) // 2  # not queued behind the call

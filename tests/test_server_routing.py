@@ -133,3 +133,29 @@ def test_tpot_target_comes_from_the_header_over_the_body() -> None:
         assert err["param"] == "x-slo-tpot-ms" and "time-per-output-token" in err["message"]
         r = c.post("/v1/completions", json={**BODY, "slo_tpot_ms": 0})
         assert r.status_code == 400 and r.json()["error"]["param"] == "slo_tpot_ms"
+
+
+def test_the_prompts_of_one_call_share_its_call_and_calls_differ() -> None:
+    """The continuous policy shares slots between API calls (docs/SCHEDULING.md): the server
+    gives every prompt of one HTTP request the same call, and each request its own."""
+    fake = FakeEngine()
+    engine, server = serve(fake)
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        calls = []
+        for body in (
+            {**BODY, "prompt": ["a", "b", "c"]},
+            {**BODY, "prompt": ["a", "b", "c"]},
+            BODY,
+            {**BODY, "user": "alice"},  # the tenant does not name the call
+            {**BODY, "user": "alice"},
+        ):
+            before = set(fake.calls)
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            mine = {fake.calls[rid] for rid in set(fake.calls) - before}
+            assert len(mine) == 1 and "" not in mine, mine
+            calls.append(mine.pop())
+        r = c.post("/v1/chat/completions", json={**CHAT, "n": 2})
+        assert r.status_code == 200, r.text
+        calls.append(list(fake.calls.values())[-1])
+    assert len(set(calls)) == len(calls)  # one call each

@@ -76,6 +76,115 @@ class WaitingQueue:
         """The first ``n`` waiting requests of ``tenant``, in queue order."""
         return list(itertools.islice((r for r in self if r.tenant == tenant), n))
 
+    def first_of_head(self, n: int) -> list[Request]:
+        """The first ``n`` waiting requests of the head's unit (its tenant here, its call in
+        CallWaitingQueue): what a preemption for the head would let in, one by one."""
+        return self.first_of(self.peek().tenant, n)
+
+
+class CallWaitingQueue(WaitingQueue):
+    """FCFS, sharing the slots between API calls (``Request.call``): the waiting request of
+    the call ranked first by ``rank(head)`` (ContinuousPolicy's: the slots its call holds,
+    counted in prompts) first; between calls ranked alike, and within a call, WaitingQueue's
+    order (arrival; a preempted request back to the head). With one call, as for every
+    request from outside the server, or with one request a call, this is WaitingQueue's
+    order.
+
+    Each request keeps its place in WaitingQueue's order as a number (the back counts up,
+    the front down); calls are kept in a heap by (rank, their head's place), superseded
+    entries dropped when they reach the top. The owner calls ``rerank(call)`` whenever a
+    call's rank changes."""
+
+    def __init__(self, rank: Callable[[Request], int]) -> None:
+        self._rank = rank
+        self._by_call: dict[str, deque[Request]] = {}
+        self._place: dict[Request, int] = {}
+        self._back = 0
+        self._front = 0
+        self._keys: dict[str, tuple[int, int]] = {}  # call -> (rank, its head's place)
+        self._heap: list[tuple[tuple[int, int], str]] = []
+
+    def rerank(self, call: str) -> None:
+        """``call``'s rank may have changed."""
+        if call in self._by_call:
+            self._set_key(call)
+
+    def _set_key(self, call: str) -> None:
+        head = self._by_call[call][0]
+        key = (self._rank(head), self._place[head])
+        if self._keys.get(call) == key:
+            return
+        self._keys[call] = key
+        heap = self._heap
+        if len(heap) > 2 * len(self._keys) + 64:  # superseded entries: rebuild, bounded
+            heap[:] = [(k, c) for c, k in self._keys.items()]
+            heapq.heapify(heap)
+        else:
+            heapq.heappush(heap, (key, call))
+
+    def _head_call(self) -> str:
+        heap, keys = self._heap, self._keys
+        while True:
+            key, call = heap[0]
+            if keys.get(call) == key:
+                return call
+            heapq.heappop(heap)
+
+    def push(self, req: Request) -> None:
+        self._back += 1
+        self._place[req] = self._back
+        q = self._by_call.get(req.call)
+        if q is None:
+            self._by_call[req.call] = deque((req,))
+            self._set_key(req.call)
+        else:
+            q.append(req)
+
+    def push_front(self, req: Request) -> None:
+        self._front -= 1
+        self._place[req] = self._front
+        q = self._by_call.get(req.call)
+        if q is None:
+            self._by_call[req.call] = q = deque()
+        q.appendleft(req)
+        self._set_key(req.call)  # a new head
+
+    def peek(self) -> Request:
+        return self._by_call[self._head_call()][0]
+
+    def pop(self) -> Request:
+        call = self._head_call()
+        q = self._by_call[call]
+        req = q.popleft()
+        self._after_removal(req, q, head=True)
+        return req
+
+    def remove(self, req: Request) -> None:
+        q = self._by_call.get(req.call)
+        if q is None or req not in self._place:
+            raise ValueError(f"{req.request_id} not waiting")
+        head = q[0] is req
+        q.remove(req)
+        self._after_removal(req, q, head)
+
+    def _after_removal(self, req: Request, q: deque[Request], head: bool) -> None:
+        del self._place[req]
+        if not q:
+            del self._by_call[req.call]
+            del self._keys[req.call]
+        elif head:
+            self._set_key(req.call)
+
+    def __len__(self) -> int:
+        return len(self._place)
+
+    def __iter__(self) -> Iterator[Request]:
+        """Call by call, each in its order."""
+        return (r for q in self._by_call.values() for r in q)
+
+    def first_of_head(self, n: int) -> list[Request]:
+        return list(itertools.islice(self._by_call[self._head_call()], n))
+
 
 class KeyedWaitingQueue(WaitingQueue):
     """Smallest ``key(request)`` first (the key must not change while the request waits).
@@ -168,7 +277,8 @@ LOSS_AWARE_VICTIMS = frozenset({"least-lost"})
 
 
 class Policy:
-    """Continuous batching, first come first served (the default).
+    """Continuous batching, first come first served: every method's default (the registered
+    ``continuous`` policy, ContinuousPolicy, also shares the slots between API calls).
 
     Subclass and override any method to make a policy; the constructor takes the
     ``SchedulerConfig`` (None in unit tests) so a policy can read the scheduler's knobs.
@@ -274,6 +384,109 @@ class Policy:
 
     def on_step_end(self, out: SchedulerOutput, duration_s: float) -> None:
         """The step that ran ``out`` took ``duration_s`` (measured, or the cost model's)."""
+
+
+class ContinuousPolicy(Policy):
+    """Continuous batching, first come first served, with the sequence slots shared between
+    API calls (the default).
+
+    A call (``Request.call``: the server's HTTP request, whose prompts and n / best_of
+    sequences share it) that holds more running slots than another with a waiting request
+    does not keep them all: waiting requests are admitted from the call holding the fewest
+    slots first (then in arrival order), and when every slot is taken, one running request
+    of the call holding the most is preempted for the first waiting one, if after the swap
+    the waiting call holds no more slots than the victim's (so a swap is never undone); at
+    most one a step, a request not yet preempted if the call has one; its full blocks stay
+    in the prefix cache. A preemption for KV blocks likewise takes its victim (by the victim
+    rule) among the requests of the call holding the most. So one client's big multi-prompt
+    call no longer makes everyone else wait until its sequences end.
+
+    Requests that are alone in their call (every call of one prompt and n = 1, the OpenAI
+    clients' usual request) run exactly as under plain FCFS: each holds at most one slot,
+    and ties go by WaitingQueue's order. Requests from outside the server share the call ""
+    and are scheduled as plain FCFS, at no cost per step."""
+
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        super().__init__(config)
+        self.max_num_seqs = config.max_num_seqs if config is not None else 1 << 30
+        # call -> running requests as this step began, plus those admitted since (kept only
+        # while requests wait, and only once two calls were seen)
+        self.slots: dict[str, int] = {}
+        self.first_call: str | None = None
+        self.calls = False  # two calls were seen: the slots are kept
+        self.queue: CallWaitingQueue | None = None
+
+    def make_waiting_queue(self) -> WaitingQueue:
+        self.queue = CallWaitingQueue(self._rank)
+        return self.queue
+
+    def _rank(self, req: Request) -> int:
+        # Slots counted in prompts: the n / best_of sequences of one prompt (at most --max-n)
+        # rank as one, so they run side by side as under FCFS, not one after another.
+        return self.slots.get(req.call, 0) // req.params.num_candidates
+
+    def on_arrival(self, req: Request) -> None:
+        if self.first_call is None:
+            self.first_call = req.call
+        elif req.call != self.first_call:
+            self.calls = True
+
+    def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
+        if not self.calls or not waiting:
+            return  # no admission order or swap to decide; the next look recounts
+        now: dict[str, int] = {}
+        for r in running:
+            now[r.call] = now.get(r.call, 0) + 1
+        old, self.slots = self.slots, now
+        if self.queue is not None:
+            for call in now.keys() | old.keys():
+                if now.get(call, 0) != old.get(call, 0):
+                    self.queue.rerank(call)
+
+    def preempt_for_waiting(
+        self, running: Sequence[Request], waiting: WaitingQueue
+    ) -> Sequence[list[Request]]:
+        if not self.calls or not waiting or len(running) < self.max_num_seqs:
+            return ()
+        slots = self.slots
+        head = waiting.peek()
+        low, w_low = head.call, head.params.num_candidates
+        weight = {r.call: r.params.num_candidates for r in running}
+        high = max(slots, key=lambda c: slots[c] // weight.get(c, 1))
+        w_high = weight.get(high, 1)
+        # Anti-thrash: the victim's call ranks after the waiting one, and after the swap the
+        # waiting call ranks no later than the victim's, so the swap back is never asked
+        # for; calls of one request never swap.
+        s_low, s_high = slots.get(low, 0), slots[high]
+        if not (
+            s_low // w_low < s_high // w_high
+            and (s_low + 1) // w_low <= (s_high - 1) // w_high
+        ):
+            return ()
+        mine = [r for r in running if r.call == high]
+        slots[high] -= 1
+        if self.queue is not None:
+            self.queue.rerank(high)
+        return ([r for r in mine if not r.num_preemptions] or mine,)
+
+    def pick_victim(self, candidates: Sequence[Request]) -> Request:
+        # A block shortage takes from the call holding the most as well: under the victim
+        # rule alone (newest) a small call's request admitted into a full pool went first.
+        if self.calls:
+            held: dict[str, int] = {}
+            for r in candidates:
+                held[r.call] = held.get(r.call, 0) + 1
+            rank = {r.call: held[r.call] // r.params.num_candidates for r in candidates}
+            most = max(rank.values())
+            if most > 0 and min(rank.values()) < most:
+                candidates = [r for r in candidates if rank[r.call] == most]
+        return super().pick_victim(candidates)
+
+    def on_admit(self, req: Request, num_new: int) -> None:
+        if self.calls:
+            self.slots[req.call] = self.slots.get(req.call, 0) + 1
+            if self.queue is not None:
+                self.queue.rerank(req.call)
 
 
 class StaticPolicy(Policy):
@@ -776,7 +989,7 @@ class SloPolicy(Policy):
 
 # The one registry of policy names: config validation, every CLI and the simulator read it.
 POLICY_CLASSES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Policy, StaticPolicy, PriorityPolicy, FairPolicy, SloPolicy)
+    cls.name: cls for cls in (ContinuousPolicy, StaticPolicy, PriorityPolicy, FairPolicy, SloPolicy)
 }
 
 VICTIMS = tuple(VICTIM_SCORES)

@@ -60,6 +60,7 @@ class Request:
         "max_computed_tokens",
         "resumed_at",
         "tenant",
+        "call",
         "slo_ttft_s",
         "slo_tpot_s",
         "lost_if_preempted",
@@ -78,6 +79,7 @@ class Request:
         tenant: str = "",
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
+        call: str = "",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -102,6 +104,10 @@ class Request:
         self.max_computed_tokens = 0
         self.resumed_at = -1  # the scheduler step that re-admitted it after a preemption
         self.tenant = tenant  # who sent it (OpenAI ``user``): the fair policy's unit
+        # The API call it came with, shared by the call's prompts and n / best_of sequences
+        # (the server's; "" for every request from elsewhere: one caller): the continuous
+        # policy shares the sequence slots between calls.
+        self.call = call
         self.slo_ttft_s = slo_ttft_s  # its time-to-first-token target (the slo policy's)
         self.slo_tpot_s = slo_tpot_s  # its time-per-output-token target (likewise)
         # The scheduler's estimate, set on each candidate before a loss-aware victim rule

@@ -39,7 +39,7 @@ from iterserve.core.reservation import Reservation
 # its prompt and run this many tokens more are what a victim's cached blocks are expected to
 # lose before it resumes (chosen among 0-64 tried on the KV-pressure run of docs/SCHEDULING.md).
 LOSS_HORIZON_TOKENS = 8
-# How many of the waiting head's tenant's requests _swap_futile looks at for a short one.
+# How many of the waiting head's tenant's (call's) requests _swap_futile looks at for a short one.
 SWAP_LOOKAHEAD = 16
 
 
@@ -281,7 +281,7 @@ class Scheduler:
     def _swap_futile(self) -> bool:
         """Whether a preemption for the waiting head (the policy's ``preempt_for_waiting``)
         would only hand the slot back: in long-prompt mode with every place held, when the
-        first ``SWAP_LOOKAHEAD`` waiting requests of the head's tenant are all long prompts
+        first ``SWAP_LOOKAHEAD`` waiting requests of the head's tenant (call) are all long prompts
         (after prefix hits) that admission would pass over. (fair preempted a request every
         step for such a head, and re-admitted it into the slot.)"""
         cfg = self.config
@@ -296,7 +296,7 @@ class Scheduler:
         kv = self.kv
         return all(
             r.num_tokens - kv.get_computed_blocks(r)[1] > thr
-            for r in self.waiting.first_of(self.waiting.peek().tenant, SWAP_LOOKAHEAD)
+            for r in self.waiting.first_of_head(SWAP_LOOKAHEAD)
         )
 
     def _num_long_running(self) -> int:

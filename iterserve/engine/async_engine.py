@@ -170,6 +170,7 @@ class _AddCmd:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     output_kind: OutputKind = "cumulative"
+    call: str = ""
 
 
 @dataclass
@@ -668,6 +669,7 @@ class AsyncEngine:
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
         output_kind: OutputKind = "cumulative",
+        call: str = "",
     ) -> RequestStream:
         """Submits a request and waits until the engine accepted it.
 
@@ -675,7 +677,8 @@ class AsyncEngine:
         EngineShuttingDownError or EngineDeadError. ``num_prompt_tokens`` (if known) feeds
         ``max_queued_tokens``; it defaults to ``len(prompt)`` for token-id prompts and to a
         tokenization of the string otherwise (only when that limit is set). ``tenant``,
-        ``slo_ttft_s`` and ``slo_tpot_s`` go to the engine (``EngineInterface.add_request``).
+        ``slo_ttft_s``, ``slo_tpot_s`` and ``call`` go to the engine
+        (``EngineInterface.add_request``).
         ``output_kind`` (output_processor.OutputKind): how the stream's outputs carry token ids
         and logprobs; the server takes ``finished_lists``.
         """
@@ -715,6 +718,7 @@ class AsyncEngine:
                 slo_ttft_s=slo_ttft_s,
                 slo_tpot_s=slo_tpot_s,
                 output_kind=output_kind,
+                call=call,
             )
         )
         thread = self._thread
@@ -903,6 +907,7 @@ class AsyncEngine:
                         tenant=cmd.tenant,
                         slo_ttft_s=cmd.slo_ttft_s,
                         slo_tpot_s=cmd.slo_tpot_s,
+                        call=cmd.call,
                     )
                 except ValueError as e:
                     self._release(cmd.request_id)

@@ -222,9 +222,12 @@ class LLMEngine:
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
         final_only: bool = False,
+        call: str = "",
     ) -> None:
         """Queues a request. Raises ValueError (changing nothing) for bad input.
 
+        ``call`` names the API call it belongs to, for requests that share one (the
+        ``continuous`` policy shares the sequence slots between calls; "": one caller).
         ``tenant`` is who sent it (the ``fair`` policy's unit); ``slo_ttft_s`` /
         ``slo_tpot_s`` its own TTFT / TPOT targets for the ``slo`` policy (None: the
         scheduler's ``slo_ttft_ms`` / ``slo_tpot_ms``). ``final_only``: ``step()`` returns
@@ -276,6 +279,7 @@ class LLMEngine:
                 tenant=tenant,
                 slo_ttft_s=slo_ttft_s,
                 slo_tpot_s=slo_tpot_s,
+                call=call,
             )
             seq = _Seq(req, parent, i, gen, [] if want_lps else None, bad_words_token_ids=bad_words)
             parent.seqs.append(seq)

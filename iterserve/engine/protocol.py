@@ -107,11 +107,14 @@ class EngineInterface(Protocol):
         tenant: str = "",
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
+        *,
+        call: str = "",
     ) -> None:
         """Queues a request; raises ValueError (changing nothing) when it is invalid.
         ``tenant`` feeds the ``fair`` policy, ``slo_ttft_s`` / ``slo_tpot_s`` (None: the
         engine's defaults) the ``slo`` policy, which may end the request with an error
-        output instead."""
+        output instead; ``call`` (the API call it came with, shared by the call's prompts)
+        the ``continuous`` policy, which shares the sequence slots between calls."""
         ...
 
     def abort_request(self, request_id: str) -> None:

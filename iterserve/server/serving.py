@@ -341,6 +341,7 @@ class Serving:
                         slo_ttft_s=route.slo_ttft_s,
                         slo_tpot_s=route.slo_tpot_s,
                         output_kind="finished_lists",  # no per-step copies of the lists
+                        call=base,  # the call's prompts share its slots (continuous)
                     )
                 )
         except Exception as e:

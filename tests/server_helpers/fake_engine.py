@@ -112,6 +112,7 @@ class FakeEngine:
         self.min_ttft_s: float | None = None
         self.routing: dict[str, tuple[str, float | None]] = {}  # id -> (tenant, slo_ttft_s)
         self.tpot_targets: dict[str, float | None] = {}  # id -> slo_tpot_s
+        self.calls: dict[str, str] = {}  # id -> the API call it came with
         self.num_rejected = 0
         self.recomputed_tokens = 0  # reported by stats() as set (the fake never preempts)
         self.recompute_tax = 0.0
@@ -127,6 +128,7 @@ class FakeEngine:
         tenant: str = "",
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
+        call: str = "",
     ) -> None:
         if request_id in self.reqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -160,6 +162,7 @@ class FakeEngine:
         )
         self.routing[request_id] = (tenant, slo_ttft_s)
         self.tpot_targets[request_id] = slo_tpot_s
+        self.calls[request_id] = call
         r.out = [[] for _ in range(params.num_candidates)]
         r.finish = [None] * params.num_candidates
         r.stop_reason = [None] * params.num_candidates

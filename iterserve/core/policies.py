@@ -362,6 +362,11 @@ class Policy:
         would only go back (``Scheduler._swap_futile``)."""
         return ()
 
+    def may_preempt_for_waiting(self) -> bool:
+        """Whether ``preempt_for_waiting`` may return anything now (else the scheduler skips
+        what it checks before asking)."""
+        return type(self).preempt_for_waiting is not Policy.preempt_for_waiting
+
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
         """A step is being decided (before ``split_budget``): the running requests and the
         waiting queue as they stand."""
@@ -430,6 +435,9 @@ class ContinuousPolicy(Policy):
             self.first_call = req.call
         elif req.call != self.first_call:
             self.calls = True
+
+    def may_preempt_for_waiting(self) -> bool:
+        return self.calls
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
         if not self.calls or not waiting:

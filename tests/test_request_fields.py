@@ -458,6 +458,13 @@ def chat_template_kwargs(c: Ctx, ep: str) -> None:
     c.refused(ep, "chat_template_kwargs", chat_template_kwargs={"chat_template": "x"})
 
 
+def include_reasoning(c: Ctx, ep: str) -> None:
+    # This server has no --reasoning-parser: nothing to leave out (tests/test_reasoning.py
+    # shows what it does with one).
+    assert c.tokens(ep, include_reasoning=True) == c.greedy_tokens(ep)
+    c.refused(ep, "include_reasoning", include_reasoning=False)
+
+
 def echo_chat(c: Ctx, ep: str) -> None:
     kw: dict[str, Any] = dict(
         messages=ASSISTANT_TAIL, add_generation_prompt=False, continue_final_message=True
@@ -542,6 +549,7 @@ CHAT_FIELDS: dict[str, Check] = {
     "continue_final_message": continue_final_message,
     "chat_template": chat_template,
     "chat_template_kwargs": chat_template_kwargs,
+    "include_reasoning": include_reasoning,
     "echo": echo_chat,
 }
 TABLES = {

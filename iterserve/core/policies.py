@@ -467,8 +467,7 @@ class ContinuousPolicy(Policy):
         # for; calls of one request never swap.
         s_low, s_high = slots.get(low, 0), slots[high]
         if not (
-            s_low // w_low < s_high // w_high
-            and (s_low + 1) // w_low <= (s_high - 1) // w_high
+            s_low // w_low < s_high // w_high and (s_low + 1) // w_low <= (s_high - 1) // w_high
         ):
             return ()
         mine = [r for r in running if r.call == high]

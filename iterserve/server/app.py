@@ -487,9 +487,12 @@ def create_app(
     metrics: ServerMetrics | None = None,
     limits: ServerLimits | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """``tool_call_parser``: how ``tool_choice: "auto"`` finds tool calls in the model's text
-    (iterserve/server/tools.py: hermes, llama3_json; None refuses "auto")."""
+    (iterserve/server/tools.py: hermes, llama3_json; None refuses "auto").
+    ``reasoning_parser``: how chat replies' reasoning is told from their content
+    (iterserve/server/reasoning.py: qwen3, deepseek_r1; None: not split)."""
     names = list(served_model_names or [engine.model_name])
     metrics = metrics or ServerMetrics(names[0], max_model_len=engine.max_model_len)
     metrics.bind(engine)
@@ -507,7 +510,13 @@ def create_app(
     app.openapi = functools.partial(_openapi_schema, app)  # type: ignore[method-assign]
     app.state.engine = engine
     app.state.serving = Serving(
-        engine, names, metrics, retry_after_s, limits, tool_call_parser=tool_call_parser
+        engine,
+        names,
+        metrics,
+        retry_after_s,
+        limits,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
     app.state.responses = ResponsesAPI(app.state.serving)
     app.state.metrics = metrics

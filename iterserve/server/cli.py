@@ -22,6 +22,7 @@ from typing import Any
 
 from iterserve.config import EngineArgs
 from iterserve.server.limits import ServerLimits, uvicorn_config
+from iterserve.server.reasoning import REASONING_PARSERS
 from iterserve.server.templates import load_chat_template
 from iterserve.server.tools import TOOL_CALL_PARSERS
 
@@ -96,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
         help='how tool_choice "auto" finds tool calls in the model\'s text: hermes '
         "(Hermes/Qwen <tool_call>{...}</tool_call>) or llama3_json (Llama 3 JSON calls); "
         'without it "auto" is refused (required and named functions need no parser)',
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="tell the reasoning of thinking models from their answer in chat replies "
+        "(message.reasoning, delta.reasoning; vLLM's flag): qwen3 (Qwen3, honours "
+        "chat_template_kwargs.enable_thinking) or deepseek_r1 (DeepSeek-R1); both split at "
+        "</think>",
     )
     g.add_argument(
         "--chat-template",
@@ -210,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_timeout=ns.shutdown_timeout,
         limits=limits,
         tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
     )
     config = uvicorn_config(
         app,

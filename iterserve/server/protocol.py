@@ -197,6 +197,8 @@ class ChatCompletionRequest(SamplingExtras):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: with --reasoning-parser, false leaves the reasoning out of the reply
+    include_reasoning: bool = True
 
     @classmethod
     def sampling_kwargs(

@@ -35,6 +35,7 @@ from iterserve.outputs import CompletionOutput, RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, bad_request, dumps, validation_error
 from iterserve.server.protocol import ChatCompletionRequest, OpenAIModel, SamplingExtras
+from iterserve.server.reasoning import ReasoningStream, split_reasoning
 from iterserve.server.routing import routing
 from iterserve.server.serving import UNHONOURED_VLLM_EXTRAS, Serving, _ChatFormat
 
@@ -311,6 +312,14 @@ class ResponsesAPI:
             [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
         )
         wants_logprobs = LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
+        if wants_logprobs and self.serving.reasoning_parser is not None:
+            raise bad_request(
+                "output_text logprobs are not given by a server started with --reasoning-parser "
+                "(the tokens' logprobs would cover the reasoning item too); drop top_logprobs "
+                f"and {LOGPROBS_INCLUDE!r}",
+                param="top_logprobs" if req.top_logprobs is not None else "include",
+                code="unsupported_parameter",
+            )
         extras = req.model_extra or {}
         # The unhonoured vLLM extras go on too, so the chat path refuses them as it does its own.
         body: dict[str, Any] = {
@@ -384,6 +393,7 @@ class ResponsesFormat(_ChatFormat):
         super().__init__(serving, req, params)
         self.id = f"resp_{uuid.uuid4().hex}"
         self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.rs_id = f"rs_{uuid.uuid4().hex}"  # the reasoning item (--reasoning-parser)
         self.rreq = rreq
         self.store = store
         self.turn = turn
@@ -456,15 +466,32 @@ class ResponsesFormat(_ChatFormat):
     def _part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
+    def _reasoning(self, status: str, text: str | None) -> dict[str, Any]:
+        """The reasoning item (vLLM's shape): the text as one reasoning_text part."""
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"id": self.rs_id, "type": "reasoning", "summary": [], "content": content,
+                "encrypted_content": None, "status": status}  # fmt: skip
+
+    def _split(self, c: CompletionOutput) -> tuple[str | None, str]:
+        """(reasoning to show, answer) of a finished reply."""
+        if self.reasoning_start is None:
+            return None, c.text
+        reasoning, answer = split_reasoning(c.text, self.reasoning_start)
+        return (reasoning if self.show_reasoning else None), answer or ""
+
     def _final(self, c: CompletionOutput) -> dict[str, Any]:
         """The finished response (stored when asked to)."""
         incomplete = c.finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
-        msg = self._message(status, [self._part(c.text, self._logprob_list(c, new=False))])
-        resp = self._response(status, [msg], usage=True, incomplete=incomplete)
+        reasoning, answer = self._split(c)
+        msg = self._message(status, [self._part(answer, self._logprob_list(c, new=False))])
+        items = [msg] if reasoning is None else [self._reasoning("completed", reasoning), msg]
+        resp = self._response(status, items, usage=True, incomplete=incomplete)
         if self.rreq.store:
-            answer = {"role": "assistant", "content": c.text}
-            self.store.put(resp, [*self.turn, answer], self.rreq.previous_response_id)
+            turn = {"role": "assistant", "content": answer}
+            if reasoning is not None:
+                turn["reasoning"] = reasoning
+            self.store.put(resp, [*self.turn, turn], self.rreq.previous_response_id)
         return resp
 
     def full_response(self, finals: list[RequestOutput]) -> dict[str, Any]:
@@ -482,35 +509,87 @@ class ResponsesFormat(_ChatFormat):
             obj = {"type": kind, "sequence_number": next(seq), **fields}
             return f"event: {kind}\ndata: {dumps(obj)}\n\n"
 
+        # With --reasoning-parser the reasoning item comes first (output_index 0) and the
+        # message opens when the answer begins; without, the message opens at once.
+        split = self.reasoning_start is not None
+        rs = ReasoningStream(bool(self.reasoning_start))
         where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+        thought = {"item_id": self.rs_id, "output_index": 0, "content_index": 0}
+        state = {"reasoning": "", "message": False}  # reasoning so far ("" none); opened?
+
+        def open_message() -> list[str]:
+            state["message"] = True
+            events = []
+            if state["reasoning"]:
+                text = str(state["reasoning"])
+                part = {"type": "reasoning_text", "text": text}
+                events += [
+                    event("response.reasoning_text.done", **thought, text=text),
+                    event("response.content_part.done", **thought, part=part),
+                    event("response.output_item.done", output_index=0,
+                          item=self._reasoning("completed", text)),
+                ]  # fmt: skip
+                where["output_index"] = 1
+            item = self._message("in_progress", [])
+            events += [
+                event("response.output_item.added", output_index=where["output_index"], item=item),
+                event("response.content_part.added", **where, part=self._part("", [])),
+            ]
+            return events
+
         try:
             yield event("response.created", response=self._response("in_progress", []))
             yield event("response.in_progress", response=self._response("in_progress", []))
-            item = self._message("in_progress", [])
-            yield event("response.output_item.added", output_index=0, item=item)
-            yield event("response.content_part.added", **where, part=self._part("", []))
+            if not split:
+                for e in open_message():
+                    yield e
             last: CompletionOutput | None = None
             async for out in _chain(first, rest):
                 self._track(0, out)
                 last = out.outputs[0]
                 lps = self._logprob_list(last, new=True)
-                if last.new_text or lps:
-                    yield event(
-                        "response.output_text.delta", **where, delta=last.new_text, logprobs=lps
-                    )
+                text = last.new_text
+                if split:
+                    reasoning, text = rs.feed(text, False)
+                    if reasoning and self.show_reasoning and not state["message"]:
+                        if not state["reasoning"]:
+                            yield event("response.output_item.added", output_index=0,
+                                        item=self._reasoning("in_progress", None))  # fmt: skip
+                            part = {"type": "reasoning_text", "text": ""}
+                            yield event("response.content_part.added", **thought, part=part)
+                        state["reasoning"] = str(state["reasoning"]) + reasoning
+                        yield event("response.reasoning_text.delta", **thought, delta=reasoning)
+                    if text and not state["message"]:
+                        for e in open_message():
+                            yield e
+                if text or lps:
+                    yield event("response.output_text.delta", **where, delta=text, logprobs=lps)
             if last is None or last.finish_reason in (None, "abort"):
                 msg = "the request was aborted before it finished (the server is shutting down)"
                 for e in self._failed("aborted", msg, event):
                     yield e
                 return
             final = self._final(last)
-            msg_item = final["output"][0]
+            if split:
+                # what the stream held back (a marker's start that stayed text) goes out now
+                reasoning, text = rs.feed("", True)
+                if reasoning and self.show_reasoning and not state["message"]:
+                    state["reasoning"] = str(state["reasoning"]) + reasoning
+                    yield event("response.reasoning_text.delta", **thought, delta=reasoning)
+                if not state["message"]:
+                    for e in open_message():
+                        yield e
+                if text:
+                    yield event("response.output_text.delta", **where, delta=text, logprobs=[])
+            msg_item = final["output"][-1]
             part = msg_item["content"][0]
             yield event(
                 "response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]
             )
             yield event("response.content_part.done", **where, part=part)
-            yield event("response.output_item.done", output_index=0, item=msg_item)
+            yield event(
+                "response.output_item.done", output_index=where["output_index"], item=msg_item
+            )
             # response.completed even when cut off by max_output_tokens (status says so), as
             # vLLM sends it: OpenAI's response.incomplete there left aiperf without usage and
             # the openai client's responses.stream() without a final response.

@@ -40,6 +40,7 @@ from iterserve.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from iterserve.server.reasoning import ReasoningStream, split_reasoning, thinking
 from iterserve.server.routing import Routing, slo_rejection
 from iterserve.server.templates import TemplateSandbox
 from iterserve.server.tools import ToolCallStream, ToolPlan, final_message, request_spec, tool_plan
@@ -107,9 +108,11 @@ class Serving:
         retry_after_s: int = 1,
         limits: ServerLimits | None = None,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.limits = limits or ServerLimits()
         self.served_model_names = list(served_model_names)
         self.metrics = metrics
@@ -492,6 +495,22 @@ class Serving:
             )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if not req.include_reasoning and self.reasoning_parser is None:
+            raise bad_request(
+                "include_reasoning false needs a server started with --reasoning-parser; "
+                "without one the reasoning is part of the reply's content",
+                param="include_reasoning",
+                code="unsupported_parameter",
+            )
+        if not req.include_reasoning:
+            for name in ("logprobs", "return_token_ids"):
+                if getattr(req, name):
+                    raise bad_request(
+                        f"include_reasoning false hides the reasoning, which {name} would show "
+                        f"token by token; drop {name} or include the reasoning",
+                        param=name,
+                        code="unsupported_parameter",
+                    )
         self.limits.check_request(
             req, 1, self.engine.max_model_len, self.default_max_tokens_of(req), self.max_tokens_cap
         )
@@ -1123,6 +1142,17 @@ class _ChatFormat(_Format):
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.echo_text = _chat_echo_text(req)
         self.echoed: set[int] = set()
+        # --reasoning-parser: whether each reply starts in reasoning (None: no split). A
+        # grammar (structured outputs, tool_choice required or named) constrains the reply
+        # from its first token, so it has no reasoning to split off.
+        parser = serving.reasoning_parser
+        self.reasoning_start: bool | None = (
+            None
+            if parser is None or params.structured_outputs is not None
+            else thinking(parser, req.chat_template_kwargs)
+        )
+        self.show_reasoning = parser is not None and req.include_reasoning
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def _finish_reason(self, c: CompletionOutput, num_calls: int) -> str | None:
         # OpenAI: "tool_calls" when the model chose to call (auto, required); a forced
@@ -1193,19 +1223,35 @@ class _ChatFormat(_Format):
         self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool
     ) -> dict[str, Any] | None:
         finish = c.finish_reason if finished else None
+        new_text, reasoning = c.new_text, ""
+        if self.reasoning_start is not None:
+            rs = self.reasoning_streams.setdefault(idx, ReasoningStream(self.reasoning_start))
+            reasoning, new_text = rs.feed(new_text, finished)
+            if not self.show_reasoning:
+                reasoning = ""
         if self.plan is not None:
             ts = self.tool_streams.setdefault(idx, ToolCallStream(self.plan))
-            delta = ts.delta(c.new_text, finished)
+            delta = ts.delta(new_text, finished)
+            if reasoning:
+                delta = {"reasoning": reasoning, **delta}
             if not delta and not finished and not c.new_logprobs:
                 return None
             if finished:
                 finish = self._finish_reason(c, ts.num_calls)
         else:
-            text = c.new_text
+            text = new_text
             if self.echo_text and idx not in self.echoed:
                 self.echoed.add(idx)
                 text = self.echo_text + text
-            delta = {"content": text} if (text or not finished) else {}
+            if self.reasoning_start is None:
+                delta = {"content": text} if (text or not finished) else {}
+            else:
+                # a piece of reasoning, of content, or of both where thinking ended
+                delta = {"reasoning": reasoning} if reasoning else {}
+                if text:
+                    delta["content"] = text
+                if not delta and not finished and not c.new_logprobs:
+                    return None
         choice: dict[str, Any] = {
             "index": idx,
             "delta": delta,
@@ -1220,10 +1266,18 @@ class _ChatFormat(_Format):
     def full_choice(
         self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput
     ) -> dict[str, Any]:
-        content, calls = final_message(self.plan, c.text)
+        text, reasoning = c.text, None
+        if self.reasoning_start is not None:
+            reasoning, answer = split_reasoning(text, self.reasoning_start)
+            text = answer or ""
+        content, calls = final_message(self.plan, text)
+        if self.reasoning_start is not None and not content:
+            content = None  # no answer after the reasoning (vLLM's null)
         if self.echo_text and self.plan is None:
             content = self.echo_text + (content or "")
         message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
+        if self.reasoning_start is not None or self.show_reasoning:
+            message["reasoning"] = reasoning if self.show_reasoning else None
         choice: dict[str, Any] = {
             "index": idx,
             "message": message,
@@ -1290,6 +1344,12 @@ def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
         msg["name"] = m.name
     if m.tool_call_id is not None:
         msg["tool_call_id"] = m.tool_call_id
+    # An earlier reply's reasoning (vLLM's ``reasoning``, formerly ``reasoning_content``),
+    # under both names: Qwen3's template reads reasoning_content.
+    extra = m.model_extra or {}
+    thought = extra.get("reasoning", extra.get("reasoning_content"))
+    if isinstance(thought, str):
+        msg["reasoning"] = msg["reasoning_content"] = thought
     if m.tool_calls:
         calls = []
         for tc in m.tool_calls:

@@ -113,6 +113,8 @@ class FakeEngine:
         self.routing: dict[str, tuple[str, float | None]] = {}  # id -> (tenant, slo_ttft_s)
         self.tpot_targets: dict[str, float | None] = {}  # id -> slo_tpot_s
         self.calls: dict[str, str] = {}  # id -> the API call it came with
+        # Every sequence's reply, one token a byte, then EOS (None: the letters)
+        self.reply: str | None = None
         self.num_rejected = 0
         self.recomputed_tokens = 0  # reported by stats() as set (the fake never preempts)
         self.recompute_tax = 0.0
@@ -292,12 +294,18 @@ class FakeEngine:
                     new.append([])
                     continue
                 pos = len(toks)
-                tok = OFFSET + 97 + (sum(r.ids) + 7 * pos + 3 * i) % 26
+                reply = self.reply.encode() if self.reply is not None else None
+                if reply is not None:
+                    tok = OFFSET + reply[pos] if pos < len(reply) else EOS
+                else:
+                    tok = OFFSET + 97 + (sum(r.ids) + 7 * pos + 3 * i) % 26
                 toks.append(tok)
                 ntok += 1
                 new.append([tok])
                 limit = r.params.max_tokens or (self.max_model_len - len(r.ids))
-                if tok in (r.params.stop_token_ids or []):
+                if tok == EOS:
+                    r.finish[i] = "stop"
+                elif tok in (r.params.stop_token_ids or []):
                     r.finish[i], r.stop_reason[i] = "stop", tok
                 elif len(toks) >= limit or len(r.ids) + len(toks) >= self.max_model_len:
                     r.finish[i] = "length"

@@ -1,0 +1,242 @@
+"""--reasoning-parser: the reply's reasoning apart from its content, whole and streamed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from server_helpers.fake_engine import FakeEngine
+from server_helpers.servers import parse_sse, serve
+
+from iterserve.server.cli import build_parser
+from iterserve.server.protocol import ChatMessage
+from iterserve.server.reasoning import ReasoningStream, split_reasoning, thinking
+from iterserve.server.serving import _template_message
+
+
+def test_a_reply_splits_at_the_end_of_thinking() -> None:
+    assert split_reasoning("<think>\nplan</think>\n\nanswer") == ("\nplan", "\n\nanswer")
+    assert split_reasoning("plan</think>answer") == ("plan", "answer")  # <think> in the prompt
+    assert split_reasoning("still thinking") == ("still thinking", None)  # cut by max_tokens
+    assert split_reasoning("<think></think>answer") == (None, "answer")
+    assert split_reasoning("plan</think>") == ("plan", None)
+    assert split_reasoning("a</think>b</think>c") == ("a", "bc")  # a second end is dropped
+    assert split_reasoning("answer", in_reasoning=False) == (None, "answer")
+    assert split_reasoning("", in_reasoning=False) == (None, None)
+
+
+def test_qwen3_honours_enable_thinking() -> None:
+    assert thinking("qwen3", None) and thinking("qwen3", {"enable_thinking": True})
+    assert not thinking("qwen3", {"enable_thinking": False})
+    assert thinking("deepseek_r1", {"enable_thinking": False})  # its template has no switch
+
+
+def test_the_stream_holds_back_only_a_possible_marker() -> None:
+    s = ReasoningStream()
+    assert s.feed("<thi", False) == ("", "")
+    assert s.feed("nk>step one ", False) == ("step one ", "")
+    assert s.feed("done</", False) == ("done", "")
+    assert s.feed("think>\n\nThe", False) == ("", "\n\nThe")
+    assert s.feed(" answer <", False) == ("", " answer ")
+    assert s.feed("b>", True) == ("", "<b>")
+
+
+PIECES = st.lists(
+    st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "<th", "a", "b c", "\n", "é"]),
+    max_size=14,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(pieces=PIECES, cuts=st.lists(st.integers(0, 60), max_size=8), start=st.booleans())
+def test_property_streamed_pieces_add_up_to_the_whole_split(
+    pieces: list[str], cuts: list[int], start: bool
+) -> None:
+    text = "".join(pieces)
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    chunks = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)])]
+    s = ReasoningStream(start)
+    got = [s.feed(c, False) for c in chunks] + [s.feed("", True)]
+    reasoning = "".join(r for r, _ in got) or None
+    content = "".join(c for _, c in got) or None
+    assert (reasoning, content) == split_reasoning(text, start)
+    # nothing is lost but the markers
+    assert (reasoning or "") + (content or "") == _without_markers(text, start)
+
+
+def _without_markers(text: str, start: bool) -> str:
+    if not start:
+        return text.replace("</think>", "")
+    head, end, tail = text.partition("</think>")
+    return head.replace("<think>", "") + tail.replace("</think>", "")
+
+
+# ---- the chat endpoint (fake engine) -------------------------------------------------------
+
+REPLY = "<think>\nFirst, the sum.</think>\n\nIt is 4."
+CHAT = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 200}
+
+
+def _server(reply: str = REPLY, parser: str | None = "qwen3", **kw: Any) -> Any:
+    fake = FakeEngine(max_model_len=256)
+    fake.reply = reply
+    return serve(fake, reasoning_parser=parser, **kw)
+
+
+def _stream(c: httpx.Client, body: dict[str, Any]) -> tuple[str, str, list[dict[str, Any]]]:
+    r = c.post("/v1/chat/completions", json={**body, "stream": True})
+    assert r.status_code == 200, r.text
+    deltas = [e["choices"][0]["delta"] for e in parse_sse(r.text) if e != "[DONE]" and e["choices"]]
+    reasoning = "".join(d.get("reasoning") or "" for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    return reasoning, content, deltas
+
+
+def test_the_reply_comes_as_reasoning_and_content_whole_and_streamed() -> None:
+    _, server = _server()
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        assert msg["reasoning"] == "\nFirst, the sum." and msg["content"] == "\n\nIt is 4."
+        reasoning, content, deltas = _stream(c, CHAT)
+        assert (reasoning, content) == ("\nFirst, the sum.", "\n\nIt is 4.")
+        first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+        assert all(not d.get("reasoning") for d in deltas[first_content + 1 :])
+        assert not any(
+            "think>" in (d.get("reasoning") or "") + (d.get("content") or "") for d in deltas
+        )
+        # the openai client reads the field vLLM's users read
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        out = client.chat.completions.create(model="fake-model", **CHAT)  # type: ignore[call-overload]
+        assert out.choices[0].message.content == "\n\nIt is 4."
+        assert out.choices[0].message.reasoning == "\nFirst, the sum."
+
+
+def test_a_reply_cut_before_the_end_of_thinking_is_all_reasoning() -> None:
+    _, server = _server(reply="<think>still going and going")
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        msg = c.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
+        assert msg["reasoning"] == "still going and going" and msg["content"] is None
+
+
+def test_enable_thinking_false_and_include_reasoning_false() -> None:
+    _, server = _server(reply="It is 4.")
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        body = {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+        msg = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert msg["reasoning"] is None and msg["content"] == "It is 4."
+        assert _stream(c, body)[:2] == ("", "It is 4.")
+    _, server = _server()
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        body = {**CHAT, "include_reasoning": False}
+        msg = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert msg["reasoning"] is None and msg["content"] == "\n\nIt is 4."
+        assert _stream(c, body)[:2] == ("", "\n\nIt is 4.")
+        for name, value in (("logprobs", True), ("return_token_ids", True)):
+            r = c.post("/v1/chat/completions", json={**body, name: value})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == name and "include_reasoning" in err["message"]
+
+
+def test_without_a_parser_the_reply_is_content_as_written() -> None:
+    _, server = _server(parser=None)
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        msg = c.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
+        assert msg["content"] == REPLY and "reasoning" not in msg
+
+
+def test_reasoning_then_a_tool_call_under_auto() -> None:
+    call = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    reply = "<think>I need the time.</think>\n" + call
+    _, server = _server(reply=reply, tool_call_parser="hermes")
+    tools = [
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    ]
+    body = {**CHAT, "tools": tools, "tool_choice": "auto"}
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        choice = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["reasoning"] == "I need the time."
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_time"
+        reasoning, _, deltas = _stream(c, body)
+        assert reasoning == "I need the time."
+        assert any(d.get("tool_calls") for d in deltas)
+
+
+def test_an_earlier_replys_reasoning_reaches_the_template_under_both_names() -> None:
+    for key in ("reasoning", "reasoning_content"):
+        m = ChatMessage.model_validate({"role": "assistant", "content": "4", key: "summed"})
+        msg = _template_message(m, 0)
+        assert msg["reasoning"] == msg["reasoning_content"] == "summed"
+
+
+# ---- /v1/responses -------------------------------------------------------------------------
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    return [e for e in parse_sse(text) if e != "[DONE]"]
+
+
+def test_responses_give_a_reasoning_item_before_the_message_whole_and_streamed() -> None:
+    _, server = _server()
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        body = {"model": "fake-model", "input": "2+2?", "max_output_tokens": 200}
+        resp = c.post("/v1/responses", json=body).json()
+        rs, msg = resp["output"]
+        assert rs["type"] == "reasoning" and rs["content"][0]["text"] == "\nFirst, the sum."
+        assert msg["type"] == "message" and msg["content"][0]["text"] == "\n\nIt is 4."
+        r = c.post("/v1/responses", json={**body, "stream": True})
+        events = _events(r.text)
+        kinds = [e["type"] for e in events]
+        assert kinds[:4] == [
+            "response.created", "response.in_progress",
+            "response.output_item.added", "response.content_part.added",
+        ]  # fmt: skip
+        assert events[2]["item"]["type"] == "reasoning"
+        thought = "".join(
+            e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"
+        )
+        answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert (thought, answer) == ("\nFirst, the sum.", "\n\nIt is 4.")
+        done = [e for e in events if e["type"] == "response.output_item.done"]
+        assert [(e["output_index"], e["item"]["type"]) for e in done] == [
+            (0, "reasoning"), (1, "message"),
+        ]  # fmt: skip
+        assert kinds.index("response.reasoning_text.done") < kinds.index(
+            "response.output_text.delta"
+        )
+        final = events[-1]["response"]
+        assert final["output"][0]["content"][0]["text"] == thought
+        assert final["output"][1]["content"][0]["text"] == answer
+        # the next turn: the stored answer, its reasoning kept apart
+        nxt = c.post("/v1/responses", json={**body, "previous_response_id": resp["id"]})
+        assert nxt.status_code == 200, nxt.text
+        r = c.post("/v1/responses", json={**body, "top_logprobs": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_responses_without_reasoning_keep_their_events() -> None:
+    _, server = _server(parser=None)
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        body = {"model": "fake-model", "input": "2+2?", "max_output_tokens": 200, "stream": True}
+        events = _events(c.post("/v1/responses", json=body).text)
+        assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"] == [
+            "message"
+        ]
+        answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert answer == REPLY
+
+
+def test_the_serve_flag_names_the_parsers() -> None:
+    ns = build_parser().parse_args(["--reasoning-parser", "deepseek_r1"])
+    assert ns.reasoning_parser == "deepseek_r1"
+    assert build_parser().parse_args([]).reasoning_parser is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--reasoning-parser", "granite"])

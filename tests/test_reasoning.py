@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -12,10 +13,13 @@ from hypothesis import strategies as st
 from server_helpers.fake_engine import FakeEngine
 from server_helpers.servers import parse_sse, serve
 
+from iterserve.sampling_params import SamplingParams
 from iterserve.server.cli import build_parser
-from iterserve.server.protocol import ChatMessage
+from iterserve.server.protocol import ChatCompletionRequest, ChatMessage
 from iterserve.server.reasoning import ReasoningStream, split_reasoning, thinking
-from iterserve.server.serving import _template_message
+from iterserve.server.responses import input_messages
+from iterserve.server.serving import Serving, _template_message
+from iterserve.structured import StructuredOutputsParams
 
 
 def test_a_reply_splits_at_the_end_of_thinking() -> None:
@@ -82,7 +86,8 @@ CHAT = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 200}
 
 
 def _server(reply: str = REPLY, parser: str | None = "qwen3", **kw: Any) -> Any:
-    fake = FakeEngine(max_model_len=256)
+    # a step a few ms long, so that a stream gets its tokens in many chunks
+    fake = FakeEngine(max_model_len=256, step_delay=0.002)
     fake.reply = reply
     return serve(fake, reasoning_parser=parser, **kw)
 
@@ -105,6 +110,7 @@ def test_the_reply_comes_as_reasoning_and_content_whole_and_streamed() -> None:
         assert msg["reasoning"] == "\nFirst, the sum." and msg["content"] == "\n\nIt is 4."
         reasoning, content, deltas = _stream(c, CHAT)
         assert (reasoning, content) == ("\nFirst, the sum.", "\n\nIt is 4.")
+        assert len(deltas) > 20  # streamed piece by piece
         first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
         assert all(not d.get("reasoning") for d in deltas[first_content + 1 :])
         assert not any(
@@ -125,12 +131,17 @@ def test_a_reply_cut_before_the_end_of_thinking_is_all_reasoning() -> None:
 
 
 def test_enable_thinking_false_and_include_reasoning_false() -> None:
-    _, server = _server(reply="It is 4.")
+    _, server = _server(reply="It is</think> 4.")
     with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        # not told to think: the reply as written (vLLM's), and nothing hidden to refuse
         body = {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}
         msg = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-        assert msg["reasoning"] is None and msg["content"] == "It is 4."
-        assert _stream(c, body)[:2] == ("", "It is 4.")
+        assert msg["reasoning"] is None and msg["content"] == "It is</think> 4."
+        assert _stream(c, body)[:2] == ("", "It is</think> 4.")
+        r = c.post(
+            "/v1/chat/completions", json={**body, "include_reasoning": False, "logprobs": True}
+        )
+        assert r.status_code == 200, r.text
     _, server = _server()
     with server, httpx.Client(base_url=server.url, timeout=10) as c:
         body = {**CHAT, "include_reasoning": False}
@@ -240,3 +251,110 @@ def test_the_serve_flag_names_the_parsers() -> None:
     assert build_parser().parse_args([]).reasoning_parser is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--reasoning-parser", "granite"])
+
+
+def test_a_stream_with_token_ids_carries_every_token() -> None:
+    """Chunks whose text is held back or is a marker still carry their token ids."""
+    _, server = _server()
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        whole = c.post("/v1/chat/completions", json={**CHAT, "return_token_ids": True}).json()
+        ids = whole["choices"][0]["token_ids"]
+        _, _, deltas = _stream(c, {**CHAT, "return_token_ids": True})
+        r = c.post("/v1/chat/completions", json={**CHAT, "return_token_ids": True, "stream": True})
+        streamed = [
+            t
+            for e in parse_sse(r.text)
+            if e != "[DONE]" and e["choices"]
+            for t in e["choices"][0].get("token_ids") or []
+        ]
+        assert streamed == ids and len(ids) == len(REPLY.encode()) + 1  # + EOS
+
+
+def test_a_grammar_or_no_thinking_leaves_the_reply_unsplit() -> None:
+    """A grammar constrains the reply from its first token: nothing to split off (the fake
+    engine compiles no grammars, so this asks the rule itself)."""
+    req = ChatCompletionRequest.model_validate({**CHAT, "model": "m"})
+    for parser, want in (("qwen3", True), ("deepseek_r1", True), (None, False)):
+        assert (
+            Serving.splits_reasoning(
+                SimpleNamespace(reasoning_parser=parser), req, SamplingParams()
+            )
+            is want
+        )  # type: ignore[arg-type]
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+    assert not Serving.splits_reasoning(SimpleNamespace(reasoning_parser="qwen3"), req, constrained)  # type: ignore[arg-type]
+    off = ChatCompletionRequest.model_validate(
+        {**CHAT, "model": "m", "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert not Serving.splits_reasoning(
+        SimpleNamespace(reasoning_parser="qwen3"), off, SamplingParams()
+    )  # type: ignore[arg-type]
+
+
+def test_responses_send_back_their_output_as_the_next_input() -> None:
+    """The stateless pattern (store false, the output appended to the input): a reasoning
+    item joins the assistant turn that follows it."""
+    _, server = _server()
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        first = [{"role": "user", "content": "2+2?"}]
+        body = {"model": "fake-model", "max_output_tokens": 200, "store": False}
+        out = c.post("/v1/responses", json={**body, "input": first}).json()["output"]
+        assert [i["type"] for i in out] == ["reasoning", "message"]
+        again = [*first, *out, {"role": "user", "content": "and 3+3?"}]
+        r = c.post("/v1/responses", json={**body, "input": again})
+        assert r.status_code == 200, r.text
+        # as the chat path sees it: one assistant turn with its reasoning
+        msgs = input_messages(again)
+        assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+        assert msgs[1]["reasoning"] == "\nFirst, the sum." and msgs[1]["content"] == "\n\nIt is 4."
+        bad = [*first, {"type": "reasoning", "encrypted_content": "xyz", "summary": []}]
+        r = c.post("/v1/responses", json={**body, "input": bad})
+        assert r.status_code == 400 and "encrypted" in r.json()["error"]["param"]
+
+
+def test_responses_cut_in_the_reasoning_have_no_message_item() -> None:
+    for reply in ("<think>still going", "<th"):
+        _, server = _server(reply=reply)
+        with server, httpx.Client(base_url=server.url, timeout=10) as c:
+            body = {"model": "fake-model", "input": "2+2?", "max_output_tokens": 200}
+            (item,) = c.post("/v1/responses", json=body).json()["output"]
+            assert item["type"] == "reasoning"
+            events = _events(c.post("/v1/responses", json={**body, "stream": True}).text)
+            kinds = [e["type"] for e in events]
+            assert "response.output_text.delta" not in kinds
+            added = kinds.index("response.output_item.added")
+            assert added < kinds.index("response.reasoning_text.delta")
+            assert [e["item"]["type"] for e in events if e["type"].endswith("item.done")] == [
+                "reasoning"
+            ]
+            text = "".join(
+                e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"
+            )
+            assert (
+                text
+                == item["content"][0]["text"]
+                == events[-1]["response"]["output"][0]["content"][0]["text"]
+            )
+
+
+def test_responses_honour_include_reasoning_enable_thinking_and_effort() -> None:
+    _, server = _server()
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        body = {"model": "fake-model", "input": "2+2?", "max_output_tokens": 200}
+        out = c.post("/v1/responses", json={**body, "include_reasoning": False}).json()["output"]
+        assert [i["type"] for i in out] == ["message"]
+        assert out[0]["content"][0]["text"] == "\n\nIt is 4."
+        for extra in (
+            {"chat_template_kwargs": {"enable_thinking": False}},
+            {"reasoning": {"effort": "none"}},
+        ):
+            out = c.post("/v1/responses", json={**body, **extra}).json()["output"]
+            assert [i["type"] for i in out] == ["message"] and out[0]["content"][0]["text"] == REPLY
+        out = c.post("/v1/responses", json={**body, "reasoning": {"effort": "low"}}).json()
+        assert [i["type"] for i in out["output"]] == ["reasoning", "message"]
+        r = c.post("/v1/responses", json={**body, "reasoning": {"summary": "auto"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning"
+    _, server = _server(parser=None)
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        r = c.post("/v1/responses", json={**body, "reasoning": {"effort": "low"}})
+        assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]

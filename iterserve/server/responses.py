@@ -9,7 +9,8 @@ a ``response`` object, or, streaming, the Responses event sequence (``event:`` l
 
 ``text.format`` (json_object, json_schema) is the chat path's ``response_format``: the
 output is constrained by the structured-outputs grammar. What this server cannot honour is
-refused with a 400 naming the field (tools, reasoning, background, prompt templates,
+refused with a 400 naming the field (tools, reasoning controls but effort under a
+--reasoning-parser, background, prompt templates,
 conversations, truncation ``auto``, non-text input parts), never ignored. ``store``
 (OpenAI's default: true) keeps the response in a bounded in-memory store
 (``--max-stored-responses``, ``--max-stored-response-bytes``; oldest evicted first), so
@@ -89,6 +90,9 @@ class ResponsesRequest(OpenAIModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     text: dict[str, Any] | None = None
+    # vLLM's: with --reasoning-parser, false leaves the reasoning item out
+    include_reasoning: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     # refused unless unset (or the value that means "nothing")
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -115,8 +119,6 @@ def _check_supported(req: ResponsesRequest) -> None:
         raise _unsupported("tool_choice", "there are no tools; send auto, none or nothing")
     if req.max_tool_calls is not None:
         raise _unsupported("max_tool_calls", "there are no tools")
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise _unsupported("reasoning", "the served models have no reasoning controls")
     if req.background:
         raise _unsupported("background", "responses run in the foreground only")
     if req.truncation not in (None, "disabled"):
@@ -192,12 +194,23 @@ def input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, str]]:
         return [{"role": "user", "content": input}]
     if not input:
         raise bad_request("input must not be empty", param="input")
-    messages = []
+    messages: list[dict[str, str]] = []
     for i, item in enumerate(input):
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            # An earlier response's reasoning item, sent back: the assistant turn's reasoning
+            # (vLLM's: onto the assistant message before it, else one of its own).
+            thought = _reasoning_text(item, i)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "reasoning" not in last:
+                last["reasoning"] = thought
+            else:
+                messages.append({"role": "assistant", "content": "", "reasoning": thought})
+            continue
         if kind != "message":
             raise _unsupported(
-                f"input.{i}.type", f"items of type {kind!r} (only messages: no tool calls)"
+                f"input.{i}.type",
+                f"items of type {kind!r} (only messages and reasoning: no tool calls)",
             )
         role = item.get("role")
         if not isinstance(role, str) or role not in _ROLES:
@@ -205,8 +218,31 @@ def input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, str]]:
                 f"input[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}",
                 param=f"input.{i}.role",
             )
-        messages.append({"role": _ROLES[role], "content": _content_text(item.get("content"), i)})
+        text = _content_text(item.get("content"), i)
+        last = messages[-1] if messages else None
+        if (
+            role == "assistant"
+            and last is not None
+            and last["role"] == "assistant"
+            and not last["content"]
+            and "reasoning" in last
+        ):
+            last["content"] = text  # the answer after its reasoning item
+            continue
+        messages.append({"role": _ROLES[role], "content": text})
     return messages
+
+
+def _reasoning_text(item: dict[str, Any], i: int) -> str:
+    if item.get("encrypted_content"):
+        raise _unsupported(f"input.{i}.encrypted_content", "reasoning is never encrypted here")
+    for key in ("content", "summary"):
+        parts = item.get(key) or []
+        if isinstance(parts, list) and parts and isinstance(parts[0], dict):
+            text = parts[0].get("text")
+            if isinstance(text, str):
+                return text
+    return ""
 
 
 def _renamed(e: APIError) -> APIError:
@@ -312,14 +348,18 @@ class ResponsesAPI:
             [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
         )
         wants_logprobs = LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
-        if wants_logprobs and self.serving.reasoning_parser is not None:
-            raise bad_request(
-                "output_text logprobs are not given by a server started with --reasoning-parser "
-                "(the tokens' logprobs would cover the reasoning item too); drop top_logprobs "
-                f"and {LOGPROBS_INCLUDE!r}",
-                param="top_logprobs" if req.top_logprobs is not None else "include",
-                code="unsupported_parameter",
-            )
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning and any(v is not None for v in req.reasoning.values()):
+            if self.serving.reasoning_parser is None:
+                raise _unsupported(
+                    "reasoning", "this server was started without --reasoning-parser"
+                )
+            if {k for k, v in req.reasoning.items() if v is not None} - {"effort"}:
+                raise _unsupported(
+                    "reasoning", "only effort is read (there are no reasoning summaries)"
+                )
+            # vLLM's: an effort turns thinking on, "none" off, unless the template kwargs say
+            kwargs.setdefault("enable_thinking", req.reasoning.get("effort") != "none")
         extras = req.model_extra or {}
         # The unhonoured vLLM extras go on too, so the chat path refuses them as it does its own.
         body: dict[str, Any] = {
@@ -338,6 +378,8 @@ class ResponsesAPI:
             user=req.user,
             stream=req.stream,
             response_format=_response_format(req.text),
+            include_reasoning=req.include_reasoning,
+            chat_template_kwargs=kwargs or None,
         )
         try:
             chat = ChatCompletionRequest.model_validate(body)
@@ -351,9 +393,12 @@ class ResponsesAPI:
             return ResponsesFormat(serving, creq, params, req, self.store, turn)
 
         try:
-            return await self.serving.chat(chat, route, make_format)
+            return await self.serving.chat(chat, route, make_format, split_logprobs=False)
         except APIError as e:
-            raise _renamed(e) from None
+            e = _renamed(e)
+            if e.param == "include" and LOGPROBS_INCLUDE not in (req.include or []):
+                e.param = "top_logprobs"  # what this request sent to ask for logprobs
+            raise e from None
 
     def retrieve(self, response_id: str, query: Mapping[str, str]) -> dict[str, Any]:
         if query.get("stream", "false").lower() not in ("false", "0"):
@@ -474,9 +519,9 @@ class ResponsesFormat(_ChatFormat):
 
     def _split(self, c: CompletionOutput) -> tuple[str | None, str]:
         """(reasoning to show, answer) of a finished reply."""
-        if self.reasoning_start is None:
+        if not self.split:
             return None, c.text
-        reasoning, answer = split_reasoning(c.text, self.reasoning_start)
+        reasoning, answer = split_reasoning(c.text)
         return (reasoning if self.show_reasoning else None), answer or ""
 
     def _final(self, c: CompletionOutput) -> dict[str, Any]:
@@ -485,7 +530,12 @@ class ResponsesFormat(_ChatFormat):
         status = "incomplete" if incomplete else "completed"
         reasoning, answer = self._split(c)
         msg = self._message(status, [self._part(answer, self._logprob_list(c, new=False))])
-        items = [msg] if reasoning is None else [self._reasoning("completed", reasoning), msg]
+        if reasoning is None:
+            items = [msg]
+        elif answer:
+            items = [self._reasoning("completed", reasoning), msg]
+        else:  # only reasoning (cut by max_output_tokens): no empty message, as vLLM
+            items = [self._reasoning(status, reasoning)]
         resp = self._response(status, items, usage=True, incomplete=incomplete)
         if self.rreq.store:
             turn = {"role": "assistant", "content": answer}
@@ -511,31 +561,49 @@ class ResponsesFormat(_ChatFormat):
 
         # With --reasoning-parser the reasoning item comes first (output_index 0) and the
         # message opens when the answer begins; without, the message opens at once.
-        split = self.reasoning_start is not None
-        rs = ReasoningStream(bool(self.reasoning_start))
+        split = self.split
+        rs = ReasoningStream()
         where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
         thought = {"item_id": self.rs_id, "output_index": 0, "content_index": 0}
-        state = {"reasoning": "", "message": False}  # reasoning so far ("" none); opened?
+        shown: list[str] = []  # the reasoning sent so far
+        opened = {"reasoning": False, "message": False}
+
+        def close_reasoning(status: str) -> list[str]:
+            text = "".join(shown)
+            part = {"type": "reasoning_text", "text": text}
+            return [
+                event("response.reasoning_text.done", **thought, text=text),
+                event("response.content_part.done", **thought, part=part),
+                event("response.output_item.done", output_index=0,
+                      item=self._reasoning(status, text)),
+            ]  # fmt: skip
 
         def open_message() -> list[str]:
-            state["message"] = True
+            opened["message"] = True
             events = []
-            if state["reasoning"]:
-                text = str(state["reasoning"])
-                part = {"type": "reasoning_text", "text": text}
-                events += [
-                    event("response.reasoning_text.done", **thought, text=text),
-                    event("response.content_part.done", **thought, part=part),
-                    event("response.output_item.done", output_index=0,
-                          item=self._reasoning("completed", text)),
-                ]  # fmt: skip
+            if opened["reasoning"]:
+                events = close_reasoning("completed")
                 where["output_index"] = 1
             item = self._message("in_progress", [])
-            events += [
+            return events + [
                 event("response.output_item.added", output_index=where["output_index"], item=item),
                 event("response.content_part.added", **where, part=self._part("", [])),
             ]
-            return events
+
+        def think(piece: str) -> list[str]:
+            if not piece or not self.show_reasoning or opened["message"]:
+                return []
+            events = []
+            if not opened["reasoning"]:
+                opened["reasoning"] = True
+                part = {"type": "reasoning_text", "text": ""}
+                events = [
+                    event("response.output_item.added", output_index=0,
+                          item=self._reasoning("in_progress", None)),
+                    event("response.content_part.added", **thought, part=part),
+                ]  # fmt: skip
+            shown.append(piece)
+            return [*events, event("response.reasoning_text.delta", **thought, delta=piece)]
 
         try:
             yield event("response.created", response=self._response("in_progress", []))
@@ -551,15 +619,9 @@ class ResponsesFormat(_ChatFormat):
                 text = last.new_text
                 if split:
                     reasoning, text = rs.feed(text, False)
-                    if reasoning and self.show_reasoning and not state["message"]:
-                        if not state["reasoning"]:
-                            yield event("response.output_item.added", output_index=0,
-                                        item=self._reasoning("in_progress", None))  # fmt: skip
-                            part = {"type": "reasoning_text", "text": ""}
-                            yield event("response.content_part.added", **thought, part=part)
-                        state["reasoning"] = str(state["reasoning"]) + reasoning
-                        yield event("response.reasoning_text.delta", **thought, delta=reasoning)
-                    if text and not state["message"]:
+                    for e in think(reasoning):
+                        yield e
+                    if text and not opened["message"]:
                         for e in open_message():
                             yield e
                 if text or lps:
@@ -570,26 +632,33 @@ class ResponsesFormat(_ChatFormat):
                     yield e
                 return
             final = self._final(last)
+            done = final["output"][-1]
             if split:
                 # what the stream held back (a marker's start that stayed text) goes out now
                 reasoning, text = rs.feed("", True)
-                if reasoning and self.show_reasoning and not state["message"]:
-                    state["reasoning"] = str(state["reasoning"]) + reasoning
-                    yield event("response.reasoning_text.delta", **thought, delta=reasoning)
-                if not state["message"]:
-                    for e in open_message():
+                for e in think(reasoning):
+                    yield e
+                if done["type"] == "reasoning":  # only reasoning: no message item
+                    for e in close_reasoning(done["status"]):
                         yield e
-                if text:
-                    yield event("response.output_text.delta", **where, delta=text, logprobs=[])
-            msg_item = final["output"][-1]
-            part = msg_item["content"][0]
-            yield event(
-                "response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]
-            )
-            yield event("response.content_part.done", **where, part=part)
-            yield event(
-                "response.output_item.done", output_index=where["output_index"], item=msg_item
-            )
+                else:
+                    if not opened["message"]:
+                        for e in open_message():
+                            yield e
+                    if text:
+                        yield event("response.output_text.delta", **where, delta=text, logprobs=[])
+            if done["type"] == "message":
+                part = done["content"][0]
+                yield event(
+                    "response.output_text.done",
+                    **where,
+                    text=part["text"],
+                    logprobs=part["logprobs"],
+                )
+                yield event("response.content_part.done", **where, part=part)
+                yield event(
+                    "response.output_item.done", output_index=where["output_index"], item=done
+                )
             # response.completed even when cut off by max_output_tokens (status says so), as
             # vLLM sends it: OpenAI's response.incomplete there left aiperf without usage and
             # the openai client's responses.stream() without a final response.

@@ -358,6 +358,16 @@ class Serving:
         self.metrics.admitted(params, runs)
         return streams
 
+    def splits_reasoning(self, req: ChatCompletionRequest, params: SamplingParams) -> bool:
+        """Whether a chat reply's reasoning is split off: not without a --reasoning-parser,
+        not where a grammar constrains the reply from its first token, not where the
+        template is told not to think (qwen3's enable_thinking false: the reply as written,
+        as vLLM returns it)."""
+        parser = self.reasoning_parser
+        if parser is None or params.structured_outputs is not None:
+            return False
+        return thinking(parser, req.chat_template_kwargs)
+
     def default_max_tokens_of(self, req: CompletionRequest | ChatCompletionRequest) -> int | None:
         """The max_tokens of a request that sends none: completions' 16 (OpenAI's; vLLM's for
         a null too), else the model's default (None: up to the context's end)."""
@@ -482,9 +492,11 @@ class Serving:
         route: Routing | None = None,
         make_format: Callable[[Serving, ChatCompletionRequest, SamplingParams], _Format]
         | None = None,
+        split_logprobs: bool = True,
     ) -> Any:
         """``make_format`` lets another API over the chat path (``/v1/responses``) answer in
-        its own wire format."""
+        its own wire format; ``split_logprobs`` False: that format cannot give logprobs where
+        the reasoning is split off (they cover it too), so they are refused there."""
         self.check_model(req.model)
         plan = tool_plan(req.tools, req.tool_choice, self.tool_call_parser, req.parallel_tool_calls)
         if req.echo and plan is not None and plan.mode != "none":
@@ -502,20 +514,30 @@ class Serving:
                 param="include_reasoning",
                 code="unsupported_parameter",
             )
-        if not req.include_reasoning:
-            for name in ("logprobs", "return_token_ids"):
-                if getattr(req, name):
-                    raise bad_request(
-                        f"include_reasoning false hides the reasoning, which {name} would show "
-                        f"token by token; drop {name} or include the reasoning",
-                        param=name,
-                        code="unsupported_parameter",
-                    )
         self.limits.check_request(
             req, 1, self.engine.max_model_len, self.default_max_tokens_of(req), self.max_tokens_cap
         )
         params = self.sampling_params(req)
         await self.constrain(req, params, plan)
+        if self.splits_reasoning(req, params):
+            # what would show the reasoning token by token where it is left out or apart
+            shows = [n for n in ("logprobs", "return_token_ids") if getattr(req, n)]
+            if shows and not req.include_reasoning:
+                raise bad_request(
+                    f"include_reasoning false hides the reasoning, which {shows[0]} would show "
+                    f"token by token; drop {shows[0]} or include the reasoning",
+                    param=shows[0],
+                    code="unsupported_parameter",
+                )
+            if req.logprobs and not split_logprobs:
+                raise bad_request(
+                    "token log probabilities are not given here where the reasoning is split "
+                    "off (they would cover the reasoning too); ask for none, or send "
+                    'chat_template_kwargs {"enable_thinking": false} for a reply without '
+                    "reasoning",
+                    param="logprobs",
+                    code="unsupported_parameter",
+                )
         ids = await self.render_chat(req, params=params)
         streams = await self.add_streams(
             "chatcmpl",
@@ -1142,16 +1164,11 @@ class _ChatFormat(_Format):
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.echo_text = _chat_echo_text(req)
         self.echoed: set[int] = set()
-        # --reasoning-parser: whether each reply starts in reasoning (None: no split). A
-        # grammar (structured outputs, tool_choice required or named) constrains the reply
-        # from its first token, so it has no reasoning to split off.
-        parser = serving.reasoning_parser
-        self.reasoning_start: bool | None = (
-            None
-            if parser is None or params.structured_outputs is not None
-            else thinking(parser, req.chat_template_kwargs)
-        )
-        self.show_reasoning = parser is not None and req.include_reasoning
+        # --reasoning-parser: whether each reply starts in reasoning (None: no split)
+        self.split = serving.splits_reasoning(req, params)
+        self.show_reasoning = self.split and req.include_reasoning
+        # vLLM's message always has the field (null without a parser)
+        self.reasoning_field = serving.reasoning_parser is not None
         self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def _finish_reason(self, c: CompletionOutput, num_calls: int) -> str | None:
@@ -1224,8 +1241,8 @@ class _ChatFormat(_Format):
     ) -> dict[str, Any] | None:
         finish = c.finish_reason if finished else None
         new_text, reasoning = c.new_text, ""
-        if self.reasoning_start is not None:
-            rs = self.reasoning_streams.setdefault(idx, ReasoningStream(self.reasoning_start))
+        if self.split:
+            rs = self.reasoning_streams.setdefault(idx, ReasoningStream())
             reasoning, new_text = rs.feed(new_text, finished)
             if not self.show_reasoning:
                 reasoning = ""
@@ -1234,7 +1251,8 @@ class _ChatFormat(_Format):
             delta = ts.delta(new_text, finished)
             if reasoning:
                 delta = {"reasoning": reasoning, **delta}
-            if not delta and not finished and not c.new_logprobs:
+            # a chunk with token ids (or logprobs) goes out even with nothing to say (vLLM)
+            if not delta and not finished and not c.new_logprobs and not self.req.return_token_ids:
                 return None
             if finished:
                 finish = self._finish_reason(c, ts.num_calls)
@@ -1243,14 +1261,14 @@ class _ChatFormat(_Format):
             if self.echo_text and idx not in self.echoed:
                 self.echoed.add(idx)
                 text = self.echo_text + text
-            if self.reasoning_start is None:
+            if not self.split:
                 delta = {"content": text} if (text or not finished) else {}
             else:
                 # a piece of reasoning, of content, or of both where thinking ended
                 delta = {"reasoning": reasoning} if reasoning else {}
                 if text:
                     delta["content"] = text
-                if not delta and not finished and not c.new_logprobs:
+                if not (delta or finished or c.new_logprobs or self.req.return_token_ids):
                     return None
         choice: dict[str, Any] = {
             "index": idx,
@@ -1267,16 +1285,16 @@ class _ChatFormat(_Format):
         self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput
     ) -> dict[str, Any]:
         text, reasoning = c.text, None
-        if self.reasoning_start is not None:
-            reasoning, answer = split_reasoning(text, self.reasoning_start)
+        if self.split:
+            reasoning, answer = split_reasoning(text)
             text = answer or ""
         content, calls = final_message(self.plan, text)
-        if self.reasoning_start is not None and not content:
+        if self.split and not content:
             content = None  # no answer after the reasoning (vLLM's null)
         if self.echo_text and self.plan is None:
             content = self.echo_text + (content or "")
         message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
-        if self.reasoning_start is not None or self.show_reasoning:
+        if self.reasoning_field:
             message["reasoning"] = reasoning if self.show_reasoning else None
         choice: dict[str, Any] = {
             "index": idx,

@@ -390,5 +390,9 @@ class ToolCallStream:
         start = self._unsent.find(HERMES_START)
         if start >= 0:
             self._in_call = True
-            return start
-        return _hermes_sendable(self._unsent)
+        n = start if start >= 0 else _hermes_sendable(self._unsent)
+        if not self.sent and not self._unsent[:n].strip():
+            # Leading whitespace is content only if text follows: a reply of whitespace and
+            # calls has none (the whole reply's rule; the "\n" after a model's reasoning).
+            return 0
+        return n

@@ -1521,12 +1521,13 @@ def test_property_requests_alone_in_their_calls_are_scheduled_as_fcfs(
 ) -> None:
     """Each request its own call (the OpenAI clients' usual request) decides every step as
     one shared call does (plain FCFS), preemptions and failures included, on pools small
-    enough to preempt."""
+    enough to preempt, long-prompt mode on and off."""
     knobs = {
         "max_num_seqs": data.draw(st.integers(1, 6)),
         "max_num_batched_tokens": data.draw(st.integers(8, 64)),
         "preemption_victim": data.draw(st.sampled_from(VICTIMS)),
         "preemption_protect_steps": data.draw(st.sampled_from([0, 2])),
+        "long_prefill_threshold": data.draw(st.sampled_from([0, 8])),
     }
     arrivals = workload(data)
     logs = []
@@ -1592,3 +1593,101 @@ def test_the_call_queue_keeps_its_heap_bounded() -> None:
     q.rerank("a")
     assert q.peek().call == "b"
     assert [q.pop().request_id for _ in range(3)] == ["r1", "r2", "r0"]
+
+
+def _sibling_calls(data: st.DataObject) -> list[tuple[int, Request]]:
+    """A few calls, each of one or two prompts with n of 1-3 (each sequence a Request of the
+    call, as the engine fans them out)."""
+    out = []
+    for c in range(data.draw(st.integers(1, 5))):
+        n = data.draw(st.integers(1, 3))
+        params = SamplingParams(n=n, max_tokens=24, temperature=0.0, ignore_eos=True)
+        for p in range(data.draw(st.integers(1, 2))):
+            plen = data.draw(st.integers(1, 30))
+            prompt = [random.Random(c * 10 + p).randrange(1, 100) for _ in range(plen)]
+            tokens = data.draw(st.integers(1, 24))
+            at = data.draw(st.integers(0, 15))
+            for k in range(n):
+                req = Request(
+                    f"c{c}p{p}#{k}", prompt, params, tokens, frozenset({EOS}), call=f"c{c}"
+                )
+                out.append((at, req))
+    return out
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), num_blocks=st.integers(12, 60))
+def test_property_a_swap_is_never_taken_straight_back(data: st.DataObject, num_blocks: int) -> None:
+    """Calls of several prompts and n of 1-3 on tiny pools, under the preemption knobs and
+    long-prompt mode: no request preempted for a waiting call is admitted again in the same
+    step (the swap would only cost a recompute), and every request ends."""
+    s = sched(
+        num_blocks=num_blocks,
+        max_num_seqs=data.draw(st.integers(1, 6)),
+        preemption_victim=data.draw(st.sampled_from(VICTIMS)),
+        preemption_protect_steps=data.draw(st.sampled_from([0, 2, 8])),
+        preemption_resume_headroom=data.draw(st.sampled_from([1, 8, 32])),
+        long_prefill_threshold=data.draw(st.sampled_from([0, 8, 16])),
+    )
+    arrivals = _sibling_calls(data)
+
+    def check(out: SchedulerOutput) -> None:
+        again = {r.request_id for r in out.new_requests} & {r.request_id for r in out.preempted}
+        assert not again, f"swapped straight back: {again}"
+
+    ended = drive(s, arrivals, check=check)
+    assert set(ended) == {r.request_id for _, r in arrivals}
+
+
+def test_the_call_that_gives_a_slot_is_the_one_ranked_last_after_giving_it() -> None:
+    """8 slots: 7 held by an n = 4 call (rank 1 in prompts), 1 by a one-request call (rank
+    1): a new one-request call gets a slot from the n = 4 call at once, whichever of the
+    two came first (the tie once fell on the call that could not give)."""
+    for single_first in (True, False):
+        s = sched(num_blocks=600, max_num_seqs=8, max_num_batched_tokens=256)
+        params = SamplingParams(n=4, max_tokens=200, temperature=0.0, ignore_eos=True)
+        big = [
+            Request(f"b{p}#{k}", [5 + p] * 8, params, 200, frozenset({EOS}), call="big")
+            for p in range(2)
+            for k in range(4)
+        ][:7]
+        single = call_req("one", "one", 8, 200, seed=1)
+        for r in [single, *big] if single_first else [*big, single]:
+            s.add_request(r)
+        for _ in range(3):
+            step_once(s)
+        assert len(s.running) == 8
+        s.add_request(call_req("new", "new", 8, 4, seed=2))
+        out, _ = step_once(s)
+        assert [r.call for r in out.preempted] == ["big"]
+        assert s.requests["new"].status is RequestStatus.RUNNING
+
+
+def test_block_victims_come_from_the_call_with_the_most_sequences_whatever_its_n() -> None:
+    """A big call of 2 prompts x n = 4 fills the pool with slots to spare: the block
+    shortages take its sequences, never the small call's request (counted in prompts, a
+    call with n = 4 holding 3 sequences ranked below a call holding 1), which ends within a
+    dozen steps; with one shared call it waits for the big call's sequences to end."""
+    ended_at = {}
+    for small in ("small", ""):
+        s = sched(num_blocks=30, max_num_seqs=12, max_num_batched_tokens=64)
+        params = SamplingParams(n=4, max_tokens=60, temperature=0.0, ignore_eos=True)
+        for p in range(2):
+            for k in range(4):
+                prompt = [5 + p] * 16
+                s.add_request(
+                    Request(f"b{p}#{k}", prompt, params, 60, frozenset({EOS}), call=small and "big")
+                )
+        for _ in range(8):
+            step_once(s)
+        s.add_request(call_req("s0", small, 8, 4, seed=99))
+        preempted: list[str] = []
+
+        def record(out: SchedulerOutput, seen: list[str] = preempted) -> None:
+            seen.extend(r.request_id for r in out.preempted)
+
+        ended = drive(s, [], check=record)
+        ended_at[small] = ended["s0"]
+        if small:
+            assert "s0" not in preempted and preempted  # the pool was short, s0 never went
+    assert ended_at["small"] <= 12 < 40 <= ended_at[""]

@@ -23,6 +23,7 @@ simulator, because both build their ``Scheduler`` from the same ``SchedulerConfi
 from __future__ import annotations
 
 import bisect
+import collections
 import enum
 import heapq
 import importlib
@@ -73,7 +74,7 @@ class WaitingQueue:
         return iter(self._q)
 
     def first_of(self, tenant: str, n: int) -> list[Request]:
-        """The first ``n`` waiting requests of ``tenant``, in queue order."""
+        """The first ``n`` waiting requests of ``tenant``, in iteration order."""
         return list(itertools.islice((r for r in self if r.tenant == tenant), n))
 
     def first_of_head(self, n: int) -> list[Request]:
@@ -362,9 +363,9 @@ class Policy:
         would only go back (``Scheduler._swap_futile``)."""
         return ()
 
-    def may_preempt_for_waiting(self) -> bool:
-        """Whether ``preempt_for_waiting`` may return anything now (else the scheduler skips
-        what it checks before asking)."""
+    def may_preempt_for_waiting(self, num_running: int) -> bool:
+        """Whether ``preempt_for_waiting`` may return anything now, with ``num_running``
+        requests running (else the scheduler skips what it checks before asking)."""
         return type(self).preempt_for_waiting is not Policy.preempt_for_waiting
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
@@ -389,6 +390,10 @@ class Policy:
 
     def on_step_end(self, out: SchedulerOutput, duration_s: float) -> None:
         """The step that ran ``out`` took ``duration_s`` (measured, or the cost model's)."""
+
+
+def _call_of(req: Request) -> str:
+    return req.call
 
 
 class ContinuousPolicy(Policy):
@@ -416,7 +421,7 @@ class ContinuousPolicy(Policy):
         self.max_num_seqs = config.max_num_seqs if config is not None else 1 << 30
         # call -> running requests as this step began, plus those admitted since (kept only
         # while requests wait, and only once two calls were seen)
-        self.slots: dict[str, int] = {}
+        self.slots: collections.Counter[str] = collections.Counter()
         self.first_call: str | None = None
         self.calls = False  # two calls were seen: the slots are kept
         self.queue: CallWaitingQueue | None = None
@@ -436,38 +441,49 @@ class ContinuousPolicy(Policy):
         elif req.call != self.first_call:
             self.calls = True
 
-    def may_preempt_for_waiting(self) -> bool:
-        return self.calls
+    def may_preempt_for_waiting(self, num_running: int) -> bool:
+        return self.calls and num_running >= self.max_num_seqs
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
         if not self.calls or not waiting:
             return  # no admission order or swap to decide; the next look recounts
-        now: dict[str, int] = {}
-        for r in running:
-            now[r.call] = now.get(r.call, 0) + 1
+        now = collections.Counter(map(_call_of, running))
         old, self.slots = self.slots, now
-        if self.queue is not None:
-            for call in now.keys() | old.keys():
-                if now.get(call, 0) != old.get(call, 0):
-                    self.queue.rerank(call)
+        queue = self.queue
+        if queue is not None:
+            for call, n in now.items():
+                if old.get(call, 0) != n:
+                    queue.rerank(call)  # (a no-op for calls with nothing waiting)
+            for call in old.keys() - now.keys():
+                queue.rerank(call)
 
     def preempt_for_waiting(
         self, running: Sequence[Request], waiting: WaitingQueue
     ) -> Sequence[list[Request]]:
-        if not self.calls or not waiting or len(running) < self.max_num_seqs:
-            return ()
         slots = self.slots
+        if (
+            not self.calls
+            or not waiting
+            or len(running) < self.max_num_seqs
+            or len(slots) == len(running)  # one slot a call: no swap can help
+        ):
+            return ()
         head = waiting.peek()
         low, w_low = head.call, head.params.num_candidates
         weight = {r.call: r.params.num_candidates for r in running}
-        high = max(slots, key=lambda c: slots[c] // weight.get(c, 1))
+        # The call ranked last once it gave a slot up (then the one holding more sequences):
+        # by its rank now, an n = 4 call holding 7 tied with a call holding 1, and the
+        # tie could fall on the one that cannot give.
+        high = max(slots, key=lambda c: ((slots[c] - 1) // weight.get(c, 1), slots[c]))
         w_high = weight.get(high, 1)
-        # Anti-thrash: the victim's call ranks after the waiting one, and after the swap the
-        # waiting call ranks no later than the victim's, so the swap back is never asked
-        # for; calls of one request never swap.
+        # The victim goes back to the head of its call's queue and wins ties, so the waiting
+        # call must rank strictly before it after the swap (else it takes its slot straight
+        # back); and after the admission still no later than it, so the swap back is never
+        # asked for. Calls of one request never swap.
         s_low, s_high = slots.get(low, 0), slots[high]
         if not (
-            s_low // w_low < s_high // w_high and (s_low + 1) // w_low <= (s_high - 1) // w_high
+            s_low // w_low < (s_high - 1) // w_high
+            and (s_low + 1) // w_low <= (s_high - 1) // w_high
         ):
             return ()
         mine = [r for r in running if r.call == high]
@@ -477,16 +493,14 @@ class ContinuousPolicy(Policy):
         return ([r for r in mine if not r.num_preemptions] or mine,)
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
-        # A block shortage takes from the call holding the most as well: under the victim
-        # rule alone (newest) a small call's request admitted into a full pool went first.
+        # A block shortage takes from the call holding the most sequences (what fills the
+        # pool, n siblings each counted): under the victim rule alone (newest) a small
+        # call's request admitted into a full pool went first.
         if self.calls:
-            held: dict[str, int] = {}
-            for r in candidates:
-                held[r.call] = held.get(r.call, 0) + 1
-            rank = {r.call: held[r.call] // r.params.num_candidates for r in candidates}
-            most = max(rank.values())
-            if most > 0 and min(rank.values()) < most:
-                candidates = [r for r in candidates if rank[r.call] == most]
+            held = collections.Counter(map(_call_of, candidates))
+            most = max(held.values())
+            if most > 1 and min(held.values()) < most:
+                candidates = [r for r in candidates if held[r.call] == most]
         return super().pick_victim(candidates)
 
     def on_admit(self, req: Request, num_new: int) -> None:

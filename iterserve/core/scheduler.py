@@ -289,7 +289,7 @@ class Scheduler:
         if (
             not thr
             or not self.waiting
-            or not self.policy.may_preempt_for_waiting()
+            or not self.policy.may_preempt_for_waiting(len(self.running))
             or self._num_long_running() < cfg.max_long_partial_prefills
         ):
             return False

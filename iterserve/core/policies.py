@@ -420,11 +420,18 @@ class ContinuousPolicy(Policy):
         super().__init__(config)
         self.max_num_seqs = config.max_num_seqs if config is not None else 1 << 30
         # call -> running requests as this step began, plus those admitted since (kept only
-        # while requests wait, and only once two calls were seen)
+        # while requests wait and ``calls`` holds)
         self.slots: collections.Counter[str] = collections.Counter()
-        self.first_call: str | None = None
-        self.calls = False  # two calls were seen: the slots are kept
+        self.live: dict[str, int] = {}  # call -> its requests waiting or running
+        self.shared = 0  # calls with more than one live request
         self.queue: CallWaitingQueue | None = None
+
+    @property
+    def calls(self) -> bool:
+        """Whether sharing can change anything: two live calls, one of them with several
+        requests. Else (one call, as outside the server, or every call of one request, the
+        usual OpenAI request) this is plain FCFS, and no books are kept."""
+        return self.shared > 0 and len(self.live) > 1
 
     def make_waiting_queue(self) -> WaitingQueue:
         self.queue = CallWaitingQueue(self._rank)
@@ -436,17 +443,33 @@ class ContinuousPolicy(Policy):
         return self.slots.get(req.call, 0) // req.params.num_candidates
 
     def on_arrival(self, req: Request) -> None:
-        if self.first_call is None:
-            self.first_call = req.call
-        elif req.call != self.first_call:
-            self.calls = True
+        n = self.live.get(req.call, 0) + 1
+        self.live[req.call] = n
+        self.shared += n == 2
+
+    def on_finish(self, req: Request) -> None:
+        n = self.live[req.call] - 1
+        self.shared -= n == 1
+        if n:
+            self.live[req.call] = n
+        else:
+            del self.live[req.call]
 
     def may_preempt_for_waiting(self, num_running: int) -> bool:
         return self.calls and num_running >= self.max_num_seqs
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
-        if not self.calls or not waiting:
+        if not waiting:
             return  # no admission order or swap to decide; the next look recounts
+        if not self.calls:
+            # Plain FCFS: each waiting call holds no slot (rank 0). Books from before are
+            # dropped, so that no waiting call keeps a stale rank.
+            if self.slots:
+                old, self.slots = self.slots, collections.Counter()
+                if self.queue is not None:
+                    for call in old:
+                        self.queue.rerank(call)
+            return
         now = collections.Counter(map(_call_of, running))
         old, self.slots = self.slots, now
         queue = self.queue

@@ -1691,3 +1691,23 @@ def test_block_victims_come_from_the_call_with_the_most_sequences_whatever_its_n
         if small:
             assert "s0" not in preempted and preempted  # the pool was short, s0 never went
     assert ended_at["small"] <= 12 < 40 <= ended_at[""]
+
+
+def test_no_swap_while_the_running_work_takes_the_budget() -> None:
+    """Call A's long prompt is prefilling (more than the step's budget left) beside A's
+    decode, every slot held, when call B's request arrives: a swap would free a slot that
+    gets no token this step, so none is made until the prompt's remainder fits."""
+    s = sched(num_blocks=400, max_num_seqs=2, max_num_batched_tokens=16)
+    s.add_request(call_req("a0", "A", 4, 60, seed=1))
+    step_once(s)
+    s.add_request(call_req("a2", "A", 100, 5, seed=3))
+    step_once(s)
+    s.add_request(call_req("b0", "B", 4, 4, seed=4))
+    swaps = []
+    while s.requests["a2"].num_computed_tokens < 100:
+        left = 100 - s.requests["a2"].num_computed_tokens
+        out, _ = step_once(s)
+        swaps.append((left, [r.request_id for r in out.preempted]))
+    assert all(not pre for left, pre in swaps if left + 1 > 16), swaps
+    drive(s, [])
+    assert s.requests.get("b0") is None and s.kv.num_used_blocks == 0  # it ran and ended

@@ -419,6 +419,7 @@ class ContinuousPolicy(Policy):
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         super().__init__(config)
         self.max_num_seqs = config.max_num_seqs if config is not None else 1 << 30
+        self.budget = config.max_num_batched_tokens if config is not None else 1 << 30
         # call -> running requests as this step began, plus those admitted since (kept only
         # while requests wait and ``calls`` holds)
         self.slots: collections.Counter[str] = collections.Counter()
@@ -500,14 +501,17 @@ class ContinuousPolicy(Policy):
         high = max(slots, key=lambda c: ((slots[c] - 1) // weight.get(c, 1), slots[c]))
         w_high = weight.get(high, 1)
         # The victim goes back to the head of its call's queue and wins ties, so the waiting
-        # call must rank strictly before it after the swap (else it takes its slot straight
-        # back); and after the admission still no later than it, so the swap back is never
-        # asked for. Calls of one request never swap.
+        # call must rank strictly before it after the swap, else it takes its slot straight
+        # back. After the admission the waiting call then ranks no later than the victim's
+        # ((s + 1) // w <= s // w + 1), so the swap back is never asked for. Calls of one
+        # request never swap.
         s_low, s_high = slots.get(low, 0), slots[high]
-        if not (
-            s_low // w_low < (s_high - 1) // w_high
-            and (s_low + 1) // w_low <= (s_high - 1) // w_high
-        ):
+        if not s_low // w_low < (s_high - 1) // w_high:
+            return ()
+        # Nor when the running work, less a token of the victim's, still takes this step's
+        # budget (running work goes first): the freed slot would stand idle, its victim's
+        # work thrown away for nothing.
+        if sum(len(r.all_token_ids) - r.num_computed_tokens for r in running) > self.budget:
             return ()
         mine = [r for r in running if r.call == high]
         slots[high] -= 1

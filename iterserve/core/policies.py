@@ -402,19 +402,20 @@ class ContinuousPolicy(Policy):
 
     A call (``Request.call``: the server's HTTP request, whose prompts and n / best_of
     sequences share it) that holds more running slots than another with a waiting request
-    does not keep them all: waiting requests are admitted from the call holding the fewest
-    slots first (then in arrival order), and when every slot is taken, one running request
-    of the call holding the most is preempted for the first waiting one, if after the swap
-    the waiting call holds no more slots than the victim's (so a swap is never undone); at
-    most one a step, a request not yet preempted if the call has one; its full blocks stay
-    in the prefix cache. A preemption for KV blocks likewise takes its victim (by the victim
-    rule) among the requests of the call holding the most. So one client's big multi-prompt
-    call no longer makes everyone else wait until its sequences end.
+    does not keep them all. A call's slots are counted in prompts (its running sequences
+    over its n / best_of), so the sequences of one prompt rank as one. Waiting requests are
+    admitted from the call holding the fewest first (then in WaitingQueue's order); when
+    every slot is taken, one running request of the call ranked last once it gave a slot up
+    is preempted (at most one a step, one not yet preempted if the call has one; its full
+    blocks stay in the prefix cache) for the first waiting one, if the waiting call then
+    ranks strictly before the victim, and not while the running work takes the step's
+    budget. A preemption for KV blocks takes its victim (by the victim rule) among the
+    requests of the call holding the most sequences. So one client's big multi-prompt call
+    no longer makes everyone else wait until its sequences end.
 
-    Requests that are alone in their call (every call of one prompt and n = 1, the OpenAI
-    clients' usual request) run exactly as under plain FCFS: each holds at most one slot,
-    and ties go by WaitingQueue's order. Requests from outside the server share the call ""
-    and are scheduled as plain FCFS, at no cost per step."""
+    With one live call (every request from outside the server shares the call "") or every
+    live call of one request (the OpenAI clients' usual request) this is plain FCFS, step
+    by step, and no per-call books are kept (``calls``)."""
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         super().__init__(config)

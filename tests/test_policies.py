@@ -101,6 +101,18 @@ def workload(data: st.DataObject, n_max: int = 14) -> list[tuple[int, Request]]:
     return out
 
 
+def tiny_pool_knobs(data: st.DataObject) -> dict[str, Any]:
+    """The preemption knobs and long-prompt mode the tiny-pool property tests draw."""
+    return {
+        "max_num_seqs": data.draw(st.integers(1, 6)),
+        "preemption_victim": data.draw(st.sampled_from(VICTIMS)),
+        "preemption_protect_steps": data.draw(st.sampled_from([0, 2, 8])),
+        "preemption_resume_headroom": data.draw(st.sampled_from([1, 8, 32])),
+        "long_prefill_threshold": data.draw(st.sampled_from([0, 8, 16])),
+        "max_long_partial_prefills": data.draw(st.integers(1, 2)),
+    }
+
+
 def assert_all_ended(arrivals: list[tuple[int, Request]], ended: dict[str, int]) -> None:
     assert set(ended) == {r.request_id for _, r in arrivals}
     for _, r in arrivals:
@@ -602,16 +614,7 @@ def test_property_fair_ends_every_request_on_tiny_pools(
     long-prompt mode: every request ends (finished or failed as too big) within drive's step
     bound, and the books hold after every step. (300 examples, ~4 s: at the usual 40 the
     deferred-request deadlock above was not found.)"""
-    s = sched(
-        num_blocks=num_blocks,
-        policy="fair",
-        max_num_seqs=data.draw(st.integers(1, 6)),
-        preemption_victim=data.draw(st.sampled_from(VICTIMS)),
-        preemption_protect_steps=data.draw(st.sampled_from([0, 2, 8])),
-        preemption_resume_headroom=data.draw(st.sampled_from([1, 8, 32])),
-        long_prefill_threshold=data.draw(st.sampled_from([0, 8, 16])),
-        max_long_partial_prefills=data.draw(st.integers(1, 2)),
-    )
+    s = sched(num_blocks=num_blocks, policy="fair", **tiny_pool_knobs(data))
     arrivals = workload(data)
     for _, r in arrivals:
         r.tenant = data.draw(st.sampled_from(["", "a", "b"]))
@@ -1406,6 +1409,19 @@ def call_req(rid: str, call: str, prompt_len: int, max_tokens: int, seed: int) -
     return req
 
 
+def _big_call_running(
+    small_call: str, num_blocks: int, slots: int, n: int, tokens: int, steps: int
+) -> Scheduler:
+    """``n`` requests of call "big" (of the call "" where ``small_call`` is "": one call for
+    all, plain FCFS), 16-token prompts wanting ``tokens`` tokens, run ``steps`` steps."""
+    s = sched(num_blocks=num_blocks, max_num_seqs=slots, max_num_batched_tokens=64)
+    for i in range(n):
+        s.add_request(call_req(f"b{i}", "big" if small_call else "", 16, tokens, seed=i))
+    for _ in range(steps):
+        step_once(s)
+    return s
+
+
 def test_continuous_preempts_the_biggest_call_for_a_slot() -> None:
     """Every slot is held by one call's long requests when a one-request call arrives: the
     default policy preempts one of the big call's (the newest) for it at once, and admits
@@ -1413,11 +1429,7 @@ def test_continuous_preempts_the_biggest_call_for_a_slot() -> None:
     blocks. With one call (every request outside the server), the request waits (FCFS)."""
     waits = {}
     for small_call in ("small", ""):
-        s = sched(num_blocks=400, max_num_seqs=4, max_num_batched_tokens=64)
-        for i in range(12):
-            s.add_request(call_req(f"b{i}", "big" if small_call else "", 16, 30, seed=i))
-        for _ in range(5):
-            step_once(s)
+        s = _big_call_running(small_call, num_blocks=400, slots=4, n=12, tokens=30, steps=5)
         s.add_request(call_req("s0", small_call, 8, 4, seed=99))
         waits[small_call] = 0
         while s.requests["s0"].status is not RequestStatus.RUNNING:
@@ -1443,11 +1455,7 @@ def test_continuous_takes_block_victims_from_the_biggest_call() -> None:
     with one call: it then ends after the big call's first requests)."""
     ended_at = {}
     for small_call in ("small", ""):
-        s = sched(num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64)
-        for i in range(6):
-            s.add_request(call_req(f"b{i}", "big" if small_call else "", 16, 60, seed=i))
-        for _ in range(12):
-            step_once(s)
+        s = _big_call_running(small_call, num_blocks=40, slots=8, n=6, tokens=60, steps=12)
         assert len(s.running) < 8 and s.num_preemptions > 0  # the pool, not the slots
         s.add_request(call_req("s0", small_call, 8, 4, seed=99))
         ended = drive(s, [])
@@ -1559,15 +1567,7 @@ def test_property_calls_sharing_slots_end_every_request_on_tiny_pools(
     """Requests of a few calls on pools too small for some of them, under the preemption
     knobs and long-prompt mode: every request ends (finished or failed as too big) within
     drive's step bound, and the books hold after every step."""
-    s = sched(
-        num_blocks=num_blocks,
-        max_num_seqs=data.draw(st.integers(1, 6)),
-        preemption_victim=data.draw(st.sampled_from(VICTIMS)),
-        preemption_protect_steps=data.draw(st.sampled_from([0, 2, 8])),
-        preemption_resume_headroom=data.draw(st.sampled_from([1, 8, 32])),
-        long_prefill_threshold=data.draw(st.sampled_from([0, 8, 16])),
-        max_long_partial_prefills=data.draw(st.integers(1, 2)),
-    )
+    s = sched(num_blocks=num_blocks, **tiny_pool_knobs(data))
     arrivals = workload(data)
     for _, r in arrivals:
         r.call = data.draw(st.sampled_from(["", "a", "b", "c"]))

@@ -32,7 +32,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from iterserve.core.request import Request
 
@@ -83,6 +83,19 @@ class WaitingQueue:
         return self.first_of(self.peek().tenant, n)
 
 
+_K = TypeVar("_K")
+
+
+def _heap_top(heap: list[tuple[_K, str]], keys: dict[str, _K]) -> str:
+    """The name at the top of a heap of (key, name) whose current key is ``keys[name]``;
+    superseded entries above it are dropped."""
+    while True:
+        key, name = heap[0]
+        if keys.get(name) == key:
+            return name
+        heapq.heappop(heap)
+
+
 class CallWaitingQueue(WaitingQueue):
     """FCFS, sharing the slots between API calls (``Request.call``): the waiting request of
     the call ranked first by ``rank(head)`` (ContinuousPolicy's: the slots its call holds,
@@ -124,12 +137,7 @@ class CallWaitingQueue(WaitingQueue):
             heapq.heappush(heap, (key, call))
 
     def _head_call(self) -> str:
-        heap, keys = self._heap, self._keys
-        while True:
-            key, call = heap[0]
-            if keys.get(call) == key:
-                return call
-            heapq.heappop(heap)
+        return _heap_top(self._heap, self._keys)
 
     def push(self, req: Request) -> None:
         self._back += 1
@@ -607,12 +615,7 @@ class FairWaitingQueue(WaitingQueue):
             for t in self._stale:
                 self._set_key(t, self._rank(t))
             self._stale.clear()
-        heap, keys = self._heap, self._keys
-        while True:
-            key, t = heap[0]
-            if keys.get(t) == key:
-                return t
-            heapq.heappop(heap)
+        return _heap_top(self._heap, self._keys)
 
     def push(self, req: Request) -> None:
         t = req.tenant

@@ -57,6 +57,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # guided decoding: the output follows this JSON schema / regex / choice / grammar
     structured_outputs: StructuredOutputsParams | None = None
+    # the grammar applies only after this token is sampled (a thinking model's end of
+    # reasoning, "</think>": the server sets it under --reasoning-parser, as vLLM lets the
+    # model think before the grammar); None: from the first token
+    structured_outputs_after: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # sample only among these
     # words never generated (vLLM semantics: each word's token sequence, with and without a
@@ -119,6 +123,12 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise bad("structured_outputs", "a StructuredOutputsParams (or None)")
+        if self.structured_outputs_after is not None:
+            t = self.structured_outputs_after
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise bad("structured_outputs_after", "a token id (a non-negative integer)")
+            if self.structured_outputs is None:
+                raise bad("structured_outputs_after", "None without structured_outputs")
         if self.prompt_logprobs is not None and (
             not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
         ):

@@ -358,3 +358,39 @@ def test_responses_honour_include_reasoning_enable_thinking_and_effort() -> None
     with server, httpx.Client(base_url=server.url, timeout=10) as c:
         r = c.post("/v1/responses", json={**body, "reasoning": {"effort": "low"}})
         assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
+
+
+def test_a_grammar_starts_after_the_end_of_reasoning_where_that_is_one_token() -> None:
+    """vLLM's order under a reasoning parser: the model thinks, then the grammar holds (the
+    engine's side: test_a_grammar_after_a_token_lets_the_model_think_first, test_structured)."""
+    req = ChatCompletionRequest.model_validate({**CHAT, "model": "m"})
+    hidden = ChatCompletionRequest.model_validate(
+        {**CHAT, "model": "m", "include_reasoning": False}
+    )
+
+    def grammar() -> SamplingParams:
+        return SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+
+    one = SimpleNamespace(reasoning_parser="qwen3", think_end_id=42)
+    params = grammar()
+    Serving.think_first(one, req, params)  # type: ignore[arg-type]
+    assert params.structured_outputs_after == 42
+    assert Serving.splits_reasoning(one, req, params)  # type: ignore[arg-type]
+    for stub, r in (
+        (one, hidden),
+        (SimpleNamespace(reasoning_parser="qwen3", think_end_id=None), req),
+    ):
+        params = grammar()
+        Serving.think_first(stub, r, params)  # type: ignore[arg-type]
+        assert params.structured_outputs_after is None  # from the first token, unsplit
+        assert not Serving.splits_reasoning(stub, r, params)  # type: ignore[arg-type]
+    # the server finds the token: one id for "</think>" in the tokenizer, else none
+    fake = FakeEngine()
+    plain = fake.tokenizer.encode
+    fake.tokenizer.encode = lambda text, add_special_tokens=True: (  # type: ignore[method-assign]
+        [200] if text == "</think>" else plain(text, add_special_tokens)
+    )
+    engine, server = serve(fake, reasoning_parser="qwen3")
+    assert server.server.config.app.state.serving.think_end_id == 200
+    engine, server = serve(FakeEngine(), reasoning_parser="qwen3")
+    assert server.server.config.app.state.serving.think_end_id is None  # bytes: eight tokens

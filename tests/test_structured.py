@@ -222,3 +222,34 @@ def test_real_model_json_schema_and_choice() -> None:
         c = out.outputs[0]
         assert c.finish_reason == "stop", (c.text, c.finish_reason)
         check(spec, c.text)
+
+
+def test_a_grammar_after_a_token_lets_the_model_think_first(llm: LLM) -> None:
+    """``structured_outputs_after`` (the server's end of reasoning under --reasoning-parser):
+    until that token the reply is the model's own (greedy, as unconstrained), from it on
+    the grammar holds. A token the model never samples leaves the reply unconstrained."""
+    prompt = [5, 6, 7, 8, 9]
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    toks = list(free.outputs[0].token_ids)
+    # the end marker: a token at position >= 2 that did not occur before it
+    k = next(i for i in range(2, len(toks)) if toks[i] not in toks[:i])
+    spec = SO(choice=["yes", "no"])
+    params = SamplingParams(
+        max_tokens=40, temperature=0.0, structured_outputs=spec, structured_outputs_after=toks[k]
+    )
+    out = llm.generate([prompt], params)[0].outputs[0]
+    got = list(out.token_ids)
+    assert got[: k + 1] == toks[: k + 1]  # thought freely, up to and with the marker
+    rest = llm.tokenizer.decode(got[k + 1 :], skip_special_tokens=True)
+    assert rest in ("yes", "no") and out.finish_reason == "stop"
+    never = next(t for t in range(3, 1000) if t not in toks)
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, structured_outputs=spec, structured_outputs_after=never
+    )
+    assert list(llm.generate([prompt], params)[0].outputs[0].token_ids) == toks
+    with pytest.raises(ValueError, match="structured_outputs_after"):
+        SamplingParams(structured_outputs_after=5)
+    with pytest.raises(ValueError, match="structured_outputs_after"):
+        llm.generate(
+            [prompt], SamplingParams(structured_outputs=spec, structured_outputs_after=10**9)
+        )

@@ -48,8 +48,10 @@ class _Seq:
     new_logprobs: list[TokenLogprobs] | None  # this step's raw logprobs (None: not asked)
     new_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    # structured outputs: advanced on every sampled token, from the engine thread
+    # structured outputs: advanced on every sampled token, from the engine thread, once
+    # ``grammar_on`` (params.structured_outputs_after: after that token)
     matcher: xgr.GrammarMatcher | None = None
+    grammar_on: bool = True
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
 
@@ -303,6 +305,7 @@ class LLMEngine:
             compiled = parent.grammar.result()
             for seq in parent.seqs:
                 seq.matcher = self.grammar_compiler.matcher(compiled)
+                seq.grammar_on = parent.params.structured_outputs_after is None
         for seq in parent.seqs:
             self.scheduler.add_request(seq.req)
 
@@ -334,6 +337,10 @@ class LLMEngine:
             ("logit_bias", list(params.logit_bias or ())),
             ("allowed_token_ids", params.allowed_token_ids or []),
             ("stop_token_ids", params.stop_token_ids or []),
+            (
+                "structured_outputs_after",
+                [t for t in [params.structured_outputs_after] if t is not None],
+            ),
         ):
             bad = [t for t in toks if not 0 <= t < self.vocab_size]
             if bad:
@@ -514,7 +521,12 @@ class LLMEngine:
 
     def _grammar_mask(self, sample_reqs: list[Request]) -> GrammarMask | None:
         """The step's token bitmask, filled by each constrained row's matcher."""
-        idx = [i for i, r in enumerate(sample_reqs) if self._seqs[r.request_id].matcher]
+        seqs = self._seqs
+        idx = [
+            i
+            for i, r in enumerate(sample_reqs)
+            if seqs[r.request_id].matcher and seqs[r.request_id].grammar_on
+        ]
         if not idx:
             return None
         bitmask = self._bitmask.rows(len(sample_reqs))
@@ -529,8 +541,13 @@ class LLMEngine:
         preemption samples nothing, so matchers never see a token twice). A terminated
         grammar ends the request: its last token was a stop token, as after an EOS."""
         for rid, tok in sampled.items():
-            matcher = self._seqs[rid].matcher
+            seq = self._seqs[rid]
+            matcher = seq.matcher
             if matcher is None or rid in finished:
+                continue
+            if not seq.grammar_on:
+                # the grammar starts after this token (the end of reasoning), not with it
+                seq.grammar_on = tok == seq.parent.params.structured_outputs_after
                 continue
             if not matcher.accept_token(tok):
                 msg = (

@@ -40,7 +40,7 @@ from iterserve.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from iterserve.server.reasoning import ReasoningStream, split_reasoning, thinking
+from iterserve.server.reasoning import THINK_END, ReasoningStream, split_reasoning, thinking
 from iterserve.server.routing import Routing, slo_rejection
 from iterserve.server.templates import TemplateSandbox
 from iterserve.server.tools import ToolCallStream, ToolPlan, final_message, request_spec, tool_plan
@@ -125,6 +125,13 @@ class Serving:
         self._tok: Tokenizer = _private_copy(engine.tokenizer)
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="iterserve-tokenizer")
         self._templates: TemplateSandbox | None = None
+        # The end of reasoning as one token (Qwen3's and DeepSeek-R1's "</think>" is an added
+        # token): a grammar then starts after it. None: not one token, the grammar starts
+        # with the reply, which then has no reasoning to split off.
+        self.think_end_id: int | None = None
+        if reasoning_parser is not None:
+            ids = list(self._tok.encode(THINK_END, add_special_tokens=False))
+            self.think_end_id = ids[0] if len(ids) == 1 else None
         self.system_fingerprint = system_fingerprint(engine, self.served_model_names)
         # What a request's unset sampling fields take (the model's generation config).
         self.sampling_defaults: dict[str, int | float] = dict(engine.default_sampling)
@@ -360,13 +367,30 @@ class Serving:
 
     def splits_reasoning(self, req: ChatCompletionRequest, params: SamplingParams) -> bool:
         """Whether a chat reply's reasoning is split off: not without a --reasoning-parser,
-        not where a grammar constrains the reply from its first token, not where the
-        template is told not to think (qwen3's enable_thinking false: the reply as written,
-        as vLLM returns it)."""
+        not where a grammar constrains the reply from its first token (one that starts after
+        the reasoning, ``structured_outputs_after``, is fine), not where the template is told
+        not to think (qwen3's enable_thinking false: the reply as written, as vLLM returns
+        it)."""
         parser = self.reasoning_parser
-        if parser is None or params.structured_outputs is not None:
+        if parser is None or (
+            params.structured_outputs is not None and params.structured_outputs_after is None
+        ):
             return False
         return thinking(parser, req.chat_template_kwargs)
+
+    def think_first(self, req: ChatCompletionRequest, params: SamplingParams) -> None:
+        """Under a reasoning parser, a grammar starts after the reasoning's end token (vLLM's
+        order: the model thinks, then the grammar holds), where that is one token and the
+        reasoning is shown; with include_reasoning false it holds from the first token, as
+        vLLM's."""
+        if (
+            params.structured_outputs is not None
+            and self.think_end_id is not None
+            and self.reasoning_parser is not None
+            and req.include_reasoning
+            and thinking(self.reasoning_parser, req.chat_template_kwargs)
+        ):
+            params.structured_outputs_after = self.think_end_id
 
     def default_max_tokens_of(self, req: CompletionRequest | ChatCompletionRequest) -> int | None:
         """The max_tokens of a request that sends none: completions' 16 (OpenAI's; vLLM's for
@@ -519,6 +543,7 @@ class Serving:
         )
         params = self.sampling_params(req)
         await self.constrain(req, params, plan)
+        self.think_first(req, params)
         if self.splits_reasoning(req, params):
             # what would show the reasoning token by token where it is left out or apart
             shows = [n for n in ("logprobs", "return_token_ids") if getattr(req, n)]

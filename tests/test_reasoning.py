@@ -19,6 +19,7 @@ from iterserve.server.protocol import ChatCompletionRequest, ChatMessage
 from iterserve.server.reasoning import ReasoningStream, split_reasoning, thinking
 from iterserve.server.responses import input_messages
 from iterserve.server.serving import Serving, _template_message
+from iterserve.server.tools import ToolCallStream, ToolPlan, final_message
 from iterserve.structured import StructuredOutputsParams
 
 
@@ -271,8 +272,9 @@ def test_a_stream_with_token_ids_carries_every_token() -> None:
 
 
 def test_a_grammar_or_no_thinking_leaves_the_reply_unsplit() -> None:
-    """A grammar constrains the reply from its first token: nothing to split off (the fake
-    engine compiles no grammars, so this asks the rule itself)."""
+    """A grammar that holds from the reply's first token leaves nothing to split off, nor
+    does a template told not to think (the fake engine compiles no grammars, so this asks
+    the rule itself)."""
     req = ChatCompletionRequest.model_validate({**CHAT, "model": "m"})
     for parser, want in (("qwen3", True), ("deepseek_r1", True), (None, False)):
         assert (
@@ -386,11 +388,71 @@ def test_a_grammar_starts_after_the_end_of_reasoning_where_that_is_one_token() -
         assert not Serving.splits_reasoning(stub, r, params)  # type: ignore[arg-type]
     # the server finds the token: one id for "</think>" in the tokenizer, else none
     fake = FakeEngine()
-    plain = fake.tokenizer.encode
+    plain, text_of = fake.tokenizer.encode, fake.tokenizer.decode
     fake.tokenizer.encode = lambda text, add_special_tokens=True: (  # type: ignore[method-assign]
         [200] if text == "</think>" else plain(text, add_special_tokens)
     )
+    fake.tokenizer.decode = lambda ids, skip_special_tokens=True: (  # type: ignore[method-assign]
+        "</think>" if list(ids) == [200] else text_of(ids, skip_special_tokens)
+    )
     engine, server = serve(fake, reasoning_parser="qwen3")
     assert server.server.config.app.state.serving.think_end_id == 200
+    fake.tokenizer.decode = lambda ids, skip_special_tokens=True: (  # type: ignore[method-assign]
+        "" if list(ids) == [200] and skip_special_tokens else text_of(ids, skip_special_tokens)
+    )
+    engine, server = serve(fake, reasoning_parser="qwen3")
+    assert server.server.config.app.state.serving.think_end_id is None  # special: skipped
     engine, server = serve(FakeEngine(), reasoning_parser="qwen3")
     assert server.server.config.app.state.serving.think_end_id is None  # bytes: eight tokens
+
+
+def test_a_prompt_that_closed_the_reasoning_leaves_the_reply_all_answer() -> None:
+    stub = SimpleNamespace(think_end_id=9, think_start_id=8)
+    req = ChatCompletionRequest.model_validate({**CHAT, "model": "m"})
+
+    def closed(ids: list[int], r: ChatCompletionRequest = req) -> bool:
+        return Serving.thinking_closed(stub, r, ids)  # type: ignore[arg-type]
+
+    assert closed([1, 2, 8, 5, 9, 5])  # a template told not to think: "<think>\n\n</think>\n\n"
+    assert not closed([1, 8, 5, 9, 5, 6, 7, 3])  # an earlier turn's reasoning, far back
+    assert not closed([1, 9, 5, 8, 5])  # closed, then opened again
+    assert not closed([1, 2, 3])
+    cont = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [*CHAT["messages"], {"role": "assistant", "content": "<think>a</think>b"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        }
+    )
+    assert closed([1, 2, 3], cont)
+    # through the endpoint: a continued message past its </think>, the reply is all answer
+    _, server = _server()
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        body = {**cont.model_dump(exclude_unset=True), "model": "fake-model", "max_tokens": 200}
+        msg = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert msg["reasoning"] is None and msg["content"] == REPLY
+
+
+def test_a_grammars_answer_keeps_a_later_end_marker() -> None:
+    assert split_reasoning("a</think>{'x': '</think>'}", drop_later=False) == (
+        "a",
+        "{'x': '</think>'}",
+    )
+    s = ReasoningStream(drop_later=False)
+    assert [s.feed(p, False) for p in ["a</thi", "nk>{</", "think>}"]] == [
+        ("a", ""),
+        ("", "{</"),
+        ("", "think>}"),
+    ]
+
+
+def test_a_named_call_opens_with_its_first_argument_text() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    plan = ToolPlan("named", tools, name="f")
+    assert final_message(plan, "") == (None, [])  # cut in its reasoning: no call
+    ts = ToolCallStream(plan)
+    assert ts.delta("", False) == {}
+    (tc,) = ts.delta('{"a"', False)["tool_calls"]
+    assert tc["function"] == {"name": "f", "arguments": '{"a"'} and tc["id"]
+    assert ts.delta(": 1}", True)["tool_calls"][0]["function"] == {"arguments": ": 1}"}

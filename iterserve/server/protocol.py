@@ -15,7 +15,15 @@ import functools
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+)
 
 from iterserve.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
 
@@ -199,6 +207,16 @@ class ChatCompletionRequest(SamplingExtras):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM: with --reasoning-parser, false leaves the reasoning out of the reply
     include_reasoning: bool = True
+    # set by the server once the prompt is rendered: the prompt itself closed the reasoning
+    # (a template told not to think, a continued message past "</think>"); not a field
+    _thinking_closed: bool = PrivateAttr(default=False)
+
+    @property
+    def thinking_closed(self) -> bool:
+        return self._thinking_closed
+
+    def close_thinking(self) -> None:
+        self._thinking_closed = True
 
     @classmethod
     def sampling_kwargs(

@@ -30,9 +30,11 @@ def thinking(parser: str, chat_template_kwargs: dict[str, object] | None) -> boo
     return True
 
 
-def split_reasoning(text: str, in_reasoning: bool = True) -> tuple[str | None, str | None]:
+def split_reasoning(
+    text: str, in_reasoning: bool = True, drop_later: bool = True
+) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole reply; an empty part is None."""
-    reasoning, content = ReasoningStream(in_reasoning).feed(text, True)
+    reasoning, content = ReasoningStream(in_reasoning, drop_later).feed(text, True)
     return reasoning or None, content or None
 
 
@@ -50,6 +52,9 @@ class ReasoningStream:
     piece's length (plus a marker's)."""
 
     in_reasoning: bool = True
+    # drop a "</think>" in the answer (vLLM's qwen3 parser does); False keeps the answer as
+    # written (a grammar's output, which may hold the text)
+    drop_later: bool = True
     _buf: str = ""  # text not yet given out: at most a marker's start
 
     def feed(self, new_text: str, finished: bool) -> tuple[str, str]:
@@ -69,6 +74,10 @@ class ReasoningStream:
                 keep = 0 if finished else _held(part, (THINK_START, THINK_END))
                 reasoning.append(part[: len(part) - keep])
                 buf = part[len(part) - keep :]
+                break
+            if not self.drop_later:
+                content.append(buf)
+                buf = ""
                 break
             end = buf.find(THINK_END)
             if end >= 0:

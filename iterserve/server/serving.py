@@ -40,7 +40,13 @@ from iterserve.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from iterserve.server.reasoning import THINK_END, ReasoningStream, split_reasoning, thinking
+from iterserve.server.reasoning import (
+    THINK_END,
+    THINK_START,
+    ReasoningStream,
+    split_reasoning,
+    thinking,
+)
 from iterserve.server.routing import Routing, slo_rejection
 from iterserve.server.templates import TemplateSandbox
 from iterserve.server.tools import ToolCallStream, ToolPlan, final_message, request_spec, tool_plan
@@ -129,9 +135,18 @@ class Serving:
         # token): a grammar then starts after it. None: not one token, the grammar starts
         # with the reply, which then has no reasoning to split off.
         self.think_end_id: int | None = None
+        self.think_start_id: int | None = None
         if reasoning_parser is not None:
-            ids = list(self._tok.encode(THINK_END, add_special_tokens=False))
-            self.think_end_id = ids[0] if len(ids) == 1 else None
+            self.think_start_id = self._marker_id(THINK_START)
+            self.think_end_id = self._marker_id(THINK_END)
+            logger.info(
+                "--reasoning-parser %s: %s",
+                reasoning_parser,
+                f"{THINK_END} is token {self.think_end_id}: a grammar holds after it"
+                if self.think_end_id is not None
+                else f"{THINK_END} is not one token of this tokenizer: a grammar holds from "
+                "a reply's first token, and such replies are not split",
+            )
         self.system_fingerprint = system_fingerprint(engine, self.served_model_names)
         # What a request's unset sampling fields take (the model's generation config).
         self.sampling_defaults: dict[str, int | float] = dict(engine.default_sampling)
@@ -365,6 +380,34 @@ class Serving:
         self.metrics.admitted(params, runs)
         return streams
 
+    def _marker_id(self, marker: str) -> int | None:
+        """The token id of ``marker`` where the tokenizer has it as one ordinary token (it
+        decodes back to the marker with special tokens skipped, so the reply's text keeps
+        it) within the model's vocabulary; else None."""
+        ids = list(self._tok.encode(marker, add_special_tokens=False))
+        vocab = getattr(self.engine.engine, "vocab_size", None)  # the model's (LLMEngine)
+        if len(ids) != 1 or ids[0] < 0 or (vocab is not None and ids[0] >= vocab):
+            return None
+        return ids[0] if self._tok.decode(ids, skip_special_tokens=True) == marker else None
+
+    def thinking_closed(self, req: ChatCompletionRequest, ids: Sequence[int]) -> bool:
+        """Whether the prompt itself ends the reasoning: its last tokens close it (a template
+        told not to think writes an empty "<think></think>" there), or a continued assistant
+        message is past its "</think>". The reply is then all answer (vLLM looks at the
+        prompt likewise)."""
+        if req.continue_final_message and req.messages:
+            last = req.messages[-1].content
+            if isinstance(last, str) and last.rfind(THINK_END) > last.rfind(THINK_START):
+                return True
+        end, start = self.think_end_id, self.think_start_id
+        if end is None:
+            return False
+        tail = list(ids[-4:])
+        if end not in tail:
+            return False
+        after = tail[len(tail) - 1 - tail[::-1].index(end) :]
+        return start is None or start not in after
+
     def splits_reasoning(self, req: ChatCompletionRequest, params: SamplingParams) -> bool:
         """Whether a chat reply's reasoning is split off: not without a --reasoning-parser,
         not where a grammar constrains the reply from its first token (one that starts after
@@ -372,8 +415,10 @@ class Serving:
         not to think (qwen3's enable_thinking false: the reply as written, as vLLM returns
         it)."""
         parser = self.reasoning_parser
-        if parser is None or (
-            params.structured_outputs is not None and params.structured_outputs_after is None
+        if (
+            parser is None
+            or req.thinking_closed
+            or (params.structured_outputs is not None and params.structured_outputs_after is None)
         ):
             return False
         return thinking(parser, req.chat_template_kwargs)
@@ -388,6 +433,7 @@ class Serving:
             and self.think_end_id is not None
             and self.reasoning_parser is not None
             and req.include_reasoning
+            and not req.thinking_closed
             and thinking(self.reasoning_parser, req.chat_template_kwargs)
         ):
             params.structured_outputs_after = self.think_end_id
@@ -543,6 +589,9 @@ class Serving:
         )
         params = self.sampling_params(req)
         await self.constrain(req, params, plan)
+        ids = await self.render_chat(req, params=params)
+        if self.reasoning_parser is not None and self.thinking_closed(req, ids):
+            req.close_thinking()
         self.think_first(req, params)
         if self.splits_reasoning(req, params):
             # what would show the reasoning token by token where it is left out or apart
@@ -563,7 +612,6 @@ class Serving:
                     param="logprobs",
                     code="unsupported_parameter",
                 )
-        ids = await self.render_chat(req, params=params)
         streams = await self.add_streams(
             "chatcmpl",
             [ids],
@@ -1267,7 +1315,9 @@ class _ChatFormat(_Format):
         finish = c.finish_reason if finished else None
         new_text, reasoning = c.new_text, ""
         if self.split:
-            rs = self.reasoning_streams.setdefault(idx, ReasoningStream())
+            rs = self.reasoning_streams.setdefault(
+                idx, ReasoningStream(drop_later=self.params.structured_outputs_after is None)
+            )
             reasoning, new_text = rs.feed(new_text, finished)
             if not self.show_reasoning:
                 reasoning = ""
@@ -1311,7 +1361,9 @@ class _ChatFormat(_Format):
     ) -> dict[str, Any]:
         text, reasoning = c.text, None
         if self.split:
-            reasoning, answer = split_reasoning(text)
+            reasoning, answer = split_reasoning(
+                text, drop_later=self.params.structured_outputs_after is None
+            )
             text = answer or ""
         content, calls = final_message(self.plan, text)
         if self.split and not content:

@@ -297,7 +297,8 @@ def final_message(plan: ToolPlan | None, text: str) -> tuple[str | None, list[di
         return text, []
     if plan.mode == "named":
         assert plan.name is not None
-        return None, [_call(plan.name, text)]
+        # no arguments at all (a reply cut in its reasoning): no call
+        return (None, [_call(plan.name, text)]) if text else (None, [])
     if plan.mode == "required":
         calls = parse_required(text)
         return (None, calls) if calls else (text, [])
@@ -341,14 +342,14 @@ class ToolCallStream:
         self._pieces.append(new_text)
         mode = self.plan.mode
         if mode == "named":  # the text is the arguments: stream it as it comes
+            if not new_text:  # the call opens with its first argument text, not before
+                return {}
             tc: dict[str, Any] = {"index": 0, "function": {"arguments": new_text}}
             if not self.started:
                 self.started = True
                 self.num_calls = 1
                 tc.update(id=self.call_id, type="function")
                 tc["function"] = {"name": self.plan.name, "arguments": new_text}
-            elif not new_text:
-                return {}
             return {"tool_calls": [tc]}
         if not finished:
             if mode == "required" or self._in_call:

@@ -1237,10 +1237,10 @@ class _ChatFormat(_Format):
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.echo_text = _chat_echo_text(req)
         self.echoed: set[int] = set()
-        # --reasoning-parser: whether each reply starts in reasoning (None: no split)
+        # --reasoning-parser: whether each reply's reasoning is split off its answer
         self.split = serving.splits_reasoning(req, params)
         self.show_reasoning = self.split and req.include_reasoning
-        # vLLM's message always has the field (null without a parser)
+        # the message has the field (null when there is none) wherever a parser is set
         self.reasoning_field = serving.reasoning_parser is not None
         self.reasoning_streams: dict[int, ReasoningStream] = {}
 

@@ -16,7 +16,12 @@ from server_helpers.servers import parse_sse, serve
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.cli import build_parser
 from iterserve.server.protocol import ChatCompletionRequest, ChatMessage
-from iterserve.server.reasoning import ReasoningStream, split_reasoning, thinking
+from iterserve.server.reasoning import (
+    ReasoningStream,
+    reasoning_token_count,
+    split_reasoning,
+    thinking,
+)
 from iterserve.server.responses import input_messages
 from iterserve.server.serving import Serving, _template_message
 from iterserve.server.tools import ToolCallStream, ToolPlan, final_message
@@ -456,3 +461,36 @@ def test_a_named_call_opens_with_its_first_argument_text() -> None:
     (tc,) = ts.delta('{"a"', False)["tool_calls"]
     assert tc["function"] == {"name": "f", "arguments": '{"a"'} and tc["id"]
     assert ts.delta(": 1}", True)["tool_calls"][0]["function"] == {"arguments": ": 1}"}
+
+
+def test_reasoning_tokens_are_counted_up_to_the_end_marker() -> None:
+    assert reasoning_token_count([8, 1, 2, 3, 9, 4, 5], start_id=8, end_id=9) == 3
+    assert reasoning_token_count([1, 2], start_id=None, end_id=9) == 2  # cut in its reasoning
+    assert reasoning_token_count([9, 4], start_id=8, end_id=9) == 0
+    # through the endpoints, with a tokenizer whose "</think>" is one token: here the byte
+    # "X" stands for it (the fake engine emits a byte a token), so "abX" + "cd" reasons for 2
+    fake = FakeEngine(max_model_len=256, step_delay=0.002)
+    fake.reply = "abXcd"
+    x = fake.tokenizer.encode("X")[0]
+    plain, text_of = fake.tokenizer.encode, fake.tokenizer.decode
+    fake.tokenizer.encode = lambda text, add_special_tokens=True: (  # type: ignore[method-assign]
+        [x] if text == "</think>" else plain(text, add_special_tokens)
+    )
+    fake.tokenizer.decode = lambda ids, skip_special_tokens=True: (  # type: ignore[method-assign]
+        "</think>" if list(ids) == [x] else text_of(ids, skip_special_tokens)
+    )
+    _, server = serve(fake, reasoning_parser="qwen3")
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        usage = c.post("/v1/chat/completions", json={**CHAT, "n": 2}).json()["usage"]
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 4}  # 2 a choice
+        body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        events = [e for e in parse_sse(c.post("/v1/chat/completions", json=body).text)]
+        (last,) = [e for e in events if e != "[DONE]" and e.get("usage")]
+        assert last["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
+        resp = c.post("/v1/responses", json={"model": "fake-model", "input": "2+2?"}).json()
+        assert resp["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
+    # where "</think>" is not one token, nothing is counted, and no field claims 0
+    _, server = _server()
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        usage = c.post("/v1/chat/completions", json=CHAT).json()["usage"]
+        assert "completion_tokens_details" not in usage

@@ -16,6 +16,7 @@ yet grow into a marker; the concatenation of its pieces is ``split_reasoning``'s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -36,6 +37,17 @@ def split_reasoning(
     """(reasoning, content) of a whole reply; an empty part is None."""
     reasoning, content = ReasoningStream(in_reasoning, drop_later).feed(text, True)
     return reasoning or None, content or None
+
+
+def reasoning_token_count(token_ids: Sequence[int], start_id: int | None, end_id: int) -> int:
+    """The reply's reasoning tokens (usage's ``reasoning_tokens``): those before its first
+    end-of-reasoning token, the markers themselves not counted; all of a reply cut before
+    its end."""
+    try:
+        head = token_ids[: list(token_ids).index(end_id)]
+    except ValueError:
+        head = token_ids
+    return sum(1 for t in head if t != start_id)
 
 
 def _held(buffer: str, markers: tuple[str, ...]) -> int:

@@ -454,7 +454,11 @@ class ResponsesFormat(_ChatFormat):
             "input_tokens": u["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": u["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": u.get("completion_tokens_details", {}).get(
+                    "reasoning_tokens", 0
+                )
+            },
             "total_tokens": u["total_tokens"],
         }
 

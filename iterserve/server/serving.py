@@ -44,6 +44,7 @@ from iterserve.server.reasoning import (
     THINK_END,
     THINK_START,
     ReasoningStream,
+    reasoning_token_count,
     split_reasoning,
     thinking,
 )
@@ -1243,6 +1244,38 @@ class _ChatFormat(_Format):
         # the message has the field (null when there is none) wherever a parser is set
         self.reasoning_field = serving.reasoning_parser is not None
         self.reasoning_streams: dict[int, ReasoningStream] = {}
+        # usage's reasoning_tokens: counted by token id, so only where the end of reasoning
+        # is one token (choice -> tokens seen so far, whether its reasoning has ended)
+        self.count_reasoning = self.reasoning_field and serving.think_end_id is not None
+        self.reasoning_tokens: dict[int, tuple[int, bool]] = {}
+
+    def _track(self, pidx: int, out: RequestOutput) -> None:
+        super()._track(pidx, out)
+        end = self.s.think_end_id
+        if not (self.count_reasoning and self.split) or end is None:
+            return
+        start = self.s.think_start_id
+        for c in out.outputs:
+            k = pidx * self.n + c.index
+            if c.token_ids:  # the whole list (a finished sequence): count it afresh
+                self.reasoning_tokens[k] = (
+                    reasoning_token_count(c.token_ids, start, end),
+                    end in c.token_ids,
+                )
+                continue
+            n, done = self.reasoning_tokens.get(k, (0, False))
+            if not done:
+                new = list(c.new_token_ids)
+                done = end in new
+                n += reasoning_token_count(new, start, end)
+            self.reasoning_tokens[k] = (n, done)
+
+    def usage(self) -> dict[str, Any]:
+        u = super().usage()
+        if self.count_reasoning:
+            n = sum(count for count, _ in self.reasoning_tokens.values())
+            u["completion_tokens_details"] = {"reasoning_tokens": n}
+        return u
 
     def _finish_reason(self, c: CompletionOutput, num_calls: int) -> str | None:
         # OpenAI: "tool_calls" when the model chose to call (auto, required); a forced

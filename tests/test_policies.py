@@ -1527,9 +1527,9 @@ def _schedule_log(s: Scheduler, arrivals: list[tuple[int, Request]]) -> list[obj
 def test_property_requests_alone_in_their_calls_are_scheduled_as_fcfs(
     data: st.DataObject, num_blocks: int
 ) -> None:
-    """Each request its own call (the OpenAI clients' usual request) decides every step as
-    one shared call does (plain FCFS), preemptions and failures included, on pools small
-    enough to preempt, long-prompt mode on and off."""
+    """Each request its own call (the OpenAI clients' usual request), and one shared call,
+    decide every step as the plain FCFS of the Policy base class does, preemptions and
+    failures included, on pools small enough to preempt, long-prompt mode on and off."""
     knobs = {
         "max_num_seqs": data.draw(st.integers(1, 6)),
         "max_num_batched_tokens": data.draw(st.integers(8, 64)),
@@ -1539,7 +1539,7 @@ def test_property_requests_alone_in_their_calls_are_scheduled_as_fcfs(
     }
     arrivals = workload(data)
     logs = []
-    for own in (False, True):
+    for own in (None, False, True):  # None: the base class, plain FCFS
         twin = [
             (
                 t,
@@ -1555,8 +1555,11 @@ def test_property_requests_alone_in_their_calls_are_scheduled_as_fcfs(
             )
             for t, r in arrivals
         ]
-        logs.append(_schedule_log(sched(num_blocks=num_blocks, **knobs), twin))
-    assert logs[0] == logs[1]
+        s = sched(num_blocks=num_blocks, **knobs)
+        if own is None:
+            s = Scheduler(s.config, KVCacheManager(num_blocks, 4, True), Policy(s.config))
+        logs.append(_schedule_log(s, twin))
+    assert logs[0] == logs[1] == logs[2]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

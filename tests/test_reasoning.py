@@ -489,6 +489,17 @@ def test_reasoning_tokens_are_counted_up_to_the_end_marker() -> None:
         assert last["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
         resp = c.post("/v1/responses", json={"model": "fake-model", "input": "2+2?"}).json()
         assert resp["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
+    # a reply that ends (EOS) inside its reasoning: its tokens but the EOS
+    fake.reply = "abcd"
+    _, server = serve(fake, reasoning_parser="qwen3")
+    with server, httpx.Client(base_url=server.url, timeout=10) as c:
+        usage = c.post("/v1/chat/completions", json=CHAT).json()["usage"]
+        assert usage["completion_tokens"] == 5  # with the EOS
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 4}
+        body = {**CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+        events = [e for e in parse_sse(c.post("/v1/chat/completions", json=body).text)]
+        (last,) = [e for e in events if e != "[DONE]" and e.get("usage")]
+        assert last["usage"]["completion_tokens_details"] == {"reasoning_tokens": 8}
     # where "</think>" is not one token, nothing is counted, and no field claims 0
     _, server = _server()
     with server, httpx.Client(base_url=server.url, timeout=10) as c:

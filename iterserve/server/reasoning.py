@@ -43,11 +43,12 @@ def reasoning_token_count(token_ids: Sequence[int], start_id: int | None, end_id
     """The reply's reasoning tokens (usage's ``reasoning_tokens``): those before its first
     end-of-reasoning token, the markers themselves not counted; all of a reply cut before
     its end."""
-    try:
-        head = token_ids[: list(token_ids).index(end_id)]
-    except ValueError:
-        head = token_ids
-    return sum(1 for t in head if t != start_id)
+    n = 0
+    for t in token_ids:
+        if t == end_id:
+            break
+        n += t != start_id
+    return n
 
 
 def _held(buffer: str, markers: tuple[str, ...]) -> int:

@@ -1248,6 +1248,7 @@ class _ChatFormat(_Format):
         # is one token (choice -> tokens seen so far, whether its reasoning has ended)
         self.count_reasoning = self.reasoning_field and serving.think_end_id is not None
         self.reasoning_tokens: dict[int, tuple[int, bool]] = {}
+        self.reasoning_final: set[int] = set()  # choices counted from their whole list
 
     def _track(self, pidx: int, out: RequestOutput) -> None:
         super()._track(pidx, out)
@@ -1257,11 +1258,16 @@ class _ChatFormat(_Format):
         start = self.s.think_start_id
         for c in out.outputs:
             k = pidx * self.n + c.index
-            if c.token_ids:  # the whole list (a finished sequence): count it afresh
-                self.reasoning_tokens[k] = (
-                    reasoning_token_count(c.token_ids, start, end),
-                    end in c.token_ids,
-                )
+            if k in self.reasoning_final:
+                continue  # a finished sequence's list comes again with every later step
+            if c.token_ids:  # the whole list (a finished sequence): count it afresh, once
+                self.reasoning_final.add(k)
+                n = reasoning_token_count(c.token_ids, start, end)
+                # a reply that ended inside its reasoning: its last token (EOS or a stop
+                # token) is no reasoning
+                if n and end not in c.token_ids and c.finish_reason == "stop":
+                    n -= not isinstance(c.stop_reason, str)
+                self.reasoning_tokens[k] = (n, True)
                 continue
             n, done = self.reasoning_tokens.get(k, (0, False))
             if not done:

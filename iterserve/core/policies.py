@@ -541,7 +541,7 @@ class ContinuousPolicy(Policy):
 
     def on_admit(self, req: Request, num_new: int) -> None:
         if self.calls:
-            self.slots[req.call] = self.slots.get(req.call, 0) + 1
+            self.slots[req.call] += 1
             if self.queue is not None:
                 self.queue.rerank(req.call)
 

@@ -339,7 +339,7 @@ class LLMEngine:
             ("stop_token_ids", params.stop_token_ids or []),
             (
                 "structured_outputs_after",
-                [t for t in [params.structured_outputs_after] if t is not None],
+                [t for t in (params.structured_outputs_after,) if t is not None],
             ),
         ):
             bad = [t for t in toks if not 0 <= t < self.vocab_size]
@@ -525,7 +525,7 @@ class LLMEngine:
         idx = [
             i
             for i, r in enumerate(sample_reqs)
-            if seqs[r.request_id].matcher and seqs[r.request_id].grammar_on
+            if (seq := seqs[r.request_id]).matcher and seq.grammar_on
         ]
         if not idx:
             return None

@@ -415,14 +415,9 @@ class Serving:
         the reasoning, ``structured_outputs_after``, is fine), not where the template is told
         not to think (qwen3's enable_thinking false: the reply as written, as vLLM returns
         it)."""
-        parser = self.reasoning_parser
-        if (
-            parser is None
-            or req.thinking_closed
-            or (params.structured_outputs is not None and params.structured_outputs_after is None)
-        ):
-            return False
-        return thinking(parser, req.chat_template_kwargs)
+        return _reply_thinks(self.reasoning_parser, req) and (
+            params.structured_outputs is None or params.structured_outputs_after is not None
+        )
 
     def think_first(self, req: ChatCompletionRequest, params: SamplingParams) -> None:
         """Under a reasoning parser, a grammar starts after the reasoning's end token (vLLM's
@@ -432,10 +427,8 @@ class Serving:
         if (
             params.structured_outputs is not None
             and self.think_end_id is not None
-            and self.reasoning_parser is not None
             and req.include_reasoning
-            and not req.thinking_closed
-            and thinking(self.reasoning_parser, req.chat_template_kwargs)
+            and _reply_thinks(self.reasoning_parser, req)
         ):
             params.structured_outputs_after = self.think_end_id
 
@@ -1423,6 +1416,16 @@ class _ChatFormat(_Format):
             choice["token_ids"] = list(c.token_ids)
             choice["prompt_token_ids"] = list(out.prompt_token_ids)
         return choice
+
+
+def _reply_thinks(parser: str | None, req: ChatCompletionRequest) -> bool:
+    """Whether a chat reply starts in reasoning: a reasoning parser is set, the prompt left
+    the reasoning open, and the template was not told not to think."""
+    return (
+        parser is not None
+        and not req.thinking_closed
+        and thinking(parser, req.chat_template_kwargs)
+    )
 
 
 def system_fingerprint(engine: AsyncEngine, served_model_names: Sequence[str]) -> str:

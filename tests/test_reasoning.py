@@ -346,6 +346,15 @@ def test_responses_cut_in_the_reasoning_have_no_message_item() -> None:
 
 def test_responses_honour_include_reasoning_enable_thinking_and_effort() -> None:
     _, server = _server()
+    seen: list[dict[str, Any]] = []  # what the chat template was given
+    tok = server.server.config.app.state.serving._tok  # the tokenizer thread's copy
+    render = tok.apply_chat_template
+
+    def recording(*args: Any, **kw: Any) -> Any:
+        seen.append(kw)
+        return render(*args, **kw)
+
+    tok.apply_chat_template = recording
     with server, httpx.Client(base_url=server.url, timeout=10) as c:
         body = {"model": "fake-model", "input": "2+2?", "max_output_tokens": 200}
         out = c.post("/v1/responses", json={**body, "include_reasoning": False}).json()["output"]
@@ -359,6 +368,7 @@ def test_responses_honour_include_reasoning_enable_thinking_and_effort() -> None
             assert [i["type"] for i in out] == ["message"] and out[0]["content"][0]["text"] == REPLY
         out = c.post("/v1/responses", json={**body, "reasoning": {"effort": "low"}}).json()
         assert [i["type"] for i in out["output"]] == ["reasoning", "message"]
+        assert seen[-1]["reasoning_effort"] == "low" and seen[-1]["enable_thinking"] is True
         r = c.post("/v1/responses", json={**body, "reasoning": {"summary": "auto"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning"
     _, server = _server(parser=None)

@@ -358,8 +358,11 @@ class ResponsesAPI:
                 raise _unsupported(
                     "reasoning", "only effort is read (there are no reasoning summaries)"
                 )
-            # vLLM's: an effort turns thinking on, "none" off, unless the template kwargs say
-            kwargs.setdefault("enable_thinking", req.reasoning.get("effort") != "none")
+            # vLLM's: the effort reaches the chat template (templates that read it honour its
+            # level), and turns thinking on, "none" off, unless the template kwargs say
+            effort = req.reasoning.get("effort")
+            kwargs.setdefault("reasoning_effort", effort)
+            kwargs.setdefault("enable_thinking", effort != "none")
         extras = req.model_extra or {}
         # The unhonoured vLLM extras go on too, so the chat path refuses them as it does its own.
         body: dict[str, Any] = {

@@ -167,3 +167,39 @@ def test_same_rejections_as_engine() -> None:
     assert "KV-cache blocks" in str(sim.timings[2].error)
     engine.add_request("ok", specs[3].prompt_token_ids, bench_params(4))
     assert sim.timings[3].success and sim.timings[3].output_tokens == 4
+
+
+def test_schedules_again_after_a_failure_that_ran_nothing(tmp_path: Path) -> None:
+    """A pool too small for some requests: the fair policy chooses its admissions before the
+    scheduler fails a request that outgrew the pool, so that step runs nothing; the engine's
+    loop schedules again at once, and the simulator must too (not wait for an arrival that
+    never comes and leave the rest unfinished)."""
+    args = EngineArgs(
+        model="tiny-random",
+        dtype="float32",
+        num_threads=1,
+        seed=0,
+        max_model_len=256,
+        num_kv_blocks=9,
+        policy="fair",
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        admission_reservation="estimate",
+        preemption_resume_headroom=16,
+    )
+    rng = np.random.default_rng(23)
+    shapes = [(17, 47, "a"), (8, 14, "a"), (111, 24, "b"), (13, 27, "a"), (107, 58, "a")]
+    shapes += [(115, 17, "a"), (69, 11, "a"), (97, 8, "a"), (103, 3, "a"), (5, 49, "a")]
+    shapes += [(27, 30, "b"), (94, 43, "b"), (15, 5, "a")]
+    specs = [
+        RequestSpec(rng.integers(100, 1000, size=p).tolist(), o, 0.0, tenant=t)
+        for p, o, t in shapes
+    ]
+    real_steps, real = _run_real(args, specs, tmp_path / "real.jsonl")
+    cfg = SimConfig(args.scheduler_config(256), num_kv_blocks=9, block_size=args.block_size)
+    cost = ReplayCostModel([s["duration_s"] for s in real_steps])
+    sim = Simulator(cfg, cost).run(specs)
+    ok = [t.success for t in real.timings]
+    assert 0 < sum(ok) < len(specs)  # some outgrow the pool, the rest finish
+    assert [t.success for t in sim.timings] == ok
+    assert sim.num_steps == len(real_steps)

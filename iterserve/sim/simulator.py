@@ -110,6 +110,7 @@ class _Replica:
         self.in_step = False  # a step is running, or a start is queued
         self.step: _Step | None = None  # the step running now
         self.inbox: list[int] = []  # requests that arrived during the step in flight
+        self.empty_runs = 0  # empty schedules in a row that failed nothing
 
     @property
     def log(self) -> StepLog:
@@ -139,19 +140,19 @@ class _Replica:
         self.scheduler.add_request(req)
         return None
 
-    def start_step(self, now: float) -> list[Request]:
+    def start_step(self, now: float) -> SchedulerOutput:
         """Schedules the next step (``self.step``, None if nothing runs); returns the
-        requests the scheduler failed."""
+        scheduler's decision."""
         self.now = now
         out = self.scheduler.schedule()
         if out.is_empty:
             self.step = None
-            return out.failed
+            return out
         sampled: list[Request] = []
         dt = self.cost.step_time(step_shape(out, sampled))
         self.busy_s += dt
         self.step = _Step(out, now, dt, sampled)
-        return out.failed
+        return out
 
     def end_step(self) -> tuple[_Step, list[Request]]:
         """Applies the step in flight, as ``LLMEngine.step`` does once the model returns;
@@ -295,13 +296,24 @@ class _Run:
             self._push(now, _START, rep)
 
     def _on_step_start(self, rep: _Replica, now: float) -> None:
-        for req in rep.start_step(now):
+        out = rep.start_step(now)
+        for req in out.failed:
             t = self.by_id[req.request_id]
             t.error = req.error
             self._ended(t, now)
         if rep.step is None:
-            rep.in_step = False
+            # A schedule that ran nothing but failed or preempted a request changed what the
+            # next one sees (a policy may have chosen its admissions before the failure): the
+            # engine's loop calls step() again at once, and so does this.
+            # Failures shrink the queue; a run of preemption-only empty schedules (the engine
+            # would spin on them) is cut off, and its requests end unfinished.
+            rep.empty_runs = rep.empty_runs + 1 if not out.failed else 0
+            if (out.failed or out.preempted) and rep.scheduler.requests and rep.empty_runs < 100:
+                self._push(now, _START, rep)
+            else:
+                rep.in_step = False
             return
+        rep.empty_runs = 0
         self._push(now + rep.step.duration_s, _END, rep)
 
     def _on_step_end(self, rep: _Replica, now: float) -> None:

@@ -236,3 +236,39 @@ def test_offline_and_sweep_commands_and_plots(tmp_path: Path) -> None:
         assert plot.main([*args, "--out", str(out)]) == 0, args
         assert out.stat().st_size > 10_000
     assert not math.isnan(runs[0]["summary"]["mean_ttft_ms"])
+
+
+def test_run_counters_are_the_runs_own(tmp_path: Path) -> None:
+    """A run's engine_stats count its own steps, preemptions and tokens, not the warmup's or
+    earlier runs' on the same engine (a sweep reuses one): they equal the sums over the run's
+    step records."""
+    args = ["--model", "tiny-random", "--dtype", "float32", "--num-threads", "1"]
+    args += ["--dataset", "random", "--num-prompts", "8", "--random-input-len", "20"]
+    args += ["--random-output-len", "30", "--num-kv-blocks", "8", "--no-progress"]
+    sw = tmp_path / "sweep.json"
+    rc = cli.main(
+        [
+            "sweep",
+            *args,
+            "--policies",
+            "continuous",
+            "--request-rates",
+            "inf,inf",
+            "--result-file",
+            str(sw),
+            "--record-steps",
+            str(tmp_path / "steps"),
+        ]
+    )
+    assert rc == 0
+    runs = json.loads(sw.read_text())["runs"]
+    assert len(runs) == 2
+    for run in runs:
+        steps = [json.loads(x) for x in Path(run["steps_file"]).read_text().splitlines()]
+        es = run["engine_stats"]
+        assert es["num_steps"] == run["summary"]["num_steps"] == len(steps)
+        assert es["num_preemptions"] == sum(s["num_preemptions"] for s in steps) > 0
+        assert es["num_prefill_tokens"] == sum(s["num_prefill_tokens"] for s in steps)
+        assert es["num_decode_tokens"] == sum(s["num_decode_tokens"] for s in steps)
+        assert es["max_kv_usage"] == max(s["kv_blocks_used"] for s in steps) / 8
+        assert sum(es["finished_by_reason"].values()) == 8

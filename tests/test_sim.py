@@ -24,6 +24,7 @@ from iterserve.sim.capacity import (
     meets,
     parse_slos,
     scaled,
+    slo_percentiles,
 )
 from iterserve.sim.cli import main as simulate_main
 from iterserve.sim.cost_model import RooflineCostModel, StepShape, step_shape
@@ -314,9 +315,41 @@ def test_parse_slos_and_meets() -> None:
         {"failed": 0, "completed": 3, "p99_ttft_ms": 501, "median_tpot_ms": 1, "mean_e2el_ms": 1},
         slos,
     )
-    for bad in ("ttft:500", "foo_p99:1", "ttft_p99:x", "ttft_p99:-1", ""):
+    for bad in (
+        "ttft:500",
+        "foo_p99:1",
+        "ttft_p99:x",
+        "ttft_p99:-1",
+        "",
+        "ttft_p0:1",
+        "ttft_p101:1",
+    ):
         with pytest.raises(ValueError):
             parse_slos(bad)
+
+
+@pytest.mark.parametrize("stat", ["p50", "p95", "p99.9", "p50.0", "p100"])
+def test_any_percentile_slo_is_computed_and_judged(stat: str) -> None:
+    """Every pNN the parser accepts is a statistic the capacity search computes: a limit
+    between the run's value and twice it is met, one just under it missed (for TTFT, E2E
+    latency and ITL alike; a missing statistic used to miss TTFT / E2E SLOs at every rate
+    and pass ITL ones at any)."""
+    specs = _specs(n=60, rate=5.0)
+    res = _sim().run(specs)
+    for metric in ("ttft", "e2el", "itl"):
+        (slo,) = parse_slos(f"{metric}_{stat}:1")
+        summary = summarize(res.timings, res.duration_s, percentiles=slo_percentiles([slo]))
+        v = summary[slo.key]
+        assert v is not None and v > 0
+        assert meets(summary, parse_slos(f"{metric}_{stat}:{v * 1.001}"))
+        assert not meets(summary, parse_slos(f"{metric}_{stat}:{v * 0.999}"))
+
+    def run(s: list[RequestSpec], stop: object) -> object:
+        return _sim().run(s, stop=stop)  # type: ignore[arg-type]
+
+    for stat_, limit in ((stat, 300), ("p50", 300)):
+        cap = find_max_rate(specs, run, parse_slos(f"ttft_{stat_}:{limit}"), tolerance=0.1)  # type: ignore[arg-type]
+        assert cap.max_rate > 0 and cap.best is not None
 
 
 @settings(max_examples=200, deadline=None)
@@ -644,3 +677,42 @@ def test_scaled_poisson_equals_regenerated_rate() -> None:
     b = synth_arrivals(50, 6.0, 1.0, np.random.default_rng([3, 2]))
     specs = [RequestSpec([1], 1, t) for t in a]
     assert [s.arrival_time for s in scaled(specs, 3.0)] == pytest.approx(b)
+
+
+def test_cli_refuses_what_it_would_not_honour(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--workload", "random", "--num-prompts", "20", "--model", "llama-3-8b"]
+    rated = [*base, "--request-rate", "5"]
+    # a capacity search is not one run: no steps to record, no goodput to report
+    for extra in (["--record-steps", str(tmp_path / "s.jsonl")], ["--goodput", "ttft:500"]):
+        assert simulate_main([*rated, "--find-max-rate", "--slo", "ttft_p99:500", *extra]) == 2
+        assert "--find-max-rate reports each policy's capacity" in capsys.readouterr().err
+    # all at once: no rate to scale (was NaN arrival times, every request "failed")
+    for kind in ("throughput", "attainment"):
+        args = [*base, "--at-capacity", "1", "--capacity", kind, "--slo", "ttft_p99:500"]
+        assert simulate_main(args) == 2
+        assert "every request arrives at once" in capsys.readouterr().err
+    # an SLO met at no rate: a clear error, not a ZeroDivisionError
+    assert simulate_main([*rated, "--at-capacity", "1.2", "--slo", "ttft_p50:0.001"]) == 2
+    assert "at no rate tried" in capsys.readouterr().err
+    # a measured CPU profile has no roofline efficiency factors to scale
+    assert simulate_main([*rated, "--hardware", "cpu:x.json", "--efficiency", "gemm=0.5"]) == 2
+    assert "drop --efficiency" in capsys.readouterr().err
+
+
+def test_cli_replicas_step_records_plot_per_replica(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from iterserve.bench.plot import load_timelines
+
+    out, steps = tmp_path / "r.json", tmp_path / "st.jsonl"
+    args = ["--workload", "random", "--num-prompts", "30", "--request-rate", "20"]
+    args += ["--model", "llama-3-8b", "--replicas", "2", "--result-file", str(out)]
+    assert simulate_main([*args, "--record-steps", str(steps)]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["steps_file"] is None
+    assert [Path(f).name for f in run["steps_files"]] == ["st.r0.jsonl", "st.r1.jsonl"]
+    tls = load_timelines([str(out)])
+    assert [t.label for t in tls] == ["continuous replica 0", "continuous replica 1"]
+    assert sum(len(t.steps) for t in tls) == run["summary"]["num_steps"]

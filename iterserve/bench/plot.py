@@ -246,8 +246,9 @@ def load_timelines(
     paths: list[str], labels: list[str] | None = None, rate: float | None = None
 ) -> list[Timeline]:
     """Step-record files (.jsonl) give one timeline each; result files (.json) give one per
-    run that names a ``steps_file`` (with request arrivals, from the run's timings), only the
-    runs at request rate ``rate`` when it is given."""
+    run that names a ``steps_file`` (with request arrivals, from the run's timings), or one
+    per replica of a simulated run that names ``steps_files``, only the runs at request rate
+    ``rate`` when it is given."""
     out: list[Timeline] = []
     for p in paths:
         if p.endswith(".jsonl"):
@@ -257,17 +258,12 @@ def load_timelines(
         doc = read_result(p)
         found = False
         for run in doc["runs"]:
-            sf = run.get("steps_file")
+            files = run.get("steps_files") or [run.get("steps_file")]
             run_rate = rate_value(run.get("request_rate"))
-            if not sf or (
+            if not all(files) or (
                 rate is not None and (run_rate is None or not math.isclose(run_rate, rate))
             ):
                 continue
-            sp = Path(sf)
-            if not sp.is_file():
-                sp = Path(p).parent / Path(sf).name
-            steps = read_steps(sp)
-            t0 = run.get("clock_start") or steps[0]["start_time"]
             arrivals = {t["request_id"]: t["arrival_time"] for t in run.get("requests", [])}
             label = run["label"] + (
                 f" @ {_rate_text(rate_value(run.get('request_rate')))} req/s"
@@ -275,7 +271,14 @@ def load_timelines(
                 else ""
             )
             slots = (run.get("engine_args") or {}).get("max_num_seqs")
-            out.append(Timeline(label, steps, t0, arrivals, slots))
+            for i, sf in enumerate(files):
+                sp = Path(sf)
+                if not sp.is_file():
+                    sp = Path(p).parent / Path(sf).name
+                steps = read_steps(sp)
+                t0 = run.get("clock_start") or steps[0]["start_time"]
+                name = f"{label} replica {i}" if len(files) > 1 else label
+                out.append(Timeline(name, steps, t0, arrivals, slots))
             found = True
         if not found:
             at = f" at rate {rate}" if rate is not None else ""

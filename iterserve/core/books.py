@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from array import array
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import IO, TypedDict
 
@@ -284,6 +284,53 @@ class Books:
             "finished_by_reason": dict(self.finished_by_reason),
             "healthy": healthy,
         }
+
+
+# Counters that only grow: a run's own is the difference of the engine's after and before it.
+_CUMULATIVE = (
+    "num_steps",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "num_preemptions",
+    "num_rejected",
+    "recomputed_tokens",
+    "prefix_cache_query_tokens",
+    "prefix_cache_hit_tokens",
+)
+
+
+def counters_between(
+    before: Mapping[str, object], after: Mapping[str, object], max_kv_usage: float | None
+) -> dict[str, object]:
+    """The counters of what an engine did between two ``stats()`` (a benchmark run on an
+    engine that ran warmups and earlier runs): the cumulative ones subtracted, the rates
+    derived from the differences, ``max_kv_usage`` the run's peak (as its steps saw it; left
+    out when None), the state (running, waiting, KV use) as ``after`` has it."""
+
+    def count(m: Mapping[str, object], key: str) -> int:
+        v = m.get(key, 0)
+        assert isinstance(v, int), f"stats()[{key!r}] is {v!r}, not a count"
+        return v
+
+    out = {k: v for k, v in after.items() if k not in ("tokens_per_step", "max_kv_usage")}
+    diff = {k: count(after, k) - count(before, k) for k in _CUMULATIVE if k in after}
+    out.update(diff)
+    out["recompute_tax"] = recompute_tax(
+        diff.get("recomputed_tokens", 0),
+        diff.get("num_prefill_tokens", 0),
+        diff.get("num_decode_tokens", 0),
+    )
+    q, h = diff.get("prefix_cache_query_tokens", 0), diff.get("prefix_cache_hit_tokens", 0)
+    out["prefix_cache_hit_rate"] = h / q if q else 0.0
+    ended, was = after.get("finished_by_reason"), before.get("finished_by_reason")
+    if isinstance(ended, dict):
+        was = was if isinstance(was, dict) else {}
+        out["finished_by_reason"] = {
+            r: n - was.get(r, 0) for r, n in ended.items() if n - was.get(r, 0)
+        }
+    if max_kv_usage is not None:
+        out["max_kv_usage"] = max_kv_usage
+    return out
 
 
 def merge_counters(books: Sequence[Books]) -> StepCounters:

@@ -28,7 +28,7 @@ from typing import Any
 
 from iterserve.sim.simulator import SimResult
 from iterserve.workload.datasets import RequestSpec
-from iterserve.workload.metrics import RequestTiming, summarize
+from iterserve.workload.metrics import PERCENTILES, RequestTiming, summarize
 
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -65,13 +65,17 @@ def parse_slos(text: str) -> list[Slo]:
         name, sep, value = item.partition(":")
         metric, _, stat = name.strip().lower().partition("_")
         ok_stat = stat in ("mean", "median") or (
-            stat.startswith("p") and stat[1:].replace(".", "", 1).isdigit()
+            stat.startswith("p")
+            and stat[1:].replace(".", "", 1).isdigit()
+            and 0 < float(stat[1:]) <= 100
         )
         if not sep or metric not in SLO_METRICS or not ok_stat:
             raise ValueError(
                 f"SLO {item!r} must look like METRIC_STAT:MS with METRIC in {SLO_METRICS} and STAT "
-                "p50/p90/p99/median/mean, e.g. ttft_p99:500"
+                "mean, median or pNN (0 < NN <= 100: p50, p90, p99, p99.9, ...), e.g. ttft_p99:500"
             )
+        if stat.startswith("p"):
+            stat = f"p{float(stat[1:]):g}"  # p50.0 -> p50: the summary's key for it
         try:
             limit = float(value)
         except ValueError as e:
@@ -84,7 +88,15 @@ def parse_slos(text: str) -> list[Slo]:
     return slos
 
 
+def slo_percentiles(slos: list[Slo]) -> tuple[float, ...]:
+    """The percentiles ``summarize`` must compute for ``slos`` besides its usual ones."""
+    extra = {float(s.stat[1:]) for s in slos if s.stat.startswith("p")}
+    return tuple(sorted(set(PERCENTILES) | extra))
+
+
 def meets(summary: dict[str, Any], slos: list[Slo]) -> bool:
+    """Whether a run's summary (from ``summarize`` with ``slo_percentiles(slos)``) meets
+    every SLO; a statistic the summary lacks for TTFT or E2E latency misses it."""
     if summary["failed"] or not summary["completed"]:
         return False
     for s in slos:
@@ -176,12 +188,13 @@ def find_max_rate(
             "or give --request-rate (the search scales it)"
         )
     num_multi = sum(1 for s in specs if s.output_len > 1)
+    percentiles = slo_percentiles(slos)
     res = CapacityResult(0.0, 0.0)
 
     def probe(scale: float) -> bool:
         t0 = time.perf_counter()
         r = run(scaled(specs, scale), EarlyStop(slos, len(specs), num_multi))
-        summary = summarize(r.timings, r.duration_s)
+        summary = summarize(r.timings, r.duration_s, percentiles=percentiles)
         ok = not r.stopped_early and meets(summary, slos)
         p = Probe(scale, base_rate * scale, ok, summary, r.stopped_early, time.perf_counter() - t0)
         res.probes.append(p)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -472,6 +473,11 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         raise ValueError("give --find-max-rate or --at-capacity, not both")
     if ns.at_capacity is not None and not ns.at_capacity > 0:
         raise ValueError(f"--at-capacity must be a positive multiple, got {ns.at_capacity}")
+    if ns.find_max_rate and (ns.record_steps or ns.goodput):
+        raise ValueError(
+            "--find-max-rate reports each policy's capacity, not one run: --record-steps and "
+            "--goodput apply to a simulation (or to --at-capacity's runs); drop them here"
+        )
     slos = parse_slos(ns.slo) if searching else []
     if ns.tenants:
         parse_tenant_shares(ns.tenants)  # a bad value fails before any work
@@ -573,6 +579,12 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         def run_base(s: list[RequestSpec], stop: Any) -> SimResult:
             return Simulator(sc, dep.cost).run(s, stop=stop)
 
+        if math.isinf(mean_rate(specs)):
+            raise ValueError(
+                "--at-capacity scales the workload's arrival times, and here every request "
+                "arrives at once: give --request-rate (any rate: the search scales it) or a "
+                "timed trace"
+            )
         if throughput:
             tc = find_throughput_capacity(specs, run_base)
             max_rate, max_scale = tc.max_rate, tc.max_scale
@@ -581,6 +593,13 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
             cap = find_max_rate(specs, run_base, slos, tolerance=ns.tolerance)
             max_rate, max_scale = cap.max_rate, cap.max_scale
             what = "under " + ", ".join(str(x) for x in slos)
+            if max_scale == 0:
+                lowest = min(p.rate for p in cap.probes)
+                raise ValueError(
+                    f"{policies[0]} met {', '.join(str(x) for x in slos)} at no rate tried "
+                    f"(down to {lowest:.3g} req/s), so it has no capacity to run at: relax "
+                    "--slo or change the deployment"
+                )
         _err(
             f"{ns.capacity or 'attainment'} capacity of {policies[0]} ({what}): "
             f"{max_rate:.4g} req/s (rate scale {max_scale:.4g}); running every "
@@ -596,12 +615,16 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         }
 
     results: list[tuple[str, dict[str, Any], SimResult, str | None]] = []
+    replica_files: dict[str, list[str | None]] = {}
     for pol in policies:
         sc = sim_config(pol, base, dep, ns.replicas, ns.router)
         sp = steps_path(ns.record_steps, pol, len(policies) > 1)
         t1 = time.perf_counter()
-        res = Simulator(sc, dep.cost, record_steps=sp).run(specs)
+        sim = Simulator(sc, dep.cost, record_steps=sp)
+        res = sim.run(specs)
         wall = time.perf_counter() - t1
+        if sp is not None and ns.replicas > 1:  # one file a replica
+            replica_files[pol] = [sim.step_path(i) for i in range(ns.replicas)]
         summary = summarize(res.timings, res.duration_s, goodput)
         summary["num_steps"] = res.num_steps
         summary["sim"] = sim_extras(res, wall, dep, ns.replicas)
@@ -623,9 +646,10 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                 res.timings,
                 policy=pol,
                 request_rate=mean_rate(specs) if ns.at_capacity is not None else cfg.request_rate,
-                steps_file=sp,
+                steps_file=None if pol in replica_files else sp,
                 clock_start=0.0,
                 engine_stats=res.stats,
+                **({"steps_files": replica_files[pol]} if pol in replica_files else {}),
             )
             for pol, summary, res, sp in results
         ]

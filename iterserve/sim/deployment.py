@@ -99,6 +99,11 @@ def build_deployment(
     efficiency: dict[str, float] | None = None,
 ) -> Deployment:
     if hardware.startswith("cpu:"):
+        if efficiency:
+            raise ValueError(
+                "--efficiency scales the roofline hardware models' factors; a cpu:PROFILE "
+                "cost model is measured, so it has none: drop --efficiency"
+            )
         return _cpu_deployment(
             model,
             hardware[4:],

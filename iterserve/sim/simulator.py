@@ -189,7 +189,8 @@ class Simulator:
         self.costs = costs
         self.record_steps = record_steps
 
-    def _step_path(self, i: int) -> str | None:
+    def step_path(self, i: int) -> str | None:
+        """Where replica ``i``'s steps go (None without ``record_steps``)."""
         if not self.record_steps:
             return None
         if self.cfg.replicas == 1:
@@ -212,7 +213,7 @@ class Simulator:
         reps = [_Replica(i, self.cfg, self.costs[i]) for i in range(self.cfg.replicas)]
         try:
             for i, rep in enumerate(reps):
-                rep.books.record_steps(self._step_path(i))
+                rep.books.record_steps(self.step_path(i))
             return _Run(self.cfg.router, specs, reps, request_id_prefix, stop).run()
         finally:
             for rep in reps:

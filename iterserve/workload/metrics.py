@@ -123,7 +123,7 @@ def meets_slos(t: RequestTiming, slos: dict[str, float]) -> bool:
 
 
 def _stats(
-    prefix: str, values_s: list[float], percentiles: tuple[int, ...]
+    prefix: str, values_s: list[float], percentiles: tuple[float, ...]
 ) -> dict[str, float | None]:
     """mean/median/std/pXX in milliseconds; None when there is no value (never a made-up 0)."""
     out: dict[str, float | None] = {}
@@ -133,7 +133,7 @@ def _stats(
     out[f"median_{prefix}_ms"] = float(np.median(arr)) if has else None
     out[f"std_{prefix}_ms"] = float(arr.std()) if has else None
     for p in percentiles:
-        out[f"p{p}_{prefix}_ms"] = float(np.percentile(arr, p)) if has else None
+        out[f"p{p:g}_{prefix}_ms"] = float(np.percentile(arr, p)) if has else None
     return out
 
 
@@ -141,7 +141,7 @@ def summarize(
     timings: list[RequestTiming],
     duration_s: float,
     goodput_slos: dict[str, float] | None = None,
-    percentiles: tuple[int, ...] = PERCENTILES,
+    percentiles: tuple[float, ...] = PERCENTILES,
 ) -> dict[str, Any]:
     """The summary dict of one run (keys follow vLLM's result JSON where they overlap)."""
     ok = [t for t in timings if t.success]

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from iterserve.core.books import counters_between
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.workload.datasets import RequestSpec
@@ -51,7 +52,7 @@ class ReplayResult:
     duration_s: float  # start of the run to the last completion
     num_steps: int  # engine steps that ran a batch
     start_time: float  # clock() at the start (time.monotonic by default), to align step records
-    engine_stats: dict[str, Any] = field(default_factory=dict)
+    engine_stats: dict[str, Any] = field(default_factory=dict)  # this run's counters
 
 
 def bench_params(output_len: int) -> SamplingParams:
@@ -92,7 +93,11 @@ def replay(
     Requests the engine rejects (``ValueError`` from ``add_request``) and requests that end
     with an error are failures in the returned timings, never dropped.
     """
+    stats_before = dict(engine.stats())
     steps_before = _engine_steps(engine)
+    # The run's peak KV use, from each step's stats where the engine keeps them
+    peak: float | None = None
+    seen: object = getattr(engine, "last_step_stats", None)
     timings = [
         RequestTiming(
             request_id=f"{request_id_prefix}{i}",
@@ -145,6 +150,10 @@ def replay(
             continue
         outputs = engine.step()
         now = clock() - start
+        st = getattr(engine, "last_step_stats", None)
+        if st is not None and st is not seen:
+            seen = st
+            peak = max(peak or 0.0, st.kv_usage)
         for out in outputs:
             rt = live.get(out.request_id)
             if rt is None:
@@ -163,7 +172,8 @@ def replay(
                 end = now
                 finish(rt)
     num_steps = _engine_steps(engine) - steps_before
-    stats = {k: v for k, v in engine.stats().items() if k != "tokens_per_step"}
+    # this run's counters, not the engine's lifetime ones (warmups and earlier runs)
+    stats = counters_between(stats_before, engine.stats(), peak)
     return ReplayResult(
         timings=timings, duration_s=end, num_steps=num_steps, start_time=start, engine_stats=stats
     )

@@ -116,7 +116,7 @@ class StepStats:
     kv_blocks_total: int = 0
     num_preemptions: int = 0
     prefix_hit_tokens: int = 0
-    num_finished: int = 0
+    num_outputs: int = 0  # requests the step gave output to: tokens, or their end
     scheduled: list[tuple[str, int, bool]] = field(default_factory=list)
 
     @property

@@ -272,3 +272,30 @@ def test_run_counters_are_the_runs_own(tmp_path: Path) -> None:
         assert es["num_decode_tokens"] == sum(s["num_decode_tokens"] for s in steps)
         assert es["max_kv_usage"] == max(s["kv_blocks_used"] for s in steps) / 8
         assert sum(es["finished_by_reason"].values()) == 8
+
+
+def test_plot_rate_picks_by_the_printed_value(tmp_path: Path) -> None:
+    """An auto sweep's rates print rounded (250.3166 as 250): --rate takes either form, and
+    a rate no run has is named as such, not blamed on missing step records."""
+    runs = [{"label": "c", "_rate": r} for r in (250.3166, 500.6332)]
+    assert plot._pick_cdf_runs(runs, 250.0) == [runs[0]]
+    assert plot._pick_cdf_runs(runs, 250.3166) == [runs[0]]
+    with pytest.raises(ValueError, match="no run at rate 300"):
+        plot._pick_cdf_runs(runs, 300.0)
+    steps = tmp_path / "s.jsonl"
+    step = {"step": 0, "start_time": 0.0, "duration_s": 0.1, "scheduled": [["r", 4, True]]}
+    steps.write_text(json.dumps(step) + "\n")
+    doc = {
+        "kind": "sweep",
+        "runs": [
+            {"label": "c", "request_rate": 250.3166, "steps_file": str(steps)},
+            {"label": "c", "request_rate": 500.6332},
+        ],
+    }
+    res = tmp_path / "r.json"
+    res.write_text(json.dumps(doc))
+    assert len(plot.load_timelines([str(res)], rate=250.0)) == 1
+    with pytest.raises(ValueError, match="no run at rate 300"):
+        plot.load_timelines([str(res)], rate=300.0)
+    with pytest.raises(ValueError, match="names a steps_file"):
+        plot.load_timelines([str(res)], rate=500.6)

@@ -716,3 +716,24 @@ def test_cli_replicas_step_records_plot_per_replica(
     tls = load_timelines([str(out)])
     assert [t.label for t in tls] == ["continuous replica 0", "continuous replica 1"]
     assert sum(len(t.steps) for t in tls) == run["summary"]["num_steps"]
+
+
+def test_cli_whole_trace_with_skipped_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --num-prompts a trace is taken whole: rows --long-prompts skip drops leave
+    fewer requests, not an error (it asked for every row and then refused the shortfall)."""
+    trace = tmp_path / "t.csv"
+    rows = [(100, 20), (3000, 50), (200, 30), (150, 3000), (120, 10)]
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "".join(f"2023-11-16 18:15:{10 + i}.0000000,{p},{o}\n" for i, (p, o) in enumerate(rows))
+    )
+    out = tmp_path / "r.json"
+    args = ["--workload", str(trace), "--model", "llama-3-8b", "--max-model-len", "2048"]
+    assert simulate_main([*args, "--long-prompts", "skip", "--result-file", str(out)]) == 0
+    capsys.readouterr()
+    assert json.loads(out.read_text())["runs"][0]["summary"]["completed"] == 3
+    # a count asked for is still a count to reach
+    assert simulate_main([*args, "--long-prompts", "skip", "--num-prompts", "5"]) == 2
+    assert "gave only 3 usable requests of the 5" in capsys.readouterr().err

@@ -119,7 +119,7 @@ def test_same_decisions_as_engine(case: str, tmp_path: Path) -> None:
             "kv_blocks_total",
             "num_preemptions",
             "prefix_hit_tokens",
-            "num_finished",
+            "num_outputs",
         ):
             assert b[key] == a[key], f"step {i}: {key} real {a[key]} sim {b[key]}"
     if case == "continuous":  # the workload does exercise what it is meant to

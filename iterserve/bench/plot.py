@@ -59,6 +59,13 @@ def _rate_text(rate: float | None) -> str:
     return "inf" if math.isinf(rate) else f"{rate:.3g}"
 
 
+def _same_rate(run_rate: float | None, rate: float) -> bool:
+    """A run at ``rate`` as the user typed it: the value, or the rounded one tables print."""
+    if run_rate is None:
+        return False
+    return math.isclose(run_rate, rate, rel_tol=1e-3) or _rate_text(run_rate) == _rate_text(rate)
+
+
 def _all_runs(paths: list[str]) -> list[dict[str, Any]]:
     runs = []
     for p in paths:
@@ -140,11 +147,7 @@ def _pick_cdf_runs(runs: list[dict[str, Any]], rate: float | None) -> list[dict[
     """``rate`` given: the runs at that rate. Otherwise every run of a label that has one
     run, and for labels with several (a sweep) the run at the highest finite rate."""
     if rate is not None:
-        picked = [
-            r
-            for r in runs
-            if r["_rate"] is not None and math.isclose(r["_rate"], rate, rel_tol=1e-3)
-        ]
+        picked = [r for r in runs if _same_rate(r["_rate"], rate)]
         if not picked:
             have = sorted({_rate_text(r["_rate"]) for r in runs})
             raise ValueError(f"no run at rate {rate}; the inputs have rates {have}")
@@ -257,12 +260,14 @@ def load_timelines(
             continue
         doc = read_result(p)
         found = False
+        rates: set[str] = set()
         for run in doc["runs"]:
             files = run.get("steps_files") or [run.get("steps_file")]
             run_rate = rate_value(run.get("request_rate"))
-            if not all(files) or (
-                rate is not None and (run_rate is None or not math.isclose(run_rate, rate))
-            ):
+            rates.add(_rate_text(run_rate))
+            if rate is not None and not _same_rate(run_rate, rate):
+                continue
+            if not all(files):
                 continue
             arrivals = {t["request_id"]: t["arrival_time"] for t in run.get("requests", [])}
             label = run["label"] + (
@@ -281,6 +286,10 @@ def load_timelines(
                 out.append(Timeline(name, steps, t0, arrivals, slots))
             found = True
         if not found:
+            if rate is not None and not any(
+                _same_rate(rate_value(r.get("request_rate")), rate) for r in doc["runs"]
+            ):
+                raise ValueError(f"{p}: no run at rate {rate}; it has rates {sorted(rates)}")
             at = f" at rate {rate}" if rate is not None else ""
             raise ValueError(
                 f"{p}: no run{at} names a steps_file; run the benchmark with --record-steps DIR"

@@ -76,7 +76,7 @@ class StepLog:
         "kv_blocks_used",
         "num_preemptions",
         "prefix_hit_tokens",
-        "num_finished",
+        "num_outputs",
     )
 
     def __init__(self, kv_blocks_total: int) -> None:
@@ -102,7 +102,7 @@ class StepLog:
         a[5](st.kv_blocks_used)
         a[6](st.num_preemptions)
         a[7](st.prefix_hit_tokens)
-        a[8](st.num_finished)
+        a[8](st.num_outputs)
 
 
 class Books:
@@ -184,7 +184,7 @@ class Books:
         sched: SchedulerOutput,
         start_time: float,
         duration_s: float,
-        num_finished: int,
+        num_outputs: int,
         phases: tuple[float, float, float, float] | None = None,
     ) -> None:
         """Records a step that ran ``sched``; call after ``update_from_output``, as the
@@ -209,7 +209,7 @@ class Books:
             kv_blocks_total=self.kv.num_blocks,
             num_preemptions=len(sched.preempted),
             prefix_hit_tokens=sched.prefix_hit_tokens,
-            num_finished=num_finished,
+            num_outputs=num_outputs,
         )
         s.policy.on_step_end(sched, duration_s)
         self.num_steps += 1

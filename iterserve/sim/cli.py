@@ -499,7 +499,10 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     cfg = workload_config(ns)
     t0 = time.perf_counter()
     specs, report = build_workload(
-        cfg, vocab_size=dep.model.vocab_size, max_model_len=dep.max_model_len
+        cfg,
+        vocab_size=dep.model.vocab_size,
+        max_model_len=dep.max_model_len,
+        at_most=ns.num_prompts is None,  # the whole trace: what its skipped rows leave
     )
     if ns.tenants:
         specs = assign_tenants(specs, parse_tenant_shares(ns.tenants), seed=cfg.seed)

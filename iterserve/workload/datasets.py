@@ -349,13 +349,15 @@ def _candidate_rows(cfg: WorkloadConfig, rng: np.random.Generator) -> list[Trace
 
 
 def build_workload(
-    cfg: WorkloadConfig, *, vocab_size: int, max_model_len: int
+    cfg: WorkloadConfig, *, vocab_size: int, max_model_len: int, at_most: bool = False
 ) -> tuple[list[RequestSpec], LengthReport]:
     """The requests of ``cfg`` (sorted by arrival time) and a report of clipped/skipped ones.
 
     Lengths are scaled by ``cfg.length_scale`` first, then fitted to ``max_model_len``
     (prompt + output): ``clip`` shortens them (see ``fit_lengths``), ``skip`` drops the row
     and takes the next one. Prompts are random ids in ``token_id_range(vocab_size)``.
+    ``at_most``: ``cfg.num_prompts`` is a most, not a count to reach (a whole trace whose
+    skipped rows leave fewer).
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -382,7 +384,7 @@ def build_workload(
             report.clipped += 1
             in_len, out_len = fit_lengths(in_len, out_len, max_model_len)
         taken.append((row, in_len, out_len))
-    if len(taken) < cfg.num_prompts:
+    if not taken or (len(taken) < cfg.num_prompts and not at_most):
         raise ValueError(
             f"dataset {cfg.dataset!r} gave only {len(taken)} usable requests of the "
             f"{cfg.num_prompts} asked for ({report.describe()})"

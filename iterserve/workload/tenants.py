@@ -60,20 +60,31 @@ def served_tokens(
     for t, s in zip(timings, specs):
         if t.ttft is None:
             continue
-        # TTFT counts from the arrival (TokenClock), not from send_time, which is later when
-        # the request arrived during a step.
-        times = t.arrival_time + t.ttft + np.concatenate([[0.0], np.cumsum(t.itl)])
-        out[s.tenant] += int(np.searchsorted(times, until, side="right"))
+        out[s.tenant] += int(np.searchsorted(_token_times(t), until, side="right"))
     return out
+
+
+def _token_times(t: RequestTiming) -> np.ndarray:
+    # TTFT counts from the arrival (TokenClock), not from send_time, which is later when the
+    # request arrived during a step.
+    assert t.ttft is not None
+    return t.arrival_time + t.ttft + np.concatenate([[0.0], np.cumsum(t.itl)])
 
 
 def fairness_index(timings: Sequence[RequestTiming], specs: Sequence[RequestSpec]) -> float:
     """Jain's index, by the arrival of the middle request, over each tenant's output tokens
     served divided by those its requests that had arrived asked for: 1.0 when every
-    tenant is served in proportion to its demand while the backlog lasts."""
+    tenant is served in proportion to its demand while the backlog lasts. Where nothing had
+    been served by then (every request at once: the middle arrival is the start), by the time
+    half of all the tokens served had been."""
     by_arrival = sorted(s.arrival_time for s in specs)
     mid = by_arrival[len(by_arrival) // 2]
     got = served_tokens(timings, specs, mid)
+    if not any(got.values()):
+        times = [_token_times(t) for t in timings if t.ttft is not None]
+        if times:
+            mid = float(np.median(np.concatenate(times)))
+            got = served_tokens(timings, specs, mid)
     asked = dict.fromkeys(got, 0)
     for s in specs:
         if s.arrival_time <= mid:

@@ -102,6 +102,24 @@ MALFORMED: dict[str, tuple[str, bytes, str | None]] = {
     "truncated": ("/v1/completions", b'{"prompt": "x', None),
     "not_object": ("/tokenize", b"[1, 2]", None),
     "empty": ("/v1/completions", b"", None),
+    # an earlier assistant turn's tool call without a function object (was a 500)
+    "tool_call_function_string": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+        b'"tool_calls": [{"function": "ab"}]}]}',
+        "messages.1.tool_calls",
+    ),
+    "tool_call_function_int_tokenize": (
+        "/tokenize",
+        b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "x", "function": 5}]}]}',
+        "messages.0.tool_calls",
+    ),
+    "tool_call_arguments_number": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", '
+        b'"arguments": 3}}]}]}',
+        "messages.0.tool_calls",
+    ),
 }
 
 

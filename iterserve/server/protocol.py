@@ -187,6 +187,24 @@ class ChatMessage(OpenAIModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn answers this call
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_have_functions(cls, calls: list[dict[str, Any]] | None) -> Any:
+        # OpenAI's shape: {"id", "type": "function", "function": {"name", "arguments"}}; the
+        # templates read function.name and function.arguments
+        for j, tc in enumerate(calls or ()):
+            fn = tc.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(
+                    f"tool_calls[{j}].function must be an object with a string name (and "
+                    'arguments), e.g. {"name": "get_weather", "arguments": "{}"}'
+                )
+            if not isinstance(fn.get("arguments", ""), str | dict):
+                raise ValueError(
+                    f"tool_calls[{j}].function.arguments must be a JSON string (or an object)"
+                )
+        return calls
+
 
 class ChatCompletionRequest(SamplingExtras):
     messages: list[ChatMessage]

@@ -197,6 +197,34 @@ def stream_options(c: Ctx, ep: str) -> None:
     events = parse_sse(c.raw(ep, stream=True, stream_options={"include_usage": True}).text)
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == MAX
     c.refused(ep, "stream_options", stream_options={"include_usage": True})
+    # continuous usage: every chunk counts the whole prompt, the first (chat's role chunk) too
+    every = {"include_usage": True, "continuous_usage_stats": True}
+    events = parse_sse(c.raw(ep, stream=True, stream_options=every).text)[:-1]
+    prompt = c.greedy(ep)["usage"]["prompt_tokens"]
+    assert all(e["usage"]["prompt_tokens"] == prompt for e in events), events[0]
+
+
+def stream_token_ids(c: Ctx, ep: str) -> None:
+    """return_token_ids in a stream, where vLLM puts them: each chunk's new token ids; the
+    prompt's on each choice of a completion, on chat's first (role) chunk of each choice."""
+    events = parse_sse(c.raw(ep, stream=True, return_token_ids=True, n=2).text)[:-1]
+    ids: dict[int, list[int]] = {0: [], 1: []}
+    for e in events:
+        for ch in e["choices"]:
+            ids[ch["index"]] += ch.get("token_ids") or []
+    assert ids[0] == c.greedy_tokens(ep) == ids[1]
+    prompt = prompt_ids_of(c.greedy(ep), ep)
+    if ep == "chat":
+        firsts = [e for e in events if "role" in e["choices"][0]["delta"]]
+        assert len(firsts) == 2 and all(e["prompt_token_ids"] == prompt for e in firsts)
+    else:
+        seen = [
+            ch["prompt_token_ids"]
+            for e in events
+            for ch in e["choices"]
+            if "prompt_token_ids" in ch
+        ]
+        assert seen == [prompt, prompt]
 
 
 def ignore_eos(c: Ctx, ep: str) -> None:
@@ -240,10 +268,22 @@ def return_tokens_as_token_ids(c: Ctx, ep: str) -> None:
     assert toks == [f"token_id:{t}" for t in g]
 
 
+def prompt_ids_of(resp: dict[str, Any], ep: str) -> list[int]:
+    """vLLM's place for them: each choice of a completion, the chat response itself."""
+    return list(
+        resp["choices"][0]["prompt_token_ids"] if ep == "completions" else resp["prompt_token_ids"]
+    )
+
+
 def return_token_ids(c: Ctx, ep: str) -> None:
-    ch = c.post(ep, return_token_ids=True)["choices"][0]
-    assert len(ch["token_ids"]) == MAX and ch["prompt_token_ids"]
-    assert "token_ids" not in c.post(ep)["choices"][0]
+    resp = c.post(ep, return_token_ids=True)
+    ch = resp["choices"][0]
+    assert len(ch["token_ids"]) == MAX and prompt_ids_of(resp, ep)
+    plain = c.post(ep)
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
+    if ep == "chat":
+        assert "prompt_token_ids" not in ch
+    stream_token_ids(c, ep)
 
 
 def request_id(c: Ctx, ep: str) -> None:
@@ -274,10 +314,10 @@ def bad_words(c: Ctx, ep: str) -> None:
 
 
 def truncate_prompt_tokens(c: Ctx, ep: str) -> None:
-    full = c.greedy(ep)["choices"][0]["prompt_token_ids"]
+    full = prompt_ids_of(c.greedy(ep), ep)
     resp = c.post(ep, truncate_prompt_tokens=3, return_token_ids=True)
     assert resp["usage"]["prompt_tokens"] == 3
-    assert resp["choices"][0]["prompt_token_ids"] == full[-3:]
+    assert prompt_ids_of(resp, ep) == full[-3:]
     if ep == "completions":
         assert resp["choices"][0]["token_ids"] == c.tokens(ep, prompt=full[-3:])
     c.refused(ep, "truncate_prompt_tokens", truncate_prompt_tokens=0)
@@ -286,7 +326,7 @@ def truncate_prompt_tokens(c: Ctx, ep: str) -> None:
 def prompt_logprobs(c: Ctx, ep: str) -> None:
     resp = c.post(ep, prompt_logprobs=2, return_token_ids=True)
     pl = resp["prompt_logprobs"] if ep == "chat" else resp["choices"][0]["prompt_logprobs"]
-    ids = resp["choices"][0]["prompt_token_ids"]
+    ids = prompt_ids_of(resp, ep)
     assert len(pl) == len(ids) and pl[0] is None
     assert all(str(t) in e and len(e) >= 2 for t, e in zip(ids[1:], pl[1:]))
     c.refused(ep, "prompt_logprobs", prompt_logprobs=2, stream=True)
@@ -447,7 +487,7 @@ def continue_final_message(c: Ctx, ep: str) -> None:
 def chat_template(c: Ctx, ep: str) -> None:
     resp = c.post(ep, chat_template="{{ messages[0]['content'] }}", return_token_ids=True)
     want = c.engine.tokenizer.encode(CHAT[0]["content"], add_special_tokens=False)
-    assert resp["choices"][0]["prompt_token_ids"] == list(want)
+    assert resp["prompt_token_ids"] == list(want)
 
 
 def chat_template_kwargs(c: Ctx, ep: str) -> None:

@@ -43,7 +43,13 @@ class Client:
         return r.json()  # type: ignore[no-any-return]
 
     def prompt_ids(self, ep: str, **fields: Any) -> list[int]:
-        return list(self.post(ep, **fields)["choices"][0]["prompt_token_ids"])
+        return prompt_ids_of(self.post(ep, **fields), ep)
+
+
+def prompt_ids_of(resp: dict[str, Any], ep: str) -> list[int]:
+    """vLLM's place for them: each choice of a completion, the chat response itself."""
+    src = resp["choices"][0] if ep == "completions" else resp
+    return list(src["prompt_token_ids"])
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +86,7 @@ def test_the_prompt_is_cut_once(
 
     monkeypatch.setattr(SamplingParams, "truncate_prompt", recording)
     resp = client.post(ep, truncate_prompt_tokens=5, **fields)
-    assert resp["choices"][0]["prompt_token_ids"] == full[-5:]
+    assert prompt_ids_of(resp, ep) == full[-5:]
     assert resp["usage"]["prompt_tokens"] == 5
     # the server cuts the whole prompt; the engine gets the 5 kept ids with nothing to cut
     assert cuts == [(5, len(full)), (None, 5)]
@@ -129,7 +135,7 @@ def test_a_prompt_past_the_context_keeps_its_last_tokens(client: Client) -> None
 def test_prompt_logprobs_come_whole_in_a_non_streamed_response(client: Client, ep: str) -> None:
     resp = client.post(ep, prompt_logprobs=2)
     pl = resp["prompt_logprobs"] if ep == "chat" else resp["choices"][0]["prompt_logprobs"]
-    ids = resp["choices"][0]["prompt_token_ids"]
+    ids = prompt_ids_of(resp, ep)
     assert len(pl) == len(ids) and pl[0] is None
     assert all(str(t) in e and len(e) >= 2 for t, e in zip(ids[1:], pl[1:]))
 

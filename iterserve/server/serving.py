@@ -935,7 +935,7 @@ async def sse_stream(
     rest: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[str]:
     try:
-        for chunk in fmt.start_chunks():
+        for chunk in fmt.start_chunks(first):
             yield f"data: {dumps(chunk)}\n\n"
         if first is not None:
             for chunk in fmt.chunks(*first):
@@ -1026,7 +1026,9 @@ class _Format:
         """The body of a streaming response (the Responses API overrides it: its own events)."""
         return sse_stream(self, first, rest)
 
-    def start_chunks(self) -> list[dict[str, Any]]:
+    def start_chunks(self, first: tuple[int, RequestOutput] | None) -> list[dict[str, Any]]:
+        """Chunks before the first output's (``first``, already awaited: its prompt is
+        known)."""
         return []
 
     def chunks(self, pidx: int, out: RequestOutput) -> list[dict[str, Any]]:
@@ -1322,9 +1324,18 @@ class _ChatFormat(_Format):
         resp = super().full_response(finals)
         if self.req.prompt_logprobs is not None:
             resp["prompt_logprobs"] = self.s.prompt_logprobs_json(finals[0])
+        if self.req.return_token_ids:  # vLLM's chat response has them beside the choices
+            resp["prompt_token_ids"] = list(finals[0].prompt_token_ids)
         return resp
 
-    def start_chunks(self) -> list[dict[str, Any]]:
+    def start_chunks(self, first: tuple[int, RequestOutput] | None) -> list[dict[str, Any]]:
+        prompt_ids: list[int] | None = None
+        if first is not None:
+            pidx, out = first
+            prompt_ids = list(out.prompt_token_ids)
+            # usage counts the prompt from the first chunk on, as vLLM's does
+            self.prompt_tokens[pidx] = len(prompt_ids)
+            self.cached_tokens[pidx] = out.metrics.num_cached_prompt_tokens
         chunks = []
         for i in range(self.n):
             chunk = self._base(self.object_chunk)
@@ -1336,6 +1347,8 @@ class _ChatFormat(_Format):
                     "finish_reason": None,
                 }
             ]
+            if self.req.return_token_ids and prompt_ids is not None:
+                chunk["prompt_token_ids"] = prompt_ids  # vLLM: on each choice's first chunk
             if self.include_usage:
                 chunk["usage"] = self.usage() if self.continuous_usage else None
             chunks.append(chunk)
@@ -1414,7 +1427,6 @@ class _ChatFormat(_Format):
         }
         if self.req.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
-            choice["prompt_token_ids"] = list(out.prompt_token_ids)
         return choice
 
 

@@ -40,3 +40,38 @@ def test_a_tokenizer_that_cleans_up_or_wraps_decode_keeps_its_own_decode() -> No
     assert calls
     tok.clean_up_tokenization_spaces = True
     assert "rust_decode" not in _decoder(tok, True).__code__.co_freevars
+
+
+class CharTokenizer:
+    """Token i decodes to the i-th character of ALPHABET: text in tokens, one a char."""
+
+    ALPHABET = "ab.c\n"
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.ALPHABET[i] for i in ids)
+
+
+def _run(text: str, stop: list[str], min_tokens: int, include: bool = False) -> tuple[str, int]:
+    d = IncrementalDetokenizer(
+        CharTokenizer(),  # type: ignore[arg-type]
+        [0],
+        stop=stop,
+        include_stop_str_in_output=include,
+        min_tokens=min_tokens,
+    )
+    for n, ch in enumerate(text, 1):
+        if d.add_token(CharTokenizer.ALPHABET.index(ch)) is not None:
+            return d.text, n
+    return d.text, len(text)
+
+
+def test_stop_strings_wait_for_min_tokens() -> None:
+    """vLLM's rule: a stop string counts only when it ends in the text of token
+    min_tokens + 1 or later (it may start earlier)."""
+    assert _run("a.b.c.", ["."], 0) == ("a", 2)
+    assert _run("a.b.c.", ["."], 2) == ("a.b", 4)  # the "." of token 2 is inside min_tokens
+    assert _run("a.b.c.", ["."], 4) == ("a.b.c", 6)
+    assert _run("a.b.c.", ["."], 6) == ("a.b.c.", 6)  # never a stop
+    assert _run("ab.c", ["b.c"], 3) == ("a", 4)  # starts inside, ends after: a stop
+    assert _run("ab.c", ["b."], 3) == ("ab.c", 4)  # ends inside: not one
+    assert _run("a.b.", ["."], 2, include=True) == ("a.b.", 4)

@@ -337,6 +337,13 @@ def min_tokens(c: Ctx, ep: str) -> None:
     bias = {str(EOS): 100}
     toks = c.tokens(ep, logit_bias=bias, ignore_eos=False, min_tokens=3)
     assert len(toks) == 4 and toks[-1] == EOS and EOS not in toks[:3]
+    # stop strings too wait for min_tokens (vLLM's rule): the reply's first character as a
+    # stop string cuts it at once, and not at all while no later token may end it
+    full = text(c.greedy(ep), ep)
+    stop = full.strip()[0]
+    assert text(c.post(ep, stop=[stop]), ep) == full[: full.index(stop)]
+    resp = c.post(ep, stop=[stop], min_tokens=MAX)
+    assert text(resp, ep) == full and resp["choices"][0]["finish_reason"] == "length"
     c.refused(ep, "min_tokens", min_tokens=MAX + 1)
 
 

@@ -52,8 +52,12 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        # vLLM's rule: stop strings count only from the text of token min_tokens + 1 on
+        self.min_tokens = min_tokens
+        self._count = 0  # generated tokens added
         self.skip_special_tokens = skip_special_tokens
         self._decode = _decoder(tokenizer, skip_special_tokens)
         self.stop = list(stop)
@@ -69,8 +73,10 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str | None:
         """Adds one generated token; returns the stop string if the text now contains one
         (the text is then cut just before it, or just after it with
-        ``include_stop_str_in_output``)."""
+        ``include_stop_str_in_output``). Before ``min_tokens`` tokens no stop string ends
+        the text; after, only one that ends in a later token's text."""
         self._ids.append(token_id)
+        self._count += 1
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         full_text = self._decode(self._ids[self._prefix :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
@@ -84,6 +90,8 @@ class IncrementalDetokenizer:
                 del self._ids[:drop]
                 self._prefix -= drop
                 self._read -= drop
+        if self._count <= self.min_tokens:
+            return None
         for s in self.stop:
             idx = self.text.find(s, max(0, old_len - len(s) + 1))
             if idx >= 0:

@@ -178,6 +178,7 @@ class OutputProcessor:
                         p.skip_special_tokens,
                         p.stop or (),
                         p.include_stop_str_in_output,
+                        p.min_tokens,
                     ),
                     [] if want_lp else None,
                     0.0 if cumulative else None,

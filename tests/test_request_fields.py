@@ -364,6 +364,15 @@ def logprobs_completions(c: Ctx, ep: str) -> None:
     lp = c.post(ep, logprobs=2)["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == MAX and all(len(t) >= 2 for t in lp["top_logprobs"])
     assert all(v <= 0 for v in lp["token_logprobs"])
+    # a stream's text_offset counts the tokens as the full response does, also while text
+    # waits behind a stop string that might still match, and after an echoed prompt
+    for extra in ({"stop": ["zzzz"]}, {"stop": ["zzzz"], "echo": True}, {}):
+        whole = c.post(ep, logprobs=1, **extra)["choices"][0]["logprobs"]
+        offs: list[int] = []
+        for e in parse_sse(c.raw(ep, logprobs=1, stream=True, **extra).text)[:-1]:
+            for ch in e["choices"]:
+                offs += (ch["logprobs"] or {}).get("text_offset", [])
+        assert offs == whole["text_offset"], extra
 
 
 def echo_completions(c: Ctx, ep: str) -> None:

@@ -1180,15 +1180,20 @@ class _CompletionFormat(_Format):
             self.echoed.add(idx)
             text = self._prompt_text(pidx, out) + text
             echo_of = with_prompt_logprobs(out, self.with_prompt_lps.get(pidx))
-        off = self.text_offset.get(idx, 0)
+        lps = self._logprobs(
+            idx, c.new_token_ids, c.new_logprobs, self.text_offset.get(idx, 0), echo_of
+        )
         choice: dict[str, Any] = {
             "index": idx,
             "text": text,
-            "logprobs": self._logprobs(idx, c.new_token_ids, c.new_logprobs, off, echo_of),
+            "logprobs": lps,
             "finish_reason": c.finish_reason if finished else None,
             "stop_reason": _stop_reason(c) if finished else None,
         }
-        self.text_offset[idx] = off + len(text)
+        if lps is not None and lps["tokens"]:
+            # By the tokens just reported, as the full response counts: the text lags them
+            # while it might still become a stop string (vLLM's rule too).
+            self.text_offset[idx] = lps["text_offset"][-1] + len(lps["tokens"][-1])
         if self.req.return_token_ids:
             choice["token_ids"] = list(c.new_token_ids)
             if idx not in self.sent_prompt_ids:

@@ -364,6 +364,10 @@ def logprobs_completions(c: Ctx, ep: str) -> None:
     lp = c.post(ep, logprobs=2)["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == MAX and all(len(t) >= 2 for t in lp["top_logprobs"])
     assert all(v <= 0 for v in lp["token_logprobs"])
+    # logprobs 0: each top_logprobs entry is the sampled token alone (OpenAI: up to logprobs + 1)
+    lp0 = c.post(ep, logprobs=0)["choices"][0]["logprobs"]
+    assert [list(t) for t in lp0["top_logprobs"]] == [[t] for t in lp0["tokens"]]
+    assert [list(t.values()) for t in lp0["top_logprobs"]] == [[v] for v in lp0["token_logprobs"]]
     # a stream's text_offset counts the tokens as the full response does, also while text
     # waits behind a stop string that might still match, and after an echoed prompt
     for extra in ({"stop": ["zzzz"]}, {"stop": ["zzzz"], "echo": True}, {}):

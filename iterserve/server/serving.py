@@ -1159,7 +1159,7 @@ class _CompletionFormat(_Format):
             top: dict[str, float] = {}
             for t, v in sorted(entry.items(), key=lambda kv: kv[1].rank or 0):
                 top.setdefault(self.s.token_str(t, v, self.as_ids), _lp_value(v))
-            tops.append(top if self.params.logprobs else None)
+            tops.append(top)  # logprobs 0: the sampled token alone (OpenAI: up to logprobs + 1)
             offsets.append(offset)
             offset += len(s)
         return {

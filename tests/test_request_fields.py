@@ -91,6 +91,7 @@ def n(c: Ctx, ep: str) -> None:
     resp = c.post(ep, n=3, temperature=1.0, seed=1)
     assert sorted(ch["index"] for ch in resp["choices"]) == [0, 1, 2]
     assert len({text(resp, ep, i) for i in range(3)}) > 1
+    assert len(c.post(ep, n=None)["choices"]) == 1  # nullable in OpenAI's spec: the default
 
 
 def temperature(c: Ctx, ep: str) -> None:
@@ -281,6 +282,7 @@ def return_token_ids(c: Ctx, ep: str) -> None:
     assert len(ch["token_ids"]) == MAX and prompt_ids_of(resp, ep)
     plain = c.post(ep)
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
+    assert "token_ids" not in c.post(ep, return_token_ids=None)["choices"][0]  # vLLM: nullable
     if ep == "chat":
         assert "prompt_token_ids" not in ch
     stream_token_ids(c, ep)
@@ -380,6 +382,7 @@ def logprobs_completions(c: Ctx, ep: str) -> None:
 
 
 def echo_completions(c: Ctx, ep: str) -> None:
+    assert text(c.post(ep, echo=None), ep) == text(c.greedy(ep), ep)  # nullable: no echo
     resp = c.post(ep, echo=True, logprobs=1, return_token_ids=True)
     ch = resp["choices"][0]
     assert ch["text"] == PROMPT + text(c.greedy(ep), ep)

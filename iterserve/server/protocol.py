@@ -138,6 +138,13 @@ class SamplingExtras(OpenAIModel):
     def _defaults(cls) -> dict[str, Any]:
         return {k: f.get_default(call_default_factory=True) for k, f in cls.model_fields.items()}
 
+    # Nullable in OpenAI's spec (n) or vLLM's (the token-id switches): null is the default.
+    @field_validator("n", "return_tokens_as_token_ids", "return_token_ids", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        return cls._defaults()[info.field_name] if value is None else value
+
     @field_validator("*")
     @classmethod
     def _check_sampling(cls, value: Any, info: ValidationInfo) -> Any:
@@ -163,6 +170,11 @@ class CompletionRequest(SamplingExtras):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_is_false(cls, value: Any) -> Any:
+        return False if value is None else value  # OpenAI's spec: echo is nullable
 
     @classmethod
     def sampling_kwargs(

@@ -391,6 +391,22 @@ def echo_completions(c: Ctx, ep: str) -> None:
     assert len(lp["tokens"]) == n_prompt + MAX
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(v is not None for v in lp["token_logprobs"][1:])
+    # max_tokens 0 scores the prompt (OpenAI's legacy use; vLLM's too): the prompt's text and
+    # logprobs, nothing generated, streamed or not
+    score = c.post(ep, echo=True, logprobs=1, max_tokens=0, return_token_ids=True)
+    sc = score["choices"][0]
+    assert sc["text"] == PROMPT and sc["token_ids"] == []
+    assert sc["logprobs"]["token_logprobs"] == lp["token_logprobs"][:n_prompt]
+    assert sc["logprobs"]["text_offset"] == lp["text_offset"][:n_prompt]
+    assert score["usage"]["completion_tokens"] == 0
+    assert score["usage"]["total_tokens"] == n_prompt
+    events = parse_sse(c.raw(ep, echo=True, logprobs=1, max_tokens=0, stream=True).text)[:-1]
+    chs = [ch for e in events for ch in e["choices"]]
+    assert "".join(ch["text"] for ch in chs) == PROMPT
+    assert [v for ch in chs for v in ch["logprobs"]["token_logprobs"]] == sc["logprobs"][
+        "token_logprobs"
+    ]
+    c.refused(ep, "max_tokens", max_tokens=0)  # without echo there is nothing to return
 
 
 def best_of(c: Ctx, ep: str) -> None:

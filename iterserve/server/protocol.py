@@ -164,10 +164,10 @@ COMPLETIONS_MAX_TOKENS = 16
 
 class CompletionRequest(SamplingExtras):
     prompt: Annotated[str | list[str] | TokenIds | list[TokenIds], Field(union_mode="smart")]
+    echo: bool = False  # before max_tokens: its 0 is valid with echo (fields check in order)
     max_tokens: int | None = COMPLETIONS_MAX_TOKENS
     min_tokens: int = 0
     logprobs: int | None = None
-    echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -180,9 +180,12 @@ class CompletionRequest(SamplingExtras):
     def sampling_kwargs(
         cls, v: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
+        max_tokens = _or(v["max_tokens"], COMPLETIONS_MAX_TOKENS)
         return {
             **super().sampling_kwargs(v, defaults),
-            "max_tokens": _or(v["max_tokens"], COMPLETIONS_MAX_TOKENS),
+            # echo with max_tokens 0 scores the prompt (OpenAI's legacy use, vLLM's too): the
+            # engine runs one token, which the reply leaves out
+            "max_tokens": 1 if max_tokens == 0 and v["echo"] else max_tokens,
             "logprobs": v["logprobs"],
             "best_of": v["best_of"],
             # echo + logprobs: the echoed prompt's tokens come with logprobs too (as in vLLM)

@@ -1106,6 +1106,9 @@ class _CompletionFormat(_Format):
         super().__init__(serving, req, params, "cmpl")
         self.creq = req
         self.prompts = prompts
+        # echo with max_tokens 0: the prompt alone, its logprobs scored; the one token the
+        # engine ran is left out of text, logprobs, token ids and usage
+        self.echo_only = bool(req.echo) and req.max_tokens == 0
         self.text_offset: dict[int, int] = {}
         self.echoed: set[int] = set()
         self.sent_prompt_ids: set[int] = set()
@@ -1169,9 +1172,26 @@ class _CompletionFormat(_Format):
             "text_offset": offsets,
         }
 
+    def _scored(self, c: CompletionOutput) -> CompletionOutput:
+        """``c`` as the reply shows it: without its tokens when only the prompt is scored."""
+        if not self.echo_only:
+            return c
+        lps: list[dict[int, Logprob]] | None = None if c.logprobs is None else []
+        return dataclasses.replace(
+            c, text="", token_ids=[], new_token_ids=[], new_text="", logprobs=lps, new_logprobs=lps
+        )
+
+    def usage(self) -> dict[str, Any]:
+        u = super().usage()
+        if self.echo_only:  # the token the engine ran is not part of the reply
+            u["total_tokens"] -= u["completion_tokens"]
+            u["completion_tokens"] = 0
+        return u
+
     def chunk_choice(
         self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput, finished: bool
     ) -> dict[str, Any]:
+        c = self._scored(c)
         text = c.new_text
         echo_of = None
         if out.prompt_logprobs is not None:
@@ -1204,6 +1224,7 @@ class _CompletionFormat(_Format):
     def full_choice(
         self, idx: int, pidx: int, out: RequestOutput, c: CompletionOutput
     ) -> dict[str, Any]:
+        c = self._scored(c)
         prefix = self._prompt_text(pidx, out) if self.creq.echo else ""
         echo_of = out if self.creq.echo else None
         choice: dict[str, Any] = {

@@ -75,3 +75,20 @@ def test_stop_strings_wait_for_min_tokens() -> None:
     assert _run("ab.c", ["b.c"], 3) == ("a", 4)  # starts inside, ends after: a stop
     assert _run("ab.c", ["b."], 3) == ("ab.c", 4)  # ends inside: not one
     assert _run("a.b.", ["."], 2, include=True) == ("a.b.", 4)
+
+
+def test_tokens_that_decode_to_nothing_keep_the_window_short() -> None:
+    """Skipped special tokens (EOS repeated under ignore_eos) add no text; the window moves
+    on past them as past any token, so each costs the same, and the text stays the full
+    decode's."""
+    tok: Any = AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
+    rng = random.Random(1)
+    ids = [rng.choice([2] * 3 + list(range(100, 2000))) for _ in range(3000)]
+    ids[500:2500] = [2] * 2000  # a long run of EOS
+    d = IncrementalDetokenizer(tok, [1, 5, 6])
+    longest = 0
+    for t in ids:
+        d.add_token(t)
+        longest = max(longest, len(d._ids))
+    assert d.text == tok.decode(ids, skip_special_tokens=True)
+    assert longest < 100, longest

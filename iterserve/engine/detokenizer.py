@@ -79,8 +79,12 @@ class IncrementalDetokenizer:
         self._count += 1
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         full_text = self._decode(self._ids[self._prefix :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        if full_text.endswith("\ufffd") or (
+            len(full_text) <= len(prefix_text) and full_text != prefix_text
+        ):
             return None  # an incomplete character: wait for more bytes
+        # Tokens that decode to nothing (special tokens skipped) move the window on like any
+        # others: held, a run of them (EOS under ignore_eos) re-decoded an ever longer window.
         old_len = len(self.text)
         self.text += full_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)

@@ -10,7 +10,7 @@ import torch
 from iterserve import LLM, SamplingParams
 from iterserve.core.request import Request
 from iterserve.model import kernels
-from iterserve.model.sampler import SampleRow, sample
+from iterserve.model.sampler import SampleRow, TokenLists, sample
 
 V = 32
 
@@ -18,7 +18,7 @@ V = 32
 def _row(params: SamplingParams, output: list[int] = (), bad: list[list[int]] = ()) -> SampleRow:  # type: ignore[assignment]
     req = Request("r", [1, 2, 3], params, 16)
     req.all_token_ids.extend(output)
-    return SampleRow(params, None, req, bad)
+    return SampleRow(params, None, req, TokenLists(params, bad))  # as the engine builds it
 
 
 def _logits(rows: int) -> torch.Tensor:
@@ -84,6 +84,92 @@ def test_bad_words_ban_the_last_token_after_its_prefix() -> None:
     assert toks[1] == int(ref[1].argmax())
     assert toks[2] == int(ref[2].topk(2).indices[1])
     assert toks[3] == int(ref[3].argmax())
+
+
+def _banned_by_each_word(words: list[list[int]], out: list[int], vocab: int) -> set[int]:
+    """The bad-word rule word by word (the sampler's loop before TokenLists): a word's last
+    token where the output ends with the tokens before it; a one-token word always."""
+    banned = set()
+    for *head, last in words:
+        if last < vocab and (not head or (len(out) >= len(head) and out[-len(head) :] == head)):
+            banned.add(last)
+    return banned
+
+
+def test_bad_words_of_one_and_more_tokens_with_shared_heads_ban_as_word_by_word() -> None:
+    """One-token words, words whose heads share their last token, heads of several lengths,
+    one head with several last tokens, duplicates and tokens past the vocabulary: the banned
+    tokens of every output equal the word-by-word rule's, with one TokenLists reused step
+    after step as the output grows (the engine's), and on a smaller vocabulary after that."""
+    words = [[5], [9], [5], [7, 2], [7, 3], [1, 7, 4], [6, 1, 7, 8], [2, 7, 11], [7, V + 3]]
+    words += [[V + 1], [0, 1, 7, 12], [3, 3, 6], [2, 0], [1, 3, 0], [0, 0, 1, 1], [3, 2, 3, 1, 1]]
+    # every head at least once (the prompt's 1, 7 never counts), then random tokens
+    script = [7, 6, 1, 7, 0, 1, 7, 2, 7, 3, 3, 0, 0, 1, 3, 2, 3, 1, 2, 1, 3, 0, 1, 7]
+    g = torch.Generator().manual_seed(3)
+    script += torch.tensor([0, 1, 2, 3, 6, 7])[torch.randint(0, 6, (40,), generator=g)].tolist()
+    lists = TokenLists(GREEDY, words)
+    for vocab in (V, 10):
+        req = Request("r", [1, 7], GREEDY, 64)
+        row = SampleRow(GREEDY, None, req, lists)
+        seen: set[int] = set()
+        for nxt in script:
+            logits = torch.zeros(1, vocab)
+            sample(logits, [row])
+            out = req.output_token_ids
+            banned = {int(t) for t in torch.nonzero(logits[0] == float("-inf"))}
+            assert banned == _banned_by_each_word(words, out, vocab), (vocab, out)
+            seen |= banned
+            req.all_token_ids.append(nxt)
+        assert seen == {w[-1] for w in words if w[-1] < vocab}, vocab
+
+
+def test_bad_words_rows_in_one_batch_keep_their_own_words() -> None:
+    a, b = TokenLists(GREEDY, [[4], [1, 5]]), TokenLists(GREEDY, [[6], [1, 7]])
+    rows = [_row(GREEDY, output=[1]), _row(GREEDY, output=[1]), _row(GREEDY, output=[1])]
+    rows[0].token_lists, rows[2].token_lists = a, b
+    logits = torch.zeros(3, V)
+    sample(logits, rows)
+    inf = [{int(t) for t in torch.nonzero(r == float("-inf"))} for r in logits]
+    assert inf == [{4, 5}, set(), {6, 7}]
+
+
+def test_precomputed_lists_follow_the_logits_vocabulary_and_rows() -> None:
+    """allowed_token_ids, logit_bias and min_tokens' stop tokens, computed once per request:
+    the same result on each step and in each row position, and ids past a smaller vocabulary
+    skipped, whatever the logits' memory layout."""
+    p_allowed = SamplingParams(temperature=0.0, allowed_token_ids=[3, 20, V - 1])
+    p_bias = SamplingParams(temperature=0.0, logit_bias={2: 50.0, 25: -5.0})
+    p_min = SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[4, 22])
+    rows = [_row(GREEDY), _row(p_allowed), _row(p_bias), _row(p_min)]
+    rows[3].request.eos_token_ids = frozenset({0})
+    for vocab, strided in ((V, False), (V, True), (16, False)):
+        for order in (rows, rows[::-1]):
+            # the logits as a [vocab, rows] tensor's transpose too (not contiguous)
+            logits = (
+                torch.zeros(vocab, len(order)).t() if strided else torch.zeros(len(order), vocab)
+            )
+            sample(logits, order)
+            got = {id(r): logits[j] for j, r in enumerate(order)}
+            allowed = got[id(rows[1])]
+            assert {int(t) for t in torch.nonzero(allowed == 0)} == {
+                t for t in (3, 20, V - 1) if t < vocab
+            }
+            bias = got[id(rows[2])]
+            assert float(bias[2]) == 50.0 and bias.count_nonzero() == (2 if vocab > 25 else 1)
+            masked = {int(t) for t in torch.nonzero(got[id(rows[3])] == float("-inf"))}
+            assert masked == {t for t in (0, 4, 22) if t < vocab}
+            assert got[id(rows[0])].count_nonzero() == 0
+
+
+def test_stop_token_ids_end_a_request_once_min_tokens_are_out() -> None:
+    req = Request("r", [1, 2], SamplingParams(stop_token_ids=[9, 4], min_tokens=2), 16)
+    req.all_token_ids.append(4)
+    assert not req.check_stop(4, 100)  # min_tokens not reached
+    req.all_token_ids.append(5)
+    assert not req.check_stop(5, 100)
+    req.all_token_ids.append(9)
+    assert req.check_stop(9, 100)
+    assert req.finish_reason == "stop" and req.stop_reason == 9
 
 
 def test_logprobs_stay_those_of_the_model() -> None:

@@ -47,6 +47,7 @@ class Request:
         "priority",
         "max_tokens",
         "eos_token_ids",
+        "stop_token_set",
         "num_computed_tokens",
         "num_cached_tokens",
         "status",
@@ -89,6 +90,8 @@ class Request:
         self.priority = priority
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
+        # params.stop_token_ids as a set, built once: check_stop asks it of every token
+        self.stop_token_set = frozenset(params.stop_token_ids or ())
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first admission; -1: not yet
         self.status = RequestStatus.WAITING
@@ -140,7 +143,7 @@ class Request:
             if not p.ignore_eos and token_id in self.eos_token_ids:
                 self.finish_reason = FinishReason.STOP
                 return True
-            if p.stop_token_ids and token_id in p.stop_token_ids:
+            if token_id in self.stop_token_set:
                 self.finish_reason = FinishReason.STOP
                 self.stop_reason = token_id
                 return True

@@ -26,7 +26,14 @@ from iterserve.core.request import FinishReason, InvalidRequestError, Request
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
 from iterserve.model.runner import BatchItem
-from iterserve.model.sampler import GrammarMask, SampleRow, TokenLogprobs, plain_greedy, sample
+from iterserve.model.sampler import (
+    GrammarMask,
+    SampleRow,
+    TokenLists,
+    TokenLogprobs,
+    plain_greedy,
+    sample,
+)
 from iterserve.outputs import RequestMetrics, RequestOutput, StepStats
 from iterserve.sampling_params import SamplingParams
 from iterserve.structured.grammar import GrammarCompiler, TokenBitmask
@@ -52,7 +59,9 @@ class _Seq:
     # ``grammar_on`` (params.structured_outputs_after: after that token)
     matcher: xgr.GrammarMatcher | None = None
     grammar_on: bool = True
-    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # its request's bad words and token-id lists, precomputed for the sampler (shared by the
+    # request's sequences)
+    token_lists: TokenLists | None = None
 
 
 @dataclass
@@ -244,7 +253,7 @@ class LLMEngine:
         text, ids = self._prompt_ids(prompt)
         ids = params.truncate_prompt(ids, self.max_model_len)
         self._check_token_ids(params)
-        bad_words = self._bad_words_token_ids(params.bad_words or ())
+        token_lists = TokenLists(params, self._bad_words_token_ids(params.bad_words or ()))
         max_tokens = self.books.admit(
             len(ids), params.max_tokens, self.reject_overlong_max_tokens, params.min_tokens
         )
@@ -283,7 +292,7 @@ class LLMEngine:
                 slo_tpot_s=slo_tpot_s,
                 call=call,
             )
-            seq = _Seq(req, parent, i, gen, [] if want_lps else None, bad_words_token_ids=bad_words)
+            seq = _Seq(req, parent, i, gen, [] if want_lps else None, token_lists=token_lists)
             parent.seqs.append(seq)
         spec = params.structured_outputs
         if spec is not None:
@@ -591,7 +600,7 @@ class LLMEngine:
 
     def _sample_row(self, req: Request) -> SampleRow:
         seq = self._seqs[req.request_id]
-        return SampleRow(req.params, seq.generator, req, seq.bad_words_token_ids)
+        return SampleRow(req.params, seq.generator, req, seq.token_lists)
 
     def _on_token(
         self,

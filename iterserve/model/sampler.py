@@ -10,7 +10,7 @@ tokens whatever else is in the batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,96 @@ from iterserve.sampling_params import SamplingParams
 TokenLogprobs = tuple[int, float, int, list[tuple[int, float]]]
 
 
+class TokenLists:
+    """A request's token lists in the form the sampler applies them on every step, built once
+    per request (the engine's ``add_request``; its n sequences share it), so that a step's cost
+    does not grow with the lists in Python: bad words split into the one-token ones (always
+    banned) and the rest, indexed by the last token of their head and then by the head itself;
+    the token ids of allowed_token_ids, logit_bias and the min_tokens stop tokens as tensors,
+    made once per vocabulary size and device. Tokens past the logits' vocabulary are skipped.
+
+    ``bad_words_token_ids``: ``params.bad_words`` as token sequences (the engine tokenizes
+    them)."""
+
+    __slots__ = ("params", "always_banned", "banned_after", "_tensors")
+
+    def __init__(
+        self, params: SamplingParams, bad_words_token_ids: Iterable[Sequence[int]] = ()
+    ) -> None:
+        self.params = params
+        always: set[int] = set()
+        # the head's last token -> the head's length -> the head -> the words' last tokens
+        after: dict[int, dict[int, dict[tuple[int, ...], list[int]]]] = {}
+        for word in bad_words_token_ids:
+            if not word:
+                continue
+            *head, last = word
+            if not head:
+                always.add(last)
+            else:
+                by_len = after.setdefault(head[-1], {})
+                by_len.setdefault(len(head), {}).setdefault(tuple(head), []).append(last)
+        self.always_banned = sorted(always)
+        self.banned_after = after
+        self._tensors: dict[tuple[object, ...], torch.Tensor] = {}
+
+    @property
+    def has_bad_words(self) -> bool:
+        return bool(self.always_banned or self.banned_after)
+
+    def _ids(
+        self,
+        key: tuple[object, ...],
+        ids: Callable[[], Iterable[int]],
+        vocab: int,
+        dev: torch.device,
+    ) -> torch.Tensor:
+        """The tensor of ``ids()`` below ``vocab`` on ``dev``, made on the first call only."""
+        t = self._tensors.get((*key, vocab, dev))
+        if t is None:
+            t = torch.tensor([i for i in ids() if i < vocab], dtype=torch.long, device=dev)
+            self._tensors[(*key, vocab, dev)] = t
+        return t
+
+    def always_banned_ids(self, vocab: int, dev: torch.device) -> torch.Tensor:
+        """The one-token bad words."""
+        return self._ids(("bad",), lambda: self.always_banned, vocab, dev)
+
+    def banned_after_output(self, req: Request) -> list[int]:
+        """The last tokens of the longer bad words whose head the output ends with: one dict
+        lookup, and one per head length among the words whose head ends as the output does."""
+        toks = req.all_token_ids
+        n_out = len(toks) - len(req.prompt_token_ids)
+        by_len = self.banned_after.get(toks[-1]) if n_out else None
+        if by_len is None:
+            return []
+        out: list[int] = []
+        for n, heads in by_len.items():
+            if n_out >= n:
+                out += heads.get(tuple(toks[-n:]), ())
+        return out
+
+    def allowed_ids(self, vocab: int, dev: torch.device) -> torch.Tensor:
+        return self._ids(("allowed",), lambda: self.params.allowed_token_ids or (), vocab, dev)
+
+    def stop_ids(self, vocab: int, dev: torch.device, eos: frozenset[int]) -> torch.Tensor:
+        """EOS and stop_token_ids (what min_tokens holds back)."""
+        stops = self.params.stop_token_ids or ()
+        return self._ids(("stop", eos), lambda: sorted(eos.union(stops)), vocab, dev)
+
+    def bias(
+        self, vocab: int, dev: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias's token ids and their values (in ``dtype``)."""
+        bias = self.params.logit_bias or {}
+        key = ("bias values", dtype, vocab, dev)
+        vals = self._tensors.get(key)
+        if vals is None:
+            vals = torch.tensor([v for t, v in bias.items() if t < vocab], dtype=dtype, device=dev)
+            self._tensors[key] = vals
+        return self._ids(("bias",), lambda: bias, vocab, dev), vals
+
+
 @dataclass
 class SampleRow:
     """What the sampler needs to know about one sequence. Token lists are read only when
@@ -31,8 +121,17 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None
     request: Request
-    # params.bad_words as token sequences (the engine tokenizes them once per request)
-    bad_words_token_ids: Sequence[Sequence[int]] = ()
+    # the request's bad words and token-id lists, precomputed (see TokenLists); None: built
+    # from params on each step, without bad words
+    token_lists: TokenLists | None = None
+
+    @property
+    def lists(self) -> TokenLists:
+        return self.token_lists if self.token_lists is not None else TokenLists(self.params)
+
+    @property
+    def has_bad_words(self) -> bool:
+        return self.token_lists is not None and self.token_lists.has_bad_words
 
     @property
     def prompt_token_ids(self) -> Sequence[int]:
@@ -49,6 +148,21 @@ class SampleRow:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.request.eos_token_ids
+
+
+def _flat_index(parts: Sequence[tuple[int, torch.Tensor]], vocab: int) -> torch.Tensor:
+    """The indices into a [rows, vocab] tensor taken as one dimension (``Tensor.put_``'s) of
+    ``parts``' (row, its token ids) pairs: one tensor operation per row, whatever the number
+    of ids (an index_put_ of (row, token) index pairs is many times slower on CPU than put_
+    of these)."""
+    if not parts:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat([t + i * vocab for i, t in parts])
+
+
+def _fill(x: torch.Tensor, flat: torch.Tensor, value: float) -> None:
+    """``value`` at the ``_flat_index`` positions ``flat`` of ``x``."""
+    x.put_(flat, torch.tensor(value, dtype=x.dtype, device=x.device).expand(flat.numel()))
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], idx: Sequence[int]) -> None:
@@ -76,13 +190,14 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], idx: Seque
 
 def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
     """min_tokens: EOS and stop tokens are impossible until enough tokens were generated."""
-    vocab = logits.shape[-1]
+    vocab, dev = logits.shape[-1], logits.device
+    parts: list[tuple[int, torch.Tensor]] = []
     for i, r in enumerate(rows):
         p = r.params
         if p.min_tokens and r.num_output_tokens < p.min_tokens:
-            ids = [t for t in (*r.eos_token_ids, *(p.stop_token_ids or ())) if t < vocab]
-            if ids:
-                logits[i, ids] = float("-inf")
+            parts.append((i, r.lists.stop_ids(vocab, dev, r.eos_token_ids)))
+    if parts:
+        _fill(logits, _flat_index(parts, vocab), float("-inf"))
 
 
 # (bitmask [len(rows), ceil(vocab / 32)] int32, the rows it applies to)
@@ -109,13 +224,8 @@ def _apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SampleRow]) ->
     vocab = logits.shape[-1]
     dev = logits.device
     keep = torch.zeros(len(idx), vocab, dtype=torch.bool, device=dev)
-    r_idx: list[int] = []
-    t_idx: list[int] = []
-    for j, i in enumerate(idx):
-        toks = [t for t in rows[i].params.allowed_token_ids or () if t < vocab]
-        r_idx += [j] * len(toks)
-        t_idx += toks
-    keep[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = True
+    parts = [(j, rows[i].lists.allowed_ids(vocab, dev)) for j, i in enumerate(idx)]
+    _fill(keep, _flat_index(parts, vocab), True)
     rsel = torch.tensor(idx, device=dev)
     logits[rsel] = logits[rsel].masked_fill(~keep, float("-inf"))
 
@@ -123,44 +233,34 @@ def _apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SampleRow]) ->
 def _ban_bad_words(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
     """bad_words: a word's last token is banned where the output already ends with the
     tokens before it (a one-token word is always banned), so no word is ever completed."""
-    vocab = logits.shape[-1]
-    r_idx: list[int] = []
-    t_idx: list[int] = []
+    vocab, dev = logits.shape[-1], logits.device
+    parts: list[tuple[int, torch.Tensor]] = []
     for i, r in enumerate(rows):
-        if not r.bad_words_token_ids:
+        lists = r.token_lists
+        if lists is None or not lists.has_bad_words:
             continue
-        out = r.output_token_ids
-        for word in r.bad_words_token_ids:
-            *head, last = word
-            if last >= vocab:
-                continue
-            if not head or (len(out) >= len(head) and list(out[len(out) - len(head) :]) == head):
-                r_idx.append(i)
-                t_idx.append(last)
-    if r_idx:
-        dev = logits.device
-        logits[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
+        if lists.always_banned:
+            parts.append((i, lists.always_banned_ids(vocab, dev)))
+        now = [t for t in lists.banned_after_output(r.request) if t < vocab]
+        if now:
+            parts.append((i, torch.tensor(now, dtype=torch.long, device=dev)))
+    if parts:
+        _fill(logits, _flat_index(parts, vocab), float("-inf"))
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
     """logit_bias (OpenAI): each listed token's value is added to its logit."""
-    vocab = logits.shape[-1]
-    r_idx: list[int] = []
-    t_idx: list[int] = []
-    vals: list[float] = []
+    vocab, dev = logits.shape[-1], logits.device
+    parts: list[tuple[int, torch.Tensor]] = []
+    vals: list[torch.Tensor] = []
     for i, r in enumerate(rows):
-        for t, v in (r.params.logit_bias or {}).items():
-            if t < vocab:
-                r_idx.append(i)
-                t_idx.append(t)
-                vals.append(v)
-    if r_idx:
-        dev = logits.device
-        logits.index_put_(
-            (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-            torch.tensor(vals, dtype=logits.dtype, device=dev),
-            accumulate=True,
-        )
+        if r.params.logit_bias:
+            ids, v = r.lists.bias(vocab, dev, logits.dtype)
+            parts.append((i, ids))
+            vals.append(v)
+    if parts:
+        flat = _flat_index(parts, vocab)
+        logits.put_(flat, torch.cat(vals), accumulate=True)
 
 
 def _temperatures(params: Sequence[SamplingParams], like: torch.Tensor) -> torch.Tensor:
@@ -225,7 +325,7 @@ def plain_greedy(rows: Sequence[SampleRow], grammar_mask: GrammarMask | None = N
     return grammar_mask is None and all(
         not r.params.needs_logprobs
         and not r.params.allowed_token_ids
-        and not r.bad_words_token_ids
+        and not r.has_bad_words
         and not r.params.logit_bias
         and not r.params.needs_penalties
         and not r.params.min_tokens
@@ -383,7 +483,7 @@ def sample(
 
     if any(p.allowed_token_ids for p in params):
         _apply_allowed_token_ids(logits, rows)
-    if any(r.bad_words_token_ids for r in rows):
+    if any(r.has_bad_words for r in rows):
         _ban_bad_words(logits, rows)
     if any(p.logit_bias for p in params):
         _apply_logit_bias(logits, rows)

@@ -4,13 +4,17 @@ backpressure and the HTTP timeouts, in one frozen dataclass whose fields are the
 
 Each bound exists so that no single request can monopolize the engine or the process:
 ``n`` x prompts x ``max_tokens`` is the work a request asks for, stop strings are scanned on
-every generated token, and top logprobs are decoded per token (vLLM caps them at 20 too).
+every generated token, top logprobs are decoded per token (vLLM caps them at 20 too), and
+bad words and token-id lists (stop_token_ids, allowed_token_ids, logit_bias) are decoded,
+validated and tokenized on the event loop or the engine thread, where every other request
+waits for them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +28,10 @@ _HELPS = {
     "max_prompts_per_request": "most prompts in one /v1/completions request",
     "max_stop_strings": "most stop strings in one request",
     "max_stop_chars": "most characters all of a request's stop strings may have together",
+    "max_bad_words": "most bad_words in one request",
+    "max_bad_words_chars": "most characters all of a request's bad_words may have together",
+    "max_token_ids": "most entries in each of a request's stop_token_ids, allowed_token_ids "
+    "and logit_bias",
     "max_logprobs": "most logprobs / top_logprobs one request may ask for",
     "max_request_tokens": "most tokens one request may generate: prompts x n x max_tokens "
     "(max_model_len when max_tokens is unset)",
@@ -50,6 +58,9 @@ _HELPS = {
     "max_json_int_digits": "most digits an integer in a request body may have (more: 400)",
 }
 
+# the request fields that --max-token-ids bounds, each on its own
+_TOKEN_LISTS = ("stop_token_ids", "allowed_token_ids", "logit_bias")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServerLimits:
@@ -57,6 +68,14 @@ class ServerLimits:
     max_prompts_per_request: int = 256
     max_stop_strings: int = 16
     max_stop_chars: int = 2048
+    # Bad words are tokenized twice each on the engine thread when the request is added (every
+    # stream waits meanwhile): 256 words of 32 characters on average.
+    max_bad_words: int = 256
+    max_bad_words_chars: int = 8192
+    # Each of stop_token_ids, allowed_token_ids and logit_bias: an allow-list of a few
+    # thousand tokens (the digits, one script's tokens) fits; hundreds of thousands of
+    # entries cost a stall of every stream while they are validated.
+    max_token_ids: int = 8192
     max_logprobs: int = 20
     max_request_tokens: int = 1 << 20
     trust_request_chat_template: bool = False
@@ -133,15 +152,50 @@ class ServerLimits:
                 self.max_stop_chars,
             )
 
+    def _check_lists(self, get: Callable[[str], Any]) -> None:
+        """bad_words and the token-id lists, each value read with ``get`` (from the raw body
+        or the validated request); a value of another type counts as empty (validation
+        refuses it)."""
+        words = get("bad_words")
+        words = words if isinstance(words, list) else []
+        if len(words) > self.max_bad_words:
+            self._refuse(
+                "bad_words",
+                f"the request has {len(words)} bad_words",
+                "max-bad-words",
+                self.max_bad_words,
+            )
+        chars = sum(len(w) for w in words if isinstance(w, str))
+        if chars > self.max_bad_words_chars:
+            self._refuse(
+                "bad_words",
+                f"the bad_words have {chars} characters in all",
+                "max-bad-words-chars",
+                self.max_bad_words_chars,
+            )
+        for name in _TOKEN_LISTS:
+            value = get(name)
+            size = len(value) if isinstance(value, (list, dict)) else 0
+            if size > self.max_token_ids:
+                what = "keys" if isinstance(value, dict) else "token ids"
+                self._refuse(
+                    name,
+                    f"{name} has {size} {what}",
+                    "max-token-ids",
+                    self.max_token_ids,
+                )
+
     def check_body(self, body: dict[str, Any]) -> None:
         """The size bounds on the raw JSON body, before validation: pydantic checks every
         field against the sampling rules, so 20,000 stop strings would cost seconds of
-        event-loop time before ``check_request`` saw them."""
+        event-loop time before ``check_request`` saw them; so would long token-id lists,
+        each id validated in Python."""
         prompt, stop = body.get("prompt"), body.get("stop")
         num_prompts = 1
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             num_prompts = len(prompt)
         self._check_sizes(num_prompts, stop if isinstance(stop, list) else [])
+        self._check_lists(body.get)
 
     def check_request(
         self,
@@ -163,6 +217,7 @@ class ServerLimits:
         if best_of > self.max_n:
             self._refuse("best_of", f"best_of is {best_of}", "max-n", self.max_n)
         self._check_sizes(num_prompts, [req.stop] if isinstance(req.stop, str) else req.stop or [])
+        self._check_lists(lambda name: getattr(req, name, None))
         if isinstance(req, CompletionRequest):
             logprobs, lp_param = req.logprobs, "logprobs"
             max_tokens = req.max_tokens or default_max_tokens

@@ -282,6 +282,33 @@ def test_abort_frees_kv_at_once(llm: LLM) -> None:
     eng.check_integrity()
 
 
+def test_a_request_id_another_requests_sequence_has_is_refused_changing_nothing(
+    llm: LLM,
+) -> None:
+    """With n > 1 a request's sequences are "id#0", "id#1", ...: a new request whose id (or
+    whose sequences' ids) one of them already has is refused before anything changes; it
+    used to be registered halfway, and the request it clashed with never finished."""
+    eng = llm.engine
+    two = SamplingParams(max_tokens=4, ignore_eos=True, n=2, temperature=1.0, seed=1)
+    one = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng.add_request("a", "some prompt", two)
+    with pytest.raises(ValueError, match="'a#0' is already in use"):
+        eng.add_request("a#0", "other prompt", one)
+    eng.add_request("b#1", "some prompt", one)
+    with pytest.raises(ValueError, match="sequence id 'b#1' is another request's"):
+        eng.add_request("b", "other prompt", two)
+    eng.check_integrity()
+    done: dict[str, int] = {}
+    for _ in range(50):
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = len(o.outputs)
+        if not eng.has_unfinished_requests():
+            break
+    assert done == {"a": 2, "b#1": 1} and eng.kv_usage() == 0
+    eng.check_integrity()
+
+
 def test_model_failure_fails_in_flight_requests_and_engine_recovers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

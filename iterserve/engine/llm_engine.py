@@ -248,8 +248,15 @@ class LLMEngine:
         for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
             if v is not None and not (0 < v < float("inf")):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v}")
-        if request_id in self._parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        # best_of > n: best_of candidates (the output processor returns the n best)
+        num_seqs = params.num_candidates
+        sids = [request_id] if num_seqs == 1 else [f"{request_id}#{i}" for i in range(num_seqs)]
+        # a sequence's id may be another request's ("a" with n 2 has "a#0"): checked before
+        # anything changes, else the other request would never finish
+        taken = [sid for sid in sids if sid in self._seqs]
+        if request_id in self._parents or taken:
+            what = f" (its sequence id {taken[0]!r} is another request's)" if taken else ""
+            raise ValueError(f"request_id {request_id!r} is already in use{what}")
         text, ids = self._prompt_ids(prompt)
         ids = params.truncate_prompt(ids, self.max_model_len)
         self._check_token_ids(params)
@@ -269,11 +276,8 @@ class LLMEngine:
             ),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
-        # best_of > n: best_of candidates (the output processor returns the n best)
-        num_seqs = params.num_candidates
         want_lps = params.needs_logprobs
-        for i in range(num_seqs):
-            sid = request_id if num_seqs == 1 else f"{request_id}#{i}"
+        for i, sid in enumerate(sids):
             gen = None
             if params.seed is not None and not params.greedy:
                 # On the runner's device: the sampler draws the noise there (one seed, the

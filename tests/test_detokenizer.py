@@ -92,3 +92,48 @@ def test_tokens_that_decode_to_nothing_keep_the_window_short() -> None:
         longest = max(longest, len(d._ids))
     assert d.text == tok.decode(ids, skip_special_tokens=True)
     assert longest < 100, longest
+
+
+def _llama_style_tokenizer() -> Any:
+    """A small BPE with byte fallback and the decoder transformers writes for Llama-2 /
+    Mistral (its Strip removes one leading space of what it decodes), trained offline."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    text = ["Hello world, this is a test of the tokenizer.", "too much to do, the thing"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(text, trainer)
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def test_a_skipped_special_token_keeps_the_next_words_space() -> None:
+    """After EOS (skipped) the next "▁word" keeps its space: the special token leaves the
+    window rather than moving it, where a Llama-style decoder strips a leading space."""
+    tok = _llama_style_tokenizer()
+    words = tok.encode("He too much thing", add_special_tokens=False)
+    eos = tok.eos_token_id
+    rng = random.Random(3)
+    for _ in range(200):
+        out = [rng.choice([eos, *words]) for _ in range(rng.randint(1, 12))]
+        prompt = tok.encode("Hello world", add_special_tokens=True)
+        d = IncrementalDetokenizer(tok, prompt)
+        for t in out:
+            d.add_token(t)
+        want = tok.decode(prompt + out, skip_special_tokens=True)
+        assert d.text == want[len(tok.decode(prompt, skip_special_tokens=True)) :], out

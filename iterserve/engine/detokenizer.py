@@ -79,12 +79,15 @@ class IncrementalDetokenizer:
         self._count += 1
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         full_text = self._decode(self._ids[self._prefix :])
-        if full_text.endswith("\ufffd") or (
-            len(full_text) <= len(prefix_text) and full_text != prefix_text
-        ):
+        if full_text == prefix_text and not self._decode([token_id]):
+            # A token that adds nothing here or alone (a skipped special token: EOS under
+            # ignore_eos) leaves the window, as decode leaves it out: kept, a run of them
+            # re-decoded an ever longer window; moved past, a SentencePiece decoder would
+            # strip the next word's leading space at the window's start.
+            self._ids.pop()
+            return None
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return None  # an incomplete character: wait for more bytes
-        # Tokens that decode to nothing (special tokens skipped) move the window on like any
-        # others: held, a run of them (EOS under ignore_eos) re-decoded an ever longer window.
         old_len = len(self.text)
         self.text += full_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)

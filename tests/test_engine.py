@@ -307,6 +307,19 @@ def test_a_request_id_another_requests_sequence_has_is_refused_changing_nothing(
             break
     assert done == {"a": 2, "b#1": 1} and eng.kv_usage() == 0
     eng.check_integrity()
+    # a finished sequence's id is free again; aborting its request leaves the new owner be
+    eng.add_request("c", "some prompt", two)
+    eng.step()
+    eng.finish_sequence("c", 0, "stop", "x")  # as a stop string ends one
+    eng.add_request("c#0", "other prompt", one)
+    eng.abort_request("c")
+    done.clear()
+    for _ in range(50):
+        done.update({o.request_id: o.outputs[0].finish_reason for o in eng.step() if o.finished})
+        eng.check_integrity()
+        if not eng.has_unfinished_requests():
+            break
+    assert done == {"c#0": "length"} and eng.kv_usage() == 0
 
 
 def test_model_failure_fails_in_flight_requests_and_engine_recovers(
@@ -364,3 +377,31 @@ def test_engines_implement_the_contract(llm: LLM) -> None:
     assert isinstance(llm.engine, EngineInterface)
     assert isinstance(FakeEngine(), EngineInterface)
     assert set(llm.engine.stats()) == set(FakeEngine().stats())
+
+
+def test_the_prompts_of_one_call_tokenize_their_bad_words_once(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A completions call with many prompts adds one request each with the same bad words:
+    they are tokenized once (each word twice, plain and with a leading space), not once a
+    prompt on the engine thread; another list is tokenized afresh."""
+    eng = llm.engine
+    calls: list[str] = []
+    encode = eng.tokenizer.encode
+
+    def spy(text: str, *a: Any, **k: Any) -> Any:
+        calls.append(text)
+        return encode(text, *a, **k)
+
+    monkeypatch.setattr(eng.tokenizer, "encode", spy)
+    words = ["hello", "world", "again"]
+    ids = [1, 2, 3, 4]
+    for i in range(3):
+        eng.add_request(f"bw{i}", ids, SamplingParams(max_tokens=2, bad_words=words))
+    assert len(calls) == 2 * len(words)
+    eng.add_request("bw3", ids, SamplingParams(max_tokens=2, bad_words=["other"]))
+    assert len(calls) == 2 * len(words) + 2
+    first = eng._seqs["bw0"].token_lists
+    assert first is not None and first.has_bad_words
+    while eng.has_unfinished_requests():
+        eng.step()

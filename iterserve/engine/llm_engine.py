@@ -151,6 +151,8 @@ class LLMEngine:
         self._seqs: dict[str, _Seq] = {}
         self._parents: dict[str, _Parent] = {}
         self._grammar_wait: list[_Parent] = []  # requests whose grammar still compiles
+        # the last bad-words list and its token ids (_bad_words_token_ids)
+        self._bad_words_memo: tuple[tuple[str, ...], list[list[int]]] | None = None
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         self._bitmask = TokenBitmask(self.vocab_size)
@@ -365,7 +367,11 @@ class LLMEngine:
 
     def _bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
         """Each bad word's token sequence, and (as vLLM does) the one with a leading space
-        where that is a different word token of the same length."""
+        where that is a different word token of the same length. The last list's answer is
+        kept: the prompts of one API call share their bad words, tokenized once."""
+        key = tuple(words)
+        if self._bad_words_memo is not None and self._bad_words_memo[0] == key:
+            return [list(w) for w in self._bad_words_memo[1]]
         out: list[list[int]] = []
         for w in words:
             plain = list(self.tokenizer.encode(w.lstrip(), add_special_tokens=False))
@@ -374,6 +380,8 @@ class LLMEngine:
                 out.append(plain)
             if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
                 out.append(spaced)
+        if key:
+            self._bad_words_memo = (key, [list(w) for w in out])
         return out
 
     def abort_request(self, request_id: str) -> None:
@@ -388,7 +396,8 @@ class LLMEngine:
             if not seq.finished:
                 self.scheduler.finish_request(seq.req.request_id, FinishReason.ABORT)
                 seq.finished = True
-            self._seqs.pop(seq.req.request_id, None)
+            if self._seqs.get(seq.req.request_id) is seq:  # a finished one's id may be reused
+                del self._seqs[seq.req.request_id]
         self.books.finished_by_reason["abort"] += 1
         parent.metrics.finished_time = time.monotonic()
 

@@ -152,12 +152,16 @@ class SampleRow:
 
 def _flat_index(parts: Sequence[tuple[int, torch.Tensor]], vocab: int) -> torch.Tensor:
     """The indices into a [rows, vocab] tensor taken as one dimension (``Tensor.put_``'s) of
-    ``parts``' (row, its token ids) pairs: one tensor operation per row, whatever the number
-    of ids (an index_put_ of (row, token) index pairs is many times slower on CPU than put_
-    of these)."""
+    ``parts``' (row, its token ids) pairs (an index_put_ of (row, token) index pairs is many
+    times slower on CPU than put_ of these)."""
     if not parts:
         return torch.empty(0, dtype=torch.long)
-    return torch.cat([t + i * vocab for i, t in parts])
+    ids = torch.cat([t for _, t in parts])
+    counts = torch.tensor([t.numel() for _, t in parts], device=ids.device)
+    rows = torch.tensor([i * vocab for i, _ in parts], device=ids.device)
+    # a constant number of tensor operations however many rows (one each was slower than the
+    # old per-(row, token) index lists for many rows with a short logit_bias)
+    return ids + torch.repeat_interleave(rows, counts)
 
 
 def _fill(x: torch.Tensor, flat: torch.Tensor, value: float) -> None:

@@ -407,6 +407,8 @@ def echo_completions(c: Ctx, ep: str) -> None:
         "token_logprobs"
     ]
     c.refused(ep, "max_tokens", max_tokens=0)  # without echo there is nothing to return
+    r = c.raw(ep, echo=True, max_tokens=0, min_tokens=2)
+    assert r.status_code == 400 and "must be 0 with max_tokens 0" in r.json()["error"]["message"]
 
 
 def best_of(c: Ctx, ep: str) -> None:

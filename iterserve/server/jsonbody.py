@@ -91,13 +91,15 @@ def _walk(obj: Any, max_depth: int) -> None:
         if isinstance(value, str):
             _check_text(value, node)
             continue
+        if isinstance(value, dict):  # keys first, as the walk always checked them
+            for k in value:
+                _check_text(k, node)
         if value and depth + 1 > max_depth:  # its members sit past the limit
             first = next(iter(value)) if isinstance(value, dict) else 0
             head = _path(node).split(".")[:3] + [str(first)]
             raise _too_deep(max_depth, f" (at {'.'.join(p for p in head if p)}...)")
         if isinstance(value, dict):
             for k, v in value.items():
-                _check_text(k, node)
                 if isinstance(v, _NESTED):
                     stack.append((v, depth + 1, (node, k)))
         else:

@@ -181,6 +181,11 @@ class CompletionRequest(SamplingExtras):
         cls, v: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
         max_tokens = _or(v["max_tokens"], COMPLETIONS_MAX_TOKENS)
+        if max_tokens == 0 and v["echo"] and v["min_tokens"]:
+            raise ValueError(
+                f"min_tokens ({v['min_tokens']}) must be 0 with max_tokens 0 (echo then returns "
+                "the prompt and generates nothing)"
+            )
         return {
             **super().sampling_kwargs(v, defaults),
             # echo with max_tokens 0 scores the prompt (OpenAI's legacy use, vLLM's too): the

@@ -244,6 +244,90 @@ def test_unsupported_architecture(tmp_path: Any) -> None:
         )
 
 
+def _cfg(arch: str, **extra: Any) -> ModelConfig:
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+    base |= {"intermediate_size": 64, "vocab_size": 100}
+    return ModelConfig.from_dict({"architectures": [arch], **base, **extra})
+
+
+def test_config_keys_left_out_take_transformers_defaults() -> None:
+    """Where config.json leaves a key out, the value transformers' config class gives it
+    (each was a silent mismatch against transformers or a misleading refusal)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    hf = {
+        "LlamaForCausalLM": LlamaConfig,
+        "MistralForCausalLM": MistralConfig,
+        "Qwen2ForCausalLM": Qwen2Config,
+        "Qwen3ForCausalLM": Qwen3Config,
+    }
+    for arch, cls in hf.items():
+        ours, theirs = _cfg(arch), cls(hidden_size=64, num_attention_heads=4)
+        assert ours.max_position_embeddings == theirs.max_position_embeddings, arch
+        # Qwen2Config has no head_dim: its attention takes hidden / heads
+        want = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+        assert ours.head_dim == want, arch
+    assert _cfg("MistralForCausalLM").sliding_window == MistralConfig().sliding_window == 4096
+    assert _cfg("MistralForCausalLM", sliding_window=None).sliding_window is None
+
+
+def test_rope_scaling_replaces_rope_parameters_as_in_transformers() -> None:
+    """transformers 5 writes rope_parameters; a rope_scaling added beside it (as model cards
+    tell users to, for long context) replaces it, rope_theta included."""
+    from transformers import Qwen3Config
+
+    params = {"rope_type": "default", "rope_theta": 5e5}
+    scaling = {"rope_type": "linear", "factor": 4.0}
+    rope = _cfg("Qwen3ForCausalLM", rope_parameters=params, rope_scaling=scaling).rope
+    theirs = Qwen3Config.from_dict({"rope_parameters": params, "rope_scaling": scaling})
+    assert (rope.rope_type, rope.factor, rope.theta) == (
+        theirs.rope_parameters["rope_type"],
+        theirs.rope_parameters["factor"],
+        theirs.rope_parameters["rope_theta"],
+    )
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        _cfg(
+            "Qwen3ForCausalLM",
+            rope_parameters=params,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0},
+        )
+
+
+def test_qwen_sliding_layers_as_transformers_counts_them() -> None:
+    """use_sliding_window without layer_types: transformers slides from max_window_layers
+    on; every layer full is served, any sliding one refused."""
+    ok = _cfg("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers=2)
+    assert ok.sliding_window is None
+    with pytest.raises(ValueError, match="max_window_layers 1"):
+        _cfg("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers=1)
+
+
+def test_quantized_checkpoints_are_refused_saying_so() -> None:
+    with pytest.raises(ValueError, match=r"quantized checkpoints \(fp8\) are not supported"):
+        _cfg("Qwen3ForCausalLM", quantization_config={"quant_method": "fp8"})
+
+
+def test_a_tied_config_with_a_different_lm_head_is_refused(tmp_path: Any) -> None:
+    """tie_word_embeddings with an lm_head.weight in the file: the same values tie; different
+    ones are a clear error (transformers 5 would use them, transformers 4 tie)."""
+    src = make_test_checkpoint(str(tmp_path / "src"), "qwen2", tie_word_embeddings=True)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    assert "lm_head.weight" not in state
+    emb = state["model.embed_tokens.weight"]
+    for name, head, ok in (("same", emb.clone(), True), ("other", emb.flip(0).clone(), False)):
+        dst = tmp_path / name
+        dst.mkdir()
+        for f in os.listdir(src):
+            if f != "model.safetensors":
+                (dst / f).write_bytes(open(os.path.join(src, f), "rb").read())
+        save_file({**state, "lm_head.weight": head}, str(dst / "model.safetensors"))
+        if ok:
+            ModelRunner(str(dst))
+        else:
+            with pytest.raises(ValueError, match="lm_head.weight differs"):
+                ModelRunner(str(dst))
+
+
 def test_missing_files(case: Callable[[str], Case], tmp_path: Any) -> None:
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_pretrained(str(tmp_path))

@@ -93,6 +93,7 @@ def load_weights(model: DecoderModel, path: str) -> None:
         raise ValueError(f"checkpoint {path!r} lacks tensor {missing[0]!r}{more}")
 
     filled: dict[int, int] = defaultdict(int)  # id(param) -> rows written, to catch short tensors
+    tied_head: str | None = None  # the file of an lm_head.weight a tied config does not read
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, fpath in files.items():
         by_file[fpath].append(name)
@@ -104,13 +105,15 @@ def load_weights(model: DecoderModel, path: str) -> None:
                         filled[id(targets[name][0])] += _copy_into(
                             model, targets[name], f.get_tensor(name), name
                         )
-                    elif not name.endswith(_IGNORED_SUFFIXES) and not (
-                        name == "lm_head.weight" and model.cfg.tie_word_embeddings
-                    ):
+                    elif name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+                        tied_head = fpath
+                    elif not name.endswith(_IGNORED_SUFFIXES):
                         raise ValueError(
                             f"checkpoint {path!r} has unexpected tensor {name!r} "
                             f"for {model.cfg.architecture}"
                         )
+    if tied_head is not None:
+        _check_tied_head(model, tied_head, path)
     for name, (param, _, _) in targets.items():
         if filled[id(param)] != param.shape[0]:
             raise ValueError(
@@ -118,6 +121,28 @@ def load_weights(model: DecoderModel, path: str) -> None:
                 f"{filled[id(param)]} of {param.shape[0]} rows; "
                 "config.json dimensions do not match the weights"
             )
+
+
+def _check_tied_head(model: DecoderModel, fpath: str, path: str) -> None:
+    """A tied config whose checkpoint also holds an lm_head.weight: fine where it equals the
+    embeddings (as the checkpoint dtype casts them). Where it differs, transformers 5 uses
+    it (untied) and transformers 4 tied them, so refuse rather than pick one silently."""
+    emb = model.embed_tokens
+    with safe_open(fpath, framework="pt") as f, torch.no_grad():
+        head = f.get_slice("lm_head.weight")
+        shape = tuple(head.get_shape())
+        same = shape == tuple(emb.shape)
+        for r in range(0, shape[0] if same else 0, 4096):  # in slices: vocab x hidden is big
+            if not torch.equal(head[r : r + 4096].to(emb.dtype), emb[r : r + 4096]):
+                same = False
+                break
+    if not same:
+        raise ValueError(
+            f"checkpoint {path!r}: config.json sets tie_word_embeddings but the checkpoint's "
+            "lm_head.weight differs from model.embed_tokens.weight (transformers 5 uses the "
+            "lm_head, transformers 4 tied them); set tie_word_embeddings to false to use the "
+            "lm_head, or remove it from the checkpoint to tie"
+        )
 
 
 def _copy_into(model: DecoderModel, target: Target, src: torch.Tensor, name: str) -> int:

@@ -120,8 +120,17 @@ class ModelConfig:
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
 
+        q = hf.get("quantization_config")
+        if q:
+            method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
+            raise ValueError(
+                f"quantized checkpoints ({method}) are not supported; use an unquantized "
+                "(bf16 / fp16 / fp32) checkpoint, or a GGUF file"
+            )
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim") or hidden // heads
+        # transformers' defaults where config.json leaves a key out (Qwen3Config's head_dim
+        # is 128, the others' hidden / heads)
+        head_dim = hf.get("head_dim") or (128 if family == "qwen3" else hidden // heads)
         attention_bias = bool(hf.get("attention_bias", False))
         qkv_bias = {
             "llama": attention_bias,
@@ -133,16 +142,25 @@ class ModelConfig:
 
         sliding: int | None = None
         if family == "mistral":
-            sliding = hf.get("sliding_window")
+            sliding = hf.get("sliding_window", 4096)  # MistralConfig's default
         elif family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
-            layer_types = hf.get("layer_types") or []
-            if "sliding_attention" in layer_types or not layer_types:
+            # transformers' layer types: sliding from max_window_layers on, unless listed
+            window = hf.get("sliding_window", 4096)
+            first = int(hf.get("max_window_layers", 28))
+            layer_types = hf.get("layer_types") or [
+                "sliding_attention" if window is not None and i >= first else "full_attention"
+                for i in range(int(hf["num_hidden_layers"]))
+            ]
+            if "sliding_attention" in layer_types:
                 raise ValueError(
-                    f"{arch} with use_sliding_window=true is not supported; "
-                    "set it to false in config.json"
+                    f"{arch} with sliding-window layers (use_sliding_window=true, "
+                    f"layers from max_window_layers {first} on) is not supported: iterserve "
+                    "runs one attention kind in every layer"
                 )
 
-        max_pos = int(hf.get("max_position_embeddings", 2048))
+        # transformers' defaults where config.json leaves it out
+        default_pos = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
+        max_pos = int(hf.get("max_position_embeddings", default_pos[family]))
         return cls(
             architecture=arch,
             family=family,
@@ -201,8 +219,10 @@ def _parse_rope(hf: dict[str, Any], max_pos: int) -> RopeConfig:
     params = dict(hf.get("rope_parameters") or {})
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"per-layer-type rope_parameters are not supported: {sorted(params)}")
+    # transformers' precedence: a rope_scaling dict replaces rope_parameters (model cards
+    # tell users to add rope_scaling to a config transformers 5 wrote rope_parameters into)
     scaling = hf.get("rope_scaling") or {}
-    params = {**scaling, **params}
+    params = dict(scaling) if scaling else params
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:

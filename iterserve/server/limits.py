@@ -128,6 +128,21 @@ class ServerLimits:
             code="limit_exceeded",
         )
 
+    def _check_strings(
+        self,
+        param: str,
+        noun: str,
+        items: list[Any],
+        flags: tuple[str, str],
+        limits: tuple[int, int],
+    ) -> None:
+        """A list of strings' count and total length against ``limits`` (their ``flags``)."""
+        if len(items) > limits[0]:
+            self._refuse(param, f"the request has {len(items)} {noun}", flags[0], limits[0])
+        chars = sum(len(s) for s in items if isinstance(s, str))
+        if chars > limits[1]:
+            self._refuse(param, f"the {noun} have {chars} characters in all", flags[1], limits[1])
+
     def _check_sizes(self, num_prompts: int, stops: list[Any]) -> None:
         if num_prompts > self.max_prompts_per_request:
             self._refuse(
@@ -136,43 +151,26 @@ class ServerLimits:
                 "max-prompts-per-request",
                 self.max_prompts_per_request,
             )
-        if len(stops) > self.max_stop_strings:
-            self._refuse(
-                "stop",
-                f"the request has {len(stops)} stop strings",
-                "max-stop-strings",
-                self.max_stop_strings,
-            )
-        chars = sum(len(s) for s in stops if isinstance(s, str))
-        if chars > self.max_stop_chars:
-            self._refuse(
-                "stop",
-                f"the stop strings have {chars} characters in all",
-                "max-stop-chars",
-                self.max_stop_chars,
-            )
+        self._check_strings(
+            "stop",
+            "stop strings",
+            stops,
+            ("max-stop-strings", "max-stop-chars"),
+            (self.max_stop_strings, self.max_stop_chars),
+        )
 
     def _check_lists(self, get: Callable[[str], Any]) -> None:
         """bad_words and the token-id lists, each value read with ``get`` (from the raw body
         or the validated request); a value of another type counts as empty (validation
         refuses it)."""
         words = get("bad_words")
-        words = words if isinstance(words, list) else []
-        if len(words) > self.max_bad_words:
-            self._refuse(
-                "bad_words",
-                f"the request has {len(words)} bad_words",
-                "max-bad-words",
-                self.max_bad_words,
-            )
-        chars = sum(len(w) for w in words if isinstance(w, str))
-        if chars > self.max_bad_words_chars:
-            self._refuse(
-                "bad_words",
-                f"the bad_words have {chars} characters in all",
-                "max-bad-words-chars",
-                self.max_bad_words_chars,
-            )
+        self._check_strings(
+            "bad_words",
+            "bad_words",
+            words if isinstance(words, list) else [],
+            ("max-bad-words", "max-bad-words-chars"),
+            (self.max_bad_words, self.max_bad_words_chars),
+        )
         for name in _TOKEN_LISTS:
             value = get(name)
             size = len(value) if isinstance(value, (list, dict)) else 0

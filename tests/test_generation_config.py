@@ -17,6 +17,7 @@ from iterserve.config import EngineArgs
 from iterserve.engine import LLM
 from iterserve.model.builtin import resolve_model
 from iterserve.sampling_params import SamplingParams, sampling_defaults
+from iterserve.server.cli import build_parser as build_serve_parser
 from iterserve.server.cli import main as serve_main
 
 QWEN3_LIKE = {  # Qwen3's generation_config.json, in substance
@@ -370,6 +371,22 @@ def test_a_default_max_tokens_past_the_room_is_capped_on_the_real_engine(tmp_pat
             # no max_tokens: the default (capped at the room) is less than min_tokens
             r = c.post("/v1/chat/completions", json=chat | {"min_tokens": 45})
             assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    # --allow-auto-truncate (SGLang's flag; vLLM 0.32's behaviour): an explicit max_tokens
+    # past the room is cut to it, streamed or not; min_tokens past the room stays a 400
+    eng = LLMEngine(EngineArgs(model=str(folder), num_kv_blocks=64, max_model_len=48))
+    eng.reject_overlong_max_tokens = False  # what the flag sets
+    _, server = serve(eng)
+    with server, httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.post("/v1/chat/completions", json=chat | {"max_tokens": 1000})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["completion_tokens"] == 48 - usage["prompt_tokens"]
+        r = c.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 16, "stream": True})
+        assert r.status_code == 200 and r.text.count('"finish_reason":"length"') == 1, r.text
+        r = c.post("/v1/completions", json={"prompt": [5] * 40, "min_tokens": 9, "max_tokens": 9})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    ns = build_serve_parser().parse_args(["--allow-auto-truncate"])
+    assert ns.allow_auto_truncate and not build_serve_parser().parse_args([]).allow_auto_truncate
     llm = LLM(model=str(folder), num_kv_blocks=64, max_model_len=48)
     with pytest.raises(ValueError, match="min_tokens is 45 but the context"):
         llm.generate([[5] * 8], SamplingParams(max_tokens=None, min_tokens=45))

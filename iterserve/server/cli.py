@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         "</think>",
     )
     g.add_argument(
+        "--allow-auto-truncate",
+        action="store_true",
+        help="a max_tokens past what the prompt leaves of the context is cut to fit, as vLLM "
+        "0.32 does (SGLang's flag); without it such a request gets a 400, as from OpenAI "
+        "and SGLang",
+    )
+    g.add_argument(
         "--chat-template",
         default=None,
         help="the chat template of /v1/chat/completions, /v1/responses and /tokenize in place "
@@ -196,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         llm_engine = LLMEngine(args)
-        # a 400, as OpenAI answers (vLLM 0.32 clamps max_tokens to the room instead)
-        llm_engine.reject_overlong_max_tokens = True
+        # a 400, as OpenAI and SGLang answer; --allow-auto-truncate: cut to the room (vLLM)
+        llm_engine.reject_overlong_max_tokens = not ns.allow_auto_truncate
         if chat_template is not None:  # before AsyncEngine copies the tokenizer
             llm_engine.tokenizer.chat_template = chat_template
         engine = AsyncEngine(

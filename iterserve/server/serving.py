@@ -154,6 +154,8 @@ class Serving:
         default_max = self.sampling_defaults.get("max_tokens")
         self.default_max_tokens = None if default_max is None else int(default_max)
         self.max_tokens_cap: int | None = engine.max_tokens_cap  # every request's, as vLLM's
+        # --allow-auto-truncate: a max_tokens the client sent past the room is cut to it too
+        self.auto_truncate = not getattr(engine.engine, "reject_overlong_max_tokens", True)
         # The scheduling policy, where the engine has one (not a test double): the fields only
         # some policies read are refused where it reads none.
         inner = getattr(engine, "engine", None)
@@ -453,11 +455,12 @@ class Serving:
         """``params`` with the max_tokens a prompt of ``prompt_len`` tokens runs with: the
         least of ``_max_tokens_limits`` and the prompt's room in the context, as vLLM 0.32
         clamps it. Except that a max_tokens the client sent that, after the server's limit,
-        is still past the room goes to the engine as that value, for its 400 (OpenAI's
-        answer; vLLM 0.32 clamps it too)."""
+        is still past the room goes to the engine as that value, for its 400 (OpenAI's and
+        SGLang's answer; vLLM 0.32 clamps it too, and so does ``--allow-auto-truncate``)."""
         room = self.engine.max_model_len - prompt_len
         limits = self._max_tokens_limits(params, default)
-        if not limits or (params.max_tokens is not None and min(limits) > room):
+        explicit_over = params.max_tokens is not None and bool(limits) and min(limits) > room
+        if not limits or (explicit_over and not self.auto_truncate):
             return params  # nothing to bound, or the engine's 400 quoting what was sent
         value = min(*limits, room)
         if value < max(1, params.min_tokens):  # no room: the engine's own answer for that

@@ -168,6 +168,15 @@ def test_random_lengths_and_arrivals() -> None:
     gaps = np.diff(synth_arrivals(4000, 10.0, 0.25, np.random.default_rng(0)))
     assert np.std(gaps) / np.mean(gaps) > 1.5
     assert synth_arrivals(3, math.inf, 1.0, np.random.default_rng(0)) == [0.0, 0.0, 0.0]
+    # the named rate is the rate offered, whatever the draw (as vLLM rescales its schedule):
+    # n requests' last arrives at (n - 1) / rate; infinite burstiness gives constant gaps
+    for n in (2, 50, 64, 100, 300):
+        for b in (0.5, 1.0, 4.0):
+            a = synth_arrivals(n, 20.0, b, np.random.default_rng([0, 2]))
+            assert a[0] == 0.0 and a == sorted(a) and a[-1] == pytest.approx((n - 1) / 20.0)
+    assert synth_arrivals(4, 5.0, math.inf, np.random.default_rng(0)) == pytest.approx(
+        [0.0, 0.2, 0.4, 0.6]
+    )
 
 
 def test_fit_lengths() -> None:

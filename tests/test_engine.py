@@ -405,3 +405,18 @@ def test_the_prompts_of_one_call_tokenize_their_bad_words_once(
     assert first is not None and first.has_bad_words
     while eng.has_unfinished_requests():
         eng.step()
+
+
+def test_prefix_cache_counters_count_first_admissions_as_vllm() -> None:
+    """vllm:prefix_cache_queries / hits count each request's first lookup: a preempted
+    request finding its own blocks again when it resumes is not a new query or hit (it was
+    counted, and the hit rate rose with preemption); the scheduler keeps those apart."""
+    llm = LLM("tiny-random", dtype="float32", num_kv_blocks=12, block_size=8, seed=0)
+    eng = llm.engine
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 1000) for _ in range(20)] for _ in range(6)]
+    llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    stats, s = eng.stats(), eng.scheduler
+    assert stats["num_preemptions"] > 0 and s.resumed_hit_tokens > 0
+    assert stats["prefix_cache_query_tokens"] == sum(map(len, prompts))
+    assert stats["prefix_cache_hit_tokens"] == 0  # no prompt shares a block with another

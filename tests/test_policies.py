@@ -813,7 +813,7 @@ def test_fair_preempts_the_flooding_tenant_for_a_slot() -> None:
             victim = out.preempted[0]
             assert victim.tenant == "heavy" and victim.request_id == "h3"  # the newest
             ended = drive(s, [])
-            assert "h3" in ended and s.prefix_hit_tokens >= 16  # resumed on its cached blocks
+            assert "h3" in ended and s.resumed_hit_tokens >= 16  # resumed on its cached blocks
     assert waits["fair"] == 1
     assert waits["continuous"] > 10
 
@@ -1440,7 +1440,7 @@ def test_continuous_preempts_the_biggest_call_for_a_slot() -> None:
             victim = out.preempted[0]
             assert victim.call == "big" and victim.request_id == "b3"  # the newest
             ended = drive(s, [])
-            assert "b3" in ended and s.prefix_hit_tokens >= 16  # resumed on its cached blocks
+            assert "b3" in ended and s.resumed_hit_tokens >= 16  # resumed on its cached blocks
             assert ended["s0"] < min(ended[f"b{i}"] for i in range(12))
         else:
             assert s.num_preemptions == 0

@@ -90,6 +90,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.resumed_hit_tokens = 0  # prefix hits of preempted requests resuming (vLLM's own)
         self.recomputed_tokens = 0
         self.num_rejected = 0  # ended by the policy's admission filter
         self.num_schedules = 0  # schedule() calls: the clock of preemption protection
@@ -370,8 +371,13 @@ class Scheduler:
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
             self.waiting.pop()
-            self.prefix_query_tokens += req.num_tokens
-            self.prefix_hit_tokens += num_hit
+            if not req.num_preemptions:
+                # the prefix cache's queries and hits, as vLLM counts them: first admissions
+                # only (a resumed request finding its own blocks again is no new hit)
+                self.prefix_query_tokens += req.num_tokens
+                self.prefix_hit_tokens += num_hit
+            else:
+                self.resumed_hit_tokens += num_hit
             out.prefix_hit_tokens += num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit

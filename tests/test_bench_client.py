@@ -4,7 +4,8 @@ The fake server reads its script from the prompt: ``prompt = [ttft_ms, gap_ms, t
 makes it wait ttft_ms before the first chunk and gap_ms between chunks, for ``max_tokens``
 chunks, then finish_ms (default 0) before the empty chunk that carries ``finish_reason``; tag
 only tells requests apart. Prompt[0] == 999 answers HTTP 500; 998 ends the stream with an error
-event. On ``/v1/chat/completions`` the script is the message text, numbers split by spaces.
+event; 997 sends an event that is not a JSON object after the first chunk; 996 sends no usage.
+On ``/v1/chat/completions`` the script is the message text, numbers split by spaces.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from iterserve.bench.cli import build_parser, main
 from iterserve.bench.client import RequestOptions, fetch_models, parse_header, run_serve
 from iterserve.workload.datasets import RequestSpec
-from iterserve.workload.metrics import summarize
+from iterserve.workload.metrics import format_summary, summarize
 
 TOL = 0.025  # seconds; sleeps on a busy 2-core machine overshoot by a few ms
 # A scripted delay is never measured short, but a loaded CI machine has woken the fake server
@@ -82,10 +83,16 @@ class _Handler(BaseHTTPRequestHandler):
             if prompt[0] == 998 and i == 1:
                 self._event({"error": {"message": "scripted stream error"}})
                 return
+            if prompt[0] == 997 and i == 1:
+                self._event('"oops"')
+                return
             self._event({"id": "c", "choices": [self._choice(f" t{i}", None)], "usage": None})
         finish = prompt[3] / 1000 if len(prompt) > 3 else 0.0
         time.sleep(max(0.0, start + ttft + (n - 1) * gap + finish - time.perf_counter()))
         self._event({"choices": [self._choice("", "length")], "usage": None})
+        if prompt[0] == 996:
+            self._event("[DONE]")
+            return
         self._event(
             {
                 "choices": [],
@@ -323,3 +330,31 @@ def test_cli_sends_flags_and_keeps_secrets_out_of_the_result_file(
     assert "sk-secret" not in text and "cli-test" not in text
     config = json.loads(text)["config"]
     assert config["api_key"] == "<set>" and config["headers"] == ["X-Run: <set>"]
+
+
+def test_a_bad_event_a_missing_usage_and_the_total_timeout(server: ThreadingHTTPServer) -> None:
+    """An event that is not a JSON object fails its request only (it ended the whole run);
+    without usage the tokens are counted as chunks and the summary says so; --request-timeout
+    bounds the whole request, not each read."""
+    specs = [
+        RequestSpec([997, 10, 1], output_len=3),
+        RequestSpec([996, 10, 2], output_len=3),
+        RequestSpec([20, 10, 3], output_len=3),
+    ]
+    res = run_serve(specs, base_url=_url(server), model="f")
+    bad, no_usage, ok = res.timings
+    assert not bad.success and bad.error is not None and "not a JSON object" in bad.error
+    assert no_usage.success and no_usage.output_tokens_from_chunks
+    assert ok.success and not ok.output_tokens_from_chunks and ok.output_tokens == 3
+    summary = summarize(res.timings, res.duration_s)
+    assert summary["output_tokens_from_chunks"] == 1 and summary["output_len_mismatch"] == 0
+    assert "counted as stream chunks" in format_summary(summary)
+    # chunks 250 ms apart, each read well inside 0.6 s, the whole request past it
+    slow = run_serve(
+        [RequestSpec([250, 250, 4], output_len=4)],
+        base_url=_url(server),
+        model="f",
+        request_timeout_s=0.6,
+    )
+    (t,) = slow.timings
+    assert not t.success and t.error is not None and "timed out after 0.6 s" in t.error

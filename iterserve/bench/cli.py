@@ -327,7 +327,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             ns.label or model,
             summary,
             res.timings,
-            request_rate=cfg.request_rate,
+            # all at once is rate inf (None means a trace's own times to the plots)
+            request_rate=math.inf if cfg.arrivals == "all-at-once" else cfg.request_rate,
             base_url=ns.base_url,
             model=model,
         )

@@ -214,13 +214,16 @@ async def send_request(
     clock_start: float,
     arrival_time: float = 0.0,
     options: RequestOptions | None = None,
+    timeout_s: float | None = None,
 ) -> RequestTiming:
     """Send one streaming request and time its chunks (``time.perf_counter``), as vLLM's
     ``bench serve`` does: every chunk that carries a choice is an arrival, the final one with
     only ``finish_reason`` (and the chat role chunk) included; the usage-only chunk and
     ``[DONE]`` are not. TTFT is the first arrival, ITL the gaps between later ones, E2E the
     last. The token counts are the server's ``usage`` when reported, else the prompt's length
-    and the number of chunks that carry text or no finish_reason.
+    and the number of chunks that carry text or no finish_reason (``output_tokens_from_chunks``
+    says so: several tokens in one chunk count as one). ``timeout_s``: for the whole request;
+    an event that is not what an OpenAI stream sends fails this request only.
     """
     opts = options or RequestOptions()
     t = RequestTiming(
@@ -235,7 +238,10 @@ async def send_request(
     last = st = time.perf_counter()  # after building the request: time only the exchange
     t.send_time = st - clock_start
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
+        async with (
+            asyncio.timeout(timeout_s),
+            client.stream("POST", url, json=body, headers=headers) as resp,
+        ):
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 t.error = f"HTTP {resp.status_code}: {text.strip()[:300]}"
@@ -249,6 +255,9 @@ async def send_request(
                     break
                 now = time.perf_counter()
                 obj = json.loads(data)
+                if not isinstance(obj, dict):
+                    t.error = f"a stream event is not a JSON object: {data[:80]}"
+                    break
                 if obj.get("error"):
                     err = obj["error"]
                     t.error = str(err.get("message", err) if isinstance(err, dict) else err)
@@ -274,7 +283,10 @@ async def send_request(
                 if usage and usage.get("prompt_tokens") is not None:
                     # The server's count, as vLLM takes it: a chat template adds tokens.
                     t.prompt_len = int(usage["prompt_tokens"])
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+    except TimeoutError:
+        t.error = f"timed out after {timeout_s:g} s (--request-timeout)"
+        return t
+    except Exception as e:  # noqa: BLE001 - one bad response fails its request, not the run
         t.error = f"{type(e).__name__}: {e}"
         return t
     if t.error is None and t.finish_reason in ("error", "abort"):
@@ -285,6 +297,7 @@ async def send_request(
         t.success = True
         t.latency = last - st
         t.output_tokens = usage_tokens if usage_tokens is not None else token_chunks
+        t.output_tokens_from_chunks = usage_tokens is None
     return t
 
 
@@ -318,7 +331,11 @@ async def run_serve_async(
 
             async def timed() -> RequestTiming:
                 return await send_request(
-                    *args, clock_start=clock_start, arrival_time=spec.arrival_time, options=opts
+                    *args,
+                    clock_start=clock_start,
+                    arrival_time=spec.arrival_time,
+                    options=opts,
+                    timeout_s=request_timeout_s,
                 )
 
             if sem is None:

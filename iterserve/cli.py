@@ -70,7 +70,11 @@ def generate_main(argv: list[str]) -> int:
         print(f"iterserve generate: error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    try:
+        outs = llm.generate(prompts, params)
+    except ValueError as e:  # a prompt the engine refuses (empty, past the context or pool)
+        print(f"iterserve generate: error: {e}", file=sys.stderr)
+        return 2
     dt = time.perf_counter() - t0
     for o in outs:
         c = o.outputs[0]

@@ -182,8 +182,18 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 (None: all cores), got {self.num_threads}")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError(
+                "give num_kv_blocks or kv_cache_memory, not both (num_kv_blocks would win and "
+                "kv_cache_memory be ignored)"
+            )
         _check_utilization(self.gpu_memory_utilization)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -212,6 +222,31 @@ class EngineArgs:
             from iterserve.sampling_params import sampling_defaults
 
             sampling_defaults({}, self.override_generation_config, "override_generation_config")
+
+    def unused_knobs(self) -> list[str]:
+        """The scheduler knobs set that the chosen policy would not read, each with why:
+        ``LLMEngine`` refuses them (one policy: a knob it ignores is a mistake), where a run
+        over several policies (``variant_args``) drops them for the policies that ignore them.
+        A user policy (module:Class) may read anything: nothing is said of it."""
+        from iterserve.core.policies import FairPolicy, SloPolicy, policy_class
+
+        if self.policy not in policy_names():
+            return []
+        cls, out = policy_class(self.policy), []
+        if self.tenant_weights and not issubclass(cls, FairPolicy):
+            out.append("tenant_weights (only the fair policy reads it)")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if getattr(self, name) is not None and not issubclass(cls, SloPolicy):
+                out.append(f"{name} (only the slo policy reads it)")
+        if self.max_long_partial_prefills != 1 and not self.long_prefill_threshold:
+            out.append("max_long_partial_prefills (only with long_prefill_threshold > 0)")
+        return out
+
+    def without_unused_knobs(self) -> EngineArgs:
+        """These args with the knobs ``unused_knobs`` names back at their defaults."""
+        cls = type(self)
+        names = [u.split(" ", 1)[0] for u in self.unused_knobs()]
+        return self.replace(**{n: cls.__dataclass_fields__[n].default for n in names})
 
     def sampling_defaults(self, model_path: str) -> dict[str, int | float]:
         """The SamplingParams defaults of requests that leave a sampling field unset, for the
@@ -314,6 +349,30 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+_SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
+    "bool": (bool,),
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+}
+
+
+def _check_field_types(obj: object) -> None:
+    """Each field of a plain type holds that type: Python callers' values are not parsed
+    as the CLI's are, and a string "false" for a bool field would read as true."""
+    for f in fields(obj):  # type: ignore[arg-type]
+        parts = [p.strip() for p in str(f.type).split("|")]
+        kinds = [p for p in parts if p != "None"]
+        if len(kinds) != 1 or kinds[0] not in _SIMPLE_TYPES:
+            continue
+        value = getattr(obj, f.name)
+        if value is None and "None" in parts:
+            continue
+        want = _SIMPLE_TYPES[kinds[0]]
+        if not isinstance(value, want) or (kinds[0] != "bool" and isinstance(value, bool)):
+            raise ValueError(f"{f.name} must be {' | '.join(parts)}, got {value!r}")
+
+
 def _check_utilization(value: float | None) -> None:
     if value is not None and not 0 < value <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value}")
@@ -392,7 +451,8 @@ def variant_args(variant: str, base: EngineArgs, max_model_len: int | None) -> E
     from iterserve.core.policies import policy_variant  # late: iterserve.core imports us
 
     v = policy_variant(variant)
-    args = base.replace(policy=v.policy, record_steps=None)
+    # a knob meant for another variant of the run (tenant weights for fair) is dropped here
+    args = base.replace(policy=v.policy, record_steps=None).without_unused_knobs()
     if v.chunked_prefill:
         return args
     if max_model_len is None:

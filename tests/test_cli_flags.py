@@ -161,3 +161,57 @@ def test_top_level_usage(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert all(name in out for name in cli.SUBCOMMANDS)
     assert cli.main(["nope"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"enable_prefix_caching": "false"}, "enable_prefix_caching must be bool, got 'false'"),
+        ({"max_num_seqs": "8"}, "max_num_seqs must be int, got '8'"),
+        ({"num_threads": 1.5}, "num_threads must be int | None"),
+        ({"num_threads": -1}, "num_threads must be >= 1"),
+        ({"block_size": 0}, r"block_size must be in \[1, 1024\]"),
+        ({"num_kv_blocks": 5, "kv_cache_memory": "1GiB"}, "not both"),
+    ],
+)
+def test_engine_args_refuse_what_they_would_misread(
+    kwargs: dict[str, object], message: str
+) -> None:
+    """Python callers' values are not parsed as the CLI's are: a string "false" read as true,
+    a negative thread count crashed in torch, a block size of 0 divided by zero in the
+    simulator, and kv_cache_memory was dropped beside num_kv_blocks."""
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)  # type: ignore[arg-type]
+    assert EngineArgs(gpu_memory_utilization=1, slo_ttft_ms=5).slo_ttft_ms == 5  # ints for floats
+
+
+def test_knobs_the_policy_would_ignore_are_refused_or_dropped_per_variant() -> None:
+    """One policy: a knob it never reads is an error (accepted, it did nothing); a run over
+    several (bench, simulate) drops it for the variants that ignore it."""
+    from iterserve.engine.llm_engine import LLMEngine
+
+    base = EngineArgs(tenant_weights="a=2", slo_tpot_ms=5.0, max_long_partial_prefills=3)
+    assert [u.split()[0] for u in base.unused_knobs()] == [
+        "tenant_weights",
+        "slo_tpot_ms",
+        "max_long_partial_prefills",
+    ]
+    with pytest.raises(ValueError, match="policy 'continuous' would ignore tenant_weights"):
+        LLMEngine(base)
+    assert EngineArgs(policy="fair", tenant_weights="a=2").unused_knobs() == []
+    fair = variant_args("fair", base, 2048)
+    assert fair.tenant_weights == "a=2" and fair.slo_tpot_ms is None
+    assert variant_args("slo", base, 2048).slo_tpot_ms == 5.0
+    assert variant_args("continuous", base, 2048).unused_knobs() == []
+
+
+def test_generate_and_simulate_say_what_is_wrong(capsys: pytest.CaptureFixture[str]) -> None:
+    """A prompt the engine refuses, or a context past the model's, is an error line and exit
+    2, not a traceback (or, for the context, a silent cut to the model's)."""
+    assert cli.main(["generate", "--model", "tiny-random", "--prompt", ""]) == 2
+    assert "prompt is empty" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", "tiny-random", "--max-model-len", "100000"]) == 2
+    assert "max_position_embeddings 2048" in capsys.readouterr().err
+    args = ["--workload", "random", "--num-prompts", "5", "--model", "llama-3-8b"]
+    assert sim_main([*args, "--max-model-len", "1000000"]) == 2
+    assert "max_model_len 1000000 is more than the model's context" in capsys.readouterr().err

@@ -205,13 +205,14 @@ def test_low_precision_is_close(case: Callable[[str], Case], dtype: str) -> None
 
 def test_runner_attributes_and_kv_sizing(case: Callable[[str], Case]) -> None:
     c = case("llama")
-    runner = c.runner(
-        max_model_len=100_000, cache_config=CacheConfig(block_size=8, kv_cache_memory=1 << 20)
-    )
     cfg = ModelConfig.from_pretrained(c.path)
+    # past the checkpoint's context: an error naming it, as vLLM's (it was cut silently)
+    with pytest.raises(ValueError, match=f"max_position_embeddings {cfg.max_position_embeddings}"):
+        c.runner(max_model_len=100_000)
+    runner = c.runner(cache_config=CacheConfig(block_size=8, kv_cache_memory=1 << 20))
     assert runner.kv_bytes_per_block == 2 * cfg.num_layers * 8 * cfg.num_kv_heads * cfg.head_dim * 4
     assert runner.num_kv_blocks == (1 << 20) // runner.kv_bytes_per_block
-    assert runner.max_model_len == cfg.max_position_embeddings  # capped by the checkpoint
+    assert runner.max_model_len == cfg.max_position_embeddings  # unset: the checkpoint's
     assert runner.num_params == sum(p.numel() for p in c.hf.parameters()) == cfg.num_params
     assert runner.eos_token_ids == [2, 4] and runner.num_layers == 2
     assert runner.hf_config["architectures"] == ["LlamaForCausalLM"]

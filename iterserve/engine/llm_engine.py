@@ -94,6 +94,12 @@ class LLMEngine:
 
         self.args = (args or EngineArgs()).replace(**kwargs)
         a = self.args
+        unused = a.unused_knobs()
+        if unused:
+            raise ValueError(
+                f"policy {a.policy!r} would ignore {'; '.join(unused)}: drop them, or choose "
+                "a policy that reads them"
+            )
         if a.num_threads:
             torch.set_num_threads(a.num_threads)
         self.model_name = a.model
@@ -189,7 +195,7 @@ class LLMEngine:
         import dataclasses
 
         from iterserve.model.device import kv_block_cap
-        from iterserve.model.model_config import ModelConfig
+        from iterserve.model.model_config import ModelConfig, context_length
 
         cc = a.cache_config(device_type)
         if cc.num_kv_blocks is not None or cc.gpu_memory_utilization is not None:
@@ -197,7 +203,7 @@ class LLMEngine:
         cfg = ModelConfig.from_pretrained(self.model_path)
         elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
         per_block = 2 * cfg.num_layers * cc.block_size * cfg.num_kv_heads * cfg.head_dim * elem
-        max_len = min(a.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        max_len = context_length(a.max_model_len, cfg)
         cap = kv_block_cap(a.max_num_seqs, max_len, cc.block_size)
         blocks = min(cc.kv_cache_memory // per_block, cap)
         return dataclasses.replace(cc, num_kv_blocks=blocks) if blocks >= 1 else cc

@@ -286,15 +286,15 @@ def select_backend(
                 f"the cpu attention backend needs iterserve's C++ kernels (built: "
                 f"{kern is not None}; ITERSERVE_KERNELS=0 or no C++ compiler turns them off), a "
                 f"CPU device (got {device.type}) and a float32/bfloat16 model (got {dtype}); "
-                f"set {ENV}=torch or auto"
+                f"choose the torch or auto backend (--attention-backend, which wins over {ENV})"
             )
         assert kern is not None
         return CpuBackend(kern, attention.prefill_kernel_fits(kern, dtype, head_dim))
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"the triton attention backend runs on a CUDA device; on CPU it needs "
-            f"TRITON_INTERPRET=1 (slow, for tests) set before iterserve is imported; set "
-            f"{ENV}=torch, cpu or auto"
+            f"TRITON_INTERPRET=1 (slow, for tests) set before iterserve is imported; choose "
+            f"the torch, cpu or auto backend (--attention-backend, which wins over {ENV})"
         )
     try:
         return TritonBackend()

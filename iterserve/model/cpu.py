@@ -300,7 +300,8 @@ def thread_governor(threads: int, num_threads: int | None) -> ThreadGovernor | N
         threads < 2
         or num_threads is not None
         or os.environ.get("OMP_NUM_THREADS")
-        or os.environ.get("ITERSERVE_ADAPT_THREADS", "1") == "0"
+        or os.environ.get("ITERSERVE_ADAPT_THREADS", "1").strip().lower()
+        in ("0", "off", "false", "no")
         or math.isnan(_machine_busy_s())
     ):
         return None

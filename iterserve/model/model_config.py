@@ -258,3 +258,19 @@ def _eos_ids(hf: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
     raw = gen.get("eos_token_id", hf.get("eos_token_id"))
     ids = raw if isinstance(raw, list) else [] if raw is None else [raw]
     return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def context_length(max_model_len: int | None, cfg: ModelConfig) -> int:
+    """The context a run serves: ``max_model_len``, or the model's own where None. Past the
+    model's ``max_position_embeddings`` it is an error, as in vLLM (it used to be cut to it
+    without a word)."""
+    limit = cfg.max_position_embeddings
+    if max_model_len is None:
+        return limit
+    if max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {max_model_len} is more than the model's context, "
+            f"max_position_embeddings {limit} in its config.json; lower max_model_len "
+            "(or leave it unset for the model's)"
+        )
+    return max_model_len

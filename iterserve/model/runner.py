@@ -87,7 +87,7 @@ from iterserve.model.device import (
 from iterserve.model.layers import Linear, choose_act, gate_up_layout, packing_available
 from iterserve.model.llama import DecoderLayer, DecoderModel, RotaryTable, Strategies
 from iterserve.model.loader import load_weights
-from iterserve.model.model_config import ModelConfig
+from iterserve.model.model_config import ModelConfig, context_length
 
 if TYPE_CHECKING:
     from iterserve.model.sampler import TokenLogprobs
@@ -154,9 +154,7 @@ class ModelRunner:
         self.vocab_size: int = cfg.vocab_size
         self.eos_token_ids: list[int] = list(cfg.eos_token_ids)
         self.num_layers: int = cfg.num_layers
-        self.max_model_len: int = min(
-            max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
+        self.max_model_len: int = context_length(max_model_len or None, cfg)
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
 

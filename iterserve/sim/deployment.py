@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from iterserve.config import DEFAULT_CPU_KV_MEMORY, EngineArgs, parse_size
-from iterserve.model.model_config import ModelConfig
+from iterserve.model.model_config import ModelConfig, context_length
 from iterserve.sim.cost_model import CostModel, RooflineCostModel
 from iterserve.sim.cpu_profile import CpuProfile, CpuProfileCostModel
 from iterserve.sim.hardware import HARDWARE, Efficiency, Hardware
@@ -133,7 +133,7 @@ def build_deployment(
     cfg = load_model_config(model)
     dtype = dtype or "bfloat16"
     cost = RooflineCostModel(cfg, hw, tp=tp, dtype=dtype)
-    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    max_len = context_length(max_model_len, cfg)
     block_bytes = cost.kv_bytes_per_token * block_size
     weights = cost.weight_bytes_per_gpu
     act = cost.activation_bytes(max_num_batched_tokens, max_num_seqs)
@@ -211,7 +211,7 @@ def _cpu_deployment(
     blocks = num_kv_blocks or int(
         parse_size(kv_cache_memory or DEFAULT_CPU_KV_MEMORY) // prof.kv_bytes_per_block
     )
-    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    max_len = context_length(max_model_len, cfg)
     return Deployment(
         prof.model,
         cfg,

@@ -94,21 +94,42 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _RefusePolicy(argparse.Action):
+    """``--policy`` on ``bench offline`` / ``sweep``: a usage error pointing at ``--policies``
+    (each run's policy comes from that list, so a --policy value would never be used)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(
+            f"{option_string} is not a flag of this command: it runs each policy of --policies "
+            f"(comma-separated, e.g. --policies {values})"
+        )
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """EngineArgs flags (model, dtype, max-num-seqs, ...); --policy is replaced by --policies
     and --record-steps names a folder (one JSONL file of StepStats per run)."""
     from iterserve.config import EngineArgs
 
-    EngineArgs.add_cli_args(
+    group = EngineArgs.add_cli_args(
         p.add_argument_group("engine (EngineArgs)"),
         defaults={"model": "bench-134m", "dtype": "bfloat16"},
-        helps={
-            "policy": argparse.SUPPRESS,
-            "record_steps": "write each run's per-step stats (JSON lines) into this folder",
-        },
+        helps={"record_steps": "write each run's per-step stats (JSON lines) into this folder"},
         metavars={"record_steps": "DIR"},
-        # every bench request sets its own sampling (greedy, ignore_eos): no model defaults
-        skip=("generation_config", "override_generation_config"),
+        # --policies chooses each run's policy; every bench request sets its own sampling
+        # (greedy, ignore_eos): no model defaults
+        skip=("policy", "generation_config", "override_generation_config"),
+    )
+    # Refused rather than left out: argparse would take an absent --policy as an abbreviation
+    # of --policies. Its default is SUPPRESS, so the namespace (and the result file's config)
+    # holds no policy.
+    group.add_argument(
+        "--policy", action=_RefusePolicy, default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
 
 
@@ -127,17 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model", help="model name to request (default: the first one the server lists)"
     )
-    s.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    s.add_argument(
+        "--max-concurrency",
+        type=int,
+        help="at most this many requests in flight (default or 0: no limit)",
+    )
     s.add_argument(
         "--max-model-len",
         type=int,
-        help="context for clipping/skipping long requests "
+        help="context for clipping/skipping long requests, >= 2 "
         f"(default: the server's, else {DEFAULT_SERVE_MAX_MODEL_LEN})",
     )
     s.add_argument(
         "--vocab-size",
         type=int,
-        help=f"draw prompt ids below this (default: the tokenizer's, else {SAFE_VOCAB_SIZE})",
+        help=f"draw prompt ids below this, >= 2 (default: the tokenizer's, else {SAFE_VOCAB_SIZE})",
     )
     s.add_argument(
         "--tokenizer", help="tokenizer folder (or built-in model name) for --prompt-format text"
@@ -260,9 +285,19 @@ def text_prompts(tokenizer: Any, specs: list[RequestSpec]) -> tuple[list[Request
     return specs, texts
 
 
+def _check_serve_flags(ns: argparse.Namespace) -> None:
+    """Numeric ``bench serve`` flags, before the server is asked anything."""
+    for flag, value in (("--max-model-len", ns.max_model_len), ("--vocab-size", ns.vocab_size)):
+        if value is not None and value < 2:
+            raise ValueError(f"{flag} must be >= 2, got {value}")
+    if ns.max_concurrency is not None and ns.max_concurrency < 0:
+        raise ValueError(f"--max-concurrency must be >= 0 (0: no limit), got {ns.max_concurrency}")
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     from iterserve.bench.client import fetch_models, run_serve
 
+    _check_serve_flags(ns)
     slos = parse_goodput(ns.goodput)
     cfg = WorkloadConfig.from_cli_args(ns)
     options = RequestOptions.from_cli_args(ns)
@@ -284,7 +319,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             ),
             None,
         )
-    max_len = max_len or DEFAULT_SERVE_MAX_MODEL_LEN
+    if max_len is None:
+        max_len = DEFAULT_SERVE_MAX_MODEL_LEN
 
     tokenizer = _load_tokenizer(ns.tokenizer or model) if ns.prompt_format == "text" else None
     vocab = ns.vocab_size
@@ -297,7 +333,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             else (model if os.path.isdir(model) else None)
         )
         vocab = _vocab_size_of(folder) if folder else None
-    vocab = vocab or SAFE_VOCAB_SIZE
+    if vocab is None:
+        vocab = SAFE_VOCAB_SIZE
 
     specs, report = build_workload(cfg, vocab_size=vocab, max_model_len=max_len)
     prompts: list[list[int] | str] | None = None

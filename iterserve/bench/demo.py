@@ -120,6 +120,11 @@ def slot_use(steps: list[dict[str, Any]], max_num_seqs: int) -> SlotUse:
     return SlotUse(len(steps), max_num_seqs * len(steps), idle, waiting)
 
 
+def min_pool_blocks(specs: list[RequestSpec], block_size: int) -> int:
+    """The fewest KV blocks the preemption run can use: the longest request's, plus one."""
+    return max(-(-(s.prompt_len + s.output_len) // block_size) for s in specs) + 1
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     w = DemoWorkload()
     parser.add_argument(
@@ -155,8 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--small-pool-blocks",
         type=int,
         default=None,
-        help="KV blocks of the preemption run (default: half the continuous run's peak, "
-        "at least what the longest request needs)",
+        help="KV blocks of the preemption run, at least what the longest request needs plus "
+        "one (default: half the continuous run's peak, at least that minimum)",
     )
     parser.add_argument(
         "--completions",
@@ -301,6 +306,15 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
             long_ids = {
                 f"req-{i}" for i, s in enumerate(specs) if s.output_len > 2 * workload.short_tokens
             }
+            # The preemption run's pool must hold the longest request (plus one block): a
+            # --small-pool-blocks below that fails here, before any run, not after two.
+            need = min_pool_blocks(specs, block_size)
+            if ns.small_pool_blocks is not None and ns.small_pool_blocks < need:
+                raise ValueError(
+                    f"--small-pool-blocks must be at least {need} for this workload (the "
+                    f"longest request needs {need - 1} blocks of {block_size} tokens, plus "
+                    f"one), got {ns.small_pool_blocks}; leave it out for the default"
+                )
             console.print(
                 f"[bold]{ns.model}[/bold] ({ns.dtype}): {len(specs)} requests over "
                 f"{specs[-1].arrival_time:.1f} s (Poisson, {workload.request_rate:g} req/s), "
@@ -315,8 +329,7 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
 
     # Preemption: the same load into a pool half the size the continuous run used at its peak.
     peak = runs["continuous"]["kv_peak_blocks"]
-    need = max(-(-(s.prompt_len + s.output_len) // block_size) for s in specs) + 1
-    small = ns.small_pool_blocks or max(need, peak // 2)
+    small = ns.small_pool_blocks or max(min_pool_blocks(specs, block_size), peak // 2)
     del engine
     gc.collect()
     engine = make_engine(base.replace(policy="continuous", num_kv_blocks=small))

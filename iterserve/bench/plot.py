@@ -66,10 +66,27 @@ def _same_rate(run_rate: float | None, rate: float) -> bool:
     return math.isclose(run_rate, rate, rel_tol=1e-3) or _rate_text(run_rate) == _rate_text(rate)
 
 
+def _load_result(path: str | Path) -> dict[str, Any]:
+    """A bench result file; one that is not JSON (e.g. step records, JSON lines) is an error
+    that names the file and what was expected."""
+    try:
+        return read_result(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        hint = (
+            "; step records (.jsonl) are plotted by 'iterserve plot timeline'"
+            if str(path).endswith(".jsonl")
+            else ""
+        )
+        raise ValueError(
+            f"{path} is not an iterserve bench result: expected the .json file that "
+            f"--result-file writes, but it is not one JSON document ({e}){hint}"
+        ) from None
+
+
 def _all_runs(paths: list[str]) -> list[dict[str, Any]]:
     runs = []
     for p in paths:
-        doc = read_result(p)
+        doc = _load_result(p)
         for r in doc["runs"]:
             r = dict(r)
             r["_file"] = p
@@ -233,9 +250,15 @@ class Timeline:
 def read_steps(path: str | Path) -> list[dict[str, Any]]:
     steps = []
     with open(path) as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if line.strip():
-                steps.append(json.loads(line))
+                try:
+                    steps.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(
+                        f"{path}, line {n}: not a step record ({e}); expected the JSON lines "
+                        "that --record-steps writes"
+                    ) from None
     if not steps:
         raise ValueError(f"{path} holds no step records")
     if "scheduled" not in steps[0]:
@@ -258,7 +281,7 @@ def load_timelines(
             steps = read_steps(p)
             out.append(Timeline(Path(p).stem, steps, steps[0]["start_time"]))
             continue
-        doc = read_result(p)
+        doc = _load_result(p)
         found = False
         rates: set[str] = set()
         for run in doc["runs"]:
@@ -359,7 +382,10 @@ def plot_timeline(
     """One column per run, sharing the time axis: (1) a Gantt chart, one row per request
     (grey: waiting since arrival, orange: prefill, blue: decode); (2) prefill and decode
     tokens per step, running requests, and idle batch slots while requests wait (red);
-    (3) KV-cache usage and queue length."""
+    (3) KV-cache usage and queue length. ``max_requests`` (None or 0: all) caps the Gantt
+    chart's rows."""
+    if max_requests is not None and max_requests < 0:
+        raise ValueError(f"--max-requests must be >= 0 (0: all), got {max_requests}")
     tls = load_timelines(paths, labels, rate)
     ncol = len(tls)
     fig, axes = plt.subplots(
@@ -611,7 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("inputs", nargs="+", metavar="STEPS.jsonl|RESULT.json")
     t.add_argument("--labels", help="comma-separated column titles")
     t.add_argument(
-        "--max-requests", type=int, help="show only the first N requests in the Gantt chart"
+        "--max-requests",
+        type=int,
+        help="show only the first N requests in the Gantt chart (default or 0: all)",
     )
     t.add_argument(
         "--rate", type=float, help="from result files, only the runs at this request rate"

@@ -198,7 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--slo", help="e.g. ttft_p99:500,tpot_p99:50 (milliseconds; stats p50..p99, median, mean)"
     )
     c.add_argument(
-        "--tolerance", type=float, default=0.02, help="relative width at which the search stops"
+        "--tolerance",
+        type=float,
+        default=0.02,
+        help="relative width (> 0) at which the search stops",
     )
 
     o = p.add_argument_group("output")
@@ -473,6 +476,10 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         raise ValueError("give --find-max-rate or --at-capacity, not both")
     if ns.at_capacity is not None and not ns.at_capacity > 0:
         raise ValueError(f"--at-capacity must be a positive multiple, got {ns.at_capacity}")
+    if not 0 < ns.tolerance < math.inf:
+        raise ValueError(
+            f"--tolerance must be a positive, finite relative width, got {ns.tolerance}"
+        )
     if ns.find_max_rate and (ns.record_steps or ns.goodput):
         raise ValueError(
             "--find-max-rate reports each policy's capacity, not one run: --record-steps and "

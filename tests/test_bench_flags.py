@@ -1,0 +1,203 @@
+"""Flags of ``iterserve bench``, ``demo``, ``plot`` and ``simulate`` that are refused with an
+error naming the flag (exit 2), before any model loads or request is sent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from iterserve.bench import cli as bench_cli
+from iterserve.bench import demo
+from iterserve.bench import plot as plot_cli
+from iterserve.sim import cli as sim_cli
+
+# Nothing listens here: a check that ran after the first request would fail differently.
+DEAD_URL = "http://127.0.0.1:9"
+
+
+# ---- bench offline / sweep: --policy ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["offline", "--policies", "continuous", "--policy", "priority"],
+        ["sweep", "--policy", "static"],
+        ["offline", "--policy=static"],
+        # fair never runs here, so its checks must not decide the outcome either
+        ["sweep", "--policies", "static", "--policy", "fair", "--preemption-resume-headroom", "0"],
+    ],
+)
+def test_bench_in_process_refuses_policy(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--policy is not a flag of this command" in err and "--policies" in err
+
+
+def test_bench_in_process_keeps_policy_out_of_the_result_config() -> None:
+    for command in ("offline", "sweep"):
+        ns = bench_cli.build_parser().parse_args([command, "--policies", "static,continuous"])
+        config = bench_cli._config(ns)
+        assert "policy" not in config and config["policies"] == "static,continuous"
+        # the engine's base arguments still build (policy: the field default; each run
+        # replaces it with its --policies entry)
+        assert bench_cli._base_engine_args(ns).model == "bench-134m"
+
+
+# ---- bench serve ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--max-model-len", "0", "--max-model-len must be >= 2, got 0"),
+        ("--max-model-len", "1", "--max-model-len must be >= 2, got 1"),
+        ("--max-model-len", "-5", "--max-model-len must be >= 2, got -5"),
+        ("--vocab-size", "0", "--vocab-size must be >= 2, got 0"),
+        ("--vocab-size", "-5", "--vocab-size must be >= 2, got -5"),
+        ("--max-concurrency", "-1", "--max-concurrency must be >= 0 (0: no limit), got -1"),
+    ],
+)
+def test_bench_serve_refuses_bad_numbers(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["serve", "--base-url", DEAD_URL, "--num-prompts", "1", flag, value]
+    assert bench_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "GET /v1/models" not in err  # refused before the server is asked
+
+
+def test_bench_serve_accepts_no_concurrency_limit() -> None:
+    for argv in (["--max-concurrency", "0"], ["--max-concurrency", "3"], []):
+        ns = bench_cli.build_parser().parse_args(["serve", *argv])
+        bench_cli._check_serve_flags(ns)  # does not raise
+
+
+# ---- demo: --small-pool-blocks ----------------------------------------------------------------
+
+DEMO_TINY = [
+    "--model", "tiny-random", "--num-requests", "6", "--long-fraction", "0.25",
+    "--short-tokens", "4", "--long-tokens", "40", "--prompt-len", "12", "--completions", "0",
+]  # fmt: skip
+
+
+class _FakeEngine:
+    vocab_size = 256
+    max_model_len = 1024
+
+
+class _Ran(Exception):
+    """Raised by the patched demo run: the flag checks let the demo go on."""
+
+
+def _demo(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str
+) -> tuple[int, list[dict[str, Any]]]:
+    made: list[dict[str, Any]] = []
+
+    def make_engine(args: Any) -> _FakeEngine:
+        made.append({"policy": args.policy, "num_kv_blocks": args.num_kv_blocks})
+        return _FakeEngine()
+
+    def run(*a: Any, **k: Any) -> None:
+        raise _Ran
+
+    monkeypatch.setattr("iterserve.bench.offline.make_engine", make_engine)
+    monkeypatch.setattr(demo, "_run", run)
+    try:
+        rc = demo.cli_main([*DEMO_TINY, "--out-dir", str(tmp_path), *args])
+    except _Ran:
+        rc = -1
+    return rc, made
+
+
+def _demo_min_blocks() -> int:
+    parser = demo.argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    workload = demo._workload(parser.parse_args(DEMO_TINY))
+    specs = workload.build(_FakeEngine.vocab_size, _FakeEngine.max_model_len)
+    return demo.min_pool_blocks(specs, demo.EngineArgs().block_size)
+
+
+def test_demo_refuses_a_small_pool_below_the_minimum_before_any_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    need = _demo_min_blocks()
+    assert need > 2
+    for blocks in (1, need - 1):
+        rc, made = _demo(monkeypatch, tmp_path, "--small-pool-blocks", str(blocks))
+        assert rc == 2 and len(made) == 1  # only the engine that tells vocabulary and context
+        err = capsys.readouterr().err
+        assert f"--small-pool-blocks must be at least {need}" in err and f"got {blocks}" in err
+    rc, _ = _demo(monkeypatch, tmp_path, "--small-pool-blocks", str(need))
+    assert rc == -1  # the minimum itself is accepted: the runs start
+    rc, _ = _demo(monkeypatch, tmp_path)
+    assert rc == -1
+
+
+def test_demo_refuses_a_non_positive_small_pool(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, made = _demo(monkeypatch, tmp_path, "--small-pool-blocks", "0")
+    assert rc == 2 and not made
+    assert "--small-pool-blocks must be >= 1" in capsys.readouterr().err
+
+
+# ---- plot ---------------------------------------------------------------------------------------
+
+
+def test_plot_timeline_refuses_negative_max_requests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "t.png"
+    assert (
+        plot_cli.main(["timeline", "steps.jsonl", "--max-requests", "-3", "--out", str(out)]) == 2
+    )
+    assert "--max-requests must be >= 0 (0: all), got -3" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["cdf", "curves"])
+def test_plot_names_a_file_that_is_not_a_result(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text(json.dumps({"step": 0}) + "\n" + json.dumps({"step": 1}) + "\n")
+    assert plot_cli.main([kind, str(steps), "--out", str(tmp_path / "c.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"{steps} is not an iterserve bench result" in err
+    assert "--result-file" in err and "iterserve plot timeline" in err
+    binary = tmp_path / "image.json"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n")
+    assert plot_cli.main([kind, str(binary), "--out", str(tmp_path / "c.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"{binary} is not an iterserve bench result" in err and "plot timeline" not in err
+
+
+def test_plot_timeline_names_a_file_that_is_not_step_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"runs": [\n]}\n')
+    assert plot_cli.main(["timeline", str(bad), "--out", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}, line 1: not a step record" in err and "--record-steps" in err
+
+
+# ---- simulate --tolerance ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_simulate_refuses_a_non_positive_tolerance(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--workload", "random", "--num-prompts", "2", "--tolerance", value]
+    assert sim_cli.main(argv) == 2
+    assert "--tolerance must be a positive, finite relative width" in capsys.readouterr().err

@@ -242,6 +242,15 @@ class EngineArgs:
             out.append("max_long_partial_prefills (only with long_prefill_threshold > 0)")
         return out
 
+    def check_knobs_used(self) -> None:
+        """Raises the ValueError naming the knobs ``unused_knobs`` finds, if any."""
+        unused = self.unused_knobs()
+        if unused:
+            raise ValueError(
+                f"policy {self.policy!r} would ignore {'; '.join(unused)}: drop them, or "
+                "choose a policy that reads them"
+            )
+
     def without_unused_knobs(self) -> EngineArgs:
         """These args with the knobs ``unused_knobs`` names back at their defaults."""
         cls = type(self)

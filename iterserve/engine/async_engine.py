@@ -592,6 +592,9 @@ class AsyncEngine:
                 logger.warning(
                     "engine thread did not stop within %.1fs (a step is still running)", timeout
                 )
+        else:
+            # never started (or already stopped): nothing else writes the step file
+            self._close_step_file()
         out = self._out_thread
         if out is not None and out.is_alive() and not (thread and thread.is_alive()):
             await asyncio.to_thread(out.join, timeout)
@@ -839,7 +842,20 @@ class AsyncEngine:
                     self._release(cmd.request_id)
                     self._deliver([(cmd.stream, _Failed(reason, EngineDeadError(reason)))])
             self._fail_all(streams, reason)
+            self._close_step_file()
             self._to_out(_OutStop())
+
+    def _close_step_file(self) -> None:
+        """Closes the engine's --record-steps file (LLMEngine.record_steps(None)), so its
+        buffered records reach the disk; on the engine thread, which writes it, or before
+        that thread starts."""
+        record_steps = getattr(self.engine, "record_steps", None)
+        if record_steps is None:
+            return
+        try:
+            record_steps(None)
+        except Exception:  # noqa: BLE001 - shutdown goes on
+            logger.exception("closing the step-record file failed")
 
     def _to_out(self, msg: _OutMsg) -> None:
         self._out_q.put(msg)

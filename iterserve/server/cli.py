@@ -172,6 +172,46 @@ def _make_server_class() -> type:
     return Server
 
 
+def _served_name_problems(names: list[str] | None) -> list[str]:
+    if names is None:
+        return []
+    problems = []
+    if any(not name.strip() for name in names):
+        problems.append("--served-model-name: a name must not be empty")
+    dups = sorted({name for name in names if names.count(name) > 1})
+    if dups:
+        problems.append(
+            f"--served-model-name: each name once, got {', '.join(map(repr, dups))} twice or more"
+        )
+    return problems
+
+
+def _engine_arg_problem(args: EngineArgs) -> str | None:
+    """What LLMEngine would refuse in the engine flags (--max-num-seqs 0, a knob the policy
+    ignores, a --max-model-len past the model's context, ...), found before the weights load
+    and the KV pool is allocated, so that it is not reported as the model failing to load.
+    The model's context comes from its config.json where the model is local; a Hub id is not
+    looked up twice (the knobs that need no context length are still checked)."""
+    from iterserve.model.builtin import resolve_model
+    from iterserve.model.hub import looks_like_repo_id
+    from iterserve.model.model_config import ModelConfig, context_length
+
+    cfg = None
+    if not looks_like_repo_id(args.model):
+        try:
+            cfg = ModelConfig.from_pretrained(resolve_model(args.model))
+        except Exception:  # noqa: BLE001 - the load reports a bad model, with its own message
+            cfg = None
+    try:
+        args.check_knobs_used()
+        # 1 without the model's config: every check but the one that needs the context
+        max_len = 1 if cfg is None else context_length(args.max_model_len, cfg)
+        args.scheduler_config(max_len)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
@@ -185,14 +225,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"iterserve serve: {e}", file=sys.stderr)
         return 2
     problems = []
-    if ns.shutdown_timeout < 0:
-        problems.append("--shutdown-timeout must be >= 0")
+    if not 0 <= ns.shutdown_timeout < float("inf"):  # NaN fails too
+        problems.append(
+            f"--shutdown-timeout must be a finite number >= 0, got {ns.shutdown_timeout}"
+        )
+    if not 0 <= ns.port <= 65535:
+        problems.append(f"--port must be in 0-65535, got {ns.port}")
+    if ns.retry_after < 0:
+        problems.append(f"--retry-after must be >= 0 (whole seconds), got {ns.retry_after}")
     if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
         problems.append("--max-queued-requests must be >= 1")
     if ns.max_queued_tokens is not None and ns.max_queued_tokens < 1:
         problems.append("--max-queued-tokens must be >= 1")
     if ns.max_request_body_bytes < 1:
         problems.append("--max-request-body-bytes must be >= 1")
+    problems += _served_name_problems(ns.served_model_name)
+    engine_problem = _engine_arg_problem(args)
+    if engine_problem is not None:
+        problems.append(engine_problem)
     if problems:
         print("iterserve serve: " + "; ".join(problems), file=sys.stderr)
         return 2
@@ -207,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         llm_engine.reject_overlong_max_tokens = not ns.allow_auto_truncate
         if chat_template is not None:  # before AsyncEngine copies the tokenizer
             llm_engine.tokenizer.chat_template = chat_template
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"iterserve serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
+        return 2
+    try:  # the model loaded: what is refused now is the flags (the KV pool's size, ...)
         engine = AsyncEngine(
             llm_engine,
             max_queued_requests=ns.max_queued_requests,
@@ -215,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             stream_buffer_bytes=limits.stream_buffer_bytes,
             stall_timeout_s=limits.engine_stall_timeout,
         )
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"iterserve serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        print(f"iterserve serve: {e}", file=sys.stderr)
         return 2
     app = create_app(
         engine,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -100,8 +101,13 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, bool) and value <= 0:
-                flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            # NaN compares false with everything, so `value <= 0` alone lets it through
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{flag} must be a finite number > 0, got {value}")
+            if value <= 0:
                 raise ValueError(f"{flag} must be > 0, got {value}")
 
     @classmethod

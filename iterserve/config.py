@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 import os
 import re
 import types
@@ -182,6 +183,9 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        memory: object = self.kv_cache_memory
+        if isinstance(memory, numbers.Integral) and not isinstance(memory, bool):
+            self.kv_cache_memory = str(int(memory))  # bytes, as parse_size reads an int
         _check_field_types(self)
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
@@ -358,28 +362,43 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-_SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
-    "bool": (bool,),
-    "int": (int,),
-    "float": (int, float),
-    "str": (str,),
-}
+def _plain(kind: str, value: object) -> object:
+    """``value`` as the plain ``kind`` (bool, int, float, str) it stands for, or a
+    ValueError-raising sentinel (None) where it stands for none: numpy numbers and paths
+    pass, a string for a number or a bool does not ("false" would read as true)."""
+    if isinstance(value, str | bytes):
+        return value if kind == "str" and isinstance(value, str) else None
+    if kind == "str":
+        return os.fspath(value) if isinstance(value, os.PathLike) else None
+    if kind == "bool":
+        item = value.item() if hasattr(value, "item") else value  # numpy's bool_ is no Integral
+        return bool(item) if isinstance(item, numbers.Integral) and item in (0, 1) else None
+    if isinstance(value, bool):  # a bool is an Integral, but not a count
+        return None
+    if kind == "int":
+        if isinstance(value, numbers.Integral):
+            return int(value)  # numpy ints too
+        if isinstance(value, numbers.Real) and float(value).is_integer():
+            return int(float(value))  # 8.0
+        return None
+    return float(value) if isinstance(value, numbers.Real) else None
 
 
 def _check_field_types(obj: object) -> None:
-    """Each field of a plain type holds that type: Python callers' values are not parsed
-    as the CLI's are, and a string "false" for a bool field would read as true."""
+    """Each field of a plain type holds that type, made plain (numpy numbers, paths):
+    Python callers' values are not parsed as the CLI's are."""
     for f in fields(obj):  # type: ignore[arg-type]
         parts = [p.strip() for p in str(f.type).split("|")]
         kinds = [p for p in parts if p != "None"]
-        if len(kinds) != 1 or kinds[0] not in _SIMPLE_TYPES:
+        if len(kinds) != 1 or kinds[0] not in ("bool", "int", "float", "str"):
             continue
         value = getattr(obj, f.name)
         if value is None and "None" in parts:
             continue
-        want = _SIMPLE_TYPES[kinds[0]]
-        if not isinstance(value, want) or (kinds[0] != "bool" and isinstance(value, bool)):
+        plain = _plain(kinds[0], value)
+        if plain is None:
             raise ValueError(f"{f.name} must be {' | '.join(parts)}, got {value!r}")
+        setattr(obj, f.name, plain)
 
 
 def _check_utilization(value: float | None) -> None:
@@ -478,8 +497,16 @@ def check_variants(policies: list[str], base: EngineArgs) -> None:
     no resume headroom) before a run starts, not when that policy's turn comes."""
     from iterserve.core.policies import policy_variant  # late: iterserve.core imports us
 
+    unread: set[str] | None = None
     for p in policies:
-        base.replace(policy=policy_variant(p).policy)  # __post_init__ validates
+        args = base.replace(policy=policy_variant(p).policy)  # __post_init__ validates
+        names = {u.split(" ", 1)[0] for u in args.unused_knobs()}
+        unread = names if unread is None else unread & names
+    if unread:  # set for the run, read by none of its policies: a mistake, not a variant's
+        raise ValueError(
+            f"no policy of {', '.join(policies)} reads {', '.join(sorted(unread))}: drop "
+            "it, or add a policy that reads it"
+        )
 
 
 def parse_policies(text: str, flag: str = "--policies") -> list[str]:

@@ -17,6 +17,7 @@ from iterserve.config import (
     EngineArgs,
     SchedulerConfig,
     add_dataclass_args,
+    check_variants,
     parse_policies,
     policy_names,
     variant_args,
@@ -182,7 +183,27 @@ def test_engine_args_refuse_what_they_would_misread(
     simulator, and kv_cache_memory was dropped beside num_kv_blocks."""
     with pytest.raises(ValueError, match=message):
         EngineArgs(**kwargs)  # type: ignore[arg-type]
-    assert EngineArgs(gpu_memory_utilization=1, slo_ttft_ms=5).slo_ttft_ms == 5  # ints for floats
+
+
+def test_engine_args_take_numpy_numbers_and_paths_as_plain_values(tmp_path: object) -> None:
+    import pathlib
+
+    import numpy as np
+
+    a = EngineArgs(
+        model=pathlib.Path("tiny-random"),
+        max_num_seqs=np.int64(8),  # type: ignore[arg-type]
+        gpu_memory_utilization=np.float32(0.5),  # type: ignore[arg-type]
+        enable_prefix_caching=np.bool_(False),  # type: ignore[arg-type]
+        enforce_eager=1,  # type: ignore[arg-type]
+        kv_cache_memory=1 << 26,
+        slo_ttft_ms=5,
+        seed=2**60 + 1,
+    )
+    assert (a.model, a.max_num_seqs, a.gpu_memory_utilization) == ("tiny-random", 8, 0.5)
+    assert a.enable_prefix_caching is False and a.enforce_eager is True
+    assert type(a.max_num_seqs) is int and type(a.slo_ttft_ms) is float and a.seed == 2**60 + 1
+    assert a.cache_config().kv_cache_memory == 1 << 26
 
 
 def test_knobs_the_policy_would_ignore_are_refused_or_dropped_per_variant() -> None:
@@ -203,6 +224,10 @@ def test_knobs_the_policy_would_ignore_are_refused_or_dropped_per_variant() -> N
     assert fair.tenant_weights == "a=2" and fair.slo_tpot_ms is None
     assert variant_args("slo", base, 2048).slo_tpot_ms == 5.0
     assert variant_args("continuous", base, 2048).unused_knobs() == []
+    # a knob no policy of the run reads is refused there too
+    check_variants(["fair", "slo"], base.replace(max_long_partial_prefills=1))
+    with pytest.raises(ValueError, match="no policy of continuous, slo reads tenant_weights"):
+        check_variants(["continuous", "slo"], base.replace(max_long_partial_prefills=1))
 
 
 def test_generate_and_simulate_say_what_is_wrong(capsys: pytest.CaptureFixture[str]) -> None:

@@ -304,8 +304,13 @@ def test_qwen_sliding_layers_as_transformers_counts_them() -> None:
 
 
 def test_quantized_checkpoints_are_refused_saying_so() -> None:
+    """Their weights are refused when loaded; their shape (the simulator's use) is read."""
+    from iterserve.model.model_config import check_not_quantized
+
+    cfg = _cfg("Qwen3ForCausalLM", quantization_config={"quant_method": "fp8"})
+    assert cfg.num_layers == 2
     with pytest.raises(ValueError, match=r"quantized checkpoints \(fp8\) are not supported"):
-        _cfg("Qwen3ForCausalLM", quantization_config={"quant_method": "fp8"})
+        check_not_quantized(cfg)
 
 
 def test_a_tied_config_with_a_different_lm_head_is_refused(tmp_path: Any) -> None:

@@ -120,13 +120,6 @@ class ModelConfig:
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
 
-        q = hf.get("quantization_config")
-        if q:
-            method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
-            raise ValueError(
-                f"quantized checkpoints ({method}) are not supported; use an unquantized "
-                "(bf16 / fp16 / fp32) checkpoint, or a GGUF file"
-            )
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         # transformers' defaults where config.json leaves a key out (Qwen3Config's head_dim
         # is 128, the others' hidden / heads)
@@ -258,6 +251,18 @@ def _eos_ids(hf: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
     raw = gen.get("eos_token_id", hf.get("eos_token_id"))
     ids = raw if isinstance(raw, list) else [] if raw is None else [raw]
     return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def check_not_quantized(cfg: ModelConfig) -> None:
+    """Loading weights: a quantized checkpoint's (FP8, GPTQ, AWQ) are not plain tensors.
+    Its shape alone (the simulator's use of a config) is fine."""
+    q = cfg.hf_config.get("quantization_config")
+    if q:
+        method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
+        raise ValueError(
+            f"quantized checkpoints ({method}) are not supported; use an unquantized "
+            "(bf16 / fp16 / fp32) checkpoint, or a GGUF file"
+        )
 
 
 def context_length(max_model_len: int | None, cfg: ModelConfig) -> int:

@@ -87,7 +87,7 @@ from iterserve.model.device import (
 from iterserve.model.layers import Linear, choose_act, gate_up_layout, packing_available
 from iterserve.model.llama import DecoderLayer, DecoderModel, RotaryTable, Strategies
 from iterserve.model.loader import load_weights
-from iterserve.model.model_config import ModelConfig, context_length
+from iterserve.model.model_config import ModelConfig, check_not_quantized, context_length
 
 if TYPE_CHECKING:
     from iterserve.model.sampler import TokenLogprobs
@@ -149,6 +149,7 @@ class ModelRunner:
         torch.manual_seed(seed)
         self.model_path: str = resolve_model(model_path)
         self.model_config = cfg = ModelConfig.from_pretrained(self.model_path)
+        check_not_quantized(cfg)
         self.hf_config: dict[str, Any] = cfg.hf_config
         self.dtype: torch.dtype = DTYPES[dtype]
         self.vocab_size: int = cfg.vocab_size

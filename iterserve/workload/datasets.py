@@ -305,7 +305,9 @@ def synth_arrivals(n: int, rate: float, burstiness: float, rng: np.random.Genera
     else:
         # n draws, the last unused: the same stream as the unscaled schedule drew
         gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)[:-1]
-        gaps *= (n - 1) / rate / gaps.sum()
+        total = gaps.sum()
+        if total > 0 and math.isfinite(total):  # a tiny burstiness can draw only zeros
+            gaps *= (n - 1) / rate / total
     return [0.0, *(float(a) for a in np.cumsum(gaps))]
 
 

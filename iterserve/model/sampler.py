@@ -60,6 +60,13 @@ class TokenLists:
     def has_bad_words(self) -> bool:
         return bool(self.always_banned or self.banned_after)
 
+    def _cached(self, key: tuple[object, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``'s tensor, made on the first call for ``key`` only."""
+        t = self._tensors.get(key)
+        if t is None:
+            t = self._tensors[key] = make()
+        return t
+
     def _ids(
         self,
         key: tuple[object, ...],
@@ -67,12 +74,11 @@ class TokenLists:
         vocab: int,
         dev: torch.device,
     ) -> torch.Tensor:
-        """The tensor of ``ids()`` below ``vocab`` on ``dev``, made on the first call only."""
-        t = self._tensors.get((*key, vocab, dev))
-        if t is None:
-            t = torch.tensor([i for i in ids() if i < vocab], dtype=torch.long, device=dev)
-            self._tensors[(*key, vocab, dev)] = t
-        return t
+        """The tensor of ``ids()`` below ``vocab`` on ``dev``."""
+        return self._cached(
+            (*key, vocab, dev),
+            lambda: torch.tensor([i for i in ids() if i < vocab], dtype=torch.long, device=dev),
+        )
 
     def always_banned_ids(self, vocab: int, dev: torch.device) -> torch.Tensor:
         """The one-token bad words."""
@@ -105,11 +111,12 @@ class TokenLists:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logit_bias's token ids and their values (in ``dtype``)."""
         bias = self.params.logit_bias or {}
-        key = ("bias values", dtype, vocab, dev)
-        vals = self._tensors.get(key)
-        if vals is None:
-            vals = torch.tensor([v for t, v in bias.items() if t < vocab], dtype=dtype, device=dev)
-            self._tensors[key] = vals
+        vals = self._cached(
+            ("bias values", dtype, vocab, dev),
+            lambda: torch.tensor(
+                [v for t, v in bias.items() if t < vocab], dtype=dtype, device=dev
+            ),
+        )
         return self._ids(("bias",), lambda: bias, vocab, dev), vals
 
 
@@ -153,9 +160,7 @@ class SampleRow:
 def _flat_index(parts: Sequence[tuple[int, torch.Tensor]], vocab: int) -> torch.Tensor:
     """The indices into a [rows, vocab] tensor taken as one dimension (``Tensor.put_``'s) of
     ``parts``' (row, its token ids) pairs (an index_put_ of (row, token) index pairs is many
-    times slower on CPU than put_ of these)."""
-    if not parts:
-        return torch.empty(0, dtype=torch.long)
+    times slower on CPU than put_ of these); ``parts`` is not empty."""
     ids = torch.cat([t for _, t in parts])
     counts = torch.tensor([t.numel() for _, t in parts], device=ids.device)
     rows = torch.tensor([i * vocab for i, _ in parts], device=ids.device)

@@ -76,8 +76,7 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size > 1024:
-            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        _check_block_size(self.block_size)
         _check_utilization(self.gpu_memory_utilization)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(
@@ -191,8 +190,7 @@ class EngineArgs:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 (None: all cores), got {self.num_threads}")
-        if not 1 <= self.block_size <= 1024:
-            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        _check_block_size(self.block_size)  # here too: the simulator builds no CacheConfig
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(
                 "give num_kv_blocks or kv_cache_memory, not both (num_kv_blocks would win and "
@@ -227,7 +225,7 @@ class EngineArgs:
 
             sampling_defaults({}, self.override_generation_config, "override_generation_config")
 
-    def unused_knobs(self) -> list[str]:
+    def unused_knobs(self) -> dict[str, str]:
         """The scheduler knobs set that the chosen policy would not read, each with why:
         ``LLMEngine`` refuses them (one policy: a knob it ignores is a mistake), where a run
         over several policies (``variant_args``) drops them for the policies that ignore them.
@@ -235,31 +233,31 @@ class EngineArgs:
         from iterserve.core.policies import FairPolicy, SloPolicy, policy_class
 
         if self.policy not in policy_names():
-            return []
-        cls, out = policy_class(self.policy), []
+            return {}
+        cls, out = policy_class(self.policy), {}
         if self.tenant_weights and not issubclass(cls, FairPolicy):
-            out.append("tenant_weights (only the fair policy reads it)")
+            out["tenant_weights"] = "only the fair policy reads it"
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             if getattr(self, name) is not None and not issubclass(cls, SloPolicy):
-                out.append(f"{name} (only the slo policy reads it)")
+                out[name] = "only the slo policy reads it"
         if self.max_long_partial_prefills != 1 and not self.long_prefill_threshold:
-            out.append("max_long_partial_prefills (only with long_prefill_threshold > 0)")
+            out["max_long_partial_prefills"] = "only with long_prefill_threshold > 0"
         return out
 
     def check_knobs_used(self) -> None:
         """Raises the ValueError naming the knobs ``unused_knobs`` finds, if any."""
         unused = self.unused_knobs()
         if unused:
+            knobs = "; ".join(f"{name} ({why})" for name, why in unused.items())
             raise ValueError(
-                f"policy {self.policy!r} would ignore {'; '.join(unused)}: drop them, or "
-                "choose a policy that reads them"
+                f"policy {self.policy!r} would ignore {knobs}: drop them, or choose a policy "
+                "that reads them"
             )
 
     def without_unused_knobs(self) -> EngineArgs:
         """These args with the knobs ``unused_knobs`` names back at their defaults."""
-        cls = type(self)
-        names = [u.split(" ", 1)[0] for u in self.unused_knobs()]
-        return self.replace(**{n: cls.__dataclass_fields__[n].default for n in names})
+        defaults = type(self).__dataclass_fields__
+        return self.replace(**{n: defaults[n].default for n in self.unused_knobs()})
 
     def sampling_defaults(self, model_path: str) -> dict[str, int | float]:
         """The SamplingParams defaults of requests that leave a sampling field unset, for the
@@ -401,6 +399,11 @@ def _check_field_types(obj: object) -> None:
         setattr(obj, f.name, plain)
 
 
+def _check_block_size(value: int) -> None:
+    if not 1 <= value <= 1024:
+        raise ValueError(f"block_size must be in [1, 1024], got {value}")
+
+
 def _check_utilization(value: float | None) -> None:
     if value is not None and not 0 < value <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value}")
@@ -500,7 +503,7 @@ def check_variants(policies: list[str], base: EngineArgs) -> None:
     unread: set[str] | None = None
     for p in policies:
         args = base.replace(policy=policy_variant(p).policy)  # __post_init__ validates
-        names = {u.split(" ", 1)[0] for u in args.unused_knobs()}
+        names = set(args.unused_knobs())
         unread = names if unread is None else unread & names
     if unread:  # set for the run, read by none of its policies: a mistake, not a variant's
         raise ValueError(

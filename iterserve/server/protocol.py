@@ -138,8 +138,12 @@ class SamplingExtras(OpenAIModel):
     def _defaults(cls) -> dict[str, Any]:
         return {k: f.get_default(call_default_factory=True) for k, f in cls.model_fields.items()}
 
-    # Nullable in OpenAI's spec (n) or vLLM's (the token-id switches): null is the default.
-    @field_validator("n", "return_tokens_as_token_ids", "return_token_ids", mode="before")
+    # Nullable in OpenAI's spec (n, completions' echo) or vLLM's (the token-id switches): null
+    # is the default. echo is declared by each endpoint's model.
+    @field_validator(
+        "n", "echo", "return_tokens_as_token_ids", "return_token_ids", mode="before",
+        check_fields=False,
+    )  # fmt: skip
     @classmethod
     def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
         assert info.field_name is not None
@@ -171,26 +175,31 @@ class CompletionRequest(SamplingExtras):
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator("echo", mode="before")
-    @classmethod
-    def _null_is_false(cls, value: Any) -> Any:
-        return False if value is None else value  # OpenAI's spec: echo is nullable
+    @staticmethod
+    def _scores_prompt(echo: bool, max_tokens: int | None) -> bool:
+        # echo with max_tokens 0 scores the prompt (OpenAI's legacy use, vLLM's too): the
+        # engine runs one token, which the reply leaves out
+        return echo and max_tokens == 0
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """The reply is the prompt with its logprobs, nothing generated."""
+        return self._scores_prompt(self.echo, self.max_tokens)
 
     @classmethod
     def sampling_kwargs(
         cls, v: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
         max_tokens = _or(v["max_tokens"], COMPLETIONS_MAX_TOKENS)
-        if max_tokens == 0 and v["echo"] and v["min_tokens"]:
+        scores = cls._scores_prompt(v["echo"], max_tokens)
+        if scores and v["min_tokens"]:
             raise ValueError(
                 f"min_tokens ({v['min_tokens']}) must be 0 with max_tokens 0 (echo then returns "
                 "the prompt and generates nothing)"
             )
         return {
             **super().sampling_kwargs(v, defaults),
-            # echo with max_tokens 0 scores the prompt (OpenAI's legacy use, vLLM's too): the
-            # engine runs one token, which the reply leaves out
-            "max_tokens": 1 if max_tokens == 0 and v["echo"] else max_tokens,
+            "max_tokens": 1 if scores else max_tokens,
             "logprobs": v["logprobs"],
             "best_of": v["best_of"],
             # echo + logprobs: the echoed prompt's tokens come with logprobs too (as in vLLM)

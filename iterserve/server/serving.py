@@ -1111,7 +1111,7 @@ class _CompletionFormat(_Format):
         self.prompts = prompts
         # echo with max_tokens 0: the prompt alone, its logprobs scored; the one token the
         # engine ran is left out of text, logprobs, token ids and usage
-        self.echo_only = bool(req.echo) and req.max_tokens == 0
+        self.echo_only = req.scores_prompt_only
         self.text_offset: dict[int, int] = {}
         self.echoed: set[int] = set()
         self.sent_prompt_ids: set[int] = set()

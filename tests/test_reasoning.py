@@ -462,6 +462,18 @@ def test_a_grammars_answer_keeps_a_later_end_marker() -> None:
     ]
 
 
+def test_deepseek_r1_keeps_a_later_end_marker_in_the_answer_qwen3_drops_it() -> None:
+    # vLLM 0.32: the qwen3 parser drops a second "</think>"; deepseek_r1's (its partition, and
+    # its stream's raw delta after the end) keeps the answer as written
+    reply = "<think>plan</think>Use </think> to close."
+    for parser, answer in (("qwen3", "Use  to close."), ("deepseek_r1", "Use </think> to close.")):
+        _, server = _server(reply=reply, parser=parser)
+        with server, httpx.Client(base_url=server.url, timeout=10) as c:
+            msg = c.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
+            assert (msg["reasoning"], msg["content"]) == ("plan", answer), parser
+            assert _stream(c, CHAT)[:2] == ("plan", answer), parser
+
+
 def test_a_named_call_opens_with_its_first_argument_text() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     plan = ToolPlan("named", tools, name="f")

@@ -8,7 +8,8 @@ apart, as vLLM 0.32 does: ``message.reasoning`` and ``message.content`` (in a st
 max_tokens) is all reasoning. ``qwen3`` reads the request's
 ``chat_template_kwargs.enable_thinking`` (default true): false makes the whole reply content,
 as the template then asks the model not to think. Markers inside the reasoning
-(``<think>``) and after it (``</think>``) are dropped, as vLLM's qwen3 parser drops them.
+(``<think>``) are dropped; those after it (``</think>``) too under ``qwen3``, whose vLLM
+parser drops them, while ``deepseek_r1``'s keeps the answer as written.
 
 ``ReasoningStream`` gives the same split piece by piece, holding back only an end that may
 yet grow into a marker; the concatenation of its pieces is ``split_reasoning``'s answer.
@@ -29,6 +30,12 @@ def thinking(parser: str, chat_template_kwargs: dict[str, object] | None) -> boo
     if parser == "qwen3":
         return (chat_template_kwargs or {}).get("enable_thinking", True) is not False
     return True
+
+
+def drops_later_ends(parser: str | None) -> bool:
+    """Whether a ``</think>`` in the answer is dropped: vLLM 0.32's qwen3 parser drops it, its
+    deepseek_r1 parser (both streamed and not) keeps the answer as written."""
+    return parser == "qwen3"
 
 
 def split_reasoning(

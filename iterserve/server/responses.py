@@ -528,9 +528,7 @@ class ResponsesFormat(_ChatFormat):
         """(reasoning to show, answer) of a finished reply."""
         if not self.split:
             return None, c.text
-        reasoning, answer = split_reasoning(
-            c.text, drop_later=self.params.structured_outputs_after is None
-        )
+        reasoning, answer = split_reasoning(c.text, drop_later=self.drop_later)
         return (reasoning if self.show_reasoning else None), answer or ""
 
     def _final(self, c: CompletionOutput) -> dict[str, Any]:
@@ -571,7 +569,7 @@ class ResponsesFormat(_ChatFormat):
         # With --reasoning-parser the reasoning item comes first (output_index 0) and the
         # message opens when the answer begins; without, the message opens at once.
         split = self.split
-        rs = ReasoningStream(drop_later=self.params.structured_outputs_after is None)
+        rs = ReasoningStream(drop_later=self.drop_later)
         where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
         thought = {"item_id": self.rs_id, "output_index": 0, "content_index": 0}
         shown: list[str] = []  # the reasoning sent so far

@@ -44,6 +44,7 @@ from iterserve.server.reasoning import (
     THINK_END,
     THINK_START,
     ReasoningStream,
+    drops_later_ends,
     reasoning_token_count,
     split_reasoning,
     thinking,
@@ -1265,6 +1266,11 @@ class _ChatFormat(_Format):
         # --reasoning-parser: whether each reply's reasoning is split off its answer
         self.split = serving.splits_reasoning(req, params)
         self.show_reasoning = self.split and req.include_reasoning
+        # whether a "</think>" in the answer is dropped: not under a grammar that starts after
+        # the reasoning (its output is the answer as written)
+        self.drop_later = params.structured_outputs_after is None and drops_later_ends(
+            serving.reasoning_parser
+        )
         # the message has the field (null when there is none) wherever a parser is set
         self.reasoning_field = serving.reasoning_parser is not None
         self.reasoning_streams: dict[int, ReasoningStream] = {}
@@ -1390,7 +1396,7 @@ class _ChatFormat(_Format):
         new_text, reasoning = c.new_text, ""
         if self.split:
             rs = self.reasoning_streams.setdefault(
-                idx, ReasoningStream(drop_later=self.params.structured_outputs_after is None)
+                idx, ReasoningStream(drop_later=self.drop_later)
             )
             reasoning, new_text = rs.feed(new_text, finished)
             if not self.show_reasoning:
@@ -1435,9 +1441,7 @@ class _ChatFormat(_Format):
     ) -> dict[str, Any]:
         text, reasoning = c.text, None
         if self.split:
-            reasoning, answer = split_reasoning(
-                text, drop_later=self.params.structured_outputs_after is None
-            )
+            reasoning, answer = split_reasoning(text, drop_later=self.drop_later)
             text = answer or ""
         content, calls = final_message(self.plan, text)
         if self.split and not content:

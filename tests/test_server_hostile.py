@@ -253,6 +253,45 @@ def test_trusted_request_templates_render_sandboxed_within_limits_off_the_loop()
         assert ok.status_code == 200, ok.text
 
 
+def test_request_templates_render_as_transformers_renders_them() -> None:
+    # the sandbox's environment has transformers' extras: the {% generation %} tag (assistant
+    # masks), strftime_now (Llama 3's templates), tojson's options without ASCII escapes, dict,
+    # and a namespace that refuses underscore-named attributes
+    from jinja2.exceptions import SecurityError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from iterserve.server.templates import TemplateError, TemplateSandbox
+
+    template = (
+        "{% set ns = namespace(n=0) %}{{ strftime_now('%Y') }}|{{ dict(a=1) | tojson }}|"
+        "{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ m.role }}:"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}{{ m.content | tojson(indent=1) }}{% endif %}\n{% endfor %}{{ ns.n }}"
+    )
+    messages = [
+        {"role": "user", "content": 'héllo "x"'},
+        {"role": "assistant", "content": "<b>ok</b>"},
+    ]
+    want = _compile_jinja_template(template).render(messages=messages, add_generation_prompt=False)
+    box = TemplateSandbox(timeout=30, max_chars=10_000, max_loop_iterations=1000)
+    try:
+        got = box.render(
+            template, messages, add_generation_prompt=False, continue_final_message=False,
+            variables={},
+        )  # fmt: skip
+        assert got == want and "héllo" in got and "<b>ok</b>" in got, (got, want)
+        bad = "{% set ns = namespace(_x=1) %}{{ ns._x }}"
+        with pytest.raises(SecurityError):
+            _compile_jinja_template(bad).render(messages=[])
+        with pytest.raises(TemplateError, match="SecurityError"):
+            box.render(
+                bad, messages, add_generation_prompt=False, continue_final_message=False,
+                variables={},
+            )  # fmt: skip
+    finally:
+        box.close()
+
+
 # ---- (3) backpressure: bounded unread streams, write timeout ----------------------------------
 def test_unread_stream_holds_one_coalesced_output_and_is_aborted_past_its_buffer() -> None:
     import asyncio

@@ -1395,9 +1395,7 @@ class _ChatFormat(_Format):
         finish = c.finish_reason if finished else None
         new_text, reasoning = c.new_text, ""
         if self.split:
-            rs = self.reasoning_streams.setdefault(
-                idx, ReasoningStream(drop_later=self.drop_later)
-            )
+            rs = self.reasoning_streams.setdefault(idx, ReasoningStream(drop_later=self.drop_later))
             reasoning, new_text = rs.feed(new_text, finished)
             if not self.show_reasoning:
                 reasoning = ""

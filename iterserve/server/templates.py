@@ -65,14 +65,26 @@ def load_chat_template(value: str) -> str:
 
 
 def _compile(template: str) -> None:
-    """Compiles ``template`` in an environment like the one transformers renders chat
-    templates in (sandboxed, its loop controls and ``{% generation %}`` tag), so what it
-    renders is accepted; built here, as transformers' own is private."""
+    """Compiles ``template`` as transformers' ``apply_chat_template`` would, so what it
+    renders is accepted."""
+    _environment().from_string(template)
+
+
+def _environment() -> Any:
+    """A Jinja environment like the one transformers renders chat templates in (its own is
+    private): sandboxed, its loop controls, the ``{% generation %}`` tag (its body rendered as
+    written), ``tojson`` with its options and no HTML escaping, ``raise_exception``,
+    ``strftime_now`` (Llama 3's templates date the system prompt), ``dict``, and a
+    ``namespace`` that refuses underscore-named attributes."""
+    import datetime
+
+    import jinja2.utils
     from jinja2 import nodes
+    from jinja2.exceptions import SecurityError, TemplateError
     from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    class GenerationTag(Extension):  # renders its body: only the parse matters here
+    class GenerationTag(Extension):
         tags = {"generation"}
 
         def parse(self, parser: Any) -> nodes.Node:
@@ -83,10 +95,47 @@ def _compile(template: str) -> None:
         def _body(self, caller: Any) -> str:
             return str(caller())
 
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:  # Namespace's signature trick
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name: object) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise SecurityError(f"a namespace cannot hold {name!r} (underscore-prefixed)")
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, "jinja2.ext.loopcontrols"]
     )
-    env.from_string(template)
+    env.filters["tojson"] = tojson
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt),
+        dict=lambda *a, **kw: dict(*a, **kw),
+        namespace=Namespace,
+    )
+    return env
 
 
 class TemplateSandbox:
@@ -186,18 +235,12 @@ class _Limits:
 
 
 def _render_job(job: dict[str, Any]) -> str:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     limits = _Limits(int(job["max_loop_iterations"]))
 
     def raise_exception(message: str) -> None:
         raise TemplateError(f"chat template raised: {message}")
 
-    # The same environment options as transformers' apply_chat_template.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent)
+    env = _environment()
     env.globals.update(range=limits.range, raise_exception=raise_exception)
     tmpl = env.from_string(job["template"])
     max_chars = int(job["max_chars"])

@@ -99,6 +99,12 @@ VLLM_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm:iteration_tokens_total": ("histogram", ()),
     "vllm:request_params_n": ("histogram", ()),
     "vllm:request_params_max_tokens": ("histogram", ()),
+    "vllm:prompt_tokens_cached": ("counter", ()),
+    "vllm:prompt_tokens_by_source": ("counter", ("source",)),
+    "vllm:prompt_tokens_cached_by_source": ("counter", ("source",)),
+    "vllm:request_num_preemptions": ("histogram", ()),
+    "vllm:request_prefill_kv_computed_tokens": ("histogram", ()),
+    "vllm:num_requests_waiting_by_reason": ("gauge", ("reason",)),
 }
 
 
@@ -525,6 +531,38 @@ def test_cached_tokens_completions(served: Served, stream: bool) -> None:
     assert second % 16 == 0  # whole blocks (block_size 16)
 
 
+def test_prompt_sources_and_per_request_histograms_follow_the_prefix_cache(
+    served: Served,
+) -> None:
+    # vLLM 0.32's prompt-token breakdown: computed + cache hits = prompt tokens, the hits
+    # equal usage's cached_tokens; per finished request the KV it computed and its preemptions
+    prompt = f"Sources: {PROMPT}"
+    served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    r, d = _measured(served, prompt=prompt, max_tokens=2)
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    n, cached = r.usage.prompt_tokens, int(r.usage.prompt_tokens_details.cached_tokens or 0)
+    assert cached > 0 and cached % 16 == 0
+    assert d("vllm:prompt_tokens_cached_total") == cached
+    assert d("vllm:prompt_tokens_by_source_total", source="local_cache_hit") == cached
+    assert d("vllm:prompt_tokens_by_source_total", source="local_compute") == n - cached
+    assert d("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+    assert d("vllm:prompt_tokens_cached_by_source_total", source="device") == cached
+    assert d("vllm:prompt_tokens_cached_by_source_total", source="host") == 0
+    assert d("vllm:request_prefill_kv_computed_tokens_count") == 1
+    assert d("vllm:request_prefill_kv_computed_tokens_sum") == n - cached
+    assert d("vllm:request_num_preemptions_count") == 1
+    assert d("vllm:request_num_preemptions_sum") == 0
+    after = scrape(served.url)
+    # the iterserve:* names carry the same facts
+    it = after.samples["iterserve:prompt_tokens_cached_total"][(("model_name", MODEL),)]
+    assert it == _series(after, "vllm:prompt_tokens_cached_total") > 0
+    waiting = {
+        dict(k)["reason"]: v
+        for k, v in after.samples["vllm:num_requests_waiting_by_reason"].items()
+    }
+    assert waiting == {"capacity": 0.0, "deferred": 0.0}  # idle
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_cached_tokens_chat(served: Served, stream: bool) -> None:
     messages = [{"role": "user", "content": f"Chat {stream}: {PROMPT}"}]
@@ -569,3 +607,28 @@ def test_system_fingerprint_is_stable_and_names_the_configuration(served: Served
     assert re.fullmatch(r"fp_[0-9a-f]{12}", fp)
     assert fp == _fingerprint(served) == system_fingerprint(served.engine, [MODEL])
     assert system_fingerprint(served.engine, ["another-name"]) != fp
+
+
+def test_a_preempted_requests_preemptions_reach_the_histogram() -> None:
+    # no preemption under the module's server: the observer fed a finished output directly
+    from iterserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from iterserve.server.metrics import ServerMetrics
+
+    sm = ServerMetrics("m", max_model_len=64)
+    metrics = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5, last_token_time=2.0)
+    metrics.num_preemptions, metrics.num_cached_prompt_tokens = 2, 16
+    done = CompletionOutput(0, "ab", [5, 6], [5, 6], "ab", finish_reason="length")
+    out = RequestOutput("r", None, list(range(40)), [done], True, metrics)
+    sm.on_request_output(out, first=True)
+    sm.on_request_finished("r", "length", out)
+    text = sm.render().decode()
+    for name, value in (
+        ("request_num_preemptions_sum", 2.0),
+        ("request_num_preemptions_count", 1.0),
+        ("request_prefill_kv_computed_tokens_sum", 24.0),
+        ("prompt_tokens_cached_total", 16.0),
+    ):
+        assert f'vllm:{name}{{engine="0",model_name="m"}} {value}' in text, name
+        assert f'iterserve:{name}{{model_name="m"}} {value}' in text, name
+    assert 'vllm:request_num_preemptions_bucket{engine="0",le="1.0",model_name="m"} 0.0' in text
+    assert 'vllm:request_num_preemptions_bucket{engine="0",le="2.0",model_name="m"} 1.0' in text

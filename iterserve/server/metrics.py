@@ -57,6 +57,13 @@ LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
 # fmt: on
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)  # vLLM's request_num_preemptions buckets
+# vLLM's label values: where prompt tokens came from, which cache tier served a hit, why a
+# request waits (iterserve computes or finds locally, caches on the device, and has no
+# deferral: the other values are exported at zero, as vLLM exports them)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+WAITING_REASONS = ("capacity", "deferred")
 
 # vLLM's buckets, as vllm/v1/metrics/loggers.py declares them.
 # fmt: off
@@ -148,6 +155,11 @@ class ServerMetrics:
             v = Counter(VLLM_PREFIX + name, doc, ["model_name", "engine"], registry=r)
             return _Both(c.labels(m), v.labels(m, VLLM_ENGINE))
 
+        def labelled(name: str, doc: str, label: str, values: Sequence[str]) -> dict[str, _Both]:
+            c = Counter(PREFIX + name, doc, ["model_name", label], registry=r)
+            v = Counter(VLLM_PREFIX + name, doc, ["model_name", "engine", label], registry=r)
+            return {x: _Both(c.labels(m, x), v.labels(m, VLLM_ENGINE, x)) for x in values}
+
         def counter_only(name: str, doc: str) -> Counter:
             return Counter(PREFIX + name, doc, ["model_name"], registry=r)
 
@@ -164,6 +176,21 @@ class ServerMetrics:
         )
         self.num_requests_waiting = gauge(
             "num_requests_waiting", "Sequences waiting to be scheduled (each of n counts)."
+        )
+        doc = (
+            "Sequences waiting, by reason (capacity: for room in the batch or the KV cache; "
+            "deferred: none here)."
+        )
+        self.num_requests_waiting_by_reason = (
+            Gauge(
+                PREFIX + "num_requests_waiting_by_reason", doc, ["model_name", "reason"], registry=r
+            ),
+            Gauge(
+                VLLM_PREFIX + "num_requests_waiting_by_reason",
+                doc,
+                ["model_name", "engine", "reason"],
+                registry=r,
+            ),
         )
         self.kv_cache_usage_perc = gauge(
             "kv_cache_usage_perc", "KV-cache usage: used blocks / total blocks (0..1)."
@@ -196,6 +223,24 @@ class ServerMetrics:
         )
         self._c_pq = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self._c_ph = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._c_cached = counter(
+            "prompt_tokens_cached",
+            "Prompt tokens the prefix cache served, at each sequence's first token.",
+        )
+        self._c_by_source = labelled(
+            "prompt_tokens_by_source",
+            "Prompt tokens by source (local_compute, local_cache_hit, external_kv_transfer), "
+            "at each sequence's first token.",
+            "source",
+            PROMPT_SOURCES,
+        )
+        self._c_cached_by_source = labelled(
+            "prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the tier that served them (device here), counted at "
+            "admission as prefix_cache_hits.",
+            "source",
+            CACHE_HIT_SOURCES,
+        )
         success = "Finished sequences by finish reason (stop, length, abort, error)."
         it_success = Counter(
             PREFIX + "request_success", success, ["model_name", "finished_reason"], registry=r
@@ -302,6 +347,18 @@ class ServerMetrics:
             TOKEN_BUCKETS,
             vllm_tokens,
         )
+        self._h_preemptions = hist(
+            "request_num_preemptions",
+            "Per finished sequence: the times its request was preempted.",
+            PREEMPTION_BUCKETS,
+            PREEMPTION_BUCKETS,
+        )
+        self._h_kv_computed = hist(
+            "request_prefill_kv_computed_tokens",
+            "Per finished sequence: prompt tokens computed, not served by the prefix cache.",
+            TOKEN_BUCKETS,
+            vllm_tokens,
+        )
         self._h_n = hist(
             "request_params_n", "The n request parameter (at admission).", N_BUCKETS, N_BUCKETS
         )
@@ -334,6 +391,14 @@ class ServerMetrics:
             ours.labels(m).set_function(fn)
             if theirs is not None:
                 theirs.labels(m, VLLM_ENGINE).set_function(fn)
+        by_reason: dict[str, Callable[[], float]] = {
+            "capacity": lambda: engine.snapshot.num_waiting,
+            "deferred": lambda: 0.0,
+        }
+        ours, theirs = self.num_requests_waiting_by_reason
+        for reason in WAITING_REASONS:
+            ours.labels(m, reason).set_function(by_reason[reason])
+            theirs.labels(m, VLLM_ENGINE, reason).set_function(by_reason[reason])
 
     def _hit_rate(self) -> float:
         with self._lock:
@@ -378,6 +443,7 @@ class ServerMetrics:
         for c, d in (
             (self._c_pq, dq),
             (self._c_ph, dh),
+            (self._c_cached_by_source["device"], dh),
             (self._c_preempt, dp),
             (self._c_recomputed, dr),
             (self._c_engine_rejected, dj),
@@ -404,7 +470,7 @@ class ServerMetrics:
                 new += k
                 if st.first_token is None:
                     st.first_token = now
-                    self._c_prompt.inc(len(output.prompt_token_ids))
+                    self._prompt_sources(output)
                     self._h_ttft.observe(max(0.0, now - m.arrival_time))
                     if m.queue_time is not None:
                         self._h_queue.observe(max(0.0, m.queue_time))
@@ -419,6 +485,15 @@ class ServerMetrics:
         if new:
             self._c_gen.inc(new)
 
+    def _prompt_sources(self, output: RequestOutput) -> None:
+        """A sequence's prompt tokens, at its first token: all, cached, computed."""
+        n = len(output.prompt_token_ids)
+        cached = min(n, output.metrics.num_cached_prompt_tokens)
+        self._c_prompt.inc(n)
+        self._c_cached.inc(cached)
+        self._c_by_source["local_cache_hit"].inc(cached)
+        self._c_by_source["local_compute"].inc(n - cached)
+
     def _finish_seq(self, output: RequestOutput, st: _SeqTimes, reason: str, n_gen: int) -> None:
         """Per-sequence histograms, vLLM's definitions (vllm/v1/metrics/stats.py)."""
         st.done = True
@@ -430,6 +505,9 @@ class ServerMetrics:
         self._h_e2e.observe(max(0.0, end - m.arrival_time))
         self._h_prompt.observe(len(output.prompt_token_ids))
         self._h_gen.observe(n_gen)
+        self._h_preemptions.observe(m.num_preemptions)
+        n_prompt = len(output.prompt_token_ids)
+        self._h_kv_computed.observe(n_prompt - min(n_prompt, m.num_cached_prompt_tokens))
         sched = m.first_scheduled_time
         if st.first_token is None or st.last_token is None or sched is None:
             return  # never produced a token: no phases to time

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def server_command(system: str, model_dir: str, port: int, a: argparse.Namespace
     if system == "iterserve":
         return [sys.executable, "-m", "iterserve.cli", "serve", "--model", model_dir,
                 "--port", str(port), "--num-threads", str(a.threads), "--dtype", "bfloat16",
-                *knobs]  # fmt: skip
+                *knobs, *shlex.split(a.iterserve_args)]  # fmt: skip
     venv = Path(a.vllm_venv) if a.vllm_venv else None
     return vllm_cpu.serve_command(model_dir, port, ["--dtype", a.vllm_dtype, *knobs], venv=venv)
 
@@ -100,7 +101,8 @@ def plot(rows: list[dict[str, Any]], path: Path, a: argparse.Namespace) -> None:
         ax.set_yscale("log")
         ax.legend()
     fig.suptitle(
-        f"iterserve (bf16) vs vLLM-CPU {vllm_cpu.VLLM_CPU_VERSION} ({a.vllm_dtype}), "
+        f"iterserve (bf16{', ' + a.iterserve_args if a.iterserve_args else ''}) "
+        f"vs vLLM-CPU {vllm_cpu.VLLM_CPU_VERSION} ({a.vllm_dtype}), "
         f"{a.model}, online"
     )
     fig.tight_layout()
@@ -151,6 +153,12 @@ def main(argv: list[str] | None = None) -> None:
         "native bf16 dot products, else float32 (vLLM's bf16 GEMMs are emulated there)",
     )
     ap.add_argument("--vllm-venv")
+    ap.add_argument(
+        "--iterserve-args",
+        default="",
+        help='more `iterserve serve` flags, e.g. "--policy slo --slo-tpot-ms 180" (a '
+        "scheduling policy vLLM has no counterpart of; the default: none)",
+    )
     ap.add_argument("--port", type=int, default=18200, help="first of two ports")
     ap.add_argument("--out", default="online_compare", help="folder for JSON and PNG")
     add_machine_arg(ap)

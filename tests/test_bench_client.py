@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 
 from iterserve.bench.cli import build_parser, main
-from iterserve.bench.client import RequestOptions, fetch_models, parse_header, run_serve
+from iterserve.bench.client import (
+    RequestOptions,
+    count_output_tokens,
+    fetch_models,
+    parse_header,
+    run_serve,
+)
 from iterserve.workload.datasets import RequestSpec
 from iterserve.workload.metrics import format_summary, summarize
 
@@ -349,6 +355,23 @@ def test_a_bad_event_a_missing_usage_and_the_total_timeout(server: ThreadingHTTP
     summary = summarize(res.timings, res.duration_s)
     assert summary["output_tokens_from_chunks"] == 1 and summary["output_len_mismatch"] == 0
     assert "counted as stream chunks" in format_summary(summary)
+    # with a tokenizer the text is counted instead, as vLLM's bench serve counts it (a fake
+    # tokenizer of one id a character: the count is the tokenizer's, not the chunks')
+    assert no_usage.generated_text == " t0 t1 t2" and ok.generated_text == ""
+    assert "generated_text" not in no_usage.to_dict()
+
+    class Chars:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            assert not add_special_tokens
+            return [ord(c) for c in text]
+
+    assert count_output_tokens(res.timings, Chars()) == 1
+    assert no_usage.output_tokens == 9 and no_usage.output_tokens_from_text
+    assert not no_usage.output_tokens_from_chunks and ok.output_tokens == 3
+    summary = summarize(res.timings, res.duration_s)
+    assert summary["output_tokens_from_text"] == 1 and summary["output_tokens_from_chunks"] == 0
+    assert summary["output_len_mismatch"] == 0
+    assert "counted by tokenizing the text" in format_summary(summary)
     # chunks 250 ms apart, each read well inside 0.6 s, the whole request past it
     slow = run_serve(
         [RequestSpec([250, 250, 4], output_len=4)],

@@ -252,6 +252,20 @@ def _load_tokenizer(name: str) -> Any:
     return load_tokenizer(folder)
 
 
+def _local_tokenizer(name: str) -> Any:
+    """The tokenizer of a local folder or a built-in model, to count output tokens a server
+    did not report; None for a Hub id (no download for that) or one that does not load."""
+    from iterserve.model.builtin import BUILTINS
+
+    if not (os.path.isdir(name) or name in BUILTINS):
+        return None
+    try:
+        return _load_tokenizer(name)
+    except (OSError, ValueError, RuntimeError) as e:
+        _err(f"note: no tokenizer from {name!r} to count output tokens ({e})")
+        return None
+
+
 def _vocab_size_of(folder: str) -> int | None:
     try:
         with open(os.path.join(folder, "config.json")) as f:
@@ -295,7 +309,7 @@ def _check_serve_flags(ns: argparse.Namespace) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from iterserve.bench.client import fetch_models, run_serve
+    from iterserve.bench.client import count_output_tokens, fetch_models, run_serve
 
     _check_serve_flags(ns)
     slos = parse_goodput(ns.goodput)
@@ -356,6 +370,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             options=options,
             on_done=on_done,
         )
+    if any(t.output_tokens_from_chunks for t in res.timings):
+        counter = tokenizer if tokenizer is not None else _local_tokenizer(ns.tokenizer or model)
+        if counter is not None:
+            count_output_tokens(res.timings, counter)
     summary = summarize(res.timings, res.duration_s, slos)
     summary["max_concurrency"] = ns.max_concurrency
     print(format_summary(summary))

@@ -234,6 +234,7 @@ async def send_request(
     )
     arrivals = token_chunks = 0
     usage_tokens: int | None = None
+    pieces: list[str] = []  # the text, for a count by tokenizer where usage is missing
     body, headers = opts.payload(model, prompt, output_len), opts.request_headers()
     last = st = time.perf_counter()  # after building the request: time only the exchange
     t.send_time = st - clock_start
@@ -277,6 +278,8 @@ async def send_request(
                     last = now
                     arrivals += 1
                     token_chunks += 1 if text or reason is None else 0
+                    if text:
+                        pieces.append(text)
                 usage = obj.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
@@ -298,7 +301,21 @@ async def send_request(
         t.latency = last - st
         t.output_tokens = usage_tokens if usage_tokens is not None else token_chunks
         t.output_tokens_from_chunks = usage_tokens is None
+        if usage_tokens is None:
+            t.generated_text = "".join(pieces)
     return t
+
+
+def count_output_tokens(timings: list[RequestTiming], tokenizer: Any) -> int:
+    """Recounts the output of requests whose server sent no usage by tokenizing their text
+    (without special tokens), as vLLM's ``bench serve`` counts them; returns how many."""
+    n = 0
+    for t in timings:
+        if t.success and t.output_tokens_from_chunks:
+            t.output_tokens = len(tokenizer.encode(t.generated_text, add_special_tokens=False))
+            t.output_tokens_from_chunks, t.output_tokens_from_text = False, True
+            n += 1
+    return n
 
 
 async def run_serve_async(

@@ -42,6 +42,8 @@ class RequestTiming:
     latency: float | None = None
     output_tokens: int = 0  # generated tokens: server usage if reported, else counted
     output_tokens_from_chunks: bool = False  # no usage: counted as chunks (a lower bound)
+    output_tokens_from_text: bool = False  # no usage: the text's tokens (vLLM's bench serve)
+    generated_text: str = ""  # kept only without usage, to count its tokens; not written out
     finish_reason: str | None = None
 
     @property
@@ -52,6 +54,7 @@ class RequestTiming:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["generated_text"]
         d["tpot"] = self.tpot
         return d
 
@@ -162,9 +165,13 @@ def summarize(
         "failed": len(failed),
         "errors": dict(Counter(str(t.error) for t in failed).most_common()),
         "output_len_mismatch": sum(
-            1 for t in ok if t.output_tokens != t.output_len and not t.output_tokens_from_chunks
+            1
+            for t in ok
+            if t.output_tokens != t.output_len
+            and not (t.output_tokens_from_chunks or t.output_tokens_from_text)
         ),
         "output_tokens_from_chunks": sum(1 for t in ok if t.output_tokens_from_chunks),
+        "output_tokens_from_text": sum(1 for t in ok if t.output_tokens_from_text),
         "duration_s": duration_s,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
@@ -231,6 +238,12 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
             f"note: the server sent no usage for {summary['output_tokens_from_chunks']} "
             "requests; their output tokens were counted as stream chunks, a lower bound where "
             "a chunk carries several tokens (token counts, TPOT and tok/s may be low)"
+        )
+    if summary.get("output_tokens_from_text"):
+        lines.append(
+            f"note: the server sent no usage for {summary['output_tokens_from_text']} "
+            "requests; their output tokens were counted by tokenizing the text, as vLLM's bench "
+            "serve counts them (a re-tokenization may differ from the tokens generated)"
         )
     if summary.get("output_len_mismatch"):
         lines.append(

@@ -45,6 +45,11 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
+    # per sequence (output index) of the n, each its own scheduler request: its preemptions
+    # and its prefix-cache hit tokens at its first admission (the two above are the request's
+    # total and the largest)
+    seq_preemptions: dict[int, int] = field(default_factory=dict)
+    seq_cached_tokens: dict[int, int] = field(default_factory=dict)
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     token_times: list[float] = field(default_factory=list)

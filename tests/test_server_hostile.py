@@ -263,7 +263,8 @@ def test_request_templates_render_as_transformers_renders_them() -> None:
     from iterserve.server.templates import TemplateError, TemplateSandbox
 
     template = (
-        "{% set ns = namespace(n=0) %}{{ strftime_now('%Y') }}|{{ dict(a=1) | tojson }}|"
+        "{% set ns = namespace(n=0) %}{{ strftime_now('%Y') }}|{{ strftime_now(format='%m') }}|"
+        "{{ dict(a=1) | tojson }}|{{ dict.fromkeys(['x', 'y'], 0) | tojson(sort_keys=true) }}|"
         "{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ m.role }}:"
         "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
         "{% else %}{{ m.content | tojson(indent=1) }}{% endif %}\n{% endfor %}{{ ns.n }}"

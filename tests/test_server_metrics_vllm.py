@@ -13,6 +13,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -617,6 +618,7 @@ def test_a_preempted_requests_preemptions_reach_the_histogram() -> None:
     sm = ServerMetrics("m", max_model_len=64)
     metrics = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5, last_token_time=2.0)
     metrics.num_preemptions, metrics.num_cached_prompt_tokens = 2, 16
+    metrics.seq_preemptions, metrics.seq_cached_tokens = {0: 2}, {0: 16}
     done = CompletionOutput(0, "ab", [5, 6], [5, 6], "ab", finish_reason="length")
     out = RequestOutput("r", None, list(range(40)), [done], True, metrics)
     sm.on_request_output(out, first=True)
@@ -632,3 +634,72 @@ def test_a_preempted_requests_preemptions_reach_the_histogram() -> None:
         assert f'iterserve:{name}{{model_name="m"}} {value}' in text, name
     assert 'vllm:request_num_preemptions_bucket{engine="0",le="1.0",model_name="m"} 0.0' in text
     assert 'vllm:request_num_preemptions_bucket{engine="0",le="2.0",model_name="m"} 1.0' in text
+
+
+def test_n_sequences_count_their_own_hits_and_preemptions_on_a_small_pool() -> None:
+    # each of the n is its own scheduler request: its prefix-cache hits and preemptions are
+    # its own, so the per-sequence series add up to the engine's counters (they counted the
+    # request's largest hit and its total preemptions for every sequence)
+    from iterserve.config import EngineArgs
+    from iterserve.engine.async_engine import AsyncEngine
+    from iterserve.engine.llm_engine import LLMEngine
+    from iterserve.server.app import create_app
+
+    args = EngineArgs(
+        model=MODEL, max_model_len=256, num_kv_blocks=20, preemption_resume_headroom=0
+    )
+    engine = AsyncEngine(LLMEngine(args))
+    with ThreadServer(create_app(engine)) as server:
+
+        def one(i: int) -> Any:
+            body = {"model": MODEL, "prompt": f"req {i} " + "word " * 40, "max_tokens": 120,
+                    "n": 2, "ignore_eos": True}  # fmt: skip
+            return httpx.post(server.url + "/v1/completions", json=body, timeout=300).json()
+
+        with ThreadPoolExecutor(6) as ex:
+            replies = list(ex.map(one, range(6)))
+        assert all(r["usage"]["completion_tokens"] == 240 for r in replies), replies[0]
+        served = Served(server.url, None, engine)  # type: ignore[arg-type]
+        _idle(served)
+        s = scrape(server.url)
+    cached = _series(s, "vllm:prompt_tokens_cached_total")
+    assert cached == _series(s, "vllm:prefix_cache_hits_total") > 0
+    assert cached == _series(s, "vllm:prompt_tokens_cached_by_source_total", source="device")
+    computed = _series(s, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    assert computed == _series(s, "vllm:request_prefill_kv_computed_tokens_sum")
+    assert computed + cached == _series(s, "vllm:prompt_tokens_total")
+    preempted = _series(s, "vllm:num_preemptions_total")
+    assert preempted == _series(s, "vllm:request_num_preemptions_sum") > 0
+    assert _series(s, "vllm:request_num_preemptions_count") == 12
+
+
+def test_a_request_whose_grammar_compiles_waits_as_deferred() -> None:
+    # vLLM counts a request waiting for its grammar as waiting, reason "deferred"; iterserve
+    # holds such a request before the scheduler
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from iterserve.config import EngineArgs
+    from iterserve.engine.async_engine import EngineSnapshot
+    from iterserve.engine.llm_engine import LLMEngine
+    from iterserve.sampling_params import SamplingParams
+    from iterserve.server.metrics import ServerMetrics
+    from iterserve.structured import StructuredOutputsParams
+
+    llm = LLMEngine(EngineArgs(model=MODEL, max_model_len=256, num_kv_blocks=64))
+    pending: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    llm._grammar_compiler = SimpleNamespace(submit=lambda spec: pending)  # type: ignore[assignment]
+    so = StructuredOutputsParams(regex="a+")
+    llm.add_request("g", "hi", SamplingParams(max_tokens=4, n=2, structured_outputs=so))
+    assert (llm.num_deferred, llm.num_waiting) == (2, 0)
+    llm.abort_request("g")
+    assert llm.num_deferred == 0
+
+    sm = ServerMetrics("m")
+    snap = EngineSnapshot(stats={}, num_waiting=1, num_deferred=2)  # type: ignore[arg-type]
+    sm.bind(SimpleNamespace(snapshot=snap, num_active=0, healthy=True))  # type: ignore[arg-type]
+    text = sm.render().decode()
+    assert 'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0' in text
+    for reason, value in (("capacity", 1.0), ("deferred", 2.0)):
+        line = f'vllm:num_requests_waiting_by_reason{{engine="0",model_name="m",reason="{reason}"}}'
+        assert f"{line} {value}" in text, reason

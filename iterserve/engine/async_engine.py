@@ -117,6 +117,7 @@ class EngineSnapshot:
     stats: EngineStats
     num_running: int = 0
     num_waiting: int = 0
+    num_deferred: int = 0  # waiting outside the scheduler: a grammar compiling
     kv_usage: float = 0.0
     engine_healthy: bool = True
     last_error: str | None = None
@@ -1130,6 +1131,7 @@ class AsyncEngine:
         snap = EngineSnapshot(
             num_running=engine.num_running,
             num_waiting=engine.num_waiting,
+            num_deferred=engine.num_deferred,
             kv_usage=engine.kv_usage(),
             engine_healthy=engine.healthy,
             last_error=engine.last_error,

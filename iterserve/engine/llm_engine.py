@@ -436,6 +436,11 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
+    @property
+    def num_deferred(self) -> int:
+        """Sequences held back before the scheduler while their grammar compiles."""
+        return sum(len(p.seqs) for p in self._grammar_wait)
+
     def kv_usage(self) -> float:
         return self.kv.usage
 
@@ -472,12 +477,17 @@ class LLMEngine:
         for req in sched.failed:
             self._end_seq(req, touched, t1)
         for req in sched.new_requests:
-            m = self._seqs[req.request_id].parent.metrics
+            seq = self._seqs[req.request_id]
+            m = seq.parent.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = t1
             m.num_cached_prompt_tokens = max(m.num_cached_prompt_tokens, req.num_cached_tokens)
+            m.seq_cached_tokens[seq.index] = max(0, req.num_cached_tokens)
         for req in sched.preempted:
-            self._seqs[req.request_id].parent.metrics.num_preemptions += 1
+            seq = self._seqs[req.request_id]
+            m = seq.parent.metrics
+            m.num_preemptions += 1
+            m.seq_preemptions[seq.index] = m.seq_preemptions.get(seq.index, 0) + 1
 
         t2 = t3 = t1
         if not sched.is_empty:

@@ -97,6 +97,11 @@ class EngineInterface(Protocol):
     @property
     def num_waiting(self) -> int: ...
 
+    @property
+    def num_deferred(self) -> int:
+        """Sequences waiting outside the scheduler (a grammar compiling)."""
+        ...
+
     def add_request(
         self,
         request_id: str,

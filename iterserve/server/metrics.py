@@ -175,11 +175,12 @@ class ServerMetrics:
             "num_requests_running", "Sequences in the running batch (each of n counts)."
         )
         self.num_requests_waiting = gauge(
-            "num_requests_waiting", "Sequences waiting to be scheduled (each of n counts)."
+            "num_requests_waiting",
+            "Sequences waiting to be scheduled, or for their grammar (each of n counts).",
         )
         doc = (
             "Sequences waiting, by reason (capacity: for room in the batch or the KV cache; "
-            "deferred: none here)."
+            "deferred: for their grammar to compile)."
         )
         self.num_requests_waiting_by_reason = (
             Gauge(
@@ -376,7 +377,10 @@ class ServerMetrics:
         """Reads gauges from ``engine`` at scrape time."""
         sources: list[tuple[tuple[Gauge, Gauge | None], Callable[[], float]]] = [
             (self.num_requests_running, lambda: engine.snapshot.num_running),
-            (self.num_requests_waiting, lambda: engine.snapshot.num_waiting),
+            (
+                self.num_requests_waiting,
+                lambda: engine.snapshot.num_waiting + engine.snapshot.num_deferred,
+            ),
             (self.kv_cache_usage_perc, lambda: engine.snapshot.kv_usage),
             (self.prefix_cache_hit_rate, self._hit_rate),
             (self.num_requests_in_flight, lambda: engine.num_active),
@@ -393,7 +397,7 @@ class ServerMetrics:
                 theirs.labels(m, VLLM_ENGINE).set_function(fn)
         by_reason: dict[str, Callable[[], float]] = {
             "capacity": lambda: engine.snapshot.num_waiting,
-            "deferred": lambda: 0.0,
+            "deferred": lambda: engine.snapshot.num_deferred,
         }
         ours, theirs = self.num_requests_waiting_by_reason
         for reason in WAITING_REASONS:
@@ -470,7 +474,7 @@ class ServerMetrics:
                 new += k
                 if st.first_token is None:
                     st.first_token = now
-                    self._prompt_sources(output)
+                    self._prompt_sources(output, c.index)
                     self._h_ttft.observe(max(0.0, now - m.arrival_time))
                     if m.queue_time is not None:
                         self._h_queue.observe(max(0.0, m.queue_time))
@@ -481,20 +485,29 @@ class ServerMetrics:
                         self._h_itl.observe(gap)
                 st.last_token = now
             if c.finish_reason is not None and not st.done:
-                self._finish_seq(output, st, c.finish_reason, st.num_tokens)
+                self._finish_seq(output, c.index, st, c.finish_reason, st.num_tokens)
         if new:
             self._c_gen.inc(new)
 
-    def _prompt_sources(self, output: RequestOutput) -> None:
-        """A sequence's prompt tokens, at its first token: all, cached, computed."""
+    @staticmethod
+    def _cached(output: RequestOutput, index: int) -> tuple[int, int]:
+        """(prompt tokens, those the prefix cache served) of sequence ``index``: each of the n
+        is its own scheduler request, admitted (and looked up) on its own."""
         n = len(output.prompt_token_ids)
-        cached = min(n, output.metrics.num_cached_prompt_tokens)
+        m = output.metrics
+        return n, min(n, m.seq_cached_tokens.get(index, m.num_cached_prompt_tokens))
+
+    def _prompt_sources(self, output: RequestOutput, index: int) -> None:
+        """A sequence's prompt tokens, at its first token: all, cached, computed."""
+        n, cached = self._cached(output, index)
         self._c_prompt.inc(n)
         self._c_cached.inc(cached)
         self._c_by_source["local_cache_hit"].inc(cached)
         self._c_by_source["local_compute"].inc(n - cached)
 
-    def _finish_seq(self, output: RequestOutput, st: _SeqTimes, reason: str, n_gen: int) -> None:
+    def _finish_seq(
+        self, output: RequestOutput, index: int, st: _SeqTimes, reason: str, n_gen: int
+    ) -> None:
         """Per-sequence histograms, vLLM's definitions (vllm/v1/metrics/stats.py)."""
         st.done = True
         self._success_for(reason).inc()
@@ -505,9 +518,10 @@ class ServerMetrics:
         self._h_e2e.observe(max(0.0, end - m.arrival_time))
         self._h_prompt.observe(len(output.prompt_token_ids))
         self._h_gen.observe(n_gen)
-        self._h_preemptions.observe(m.num_preemptions)
-        n_prompt = len(output.prompt_token_ids)
-        self._h_kv_computed.observe(n_prompt - min(n_prompt, m.num_cached_prompt_tokens))
+        if st.first_token is not None:  # a sequence that never ran computed nothing
+            n_prompt, cached = self._cached(output, index)
+            self._h_kv_computed.observe(n_prompt - cached)
+            self._h_preemptions.observe(m.seq_preemptions.get(index, 0))
         sched = m.first_scheduled_time
         if st.first_token is None or st.last_token is None or sched is None:
             return  # never produced a token: no phases to time
@@ -532,5 +546,5 @@ class ServerMetrics:
             st = seqs[c.index] if c.index < len(seqs) else None
             counts.append(max(len(c.token_ids), st.num_tokens if st is not None else 0))
             if st is not None and not st.done:
-                self._finish_seq(output, st, reason, counts[-1])
+                self._finish_seq(output, c.index, st, reason, counts[-1])
         self._h_max_gen.observe(max(counts, default=0))

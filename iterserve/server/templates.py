@@ -80,7 +80,8 @@ def _environment() -> Any:
 
     import jinja2.utils
     from jinja2 import nodes
-    from jinja2.exceptions import SecurityError, TemplateError
+    from jinja2.exceptions import SecurityError
+    from jinja2.exceptions import TemplateError as JinjaTemplateError
     from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -123,7 +124,17 @@ def _environment() -> Any:
         )
 
     def raise_exception(message: str) -> None:
-        raise TemplateError(message)
+        raise JinjaTemplateError(message)
+
+    class TemplateDict:  # dict(...) and dict.fromkeys(...), as transformers gives them
+        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict.fromkeys(*args, **kwargs)
+
+    def strftime_now(format: str) -> str:  # noqa: A002 - transformers' keyword name
+        return datetime.datetime.now().strftime(format)
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, "jinja2.ext.loopcontrols"]
@@ -131,8 +142,8 @@ def _environment() -> Any:
     env.filters["tojson"] = tojson
     env.globals.update(
         raise_exception=raise_exception,
-        strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt),
-        dict=lambda *a, **kw: dict(*a, **kw),
+        strftime_now=strftime_now,
+        dict=TemplateDict(),
         namespace=Namespace,
     )
     return env

@@ -204,6 +204,10 @@ class FakeEngine:
     def num_waiting(self) -> int:
         return max(0, len(self.reqs) - self.max_num_seqs)
 
+    @property
+    def num_deferred(self) -> int:
+        return 0
+
     def _kv_blocks_used(self) -> int:
         running = list(self.reqs.values())[: self.max_num_seqs]
         return sum(cdiv(len(r.ids) + max(len(o) for o in r.out), self.block_size) for r in running)

@@ -200,6 +200,21 @@ def test_queue_limit_rejects_with_503_and_accepted_requests_complete() -> None:
         assert m['iterserve:num_requests_rejected_total{reason="queue_full"}'] == 3
 
 
+def test_requests_waiting_for_a_grammar_count_against_the_queue_limit() -> None:
+    # they are queued as much as the scheduler's waiting requests (they bypassed the limit)
+    fake = FakeEngine(max_num_seqs=1)
+    fake.deferred = 2
+    engine, server = serve(fake, max_queued_requests=2)
+    with server:
+        wait_for(lambda: engine.snapshot.num_deferred == 2, timeout=10, what="snapshot")
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "p", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+        fake.deferred = 0
+        wait_for(lambda: engine.snapshot.num_deferred == 0, timeout=10, what="snapshot")
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "p", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
 def test_queued_token_limit_rejects_big_backlogs() -> None:
     fake = FakeEngine(max_num_seqs=1)
     fake.paused.set()

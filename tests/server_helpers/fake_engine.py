@@ -93,6 +93,7 @@ class FakeEngine:
         self.default_sampling: dict[str, Any] = dict(default_sampling or {})
         self.max_tokens_cap = max_tokens_cap
         self.max_num_seqs = max_num_seqs
+        self.deferred = 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.step_delay = step_delay
@@ -206,7 +207,7 @@ class FakeEngine:
 
     @property
     def num_deferred(self) -> int:
-        return 0
+        return self.deferred  # a test's stand-in for requests whose grammar compiles
 
     def _kv_blocks_used(self) -> int:
         running = list(self.reqs.values())[: self.max_num_seqs]

@@ -194,6 +194,25 @@ def test_abort_while_compiling(llm: LLM) -> None:
     eng.check_integrity()
 
 
+def test_a_cancelled_compile_is_compiled_again_for_the_next_request(llm: LLM) -> None:
+    # a client that left cancelled the shared (cached) future: every later request of the
+    # same spec then failed with CancelledError, a 500
+    import threading
+
+    compiler = llm.engine.grammar_compiler
+    gate = threading.Event()
+    busy = compiler._pool.submit(gate.wait)  # holds the one compile thread
+    spec = SO(regex="[0-9]{3}-cancelled")
+    first = compiler.submit(spec)
+    assert first.cancel() and first.cancelled()
+    again = compiler.submit(spec)
+    assert again is not first and not again.cancelled()
+    gate.set()
+    busy.result(timeout=30)
+    assert again.result(timeout=60) is not None
+    assert compiler.submit(spec) is again  # cached from then on
+
+
 @pytest.mark.slow
 def test_real_model_json_schema_and_choice() -> None:
     try:
@@ -253,3 +272,39 @@ def test_a_grammar_after_a_token_lets_the_model_think_first(llm: LLM) -> None:
         llm.generate(
             [prompt], SamplingParams(structured_outputs=spec, structured_outputs_after=10**9)
         )
+
+
+def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> None:
+    # xgrammar ignores these (the output could break the schema): refused, not silently loose
+    refused = {
+        "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        "multipleOf": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}},
+        "allOf": {"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]},
+        "not": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+        "if / then": {"if": {"type": "string"}, "then": {"maxLength": 3}},
+        "dependentRequired": {"type": "object", "dependentRequired": {"a": ["b"]}},
+        "contains": {"type": "array", "contains": {"const": 1}},
+        "minLength / maxLength": {"type": "string", "pattern": "^a+$", "maxLength": 3},
+    }
+    for what, schema in refused.items():
+        with pytest.raises(ValueError, match=re.escape(what)) as e:
+            SO(json=schema)
+        assert "is not enforced" in str(e.value)
+    with pytest.raises(ValueError, match="at /properties/n"):
+        SO(json=refused["multipleOf"])
+    # what it enforces (or what JSON Schema leaves to annotation) passes, and keyword-named
+    # properties are names, not keywords
+    for schema in (
+        {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+        {"type": "string", "format": "password"},
+        {"type": "string", "pattern": "^a+$"},
+        {"type": "array", "uniqueItems": False},
+        {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},
+        {"allOf": [{"type": "string"}]},
+    ):
+        SO(json=schema)
+    deep = '{"items":' * 600 + "{}" + "}" * 600
+    with pytest.raises(ValueError, match="nests deeper than 64"):
+        SO(json=deep)
+    with pytest.raises(ValueError, match="nests deeper than 64"):
+        SO(json=json.loads('{"items":' * 80 + "{}" + "}" * 80))

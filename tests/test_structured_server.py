@@ -201,6 +201,20 @@ def test_unsupported_and_bad_requests_are_400s_naming_the_field(server: ServerPr
          "echo"),
         ("/v1/chat/completions", {"tools": [{"type": "retrieval"}]}, "tools.0"),
         ("/v1/completions", {"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+        # empty constraints were free text; no tools is not an empty list
+        ("/v1/chat/completions", {"response_format": {}}, "response_format.type"),
+        ("/v1/chat/completions", {"structured_outputs": {}}, "structured_outputs"),
+        ("/v1/chat/completions", {"tools": []}, "tools"),
+        # keywords the grammar backend would not enforce, wherever the schema comes from
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "t", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
+        ("/v1/completions", {"guided_json": {"type": "integer", "multipleOf": 3}}, "guided_json"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f",
+            "parameters": {"type": "object", "properties": {"s": {"not": {"type": "null"}}}}}}],
+            "tool_choice": "required"}, "tools.0.function.parameters"),
+        # a schema nested past the cap, sent as a string (it was a 500)
+        ("/v1/chat/completions", {"structured_outputs": {"json": '{"items":' * 600 + "{}"
+                                                         + "}" * 600}}, "structured_outputs"),
     ]  # fmt: skip
     for path, extra, param in bad:
         body = {"max_tokens": 4, **extra}
@@ -208,6 +222,8 @@ def test_unsupported_and_bad_requests_are_400s_naming_the_field(server: ServerPr
         r = post(server, path, body)
         assert r.status_code == 400, (extra, r.text)
         assert r.json()["error"]["param"] == param, (extra, r.json())
+        if "uniqueItems" in str(extra):
+            assert "response_format.json_schema.schema: uniqueItems" in r.json()["error"]["message"]
 
 
 def test_auto_needs_a_parser_and_the_fake_engine_refuses_constraints() -> None:

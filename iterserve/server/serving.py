@@ -301,7 +301,9 @@ class Serving:
         try:
             # The compiler is built on first use (it copies the tokenizer): not on the loop.
             fut = await asyncio.to_thread(lambda: self.engine.engine.grammar_compiler.submit(spec))  # type: ignore[attr-defined]
-            await asyncio.wrap_future(fut)
+            # shielded: a client that leaves must not cancel the compile every later request
+            # of the same spec shares (the cached future)
+            await asyncio.shield(asyncio.wrap_future(fut))
         except ValueError as e:
             raise bad_request(f"{param}: {e}", param=param, code="invalid_value") from None
         params.structured_outputs = spec

@@ -19,6 +19,7 @@ from typing import Any
 
 from iterserve.server.errors import APIError, bad_request
 from iterserve.structured import StructuredOutputsParams
+from iterserve.structured.params import check_schema
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _GUIDED = {
@@ -57,12 +58,18 @@ def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}].function.name must be a string", param=f"tools.{i}")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        params = fn.get("parameters")
+        if params is None or params == {}:  # no arguments: an object without properties
+            params = {"type": "object", "properties": {}}
+        where = f"tools.{i}.function.parameters"
         if not isinstance(params, dict):
-            raise bad_request(
-                f"tools[{i}].function.parameters must be a JSON schema object",
-                param=f"tools.{i}.function.parameters",
-            )
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
+                              param=where)  # fmt: skip
+        try:
+            check_schema(params)
+        except ValueError as e:
+            msg = str(e).replace("structured_outputs.json", f"tools[{i}].function.parameters")
+            raise bad_request(msg, param=where) from None
         by_name[name] = params
     return by_name
 
@@ -74,6 +81,8 @@ def tool_plan(
     parallel_tool_calls: bool | None = None,
 ) -> ToolPlan | None:
     """The plan for ``tools`` / ``tool_choice`` (None: no tools), or a 400 naming the field."""
+    if tools is not None and not tools:
+        raise bad_request("tools must not be empty; leave it out for no tools", param="tools")
     if not tools:
         if tool_choice not in (None, "none"):
             raise bad_request("tool_choice requires tools", param="tool_choice")
@@ -135,7 +144,12 @@ def _required_schema(plan: ToolPlan) -> dict[str, Any]:
 
 
 def _from_response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
-    kind = rf.get("type", "text")
+    if "type" not in rf:
+        raise bad_request(
+            "response_format needs a type (text, json_object, json_schema)",
+            param="response_format.type",
+        )
+    kind = rf["type"]
     if kind == "text":
         return None
     if kind == "json_object":
@@ -182,12 +196,12 @@ def request_spec(
     found: list[tuple[str, StructuredOutputsParams]] = []
     current = "structured_outputs"  # the field being read: a ValueError names it
     try:
-        if response_format:
+        if response_format is not None:  # {} is a 400 below, not free text
             current = "response_format"
             spec = _from_response_format(response_format)
             if spec is not None:
                 found.append(("response_format", spec))
-        if structured_outputs:
+        if structured_outputs is not None:
             current = "structured_outputs"
             found.append(
                 (
@@ -200,7 +214,12 @@ def request_spec(
             current = next(k for k, v in guided.items() if v is not None)
             found.append((current, StructuredOutputsParams(**g)))
     except ValueError as e:
-        raise bad_request(str(e), param=current) from None
+        msg = str(e)
+        if current == "response_format":
+            msg = msg.replace("structured_outputs.json", "response_format.json_schema.schema")
+        elif current != "structured_outputs":  # a guided_* field
+            msg = re.sub(r"structured_outputs\.\w+", current, msg)
+        raise bad_request(msg, param=current) from None
     if plan is not None and plan.mode in ("required", "named"):
         if plan.mode == "named":
             assert plan.name is not None

@@ -86,7 +86,7 @@ class GrammarCompiler:
         A spec that does not compile ends in ValueError naming the field."""
         with self._lock:
             fut = self._cache.get(spec.key)
-            if fut is not None:
+            if fut is not None and not fut.cancelled():  # a cancelled one is compiled again
                 self._cache.move_to_end(spec.key)
                 return fut
             fut = self._pool.submit(self._compile, spec)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 JsonSchema = dict[str, object]
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -47,11 +48,17 @@ class StructuredOutputsParams:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                except RecursionError:  # nested past Python's stack, so past the depth cap
+                    raise ValueError(
+                        f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels; "
+                        "flatten it"
+                    ) from None
             if not isinstance(schema, dict):
                 raise ValueError(
                     "structured_outputs.json must be a JSON schema object, "
                     f"got {type(schema).__name__}"
                 )
+            check_schema(schema)
             self.json = schema
             text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
         elif kind == "json_object":
@@ -76,3 +83,92 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         return self.key[0]
+
+
+# vLLM's cap on a schema's nesting (its xgrammar backend refuses deeper ones)
+MAX_SCHEMA_DEPTH = 64
+_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_ONE_KEYWORDS = ("additionalProperties", "items", "contains", "propertyNames", "not", "if",
+                 "then", "else", "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
+_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+# keywords the grammar backend (xgrammar) would drop, so the output could break them
+_IGNORED = {
+    "not": "not",
+    "if": "if / then / else",
+    "dependentRequired": "dependentRequired",
+    "dependentSchemas": "dependentSchemas",
+    "uniqueItems": "uniqueItems (a list may then repeat items)",
+    "contains": "contains",
+    "minContains": "minContains",
+    "maxContains": "maxContains",
+    "multipleOf": "multipleOf",
+}
+
+
+def _types(node: dict[str, Any]) -> set[str]:
+    t = node.get("type")
+    if isinstance(t, str):
+        return {t}
+    return {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
+
+
+def _ignored_keyword(node: dict[str, Any]) -> str | None:
+    """The first keyword of schema ``node`` (not of its subschemas) the backend would not
+    enforce, described; None when it enforces them all."""
+    for key, what in _IGNORED.items():
+        if key in node and not (key == "uniqueItems" and node[key] is False):
+            return what
+    allof = node.get("allOf")
+    if isinstance(allof, list) and len(allof) > 1:
+        return "allOf with more than one branch (merge them into one schema)"
+    types = _types(node)
+    if (
+        ("string" in types or not types)
+        and ("pattern" in node or "format" in node)
+        and ("minLength" in node or "maxLength" in node)
+    ):
+        return "minLength / maxLength beside pattern or format"
+    names = node.get("propertyNames")
+    if names is not None and (
+        "properties" in node
+        or "patternProperties" in node
+        or node.get("unevaluatedProperties", True) is not True
+        or (isinstance(names, dict) and _ignored_keyword({"type": "string", **names}))
+    ):
+        return "propertyNames beside properties, patternProperties or length bounds"
+    pattern_props = node.get("patternProperties")
+    if isinstance(pattern_props, dict) and ("properties" in node or len(pattern_props) > 1):
+        return "patternProperties beside properties, or more than one pattern"
+    return None
+
+
+def check_schema(schema: dict[str, Any]) -> None:
+    """Raises ValueError saying what to change where ``schema`` nests deeper than
+    ``MAX_SCHEMA_DEPTH`` or uses a keyword the grammar backend (xgrammar) would not enforce
+    (the output could then break the schema the request asked for)."""
+    stack: list[tuple[Any, str, int]] = [(schema, "", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it"
+            )
+        what = _ignored_keyword(node)
+        if what is not None:
+            raise ValueError(
+                f"structured_outputs.json: {what} at {path or '/'} is not enforced by the grammar "
+                "backend (xgrammar), so the output could break the schema; remove it"
+            )
+        for key in _MAP_KEYWORDS:
+            sub = node.get(key)
+            if isinstance(sub, dict):
+                stack.extend((v, f"{path}/{key}/{k}", depth + 1) for k, v in sub.items())
+        for key in _ONE_KEYWORDS:
+            if isinstance(node.get(key), dict):
+                stack.append((node[key], f"{path}/{key}", depth + 1))
+        for key in _LIST_KEYWORDS:
+            sub = node.get(key)
+            if isinstance(sub, list):
+                stack.extend((v, f"{path}/{key}/{i}", depth + 1) for i, v in enumerate(sub))

@@ -212,6 +212,13 @@ def test_unsupported_and_bad_requests_are_400s_naming_the_field(server: ServerPr
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f",
             "parameters": {"type": "object", "properties": {"s": {"not": {"type": "null"}}}}}}],
             "tool_choice": "required"}, "tools.0.function.parameters"),
+        # past the grammar bounds (--max-schema-properties, --max-grammar-chars): refused
+        # before compiling, which holds every other constrained request
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "t", "schema": {"type": "object", "properties": {
+                f"p{i}": {"type": "integer"} for i in range(300)}}}}}, "response_format"),
+        ("/v1/completions", {"guided_choice": [f"label {i:06d}" for i in range(6000)]},
+         "guided_choice"),
         # a schema nested past the cap, sent as a string (it was a 500)
         ("/v1/chat/completions", {"structured_outputs": {"json": '{"items":' * 600 + "{}"
                                                          + "}" * 600}}, "structured_outputs"),
@@ -222,6 +229,8 @@ def test_unsupported_and_bad_requests_are_400s_naming_the_field(server: ServerPr
         r = post(server, path, body)
         assert r.status_code == 400, (extra, r.text)
         assert r.json()["error"]["param"] == param, (extra, r.json())
+        if "p299" in str(extra) or "label 005999" in str(extra):
+            assert r.json()["error"]["code"] == "limit_exceeded", r.json()
         if "uniqueItems" in str(extra):
             assert "response_format.json_schema.schema: uniqueItems" in r.json()["error"]["message"]
 

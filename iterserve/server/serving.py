@@ -291,6 +291,7 @@ class Serving:
         if found is None:
             return
         param, spec = found
+        self.limits.check_grammar(param, spec)
         # Asked of the class: reading the property would build the compiler here, on the loop.
         if not hasattr(type(self.engine.engine), "grammar_compiler"):
             raise bad_request(

@@ -8,6 +8,7 @@ it from ``response_format`` / ``structured_outputs`` / ``tools``, and the engine
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,25 +143,15 @@ def _ignored_keyword(node: dict[str, Any]) -> str | None:
     return None
 
 
-def check_schema(schema: dict[str, Any]) -> None:
-    """Raises ValueError saying what to change where ``schema`` nests deeper than
-    ``MAX_SCHEMA_DEPTH`` or uses a keyword the grammar backend (xgrammar) would not enforce
-    (the output could then break the schema the request asked for)."""
+def schema_nodes(schema: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, int]]:
+    """Every (sub)schema of ``schema`` with its path and depth, without recursion: the
+    values of its keyword positions only (a property named ``not`` is a name)."""
     stack: list[tuple[Any, str, int]] = [(schema, "", 0)]
     while stack:
         node, path, depth = stack.pop()
         if not isinstance(node, dict):
             continue
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(
-                f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it"
-            )
-        what = _ignored_keyword(node)
-        if what is not None:
-            raise ValueError(
-                f"structured_outputs.json: {what} at {path or '/'} is not enforced by the grammar "
-                "backend (xgrammar), so the output could break the schema; remove it"
-            )
+        yield node, path, depth
         for key in _MAP_KEYWORDS:
             sub = node.get(key)
             if isinstance(sub, dict):
@@ -172,3 +163,20 @@ def check_schema(schema: dict[str, Any]) -> None:
             sub = node.get(key)
             if isinstance(sub, list):
                 stack.extend((v, f"{path}/{key}/{i}", depth + 1) for i, v in enumerate(sub))
+
+
+def check_schema(schema: dict[str, Any]) -> None:
+    """Raises ValueError saying what to change where ``schema`` nests deeper than
+    ``MAX_SCHEMA_DEPTH`` or uses a keyword the grammar backend (xgrammar) would not enforce
+    (the output could then break the schema the request asked for)."""
+    for node, path, depth in schema_nodes(schema):
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it"
+            )
+        what = _ignored_keyword(node)
+        if what is not None:
+            raise ValueError(
+                f"structured_outputs.json: {what} at {path or '/'} is not enforced by the grammar "
+                "backend (xgrammar), so the output could break the schema; remove it"
+            )

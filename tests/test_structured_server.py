@@ -351,3 +351,36 @@ def test_langchain_json_mode_real_model() -> None:
         jsonschema.validate(got, WEATHER)
     finally:
         proc.stop()
+
+
+def test_a_requests_own_grammar_failing_it_is_a_400_and_others_run_on() -> None:
+    # a grammar whose mask takes too long a token (an ambiguous one grew to seconds, on the
+    # engine thread, slowing every request) ends its request; so does min_tokens forbidding
+    # the grammar's only way out: both the client's to change, so 400s (they were 500s)
+    from server_helpers.servers import ThreadServer
+
+    from iterserve.config import EngineArgs
+    from iterserve.engine.async_engine import AsyncEngine
+    from iterserve.engine.llm_engine import LLMEngine
+    from iterserve.server.app import create_app
+
+    llm = LLMEngine(EngineArgs(model=MODEL, max_model_len=256, num_kv_blocks=64))
+    engine = AsyncEngine(llm)
+    with ThreadServer(create_app(engine)) as server:
+        url = server.url + "/v1/completions"
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0}
+        choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+        ok = httpx.post(url, json={**body, **choice}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no")
+        r = httpx.post(url, json={**body, **choice, "min_tokens": 6}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "grammar_failed" and "min_tokens" in err["message"], err
+        llm.grammar_fill_limit_s = 0.0  # every mask "too slow"
+        r = httpx.post(url, json={**body, **choice}, timeout=60)
+        assert r.status_code == 400 and "too ambiguous" in r.json()["error"]["message"], r.text
+        # streamed, it failed before its first chunk: the same 400, not a stream
+        s = httpx.post(url, json={**body, **choice, "stream": True}, timeout=60)
+        assert s.status_code == 400 and s.json()["error"]["code"] == "grammar_failed", s.text
+        free = httpx.post(url, json={**body, "ignore_eos": True}, timeout=60)
+        assert free.status_code == 200 and free.json()["usage"]["completion_tokens"] == 8

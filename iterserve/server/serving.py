@@ -52,6 +52,7 @@ from iterserve.server.reasoning import (
 from iterserve.server.routing import Routing, slo_rejection
 from iterserve.server.templates import TemplateSandbox
 from iterserve.server.tools import ToolCallStream, ToolPlan, final_message, request_spec, tool_plan
+from iterserve.structured.params import GRAMMAR_FAILED
 
 if TYPE_CHECKING:
     from iterserve.engine.protocol import Tokenizer
@@ -499,11 +500,13 @@ class Serving:
 
     def request_failed(self, e: RequestFailedError) -> APIError:
         """A request that ended with an error: 503 (counted) when the ``slo`` policy refused
-        it, else 500."""
+        it, 400 when its own grammar failed it, else 500."""
         refused = slo_rejection(e.message, self.retry_after_s)
         if refused is not None:
             self.metrics.rejected("ttft_unreachable")
             return refused
+        if e.message.startswith(GRAMMAR_FAILED):  # its own grammar: the client's to change
+            return bad_request(e.message, param="structured_outputs", code="grammar_failed")
         return APIError(500, f"request failed: {e.message}", code="request_failed")
 
     def token_str(self, tid: int, lp: Logprob | None, as_ids: bool) -> str:

@@ -86,6 +86,11 @@ class StructuredOutputsParams:
         return self.key[0]
 
 
+# A request's own grammar failed it (its error message starts so): the client's to fix, a 400.
+GRAMMAR_FAILED = "structured output:"
+# Longest one token's grammar mask may take to fill (seconds) before its request is ended.
+GRAMMAR_FILL_LIMIT_S = 0.05
+
 # vLLM's cap on a schema's nesting (its xgrammar backend refuses deeper ones)
 MAX_SCHEMA_DEPTH = 64
 _MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

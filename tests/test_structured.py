@@ -308,3 +308,12 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
         SO(json=deep)
     with pytest.raises(ValueError, match="nests deeper than 64"):
         SO(json=json.loads('{"items":' * 80 + "{}" + "}" * 80))
+
+
+def test_a_lark_grammar_is_read_as_lark_as_vllm_reads_it(llm: LLM) -> None:
+    # no "name ::= ..." rule outside comments: Lark's syntax (it was an EBNF lexer error)
+    for g in ('start: "yes" | "no"', '// not a rule ::= x\nstart: answer\nanswer: "yes" | "no"'):
+        out = llm.generate("x", SamplingParams(max_tokens=8, structured_outputs=SO(grammar=g)))
+        assert out[0].outputs[0].text in ("yes", "no"), g
+    with pytest.raises(ValueError, match="structured_outputs.grammar could not be compiled: Lark"):
+        llm.generate("x", SamplingParams(structured_outputs=SO(grammar="start: undefined_rule")))

@@ -128,6 +128,10 @@ class GrammarCompiler:
                     "root ::= " + " | ".join(_ebnf_string(s) for s in spec.choice)
                 )
             assert spec.grammar is not None
+            if _is_lark(spec.grammar):
+                import xgrammar as xgr
+
+                return c.compile_grammar(xgr.Grammar.from_lark(spec.grammar))
             return c.compile_grammar(spec.grammar)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad specs
             # xgrammar's messages start with "[time] /project/cpp/file.cc:line: ".
@@ -141,6 +145,13 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _is_lark(grammar: str) -> bool:
+    """A grammar with no EBNF rule (``name ::= ...``) outside comments is read as Lark's
+    syntax (``name: ...``), as vLLM reads it."""
+    lines = (re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
+    return not any("::=" in line for line in lines)
 
 
 class TokenBitmask:

@@ -110,9 +110,12 @@ def tool_plan(
                 "parallel_tool_calls",
             )
         return ToolPlan("auto", tools, parser=parser, parallel=parallel)
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    # vLLM takes a named choice without "type" as a function
+    if isinstance(choice, dict) and choice.get("type", "function") == "function":
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(fn, dict):
+            raise bad_request('tool_choice.function must be {"name": ...}', param="tool_choice")
         if name not in by_name:
             raise bad_request(
                 f"tool_choice names function {name!r}, which is not in tools "

@@ -278,18 +278,28 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
     # xgrammar ignores these (the output could break the schema): refused, not silently loose
     refused = {
         "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
-        "multipleOf": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}},
+        "multipleOf": {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}},
         "allOf": {"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]},
         "not": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
         "if / then": {"if": {"type": "string"}, "then": {"maxLength": 3}},
         "dependentRequired": {"type": "object", "dependentRequired": {"a": ["b"]}},
         "contains": {"type": "array", "contains": {"const": 1}},
-        "minLength / maxLength": {"type": "string", "pattern": "^a+$", "maxLength": 3},
+        "minLength / maxLength beside pattern": {
+            "type": "string",
+            "pattern": "^a+$",
+            "maxLength": 3,
+        },
+        "beside format uri": {"type": "string", "format": "uri", "maxLength": 30},
+        "dependencies": {"type": "object", "dependencies": {"a": ["b"]}},
+        "maximum beside $ref": {
+            "$defs": {"N": {"type": "number"}},
+            "properties": {"n": {"$ref": "#/$defs/N", "maximum": 3}},
+        },
     }
     for what, schema in refused.items():
         with pytest.raises(ValueError, match=re.escape(what)) as e:
             SO(json=schema)
-        assert "is not enforced" in str(e.value)
+        assert "would not enforce" in str(e.value)
     with pytest.raises(ValueError, match="at /properties/n"):
         SO(json=refused["multipleOf"])
     # what it enforces (or what JSON Schema leaves to annotation) passes, and keyword-named
@@ -301,6 +311,16 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
         {"type": "array", "uniqueItems": False},
         {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},
         {"allOf": [{"type": "string"}]},
+        # enforced: integer multipleOf, a length beside an unknown format, a uri's implied
+        # minLength 1 (pydantic AnyUrl), array keywords on a non-array, a $ref's description
+        {"type": "integer", "multipleOf": 5},
+        {"type": "string", "format": "binary", "maxLength": 3},
+        {"type": "string", "format": "uri", "minLength": 1},
+        {"type": "string", "uniqueItems": True},
+        {
+            "$defs": {"A": {"type": "string"}},
+            "properties": {"a": {"$ref": "#/$defs/A", "description": "an a"}},
+        },
     ):
         SO(json=schema)
     deep = '{"items":' * 600 + "{}" + "}" * 600
@@ -315,5 +335,8 @@ def test_a_lark_grammar_is_read_as_lark_as_vllm_reads_it(llm: LLM) -> None:
     for g in ('start: "yes" | "no"', '// not a rule ::= x\nstart: answer\nanswer: "yes" | "no"'):
         out = llm.generate("x", SamplingParams(max_tokens=8, structured_outputs=SO(grammar=g)))
         assert out[0].outputs[0].text in ("yes", "no"), g
-    with pytest.raises(ValueError, match="structured_outputs.grammar could not be compiled: Lark"):
+    with pytest.raises(ValueError, match="(?s)could not be compiled: Lark.*read as Lark"):
         llm.generate("x", SamplingParams(structured_outputs=SO(grammar="start: undefined_rule")))
+    with pytest.raises(ValueError, match="grammar must be a non-empty string"):
+        SO(grammar="  \n ")
+    SO(regex=" ")  # a regex of one space matches one space

@@ -212,7 +212,7 @@ def test_unsupported_and_bad_requests_are_400s_naming_the_field(server: ServerPr
         # keywords the grammar backend would not enforce, wherever the schema comes from
         ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
             "name": "t", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
-        ("/v1/completions", {"guided_json": {"type": "integer", "multipleOf": 3}}, "guided_json"),
+        ("/v1/completions", {"guided_json": {"type": "number", "multipleOf": 3}}, "guided_json"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f",
             "parameters": {"type": "object", "properties": {"s": {"not": {"type": "null"}}}}}}],
             "tool_choice": "required"}, "tools.0.function.parameters"),
@@ -236,7 +236,8 @@ def test_unsupported_and_bad_requests_are_400s_naming_the_field(server: ServerPr
         if "p299" in str(extra) or "label 005999" in str(extra):
             assert r.json()["error"]["code"] == "limit_exceeded", r.json()
         if "uniqueItems" in str(extra):
-            assert "response_format.json_schema.schema: uniqueItems" in r.json()["error"]["message"]
+            msg = r.json()["error"]["message"]
+            assert msg.startswith("response_format.json_schema.schema: at /") and "set" in msg
 
 
 def test_auto_needs_a_parser_and_the_fake_engine_refuses_constraints() -> None:
@@ -388,3 +389,34 @@ def test_a_requests_own_grammar_failing_it_is_a_400_and_others_run_on() -> None:
         assert s.status_code == 400 and s.json()["error"]["code"] == "grammar_failed", s.text
         free = httpx.post(url, json={**body, "ignore_eos": True}, timeout=60)
         assert free.status_code == 200 and free.json()["usage"]["completion_tokens"] == 8
+
+
+def test_tool_schemas_are_checked_only_where_a_grammar_is_built(server: ServerProcess) -> None:
+    # a pydantic set field (uniqueItems) and nested models ($defs / $ref), as pydantic writes
+    # them: under "none" and "auto" nothing is constrained, so nothing is refused; "required"
+    # moves each tool's $defs to the root of the calls' schema (its references failed there)
+    tagged = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type":
+              "string"}, "uniqueItems": True}}, "required": ["tags"]}  # fmt: skip
+    nested = {"$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string",
+              "maxLength": 8}},
+              "required": ["city"]}}, "type": "object", "properties": {"addr": {"$ref":
+              "#/$defs/Addr"}}, "required": ["addr"]}  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": "tag", "parameters": tagged}},
+        {"type": "function", "function": {"name": "ship", "parameters": nested}},
+    ]
+    for choice in ("none", "auto"):
+        chat(server, tools=tools, tool_choice=choice, max_tokens=4)
+    named = {"type": "function", "function": {"name": "ship"}}
+    for tc, tool_list in ((named, tools), ("required", tools[1:])):
+        out = chat(server, tools=tool_list, tool_choice=tc, max_tokens=200, temperature=0)
+        for call in out["choices"][0]["message"]["tool_calls"]:
+            assert call["function"]["name"] == "ship"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), nested)
+    for tc in ("required", {"type": "function", "function": {"name": "tag"}}):
+        r = post(server, "/v1/chat/completions",
+                 {"messages": MSG, "tools": tools, "tool_choice": tc, "max_tokens": 4})  # fmt: skip
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "tools.0.function.parameters", err
+        assert err["message"].startswith("tools.0.function.parameters: at /properties/tags"), err

@@ -608,8 +608,8 @@ class LLMEngine:
             if not matcher.accept_token(tok):
                 msg = (
                     f"{GRAMMAR_FAILED} the grammar rejected token {tok} (min_tokens, "
-                    "allowed_token_ids or stop_token_ids may forbid the only tokens the grammar "
-                    "allows)"
+                    "allowed_token_ids, bad_words or stop_token_ids may forbid the only tokens "
+                    "the grammar allows)"
                 )
                 self.scheduler.finish_request(rid, FinishReason.ERROR, error=msg)
                 self._seqs[rid].parent.error = msg

@@ -201,12 +201,16 @@ class ServerLimits:
     def check_grammar(self, param: str, spec: StructuredOutputsParams) -> None:
         """A 400 naming ``param`` where the constraint is past the grammar bounds: its
         compile would hold every other constrained request behind it."""
-        from iterserve.structured.params import schema_nodes
+        from iterserve.structured.params import grammar_size, schema_nodes
 
-        size = len(spec.key[1])
+        size = grammar_size(spec)
         if size > self.max_grammar_chars:
-            self._refuse(param, f"the output constraint has {size} characters",
-                         "max-grammar-chars", self.max_grammar_chars)  # fmt: skip
+            what = (
+                "the tools' parameters have" if param == "tool_choice"
+                else "the output constraint has"
+            )  # fmt: skip
+            self._refuse(param, f"{what} {size} characters (descriptions, titles and examples "
+                         "not counted)", "max-grammar-chars", self.max_grammar_chars)  # fmt: skip
         if isinstance(spec.json, dict):
             for node, path, _ in schema_nodes(spec.json):
                 props = node.get("properties")

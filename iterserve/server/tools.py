@@ -19,7 +19,6 @@ from typing import Any
 
 from iterserve.server.errors import APIError, bad_request
 from iterserve.structured import StructuredOutputsParams
-from iterserve.structured.params import check_schema
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _GUIDED = {
@@ -61,15 +60,11 @@ def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         params = fn.get("parameters")
         if params is None or params == {}:  # no arguments: an object without properties
             params = {"type": "object", "properties": {}}
-        where = f"tools.{i}.function.parameters"
         if not isinstance(params, dict):
-            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
-                              param=where)  # fmt: skip
-        try:
-            check_schema(params)
-        except ValueError as e:
-            msg = str(e).replace("structured_outputs.json", f"tools[{i}].function.parameters")
-            raise bad_request(msg, param=where) from None
+            raise bad_request(
+                f"tools[{i}].function.parameters must be a JSON schema object",
+                param=f"tools.{i}.function.parameters",
+            )
         by_name[name] = params
     return by_name
 
@@ -131,16 +126,33 @@ def tool_plan(
 
 
 def _required_schema(plan: ToolPlan) -> dict[str, Any]:
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": name}, "parameters": params},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for name, params in _check_tools(plan.tools).items()
-    ]
+    """Any of the tools' calls, in a list. Each tool's ``$defs`` move to the root, where its
+    ``#/$defs/...`` references point once it is nested (as vLLM moves them); two tools
+    defining one name differently are a 400."""
+    calls = []
+    defs: dict[str, Any] = {}
+    for i, (name, params) in enumerate(_check_tools(plan.tools).items()):
+        own = params.get("$defs")
+        if isinstance(own, dict):
+            for k, v in own.items():
+                if defs.setdefault(k, v) != v:
+                    raise bad_request(
+                        f"tools[{i}].function.parameters defines $defs/{k} unlike an earlier "
+                        "tool; rename one of them",
+                        param=f"tools.{i}.function.parameters",
+                    )
+            params = {k: v for k, v in params.items() if k != "$defs"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": params},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if defs:
+        schema["$defs"] = defs
     if not plan.parallel:
         schema["maxItems"] = 1
     return schema
@@ -224,11 +236,23 @@ def request_spec(
             msg = re.sub(r"structured_outputs\.\w+", current, msg)
         raise bad_request(msg, param=current) from None
     if plan is not None and plan.mode in ("required", "named"):
-        if plan.mode == "named":
-            assert plan.name is not None
-            spec = StructuredOutputsParams(json=_check_tools(plan.tools)[plan.name])
-        else:
-            spec = StructuredOutputsParams(json=_required_schema(plan))
+        # only the tools a grammar is built from are checked (none under "auto" / "none")
+        names = list(_check_tools(plan.tools))
+        where = "tools"
+        try:
+            if plan.mode == "named":
+                assert plan.name is not None
+                where = f"tools.{names.index(plan.name)}.function.parameters"
+                spec = StructuredOutputsParams(json=_check_tools(plan.tools)[plan.name])
+            else:
+                spec = StructuredOutputsParams(json=_required_schema(plan))
+        except ValueError as e:
+            msg = str(e).replace("structured_outputs.json", where)
+            m = re.search(r"/items/anyOf/(\d+)/properties/parameters", msg)
+            if m is not None:  # the required calls' schema: name the tool it came from
+                where = f"tools.{m.group(1)}.function.parameters"
+                msg = where + msg[len("tools") :].replace(m.group(0), "")
+            raise bad_request(msg, param=where) from None
         found.insert(0, ("tool_choice", spec))
     if plan is not None and plan.mode == "auto" and found:
         raise _unsupported(f'{found[0][0]} cannot be combined with tool_choice "auto"', found[0][0])

@@ -136,6 +136,8 @@ class GrammarCompiler:
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad specs
             # xgrammar's messages start with "[time] /project/cpp/file.cc:line: ".
             msg = _XGR_PREFIX.sub("", str(e).strip()) or type(e).__name__
+            if kind == "grammar" and spec.grammar is not None and _is_lark(spec.grammar):
+                msg += " (read as Lark: it has no EBNF rule, name ::= ...)"
             raise ValueError(f"structured_outputs.{kind} could not be compiled: {msg}") from None
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:

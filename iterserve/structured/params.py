@@ -7,6 +7,7 @@ it from ``response_format`` / ``structured_outputs`` / ``tools``, and the engine
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -76,7 +77,8 @@ class StructuredOutputsParams:
             text = json.dumps(c)
         else:
             value = getattr(self, kind)
-            if not isinstance(value, str) or not value:
+            # a regex of spaces matches spaces; a grammar of nothing but spaces is empty
+            if not isinstance(value, str) or not (value.strip() if kind == "grammar" else value):
                 raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
             text = value
         self.key = (kind, text)
@@ -97,18 +99,33 @@ _MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions", "dep
 _ONE_KEYWORDS = ("additionalProperties", "items", "contains", "propertyNames", "not", "if",
                  "then", "else", "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
 _LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-# keywords the grammar backend (xgrammar) would drop, so the output could break them
-_IGNORED = {
-    "not": "not",
-    "if": "if / then / else",
-    "dependentRequired": "dependentRequired",
-    "dependentSchemas": "dependentSchemas",
-    "uniqueItems": "uniqueItems (a list may then repeat items)",
-    "contains": "contains",
-    "minContains": "minContains",
-    "maxContains": "maxContains",
-    "multipleOf": "multipleOf",
+# Keywords the grammar backend (xgrammar 0.2.9) drops, so the output could break them, with
+# the change that keeps a schema within what it enforces. Checked by a review against its
+# output (docs/STRUCTURED.md); integer multipleOf and lengths beside an unknown format hold.
+_ALWAYS = {
+    "not": "not (drop it)",
+    "if": "if / then / else (drop them)",
 }
+_BY_TYPE = {  # keyword -> (the types it applies to, what to change)
+    "uniqueItems": ("array", "uniqueItems (a pydantic set or frozenset: use a list)"),
+    "contains": ("array", "contains (drop it)"),
+    "minContains": ("array", "minContains (drop it)"),
+    "maxContains": ("array", "maxContains (drop it)"),
+    "multipleOf": ("number", "multipleOf on a number (use an integer type, or drop it)"),
+    "dependentRequired": ("object", "dependentRequired (list the fields in required)"),
+    "dependentSchemas": ("object", "dependentSchemas (drop it)"),
+    "dependencies": ("object", "dependencies (list the fields in required)"),
+}
+# the string formats xgrammar builds a grammar for (it then drops length bounds beside them;
+# it ignores other formats and keeps the bounds), and those of them that never match ""
+_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+            "uri", "uri-reference", "uri-template", "json-pointer",
+            "relative-json-pointer"}  # fmt: skip
+_NEVER_EMPTY = _FORMATS - {"uri-reference", "uri-template", "json-pointer"}
+# validation keywords xgrammar drops beside a $ref (annotations such as description are fine)
+_BESIDE_REF = ("maximum", "minimum", "exclusiveMaximum", "exclusiveMinimum", "multipleOf",
+               "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
+               "minProperties", "maxProperties", "enum", "const")  # fmt: skip
 
 
 def _types(node: dict[str, Any]) -> set[str]:
@@ -118,22 +135,45 @@ def _types(node: dict[str, Any]) -> set[str]:
     return {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
 
 
+def _length_dropped(node: dict[str, Any]) -> str | None:
+    """Where length bounds sit beside a pattern or a format xgrammar builds, which drops them
+    (a minLength the pattern or format implies anyway is fine)."""
+    lo, hi = node.get("minLength", 0), node.get("maxLength")
+    if hi is None and isinstance(lo, int) and lo <= 0:
+        return None
+    if "pattern" in node:
+        return (
+            "minLength / maxLength beside pattern (constr(pattern=..., max_length=...): put "
+            "the length in the pattern, e.g. ^[a-z]{1,8}$)"
+        )
+    fmt = node.get("format")
+    if fmt in _FORMATS and not (hi is None and lo == 1 and fmt in _NEVER_EMPTY):
+        return f"minLength / maxLength beside format {fmt} (a pydantic HttpUrl / AnyUrl: use str)"
+    return None
+
+
 def _ignored_keyword(node: dict[str, Any]) -> str | None:
     """The first keyword of schema ``node`` (not of its subschemas) the backend would not
-    enforce, described; None when it enforces them all."""
-    for key, what in _IGNORED.items():
-        if key in node and not (key == "uniqueItems" and node[key] is False):
+    enforce, with what to change; None when it enforces them all."""
+    for key, what in _ALWAYS.items():
+        if key in node:
             return what
+    types = _types(node)
+    for key, (applies, what) in _BY_TYPE.items():
+        if key in node and (applies in types or not types):
+            if not (key == "uniqueItems" and node[key] is False):
+                return what
+    if "$ref" in node:
+        beside = [k for k in _BESIDE_REF if k in node]
+        if beside:
+            return f"{beside[0]} beside $ref (move it into the referenced schema)"
     allof = node.get("allOf")
     if isinstance(allof, list) and len(allof) > 1:
         return "allOf with more than one branch (merge them into one schema)"
-    types = _types(node)
-    if (
-        ("string" in types or not types)
-        and ("pattern" in node or "format" in node)
-        and ("minLength" in node or "maxLength" in node)
-    ):
-        return "minLength / maxLength beside pattern or format"
+    if "string" in types or not types:
+        dropped = _length_dropped(node)
+        if dropped is not None:
+            return dropped
     names = node.get("propertyNames")
     if names is not None and (
         "properties" in node
@@ -182,6 +222,22 @@ def check_schema(schema: dict[str, Any]) -> None:
         what = _ignored_keyword(node)
         if what is not None:
             raise ValueError(
-                f"structured_outputs.json: {what} at {path or '/'} is not enforced by the grammar "
-                "backend (xgrammar), so the output could break the schema; remove it"
+                f"structured_outputs.json: at {path or '/'}, the grammar backend (xgrammar) "
+                f"would not enforce {what}, so the output could break the schema"
             )
+
+
+_ANNOTATIONS = ("description", "title", "examples", "$comment", "default", "deprecated")
+
+
+def grammar_size(spec: StructuredOutputsParams) -> int:
+    """Characters of what ``spec`` compiles: a JSON schema as compact JSON without its
+    annotations (descriptions, titles, examples: text the grammar never sees), else the
+    regex, grammar or choices."""
+    if not isinstance(spec.json, dict):
+        return len(spec.key[1])
+    bare = copy.deepcopy(spec.json)
+    for node, _, _ in schema_nodes(bare):
+        for key in _ANNOTATIONS:
+            node.pop(key, None)
+    return len(json.dumps(bare, separators=(",", ":")))

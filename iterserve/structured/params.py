@@ -148,7 +148,10 @@ def _length_dropped(node: dict[str, Any]) -> str | None:
         )
     fmt = node.get("format")
     if fmt in _FORMATS and not (hi is None and lo == 1 and fmt in _NEVER_EMPTY):
-        return f"minLength / maxLength beside format {fmt} (a pydantic HttpUrl / AnyUrl: use str)"
+        return (
+            f"minLength / maxLength beside format {fmt} (pydantic's HttpUrl caps its length: "
+            "use AnyUrl)"
+        )
     return None
 
 

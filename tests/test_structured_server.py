@@ -377,10 +377,12 @@ def test_a_requests_own_grammar_failing_it_is_a_400_and_others_run_on() -> None:
         choice = {"structured_outputs": {"choice": ["yes", "no"]}}
         ok = httpx.post(url, json={**body, **choice}, timeout=60)
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no")
-        r = httpx.post(url, json={**body, **choice, "min_tokens": 6}, timeout=60)
+        guided = {"guided_choice": ["yes", "no"], "min_tokens": 6}
+        r = httpx.post(url, json={**body, **guided}, timeout=60)
         assert r.status_code == 400, r.text
-        err = r.json()["error"]
+        err = r.json()["error"]  # naming the field the grammar came from
         assert err["code"] == "grammar_failed" and "min_tokens" in err["message"], err
+        assert err["param"] == "guided_choice", err
         llm.grammar_fill_limit_s = 0.0  # every mask "too slow"
         r = httpx.post(url, json={**body, **choice}, timeout=60)
         assert r.status_code == 400 and "too ambiguous" in r.json()["error"]["message"], r.text

@@ -671,7 +671,7 @@ class ResponsesFormat(_ChatFormat):
             # the openai client's responses.stream() without a final response.
             yield event("response.completed", response=final)
         except RequestFailedError as e:  # after the 200 went out: the error is an event
-            err = self.s.request_failed(e)
+            err = self.s.request_failed(e, self.constraint)
             for ev in self._failed(err.code or "request_failed", err.message, event):
                 yield ev
         except Exception as e:  # noqa: BLE001 - a bug here must end this stream only, visibly

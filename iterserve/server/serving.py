@@ -281,16 +281,16 @@ class Serving:
         req: CompletionRequest | ChatCompletionRequest,
         params: SamplingParams,
         plan: ToolPlan | None = None,
-    ) -> None:
+    ) -> str | None:
         """Sets ``params.structured_outputs`` from the request's response_format /
         structured_outputs / guided_* / tool_choice, compiled before the request reaches the
         engine: a spec that does not compile is a 400 naming its field, and the engine then
-        finds it in the compile cache (no wait there)."""
+        finds it in the compile cache (no wait there). Returns the field it came from."""
         guided = {k: getattr(req, k) for k in ("guided_json", "guided_regex", "guided_choice",
                                                "guided_grammar")}  # fmt: skip
         found = request_spec(req.response_format, req.structured_outputs, guided, plan)
         if found is None:
-            return
+            return None
         param, spec = found
         self.limits.check_grammar(param, spec)
         # Asked of the class: reading the property would build the compiler here, on the loop.
@@ -309,6 +309,7 @@ class Serving:
         except ValueError as e:
             raise bad_request(f"{param}: {e}", param=param, code="invalid_value") from None
         params.structured_outputs = spec
+        return param
 
     async def add_streams(
         self,
@@ -498,7 +499,7 @@ class Serving:
             return APIError(500, e.message, code="request_failed")
         return e
 
-    def request_failed(self, e: RequestFailedError) -> APIError:
+    def request_failed(self, e: RequestFailedError, constraint: str | None = None) -> APIError:
         """A request that ended with an error: 503 (counted) when the ``slo`` policy refused
         it, 400 when its own grammar failed it, else 500."""
         refused = slo_rejection(e.message, self.retry_after_s)
@@ -506,7 +507,8 @@ class Serving:
             self.metrics.rejected("ttft_unreachable")
             return refused
         if e.message.startswith(GRAMMAR_FAILED):  # its own grammar: the client's to change
-            return bad_request(e.message, param="structured_outputs", code="grammar_failed")
+            param = constraint or "structured_outputs"
+            return bad_request(e.message, param=param, code="grammar_failed")
         return APIError(500, f"request failed: {e.message}", code="request_failed")
 
     def token_str(self, tid: int, lp: Logprob | None, as_ids: bool) -> str:
@@ -546,7 +548,7 @@ class Serving:
             self.max_tokens_cap,
         )
         params = self.sampling_params(req)
-        await self.constrain(req, params)
+        constraint = await self.constrain(req, params)
         ids = await self.completion_prompt_ids(prompts, params)
         streams = await self.add_streams(
             "cmpl",
@@ -557,6 +559,7 @@ class Serving:
             default_max_tokens=self.default_max_tokens_of(req),
         )
         fmt = _CompletionFormat(self, req, params, prompts)
+        fmt.constraint = constraint
         return await self._respond(streams, fmt, bool(req.stream))
 
     # ---- /v1/chat/completions -------------------------------------------------------------
@@ -592,7 +595,7 @@ class Serving:
             req, 1, self.engine.max_model_len, self.default_max_tokens_of(req), self.max_tokens_cap
         )
         params = self.sampling_params(req)
-        await self.constrain(req, params, plan)
+        constraint = await self.constrain(req, params, plan)
         ids = await self.render_chat(req, params=params)
         if self.reasoning_parser is not None and self.thinking_closed(req, ids):
             req.close_thinking()
@@ -629,6 +632,7 @@ class Serving:
             if make_format is not None
             else _ChatFormat(self, req, params, plan)
         )
+        fmt.constraint = constraint
         return await self._respond(streams, fmt, bool(req.stream))
 
     # ---- tokenization: off the event loop and off the engine thread -------------------------
@@ -862,7 +866,7 @@ class Serving:
                 async for i, out in merged:
                     finals[i] = with_prompt_logprobs(out, finals.get(i))
             except RequestFailedError as e:
-                raise self.request_failed(e) from None
+                raise self.request_failed(e, fmt.constraint) from None
             finally:
                 await merged.aclose()
             outs = [finals[i] for i in range(len(streams))]
@@ -882,7 +886,7 @@ class Serving:
             first = await merged.__anext__()
         except RequestFailedError as e:
             await merged.aclose()
-            raise self.request_failed(e) from None
+            raise self.request_failed(e, fmt.constraint) from None
         except StopAsyncIteration:
             first = None
         except BaseException:
@@ -957,7 +961,7 @@ async def sse_stream(
         if usage is not None:
             yield f"data: {dumps(usage)}\n\n"
     except RequestFailedError as e:  # after the 200 went out: the error is an event
-        yield f"data: {dumps(fmt.s.request_failed(e).body())}\n\n"
+        yield f"data: {dumps(fmt.s.request_failed(e, fmt.constraint).body())}\n\n"
     except Exception as e:  # noqa: BLE001 - a bug here must end this stream only, visibly
         logger.exception("streaming response failed")
         msg = f"internal error: {type(e).__name__}: {e}"
@@ -984,6 +988,7 @@ class _Format:
         self.s = serving
         self.req = req
         self.params = params
+        self.constraint: str | None = None  # the field the output constraint came from
         self.n = params.n
         # vLLM: the client's request_id names the response (the engine's own id stays unique)
         self.id = f"{id_prefix}-{req.request_id or uuid.uuid4().hex}"

@@ -291,6 +291,11 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
         },
         "beside format uri": {"type": "string", "format": "uri", "maxLength": 30},
         "dependencies": {"type": "object", "dependencies": {"a": ["b"]}},
+        "multipleOf beside minimum": {"type": "integer", "multipleOf": 3, "minimum": 0},
+        "required beside $ref": {
+            "$defs": {"O": {"type": "object"}},
+            "properties": {"o": {"$ref": "#/$defs/O", "required": ["a"]}},
+        },
         "maximum beside $ref": {
             "$defs": {"N": {"type": "number"}},
             "properties": {"n": {"$ref": "#/$defs/N", "maximum": 3}},

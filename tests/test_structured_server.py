@@ -415,10 +415,25 @@ def test_tool_schemas_are_checked_only_where_a_grammar_is_built(server: ServerPr
         for call in out["choices"][0]["message"]["tool_calls"]:
             assert call["function"]["name"] == "ship"
             jsonschema.validate(json.loads(call["function"]["arguments"]), nested)
+    # a reference that points elsewhere once nested among the calls, and a tool named twice:
+    # 400s naming the tool by its own index, with its own paths
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    dup = [tools[1], tools[1], {"type": "function", "function": {"name": "tree",
+                                                                 "parameters": tree}}]  # fmt: skip
+    base = {"messages": MSG, "tools": dup, "max_tokens": 4}
+    r = post(server, "/v1/chat/completions", {**base, "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.2.function.parameters"
+    assert "at /properties/kids/items, $ref '#' cannot be resolved" in r.json()["error"]["message"]
+    named_tree = {"type": "function", "function": {"name": "tree"}}
+    r = post(server, "/v1/chat/completions", {**base, "tool_choice": named_tree})
+    assert r.status_code == 200, r.text  # named, the schema is the root: "#" is itself
+    bad_name = {"function": {"name": {"x": 1}}}  # a 500 (unhashable) before
+    r = post(server, "/v1/chat/completions", {**base, "tool_choice": bad_name})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
     for tc in ("required", {"type": "function", "function": {"name": "tag"}}):
         r = post(server, "/v1/chat/completions",
                  {"messages": MSG, "tools": tools, "tool_choice": tc, "max_tokens": 4})  # fmt: skip
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "tools.0.function.parameters", err
-        assert err["message"].startswith("tools.0.function.parameters: at /properties/tags"), err
+        assert err["message"].startswith("tools.0.function.parameters: at /properties/tags,"), err

@@ -19,6 +19,7 @@ from typing import Any
 
 from iterserve.server.errors import APIError, bad_request
 from iterserve.structured import StructuredOutputsParams
+from iterserve.structured.params import check_schema, schema_nodes
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _GUIDED = {
@@ -46,7 +47,12 @@ class ToolPlan:
 
 
 def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    by_name: dict[str, dict[str, Any]] = {}
+    return {name: params for _, name, params in _tool_list(tools)}
+
+
+def _tool_list(tools: list[dict[str, Any]]) -> list[tuple[int, str, dict[str, Any]]]:
+    """(index in tools, name, parameters) of each tool; a 400 naming a malformed one."""
+    out: list[tuple[int, str, dict[str, Any]]] = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
@@ -65,8 +71,30 @@ def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 f"tools[{i}].function.parameters must be a JSON schema object",
                 param=f"tools.{i}.function.parameters",
             )
-        by_name[name] = params
-    return by_name
+        out.append((i, name, params))
+    return out
+
+
+def _check_tool_schema(i: int, params: dict[str, Any], nested: bool) -> None:
+    """A 400 naming tools[i] where the grammar built from its parameters would not hold
+    them; ``nested``: inside the calls' schema of tool_choice "required", where a reference
+    outside its ``$defs`` / ``definitions`` (moved to the root) would point elsewhere."""
+    where = f"tools.{i}.function.parameters"
+    try:
+        check_schema(params)
+    except ValueError as e:
+        raise bad_request(str(e).replace("structured_outputs.json", where), param=where) from None
+    if not nested:
+        return
+    for node, path, _ in schema_nodes(params):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith(("#/$defs/", "#/definitions/")):
+            raise bad_request(
+                f"{where}: at {path or '/'}, $ref {ref!r} cannot be resolved once the tool's "
+                'schema is nested among the others (tool_choice "required"); reference '
+                "#/$defs/... instead, or name the tool in tool_choice",
+                param=where,
+            )
 
 
 def tool_plan(
@@ -109,8 +137,10 @@ def tool_plan(
     if isinstance(choice, dict) and choice.get("type", "function") == "function":
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(fn, dict):
-            raise bad_request('tool_choice.function must be {"name": ...}', param="tool_choice")
+        if not isinstance(fn, dict) or not isinstance(name, str):
+            raise bad_request(
+                'tool_choice.function must be {"name": "<a tool\'s name>"}', param="tool_choice"
+            )
         if name not in by_name:
             raise bad_request(
                 f"tool_choice names function {name!r}, which is not in tools "
@@ -126,22 +156,26 @@ def tool_plan(
 
 
 def _required_schema(plan: ToolPlan) -> dict[str, Any]:
-    """Any of the tools' calls, in a list. Each tool's ``$defs`` move to the root, where its
-    ``#/$defs/...`` references point once it is nested (as vLLM moves them); two tools
+    """Any of the tools' calls, in a list. Each tool's ``$defs`` / ``definitions`` move to the
+    root, where its references point once it is nested (as vLLM moves them); two tools
     defining one name differently are a 400."""
     calls = []
-    defs: dict[str, Any] = {}
-    for i, (name, params) in enumerate(_check_tools(plan.tools).items()):
-        own = params.get("$defs")
-        if isinstance(own, dict):
+    hoisted: dict[str, dict[str, Any]] = {}
+    for i, name, params in _tool_list(plan.tools):
+        _check_tool_schema(i, params, nested=True)
+        for key in ("$defs", "definitions"):
+            own = params.get(key)
+            if not isinstance(own, dict):
+                continue
+            defs = hoisted.setdefault(key, {})
             for k, v in own.items():
                 if defs.setdefault(k, v) != v:
                     raise bad_request(
-                        f"tools[{i}].function.parameters defines $defs/{k} unlike an earlier "
+                        f"tools[{i}].function.parameters defines {key}/{k} unlike an earlier "
                         "tool; rename one of them",
                         param=f"tools.{i}.function.parameters",
                     )
-            params = {k: v for k, v in params.items() if k != "$defs"}
+        params = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
         calls.append(
             {
                 "type": "object",
@@ -151,8 +185,7 @@ def _required_schema(plan: ToolPlan) -> dict[str, Any]:
             }
         )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    if defs:
-        schema["$defs"] = defs
+    schema.update(hoisted)
     if not plan.parallel:
         schema["maxItems"] = 1
     return schema
@@ -237,22 +270,12 @@ def request_spec(
         raise bad_request(msg, param=current) from None
     if plan is not None and plan.mode in ("required", "named"):
         # only the tools a grammar is built from are checked (none under "auto" / "none")
-        names = list(_check_tools(plan.tools))
-        where = "tools"
-        try:
-            if plan.mode == "named":
-                assert plan.name is not None
-                where = f"tools.{names.index(plan.name)}.function.parameters"
-                spec = StructuredOutputsParams(json=_check_tools(plan.tools)[plan.name])
-            else:
-                spec = StructuredOutputsParams(json=_required_schema(plan))
-        except ValueError as e:
-            msg = str(e).replace("structured_outputs.json", where)
-            m = re.search(r"/items/anyOf/(\d+)/properties/parameters", msg)
-            if m is not None:  # the required calls' schema: name the tool it came from
-                where = f"tools.{m.group(1)}.function.parameters"
-                msg = where + msg[len("tools") :].replace(m.group(0), "")
-            raise bad_request(msg, param=where) from None
+        if plan.mode == "named":
+            i, _, params = next(t for t in _tool_list(plan.tools) if t[1] == plan.name)
+            _check_tool_schema(i, params, nested=False)
+            spec = StructuredOutputsParams(json=params)
+        else:
+            spec = StructuredOutputsParams(json=_required_schema(plan))
         found.insert(0, ("tool_choice", spec))
     if plan is not None and plan.mode == "auto" and found:
         raise _unsupported(f'{found[0][0]} cannot be combined with tool_choice "auto"', found[0][0])

@@ -111,7 +111,7 @@ _BY_TYPE = {  # keyword -> (the types it applies to, what to change)
     "contains": ("array", "contains (drop it)"),
     "minContains": ("array", "minContains (drop it)"),
     "maxContains": ("array", "maxContains (drop it)"),
-    "multipleOf": ("number", "multipleOf on a number (use an integer type, or drop it)"),
+    "multipleOf": ("number", "multipleOf on a number (drop it)"),
     "dependentRequired": ("object", "dependentRequired (list the fields in required)"),
     "dependentSchemas": ("object", "dependentSchemas (drop it)"),
     "dependencies": ("object", "dependencies (list the fields in required)"),
@@ -122,10 +122,10 @@ _FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "h
             "uri", "uri-reference", "uri-template", "json-pointer",
             "relative-json-pointer"}  # fmt: skip
 _NEVER_EMPTY = _FORMATS - {"uri-reference", "uri-template", "json-pointer"}
-# validation keywords xgrammar drops beside a $ref (annotations such as description are fine)
-_BESIDE_REF = ("maximum", "minimum", "exclusiveMaximum", "exclusiveMinimum", "multipleOf",
-               "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
-               "minProperties", "maxProperties", "enum", "const")  # fmt: skip
+# what may sit beside a $ref (xgrammar drops every other keyword there)
+_WITH_REF = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "description",
+             "title", "examples", "default", "deprecated", "readOnly", "writeOnly"}  # fmt: skip
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def _types(node: dict[str, Any]) -> set[str]:
@@ -167,9 +167,15 @@ def _ignored_keyword(node: dict[str, Any]) -> str | None:
             if not (key == "uniqueItems" and node[key] is False):
                 return what
     if "$ref" in node:
-        beside = [k for k in _BESIDE_REF if k in node]
+        beside = sorted(k for k in node if k not in _WITH_REF)
         if beside:
             return f"{beside[0]} beside $ref (move it into the referenced schema)"
+    step = node.get("multipleOf")
+    if step is not None and "integer" in types and "number" not in types:
+        # held alone and within a small range in a review's checks; a bound on one side, a
+        # wide range or a fractional step were dropped
+        if not (isinstance(step, int) and not any(k in node for k in _BOUNDS)):
+            return "multipleOf beside minimum / maximum or fractional (drop one of them)"
     allof = node.get("allOf")
     if isinstance(allof, list) and len(allof) > 1:
         return "allOf with more than one branch (merge them into one schema)"
@@ -239,7 +245,10 @@ def grammar_size(spec: StructuredOutputsParams) -> int:
     regex, grammar or choices."""
     if not isinstance(spec.json, dict):
         return len(spec.key[1])
-    bare = copy.deepcopy(spec.json)
+    try:
+        bare = copy.deepcopy(spec.json)
+    except RecursionError:  # a value (default, const) nested past the stack: count it all
+        return len(spec.key[1])
     for node, _, _ in schema_nodes(bare):
         for key in _ANNOTATIONS:
             node.pop(key, None)

@@ -43,16 +43,23 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    num_preemptions: int = 0
-    num_cached_prompt_tokens: int = 0
     # per sequence (output index) of the n, each its own scheduler request: its preemptions
-    # and its prefix-cache hit tokens at its first admission (the two above are the request's
-    # total and the largest)
+    # and its prefix-cache hit tokens at its first admission
     seq_preemptions: dict[int, int] = field(default_factory=dict)
     seq_cached_tokens: dict[int, int] = field(default_factory=dict)
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     token_times: list[float] = field(default_factory=list)
+
+    @property
+    def num_preemptions(self) -> int:
+        """The request's preemptions, all its sequences'."""
+        return sum(self.seq_preemptions.values())
+
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        """Prompt tokens the prefix cache served the request: the most any sequence got."""
+        return max(self.seq_cached_tokens.values(), default=0)
 
     @property
     def queue_time(self) -> float | None:

@@ -617,7 +617,6 @@ def test_a_preempted_requests_preemptions_reach_the_histogram() -> None:
 
     sm = ServerMetrics("m", max_model_len=64)
     metrics = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5, last_token_time=2.0)
-    metrics.num_preemptions, metrics.num_cached_prompt_tokens = 2, 16
     metrics.seq_preemptions, metrics.seq_cached_tokens = {0: 2}, {0: 16}
     done = CompletionOutput(0, "ab", [5, 6], [5, 6], "ab", finish_reason="length")
     out = RequestOutput("r", None, list(range(40)), [done], True, metrics)

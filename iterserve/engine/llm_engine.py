@@ -487,12 +487,10 @@ class LLMEngine:
             m = seq.parent.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = t1
-            m.num_cached_prompt_tokens = max(m.num_cached_prompt_tokens, req.num_cached_tokens)
             m.seq_cached_tokens[seq.index] = max(0, req.num_cached_tokens)
         for req in sched.preempted:
             seq = self._seqs[req.request_id]
             m = seq.parent.metrics
-            m.num_preemptions += 1
             m.seq_preemptions[seq.index] = m.seq_preemptions.get(seq.index, 0) + 1
 
         t2 = t3 = t1

@@ -58,12 +58,11 @@ LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 N_BUCKETS = (1, 2, 5, 10, 20)
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)  # vLLM's request_num_preemptions buckets
-# vLLM's label values: where prompt tokens came from, which cache tier served a hit, why a
-# request waits (iterserve computes or finds locally, caches on the device, and has no
-# deferral: the other values are exported at zero, as vLLM exports them)
+# vLLM's label values: where prompt tokens came from, which cache tier served a hit
+# (iterserve computes or finds locally and caches on the device: the other values are
+# exported at zero, as vLLM exports them)
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
-WAITING_REASONS = ("capacity", "deferred")
 
 # vLLM's buckets, as vllm/v1/metrics/loggers.py declares them.
 # fmt: off
@@ -400,9 +399,9 @@ class ServerMetrics:
             "deferred": lambda: engine.snapshot.num_deferred,
         }
         ours, theirs = self.num_requests_waiting_by_reason
-        for reason in WAITING_REASONS:
-            ours.labels(m, reason).set_function(by_reason[reason])
-            theirs.labels(m, VLLM_ENGINE, reason).set_function(by_reason[reason])
+        for reason, fn in by_reason.items():
+            ours.labels(m, reason).set_function(fn)
+            theirs.labels(m, VLLM_ENGINE, reason).set_function(fn)
 
     def _hit_rate(self) -> float:
         with self._lock:
@@ -495,7 +494,7 @@ class ServerMetrics:
         is its own scheduler request, admitted (and looked up) on its own."""
         n = len(output.prompt_token_ids)
         m = output.metrics
-        return n, min(n, m.seq_cached_tokens.get(index, m.num_cached_prompt_tokens))
+        return n, min(n, m.seq_cached_tokens.get(index, 0))
 
     def _prompt_sources(self, output: RequestOutput, index: int) -> None:
         """A sequence's prompt tokens, at its first token: all, cached, computed."""

@@ -115,6 +115,7 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         c = self._xgr_compiler()
         kind, _ = spec.key
+        lark = kind == "grammar" and spec.grammar is not None and _is_lark(spec.grammar)
         try:
             if kind in ("json", "json_object"):
                 schema = spec.json if kind == "json" else {"type": "object"}
@@ -128,7 +129,7 @@ class GrammarCompiler:
                     "root ::= " + " | ".join(_ebnf_string(s) for s in spec.choice)
                 )
             assert spec.grammar is not None
-            if _is_lark(spec.grammar):
+            if lark:
                 import xgrammar as xgr
 
                 return c.compile_grammar(xgr.Grammar.from_lark(spec.grammar))
@@ -136,7 +137,7 @@ class GrammarCompiler:
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad specs
             # xgrammar's messages start with "[time] /project/cpp/file.cc:line: ".
             msg = _XGR_PREFIX.sub("", str(e).strip()) or type(e).__name__
-            if kind == "grammar" and spec.grammar is not None and _is_lark(spec.grammar):
+            if lark:
                 msg += " (read as Lark: it has no EBNF rule, name ::= ...)"
             raise ValueError(f"structured_outputs.{kind} could not be compiled: {msg}") from None
 

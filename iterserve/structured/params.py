@@ -122,9 +122,11 @@ _FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "h
             "uri", "uri-reference", "uri-template", "json-pointer",
             "relative-json-pointer"}  # fmt: skip
 _NEVER_EMPTY = _FORMATS - {"uri-reference", "uri-template", "json-pointer"}
+# keywords that annotate (the grammar never sees them)
+_ANNOTATIONS = ("description", "title", "examples", "$comment", "default", "deprecated")
 # what may sit beside a $ref (xgrammar drops every other keyword there)
-_WITH_REF = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "description",
-             "title", "examples", "default", "deprecated", "readOnly", "writeOnly"}  # fmt: skip
+_WITH_REF = {"$ref", "$defs", "definitions", "$schema", "$id", "readOnly", "writeOnly",
+             *_ANNOTATIONS}  # fmt: skip
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
@@ -234,9 +236,6 @@ def check_schema(schema: dict[str, Any]) -> None:
                 f"structured_outputs.json: at {path or '/'}, the grammar backend (xgrammar) "
                 f"would not enforce {what}, so the output could break the schema"
             )
-
-
-_ANNOTATIONS = ("description", "title", "examples", "$comment", "default", "deprecated")
 
 
 def grammar_size(spec: StructuredOutputsParams) -> int:

@@ -335,6 +335,33 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
         SO(json=json.loads('{"items":' * 80 + "{}" + "}" * 80))
 
 
+def test_pattern_lookarounds_are_rewritten_or_refused(llm: LLM) -> None:
+    # xgrammar ignores a pattern's lookahead: pydantic's Decimal pattern runs as the same
+    # strings written without one, any other lookaround is refused where it is
+    decimal = r"^(?!^[-+.]*$)[+-]?0*\d*\.?\d*$"
+    schema = {"type": "object", "properties": {"d": {"type": "string", "pattern": decimal}}}
+    spec = SO(json=schema)
+    assert schema["properties"]["d"]["pattern"] == decimal  # the request's own is untouched
+    gc = llm.engine.grammar_compiler
+    compiled = gc.compile(spec)
+    for d in ("1", "-0.5", "+.5", "007.", "12.34"):
+        assert gc.matcher(compiled).accept_string(f'{{"d": "{d}"}}'), d
+    for d in ("", "-", ".", "+.", "1e5", "1.2.3"):  # the lookahead's (and the rest's) refusals
+        assert not gc.matcher(compiled).accept_string(f'{{"d": "{d}"}}'), d
+    condecimal = r"^(?!^[-+.]*$)[+-]?0*(?:\d{0,3}|(?=[\d.]{1,6}0*$)\d{0,3}\.\d{0,2}0*$)"
+    refused = {
+        "/properties/d": {"properties": {"d": {"type": "string", "pattern": condecimal}}},
+        "/": {"type": "string", "pattern": "^a(?<=a)b$"},
+        "/items": {"items": {"type": "object", "patternProperties": {"^(?=x)": {}}}},
+    }
+    for where, bad in refused.items():
+        with pytest.raises(ValueError, match=f"at {re.escape(where)},.*lookaround"):
+            SO(json=bad)
+    # not lookarounds: escaped, inside a class, a named group, a non-capturing group
+    for ok in (r"^\(?=$", r"^[(?=]+$", r"^(?P<a>x)$", r"^(?:ab)+$", r"^[]?!]+$"):
+        SO(json={"type": "string", "pattern": ok})
+
+
 def test_a_lark_grammar_is_read_as_lark_as_vllm_reads_it(llm: LLM) -> None:
     # no "name ::= ..." rule outside comments: Lark's syntax (it was an EBNF lexer error)
     for g in ('start: "yes" | "no"', '// not a rule ::= x\nstart: answer\nanswer: "yes" | "no"'):

@@ -61,6 +61,7 @@ class StructuredOutputsParams:
                     f"got {type(schema).__name__}"
                 )
             check_schema(schema)
+            schema = _rewritten(schema)
             self.json = schema
             text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
         elif kind == "json_object":
@@ -128,6 +129,72 @@ _ANNOTATIONS = ("description", "title", "examples", "$comment", "default", "depr
 _WITH_REF = {"$ref", "$defs", "definitions", "$schema", "$id", "readOnly", "writeOnly",
              *_ANNOTATIONS}  # fmt: skip
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Patterns whose lookahead xgrammar would ignore, each with the same language written without
+# one: pydantic's Decimal as a string ("not only signs and dots" is "at least one digit";
+# checked equal on every string of +-.01 up to 6 characters). Other lookarounds are refused.
+_PATTERN_REWRITES = {r"^(?!^[-+.]*$)[+-]?0*\d*\.?\d*$": r"^[+-]?(?:\d+\.?\d*|\.\d+)$"}
+_LOOKAROUNDS = ("(?=", "(?!", "(?<=", "(?<!")
+
+
+def _lookaround(pattern: str) -> str | None:
+    """The first lookaround assertion's opening in ``pattern`` (outside escapes and character
+    classes), or None."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 + pattern.startswith("^", i + 1)
+            i += pattern.startswith("]", i)  # a ] first in a class is itself
+            continue
+        elif c == "(" and (
+            found := next((x for x in _LOOKAROUNDS if pattern.startswith(x, i)), None)
+        ):
+            return found
+        i += 1
+    return None
+
+
+def _pattern_dropped(node: dict[str, Any]) -> str | None:
+    """A lookaround in the node's pattern or a patternProperties name, which xgrammar ignores
+    (or cannot compile), unless the pattern is one it is rewritten from."""
+    pattern = node.get("pattern")
+    names = node.get("patternProperties")
+    found = [p for p in (pattern,) if isinstance(p, str) and p not in _PATTERN_REWRITES]
+    found += list(names) if isinstance(names, dict) else []
+    for p in found:
+        look = _lookaround(p)
+        if look is not None:
+            return (
+                f"the lookaround {look}...) in pattern {p!r} (write it without one; pydantic's "
+                "condecimal with max_digits / decimal_places writes one: use Decimal or float)"
+            )
+    return None
+
+
+def _rewritten(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema``, or a copy with each pattern in ``_PATTERN_REWRITES`` rewritten."""
+    if not any(
+        isinstance(p := n.get("pattern"), str) and p in _PATTERN_REWRITES
+        for n, _, _ in schema_nodes(schema)
+    ):
+        return schema
+    try:
+        out = copy.deepcopy(schema)
+    except RecursionError:  # a value (default, const) nested past the stack
+        raise ValueError(
+            f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it"
+        ) from None
+    for node, _, _ in schema_nodes(out):
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and pattern in _PATTERN_REWRITES:
+            node["pattern"] = _PATTERN_REWRITES[pattern]
+    return out
 
 
 def _types(node: dict[str, Any]) -> set[str]:
@@ -185,6 +252,9 @@ def _ignored_keyword(node: dict[str, Any]) -> str | None:
         dropped = _length_dropped(node)
         if dropped is not None:
             return dropped
+    dropped = _pattern_dropped(node)
+    if dropped is not None:
+        return dropped
     names = node.get("propertyNames")
     if names is not None and (
         "properties" in node

@@ -335,6 +335,24 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
         SO(json=json.loads('{"items":' * 80 + "{}" + "}" * 80))
 
 
+def test_disable_any_whitespace_false_lets_whitespace_between_json_tokens(llm: LLM) -> None:
+    gc = llm.engine.grammar_compiler
+    schema = {"type": "object", "properties": {"d": {"type": "integer"}}, "required": ["d"]}
+    spaced = ('{"d": 1}', '{"d":1}', '{\n  "d" : 1\n}')
+    for spec in (SO(json=schema), SO(json=schema, disable_any_whitespace=True)):
+        compiled = gc.compile(spec)
+        assert [gc.matcher(compiled).accept_string(s) for s in spaced] == [True, False, False]
+    for spec in (SO(json=schema, disable_any_whitespace=False),
+                 SO(json_object=True, disable_any_whitespace=False)):  # fmt: skip
+        compiled = gc.compile(spec)
+        assert all(gc.matcher(compiled).accept_string(s) for s in spaced), spec
+        assert not gc.matcher(compiled).accept_string('{"d": x}')
+    # a regex states its own whitespace: the flag does not make another grammar
+    assert SO(regex="a b", disable_any_whitespace=False).key == SO(regex="a b").key
+    with pytest.raises(ValueError, match="disable_any_whitespace must be true or false"):
+        SO(json=schema, disable_any_whitespace="no")  # type: ignore[arg-type]
+
+
 def test_pattern_lookarounds_are_rewritten_or_refused(llm: LLM) -> None:
     # xgrammar ignores a pattern's lookahead: pydantic's Decimal pattern runs as the same
     # strings written without one, any other lookaround is refused where it is

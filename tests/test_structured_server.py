@@ -112,6 +112,15 @@ def test_completions_structured_outputs_and_guided_names(server: ServerProcess) 
         for ch in r.json()["choices"]:
             assert ch["finish_reason"] == "stop", (extra, ch)
             assert ok(ch["text"]), (extra, ch["text"])
+    # any whitespace, as vLLM's default: accepted and honoured (the grammar itself is tested
+    # in test_structured.py); the reply is still the schema's where it ended
+    so_ws = {"json": TIME, "disable_any_whitespace": False}
+    body = {"prompt": "Say:", "max_tokens": 60, "n": 4, "temperature": 1.0, "seed": 3}
+    r = post(server, "/v1/completions", {**body, "structured_outputs": so_ws})
+    assert r.status_code == 200, r.text
+    for ch in r.json()["choices"]:
+        if ch["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(ch["text"]), TIME)
     # chat takes structured_outputs too (vLLM's extra), streaming included
     so = {"choice": ["yes", "no"]}
     body = {"messages": MSG, "stream": True, "max_tokens": 50, "structured_outputs": so}
@@ -188,6 +197,8 @@ def test_unsupported_and_bad_requests_are_400s_naming_the_field(server: ServerPr
          "structured_outputs.structural_tag"),
         ("/v1/chat/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}},
          "structured_outputs"),
+        ("/v1/chat/completions", {"structured_outputs": {"regex": "a",
+                                  "disable_any_whitespace": "no"}}, "structured_outputs"),
         ("/v1/chat/completions", {"guided_json": {"type": "nonsense"}}, "guided_json"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"},
                                   "guided_regex": "a+"}, "guided_regex"),

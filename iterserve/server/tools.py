@@ -28,7 +28,7 @@ _GUIDED = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
-_SO_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
 
 
 def _unsupported(msg: str, param: str) -> APIError:
@@ -221,8 +221,6 @@ def _from_structured_outputs(so: dict[str, Any], param: str) -> StructuredOutput
     kw: dict[str, Any] = {}
     for k, v in so.items():
         if v is None or (k == "disable_fallback"):  # no fallback backend to disable
-            continue
-        if k == "disable_any_whitespace" and v is True:  # always so (see grammar.py)
             continue
         if k not in _SO_KEYS:
             raise _unsupported(

@@ -24,6 +24,10 @@ class StructuredOutputsParams:
     ``json``: a JSON schema (a dict or its JSON text); ``json_object``: any JSON object;
     ``regex``: a regular expression the whole output matches; ``choice``: the output is one
     of these strings; ``grammar``: an EBNF (GBNF) grammar whose start rule is ``root``.
+    ``disable_any_whitespace`` (JSON only; a regex, choice or grammar states its own
+    whitespace): True, the default, writes JSON with fixed separators and no other whitespace
+    (a small model could otherwise emit whitespace until max_tokens); False lets any
+    whitespace in between tokens, as vLLM does by default.
     Raises ValueError naming the field when the value is malformed.
     """
 
@@ -32,8 +36,12 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    # the canonical (kind, text) the compile cache is keyed by; set by __post_init__
-    key: tuple[str, str] = field(init=False, repr=False, compare=False, default=("", ""))
+    disable_any_whitespace: bool = True
+    # the canonical (kind, text, any whitespace) the compile cache is keyed by; set by
+    # __post_init__
+    key: tuple[str, str, bool] = field(
+        init=False, repr=False, compare=False, default=("", "", False)
+    )
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -43,6 +51,11 @@ class StructuredOutputsParams:
                 f"{', '.join(KINDS)}; got {', '.join(given) or 'none'}"
             )
         kind = given[0]
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                "structured_outputs.disable_any_whitespace must be true or false, got "
+                f"{self.disable_any_whitespace!r}"
+            )
         if kind == "json":
             schema = self.json
             if isinstance(schema, str):
@@ -82,7 +95,8 @@ class StructuredOutputsParams:
             if not isinstance(value, str) or not (value.strip() if kind == "grammar" else value):
                 raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
             text = value
-        self.key = (kind, text)
+        json_kind = kind in ("json", "json_object")
+        self.key = (kind, text, json_kind and not self.disable_any_whitespace)
 
     @property
     def kind(self) -> str:

@@ -77,7 +77,7 @@ class GrammarCompiler:
         )
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[
-            tuple[str, str], concurrent.futures.Future[xgr.CompiledGrammar]
+            tuple[str, str, bool], concurrent.futures.Future[xgr.CompiledGrammar]
         ] = collections.OrderedDict()
 
     def submit(

@@ -385,6 +385,10 @@ def test_a_lark_grammar_is_read_as_lark_as_vllm_reads_it(llm: LLM) -> None:
     for g in ('start: "yes" | "no"', '// not a rule ::= x\nstart: answer\nanswer: "yes" | "no"'):
         out = llm.generate("x", SamplingParams(max_tokens=8, structured_outputs=SO(grammar=g)))
         assert out[0].outputs[0].text in ("yes", "no"), g
+    # "::=" inside a Lark string is not an EBNF rule (it was read as EBNF and failed)
+    g = 'start: "a::=b" | "no"'
+    out = llm.generate("x", SamplingParams(max_tokens=8, structured_outputs=SO(grammar=g)))
+    assert out[0].outputs[0].text in ("a::=b", "no")
     with pytest.raises(ValueError, match="(?s)could not be compiled: Lark.*read as Lark"):
         llm.generate("x", SamplingParams(structured_outputs=SO(grammar="start: undefined_rule")))
     with pytest.raises(ValueError, match="grammar must be a non-empty string"):

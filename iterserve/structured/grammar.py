@@ -151,11 +151,15 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+_EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=")
+
+
 def _is_lark(grammar: str) -> bool:
-    """A grammar with no EBNF rule (``name ::= ...``) outside comments is read as Lark's
-    syntax (``name: ...``), as vLLM reads it."""
+    """A grammar with no line that opens an EBNF rule (``name ::= ...``) outside comments is
+    read as Lark's syntax (``name: ...``), as vLLM reads it (vLLM looks for ``::=`` anywhere,
+    so a Lark string holding one was read as EBNF)."""
     lines = (re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
-    return not any("::=" in line for line in lines)
+    return not any(_EBNF_RULE.match(line) for line in lines)
 
 
 class TokenBitmask:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,7 @@ class SamplingParams:
     # leading space; its last token is banned when the output ends with the ones before it)
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: the context)
+    truncation_side: str = "left"  # "left": cut the start, keep the last k; "right": the first k
     best_of: int | None = None  # candidates generated; the n best by cumulative logprob return
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -109,10 +111,14 @@ class SamplingParams:
             raise bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", "in (0, 2]")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise bad("seed", "an integer in [0, 2**63)")
+        if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
+            raise bad("repetition_penalty", "a finite number > 0 (1: none)")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63
+        ):
+            raise bad("seed", "a 64-bit integer (-1: none, as in vLLM)")
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
@@ -166,6 +172,8 @@ class SamplingParams:
         t = self.truncate_prompt_tokens
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or (t < 1 and t != -1)):
             raise bad("truncate_prompt_tokens", "an integer >= 1, or -1 for the context length")
+        if self.truncation_side not in ("left", "right"):
+            raise bad("truncation_side", '"left" (keep the last tokens) or "right" (the first)')
         if self.best_of is not None:
             if not isinstance(self.best_of, int) or not self.n <= self.best_of <= 128:
                 raise ValueError(
@@ -196,7 +204,9 @@ class SamplingParams:
         """``ids`` as ``truncate_prompt_tokens`` cuts them: the one place a prompt is cut (by
         the server where it tokenizes, by the engine for its other callers)."""
         keep = self.kept_prompt_tokens(max_model_len)
-        return ids if keep is None else ids[-keep:]
+        if keep is None:
+            return ids
+        return ids[:keep] if self.truncation_side == "right" else ids[-keep:]
 
     @property
     def num_candidates(self) -> int:

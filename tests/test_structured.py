@@ -335,22 +335,29 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
         SO(json=json.loads('{"items":' * 80 + "{}" + "}" * 80))
 
 
-def test_disable_any_whitespace_false_lets_whitespace_between_json_tokens(llm: LLM) -> None:
+def test_disable_any_whitespace_picks_the_json_whitespace(llm: LLM) -> None:
     gc = llm.engine.grammar_compiler
     schema = {"type": "object", "properties": {"d": {"type": "integer"}}, "required": ["d"]}
     spaced = ('{"d": 1}', '{"d":1}', '{\n  "d" : 1\n}')
-    for spec in (SO(json=schema), SO(json=schema, disable_any_whitespace=True)):
-        compiled = gc.compile(spec)
-        assert [gc.matcher(compiled).accept_string(s) for s in spaced] == [True, False, False]
-    for spec in (SO(json=schema, disable_any_whitespace=False),
-                 SO(json_object=True, disable_any_whitespace=False)):  # fmt: skip
-        compiled = gc.compile(spec)
-        assert all(gc.matcher(compiled).accept_string(s) for s in spaced), spec
-        assert not gc.matcher(compiled).accept_string('{"d": x}')
+    # absent: json.dumps' separators; true: none at all (vLLM's flag); false: any (vLLM's
+    # default); json_object alike, each its own grammar
+    for flag, accepted in ((None, [True, False, False]), (True, [False, True, False]),
+                           (False, [True, True, True])):  # fmt: skip
+        for spec in (SO(json=schema, disable_any_whitespace=flag),
+                     SO(json_object=True, disable_any_whitespace=flag)):  # fmt: skip
+            compiled = gc.compile(spec)
+            assert [gc.matcher(compiled).accept_string(s) for s in spaced] == accepted, spec
+            assert not gc.matcher(compiled).accept_string('{"d": x}')
     # a regex states its own whitespace: the flag does not make another grammar
     assert SO(regex="a b", disable_any_whitespace=False).key == SO(regex="a b").key
-    with pytest.raises(ValueError, match="disable_any_whitespace must be true or false"):
+    with pytest.raises(ValueError, match="disable_any_whitespace must be true, false or absent"):
         SO(json=schema, disable_any_whitespace="no")  # type: ignore[arg-type]
+    # a second kind counts whatever its value, as in vLLM (it was dropped when false)
+    for extra in ({"regex": ""}, {"json_object": False}, {"choice": []}):
+        with pytest.raises(ValueError, match="exactly one of"):
+            SO(json=schema, **extra)
+    with pytest.raises(ValueError, match="json_object must be true or absent"):
+        SO(json_object=False)
 
 
 def test_pattern_lookarounds_are_rewritten_or_refused(llm: LLM) -> None:
@@ -366,6 +373,11 @@ def test_pattern_lookarounds_are_rewritten_or_refused(llm: LLM) -> None:
         assert gc.matcher(compiled).accept_string(f'{{"d": "{d}"}}'), d
     for d in ("", "-", ".", "+.", "1e5", "1.2.3"):  # the lookahead's (and the rest's) refusals
         assert not gc.matcher(compiled).accept_string(f'{{"d": "{d}"}}'), d
+    # pydantic's dict[Decimal, int] names its keys by the same pattern
+    keyed = {"type": "object", "patternProperties": {decimal: {"type": "integer"}}}
+    compiled = gc.compile(SO(json=keyed))
+    assert gc.matcher(compiled).accept_string('{"1.5": 1}')
+    assert not gc.matcher(compiled).accept_string('{"-": 1}')
     condecimal = r"^(?!^[-+.]*$)[+-]?0*(?:\d{0,3}|(?=[\d.]{1,6}0*$)\d{0,3}\.\d{0,2}0*$)"
     refused = {
         "/properties/d": {"properties": {"d": {"type": "string", "pattern": condecimal}}},

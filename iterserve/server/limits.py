@@ -246,8 +246,9 @@ class ServerLimits:
 
         if req.n > self.max_n:
             self._refuse("n", f"n is {req.n}", "max-n", self.max_n)
-        # best_of candidates cost as n sequences do
-        best_of = getattr(req, "best_of", None) or req.n
+        # best_of candidates cost as n sequences do (completions only: chat has no best_of in
+        # vLLM, so a chat body's is an ignored extra, of any type)
+        best_of = (req.best_of if isinstance(req, CompletionRequest) else None) or req.n
         if best_of > self.max_n:
             self._refuse("best_of", f"best_of is {best_of}", "max-n", self.max_n)
         self._check_sizes(num_prompts, [req.stop] if isinstance(req.stop, str) else req.stop or [])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -89,6 +89,7 @@ class SamplingExtras(OpenAIModel):
     allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: null is "left"
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
@@ -125,6 +126,7 @@ class SamplingExtras(OpenAIModel):
             allowed_token_ids=v["allowed_token_ids"],
             bad_words=v["bad_words"],
             truncate_prompt_tokens=v["truncate_prompt_tokens"],
+            truncation_side=v["truncation_side"] or "left",
             prompt_logprobs=v["prompt_logprobs"],
         )
 
@@ -174,6 +176,7 @@ class CompletionRequest(SamplingExtras):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # the tokenizer's BOS etc. before a text prompt (vLLM's)
 
     @staticmethod
     def _scores_prompt(echo: bool, max_tokens: int | None) -> bool:
@@ -252,6 +255,8 @@ class ChatCompletionRequest(SamplingExtras):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the tokenizer's special tokens on top of the template's (which has its own BOS)
+    add_special_tokens: bool = False
     # vLLM: with --reasoning-parser, false leaves the reasoning out of the reply
     include_reasoning: bool = True
     # set by the server once the prompt is rendered: the prompt itself closed the reasoning

@@ -68,17 +68,23 @@ _BOUNDARY_TOKENS = 8  # the cut can change how the last few tokens of the head m
 
 
 # vLLM request extras that would change the output and that this server does not implement:
-# refused unless they carry vLLM's default (other unknown fields are ignored, as vLLM does).
-UNHONOURED_VLLM_EXTRAS: dict[str, object] = {
-    "use_beam_search": False,
-    "length_penalty": 1.0,
-    "logits_processors": None,
-    "vllm_xargs": None,
-    "spaces_between_special_tokens": True,
-    "prompt_embeds": None,
-    "cache_salt": None,
-    "documents": None,
-    "mm_processor_kwargs": None,
+# refused unless they carry a value that asks for nothing (vLLM's default, first; other
+# unknown fields are ignored, as vLLM does).
+UNHONOURED_VLLM_EXTRAS: dict[str, tuple[object, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "logits_processors": (None,),
+    "vllm_xargs": (None,),
+    "spaces_between_special_tokens": (True,),
+    "prompt_embeds": (None,),
+    "cache_salt": (None,),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
+    "repetition_detection": (None,),
+    "logprob_token_ids": (None, []),
+    "thinking_token_budget": (None,),
+    "watermarking": (None, False),
+    "stream_interval": (None, 1),  # 1: every token streamed as it comes, as here
 }
 
 
@@ -100,7 +106,10 @@ UNHONOURED_OPENAI_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
 
 # Every refused extra field: the values that ask for nothing, and what the 400 says instead.
 _REFUSED_EXTRAS: dict[str, tuple[tuple[object, ...], str]] = {
-    **{k: ((v,), f"only its default, {v!r}") for k, v in UNHONOURED_VLLM_EXTRAS.items()},
+    **{
+        k: (v, f"leave it out, or send {' or '.join(json.dumps(x) for x in v)}")
+        for k, v in UNHONOURED_VLLM_EXTRAS.items()
+    },
     **UNHONOURED_OPENAI_FIELDS,
 }
 
@@ -549,7 +558,7 @@ class Serving:
         )
         params = self.sampling_params(req)
         constraint = await self.constrain(req, params)
-        ids = await self.completion_prompt_ids(prompts, params)
+        ids = await self.completion_prompt_ids(prompts, params, req.add_special_tokens)
         streams = await self.add_streams(
             "cmpl",
             list(ids),
@@ -582,7 +591,7 @@ class Serving:
                 param="echo",
                 code="unsupported_parameter",
             )
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:  # 0 asks for none (vLLM accepts it too)
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         if not req.include_reasoning and self.reasoning_parser is None:
             raise bad_request(
@@ -596,7 +605,7 @@ class Serving:
         )
         params = self.sampling_params(req)
         constraint = await self.constrain(req, params, plan)
-        ids = await self.render_chat(req, params=params)
+        ids = await self.render_chat(req, req.add_special_tokens, params)
         if self.reasoning_parser is not None and self.thinking_closed(req, ids):
             req.close_thinking()
         self.think_first(req, params)
@@ -686,12 +695,16 @@ class Serving:
         return ids
 
     async def completion_prompt_ids(
-        self, prompts: list[str | list[int]], params: SamplingParams
+        self, prompts: list[str | list[int]], params: SamplingParams, add_special_tokens: bool
     ) -> list[list[int]]:
         out = []
         for p in prompts:
             if isinstance(p, str):
-                out.append(await self.encode_prompt(p, param="prompt", params=params))
+                out.append(
+                    await self.encode_prompt(
+                        p, param="prompt", params=params, add_special_tokens=add_special_tokens
+                    )
+                )
                 continue
             p = params.truncate_prompt(p, self.engine.max_model_len)
             if len(p) >= self.engine.max_model_len:

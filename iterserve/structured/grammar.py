@@ -43,15 +43,18 @@ _LENIENT_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
-def _json_schema_ebnf(schema: object, any_whitespace: bool) -> str:
-    """The EBNF of a JSON schema: fixed separators and no free whitespace unless
-    ``any_whitespace`` (a small model could otherwise emit whitespace until max_tokens),
-    strict (no extra properties unless the schema allows them), and strings that exclude raw
-    control characters."""
+def _json_schema_ebnf(schema: object, whitespace: str) -> str:
+    """The EBNF of a JSON schema: its whitespace by ``whitespace`` (``params.WHITESPACE``:
+    json.dumps' separators, none, or any; free whitespace only when asked for, since a small
+    model could emit it until max_tokens), strict (no extra properties unless the schema
+    allows them), and strings that exclude raw control characters."""
     import xgrammar as xgr
 
     grammar = xgr.Grammar.from_json_schema(
-        json.dumps(schema), any_whitespace=any_whitespace, strict_mode=True
+        json.dumps(schema),
+        any_whitespace=whitespace == "any",
+        separators=(",", ":") if whitespace == "none" else None,
+        strict_mode=True,
     )
     return str(grammar).replace(_LENIENT_STRING_CHAR, _JSON_STRING_CHAR)
 
@@ -77,7 +80,7 @@ class GrammarCompiler:
         )
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[
-            tuple[str, str, bool], concurrent.futures.Future[xgr.CompiledGrammar]
+            tuple[str, str, str], concurrent.futures.Future[xgr.CompiledGrammar]
         ] = collections.OrderedDict()
 
     def submit(
@@ -115,12 +118,12 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         c = self._xgr_compiler()
-        kind, _, any_whitespace = spec.key
+        kind, _, whitespace = spec.key
         lark = kind == "grammar" and spec.grammar is not None and _is_lark(spec.grammar)
         try:
             if kind in ("json", "json_object"):
                 schema = spec.json if kind == "json" else {"type": "object"}
-                return c.compile_grammar(_json_schema_ebnf(schema, any_whitespace))
+                return c.compile_grammar(_json_schema_ebnf(schema, whitespace))
             if kind == "regex":
                 assert spec.regex is not None
                 return c.compile_regex(spec.regex)

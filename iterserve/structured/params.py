@@ -15,6 +15,8 @@ from typing import Any
 
 JsonSchema = dict[str, object]
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON's whitespace by disable_any_whitespace: json.dumps' separators, none, or any
+WHITESPACE = {None: "separators", True: "none", False: "any"}
 
 
 @dataclass
@@ -25,35 +27,34 @@ class StructuredOutputsParams:
     ``regex``: a regular expression the whole output matches; ``choice``: the output is one
     of these strings; ``grammar``: an EBNF (GBNF) grammar whose start rule is ``root``.
     ``disable_any_whitespace`` (JSON only; a regex, choice or grammar states its own
-    whitespace): True, the default, writes JSON with fixed separators and no other whitespace
-    (a small model could otherwise emit whitespace until max_tokens); False lets any
-    whitespace in between tokens, as vLLM does by default.
+    whitespace): None, the default, writes JSON with json.dumps' separators (", ", ": ") and
+    no other whitespace (a small model could otherwise emit whitespace until max_tokens); True
+    with no whitespace at all (",", ":"), as vLLM's flag does; False lets any whitespace
+    between tokens, as vLLM does without its flag.
     Raises ValueError naming the field when the value is malformed.
     """
 
     json: JsonSchema | str | None = None
-    json_object: bool = False
+    json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    disable_any_whitespace: bool = True
-    # the canonical (kind, text, any whitespace) the compile cache is keyed by; set by
-    # __post_init__
-    key: tuple[str, str, bool] = field(
-        init=False, repr=False, compare=False, default=("", "", False)
-    )
+    disable_any_whitespace: bool | None = None
+    # the canonical (kind, text, whitespace) the compile cache is keyed by; set by
+    # __post_init__ (whitespace: one of WHITESPACE)
+    key: tuple[str, str, str] = field(init=False, repr=False, compare=False, default=("", "", ""))
 
     def __post_init__(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs must set exactly one of "
                 f"{', '.join(KINDS)}; got {', '.join(given) or 'none'}"
             )
         kind = given[0]
-        if not isinstance(self.disable_any_whitespace, bool):
+        if not isinstance(self.disable_any_whitespace, bool | None):
             raise ValueError(
-                "structured_outputs.disable_any_whitespace must be true or false, got "
+                "structured_outputs.disable_any_whitespace must be true, false or absent, got "
                 f"{self.disable_any_whitespace!r}"
             )
         if kind == "json":
@@ -95,8 +96,8 @@ class StructuredOutputsParams:
             if not isinstance(value, str) or not (value.strip() if kind == "grammar" else value):
                 raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
             text = value
-        json_kind = kind in ("json", "json_object")
-        self.key = (kind, text, json_kind and not self.disable_any_whitespace)
+        ws = WHITESPACE[self.disable_any_whitespace] if kind in ("json", "json_object") else ""
+        self.key = (kind, text, ws)
 
     @property
     def kind(self) -> str:
@@ -174,15 +175,18 @@ def _lookaround(pattern: str) -> str | None:
     return None
 
 
+def _patterns(node: dict[str, Any]) -> list[str]:
+    """The node's regular expressions: its pattern and its patternProperties' names."""
+    names = node.get("patternProperties")
+    out = [*names] if isinstance(names, dict) else []
+    return out + [p] if isinstance(p := node.get("pattern"), str) else out
+
+
 def _pattern_dropped(node: dict[str, Any]) -> str | None:
     """A lookaround in the node's pattern or a patternProperties name, which xgrammar ignores
     (or cannot compile), unless the pattern is one it is rewritten from."""
-    pattern = node.get("pattern")
-    names = node.get("patternProperties")
-    found = [p for p in (pattern,) if isinstance(p, str) and p not in _PATTERN_REWRITES]
-    found += list(names) if isinstance(names, dict) else []
-    for p in found:
-        look = _lookaround(p)
+    for p in _patterns(node):
+        look = None if p in _PATTERN_REWRITES else _lookaround(p)
         if look is not None:
             return (
                 f"the lookaround {look}...) in pattern {p!r} (write it without one; pydantic's "
@@ -192,11 +196,9 @@ def _pattern_dropped(node: dict[str, Any]) -> str | None:
 
 
 def _rewritten(schema: dict[str, Any]) -> dict[str, Any]:
-    """``schema``, or a copy with each pattern in ``_PATTERN_REWRITES`` rewritten."""
-    if not any(
-        isinstance(p := n.get("pattern"), str) and p in _PATTERN_REWRITES
-        for n, _, _ in schema_nodes(schema)
-    ):
+    """``schema``, or a copy with each pattern in ``_PATTERN_REWRITES`` rewritten (a
+    ``pattern`` or a ``patternProperties`` name, as pydantic writes ``dict[Decimal, ...]``)."""
+    if not any(p in _PATTERN_REWRITES for n, _, _ in schema_nodes(schema) for p in _patterns(n)):
         return schema
     try:
         out = copy.deepcopy(schema)
@@ -208,6 +210,9 @@ def _rewritten(schema: dict[str, Any]) -> dict[str, Any]:
         pattern = node.get("pattern")
         if isinstance(pattern, str) and pattern in _PATTERN_REWRITES:
             node["pattern"] = _PATTERN_REWRITES[pattern]
+        names = node.get("patternProperties")
+        if isinstance(names, dict):
+            node["patternProperties"] = {_PATTERN_REWRITES.get(k, k): v for k, v in names.items()}
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,14 @@ def _token_bias(bias: Mapping[Any, Any]) -> dict[int, float]:
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+_FLAGS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty")  # fmt: skip
+_INTEGERS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
+             "truncate_prompt_tokens", "best_of")  # fmt: skip
+# A request's own sampling constraints left no token to pick (its error message starts so):
+# the client's to fix, a 400.
+NO_TOKEN_ALLOWED = "sampling:"
 
 
 @dataclass
@@ -87,6 +96,20 @@ class SamplingParams:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
+        # types first: a string compared with a number is a TypeError, and a truthy string
+        # where a flag goes is silently true (ignore_eos="no" ignored the EOS)
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
+        for name in _NUMBERS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise bad(name, "a number")
+        for name in _INTEGERS:
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise bad(name, "an integer")
+
         if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
             raise bad("n", "an integer in [1, 128]")
         if self.max_tokens is not None and (
@@ -123,8 +146,6 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
             raise bad("logprobs", "an integer in [0, 20]")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise bad("include_stop_str_in_output", "true or false")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
@@ -146,7 +167,7 @@ class SamplingParams:
                 raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         assert isinstance(self.stop_token_ids, list)
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(
                     f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
                 )

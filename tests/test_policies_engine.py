@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from test_engine import GREEDY, MAX_TOKENS, _hf_greedy, _prompts
 
-from iterserve import LLM
+from iterserve import LLM, SamplingParams
 from iterserve.model.builtin import make_test_checkpoint
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -119,3 +119,27 @@ def test_greedy_matches_transformers_with_calls_sharing_slots(case: dict[str, An
     last_small = max(ended_at[f"r{i}"] for i in small)
     big = [ended_at[f"r{i}"] for i in range(len(prompts)) if i not in small]
     assert sum(t > last_small for t in big) >= len(big) // 2  # not queued behind the call
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair", "continuous"])
+def test_a_bad_priority_or_tenant_is_refused_before_the_request_is_added(policy: str) -> None:
+    # a str priority or a list tenant raised inside the policy with the request half-added:
+    # it could then neither finish nor be aborted, and the engine never drained
+    llm = LLM("tiny-random", dtype="float32", policy=policy)
+    sp = SamplingParams(max_tokens=3, temperature=0.0)
+    bad: list[dict[str, Any]] = [
+        {"priorities": [1, "high"]},
+        {"priorities": [1, None]},
+        {"priorities": [1, True]},
+        {"tenants": ["a", ["x"]]},
+        {"tenants": ["a", None]},
+    ]
+    for kw in bad:
+        with pytest.raises(ValueError, match="priority must be an integer|tenant must be a str"):
+            llm.generate(["a b", "c d"], sp, **kw)
+        assert not llm.engine.has_unfinished_requests(), kw
+        llm.engine.check_integrity()
+    for name in ("slo_ttft_s", "slo_tpot_s"):
+        with pytest.raises(ValueError, match=name):
+            llm.engine.add_request("x", "a b", sp, **{name: "1"})
+    assert len(llm.generate(["a b", "c d"], sp, priorities=[1, 2], tenants=["a", "b"])) == 2

@@ -308,6 +308,10 @@ def allowed_token_ids(c: Ctx, ep: str) -> None:
     assert set(toks) <= set(allowed) and len(toks) == MAX
     c.refused(ep, "allowed_token_ids", allowed_token_ids=[c.engine.vocab_size])
     c.refused(ep, "allowed_token_ids", allowed_token_ids=[])
+    # allowed only what min_tokens forbids (the EOS): nothing to sample, a 400 (was token 0)
+    r = c.raw(ep, allowed_token_ids=[EOS], min_tokens=3, ignore_eos=False)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_token_allowed", r.text
+    assert r.json()["error"]["param"] == "allowed_token_ids"
 
 
 def bad_words(c: Ctx, ep: str) -> None:

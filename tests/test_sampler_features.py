@@ -11,6 +11,7 @@ from iterserve import LLM, SamplingParams
 from iterserve.core.request import Request
 from iterserve.model import kernels
 from iterserve.model.sampler import SampleRow, TokenLists, sample
+from iterserve.sampling_params import NO_TOKEN_ALLOWED
 
 V = 32
 
@@ -232,11 +233,63 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"best_of": 1, "n": 2}, "best_of"),
         ({"best_of": 129}, "best_of"),
+        # types, not coerced (a str flag was true, a str number a TypeError)
+        ({"ignore_eos": "no"}, "ignore_eos"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"temperature": "0"}, "temperature"),
+        ({"top_p": True}, "top_p"),
+        ({"n": True}, "n"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"seed": 1.5}, "seed"),
     ],
 )
 def test_bad_values_name_their_field(kw: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+def test_constraints_that_leave_no_token_end_the_request_with_an_error(llm: LLM) -> None:
+    # every token masked: an error naming the cause, never the argmax's token 0 (it was
+    # emitted as if allowed), greedy or sampled, and the neighbours run on untouched
+    eos = min(llm.engine.eos_token_ids)
+    other = next(t for t in range(3, 100) if t != eos)
+    word = llm.tokenizer.decode([other])
+    conflicts = [
+        dict(allowed_token_ids=[eos], min_tokens=3),
+        dict(allowed_token_ids=[other], stop_token_ids=[other], min_tokens=2),
+        dict(allowed_token_ids=[other], bad_words=[word]),
+    ]
+    assert [other] in llm.engine._bad_words_token_ids([word])
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = llm.generate("a b c", plain)[0].outputs[0].token_ids
+    for kw in conflicts:
+        for temperature in (0.0, 1.0):
+            p = SamplingParams(max_tokens=6, temperature=temperature, seed=1, **kw)  # type: ignore[arg-type]
+            bad, ok = llm.generate(["x y", "a b c"], [p, plain])
+            assert bad.error is not None and bad.error.startswith(NO_TOKEN_ALLOWED), (kw, bad)
+            assert 0 not in bad.outputs[0].token_ids, (kw, bad.outputs[0].token_ids)
+            assert bad.outputs[0].finish_reason == "error"
+            assert ok.error is None and ok.outputs[0].token_ids == alone
+    llm.engine.check_integrity()
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_stop_token_keeps_its_text_with_include_stop_str_in_output(llm: LLM) -> None:
+    base = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    toks = llm.generate("a b c", base)[0].outputs[0].token_ids
+    # the first token that is new to the output and has text of its own
+    j = next(
+        i for i in range(1, len(toks))
+        if toks[i] not in toks[:i] and llm.tokenizer.decode([toks[i]]).strip()
+    )  # fmt: skip
+    stop, text = toks[j], llm.tokenizer.decode([toks[j]])
+    cut, kept = (
+        llm.generate("a b c", SamplingParams(**{**base.__dict__, "stop_token_ids": [stop],
+                                                "include_stop_str_in_output": inc}))[0].outputs[0]
+        for inc in (False, True)
+    )  # fmt: skip
+    assert cut.token_ids == kept.token_ids == toks[: j + 1]
+    assert kept.text == cut.text + text  # vLLM decodes it then, as its detokenizer does
 
 
 def test_plain_greedy_is_exactly_where_sample_takes_the_argmax() -> None:

@@ -35,7 +35,7 @@ from iterserve.model.sampler import (
     sample,
 )
 from iterserve.outputs import RequestMetrics, RequestOutput, StepStats
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import NO_TOKEN_ALLOWED, SamplingParams
 from iterserve.structured.grammar import GrammarCompiler, TokenBitmask
 from iterserve.structured.params import GRAMMAR_FAILED, GRAMMAR_FILL_LIMIT_S
 
@@ -254,9 +254,18 @@ class LLMEngine:
         this request's output once, when it finishes (vLLM's ``RequestOutputKind.FINAL_ONLY``),
         so no step copies its growing token ids and logprobs."""
         params = params or self.default_sampling_params()
+        # checked before anything is registered: a policy comparing or hashing a bad one later
+        # raised with the request half-added, never to finish
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        for name, label in (("tenant", tenant), ("call", call)):
+            if not isinstance(label, str):
+                raise ValueError(f"{name} must be a string, got {label!r}")
         for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
-            if v is not None and not (0 < v < float("inf")):
-                raise ValueError(f"{name} must be a positive number of seconds, got {v}")
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")
+            ):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
         # best_of > n: best_of candidates (the output processor returns the n best)
         num_seqs = params.num_candidates
         sids = [request_id] if num_seqs == 1 else [f"{request_id}#{i}" for i in range(num_seqs)]
@@ -519,7 +528,10 @@ class LLMEngine:
             except Exception as exc:  # the model step failed: fail every in-flight request
                 return self._fail_all(exc, touched)
             t3 = time.monotonic()
-            sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+            for r, t in zip(sample_reqs, tokens):
+                if t < 0:  # every token masked (sampler.NO_TOKEN): ended, nothing appended
+                    self._end_without_token(r, touched, t3)
+            sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens) if t >= 0}
             lp_by_id = {r.request_id: lp for r, lp in zip(sample_reqs, lps) if lp is not None}
             finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
             self._advance_matchers(sampled, finished)
@@ -671,6 +683,21 @@ class LLMEngine:
         if finished:
             self._end_seq(req, touched, now)
         touched[parent.request_id] = parent
+
+    def _end_without_token(self, req: Request, touched: dict[str, _Parent], now: float) -> None:
+        """Ends a sequence whose constraints left no token to sample: a client error (a
+        grammar's, under its prefix, where it has one), never a forbidden token."""
+        seq = self._seqs[req.request_id]
+        msg = (
+            "no token is allowed: allowed_token_ids, bad_words, and min_tokens (which forbids "
+            "the stop tokens and EOS) exclude every one"
+        )
+        if seq.matcher is not None and seq.grammar_on:
+            msg = f"{GRAMMAR_FAILED} {msg}, with the grammar's mask"
+        else:
+            msg = f"{NO_TOKEN_ALLOWED} {msg}"
+        self.scheduler.finish_request(req.request_id, FinishReason.ERROR, error=msg)
+        self._end_seq(req, touched, now)
 
     def _end_seq(self, req: Request, touched: dict[str, _Parent], now: float) -> None:
         seq = self._seqs.pop(req.request_id)

@@ -217,8 +217,8 @@ class OutputProcessor:
                     s.logprobs.append(entry)
                     s.new_logprobs.append(entry)
             ended = cs.finish_reason if j == last else None
-            if ended == "stop":  # EOS or a stop token: it adds no text
-                break
+            if ended == "stop" and not s.detok.include_stop:
+                break  # EOS or a stop token adds no text, unless asked for (as in vLLM)
             try:
                 hit = s.detok.add_token(tok)
             except Exception as exc:  # one request's processing failed: fail it alone

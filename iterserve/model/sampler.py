@@ -313,6 +313,34 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     return logits
 
 
+# sample's token for a row whose masks left no token at all (-inf everywhere): the engine ends
+# the request with an error instead of emitting a forbidden token (argmax would say 0)
+NO_TOKEN = -1
+
+
+def _no_token_left(
+    logits: torch.Tensor, rows: Sequence[SampleRow], grammar_mask: GrammarMask | None
+) -> torch.Tensor | None:
+    """[rows] bool, True where every logit is -inf after the masks (None: no row is masked,
+    the usual case, at no cost). Only masks make a row -inf throughout; penalties, logit_bias
+    and the top-k / top-p / min-p filters always leave a token."""
+    idx = {
+        i
+        for i, r in enumerate(rows)
+        if r.params.allowed_token_ids
+        or r.has_bad_words
+        or (r.params.min_tokens and r.num_output_tokens < r.params.min_tokens)
+    }
+    if grammar_mask is not None:
+        idx.update(grammar_mask[1])
+    if not idx:
+        return None
+    sel = torch.tensor(sorted(idx), device=logits.device)
+    dead = torch.zeros(len(rows), dtype=torch.bool, device=logits.device)
+    dead[sel] = torch.isneginf(logits[sel].amax(-1))
+    return dead
+
+
 def greedy_argmax(logits: torch.Tensor, kern: kernels.Kernels | None) -> torch.Tensor:
     """``logits.argmax(-1)``, the greedy pick (the first index of the maximum); on CPU f32
     through iterserve's kernel, the same result, faster."""
@@ -503,6 +531,7 @@ def sample(
         _mask_stop_tokens(logits, rows)
     if grammar_mask is not None:
         _apply_grammar_mask(logits, grammar_mask)
+    dead = _no_token_left(logits, rows, grammar_mask)
 
     rand = [i for i, p in enumerate(params) if not p.greedy]
     dev = logits.device
@@ -515,8 +544,9 @@ def sample(
             gens = [rows[i].generator for i in rand]
             tokens[ridx] = _race(logits[ridx], [params[i] for i in rand], gens, kern)
     lps: list[TokenLogprobs | None] = [None] * len(rows)
+    picked = tokens if dead is None else tokens.masked_fill(dead, NO_TOKEN)
     if raw_logprobs is None:
-        token_list: list[int] = tokens.tolist()  # the step's one device-to-host sync
+        token_list: list[int] = picked.tolist()  # the step's one device-to-host sync
         return token_list, lps
     # Logprobs of every row that asked, computed together on the device and fetched with the
     # tokens in ONE transfer (float64 holds token ids and ranks exactly).
@@ -527,7 +557,7 @@ def sample(
     k = max(params[i].logprobs or 0 for i in want)
     vals, ids = rl.topk(k) if k else (rl[:, :0], rl[:, :0])
     packed = torch.cat(
-        [t.double().flatten() for t in (tokens, chosen, ranks, vals, ids)]
+        [t.double().flatten() for t in (picked, chosen, ranks, vals, ids)]
     ).tolist()  # the step's one device-to-host sync
     n_rows, n_want = len(rows), len(want)
     token_list = [int(t) for t in packed[:n_rows]]
@@ -536,6 +566,8 @@ def sample(
     top_vals = packed[n_rows + 2 * n_want : n_rows + 2 * n_want + n_want * k]
     top_ids = packed[n_rows + 2 * n_want + n_want * k :]
     for j, i in enumerate(want):
+        if token_list[i] == NO_TOKEN:
+            continue
         n = params[i].logprobs or 0
         top = [(int(top_ids[j * k + r]), top_vals[j * k + r]) for r in range(n)]
         lps[i] = (token_list[i], lp_vals[j], int(rank_vals[j]), top)

@@ -26,7 +26,7 @@ from iterserve.engine.async_engine import (
     _private_copy,
 )
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput, with_prompt_logprobs
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import NO_TOKEN_ALLOWED, SamplingParams
 from iterserve.server.errors import APIError, bad_request, dumps, error_body
 from iterserve.server.limits import ServerLimits
 from iterserve.server.metrics import ServerMetrics
@@ -510,7 +510,7 @@ class Serving:
 
     def request_failed(self, e: RequestFailedError, constraint: str | None = None) -> APIError:
         """A request that ended with an error: 503 (counted) when the ``slo`` policy refused
-        it, 400 when its own grammar failed it, else 500."""
+        it, 400 when its own grammar or sampling constraints failed it, else 500."""
         refused = slo_rejection(e.message, self.retry_after_s)
         if refused is not None:
             self.metrics.rejected("ttft_unreachable")
@@ -518,6 +518,8 @@ class Serving:
         if e.message.startswith(GRAMMAR_FAILED):  # its own grammar: the client's to change
             param = constraint or "structured_outputs"
             return bad_request(e.message, param=param, code="grammar_failed")
+        if e.message.startswith(NO_TOKEN_ALLOWED):  # its own constraints: likewise
+            return bad_request(e.message, param="allowed_token_ids", code="no_token_allowed")
         return APIError(500, f"request failed: {e.message}", code="request_failed")
 
     def token_str(self, tid: int, lp: Logprob | None, as_ids: bool) -> str:

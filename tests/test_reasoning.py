@@ -235,8 +235,11 @@ def test_responses_give_a_reasoning_item_before_the_message_whole_and_streamed()
         # the next turn: the stored answer, its reasoning kept apart
         nxt = c.post("/v1/responses", json={**body, "previous_response_id": resp["id"]})
         assert nxt.status_code == 200, nxt.text
-        r = c.post("/v1/responses", json={**body, "top_logprobs": 2})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+        logprobs = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+        r = c.post("/v1/responses", json={**body, **logprobs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "include", r.text
+        # top_logprobs alone asks for none (OpenAI's, vLLM's)
+        assert c.post("/v1/responses", json={**body, "top_logprobs": 2}).status_code == 200
 
 
 def test_responses_without_reasoning_keep_their_events() -> None:
@@ -369,6 +372,9 @@ def test_responses_honour_include_reasoning_enable_thinking_and_effort() -> None
         out = c.post("/v1/responses", json={**body, "reasoning": {"effort": "low"}}).json()
         assert [i["type"] for i in out["output"]] == ["reasoning", "message"]
         assert seen[-1]["reasoning_effort"] == "low" and seen[-1]["enable_thinking"] is True
+        assert out["reasoning"] == {"effort": "low"}  # echoed, as vLLM's
+        r = c.post("/v1/responses", json={**body, "reasoning": {"effort": "bogus"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort", r.text
         r = c.post("/v1/responses", json={**body, "reasoning": {"summary": "auto"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning"
     _, server = _server(parser=None)

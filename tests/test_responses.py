@@ -312,13 +312,18 @@ def test_store_retrieve_previous_response_id_delete(
         model=MODEL, input=by_hand, instructions="be kind", max_output_tokens=5, store=False
     )
     assert again.output_text == second.output_text
-    # Deleted: gone, for GET and for previous_response_id.
+    # Deleted: gone, for GET and for previous_response_id; the later turn holds its whole
+    # conversation, so it still continues (vLLM's store; it was a 404 naming the later one)
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
+    fourth = client.responses.create(
+        model=MODEL, input="again", previous_response_id=second.id, max_output_tokens=3
+    )
+    assert fourth.output_text == third.output_text
     r = httpx.post(
         server.url + "/v1/responses",
-        json={"model": MODEL, "input": "x", "previous_response_id": second.id},
+        json={"model": MODEL, "input": "x", "previous_response_id": first.id},
     )
     assert r.status_code == 404, r.text
     err = r.json()["error"]
@@ -327,6 +332,67 @@ def test_store_retrieve_previous_response_id_delete(
     unstored = client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError, match="store false"):
         client.responses.retrieve(unstored.id)
+
+
+def test_a_conversation_outlives_the_store_size(
+    live: tuple[ThreadServer, FakeEngine], client: openai.OpenAI
+) -> None:
+    # 6 turns through a store of 4: each continues from the last response alone
+    prev = None
+    conversation: list[dict[str, str]] = []
+    for i in range(6):
+        r = client.responses.create(
+            model=MODEL, input=f"turn {i}", previous_response_id=prev, max_output_tokens=2
+        )
+        conversation += [{"role": "user", "content": f"turn {i}"}]
+        chat = _chat(live[0], conversation, max_tokens=2)
+        assert r.usage is not None and r.usage.input_tokens == chat["usage"]["prompt_tokens"], i
+        conversation += [{"role": "assistant", "content": r.output_text}]
+        prev = r.id
+
+
+def test_request_id_effort_instructions_and_a_cut_off_answer_continued(
+    live: tuple[ThreadServer, FakeEngine], client: openai.OpenAI
+) -> None:
+    server, _ = live
+    url = server.url + "/v1/responses"
+    # vLLM's request_id names the response; a stored one's is refused
+    r = httpx.post(url, json={"model": MODEL, "input": "x", "request_id": "resp_mine"})
+    assert r.status_code == 200 and r.json()["id"] == "resp_mine", r.text
+    assert client.responses.retrieve("resp_mine").id == "resp_mine"
+    r = httpx.post(url, json={"model": MODEL, "input": "x", "request_id": "resp_mine"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+    # empty instructions add no system message
+    plain = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    empty = client.responses.create(
+        model=MODEL, input="hi", instructions="", max_output_tokens=2, store=False
+    )
+    assert plain.usage is not None and empty.usage is not None
+    assert empty.usage.input_tokens == plain.usage.input_tokens
+    # top_logprobs without the include returns none (OpenAI's and vLLM's)
+    alone = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, top_logprobs=2)
+    assert alone.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+    # an assistant message sent back "incomplete" is continued: the prompt ends in its text
+    cut: Any = [
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "assistant", "status": "incomplete",
+         "content": [{"type": "output_text", "text": "Hel"}]},
+    ]  # fmt: skip
+    cont = client.responses.create(model=MODEL, input=cut, max_output_tokens=2, store=False)
+    chat = _chat(
+        server,
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+        max_tokens=2,
+        continue_final_message=True,
+        add_generation_prompt=False,
+    )
+    assert cont.usage is not None
+    assert cont.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert cont.output_text == chat["choices"][0]["message"]["content"]
+    cut[-1] = {"type": "reasoning", "status": "incomplete", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "hmm"}]}  # fmt: skip
+    r = httpx.post(url, json={"model": MODEL, "input": cut})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.1.status", r.text
 
 
 def test_the_store_is_bounded_oldest_first(client: openai.OpenAI) -> None:

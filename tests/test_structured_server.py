@@ -267,7 +267,7 @@ def test_tool_call_parsers() -> None:
         'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n'
         '</tool_call>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
     )
-    assert content == "Let me check.\n\n"
+    assert content == "Let me check.\n"  # the text before the first block, as vLLM's
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_time", {"zone": "utc"}), ("get_weather", {"city": "Oslo"}),
     ]  # fmt: skip
@@ -279,6 +279,15 @@ def test_tool_call_parsers() -> None:
     )
     assert content is None and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
     assert parse_llama3_json("The answer is {x}") == ("The answer is {x}", [])
+    # JSON with a name but no arguments / parameters is content, not a call (vLLM's parsers)
+    person = '{"name": "Bob", "age": 3}'
+    assert parse_llama3_json(person) == (person, [])
+    assert parse_hermes(f"<tool_call>{person}</tool_call>") == (
+        f"<tool_call>{person}</tool_call>",
+        [],
+    )
+    _, calls = parse_hermes('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call> after')
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1}]
     # streaming under "auto": content streams until a possible <tool_call> starts
     ts = ToolCallStream(ToolPlan("auto", TOOLS, parser="hermes"))
     pieces = ["Sure", ", one moment <tool", '_call>{"name": "get_time", ', '"arguments": {}}', ""]

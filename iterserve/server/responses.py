@@ -43,6 +43,8 @@ from iterserve.server.serving import UNHONOURED_VLLM_EXTRAS, Serving, _ChatForma
 logger = logging.getLogger(__name__)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# OpenAI's reasoning efforts (vLLM's Reasoning type)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # vLLM's sampling extras pass through to the chat path (honoured or refused there); these
@@ -93,6 +95,8 @@ class ResponsesRequest(OpenAIModel):
     # vLLM's: with --reasoning-parser, false leaves the reasoning item out
     include_reasoning: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the response's id (a stored one's is refused: ids name stored responses)
+    request_id: str | None = None
     # refused unless unset (or the value that means "nothing")
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -177,7 +181,12 @@ def _content_text(content: Any, i: int) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind in _TEXT_PARTS and not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"input[{i}].content[{j}] of type {kind!r} needs a string text",
+                param=f"input.{i}.content.{j}.text",
+            )
+        if kind not in _TEXT_PARTS:
             raise bad_request(
                 f"input[{i}].content[{j}]: only text parts ({', '.join(_TEXT_PARTS)}) are "
                 f"supported, got type {kind!r}",
@@ -237,12 +246,38 @@ def _reasoning_text(item: dict[str, Any], i: int) -> str:
     if item.get("encrypted_content"):
         raise _unsupported(f"input.{i}.encrypted_content", "reasoning is never encrypted here")
     for key in ("content", "summary"):
-        parts = item.get(key) or []
-        if isinstance(parts, list) and parts and isinstance(parts[0], dict):
-            text = parts[0].get("text")
-            if isinstance(text, str):
-                return text
+        parts = item.get(key)
+        if parts is None or parts == []:
+            continue
+        if not (
+            isinstance(parts, list)
+            and isinstance(parts[0], dict)
+            and isinstance(parts[0].get("text"), str)
+        ):
+            raise bad_request(
+                f'input[{i}].{key} must be a list of parts like {{"type": "reasoning_text", '
+                f'"text": "..."}}, got {parts!r:.80}',
+                param=f"input.{i}.{key}",
+            )
+        return str(parts[0]["text"])
     return ""
+
+
+def _continues(input: str | list[dict[str, Any]]) -> bool:
+    """Whether the input ends with an assistant message still "in_progress" or "incomplete"
+    (a cut-off answer sent back): its text is continued (vLLM's
+    ``should_continue_final_message``); a reasoning item so is refused (not continued here)."""
+    if isinstance(input, str) or not input:
+        return False
+    last = input[-1]
+    if last.get("status") not in ("in_progress", "incomplete"):
+        return False
+    if last.get("type", "message") == "message" and last.get("role") == "assistant":
+        return True
+    raise _unsupported(
+        f"input.{len(input) - 1}.status",
+        "only an assistant message is continued; send the item as completed",
+    )
 
 
 def _renamed(e: APIError) -> APIError:
@@ -260,8 +295,9 @@ def _renamed(e: APIError) -> APIError:
 @dataclass
 class _Stored:
     response: dict[str, Any]
-    turn: list[dict[str, str]]  # this response's input messages and its answer
-    previous_id: str | None
+    # the conversation up to and with this response's answer (instructions aside): a chain
+    # continues from its last response alone, whatever became of the earlier ones (vLLM's)
+    messages: list[dict[str, str]]
     size: int
 
 
@@ -278,14 +314,12 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(
-        self, response: dict[str, Any], turn: list[dict[str, str]], previous_id: str | None
-    ) -> None:
-        size = len(dumps(response)) + len(dumps(turn))
+    def put(self, response: dict[str, Any], messages: list[dict[str, str]]) -> None:
+        size = len(dumps(response)) + len(dumps(messages))
         if size > self.max_bytes:
             logger.info("response %s not stored: %d bytes is over the store", response["id"], size)
             return
-        self._items[response["id"]] = _Stored(response, turn, previous_id, size)
+        self._items[response["id"]] = _Stored(response, messages, size)
         self.bytes += size
         while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
             _, old = self._items.popitem(last=False)
@@ -301,17 +335,10 @@ class ResponseStore:
         return old is not None
 
     def conversation(self, response_id: str) -> list[dict[str, str]] | None:
-        """The messages of the chain that ends with ``response_id``, oldest first; None
-        when a response of the chain is not stored (any more)."""
-        turns = []
-        rid: str | None = response_id
-        while rid is not None:
-            item = self._items.get(rid)
-            if item is None:
-                return None
-            turns.append(item.turn)
-            rid = item.previous_id
-        return [m for turn in reversed(turns) for m in turn]
+        """The messages of the conversation that ends with ``response_id``, oldest first;
+        None when that response is not stored (any more)."""
+        item = self._items.get(response_id)
+        return None if item is None else list(item.messages)
 
 
 # ---- the endpoint ------------------------------------------------------------------------------
@@ -343,11 +370,21 @@ class ResponsesAPI:
             if found is None:
                 raise self._gone(req.previous_response_id, "previous_response_id")
             history = found
+        if req.request_id is not None and (not req.request_id or self.store.get(req.request_id)):
+            raise bad_request(
+                f"request_id {req.request_id!r} names a stored response (or is empty); send "
+                "another, or none for a generated one",
+                param="request_id",
+            )
         turn = input_messages(req.input)
-        system = (
-            [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
-        )
-        wants_logprobs = LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
+        # empty instructions add no system message (vLLM's)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        # top_logprobs counts the alternatives that the include returns (OpenAI's, vLLM's)
+        wants_logprobs = LOGPROBS_INCLUDE in (req.include or [])
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise bad_request(
+                f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs"
+            )
         kwargs = dict(req.chat_template_kwargs or {})
         if req.reasoning and any(v is not None for v in req.reasoning.values()):
             if self.serving.reasoning_parser is None:
@@ -361,6 +398,12 @@ class ResponsesAPI:
             # vLLM's: the effort reaches the chat template (templates that read it honour its
             # level), and turns thinking on, "none" off, unless the template kwargs say
             effort = req.reasoning.get("effort")
+            if effort is not None and effort not in REASONING_EFFORTS:
+                raise bad_request(
+                    f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                    f"{effort!r}",
+                    param="reasoning.effort",
+                )
             kwargs.setdefault("reasoning_effort", effort)
             kwargs.setdefault("enable_thinking", effort != "none")
         extras = req.model_extra or {}
@@ -377,13 +420,15 @@ class ResponsesAPI:
             temperature=req.temperature,
             top_p=req.top_p,
             logprobs=wants_logprobs,
-            top_logprobs=req.top_logprobs,
+            top_logprobs=req.top_logprobs if wants_logprobs else None,
             user=req.user,
             stream=req.stream,
             response_format=_response_format(req.text),
             include_reasoning=req.include_reasoning,
             chat_template_kwargs=kwargs or None,
         )
+        if _continues(req.input):  # a cut-off answer sent back: continued, not answered anew
+            body.update(continue_final_message=True, add_generation_prompt=False)
         try:
             chat = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
@@ -393,15 +438,12 @@ class ResponsesAPI:
         def make_format(
             serving: Serving, creq: ChatCompletionRequest, params: SamplingParams
         ) -> ResponsesFormat:
-            return ResponsesFormat(serving, creq, params, req, self.store, turn)
+            return ResponsesFormat(serving, creq, params, req, self.store, history + turn)
 
         try:
             return await self.serving.chat(chat, route, make_format, split_logprobs=False)
         except APIError as e:
-            e = _renamed(e)
-            if e.param == "include" and LOGPROBS_INCLUDE not in (req.include or []):
-                e.param = "top_logprobs"  # what this request sent to ask for logprobs
-            raise e from None
+            raise _renamed(e) from None
 
     def retrieve(self, response_id: str, query: Mapping[str, str]) -> dict[str, Any]:
         if query.get("stream", "false").lower() not in ("false", "0"):
@@ -436,15 +478,15 @@ class ResponsesFormat(_ChatFormat):
         params: SamplingParams,
         rreq: ResponsesRequest,
         store: ResponseStore,
-        turn: list[dict[str, str]],
+        conversation: list[dict[str, str]],
     ) -> None:
         super().__init__(serving, req, params)
-        self.id = f"resp_{uuid.uuid4().hex}"
+        self.id = rreq.request_id or f"resp_{uuid.uuid4().hex}"
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.rs_id = f"rs_{uuid.uuid4().hex}"  # the reasoning item (--reasoning-parser)
         self.rreq = rreq
         self.store = store
-        self.turn = turn
+        self.conversation = conversation  # before this answer, instructions aside
 
     def _logprob_list(self, c: CompletionOutput, new: bool) -> list[dict[str, Any]]:
         ids, lps = (c.new_token_ids, c.new_logprobs) if new else (c.token_ids, c.logprobs)
@@ -492,7 +534,7 @@ class ResponsesFormat(_ChatFormat):
             "output": output,
             "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
             "previous_response_id": r.previous_response_id,
-            "reasoning": None,
+            "reasoning": r.reasoning,
             "service_tier": "default",
             "temperature": self.params.temperature,
             "text": {"format": text_format or {"type": "text"}},
@@ -548,7 +590,7 @@ class ResponsesFormat(_ChatFormat):
             turn = {"role": "assistant", "content": answer}
             if reasoning is not None:
                 turn["reasoning"] = reasoning
-            self.store.put(resp, [*self.turn, turn], self.rreq.previous_response_id)
+            self.store.put(resp, [*self.conversation, turn])
         return resp
 
     def full_response(self, finals: list[RequestOutput]) -> dict[str, Any]:

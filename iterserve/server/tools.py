@@ -299,24 +299,33 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 HERMES_START = "<tool_call>"
 
 
+def _call_of(obj: Any) -> dict[str, Any] | None:
+    """A tool call of a parsed JSON object with a string ``name`` and its ``arguments`` (or
+    ``parameters``), else None: as vLLM's parsers, other JSON (``{"name": "Bob", "age": 3}``)
+    is content, not a call with empty arguments."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    key = "arguments" if "arguments" in obj else "parameters" if "parameters" in obj else None
+    return None if key is None else _call(obj["name"], obj[key])
+
+
 def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
-    Text outside the blocks is the content; a block that is not such JSON leaves the whole
-    text as content (no calls)."""
+    The text before the first block is the content (vLLM's); a block that is not such JSON
+    leaves the whole text as content (no calls)."""
     start = text.find(HERMES_START)
     if start < 0:
         return text, []
     calls = []
     for m in _HERMES.finditer(text, start):
         try:
-            obj = json.loads(m.group(1))
+            call = _call_of(json.loads(m.group(1)))
         except json.JSONDecodeError:
             return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        if call is None:
             return text, []
-        calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
-    rest = text[:start] + _HERMES.sub("", text[start:])
-    return (rest if rest.strip() else None), calls
+        calls.append(call)
+    return (text[:start] or None), calls
 
 
 LLAMA3_TAG = "<|python_tag|>"
@@ -335,9 +344,10 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             obj, end = dec.raw_decode(body, pos)
         except json.JSONDecodeError:
             return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        call = _call_of(obj)
+        if call is None:
             return text, []
-        calls.append(_call(obj["name"], obj.get("parameters", obj.get("arguments", {}))))
+        calls.append(call)
         pos = end
         while pos < len(body) and body[pos] in " \t\r\n;":
             pos += 1

@@ -76,9 +76,13 @@ def generate_main(argv: list[str]) -> int:
         print(f"iterserve generate: error: {e}", file=sys.stderr)
         return 2
     dt = time.perf_counter() - t0
+    failed = 0
     for o in outs:
         c = o.outputs[0]
         print(f"--- {o.prompt!r} -> ({len(c.token_ids)} tokens, {c.finish_reason})\n{c.text!r}")
+        if o.error is not None:  # the engine's reason, which says what to change
+            failed += 1
+            print(f"iterserve generate: error: {o.error}", file=sys.stderr)
     st = llm.stats()
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     print(
@@ -86,15 +90,22 @@ def generate_main(argv: list[str]) -> int:
         f"{st['num_preemptions']} preemptions, "
         f"prefix-cache hit rate {st['prefix_cache_hit_rate']:.0%}"
     )
-    return 0
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--version":
+        from iterserve import __version__
+
+        print(f"iterserve {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         print("usage: iterserve {" + ",".join(SUBCOMMANDS) + "} ...\n")
         for name, (_, help_) in SUBCOMMANDS.items():
             print(f"  {name:9s} {help_}")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\niterserve: error: unknown command {argv[0]!r}", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     module, _, function = SUBCOMMANDS[argv[0]][0].partition(":")
     run: Callable[[list[str]], int | None] = getattr(importlib.import_module(module), function)

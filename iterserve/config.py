@@ -76,7 +76,7 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
-        _check_block_size(self.block_size)
+        check_block_size(self.block_size)
         _check_utilization(self.gpu_memory_utilization)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(
@@ -190,7 +190,7 @@ class EngineArgs:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 (None: all cores), got {self.num_threads}")
-        _check_block_size(self.block_size)  # here too: the simulator builds no CacheConfig
+        check_block_size(self.block_size)  # here too: the simulator builds no CacheConfig
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(
                 "give num_kv_blocks or kv_cache_memory, not both (num_kv_blocks would win and "
@@ -399,7 +399,15 @@ def _check_field_types(obj: object) -> None:
         setattr(obj, f.name, plain)
 
 
-def _check_block_size(value: int) -> None:
+def kv_block_cap(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The most blocks worth tracking: every sequence at full length at once, x2 to leave
+    room for cached prefixes (a memory budget for a tiny model would otherwise mean millions
+    of blocks for the KV manager to track, never used). The engine's rule and the CPU
+    simulator's."""
+    return 2 * max_num_seqs * -(-max_model_len // block_size)
+
+
+def check_block_size(value: int) -> None:
     if not 1 <= value <= 1024:
         raise ValueError(f"block_size must be in [1, 1024], got {value}")
 

@@ -201,3 +201,119 @@ def test_simulate_refuses_a_non_positive_tolerance(
     argv = ["--workload", "random", "--num-prompts", "2", "--tolerance", value]
     assert sim_cli.main(argv) == 2
     assert "--tolerance must be a positive, finite relative width" in capsys.readouterr().err
+
+
+# ---- found by a new user's pass: errors, not tracebacks or silently unused flags --------------
+
+SIM = [
+    "--workload",
+    "random",
+    "--num-prompts",
+    "4",
+    "--model",
+    "llama-3-8b",
+    "--hardware",
+    "h100-sxm",
+]
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (
+            ["--block-size", "0"],
+            "block_size must be in [1, 1024], got 0",
+        ),  # was a ZeroDivisionError
+        (
+            ["--request-rate", "2", "--slo", "ttft_p99:500"],
+            "--slo is the target of --find-max-rate",
+        ),
+        (["--request-rate", "2", "--time-scale", "4"], "time_scale scales a trace's own arrival"),
+        (["--burstiness", "0.2"], "burstiness shapes the arrivals of a finite request_rate"),
+        (["--request-rate", "2", "--length-scale", "0.5"], "the random dataset's are random_input"),
+    ],
+)
+def test_simulate_refuses_what_it_would_ignore_or_crash_on(
+    extra: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert sim_cli.main([*SIM, *extra]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from iterserve.sim import profile
+
+    afile = tmp_path / "a.json"
+    afile.write_text("{}")
+    under = str(afile / "x.json")  # below a file: was a traceback after the runs
+    assert sim_cli.main([*SIM, "--request-rate", "2", "--result-file", under]) == 2
+    assert f"--result-file {under}: {afile} is a file, not a folder" in capsys.readouterr().err
+    assert sim_cli.main([*SIM, "--request-rate", "2", "--record-steps", under]) == 2
+    assert "--record-steps" in capsys.readouterr().err
+    argv = ["offline", "--model", "no-such-model", "--dataset", "random", "--num-prompts", "2"]
+    assert bench_cli.main([*argv, "--result-file", under]) == 2  # before the model loads
+    assert "--result-file" in capsys.readouterr().err
+    assert bench_cli.main([*argv, "--record-steps", str(afile)]) == 2
+    assert f"--record-steps {afile} is a file; give a folder" in capsys.readouterr().err
+    assert plot_cli.main(["cdf", str(afile), "--out", under]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert profile.main(["-o", under]) == 2
+    assert "--output" in capsys.readouterr().err
+
+
+def test_a_trace_file_in_another_format_names_the_expected_one(tmp_path: Path) -> None:
+    from iterserve.workload.datasets import load_trace
+
+    azure = tmp_path / "azure.csv"
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+    )
+    with pytest.raises(ValueError, match="expects a CSV with columns num_prefill_tokens"):
+        load_trace("sharegpt", azure)  # was a KeyError traceback after the model loaded
+    with pytest.raises(ValueError, match="expects JSON lines"):
+        load_trace("mooncake", azure)
+    sharegpt = tmp_path / "s.csv"
+    sharegpt.write_text("num_prefill_tokens,num_decode_tokens\n10,20\n")
+    with pytest.raises(ValueError, match="expects a CSV with columns TIMESTAMP"):
+        load_trace("azure-code", sharegpt)
+    assert load_trace("azure-code", azure)[0].input_len == 374
+
+
+def test_plots_keep_runs_of_one_label_from_two_files_apart(tmp_path: Path) -> None:
+    from iterserve.bench.plot import _all_runs
+
+    for name in ("eng", "sim"):
+        runs = [{"label": label, "request_rate": "inf", "requests": []}
+                for label in ("continuous", f"only-{name}")]  # fmt: skip
+        doc = {"format": "iterserve-bench/1", "kind": "offline", "runs": runs}
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    runs = _all_runs([str(tmp_path / "eng.json"), str(tmp_path / "sim.json")])
+    assert [r["label"] for r in runs] == [
+        "eng: continuous", "only-eng", "sim: continuous", "only-sim",
+    ]  # fmt: skip
+
+
+def test_generate_prints_why_a_request_failed_and_exits_1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from iterserve import cli
+
+    assert (
+        cli.main(["generate", "--model", "tiny-random", "--prompt", "Hi", "--num-kv-blocks", "1"])
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert "needs 2 KV-cache blocks" in err and "raise kv_cache_memory or num_kv_blocks" in err
+
+
+def test_the_summary_shows_a_whole_error_message() -> None:
+    from iterserve.workload.metrics import format_summary
+
+    msg = (
+        "prompt has 256 tokens and needs 16 KV-cache blocks but the pool has 2; raise "
+        "kv_cache_memory / num_kv_blocks"
+    )
+    text = format_summary({"failed": 3, "errors": {msg: 3}})
+    assert "raise kv_cache_memory / num_kv_blocks" in " ".join(text.split())

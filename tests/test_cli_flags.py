@@ -162,6 +162,9 @@ def test_top_level_usage(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert all(name in out for name in cli.SUBCOMMANDS)
     assert cli.main(["nope"]) == 2
+    assert "unknown command 'nope'" in capsys.readouterr().err
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("iterserve ")
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,11 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from iterserve import LLM  # noqa: E402
-from iterserve.config import CacheConfig, EngineArgs  # noqa: E402
+from iterserve.config import (  # noqa: E402
+    CacheConfig,
+    EngineArgs,
+    kv_block_cap,  # noqa: E402
+)
 from iterserve.model import device as dv  # noqa: E402
 from iterserve.model.cuda_graphs import DecodeGraphs, capture_sizes, padded_size  # noqa: E402
 from iterserve.model.runner import BatchItem, ModelRunner  # noqa: E402
@@ -103,7 +107,7 @@ def test_runner_sizes_the_pool_from_measured_memory(monkeypatch: pytest.MonkeyPa
     # 0.9 x 10 blocks of memory = 9, minus weights and activations: 7 blocks.
     assert runner._blocks_from_gpu_memory(0.9, 512) == 7
     runner.max_num_seqs = 1  # cap: 2 x 1 sequence x max_model_len
-    cap = dv.kv_block_cap(1, runner.max_model_len, runner.block_size)
+    cap = kv_block_cap(1, runner.max_model_len, runner.block_size)
     big = _mem(total=10**6 * per_block, free_at_start=10**6 * per_block, weights=0,
                peak_activation=0, non_torch=0)  # fmt: skip
     monkeypatch.setattr(runner, "_measure_gpu_memory", lambda tokens: big)
@@ -231,7 +235,7 @@ def test_engine_on_cuda_sizes_its_pool_and_captures_graphs() -> None:
     llm = LLM("tiny-random", device="cuda", max_num_seqs=8, gpu_memory_utilization=0.5)
     runner = llm.engine.runner
     assert runner.device.type == "cuda" and runner.graphs is not None
-    assert runner.num_kv_blocks == dv.kv_block_cap(8, runner.max_model_len, runner.block_size)
+    assert runner.num_kv_blocks == kv_block_cap(8, runner.max_model_len, runner.block_size)
     assert llm.engine.runner.kv_caches[0][0].is_cuda
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iterserve.config import SchedulerConfig
+from iterserve.config import SchedulerConfig, kv_block_cap
 from iterserve.core import Request
 from iterserve.core.scheduler import SchedulerOutput
 from iterserve.model.model_config import ModelConfig
@@ -543,6 +543,15 @@ def test_cpu_profile_fit_recovers_known_coefficients(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not an iterserve CPU profile"):
         CpuProfile.load(tmp_path / "bad.json")
+    # the KV pool by the engine's rule on CPU: the budget, capped at 2 x max_num_seqs full
+    # sequences (a 1-byte block made it 2 GiB of blocks)
+    where = f"cpu:{tmp_path / 'p.json'}"
+    dep = build_deployment(model=None, hardware=where, max_num_seqs=4, max_model_len=64)
+    assert dep.num_kv_blocks == kv_block_cap(4, 64, 16) == 32
+    small = build_deployment(
+        model=None, hardware=where, max_num_seqs=4, max_model_len=64, kv_cache_memory="10"
+    )
+    assert small.num_kv_blocks == 10
 
 
 def test_profile_measures_the_grid_on_a_given_engine() -> None:
@@ -689,10 +698,14 @@ def test_cli_refuses_what_it_would_not_honour(
         assert simulate_main([*rated, "--find-max-rate", "--slo", "ttft_p99:500", *extra]) == 2
         assert "--find-max-rate reports each policy's capacity" in capsys.readouterr().err
     # all at once: no rate to scale (was NaN arrival times, every request "failed")
-    for kind in ("throughput", "attainment"):
-        args = [*base, "--at-capacity", "1", "--capacity", kind, "--slo", "ttft_p99:500"]
+    for kind, slo in (("throughput", []), ("attainment", ["--slo", "ttft_p99:500"])):
+        args = [*base, "--at-capacity", "1", "--capacity", kind, *slo]
         assert simulate_main(args) == 2
         assert "every request arrives at once" in capsys.readouterr().err
+    # throughput capacity reads no --slo: refused, not ignored
+    args = [*rated, "--at-capacity", "1", "--capacity", "throughput", "--slo", "ttft_p99:500"]
+    assert simulate_main(args) == 2
+    assert "--slo is the target of --find-max-rate" in capsys.readouterr().err
     # an SLO met at no rate: a clear error, not a ZeroDivisionError
     assert simulate_main([*rated, "--at-capacity", "1.2", "--slo", "ttft_p50:0.001"]) == 2
     assert "at no rate tried" in capsys.readouterr().err

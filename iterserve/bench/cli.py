@@ -27,7 +27,7 @@ from iterserve.workload.datasets import (
     describe_workload,
 )
 from iterserve.workload.metrics import RequestTiming, format_summary, parse_goodput, summarize
-from iterserve.workload.results import make_run, write_result
+from iterserve.workload.results import check_output, make_run, write_result
 
 DEFAULT_SERVE_MAX_MODEL_LEN = 2048
 # Prompt ids are drawn below this when the model's vocabulary is unknown: every real model
@@ -133,6 +133,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _policies_help() -> str:
+    from iterserve.core.policies import POLICY_VARIANTS
+
+    return f"comma-separated: {', '.join(POLICY_VARIANTS)}, or module:Class (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iterserve bench",
@@ -188,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--policies",
         default="static,continuous,continuous-nochunk",
-        help="comma-separated: static, continuous, continuous-nochunk",
+        help=_policies_help(),
     )
     WorkloadConfig.add_cli_args(
         o,
@@ -202,9 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser(
         "sweep", help="request rates from light load to overload, per policy, in-process"
     )
-    w.add_argument(
-        "--policies", default="static,continuous", help="comma-separated policy variants"
-    )
+    w.add_argument("--policies", default="static,continuous", help=_policies_help())
     w.add_argument(
         "--request-rates",
         default="auto",
@@ -313,6 +317,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     _check_serve_flags(ns)
     slos = parse_goodput(ns.goodput)
+    check_output(ns.result_file, "--result-file")
     cfg = WorkloadConfig.from_cli_args(ns)
     options = RequestOptions.from_cli_args(ns)
     served: list[dict[str, Any]] = []
@@ -497,12 +502,19 @@ def print_offline_table(runs: list[dict[str, Any]]) -> None:
     _console().print(t)
 
 
+def _check_outputs(ns: argparse.Namespace) -> None:
+    """The result file and the step records' folder can be written (before the runs)."""
+    check_output(ns.result_file, "--result-file")
+    check_output(getattr(ns, "record_steps", None), "--record-steps", folder=True)
+
+
 def cmd_offline(ns: argparse.Namespace) -> int:
     from iterserve.bench.offline import RunOptions, run_offline
     from iterserve.config import parse_policies
 
     policies = parse_policies(ns.policies)
     slos = parse_goodput(ns.goodput)
+    _check_outputs(ns)
     work = _Workloads(ns)
     opts = RunOptions(goodput_slos=slos, record_steps_dir=ns.record_steps)
     with ExitStack() as bars:
@@ -564,6 +576,7 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
     policies = parse_policies(ns.policies)
     rates = parse_rates(ns.request_rates)
     slos = parse_goodput(ns.goodput)
+    _check_outputs(ns)
     work = _Workloads(ns)
     opts = RunOptions(goodput_slos=slos, record_steps_dir=ns.record_steps)
     with ExitStack() as bars:

@@ -7,7 +7,7 @@ request completes); then a few greedy completions show that the model is real. I
 table per run, draws who held each batch slot at every step (``demo_slots.png``) and writes
 the runs as a bench result file (``demo.json``) and step records under ``--out-dir``.
 
-    iterserve demo        # smollm2-135m: 86-90 s on 2 cores shared with other jobs
+    iterserve demo        # smollm2-135m: about 1-2.5 minutes on 2 cores (README)
     iterserve demo --model tiny-random --dtype float32 --num-requests 12 --out-dir /tmp/demo
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from iterserve.config import DTYPES, EngineArgs
 from iterserve.workload.datasets import RequestSpec, fit_lengths, synth_arrivals, token_id_range
-from iterserve.workload.results import write_result
+from iterserve.workload.results import check_output, write_result
 
 COMPLETION_PROMPTS = (
     "The capital of France is",
@@ -282,6 +282,7 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
         )
     if ns.small_pool_blocks is not None and ns.small_pool_blocks < 1:
         raise ValueError(f"--small-pool-blocks must be >= 1, got {ns.small_pool_blocks}")
+    check_output(ns.out_dir, "--out-dir", folder=True)
     out_dir = Path(ns.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = EngineArgs(
@@ -340,6 +341,13 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
     uses = {name: slot_use(run["steps"], ns.max_num_seqs) for name, run in runs.items()}
     for name, run in runs.items():
         console.print(_table(run, uses[name], ns.max_num_seqs))
+    if runs[label]["preemptions"] == 0:  # said, not implied: the README promises preemptions
+        console.print(
+            f"note: the small pool ({small} blocks; the longest request needs "
+            f"{min_pool_blocks(specs, block_size) - 1}, the continuous run peaked at {peak}) held "
+            "this load without a preemption; more requests at once (--num-requests) make it "
+            "preempt"
+        )
     st, co = runs["static"]["summary"], runs["continuous"]["summary"]
     speedup = (co["output_throughput"] or 0) / (st["output_throughput"] or math.nan)
     lat = (st["median_e2el_ms"] or math.nan) / (co["median_e2el_ms"] or math.nan)

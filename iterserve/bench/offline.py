@@ -84,7 +84,10 @@ def run_on_engine(
     steps_file = None
     if opts.record_steps_dir:
         Path(opts.record_steps_dir).mkdir(parents=True, exist_ok=True)
-        steps_file = str(Path(opts.record_steps_dir) / f"{file_stem(steps_name)}.jsonl")
+        # absolute: the result file names it, read later from wherever (plot timeline)
+        steps_file = str(
+            (Path(opts.record_steps_dir) / f"{file_stem(steps_name)}.jsonl").absolute()
+        )
         engine.record_steps(steps_file)
     reset_prefix_cache(engine)
     try:

@@ -28,7 +28,12 @@ import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from iterserve.workload.results import rate_value, read_result, run_timings  # noqa: E402
+from iterserve.workload.results import (  # noqa: E402
+    check_output,
+    rate_value,
+    read_result,
+    run_timings,
+)
 
 PREFILL_COLOR = "#e6550d"
 DECODE_COLOR = "#3182bd"
@@ -48,7 +53,8 @@ def label_color(label: str) -> str:
 
 def _save(fig: Figure, out: str) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
+    # format given: the file is ``out`` itself (without it a name with no suffix got ".png")
+    fig.savefig(out, dpi=110, bbox_inches="tight", format="png")
     plt.close(fig)
     print(f"wrote {out}", file=sys.stderr)
 
@@ -84,6 +90,9 @@ def _load_result(path: str | Path) -> dict[str, Any]:
 
 
 def _all_runs(paths: list[str]) -> list[dict[str, Any]]:
+    """Every run of the files; where two files have runs of one label (the engine's and the
+    simulator's "continuous"), those runs are named by their file too, so none is merged
+    into another's line or dropped."""
     runs = []
     for p in paths:
         doc = _load_result(p)
@@ -92,6 +101,14 @@ def _all_runs(paths: list[str]) -> list[dict[str, Any]]:
             r["_file"] = p
             r["_rate"] = rate_value(r.get("request_rate"))
             runs.append(r)
+    files_of: dict[str, set[str]] = defaultdict(set)
+    for r in runs:
+        files_of[r["label"]].add(r["_file"])
+    stems = [Path(p).stem for p in paths]
+    names = dict(zip(paths, stems if len(set(stems)) == len(stems) else paths))
+    for r in runs:
+        if len(files_of[r["label"]]) > 1:
+            r["label"] = f"{names[r['_file']]}: {r['label']}"
     return runs
 
 
@@ -652,6 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
+        check_output(ns.out, "--out")
         if ns.kind == "curves":
             plot_curves(ns.inputs, ns.out, ns.x)
         elif ns.kind == "cdf":

@@ -195,7 +195,7 @@ class LLMEngine:
         (gpu_memory_utilization) and applies the same cap."""
         import dataclasses
 
-        from iterserve.model.device import kv_block_cap
+        from iterserve.config import kv_block_cap
         from iterserve.model.model_config import ModelConfig, context_length
 
         cc = a.cache_config(device_type)

@@ -98,13 +98,6 @@ def kv_pool_from_memory(
     return KVPoolSize(blocks, blocks * bytes_per_block, budget, available)
 
 
-def kv_block_cap(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
-    """The most blocks worth tracking: every sequence at full length at once, x2 to leave
-    room for cached prefixes (a memory budget for a tiny model would otherwise mean millions
-    of blocks for the KV manager to track, never used)."""
-    return 2 * max_num_seqs * -(-max_model_len // block_size)
-
-
 def to_device_int32(lists: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
     """The lists as int32 tensors on ``device`` with ONE host-to-device copy (from pinned
     memory on CUDA, non_blocking): each is a slice of the copied buffer."""

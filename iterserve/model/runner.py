@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from iterserve import config
-from iterserve.config import CacheConfig
+from iterserve.config import CacheConfig, kv_block_cap
 from iterserve.model import autotune, kernels
 from iterserve.model.attention import KVCaches, StepItem
 from iterserve.model.attention_backends import (
@@ -79,7 +79,6 @@ from iterserve.model.device import (
     GiB,
     GpuMemory,
     check_dtype,
-    kv_block_cap,
     kv_pool_from_memory,
     resolve_device,
     to_device_int32,

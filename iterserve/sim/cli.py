@@ -54,7 +54,7 @@ from iterserve.workload.datasets import (
     load_trace,
 )
 from iterserve.workload.metrics import format_summary, parse_goodput, summarize
-from iterserve.workload.results import make_run, write_result
+from iterserve.workload.results import check_output, make_run, write_result
 from iterserve.workload.tenants import assign_tenants, parse_tenant_shares, tenant_report
 
 DEFAULT_RANDOM_PROMPTS = 1000
@@ -327,6 +327,7 @@ def sim_extras(res: SimResult, wall_s: float, dep: Deployment, replicas: int) ->
 def steps_path(base: str | None, policy: str, many: bool) -> str | None:
     if not base:
         return None
+    base = str(Path(base).absolute())  # the result file names it, read later from wherever
     if not many:
         return base
     stem, dot, ext = base.rpartition(".")
@@ -474,6 +475,13 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         )
     if ns.find_max_rate and ns.at_capacity is not None:
         raise ValueError("give --find-max-rate or --at-capacity, not both")
+    if ns.slo and not searching:
+        raise ValueError(
+            "--slo is the target of --find-max-rate (or of --at-capacity with --capacity "
+            "attainment); a single simulation reports its latencies as they are: add "
+            "--find-max-rate, or use --goodput ttft:500,tpot:50 for the share of requests "
+            "within targets"
+        )
     if ns.at_capacity is not None and not ns.at_capacity > 0:
         raise ValueError(f"--at-capacity must be a positive multiple, got {ns.at_capacity}")
     if not 0 < ns.tolerance < math.inf:
@@ -486,6 +494,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
             "--goodput apply to a simulation (or to --at-capacity's runs); drop them here"
         )
     slos = parse_slos(ns.slo) if searching else []
+    check_output(ns.result_file, "--result-file")
+    check_output(ns.record_steps, "--record-steps")
     if ns.tenants:
         parse_tenant_shares(ns.tenants)  # a bad value fails before any work
     goodput = parse_goodput(ns.goodput)

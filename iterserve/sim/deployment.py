@@ -14,7 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.config import DEFAULT_CPU_KV_MEMORY, EngineArgs, parse_size
+from iterserve.config import (
+    DEFAULT_CPU_KV_MEMORY,
+    EngineArgs,
+    check_block_size,
+    kv_block_cap,
+    parse_size,
+)
 from iterserve.model.model_config import ModelConfig, context_length
 from iterserve.sim.cost_model import CostModel, RooflineCostModel
 from iterserve.sim.cpu_profile import CpuProfile, CpuProfileCostModel
@@ -98,6 +104,7 @@ def build_deployment(
     max_num_seqs: int = EngineArgs.max_num_seqs,
     efficiency: dict[str, float] | None = None,
 ) -> Deployment:
+    check_block_size(block_size)  # the engine's rule, before any division by it
     if hardware.startswith("cpu:"):
         if efficiency:
             raise ValueError(
@@ -113,6 +120,7 @@ def build_deployment(
             num_kv_blocks,
             kv_cache_memory,
             max_model_len,
+            max_num_seqs,
         )
     if hardware not in HARDWARE:
         raise ValueError(
@@ -176,6 +184,7 @@ def _cpu_deployment(
     num_kv_blocks: int | None,
     kv_cache_memory: str | None,
     max_model_len: int | None,
+    max_num_seqs: int,
 ) -> Deployment:
     prof = CpuProfile.load(path)
     if tp != 1:
@@ -208,10 +217,12 @@ def _cpu_deployment(
                 "max_position_embeddings": mc["max_position_embeddings"],
             }
         )
-    blocks = num_kv_blocks or int(
-        parse_size(kv_cache_memory or DEFAULT_CPU_KV_MEMORY) // prof.kv_bytes_per_block
-    )
     max_len = context_length(max_model_len, cfg)
+    # the engine's rule on CPU: the memory budget, capped where blocks would never be used
+    blocks = num_kv_blocks or min(
+        int(parse_size(kv_cache_memory or DEFAULT_CPU_KV_MEMORY) // prof.kv_bytes_per_block),
+        kv_block_cap(max_num_seqs, max_len, block_size),
+    )
     return Deployment(
         prof.model,
         cfg,

@@ -32,6 +32,7 @@ from iterserve.sim.cpu_profile import (
     CpuProfileCostModel,
     fit_profile,
 )
+from iterserve.workload.results import check_output
 
 # How a step is timed. ``wall``: elapsed time, what a user of this machine sees. ``cpu``: the
 # CPU time of this process, i.e. the step as it would run on a core of its own; on a machine
@@ -422,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
+        check_output(ns.output, "--output")  # before minutes of measuring
         prof = refit(ns.refit) if ns.refit else run_profile(ns, log)
     except (ValueError, FileNotFoundError) as e:
         log(f"error: {e}")

@@ -150,13 +150,28 @@ def load_mooncake(path: str | Path) -> list[TraceRow]:
     return out
 
 
+# what each dataset's file holds, for the error when a file is not in that format
+_FORMATS = {
+    "sharegpt": "a CSV with columns num_prefill_tokens,num_decode_tokens",
+    "mooncake": "JSON lines with timestamp, input_length, output_length, hash_ids",
+    "azure": "a CSV with columns TIMESTAMP,ContextTokens,GeneratedTokens",
+}
+
+
 def load_trace(dataset: str, dataset_path: str | Path | None = None) -> list[TraceRow]:
+    """The rows of ``dataset``'s trace (its shared file, or ``dataset_path`` in its format);
+    a file in another format is a ValueError saying which format --dataset expects."""
     path = trace_path(dataset, dataset_path)
-    if dataset == "sharegpt":
-        return load_sharegpt(path)
-    if dataset == "mooncake":
-        return load_mooncake(path)
-    return load_azure(path)
+    kind = dataset if dataset in ("sharegpt", "mooncake") else "azure"
+    load = {"sharegpt": load_sharegpt, "mooncake": load_mooncake, "azure": load_azure}[kind]
+    try:
+        return load(path)
+    except (KeyError, ValueError, TypeError, AttributeError) as e:  # a row not in the format
+        what = f"no {e} field" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise ValueError(
+            f"{path} does not read as a {dataset} trace ({what}): --dataset {dataset} expects "
+            f"{_FORMATS[kind]}; pick the --dataset of the file's format"
+        ) from None
 
 
 # ---- workload construction --------------------------------------------------------------
@@ -197,6 +212,22 @@ class WorkloadConfig:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
         if not self.length_scale > 0:
             raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
+        # knobs that would change nothing here: refused rather than reported as applied
+        if self.dataset == "random" and self.length_scale != 1.0:
+            raise ValueError(
+                "length_scale scales a trace's lengths; the random dataset's are "
+                "random_input_len / random_output_len: set those instead"
+            )
+        if self.time_scale != 1.0 and self.request_rate is not None:
+            raise ValueError(
+                "time_scale scales a trace's own arrival times, which request_rate replaces; "
+                "drop one of them"
+            )
+        if self.burstiness != 1.0 and (self.request_rate is None or math.isinf(self.request_rate)):
+            raise ValueError(
+                "burstiness shapes the arrivals of a finite request_rate; set request_rate too "
+                "(without it, arrivals are the trace's own or all at once)"
+            )
         if self.long_prompts not in LONG_PROMPT_MODES:
             raise ValueError(
                 f"long_prompts must be one of {LONG_PROMPT_MODES}, got {self.long_prompts!r}"

@@ -14,6 +14,7 @@ No torch and no HTTP here: the simulator reuses this module.
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -232,7 +233,8 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
     if summary.get("failed"):
         lines.append(" Errors ".center(width, "-"))
         for msg, n in summary.get("errors", {}).items():
-            lines.append(f"{n:>6} x {msg[: width - 9]}")
+            # whole, wrapped: the end of a message is what says what to change
+            lines.append(textwrap.fill(f"{n:>6} x {msg}", width, subsequent_indent=" " * 9))
     if summary.get("output_tokens_from_chunks"):
         lines.append(
             f"note: the server sent no usage for {summary['output_tokens_from_chunks']} "

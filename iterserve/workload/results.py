@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,25 @@ from typing import Any
 from iterserve.workload.metrics import RequestTiming
 
 FORMAT = "iterserve-bench/1"
+
+
+def check_output(path: str | Path | None, flag: str, folder: bool = False) -> None:
+    """Raises ValueError, before any work, where ``path`` (a file, or with ``folder`` a
+    folder, created if missing) could not be written: the result would be computed and lost."""
+    if path is None:
+        return
+    p = Path(path)
+    if folder and p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path} is a file; give a folder")
+    if not folder and p.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file name")
+    nearest = p if folder else p.parent
+    while not nearest.exists():
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise ValueError(f"{flag} {path}: {nearest} is a file, not a folder; choose another path")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {nearest} is not writable; choose another path")
 
 
 def json_safe(x: Any) -> Any:

@@ -479,7 +479,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         raise ValueError(
             "--slo is the target of --find-max-rate (or of --at-capacity with --capacity "
             "attainment); a single simulation reports its latencies as they are: add "
-            "--find-max-rate, or use --goodput ttft:500,tpot:50 for the share of requests "
+            "--find-max-rate, or use --goodput ttft:500 tpot:50 for the share of requests "
             "within targets"
         )
     if ns.at_capacity is not None and not ns.at_capacity > 0:

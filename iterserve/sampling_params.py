@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import decimal
 import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from iterserve.structured.params import StructuredOutputsParams
 
@@ -96,19 +99,28 @@ class SamplingParams:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
-        # types first: a string compared with a number is a TypeError, and a truthy string
-        # where a flag goes is silently true (ignore_eos="no" ignored the EOS)
+        # types first, as plain Python values: a string compared with a number is a
+        # TypeError, a truthy string where a flag goes is silently true (ignore_eos="no"
+        # ignored the EOS), and a Fraction reached the sampler's tensors and failed the step
+        # for the whole batch; numpy's numbers and bools (and Decimal) are taken as theirs
         for name in _FLAGS:
-            if not isinstance(getattr(self, name), bool):
+            v = getattr(self, name)
+            if isinstance(v, np.bool_):
+                setattr(self, name, v := bool(v))
+            if not isinstance(v, bool):
                 raise bad(name, "true or false")
         for name in _NUMBERS:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Real | decimal.Decimal):
                 raise bad(name, "a number")
+            setattr(self, name, float(v))
         for name in _INTEGERS:
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+            if v is None:
+                continue
+            if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Integral):
                 raise bad(name, "an integer")
+            setattr(self, name, int(v))
 
         if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
             raise bad("n", "an integer in [1, 128]")

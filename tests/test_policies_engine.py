@@ -143,3 +143,6 @@ def test_a_bad_priority_or_tenant_is_refused_before_the_request_is_added(policy:
         with pytest.raises(ValueError, match=name):
             llm.engine.add_request("x", "a b", sp, **{name: "1"})
     assert len(llm.generate(["a b", "c d"], sp, priorities=[1, 2], tenants=["a", "b"])) == 2
+    import numpy as np  # numpy's integers are integers
+
+    assert len(llm.generate(["a b", "c d"], sp, priorities=np.array([1, 0]))) == 2

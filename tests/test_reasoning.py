@@ -373,6 +373,8 @@ def test_responses_honour_include_reasoning_enable_thinking_and_effort() -> None
         assert [i["type"] for i in out["output"]] == ["reasoning", "message"]
         assert seen[-1]["reasoning_effort"] == "low" and seen[-1]["enable_thinking"] is True
         assert out["reasoning"] == {"effort": "low"}  # echoed, as vLLM's
+        ok = c.post("/v1/responses", json={**body, "reasoning": {"effort": "max"}})
+        assert ok.status_code == 200, ok.text  # the openai package's values, "max" too
         r = c.post("/v1/responses", json={**body, "reasoning": {"effort": "bogus"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort", r.text
         r = c.post("/v1/responses", json={**body, "reasoning": {"summary": "auto"}})

@@ -362,6 +362,9 @@ def test_request_id_effort_instructions_and_a_cut_off_answer_continued(
     assert client.responses.retrieve("resp_mine").id == "resp_mine"
     r = httpx.post(url, json={"model": MODEL, "input": "x", "request_id": "resp_mine"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+    # an id the routes could not name back (GET /v1/responses/a/b) is refused too
+    r = httpx.post(url, json={"model": MODEL, "input": "x", "request_id": "a/b"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
     # empty instructions add no system message
     plain = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
     empty = client.responses.create(
@@ -393,6 +396,20 @@ def test_request_id_effort_instructions_and_a_cut_off_answer_continued(
                "content": [{"type": "reasoning_text", "text": "hmm"}]}  # fmt: skip
     r = httpx.post(url, json={"model": MODEL, "input": cut})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input.1.status", r.text
+
+
+def test_a_response_stored_again_under_its_id_replaces_it_in_the_books() -> None:
+    # two concurrent requests of one request_id: the later is stored, and the bytes of the
+    # first are not counted twice (they leaked, until the store evicted everything at once)
+    from iterserve.server.responses import ResponseStore
+
+    store = ResponseStore(max_responses=4, max_bytes=10_000)
+    for text in ("first answer", "second, longer answer"):
+        store.put({"id": "resp_x", "output_text": text}, [{"role": "user", "content": "hi"}])
+    item = store.get("resp_x")
+    assert item is not None and item.response["output_text"] == "second, longer answer"
+    assert len(store) == 1 and store.bytes == item.size
+    assert store.delete("resp_x") and store.bytes == 0
 
 
 def test_the_store_is_bounded_oldest_first(client: openai.OpenAI) -> None:

@@ -248,6 +248,27 @@ def test_bad_values_name_their_field(kw: dict[str, object], field: str) -> None:
         SamplingParams(**kw)  # type: ignore[arg-type]
 
 
+def test_numpy_numbers_fractions_and_decimals_are_taken_as_plain_values(llm: LLM) -> None:
+    # as plain Python values: a Fraction reached the sampler's tensors and failed the step for
+    # the whole batch; numpy's bools and ints were refused by the type checks
+    import decimal
+    import fractions
+
+    import numpy as np
+
+    p = SamplingParams(
+        n=np.int64(2), max_tokens=np.int64(4), seed=np.int64(3), temperature=np.float32(0.5),
+        presence_penalty=fractions.Fraction(1, 2), top_p=decimal.Decimal("0.9"),
+        ignore_eos=np.True_, skip_special_tokens=np.False_,
+    )  # fmt: skip
+    assert (type(p.n), type(p.seed), type(p.temperature), type(p.ignore_eos)) == (
+        int, int, float, bool,
+    )  # fmt: skip
+    assert (p.presence_penalty, p.top_p, p.ignore_eos) == (0.5, 0.9, True)
+    out = llm.generate(["a b", "c d"], [p, SamplingParams(max_tokens=3, temperature=0.0)])
+    assert all(o.error is None for o in out) and len(out[0].outputs) == 2
+
+
 def test_constraints_that_leave_no_token_end_the_request_with_an_error(llm: LLM) -> None:
     # every token masked: an error naming the cause, never the argmax's token 0 (it was
     # emitted as if allowed), greedy or sampled, and the neighbours run on untouched

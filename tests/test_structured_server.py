@@ -286,7 +286,10 @@ def test_tool_call_parsers() -> None:
         f"<tool_call>{person}</tool_call>",
         [],
     )
-    _, calls = parse_hermes('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call> after')
+    # hermes reads "arguments" only (vLLM's), llama3_json either
+    hermes = '<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>'
+    assert parse_hermes(hermes) == (hermes, [])
+    _, calls = parse_llama3_json('{"name": "f", "arguments": {"a": 1}}')
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1}]
     # streaming under "auto": content streams until a possible <tool_call> starts
     ts = ToolCallStream(ToolPlan("auto", TOOLS, parser="hermes"))

@@ -53,8 +53,10 @@ def label_color(label: str) -> str:
 
 def _save(fig: Figure, out: str) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    # format given: the file is ``out`` itself (without it a name with no suffix got ".png")
-    fig.savefig(out, dpi=110, bbox_inches="tight", format="png")
+    # a name without a suffix is written as named, in PNG (matplotlib would add ".png");
+    # a suffix picks the format (.svg, .pdf, ...)
+    fmt = None if Path(out).suffix else "png"
+    fig.savefig(out, dpi=110, bbox_inches="tight", format=fmt)
     plt.close(fig)
     print(f"wrote {out}", file=sys.stderr)
 

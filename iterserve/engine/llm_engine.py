@@ -11,12 +11,14 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from iterserve.config import CacheConfig, EngineArgs
@@ -256,16 +258,23 @@ class LLMEngine:
         params = params or self.default_sampling_params()
         # checked before anything is registered: a policy comparing or hashing a bad one later
         # raised with the request half-added, never to finish
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        # (numpy's numbers are taken, as plain ones)
+        if isinstance(priority, bool | np.bool_) or not isinstance(priority, numbers.Integral):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        priority = int(priority)
         for name, label in (("tenant", tenant), ("call", call)):
             if not isinstance(label, str):
                 raise ValueError(f"{name} must be a string, got {label!r}")
+        slos = []
         for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
             if v is not None and (
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")
+                isinstance(v, bool | np.bool_)
+                or not isinstance(v, numbers.Real)
+                or not 0 < v < float("inf")
             ):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+            slos.append(None if v is None else float(v))
+        slo_ttft_s, slo_tpot_s = slos
         # best_of > n: best_of candidates (the output processor returns the n best)
         num_seqs = params.num_candidates
         sids = [request_id] if num_seqs == 1 else [f"{request_id}#{i}" for i in range(num_seqs)]

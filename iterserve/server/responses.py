@@ -43,8 +43,9 @@ from iterserve.server.serving import UNHONOURED_VLLM_EXTRAS, Serving, _ChatForma
 logger = logging.getLogger(__name__)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-# OpenAI's reasoning efforts (vLLM's Reasoning type)
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# OpenAI's reasoning efforts (the openai package's ReasoningEffort, which vLLM checks)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_ID_CHARS = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # vLLM's sampling extras pass through to the chat path (honoured or refused there); these
@@ -264,19 +265,19 @@ def _reasoning_text(item: dict[str, Any], i: int) -> str:
 
 
 def _continues(input: str | list[dict[str, Any]]) -> bool:
-    """Whether the input ends with an assistant message still "in_progress" or "incomplete"
-    (a cut-off answer sent back): its text is continued (vLLM's
-    ``should_continue_final_message``); a reasoning item so is refused (not continued here)."""
+    """Whether the input ends with a message still "in_progress" or "incomplete" (a cut-off
+    answer sent back): its text is continued (vLLM's ``should_continue_final_message``); a
+    reasoning item so is refused (its text would be closed, not continued, here)."""
     if isinstance(input, str) or not input:
         return False
     last = input[-1]
     if last.get("status") not in ("in_progress", "incomplete"):
         return False
-    if last.get("type", "message") == "message" and last.get("role") == "assistant":
+    if last.get("type", "message") == "message":
         return True
     raise _unsupported(
         f"input.{len(input) - 1}.status",
-        "only an assistant message is continued; send the item as completed",
+        "only a message is continued; send the reasoning item as completed",
     )
 
 
@@ -319,6 +320,7 @@ class ResponseStore:
         if size > self.max_bytes:
             logger.info("response %s not stored: %d bytes is over the store", response["id"], size)
             return
+        self.delete(response["id"])  # a concurrent request of one request_id: the later wins
         self._items[response["id"]] = _Stored(response, messages, size)
         self.bytes += size
         while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
@@ -370,10 +372,12 @@ class ResponsesAPI:
             if found is None:
                 raise self._gone(req.previous_response_id, "previous_response_id")
             history = found
-        if req.request_id is not None and (not req.request_id or self.store.get(req.request_id)):
+        rid = req.request_id
+        if rid is not None and (not _ID_CHARS.fullmatch(rid) or self.store.get(rid)):
             raise bad_request(
-                f"request_id {req.request_id!r} names a stored response (or is empty); send "
-                "another, or none for a generated one",
+                f"request_id {rid!r} names a stored response, or is not 1-200 letters, digits "
+                "and ._:- (it names the response in /v1/responses/{id}); send another, or none "
+                "for a generated one",
                 param="request_id",
             )
         turn = input_messages(req.input)

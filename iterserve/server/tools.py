@@ -299,13 +299,13 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 HERMES_START = "<tool_call>"
 
 
-def _call_of(obj: Any) -> dict[str, Any] | None:
-    """A tool call of a parsed JSON object with a string ``name`` and its ``arguments`` (or
-    ``parameters``), else None: as vLLM's parsers, other JSON (``{"name": "Bob", "age": 3}``)
-    is content, not a call with empty arguments."""
+def _call_of(obj: Any, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    """A tool call of a parsed JSON object with a string ``name`` and its arguments under
+    the first of ``keys`` it has, else None: as vLLM's parsers, other JSON (``{"name": "Bob",
+    "age": 3}``) is content, not a call with empty arguments."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    key = "arguments" if "arguments" in obj else "parameters" if "parameters" in obj else None
+    key = next((k for k in keys if k in obj), None)
     return None if key is None else _call(obj["name"], obj[key])
 
 
@@ -319,7 +319,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     calls = []
     for m in _HERMES.finditer(text, start):
         try:
-            call = _call_of(json.loads(m.group(1)))
+            call = _call_of(json.loads(m.group(1)), ("arguments",))  # vLLM's hermes: only
         except json.JSONDecodeError:
             return text, []
         if call is None:
@@ -344,7 +344,7 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             obj, end = dec.raw_decode(body, pos)
         except json.JSONDecodeError:
             return text, []
-        call = _call_of(obj)
+        call = _call_of(obj, ("parameters", "arguments"))
         if call is None:
             return text, []
         calls.append(call)

@@ -218,14 +218,15 @@ class WorkloadConfig:
                 "length_scale scales a trace's lengths; the random dataset's are "
                 "random_input_len / random_output_len: set those instead"
             )
-        if self.time_scale != 1.0 and self.request_rate is not None:
+        if self.time_scale != 1.0 and self.arrivals != "trace":
             raise ValueError(
-                "time_scale scales a trace's own arrival times, which request_rate replaces; "
-                "drop one of them"
+                "time_scale scales a trace's own arrival times; these arrivals are "
+                f"{self.arrivals} (request_rate, or a dataset without times): drop time_scale"
             )
-        if self.burstiness != 1.0 and (self.request_rate is None or math.isinf(self.request_rate)):
+        # (with an infinite rate it is moot, as in vLLM's bench: a sweep's "inf" point)
+        if self.burstiness != 1.0 and self.request_rate is None:
             raise ValueError(
-                "burstiness shapes the arrivals of a finite request_rate; set request_rate too "
+                "burstiness shapes the arrivals of a request_rate; set request_rate too "
                 "(without it, arrivals are the trace's own or all at once)"
             )
         if self.long_prompts not in LONG_PROMPT_MODES:

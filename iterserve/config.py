@@ -138,6 +138,41 @@ class SchedulerConfig:
             )
 
 
+# --help texts of the engine's flags (the policy and generation-config ones are built below)
+_ENGINE_HELP = {
+    "model": "a built-in name (tiny-random, bench-134m, smollm2-135m), an HF folder, a .gguf "
+    "file or a Hub id",
+    "dtype": "weights and activations",
+    "max_num_seqs": "sequences running at once (the batch's slots)",
+    "max_num_batched_tokens": "tokens one step may schedule (prefill chunks and decodes)",
+    "enable_chunked_prefill": "split long prompts over steps within the token budget",
+    "block_size": "tokens per KV-cache block",
+    "num_kv_blocks": "KV-cache blocks (instead of --kv-cache-memory)",
+    "kv_cache_memory": f"KV-cache size, e.g. 2GiB or 512MB (default: {DEFAULT_CPU_KV_MEMORY} on "
+    "CPU, --gpu-memory-utilization on CUDA)",
+    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
+    "max_model_len": "context length, prompt and output (default: the model's)",
+    "seed": "seed of sampling without a request seed",
+    "num_threads": "CPU threads for the forward (default: the CPUs this process may run on)",
+    "record_steps": "write every step's stats (JSON lines) to this file",
+    "preemption_victim": "which running sequence gives its KV blocks up (default: the policy's)",
+    "preemption_protect_steps": "steps a sequence is safe from preemption after (re)admission",
+    "preemption_resume_headroom": "free blocks a preempted sequence waits for before it resumes",
+    "admission_reservation": "KV blocks held for a request's output at admission",
+    "long_prefill_threshold": "prompts longer than this many tokens are long (0: none)",
+    "max_long_partial_prefills": "long prompts part-way through at once",
+    "tenant_weights": "fair policy: NAME=WEIGHT,... shares by tenant (the request's user)",
+    "slo_ttft_ms": "slo policy: the TTFT target of requests that set none (ms)",
+    "slo_tpot_ms": "slo policy: the TPOT target of requests that set none (ms)",
+    "attention_backend": "attention implementation (default: $ITERSERVE_ATTENTION_BACKEND, "
+    "else auto)",
+    "device": "where the model runs",
+    "gpu_memory_utilization": "CUDA: fraction of the GPU for weights, activations and the KV "
+    "cache, when no KV size is given",
+    "enforce_eager": "CUDA: no CUDA graphs",
+}
+
+
 @dataclass
 class EngineArgs:
     """Every engine knob in one flat place; ``LLM(**kwargs)`` and the CLIs both use it."""
@@ -326,6 +361,7 @@ class EngineArgs:
             **overrides,
         }
         helps = {
+            **_ENGINE_HELP,
             "policy": f"one of {', '.join(policy_names())}, or module:Class (a Policy subclass)",
             "generation_config": "where requests that leave temperature, top_p, top_k, min_p, "
             "the penalties or max_tokens unset get them: auto (the model's "
@@ -589,6 +625,8 @@ def add_dataclass_args(
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = flag_type
+        if kw["default"] is not None and "default" not in kw.get("help", ""):
+            kw["help"] = f"{kw.get('help', '')} (default: %(default)s)".lstrip()
         parser.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 

@@ -7,7 +7,7 @@ request completes); then a few greedy completions show that the model is real. I
 table per run, draws who held each batch slot at every step (``demo_slots.png``) and writes
 the runs as a bench result file (``demo.json``) and step records under ``--out-dir``.
 
-    iterserve demo        # smollm2-135m: about 1-2.5 minutes on 2 cores (README)
+    iterserve demo        # smollm2-135m: 48-151 s on 2 cores (README has where)
     iterserve demo --model tiny-random --dtype float32 --num-requests 12 --out-dir /tmp/demo
 """
 

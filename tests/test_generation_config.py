@@ -434,3 +434,20 @@ def test_a_capped_default_holds_for_streams_n_best_of_echo_and_responses() -> No
         assert r.status_code == 200, r.text
         assert _params_of(fake).max_tokens == 6
         assert r.json()["usage"]["output_tokens"] == 6
+
+
+def test_the_tokenizers_eos_stops_too_beside_the_configs(tmp_path: Path) -> None:
+    # vLLM stops on the tokenizer's EOS and the generation config's ids; the config's alone
+    # let a fine-tune whose tokenizer ends on another token run to max_tokens
+    from iterserve.model.builtin import make_test_checkpoint
+
+    folder = make_test_checkpoint(str(tmp_path / "m"), arch="llama")
+    gen = {"bos_token_id": 1, "eos_token_id": [4]}
+    (Path(folder) / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(folder, dtype="float32")
+    tok_eos = llm.engine.tokenizer.eos_token_id
+    assert tok_eos is not None and tok_eos != 4
+    assert llm.engine.eos_token_ids == {4, tok_eos}
+    p = SamplingParams(max_tokens=4, temperature=0.0, logit_bias={tok_eos: 100.0})
+    out = llm.generate(["The quick brown fox"], p)[0].outputs[0]
+    assert list(out.token_ids) == [tok_eos] and out.finish_reason == "stop"

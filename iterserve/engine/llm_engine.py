@@ -143,9 +143,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.vocab_size
-        eos = list(self.runner.eos_token_ids)
-        if not eos and self.tokenizer.eos_token_id is not None:
-            eos = [int(self.tokenizer.eos_token_id)]
+        # the generation config's EOS ids and the tokenizer's, as vLLM stops on both (a ChatML
+        # fine-tune's tokenizer may end on <|im_end|> while its config keeps the base's ids)
+        eos = set(self.runner.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self.kv = KVCacheManager(
             self.runner.num_kv_blocks, self.runner.block_size, cache_config.enable_prefix_caching

@@ -29,6 +29,7 @@ from iterserve.core.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
 from iterserve.model.runner import BatchItem
 from iterserve.model.sampler import (
+    NO_TOKEN,
     GrammarMask,
     SampleRow,
     TokenLists,
@@ -540,9 +541,9 @@ class LLMEngine:
                 return self._fail_all(exc, touched)
             t3 = time.monotonic()
             for r, t in zip(sample_reqs, tokens):
-                if t < 0:  # every token masked (sampler.NO_TOKEN): ended, nothing appended
+                if t == NO_TOKEN:  # every token masked: ended, nothing appended
                     self._end_without_token(r, touched, t3)
-            sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens) if t >= 0}
+            sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens) if t != NO_TOKEN}
             lp_by_id = {r.request_id: lp for r, lp in zip(sample_reqs, lps) if lp is not None}
             finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
             self._advance_matchers(sampled, finished)

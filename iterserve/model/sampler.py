@@ -197,8 +197,9 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], idx: Seque
             row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
 
 
-def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
-    """min_tokens: EOS and stop tokens are impossible until enough tokens were generated."""
+def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
+    """min_tokens: EOS and stop tokens are impossible until enough tokens were generated.
+    Returns the rows masked."""
     vocab, dev = logits.shape[-1], logits.device
     parts: list[tuple[int, torch.Tensor]] = []
     for i, r in enumerate(rows):
@@ -207,6 +208,7 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
             parts.append((i, r.lists.stop_ids(vocab, dev, r.eos_token_ids)))
     if parts:
         _fill(logits, _flat_index(parts, vocab), float("-inf"))
+    return [i for i, _ in parts]
 
 
 # (bitmask [len(rows), ceil(vocab / 32)] int32, the rows it applies to)
@@ -225,11 +227,12 @@ def _apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
         apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), idx)
 
 
-def _apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
-    """allowed_token_ids: every other token of the row becomes impossible."""
+def _apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
+    """allowed_token_ids: every other token of the row becomes impossible. Returns the rows
+    masked."""
     idx = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
     if not idx:
-        return
+        return idx
     vocab = logits.shape[-1]
     dev = logits.device
     keep = torch.zeros(len(idx), vocab, dtype=torch.bool, device=dev)
@@ -237,11 +240,13 @@ def _apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SampleRow]) ->
     _fill(keep, _flat_index(parts, vocab), True)
     rsel = torch.tensor(idx, device=dev)
     logits[rsel] = logits[rsel].masked_fill(~keep, float("-inf"))
+    return idx
 
 
-def _ban_bad_words(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+def _ban_bad_words(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
     """bad_words: a word's last token is banned where the output already ends with the
-    tokens before it (a one-token word is always banned), so no word is ever completed."""
+    tokens before it (a one-token word is always banned), so no word is ever completed.
+    Returns the rows masked."""
     vocab, dev = logits.shape[-1], logits.device
     parts: list[tuple[int, torch.Tensor]] = []
     for i, r in enumerate(rows):
@@ -255,6 +260,7 @@ def _ban_bad_words(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
             parts.append((i, torch.tensor(now, dtype=torch.long, device=dev)))
     if parts:
         _fill(logits, _flat_index(parts, vocab), float("-inf"))
+    return [i for i, _ in parts]
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
@@ -318,25 +324,15 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
 NO_TOKEN = -1
 
 
-def _no_token_left(
-    logits: torch.Tensor, rows: Sequence[SampleRow], grammar_mask: GrammarMask | None
-) -> torch.Tensor | None:
-    """[rows] bool, True where every logit is -inf after the masks (None: no row is masked,
-    the usual case, at no cost). Only masks make a row -inf throughout; penalties, logit_bias
-    and the top-k / top-p / min-p filters always leave a token."""
-    idx = {
-        i
-        for i, r in enumerate(rows)
-        if r.params.allowed_token_ids
-        or r.has_bad_words
-        or (r.params.min_tokens and r.num_output_tokens < r.params.min_tokens)
-    }
-    if grammar_mask is not None:
-        idx.update(grammar_mask[1])
-    if not idx:
+def _no_token_left(logits: torch.Tensor, masked: set[int]) -> torch.Tensor | None:
+    """[rows] bool, True where every logit of a ``masked`` row (one a mask touched this
+    step) is -inf (None: no row was masked, the usual case, at no cost). Only masks make a
+    row -inf throughout; penalties, logit_bias and the top-k / top-p / min-p filters always
+    leave a token."""
+    if not masked:
         return None
-    sel = torch.tensor(sorted(idx), device=logits.device)
-    dead = torch.zeros(len(rows), dtype=torch.bool, device=logits.device)
+    sel = torch.tensor(sorted(masked), device=logits.device)
+    dead = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     dead[sel] = torch.isneginf(logits[sel].amax(-1))
     return dead
 
@@ -518,20 +514,22 @@ def sample(
     want_logprobs = [p.needs_logprobs for p in params]
     raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
 
+    masked: set[int] = set()  # rows a mask touched: only those can be left with no token
     if any(p.allowed_token_ids for p in params):
-        _apply_allowed_token_ids(logits, rows)
+        masked.update(_apply_allowed_token_ids(logits, rows))
     if any(r.has_bad_words for r in rows):
-        _ban_bad_words(logits, rows)
+        masked.update(_ban_bad_words(logits, rows))
     if any(p.logit_bias for p in params):
         _apply_logit_bias(logits, rows)
     pen = [i for i, p in enumerate(params) if p.needs_penalties]
     if pen:
         _apply_penalties(logits, rows, pen)
     if any(p.min_tokens for p in params):
-        _mask_stop_tokens(logits, rows)
+        masked.update(_mask_stop_tokens(logits, rows))
     if grammar_mask is not None:
         _apply_grammar_mask(logits, grammar_mask)
-    dead = _no_token_left(logits, rows, grammar_mask)
+        masked.update(grammar_mask[1])
+    dead = _no_token_left(logits, masked)
 
     rand = [i for i, p in enumerate(params) if not p.greedy]
     dev = logits.device

@@ -30,6 +30,22 @@ def _token_bias(bias: Mapping[Any, Any]) -> dict[int, float]:
     return out
 
 
+def plain_int(v: object) -> int | None:
+    """``v`` as a Python int where it is an integer (numpy's too), else None (a bool is not
+    one): request fields are used as plain values, never as what the caller passed."""
+    if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Integral):
+        return None
+    return int(v)
+
+
+def plain_float(v: object) -> float | None:
+    """``v`` as a Python float where it is a real number (numpy's, Fraction, Decimal), else
+    None (a bool is not one)."""
+    if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Real | decimal.Decimal):
+        return None
+    return float(v)
+
+
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 _FLAGS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -110,17 +126,15 @@ class SamplingParams:
             if not isinstance(v, bool):
                 raise bad(name, "true or false")
         for name in _NUMBERS:
-            v = getattr(self, name)
-            if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Real | decimal.Decimal):
+            if (x := plain_float(getattr(self, name))) is None:
                 raise bad(name, "a number")
-            setattr(self, name, float(v))
+            setattr(self, name, x)
         for name in _INTEGERS:
             v = getattr(self, name)
-            if v is None:
-                continue
-            if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Integral):
-                raise bad(name, "an integer")
-            setattr(self, name, int(v))
+            if v is not None:
+                if (i := plain_int(v)) is None:
+                    raise bad(name, "an integer")
+                setattr(self, name, i)
 
         if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
             raise bad("n", "an integer in [1, 128]")

@@ -122,6 +122,11 @@ class EngineSnapshot:
     engine_healthy: bool = True
     last_error: str | None = None
 
+    @property
+    def num_queued(self) -> int:
+        """Sequences waiting: for the scheduler, or for their grammar to compile."""
+        return self.num_waiting + self.num_deferred
+
 
 class EngineObserver(Protocol):
     """Receives engine events: ``on_step`` ON THE ENGINE THREAD, the per-request ones ON THE
@@ -646,7 +651,7 @@ class AsyncEngine:
             return err
         if self.max_queued_requests is not None:
             with self._adm_lock:
-                queued = len(self._pending_adds) + self._queued()
+                queued = len(self._pending_adds) + self.snapshot.num_queued
             if queued >= self.max_queued_requests:
                 return (
                     f"the queue is full ({queued} waiting, --max-queued-requests "
@@ -783,18 +788,12 @@ class AsyncEngine:
         return len(ids)
 
     # ---- admission control (any thread) -------------------------------------------------
-    def _queued(self) -> int:
-        """The engine's queued sequences (latest snapshot): the scheduler's waiting queue and
-        those held back while their grammar compiles."""
-        snap = self.snapshot
-        return snap.num_waiting + snap.num_deferred
-
     # Queued requests = adds not yet handed to the engine + the engine's own waiting queue
     # (as of the latest drain/step). Queued tokens = prompt tokens of admitted requests that
     # have not produced their first token yet.
     def _admit(self, request_id: str, num_tokens: int) -> None:
         with self._adm_lock:
-            queued = len(self._pending_adds) + self._queued()
+            queued = len(self._pending_adds) + self.snapshot.num_queued
             if self.max_queued_requests is not None and queued >= self.max_queued_requests:
                 raise QueueFullError(
                     f"too many queued requests ({queued} waiting, "

@@ -11,14 +11,12 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import logging
-import numbers
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from iterserve.config import CacheConfig, EngineArgs
@@ -38,7 +36,7 @@ from iterserve.model.sampler import (
     sample,
 )
 from iterserve.outputs import RequestMetrics, RequestOutput, StepStats
-from iterserve.sampling_params import NO_TOKEN_ALLOWED, SamplingParams
+from iterserve.sampling_params import NO_TOKEN_ALLOWED, SamplingParams, plain_float, plain_int
 from iterserve.structured.grammar import GrammarCompiler, TokenBitmask
 from iterserve.structured.params import GRAMMAR_FAILED, GRAMMAR_FILL_LIMIT_S
 
@@ -261,22 +259,18 @@ class LLMEngine:
         params = params or self.default_sampling_params()
         # checked before anything is registered: a policy comparing or hashing a bad one later
         # raised with the request half-added, never to finish
-        # (numpy's numbers are taken, as plain ones)
-        if isinstance(priority, bool | np.bool_) or not isinstance(priority, numbers.Integral):
+        if (prio := plain_int(priority)) is None:
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        priority = int(priority)
+        priority = prio
         for name, label in (("tenant", tenant), ("call", call)):
             if not isinstance(label, str):
                 raise ValueError(f"{name} must be a string, got {label!r}")
         slos = []
         for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
-            if v is not None and (
-                isinstance(v, bool | np.bool_)
-                or not isinstance(v, numbers.Real)
-                or not 0 < v < float("inf")
-            ):
+            x = None if v is None else plain_float(v)
+            if v is not None and (x is None or not 0 < x < float("inf")):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
-            slos.append(None if v is None else float(v))
+            slos.append(x)
         slo_ttft_s, slo_tpot_s = slos
         # best_of > n: best_of candidates (the output processor returns the n best)
         num_seqs = params.num_candidates

@@ -376,10 +376,7 @@ class ServerMetrics:
         """Reads gauges from ``engine`` at scrape time."""
         sources: list[tuple[tuple[Gauge, Gauge | None], Callable[[], float]]] = [
             (self.num_requests_running, lambda: engine.snapshot.num_running),
-            (
-                self.num_requests_waiting,
-                lambda: engine.snapshot.num_waiting + engine.snapshot.num_deferred,
-            ),
+            (self.num_requests_waiting, lambda: engine.snapshot.num_queued),
             (self.kv_cache_usage_perc, lambda: engine.snapshot.kv_usage),
             (self.prefix_cache_hit_rate, self._hit_rate),
             (self.num_requests_in_flight, lambda: engine.num_active),

@@ -185,6 +185,42 @@ def test_preemption_frees_blocks_requeues_at_head_and_resumes() -> None:
     assert "new" in preempted
 
 
+def test_a_preempted_request_that_ends_gives_its_kept_blocks_back() -> None:
+    """A preempted request's cached blocks are evicted last, since it will come back for
+    them; aborted instead, they stayed so, and outlived a hot shared prefix cached later."""
+    s = make_sched(num_blocks=8, block_size=4, max_num_batched_tokens=64, max_model_len=64)
+    kv = s.kv
+    s.add_request(make_req("A", 4, 12, seed=1))
+    v = make_req("V", 13, 20, seed=2)
+    s.add_request(v)
+    steps = 0
+    while not v.num_preemptions:
+        fake_step(s)
+        steps += 1
+        assert steps < 100
+    assert kv.pool._kept  # V's prefix, kept back for its resume
+    s.finish_request("V", FinishReason.ABORT)
+    assert not kv.pool._kept
+    s.check_integrity()
+    run_all(s)
+    hot = list(range(110, 118))
+    s.add_request(make_req("sys", 0, 1, prompt=hot + [1]))
+    run_all(s)
+    s.add_request(make_req("big", 0, 1, prompt=list(range(150, 166))))
+    run_all(s)
+    # the dead request's blocks went before the shared prefix did
+    assert kv.get_computed_blocks(make_req("again", 0, 1, prompt=hot + [4]))[1] == 8
+
+
+def test_a_resumed_request_keeps_no_claim_on_blocks() -> None:
+    """Preempted, resumed, then finished: nothing is kept back for it any more."""
+    s = make_sched(num_blocks=10, block_size=4, max_num_batched_tokens=64)
+    s.add_request(make_req("old", 12, 20, seed=1))
+    s.add_request(make_req("new", 12, 20, seed=2))
+    run_all(s)
+    assert s.num_preemptions and not s.kv._kept_for and not s.kv.pool._kept
+
+
 def test_request_that_cannot_fit_alone_fails_with_clear_error() -> None:
     s = make_sched(num_blocks=4, block_size=4)
     s.add_request(make_req("huge", 40, 2))

@@ -1236,6 +1236,72 @@ def test_slo_admits_a_short_prompt_beside_a_long_prefill() -> None:
     assert "short" in out.decision()
 
 
+def _slo_timed(s: Scheduler) -> tuple[Callable[[], SchedulerOutput], list[float]]:
+    """A stepper for ``s`` on a clock of 5 ms + 0.1 ms a token (fed to the policy's fit)."""
+    books = Books(s)
+    clock = [0.0]
+    s.clock = lambda: clock[0]
+
+    def step() -> SchedulerOutput:
+        out, _ = step_once(s)
+        if out.requests:
+            books.record_step(out, clock[0], linear_step_s(out.total_tokens), 0)
+            clock[0] += linear_step_s(out.total_tokens)
+        return out
+
+    # the fit sees two step sizes
+    s.add_request(slo_req("warm", 10, 0.0, None, seed=99))
+    while s.has_unfinished_requests():
+        step()
+    return step, clock
+
+
+def test_slo_admits_every_sequence_of_an_admitted_n_request() -> None:
+    """n = 2 under a 15 ms TTFT target: the second sequence finds the first's prompt in the
+    prefix cache and both first tokens come in the same step, 9.4 ms after arrival. Each was
+    judged alone, charged the first one's whole prompt and its own again, and rejected,
+    so the request ended with an error after its first sequence ran."""
+    s = sched(num_blocks=400, policy="slo", max_num_seqs=8, max_num_batched_tokens=64)
+    step, clock = _slo_timed(s)
+    prompt = [7 + i % 50 for i in range(40)]
+    params = SamplingParams(n=2, max_tokens=4, temperature=1.0, ignore_eos=True)
+    t0 = clock[0]
+    for i in range(2):
+        s.add_request(
+            Request(f"x#{i}", prompt, params, 4, frozenset({EOS}), arrival_time=t0,
+                    slo_ttft_s=0.015, call="x")  # fmt: skip
+        )
+    out = step()
+    assert not out.failed and s.num_rejected == 0
+    assert out.decision() == {"x#0": 40, "x#1": 4} and out.prefix_hit_tokens == 36
+    assert all(s.requests[f"x#{i}"].num_output_tokens == 1 for i in range(2))
+    assert clock[0] - t0 <= 0.015
+    # a request of its own with the same prompt is still judged: at a 1 ms target, refused
+    s.add_request(slo_req("alone", 40, clock[0], 0.001, seed=5))
+    out = step()
+    assert [r.request_id for r in out.failed] == ["alone"]
+
+
+def test_slo_does_not_judge_a_preempted_request_again() -> None:
+    """B (24 tokens, a 30 ms target) is admitted beside A's decode, computes 14 tokens and
+    is preempted for A's blocks; back at the head of the queue it was judged again as if
+    new and refused ('retry later') after the work done for it: it now resumes and ends."""
+    s = sched(num_blocks=7, policy="slo", max_num_seqs=4, max_num_batched_tokens=8)
+    step, clock = _slo_timed(s)
+    s.add_request(make_req("A", 6, 60, seed=1))
+    step()
+    step()
+    b = slo_req("B", 24, clock[0], 0.03, seed=2)
+    s.add_request(b)
+    for _ in range(40):
+        if b.status is RequestStatus.FINISHED:
+            break
+        step()
+    assert b.num_preemptions >= 1 and b.max_computed_tokens >= 8
+    assert b.status is RequestStatus.FINISHED and b.error is None
+    assert b.num_output_tokens == b.max_tokens and s.num_rejected == 0
+
+
 def _slo_first_token(s: Scheduler, arrivals: dict[int, Request], watch: str) -> int:
     """Steps ``s`` (5 ms + 0.1 ms a token, fed to the policy) adding ``arrivals[k]`` before
     step k, until request ``watch`` has a token; returns that step."""

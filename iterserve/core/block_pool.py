@@ -103,6 +103,14 @@ class BlockPool:
                 else:
                     self._free[bid] = None
 
+    def unkeep(self, blocks: Iterable[tuple[int, int]]) -> None:
+        """Moves these (block id, hash) pairs, where still kept back with that content, to
+        the ordinary free queue's back (the request they were kept for will not resume)."""
+        for bid, h in blocks:
+            if bid in self._kept and self.blocks[bid].block_hash == h:
+                del self._kept[bid]
+                self._free[bid] = None
+
     def cache(
         self, block_id: int, parent_hash: int | None, block_hash: int, token_ids: Sequence[int]
     ) -> None:

@@ -26,6 +26,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
+        # A preempted request's cached blocks (id, hash), tail first, kept back for it until
+        # it resumes; if it ends instead, they go back to the ordinary LRU (see free).
+        self._kept_for: dict[str, list[tuple[int, int]]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -117,6 +120,7 @@ class KVCacheManager:
                 return False
             if blocks is None:
                 blocks = self.req_blocks[rid] = []
+                self._kept_for.pop(rid, None)  # resumed: its blocks are its own again
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
@@ -147,12 +151,21 @@ class KVCacheManager:
         registered for those tokens are forgotten rather than left as false prefix hits.
         ``keep`` (a preemption: ``req`` will come back for them): its cached blocks are
         evicted only after every other free block."""
-        blocks = self.req_blocks.pop(req.request_id, None)
-        self._num_registered.pop(req.request_id, None)
+        rid = req.request_id
+        blocks = self.req_blocks.pop(rid, None)
+        self._num_registered.pop(rid, None)
         if blocks and discard_uncomputed:
             self.pool.forget(blocks[req.num_computed_tokens // self.block_size :])
         if blocks:
             self.pool.free(reversed(blocks), keep=keep)
+            if keep:
+                ref = self.pool.blocks
+                self._kept_for[rid] = [
+                    (b, h) for b in reversed(blocks) if (h := ref[b].block_hash) is not None
+                ]
+        elif (kept := self._kept_for.pop(rid, None)) is not None:
+            # it ended while preempted (aborted, failed): its blocks are not coming back
+            self.pool.unkeep(kept)
 
     def blocks_to_grow(self, req: Request, num_tokens: int) -> int:
         """New blocks ``req`` needs to hold all its tokens plus ``num_tokens`` more."""

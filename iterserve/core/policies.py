@@ -893,7 +893,9 @@ class SloPolicy(Policy):
     (``StepTimeFit`` over the steps run: measured in the engine, the cost model's in the
     simulator); when more requests wait behind it, they fill its last step, and the
     prediction is ``now + k * (a + b * budget)``. Before the fit has a slope, ``now + k *``
-    the running mean step. A request is rejected when that prediction is past its deadline.
+    the running mean step. A request is rejected when that prediction is past its deadline;
+    it is judged once: not again when it comes back after a preemption, and the further
+    sequences of an n / best_of request follow the first one's admission.
     In long-prompt mode a long prompt ahead runs the threshold ``L`` a step beside it rather
     than all of it first: its ``L`` counts with the decodes (``d``) and not in ``W``, and a
     long prompt of its own needs at least ``ceil(own / L)`` steps.
@@ -933,6 +935,9 @@ class SloPolicy(Policy):
         self.long_share = 0
         self.waiting_behind = 0  # requests waiting behind the next admission
         self.queue: WaitingQueue | None = None
+        # The last request admitted: the next one, if it is a sequence of the same n / best_of
+        # request (which queue next to each other), shares its admission (see _admission).
+        self.last_admitted: Request | None = None
 
     def ttft_target(self, req: Request) -> float | None:
         return req.slo_ttft_s if req.slo_ttft_s is not None else self.default_ttft_s
@@ -981,11 +986,25 @@ class SloPolicy(Policy):
             self.long_share += self.long_thr
         else:
             self.prefill_ahead += req.num_tokens
+        self.last_admitted = req
 
     def _admission(self, req: Request, clock: Callable[[], float]) -> Admission:
         deadline = self.deadline(req)
         if deadline == math.inf or len(req.all_token_ids) > len(req.prompt_token_ids):
             return ADMIT  # no target, or its first token is already out
+        if req.num_preemptions:
+            return ADMIT  # admitted once already: a preemption does not reopen the question
+        last = self.last_admitted
+        if (
+            last is not None
+            and last.params is req.params
+            and last.arrival_time == req.arrival_time
+            and last.prompt_token_ids == req.prompt_token_ids
+        ):
+            # Another sequence of the request just admitted: it finds that one's prompt in
+            # the prefix cache, and one sequence alone must not be refused (the request
+            # would end with an error after the other ran).
+            return ADMIT
         now = clock()
         predicted = self.predicted_first_token(req, now)
         if predicted <= deadline:

@@ -1268,8 +1268,16 @@ def test_slo_admits_every_sequence_of_an_admitted_n_request() -> None:
     t0 = clock[0]
     for i in range(2):
         s.add_request(
-            Request(f"x#{i}", prompt, params, 4, frozenset({EOS}), arrival_time=t0,
-                    slo_ttft_s=0.015, call="x")  # fmt: skip
+            Request(
+                f"x#{i}",
+                prompt,
+                params,
+                4,
+                frozenset({EOS}),
+                arrival_time=t0,
+                slo_ttft_s=0.015,
+                call="x",
+            )  # fmt: skip
         )
     out = step()
     assert not out.failed and s.num_rejected == 0

@@ -352,6 +352,21 @@ def test_unread_stream_holds_one_coalesced_output_and_is_aborted_past_its_buffer
     assert "did not read its stream" in outcome and "--stream-buffer-tokens" in outcome
 
 
+def test_a_finished_answer_past_the_stream_buffer_is_returned_whole() -> None:
+    """best_of > n returns its n best sequences whole in one final output: past
+    --stream-buffer-tokens together, that finished answer was swapped for the unread-stream
+    failure (a 500) though the request had ended and nothing was left to save."""
+    fake = FakeEngine(max_model_len=4096, num_blocks=4096, block_size=4, max_num_seqs=8)
+    _, server = serve(fake, stream_buffer_tokens=300)
+    with server as s:
+        body = {"prompt": "hi", "ignore_eos": True, "n": 2, "best_of": 3, "max_tokens": 200}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        assert j["usage"]["completion_tokens"] == 400
+        assert [c["finish_reason"] for c in j["choices"]] == ["length", "length"]
+
+
 @pytest.mark.parametrize("stall_s", [0.0, 0.01, 0.05])
 def test_a_starved_loop_still_gets_every_token_in_order(stall_s: float) -> None:
     """Outputs that merged on their way to a starved loop (and in the stream's mailbox) join

@@ -324,7 +324,11 @@ class _Mailbox:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
         if self.unread_tokens > self.max_tokens or self.unread_bytes > self.max_bytes:
-            self._on_overflow()
+            # A final output is never swapped for the overflow's failure: the request is
+            # done and its KV freed, so aborting saves nothing (a best_of request's whole
+            # answer comes as one final output, often past the limit).
+            if not (isinstance(item, RequestOutput) and item.finished):
+                self._on_overflow()
 
     def replace_all(self, item: _Item) -> None:
         """Drops what is unread and leaves ``item`` (the overflow's failure), after the

@@ -35,7 +35,13 @@ from iterserve.engine.async_engine import RequestFailedError
 from iterserve.outputs import CompletionOutput, RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, bad_request, dumps, validation_error
-from iterserve.server.protocol import ChatCompletionRequest, OpenAIModel, SamplingExtras
+from iterserve.server.protocol import (
+    ChatCompletionRequest,
+    Dicts,
+    OpenAIModel,
+    SamplingExtras,
+    Strings,
+)
 from iterserve.server.reasoning import ReasoningStream, split_reasoning
 from iterserve.server.routing import routing
 from iterserve.server.serving import UNHONOURED_VLLM_EXTRAS, Serving, _ChatFormat
@@ -79,13 +85,13 @@ class ResponsesRequest(OpenAIModel):
     declared, so the schema and the refusals name them."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | Dicts
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = None
-    include: list[str] | None = None
+    include: Strings | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     store: bool | None = True
@@ -99,7 +105,7 @@ class ResponsesRequest(OpenAIModel):
     # vLLM's: the response's id (a stored one's is refused: ids name stored responses)
     request_id: str | None = None
     # refused unless unset (or the value that means "nothing")
-    tools: list[dict[str, Any]] | None = None
+    tools: Dicts | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = None

@@ -147,7 +147,9 @@ def logit_bias(c: Ctx, ep: str) -> None:
     t = c.greedy_tokens(ep)[0] + 1
     assert c.tokens(ep, logit_bias={str(t): 100}) == [t] * MAX
     c.refused(ep, "logit_bias", logit_bias={"x": 1})
-    c.refused(ep, "logit_bias", logit_bias={"5": 101})
+    # past +-100 clamped, as vLLM's server does (it was refused)
+    assert c.tokens(ep, logit_bias={str(t): 1e9}) == [t] * MAX
+    assert c.tokens(ep, logit_bias={str(t): 150, str(t + 1): -150}) == [t] * MAX
     c.refused(ep, "logit_bias", logit_bias={str(c.engine.vocab_size): 1})
 
 

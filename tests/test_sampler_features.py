@@ -523,3 +523,29 @@ def test_ties_at_the_cut_keep_the_sorted_count_first_by_index() -> None:
     assert cold.greedy
     logits = _logits(8) * 50
     assert sample(logits.clone(), [_row(cold)] * 8, kern)[0] == logits.argmax(-1).tolist()
+
+
+def test_a_row_without_top_p_keeps_its_tail_beside_a_top_p_row() -> None:
+    """Every row compared its mass-before-token with its top_p: at top_p 1.0 the float32
+    cumsum's rounding reached 1.0 before the tail did, so beside a top_p 0.9 neighbour a plain
+    row lost ~24,000 of 150,000 tokens (they stay alone)."""
+    from iterserve.model.sampler import _filter
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 150_000) * 3
+    plain, nucleus = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)
+    alone = _filter(logits.clone(), [plain])
+    beside = _filter(torch.cat([logits, logits]), [plain, nucleus])
+    assert torch.equal(alone, beside[:1])
+    assert int(torch.isfinite(beside[1]).sum()) < 150_000  # the neighbour's own cut holds
+
+
+def test_tied_logprobs_rank_the_sampled_token_after_its_ties() -> None:
+    """A rank counts the tokens at least as likely (vLLM's rule): with two equal top logits
+    the greedy pick is rank 2, so top_logprobs 1 does not list two entries of rank 1."""
+    logits = torch.tensor([[2.0, 2.0, 1.0, 0.0]])
+    _, lps = sample(logits, [_row(SamplingParams(temperature=0.0, logprobs=2))])
+    entry = lps[0]
+    assert entry is not None
+    token, _, rank, top = entry  # (token, logprob, rank, top-k)
+    assert token == 0 and rank == 2 and sorted(t for t, _ in top) == [0, 1]

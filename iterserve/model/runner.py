@@ -596,7 +596,7 @@ def _prompt_logprobs(
         [t for _, it in prompt_items for t in it.prompt_targets or ()], dtype=torch.int64
     ).to(lps.device)
     tlp = lps.gather(1, targets.unsqueeze(1))
-    ranks = (lps > tlp).sum(-1, keepdim=True) + 1
+    ranks = (lps >= tlp).sum(-1, keepdim=True)  # ties count ahead of it, as in vLLM
     k = max(it.prompt_top_k for _, it in prompt_items)
     top_v, top_i = lps.topk(k, dim=-1) if k else (lps[:, :0], ranks[:, :0])
     # The step's one device-to-host copy: float32 logprobs, ids and ranks (< 2**53) are all

@@ -307,7 +307,10 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
             probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(-1)
             # Drop a token once the mass before it already reaches top_p (the first always stays).
             before = probs.cumsum(-1) - probs
-            mask |= before >= torch.tensor(top_p, dtype=probs.dtype, device=dev).unsqueeze(1)
+            # a row without top-p never compares: its cumsum's rounding reaches 1.0 before
+            # the tail does, which masked tail tokens of that row beside a top-p neighbour
+            cut = [tp if tp < 1.0 else math.inf for tp in top_p]
+            mask |= before >= torch.tensor(cut, dtype=probs.dtype, device=dev).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if any(mp > 0.0 for mp in min_p):
@@ -551,7 +554,7 @@ def sample(
     want = [i for i, w in enumerate(want_logprobs) if w]
     rl = raw_logprobs[torch.tensor(want, device=dev)]
     chosen = rl.gather(1, tokens[want].unsqueeze(1)).squeeze(1)
-    ranks = (rl > chosen.unsqueeze(1)).sum(-1) + 1
+    ranks = (rl >= chosen.unsqueeze(1)).sum(-1)  # ties count ahead of it, as in vLLM
     k = max(params[i].logprobs or 0 for i in want)
     vals, ids = rl.topk(k) if k else (rl[:, :0], rl[:, :0])
     packed = torch.cat(

@@ -13,6 +13,10 @@ import numpy as np
 
 from iterserve.structured.params import StructuredOutputsParams
 
+# The most logprobs / prompt_logprobs a request may ask for (vLLM's default max_logprobs);
+# the server's --max-logprobs may only lower it.
+MAX_LOGPROBS = 20
+
 
 def _token_bias(bias: Mapping[Any, Any]) -> dict[int, float]:
     """``logit_bias`` with integer keys: OpenAI sends token ids as JSON strings."""
@@ -169,9 +173,9 @@ class SamplingParams:
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise bad("logprobs", "an integer in [0, 20]")
+            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
@@ -183,9 +187,10 @@ class SamplingParams:
             if self.structured_outputs is None:
                 raise bad("structured_outputs_after", "None without structured_outputs")
         if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+            not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
-            raise bad("prompt_logprobs", "an integer in [0, 20]")
+            raise bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
         self._validate_extras(bad)
         assert isinstance(self.stop, list)
         for s in self.stop:

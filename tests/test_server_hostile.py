@@ -661,6 +661,10 @@ def test_limit_flags_are_validated_and_default_to_finite_values() -> None:
 
     with pytest.raises(ValueError, match=r"--max-n must be > 0, got 0"):
         ServerLimits(max_n=0)
+    # --max-logprobs 50 was accepted while every request past 20 was still refused
+    with pytest.raises(ValueError, match=r"--max-logprobs must be at most 20"):
+        ServerLimits(max_logprobs=50)
+    assert ServerLimits(max_logprobs=5).max_logprobs == 5
     ns = build_parser().parse_args(["--max-n", "4", "--trust-request-chat-template"])
     limits = ServerLimits.from_cli_args(ns)
     assert limits.max_n == 4 and limits.trust_request_chat_template

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from iterserve.config import add_dataclass_args, cli_kwargs
+from iterserve.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:  # imported when used: `iterserve serve --help` stays fast
     from iterserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -34,7 +35,7 @@ _HELPS = {
     "max_bad_words_chars": "most characters all of a request's bad_words may have together",
     "max_token_ids": "most entries in each of a request's stop_token_ids, allowed_token_ids "
     "and logit_bias",
-    "max_logprobs": "most logprobs / top_logprobs one request may ask for",
+    "max_logprobs": "most logprobs / top_logprobs one request may ask for (at most 20)",
     "max_request_tokens": "most tokens one request may generate: prompts x n x max_tokens "
     "(max_model_len when max_tokens is unset)",
     "trust_request_chat_template": "accept a chat_template sent in the request (rendered "
@@ -118,6 +119,11 @@ class ServerLimits:
                 raise ValueError(f"{flag} must be a finite number > 0, got {value}")
             if value <= 0:
                 raise ValueError(f"{flag} must be > 0, got {value}")
+        if self.max_logprobs > MAX_LOGPROBS:  # else accepted, and refused by SamplingParams
+            raise ValueError(
+                f"--max-logprobs must be at most {MAX_LOGPROBS} (the most a request's sampling "
+                f"returns), got {self.max_logprobs}"
+            )
 
     @classmethod
     def add_cli_args(cls, parser: argparse._ActionsContainer) -> argparse._ActionsContainer:

@@ -212,6 +212,27 @@ def test_a_preempted_request_that_ends_gives_its_kept_blocks_back() -> None:
     assert kv.get_computed_blocks(make_req("again", 0, 1, prompt=hot + [4]))[1] == 8
 
 
+def test_ending_a_preempted_request_leaves_what_is_kept_for_another() -> None:
+    """A and B share a prefix; A is preempted (B still holds the blocks), then B is (they
+    are kept back for B); A then ends: B's kept blocks stay kept (they went by content)."""
+    kv = KVCacheManager(8, 4, True)
+    a = make_req("A", 9, 4, seed=1)
+    b = make_req("B", 0, 4, prompt=a.prompt_token_ids[:8] + [77])
+    assert kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 8 and kv.allocate_slots(b, 1, hits)
+    b.num_computed_tokens = 9
+    kv.free(a, keep=True)
+    kv.free(b, keep=True)
+    kept = list(kv.pool._kept)
+    assert set(hits) <= set(kept)
+    kv.free(a)  # A ends while preempted
+    assert set(hits) <= set(kv.pool._kept)
+    kv.free(b)  # then B: now they go
+    assert not kv.pool._kept
+
+
 def test_a_resumed_request_keeps_no_claim_on_blocks() -> None:
     """Preempted, resumed, then finished: nothing is kept back for it any more."""
     s = make_sched(num_blocks=10, block_size=4, max_num_batched_tokens=64)

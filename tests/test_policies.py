@@ -1290,6 +1290,33 @@ def test_slo_admits_every_sequence_of_an_admitted_n_request() -> None:
     assert [r.request_id for r in out.failed] == ["alone"]
 
 
+def test_slo_sequences_follow_their_first_ones_admission_whatever_came_between() -> None:
+    """The sibling rule keyed on the last admission: a request admitted between two sequences
+    of one n = 2 request (a resumed one with an earlier deadline, say) left the second judged
+    alone, and refused after the first ran. Groups are now kept until every sequence ended."""
+    from iterserve.core.policies import ADMIT
+
+    policy = SloPolicy(SchedulerConfig(max_num_batched_tokens=64, max_model_len=256))
+    params = SamplingParams(n=2, max_tokens=4, temperature=1.0)
+    prompt = [7 + i % 50 for i in range(40)]
+
+    def seq(rid: str, ids: list[int]) -> Request:
+        return Request(rid, ids, params, 4, frozenset({EOS}), arrival_time=0.0, slo_ttft_s=0.01)
+
+    first, second = seq("x#0", prompt), seq("x#1", prompt)
+    late = lambda: 1.0  # noqa: E731  (past every deadline here)
+    assert policy.admit(second, late) is not ADMIT  # alone, it is judged
+    policy.on_admit(first, 40)
+    policy.on_admit(slo_req("between", 10, 0.0, 5.0, seed=1), 10)
+    assert policy.admit(second, late) is ADMIT
+    # the same params object with another prompt (LLM.generate shares one) is judged alone
+    assert policy.admit(seq("y#0", prompt[:-1] + [99]), late) is not ADMIT
+    policy.on_finish(first)
+    assert policy.admitted_groups  # its second sequence has not ended
+    policy.on_finish(second)
+    assert not policy.admitted_groups
+
+
 def test_slo_does_not_judge_a_preempted_request_again() -> None:
     """B (24 tokens, a 30 ms target) is admitted beside A's decode, computes 14 tokens and
     is preempted for A's blocks; back at the head of the queue it was judged again as if

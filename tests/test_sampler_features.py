@@ -549,3 +549,25 @@ def test_tied_logprobs_rank_the_sampled_token_after_its_ties() -> None:
     assert entry is not None
     token, _, rank, top = entry  # (token, logprob, rank, top-k)
     assert token == 0 and rank == 2 and sorted(t for t, _ in top) == [0, 1]
+
+
+def test_tied_sampled_token_listed_in_the_top_n_keeps_its_place_there() -> None:
+    """With the tie rule, a sampled token that the top-n lists (topk's tie order) ranked past n
+    and chat's filter (rank <= top_logprobs) dropped it with nothing in its place: an empty
+    top_logprobs. Its place in the top-n now wins, as in vLLM's dict of the two."""
+    from types import SimpleNamespace
+
+    from iterserve.engine.output_processor import OutputProcessor
+
+    stub = SimpleNamespace(_piece=str)
+    for row in ([0.0, 3.0, 3.0, 1.0], [3.0, 3.0], [1.0, 3.0, 3.0, 3.0, 0.0]):
+        for k in (1, 2):
+            if k > len(row):
+                continue
+            logits = torch.tensor([row])
+            _, lps = sample(logits, [_row(SamplingParams(temperature=0.0, logprobs=k))])
+            lp = lps[0]
+            assert lp is not None
+            entry = OutputProcessor._entry(stub, lp)  # type: ignore[arg-type]
+            kept = [t for t, v in entry.items() if v.rank is not None and v.rank <= k]
+            assert len(kept) == k, (row, k, entry)

@@ -27,9 +27,9 @@ def test_a_preempted_requests_blocks_are_evicted_after_every_other_free_block() 
     pool = BlockPool(6)
     got = pool.allocate(6)
     _cached(pool, got)
-    pool.free([got[0], got[1]], keep=True)  # an earlier victim, tail first
+    pool.free([got[0], got[1]], keep="early")  # an earlier victim, tail first
     pool.free([got[2]])  # a finished request's cached block
-    pool.free([got[4], got[3]], keep=True)  # a later victim
+    pool.free([got[4], got[3]], keep="late")  # a later victim
     pool.check_integrity()
     assert pool.num_free_blocks == 5
     # The finished request's block goes first, then the victims' oldest first, tail first.
@@ -46,7 +46,7 @@ def test_an_empty_block_freed_by_a_preemption_is_reused_first() -> None:
     pool = BlockPool(3)
     got = pool.allocate(3)
     _cached(pool, got[:2])
-    pool.free(reversed(got), keep=True)  # got[2] holds no full prefix
+    pool.free(reversed(got), keep="victim")  # got[2] holds no full prefix
     assert pool.allocate(1) == [got[2]]
 
 

@@ -41,7 +41,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._kept: OrderedDict[int, None] = OrderedDict()  # cached, freed by a preemption
+        # cached, freed by a preemption: block id -> the preempted request's id
+        self._kept: OrderedDict[int, str] = OrderedDict()
         self._cached: dict[int, int] = {}  # block hash -> block id
 
     @property
@@ -86,10 +87,11 @@ class BlockPool:
                 (self._free if bid in self._free else self._kept).pop(bid)
             blk.ref_cnt += 1
 
-    def free(self, block_ids: Iterable[int], keep: bool = False) -> None:
+    def free(self, block_ids: Iterable[int], keep: str | None = None) -> None:
         """Drops a reference. Pass a request's blocks in reverse order so its tail blocks
-        (least likely to be shared) are evicted before its head. ``keep``: blocks that come
-        free and hold a prefix go to the queue evicted last (a preempted request's)."""
+        (least likely to be shared) are evicted before its head. ``keep``: the id of a
+        preempted request, whose blocks that come free and hold a prefix go to the queue
+        evicted last, kept back for it (see ``unkeep``)."""
         for bid in block_ids:
             blk = self.blocks[bid]
             assert blk.ref_cnt > 0, f"double free of block {bid}"
@@ -98,16 +100,17 @@ class BlockPool:
                 if blk.block_hash is None:
                     self._free[bid] = None
                     self._free.move_to_end(bid, last=False)
-                elif keep:
-                    self._kept[bid] = None
+                elif keep is not None:
+                    self._kept[bid] = keep
                 else:
                     self._free[bid] = None
 
-    def unkeep(self, blocks: Iterable[tuple[int, int]]) -> None:
-        """Moves these (block id, hash) pairs, where still kept back with that content, to
-        the ordinary free queue's back (the request they were kept for will not resume)."""
-        for bid, h in blocks:
-            if bid in self._kept and self.blocks[bid].block_hash == h:
+    def unkeep(self, owner: str, block_ids: Iterable[int]) -> None:
+        """Moves those of ``block_ids`` still kept back for request ``owner`` to the
+        ordinary free queue's back (it will not resume). A block taken since (a prefix hit,
+        an allocation) left the kept queue; kept again, it is another preemption's."""
+        for bid in block_ids:
+            if self._kept.get(bid) == owner:
                 del self._kept[bid]
                 self._free[bid] = None
 

@@ -26,9 +26,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
-        # A preempted request's cached blocks (id, hash), tail first, kept back for it until
-        # it resumes; if it ends instead, they go back to the ordinary LRU (see free).
-        self._kept_for: dict[str, list[tuple[int, int]]] = {}
+        # A preempted request's blocks, tail first, those kept back for it until it resumes;
+        # if it ends instead, they go back to the ordinary LRU (see free).
+        self._kept_for: dict[str, list[int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -157,15 +157,12 @@ class KVCacheManager:
         if blocks and discard_uncomputed:
             self.pool.forget(blocks[req.num_computed_tokens // self.block_size :])
         if blocks:
-            self.pool.free(reversed(blocks), keep=keep)
+            self.pool.free(reversed(blocks), keep=rid if keep else None)
             if keep:
-                ref = self.pool.blocks
-                self._kept_for[rid] = [
-                    (b, h) for b in reversed(blocks) if (h := ref[b].block_hash) is not None
-                ]
+                self._kept_for[rid] = blocks[::-1]
         elif (kept := self._kept_for.pop(rid, None)) is not None:
             # it ended while preempted (aborted, failed): its blocks are not coming back
-            self.pool.unkeep(kept)
+            self.pool.unkeep(rid, kept)
 
     def blocks_to_grow(self, req: Request, num_tokens: int) -> int:
         """New blocks ``req`` needs to hold all its tokens plus ``num_tokens`` more."""

@@ -935,9 +935,10 @@ class SloPolicy(Policy):
         self.long_share = 0
         self.waiting_behind = 0  # requests waiting behind the next admission
         self.queue: WaitingQueue | None = None
-        # The last request admitted: the next one, if it is a sequence of the same n / best_of
-        # request (which queue next to each other), shares its admission (see _admission).
-        self.last_admitted: Request | None = None
+        # n / best_of requests with a sequence admitted, by (id(params), arrival time): their
+        # params, prompt and how many of their sequences ended; the other sequences follow
+        # the first one's admission (see _admission). Dropped once every sequence ended.
+        self.admitted_groups: dict[tuple[int, float], tuple[object, list[int], list[int]]] = {}
 
     def ttft_target(self, req: Request) -> float | None:
         return req.slo_ttft_s if req.slo_ttft_s is not None else self.default_ttft_s
@@ -986,7 +987,25 @@ class SloPolicy(Policy):
             self.long_share += self.long_thr
         else:
             self.prefill_ahead += req.num_tokens
-        self.last_admitted = req
+        if req.params.num_candidates > 1:
+            key = (id(req.params), req.arrival_time)
+            self.admitted_groups.setdefault(key, (req.params, req.prompt_token_ids, [0]))
+
+    def _group(self, req: Request) -> tuple[object, list[int], list[int]] | None:
+        """The admitted group ``req`` is a sequence of, if any."""
+        if req.params.num_candidates < 2:
+            return None
+        group = self.admitted_groups.get((id(req.params), req.arrival_time))
+        if group is None or group[0] is not req.params or group[1] != req.prompt_token_ids:
+            return None
+        return group
+
+    def on_finish(self, req: Request) -> None:
+        group = self._group(req)
+        if group is not None:
+            group[2][0] += 1
+            if group[2][0] >= req.params.num_candidates:
+                del self.admitted_groups[(id(req.params), req.arrival_time)]
 
     def _admission(self, req: Request, clock: Callable[[], float]) -> Admission:
         deadline = self.deadline(req)
@@ -994,14 +1013,8 @@ class SloPolicy(Policy):
             return ADMIT  # no target, or its first token is already out
         if req.num_preemptions:
             return ADMIT  # admitted once already: a preemption does not reopen the question
-        last = self.last_admitted
-        if (
-            last is not None
-            and last.params is req.params
-            and last.arrival_time == req.arrival_time
-            and last.prompt_token_ids == req.prompt_token_ids
-        ):
-            # Another sequence of the request just admitted: it finds that one's prompt in
+        if self._group(req) is not None:
+            # Another sequence of a request already admitted: it finds that one's prompt in
             # the prefix cache, and one sequence alone must not be refused (the request
             # would end with an error after the other ran).
             return ADMIT

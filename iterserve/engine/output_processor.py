@@ -195,11 +195,14 @@ class OutputProcessor:
         return s
 
     def _entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
-        """{token: Logprob} of one position: the token itself, then the top-n."""
+        """{token: Logprob} of one position: the token itself, then the top-n, whose place
+        is the rank of a token among them (vLLM's: the sampled token tied with others ranks
+        after them, yet where the top-n lists it, its place there wins, so that the n
+        entries of rank <= n a chat reply keeps are always there)."""
         tok, val, rank, top = lp
         entry = {tok: Logprob(val, rank, self._piece(tok))}
         for r, (tid, v) in enumerate(top, 1):
-            entry.setdefault(tid, Logprob(v, r, self._piece(tid)))
+            entry[tid] = Logprob(v, r, self._piece(tid))
         return entry
 
     def _add(

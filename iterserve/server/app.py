@@ -557,7 +557,8 @@ class MethodGuard:
         if scope["type"] == "http" and scope.get("method") not in HTTP_METHODS:
             err = APIError(
                 405,
-                f"method {str(scope.get('method'))[:32]!r} is not supported; use GET or POST",
+                f"method {str(scope.get('method'))[:32]!r} is not supported; "
+                "use GET, POST or DELETE",
                 code="method_not_allowed",
                 headers={"Allow": "GET, POST, DELETE"},
             )

@@ -10,7 +10,8 @@ Free blocks (cached + empty) sit in an LRU queue. Empty blocks are put at its fr
 they are reused before any cached prefix is evicted; cached blocks go to the back and are
 evicted oldest-first when a new block is needed. Cached blocks of a preempted request, which
 is certain to come back for them, sit in a second queue that is evicted only when the first
-is empty (oldest victim first: preempted requests resume newest first).
+is empty (oldest victim first: preempted requests resume newest first); if that request ends
+without resuming (aborted, failed), they go back to the first.
 """
 
 from __future__ import annotations

@@ -1306,14 +1306,25 @@ def test_slo_sequences_follow_their_first_ones_admission_whatever_came_between()
     first, second = seq("x#0", prompt), seq("x#1", prompt)
     late = lambda: 1.0  # noqa: E731  (past every deadline here)
     assert policy.admit(second, late) is not ADMIT  # alone, it is judged
-    policy.on_admit(first, 40)
-    policy.on_admit(slo_req("between", 10, 0.0, 5.0, seed=1), 10)
+    for i, req in enumerate((first, slo_req("between", 10, 0.0, 5.0, seed=1))):
+        req.admit_seq = i  # as the scheduler numbers admissions
+        policy.on_admit(req, req.num_tokens)
     assert policy.admit(second, late) is ADMIT
+    second.admit_seq = 2
+    policy.on_admit(second, 4)
     # the same params object with another prompt (LLM.generate shares one) is judged alone
     assert policy.admit(seq("y#0", prompt[:-1] + [99]), late) is not ADMIT
     policy.on_finish(first)
-    assert policy.admitted_groups  # its second sequence has not ended
+    assert policy.admitted_groups  # its second sequence runs on
     policy.on_finish(second)
+    assert not policy.admitted_groups
+    # a group whose other sequence was refused before any admission is dropped all the same
+    refused, ran = seq("z#0", prompt), seq("z#1", prompt)
+    refused.arrival_time = ran.arrival_time = 2.0
+    policy.on_finish(refused)  # refused: never admitted (admit_seq -1)
+    ran.admit_seq = 3
+    policy.on_admit(ran, 40)
+    policy.on_finish(ran)
     assert not policy.admitted_groups
 
 

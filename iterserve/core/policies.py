@@ -936,8 +936,8 @@ class SloPolicy(Policy):
         self.waiting_behind = 0  # requests waiting behind the next admission
         self.queue: WaitingQueue | None = None
         # n / best_of requests with a sequence admitted, by (id(params), arrival time): their
-        # params, prompt and how many of their sequences ended; the other sequences follow
-        # the first one's admission (see _admission). Dropped once every sequence ended.
+        # params, prompt and how many of their sequences are admitted and not ended; the other
+        # sequences follow the first one's admission (see _admission). Dropped at 0.
         self.admitted_groups: dict[tuple[int, float], tuple[object, list[int], list[int]]] = {}
 
     def ttft_target(self, req: Request) -> float | None:
@@ -987,9 +987,10 @@ class SloPolicy(Policy):
             self.long_share += self.long_thr
         else:
             self.prefill_ahead += req.num_tokens
-        if req.params.num_candidates > 1:
+        if req.params.num_candidates > 1 and not req.num_preemptions:
             key = (id(req.params), req.arrival_time)
-            self.admitted_groups.setdefault(key, (req.params, req.prompt_token_ids, [0]))
+            group = self.admitted_groups.setdefault(key, (req.params, req.prompt_token_ids, [0]))
+            group[2][0] += 1
 
     def _group(self, req: Request) -> tuple[object, list[int], list[int]] | None:
         """The admitted group ``req`` is a sequence of, if any."""
@@ -1001,10 +1002,10 @@ class SloPolicy(Policy):
         return group
 
     def on_finish(self, req: Request) -> None:
-        group = self._group(req)
-        if group is not None:
-            group[2][0] += 1
-            if group[2][0] >= req.params.num_candidates:
+        # only sequences admitted were counted (one refused before any admission was not)
+        if req.admit_seq >= 0 and (group := self._group(req)) is not None:
+            group[2][0] -= 1
+            if group[2][0] <= 0:
                 del self.admitted_groups[(id(req.params), req.arrival_time)]
 
     def _admission(self, req: Request, clock: Callable[[], float]) -> Admission:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -407,3 +408,33 @@ def test_static_forms_its_whole_batch_even_when_prefill_exceeds_one_step() -> No
     # r4 and r5 only start once the whole first batch has finished.
     first_batch_end = max(done[f"r{i}"] for i in range(4))
     assert min(done["r4"], done["r5"]) > first_batch_end
+
+
+def test_colliding_block_hashes_never_serve_another_prompts_kv(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Block hashes are Python's unkeyed hash(); were every hash to collide (a crafted
+    collision at worst), a hit still needs the block's own tokens, a prompt's lookup stops at
+    its first miss and a hash cached once is not registered again: a miss, never a hit on
+    another prompt's blocks."""
+    from iterserve.core import kv_cache_manager
+
+    monkeypatch.setattr(
+        kv_cache_manager, "hash_block", lambda parent, toks: 1 if parent is None else parent + 1
+    )
+    kv = KVCacheManager(16, 4, True)
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    v = make_req("V", 0, 4, prompt=a + b + c + [13])
+    assert kv.allocate_slots(v, v.num_tokens)
+    for prompt, want in (
+        (a + [50, 6, 7, 8] + c + [13], 4),  # differs in block 2: block 1 only
+        ([0, 2, 3, 4] + b + c + [13], 0),  # differs in block 1: nothing
+        (a + b + c + [99], 12),  # the same three blocks: all of them
+    ):
+        x = make_req("X", 0, 4, prompt=prompt)
+        hits, n = kv.get_computed_blocks(x)
+        assert n == want and hits == kv.block_table("V")[: want // 4], prompt
+        assert kv.allocate_slots(x, x.num_tokens - n, hits)
+        kv.free(x)
+    # V's own blocks are still found whole after the colliding prompts were cached
+    assert kv.get_computed_blocks(make_req("V2", 0, 4, prompt=a + b + c + [7]))[1] == 12

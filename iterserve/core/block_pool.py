@@ -106,14 +106,15 @@ class BlockPool:
                 else:
                     self._free[bid] = None
 
-    def unkeep(self, owner: str, block_ids: Iterable[int]) -> None:
-        """Moves those of ``block_ids`` still kept back for request ``owner`` to the
-        ordinary free queue's back (it will not resume). A block taken since (a prefix hit,
-        an allocation) left the kept queue; kept again, it is another preemption's."""
-        for bid in block_ids:
-            if self._kept.get(bid) == owner:
-                del self._kept[bid]
-                self._free[bid] = None
+    def unkeep(self, owner: str) -> None:
+        """Moves the blocks still kept back for request ``owner`` to the ordinary free
+        queue's back, in the order they were kept (it will not resume). A block taken since
+        (a prefix hit, an allocation) left the kept queue; kept again, it is another's."""
+        if not self._kept:
+            return
+        for bid in [b for b, o in self._kept.items() if o == owner]:
+            del self._kept[bid]
+            self._free[bid] = None
 
     def cache(
         self, block_id: int, parent_hash: int | None, block_hash: int, token_ids: Sequence[int]

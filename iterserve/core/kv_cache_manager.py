@@ -26,9 +26,6 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
-        # A preempted request's blocks, tail first, those kept back for it until it resumes;
-        # if it ends instead, they go back to the ordinary LRU (see free).
-        self._kept_for: dict[str, list[int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -120,7 +117,6 @@ class KVCacheManager:
                 return False
             if blocks is None:
                 blocks = self.req_blocks[rid] = []
-                self._kept_for.pop(rid, None)  # resumed: its blocks are its own again
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
@@ -158,11 +154,9 @@ class KVCacheManager:
             self.pool.forget(blocks[req.num_computed_tokens // self.block_size :])
         if blocks:
             self.pool.free(reversed(blocks), keep=rid if keep else None)
-            if keep:
-                self._kept_for[rid] = blocks[::-1]
-        elif (kept := self._kept_for.pop(rid, None)) is not None:
-            # it ended while preempted (aborted, failed): its blocks are not coming back
-            self.pool.unkeep(rid, kept)
+        else:
+            # it ended while preempted (aborted, failed): what was kept for it is not wanted
+            self.pool.unkeep(rid)
 
     def blocks_to_grow(self, req: Request, num_tokens: int) -> int:
         """New blocks ``req`` needs to hold all its tokens plus ``num_tokens`` more."""

@@ -367,6 +367,31 @@ def test_a_finished_answer_past_the_stream_buffer_is_returned_whole() -> None:
         assert [c["finish_reason"] for c in j["choices"]] == ["length", "length"]
 
 
+def test_a_non_streamed_answer_is_never_failed_by_the_stream_buffer() -> None:
+    """The stream buffer bounds what a streaming client leaves unread. A non-streamed answer
+    is read by the server itself: outputs merging while its loop was busy (here: every
+    output, n = 2 tokens against a 1-token buffer) failed it with a 500 after its work was
+    done. A streamed request with the same buffer still ends with the overflow."""
+    fake = FakeEngine(
+        max_model_len=4096, num_blocks=4096, block_size=4, max_num_seqs=8, step_delay=0.002
+    )
+    _, server = serve(fake, stream_buffer_tokens=1)
+    with server as s:
+        body = {"prompt": "hi", "ignore_eos": True, "n": 2, "max_tokens": 50}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 100
+        chat = {"messages": [{"role": "user", "content": "hi"}], **body}
+        del chat["prompt"]
+        r = httpx.post(s.url + "/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200, r.text
+        assert [c["finish_reason"] for c in r.json()["choices"]] == ["length", "length"]
+        # (its first output already overflows: a 500 before the stream starts)
+        r = httpx.post(s.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+        assert r.status_code == 500
+        assert "did not read its stream" in r.text, r.text[-500:]
+
+
 @pytest.mark.parametrize("stall_s", [0.0, 0.01, 0.05])
 def test_a_starved_loop_still_gets_every_token_in_order(stall_s: float) -> None:
     """Outputs that merged on their way to a starved loop (and in the stream's mailbox) join

@@ -372,13 +372,20 @@ class RequestStream:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
+        bounded: bool = True,
     ) -> None:
         self._engine = engine
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
+        # Unbounded: the caller reads every output itself and keeps the whole answer anyway
+        # (a non-streamed response), so outputs left unread while its loop was busy are not a
+        # client that does not read; failing it then would lose finished work.
+        big = 1 << 62
         self.queue = _Mailbox(
-            engine.stream_buffer_tokens, engine.stream_buffer_bytes, self._overflow
+            engine.stream_buffer_tokens if bounded else big,
+            engine.stream_buffer_bytes if bounded else big,
+            self._overflow,
         )
         self.finished = False
         self._overflowed = False
@@ -683,6 +690,7 @@ class AsyncEngine:
         slo_tpot_s: float | None = None,
         output_kind: OutputKind = "cumulative",
         call: str = "",
+        bounded: bool = True,
     ) -> RequestStream:
         """Submits a request and waits until the engine accepted it.
 
@@ -693,7 +701,10 @@ class AsyncEngine:
         ``slo_ttft_s``, ``slo_tpot_s`` and ``call`` go to the engine
         (``EngineInterface.add_request``).
         ``output_kind`` (output_processor.OutputKind): how the stream's outputs carry token ids
-        and logprobs; the server takes ``finished_lists``.
+        and logprobs; the server takes ``finished_lists``. ``bounded``: past
+        ``stream_buffer_tokens`` / ``stream_buffer_bytes`` unread the request fails (a stream
+        whose client does not read); False where the caller reads everything itself and holds
+        the whole answer (a non-streamed response).
         """
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(
@@ -717,7 +728,7 @@ class AsyncEngine:
                 num_prompt_tokens = 0
         self._admit(request_id, num_prompt_tokens)
 
-        stream = RequestStream(self, request_id, prompt, params)
+        stream = RequestStream(self, request_id, prompt, params, bounded)
         self._active[request_id] = stream
         self._post(
             _AddCmd(

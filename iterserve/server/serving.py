@@ -329,11 +329,13 @@ class Serving:
         route: Routing | None = None,
         *,
         default_max_tokens: int | None,
+        streamed: bool,
     ) -> list[RequestStream]:
         """Submits ``prompts``, already cut by ``params.truncate_prompt_tokens`` (where they
         were tokenized), to the engine, which is told not to cut them again; each with the
         max_tokens ``_max_tokens_for`` gives it (``default_max_tokens``: the endpoint's,
-        ``default_max_tokens_of``)."""
+        ``default_max_tokens_of``). Only a ``streamed`` response's outputs count against the
+        stream buffer: a non-streamed one is read by this server, not by its client."""
         # The queue counts each candidate sequence (prompts x n or best_of) and admits a
         # request's prompts one by one: a request with more than the queue and the running
         # slots hold together fills the queue with its own sequences even on an idle server,
@@ -385,6 +387,7 @@ class Serving:
                         slo_tpot_s=route.slo_tpot_s,
                         output_kind="finished_lists",  # no per-step copies of the lists
                         call=base,  # the call's prompts share its slots (continuous)
+                        bounded=streamed,
                     )
                 )
         except Exception as e:
@@ -568,6 +571,7 @@ class Serving:
             req.priority,
             route,
             default_max_tokens=self.default_max_tokens_of(req),
+            streamed=bool(req.stream),
         )
         fmt = _CompletionFormat(self, req, params, prompts)
         fmt.constraint = constraint
@@ -637,6 +641,7 @@ class Serving:
             req.priority,
             route,
             default_max_tokens=self.default_max_tokens_of(req),
+            streamed=bool(req.stream),
         )
         fmt = (
             make_format(self, req, params)

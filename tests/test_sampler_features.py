@@ -412,8 +412,9 @@ def test_sampled_tokens_follow_the_distribution(with_kernels: bool) -> None:
 
 
 def _reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The filtered distribution by torch's ops (``_filter``: temperature, then top-k, top-p
-    and min-p over the whole sorted row), the GPU path's, as probabilities [rows, vocab]."""
+    """The filtered distribution by torch's ops (``_filter``: temperature, then min-p, then
+    top-k and top-p over the whole sorted row), the GPU path's, as probabilities [rows,
+    vocab]."""
     from iterserve.model.sampler import _filter
 
     return _filter(logits.clone(), [params] * logits.shape[0]).softmax(-1)
@@ -428,6 +429,7 @@ def _reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         {"top_k": 5, "top_p": 0.8},
         {"min_p": 0.3},
         {"top_p": 0.9, "min_p": 0.2},
+        {"top_k": 5, "top_p": 0.7, "min_p": 0.45},
     ],
 )
 def test_filtered_rows_draw_from_the_filtered_distribution(
@@ -454,6 +456,33 @@ def test_filtered_rows_draw_from_the_filtered_distribution(
     chi2 = float(((seen - expect) ** 2 / expect).sum())
     dof = int(keep.sum()) - 1
     assert chi2 < 15 + 3 * dof, (filt, seen.tolist(), expect.tolist(), chi2)  # p < ~1e-4
+
+
+@pytest.mark.parametrize("with_kernels", [True, False])
+def test_min_p_comes_before_top_p_as_in_vllm(with_kernels: bool) -> None:
+    """vLLM's order: min-p, then top-p over what min-p left, renormalised. Probabilities
+    0.5, 0.2, 0.15, 0.1, 0.05 with min_p 0.25 keep p >= 0.125: 0.5, 0.2, 0.15, renormalised
+    0.588, 0.235, 0.176; top_p 0.8 then drops the third (0.823 before it). Top-p first would
+    keep three (0.7 before the third) and min-p would leave them. With top_k 4 too, the
+    same two; every draw is one of them, and both come."""
+    from iterserve.model.sampler import _filter
+
+    kern = kernels.load() if with_kernels else None
+    if with_kernels and (kern is None or not kern.has_race):
+        pytest.skip("the race kernel is not built here (no compiler or no AVX-512)")
+    logits = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]).log()
+    for params in (
+        SamplingParams(temperature=1.0, min_p=0.25, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.25, top_p=0.8, top_k=4),
+    ):
+        kept = torch.isfinite(_filter(logits.clone(), [params])[0]).nonzero().flatten()
+        assert kept.tolist() == [0, 1], params
+        n = 4000
+        torch.manual_seed(0)
+        drawn = sample(logits.repeat(n, 1), [_row(params)] * n, kern)[0]
+        assert set(drawn) == {0, 1}, params
+        # 0.5 : 0.2 renormalised is 0.714 for the first
+        assert abs(drawn.count(0) / n - 0.714) < 0.03, params
 
 
 def test_filtered_rows_of_a_large_vocabulary_stay_in_torchs_cut() -> None:

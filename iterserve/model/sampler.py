@@ -290,13 +290,20 @@ def _scale(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
 
 
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as -inf masks (rows with none skip the sort).
+    """Temperature, then min-p, then top-k and top-p as -inf masks (rows with none skip the
+    sort). vLLM's order: top-p's nucleus is taken over what min-p left, renormalised.
     Divides ``logits`` in place."""
     dev = logits.device
     logits = _scale(logits, params)
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
+    if any(mp > 0.0 for mp in min_p):
+        probs = logits.softmax(-1)
+        thresh = probs.max(-1, keepdim=True).values * torch.tensor(
+            min_p, dtype=probs.dtype, device=dev
+        ).unsqueeze(1)
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
     if any(top_k) or any(tp < 1.0 for tp in top_p):
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -313,12 +320,6 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
             mask |= before >= torch.tensor(cut, dtype=probs.dtype, device=dev).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if any(mp > 0.0 for mp in min_p):
-        probs = logits.softmax(-1)
-        thresh = probs.max(-1, keepdim=True).values * torch.tensor(
-            min_p, dtype=probs.dtype, device=dev
-        ).unsqueeze(1)
-        logits = logits.masked_fill(probs < thresh, float("-inf"))
     return logits
 
 
@@ -424,12 +425,13 @@ def _filtered_race(
     """``_race`` on CPU with the race kernel where some row asks for top-k, top-p or min-p:
     each row's filters become one floor on logits / T, and the race runs over the whole row
     above it. torch's sort of every 49,152-token row (``_filter``) made such a step of 128
-    rows ~270-360 ms, about twice the step itself. The floor of a row with top-k is its k-th
-    value, or with top-p too the last of the nucleus of its top k (``Kernels.top_k_values``,
-    no sort of the row); of a row with top-p alone, the last of its nucleus
-    (``Kernels.top_p_floor``, no sort); min-p raises it to the row's max + log(min_p). Of
-    the tokens equal to a top-k or top-p floor, as many stay as the sorted cut keeps, the
-    first by index (top-k keeps exactly k)."""
+    rows ~270-360 ms, about twice the step itself. Min-p comes first (``_filter``'s order):
+    it keeps p >= min_p * max p, ties included, a floor at the row's max + log(min_p)
+    whatever the normaliser. The floor of a row with top-k is its k-th value above that, or
+    with top-p too the last of the nucleus of those (``Kernels.top_k_values``, no sort of
+    the row); of a row with top-p alone, the last of the nucleus of what min-p left
+    (``Kernels.top_p_floor``, no sort). Of the tokens equal to a top-k or top-p floor, as
+    many stay as the sorted cut keeps, the first by index (top-k keeps exactly k)."""
     f32 = torch.float32
     scaled = _scale(logits, params)
     vocab = scaled.shape[1]
@@ -439,6 +441,11 @@ def _filtered_race(
     def some(idx: list[int]) -> torch.Tensor:  # those rows; no gathered copy of all of them
         return scaled if len(idx) == len(params) else scaled[idx]
 
+    min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if min_p:
+        logs = torch.tensor([math.log(params[i].min_p) for i in min_p], dtype=f32)
+        floors[min_p] = some(min_p).amax(-1) + logs
+    mp_floor = floors.clone()  # -inf where a row has no min-p
     has_k = [0 < p.top_k < vocab for p in params]  # top_k 0 or the whole vocabulary: none
     topk = [i for i, k in enumerate(has_k) if k]
     if topk:
@@ -446,6 +453,7 @@ def _filtered_race(
         ks = torch.tensor([p.top_k for p in ps], dtype=torch.int32)
         vals = kern.top_k_values(scaled, torch.tensor(topk), ks)  # largest first, -inf past k
         cut = torch.arange(vals.shape[1]).unsqueeze(0) >= ks.unsqueeze(1)
+        cut |= vals < mp_floor[topk].unsqueeze(1)  # the max stays: never all cut
         nucleus = [j for j, p in enumerate(ps) if p.top_p < 1.0]
         if nucleus:  # top-p over the top k, renormalised (as _filter)
             probs = vals[nucleus].masked_fill(cut[nucleus], float("-inf")).softmax(-1)
@@ -459,16 +467,14 @@ def _filtered_race(
     whole = [i for i, (p, k) in enumerate(zip(params, has_k)) if not k and p.top_p < 1.0]
     if whole:
         top_p = torch.tensor([params[i].top_p for i in whole], dtype=f32)
-        floors[whole], ties[whole] = kern.top_p_floor(some(whole), top_p)
-    min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
-    if min_p:
-        # min-p keeps p >= min_p * max p, ties included: a floor on the logit, whatever the
-        # normaliser; where it is above the row's other floor it replaces it
-        logs = torch.tensor([math.log(params[i].min_p) for i in min_p], dtype=f32)
-        raised = some(min_p).amax(-1) + logs
-        above = raised > floors[min_p]
-        floors[min_p] = torch.where(above, raised, floors[min_p])
-        ties[min_p] = torch.where(above, -1, ties[min_p]).to(torch.int32)
+        rows = some(whole)
+        if any(params[i].min_p > 0.0 for i in whole):  # the nucleus of what min-p left
+            rows = rows.masked_fill(rows < mp_floor[whole].unsqueeze(1), float("-inf"))
+        floors[whole], ties[whole] = kern.top_p_floor(rows, top_p)
+    if min_p:  # no other floor lies below min-p's (a row all -inf or NaN aside): keep it
+        under = mp_floor > floors
+        floors = torch.where(under, mp_floor, floors)
+        ties = torch.where(under, -1, ties).to(torch.int32)
     return kern.race(scaled, torch.ones(len(params), dtype=f32), keys, floors, ties)
 
 

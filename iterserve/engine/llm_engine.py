@@ -495,6 +495,12 @@ class LLMEngine:
             self._admit_compiled(touched)
         sched = self.scheduler.schedule()
         t1 = time.monotonic()
+        # Preemptions count before failures end their sequences: a policy's swap victim goes
+        # back to the queue, where this step's admission can fail it (too big to resume).
+        for req in sched.preempted:
+            seq = self._seqs[req.request_id]
+            m = seq.parent.metrics
+            m.seq_preemptions[seq.index] = m.seq_preemptions.get(seq.index, 0) + 1
         for req in sched.failed:
             self._end_seq(req, touched, t1)
         for req in sched.new_requests:
@@ -503,10 +509,6 @@ class LLMEngine:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = t1
             m.seq_cached_tokens[seq.index] = max(0, req.num_cached_tokens)
-        for req in sched.preempted:
-            seq = self._seqs[req.request_id]
-            m = seq.parent.metrics
-            m.seq_preemptions[seq.index] = m.seq_preemptions.get(seq.index, 0) + 1
 
         t2 = t3 = t1
         if not sched.is_empty:

@@ -144,6 +144,28 @@ def test_n_sequences_share_prompt_blocks(llm: LLM) -> None:
     assert llm.stats()["prefix_cache_hit_tokens"] - before >= 2 * 64
 
 
+def test_finished_by_reason_counts_each_sequence_by_its_own_reason(llm: LLM) -> None:
+    """The engine's books count finished sequences, each by its reason, as
+    vllm:request_success_total does: an n = 3 request with one sequence stopped early is 2
+    length and 1 stop (it was one, by the last sequence's reason); an n = 2 request aborted
+    mid-way is 2 aborts."""
+    eng = llm.engine
+    before = dict(eng.stats()["finished_by_reason"])
+    three = SamplingParams(max_tokens=6, ignore_eos=True, n=3, temperature=1.0, seed=3)
+    eng.add_request("fr3", list(range(10, 30)), three)
+    eng.step()
+    eng.finish_sequence("fr3", 1, "stop", "x")
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.add_request("fr2", list(range(10, 30)), SamplingParams(max_tokens=50, n=2, seed=1))
+    eng.step()
+    eng.abort_request("fr2")
+    after = eng.stats()["finished_by_reason"]
+    delta = {r: n - before.get(r, 0) for r, n in after.items() if n != before.get(r, 0)}
+    assert delta == {"length": 2, "stop": 1, "abort": 2}
+    assert not eng.has_unfinished_requests() and eng.kv_usage() == 0
+
+
 def test_stop_string_cut_from_text(llm: LLM) -> None:
     base = llm.generate(
         "The quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

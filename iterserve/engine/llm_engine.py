@@ -418,9 +418,9 @@ class LLMEngine:
             if not seq.finished:
                 self.scheduler.finish_request(seq.req.request_id, FinishReason.ABORT)
                 seq.finished = True
+                self.books.finished_by_reason["abort"] += 1  # per sequence, as the metric
             if self._seqs.get(seq.req.request_id) is seq:  # a finished one's id may be reused
                 del self._seqs[seq.req.request_id]
-        self.books.finished_by_reason["abort"] += 1
         parent.metrics.finished_time = time.monotonic()
 
     def finish_sequence(
@@ -714,11 +714,11 @@ class LLMEngine:
         if req.error:
             parent.error = req.error
         touched[parent.request_id] = parent
+        # per sequence, each its own reason (vllm:request_success_total counts sequences)
+        self.books.finished_by_reason[req.finish_reason.value if req.finish_reason else "stop"] += 1
         if parent.finished:
             parent.metrics.finished_time = now
             self._parents.pop(parent.request_id, None)
-            reason = req.finish_reason.value if req.finish_reason else "stop"
-            self.books.finished_by_reason[reason] += 1
 
     def _make_output(self, parent: _Parent) -> CoreOutput:
         seqs = []

@@ -200,6 +200,43 @@ def test_queue_limit_rejects_with_503_and_accepted_requests_complete() -> None:
         assert m['iterserve:num_requests_rejected_total{reason="queue_full"}'] == 3
 
 
+def test_the_queue_limit_counts_the_sequences_of_adds_the_engine_has_not_taken_yet() -> None:
+    """Requests that arrive while the engine thread is inside a step wait for it as adds; the
+    queue limit counts their n candidates, as it counts the engine's waiting sequences: an
+    n = 4 request fills a limit of 4, and the next request is refused (it counted as one,
+    so a burst of n = 8 requests during a long step queued 8x the limit)."""
+    fake = FakeEngine(max_num_seqs=1)
+    engine, server = serve(fake, max_queued_requests=4)
+    body = {"prompt": "p", "max_tokens": 3}
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+            fake.paused.set()  # it runs and does not end: the engine thread keeps stepping
+            try:
+                running = asyncio.create_task(c.post("/v1/completions", json=body))
+                while engine.snapshot.num_running != 1:
+                    await asyncio.sleep(0.01)
+                fake.hold.set()
+                assert await asyncio.to_thread(fake.holding.wait, 10)
+                four = asyncio.create_task(c.post("/v1/completions", json={**body, "n": 4}))
+                await asyncio.sleep(0.3)  # admitted: it waits for the engine to take it
+                one = asyncio.create_task(c.post("/v1/completions", json=body))
+                await asyncio.sleep(0.3)
+            finally:
+                fake.hold.clear()
+                fake.paused.clear()
+            return list(await asyncio.gather(running, four, one))
+
+    with server:
+        running, four, one = asyncio.run(main())
+        assert one.status_code == 503 and one.json()["error"]["code"] == "queue_full", one.text
+        assert four.status_code == 200 and len(four.json()["choices"]) == 4, four.text
+        assert running.status_code == 200, running.text
+        wait_for(lambda: engine.snapshot.num_queued == 0, timeout=10, what="idle")
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=20)
+        assert r.status_code == 200, r.text  # the four sequences left nothing counted behind
+
+
 def test_requests_waiting_for_a_grammar_count_against_the_queue_limit() -> None:
     # they are queued as much as the scheduler's waiting requests (they bypassed the limit)
     fake = FakeEngine(max_num_seqs=1)

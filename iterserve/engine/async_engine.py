@@ -559,7 +559,10 @@ class AsyncEngine:
 
         # Admission control: requests admitted but not yet scheduled by the engine.
         self._adm_lock = threading.Lock()
-        self._pending_adds: set[str] = set()
+        # adds not yet handed to the engine -> their sequences (n / best_of candidates), and
+        # the sum: the queue limit counts sequences, as the engine's waiting queue does
+        self._pending_adds: dict[str, int] = {}
+        self._pending_seqs = 0
         self._queued_tok: dict[str, int] = {}
         self._queued_tokens = 0
 
@@ -662,7 +665,7 @@ class AsyncEngine:
             return err
         if self.max_queued_requests is not None:
             with self._adm_lock:
-                queued = len(self._pending_adds) + self.snapshot.num_queued
+                queued = self._pending_seqs + self.snapshot.num_queued
             if queued >= self.max_queued_requests:
                 return (
                     f"the queue is full ({queued} waiting, --max-queued-requests "
@@ -726,7 +729,7 @@ class AsyncEngine:
                 num_prompt_tokens = len(self.tokenizer.encode(prompt))
             else:
                 num_prompt_tokens = 0
-        self._admit(request_id, num_prompt_tokens)
+        self._admit(request_id, num_prompt_tokens, params.num_candidates)
 
         stream = RequestStream(self, request_id, prompt, params, bounded)
         self._active[request_id] = stream
@@ -803,12 +806,12 @@ class AsyncEngine:
         return len(ids)
 
     # ---- admission control (any thread) -------------------------------------------------
-    # Queued requests = adds not yet handed to the engine + the engine's own waiting queue
-    # (as of the latest drain/step). Queued tokens = prompt tokens of admitted requests that
-    # have not produced their first token yet.
-    def _admit(self, request_id: str, num_tokens: int) -> None:
+    # Queued sequences = those of the adds not yet handed to the engine + the engine's own
+    # waiting queue (as of the latest drain/step). Queued tokens = prompt tokens of admitted
+    # requests that have not produced their first token yet.
+    def _admit(self, request_id: str, num_tokens: int, num_seqs: int) -> None:
         with self._adm_lock:
-            queued = len(self._pending_adds) + self.snapshot.num_queued
+            queued = self._pending_seqs + self.snapshot.num_queued
             if self.max_queued_requests is not None and queued >= self.max_queued_requests:
                 raise QueueFullError(
                     f"too many queued requests ({queued} waiting, "
@@ -823,19 +826,21 @@ class AsyncEngine:
                     f"too many queued prompt tokens ({self._queued_tokens} waiting + {num_tokens} "
                     f"> --max-queued-tokens {self.max_queued_tokens}); retry later"
                 )
-            self._pending_adds.add(request_id)
+            self._pending_adds[request_id] = num_seqs
+            self._pending_seqs += num_seqs
             self._queued_tok[request_id] = num_tokens
             self._queued_tokens += num_tokens
 
     def _added(self, request_ids: list[str]) -> None:
         """The engine took these adds (call after publishing a snapshot that counts them)."""
         with self._adm_lock:
-            self._pending_adds.difference_update(request_ids)
+            for rid in request_ids:
+                self._pending_seqs -= self._pending_adds.pop(rid, 0)
 
     def _release(self, request_id: str) -> None:
         """The request produced its first token, ended, or was never added."""
         with self._adm_lock:
-            self._pending_adds.discard(request_id)
+            self._pending_seqs -= self._pending_adds.pop(request_id, 0)
             n = self._queued_tok.pop(request_id, None)
             if n is not None:
                 self._queued_tokens -= n

@@ -106,6 +106,9 @@ class FakeEngine:
         self.steps = 0
         # fault / timing knobs (set from the test thread)
         self.paused = threading.Event()
+        # while set, step_core waits inside (``holding`` set): the engine thread drains no adds
+        self.hold = threading.Event()
+        self.holding = threading.Event()
         self.raise_in_step = 0  # next N steps raise (an engine bug escaping step())
         self.fail_model_step = 0  # next N steps fail the model forward (contract path)
         self.fail_prompts_containing: str | None = None  # such requests fail alone
@@ -248,6 +251,10 @@ class FakeEngine:
         }
 
     def step_core(self) -> list[CoreOutput]:
+        while self.hold.is_set():
+            self.holding.set()
+            time.sleep(0.002)
+        self.holding.clear()
         if self.paused.is_set():
             time.sleep(0.005)
             return []

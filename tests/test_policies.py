@@ -1236,6 +1236,26 @@ def test_slo_admits_a_short_prompt_beside_a_long_prefill() -> None:
     assert "short" in out.decision()
 
 
+def test_slo_counts_a_prompts_prefix_hits_out_of_its_work() -> None:
+    """A 200-token prompt takes 4 steps of 64 tokens, a first token at ~40 ms (5 ms + 0.1 ms
+    a token), past a 25 ms target: refused. The same prompt again, 196 of its tokens in the
+    prefix cache, has 4 tokens of work, one step (~5.4 ms): admitted. The prediction counted
+    the whole prompt, and refused it too."""
+    s = sched(num_blocks=400, policy="slo", max_num_seqs=8, max_num_batched_tokens=64)
+    step, clock = _slo_timed(s)
+    s.add_request(slo_req("first", 200, clock[0], None, seed=7))  # no target: not judged
+    while s.has_unfinished_requests():
+        step()
+    s.add_request(slo_req("again", 200, clock[0], 0.025, seed=7))
+    out = step()
+    assert not out.failed and out.prefix_hit_tokens == 196
+    assert out.decision() == {"again": 4}
+    assert s.requests["again"].num_output_tokens == 1
+    s.add_request(slo_req("fresh", 200, clock[0], 0.025, seed=8))
+    out = step()
+    assert [r.request_id for r in out.failed] == ["fresh"] and s.num_rejected == 1
+
+
 def _slo_timed(s: Scheduler) -> tuple[Callable[[], SchedulerOutput], list[float]]:
     """A stepper for ``s`` on a clock of 5 ms + 0.1 ms a token (fed to the policy's fit)."""
     books = Books(s)

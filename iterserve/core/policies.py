@@ -884,9 +884,10 @@ class SloPolicy(Policy):
     running requests past their TPOT targets.
 
     TTFT: a request's target is ``Request.slo_ttft_s``, else ``SchedulerConfig.slo_ttft_ms``;
-    without either it is served after every request with a deadline, FCFS. Its prompt is
-    computed after the running decodes (one token each, every step) and the prefill work
-    ahead of it (running partial prefills, and prompts admitted before it this step), so
+    without either it is served after every request with a deadline, FCFS. Its prompt, less
+    what the prefix cache holds for it, is computed after the running decodes (one token
+    each, every step) and the prefill work ahead of it (running partial prefills, and
+    prompts admitted before it this step), so
     with ``d`` decodes and ``W`` prefill tokens up to its own last one the first token comes
     after ``k = ceil(W / (budget - d))`` steps, predicted at
     ``now + k * a + b * (k * d + W)`` with ``a + b * tokens`` the fitted step time
@@ -956,7 +957,8 @@ class SloPolicy(Policy):
 
     def predicted_first_token(self, req: Request, now: float) -> float:
         """When ``req``'s first token would come if admitted now (see the class doc)."""
-        own = max(1, len(req.all_token_ids) - req.num_computed_tokens)
+        done = max(req.num_computed_tokens, req.prefix_hit_tokens)  # prefix hits need no work
+        own = max(1, len(req.all_token_ids) - done)
         work = self.prefill_ahead + own
         per_step = self.budget - self.decodes
         if self.prefill_room is not None:
@@ -980,13 +982,14 @@ class SloPolicy(Policy):
         return self._admission(req, clock)
 
     def on_admit(self, req: Request, num_new: int) -> None:
-        # Its prompt is ahead of the next admission's; it has computed nothing before this
-        # step, so all of it (as _admission counted it), prefix hits included; a long one
-        # takes its share of each step.
-        if self.long_thr and req.num_tokens > self.long_thr:
+        # Its prompt is ahead of the next admission's: all of it past its prefix hits (as
+        # _admission counted it), not only this step's chunk; a long one takes its share of
+        # each step.
+        left = req.num_tokens - req.num_computed_tokens
+        if self.long_thr and left > self.long_thr:
             self.long_share += self.long_thr
         else:
-            self.prefill_ahead += req.num_tokens
+            self.prefill_ahead += left
         if req.params.num_candidates > 1 and not req.num_preemptions:
             key = (id(req.params), req.arrival_time)
             group = self.admitted_groups.setdefault(key, (req.params, req.prompt_token_ids, [0]))

@@ -50,6 +50,7 @@ class Request:
         "stop_token_set",
         "num_computed_tokens",
         "num_cached_tokens",
+        "prefix_hit_tokens",
         "status",
         "finish_reason",
         "stop_reason",
@@ -94,6 +95,9 @@ class Request:
         self.stop_token_set = frozenset(params.stop_token_ids or ())
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first admission; -1: not yet
+        # while it waits: the tokens the prefix cache held for it when the scheduler last
+        # looked, before asking the policy to admit it (a policy's estimate of its work)
+        self.prefix_hit_tokens = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

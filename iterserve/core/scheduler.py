@@ -343,6 +343,8 @@ class Scheduler:
                 self.waiting.pop()
                 self._fail(req, out, self._too_big_message(req, 1))
                 continue
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            req.prefix_hit_tokens = num_hit  # the policy's admission may read it
             verdict = self.policy.admit(req, self.clock)
             if verdict is not ADMIT:
                 if verdict.verdict is not Verdict.REJECT:
@@ -351,7 +353,6 @@ class Scheduler:
                 self.num_rejected += 1
                 self._fail(req, out, verdict.reason)
                 continue
-            hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             is_long = bool(long_thr) and num_new > long_thr
             if is_long:

@@ -225,3 +225,19 @@ def test_finished_lists_send_deltas_and_the_lists_once_a_sequence_finished() -> 
     assert fl[-1].outputs[1].token_ids == ids("pqrs")
     with pytest.raises(ValueError, match="output kind must be one of"):
         OutputProcessor(FakeTokenizer()).add_request("r", "delta")  # type: ignore[arg-type]
+
+
+def test_best_of_ranks_a_candidate_that_ended_in_an_error_last() -> None:
+    """best_of ranks by cumulative logprob: a candidate cut short by an error (one token, a
+    logprob of -0.1) outranked whole ones (-2 and -3) and was returned; it now comes last."""
+    from iterserve.engine.output_processor import _best_of
+    from iterserve.outputs import CompletionOutput
+
+    def cand(i: int, lp: float, reason: str) -> CompletionOutput:
+        return CompletionOutput(i, f"c{i}", [i], cumulative_logprob=lp, finish_reason=reason)
+
+    comps = [cand(0, -3.0, "length"), cand(1, -0.1, "error"), cand(2, -2.0, "stop")]
+    best = _best_of(comps, 2, finished=True)
+    assert [(c.index, c.text) for c in best] == [(0, "c2"), (1, "c0")]
+    assert _best_of(comps, 3, finished=True)[2].text == "c1"
+    assert _best_of(comps, 2, finished=False) == []

@@ -295,10 +295,14 @@ class OutputProcessor:
 
 def _best_of(comps: list[CompletionOutput], n: int, finished: bool) -> list[CompletionOutput]:
     """best_of > n: nothing until every candidate finished, then the ``n`` with the highest
-    cumulative logprob, renumbered 0..n-1, each whole (its deltas are all it generated)."""
+    cumulative logprob, renumbered 0..n-1, each whole (its deltas are all it generated). A
+    candidate that ended in an error ranks after every other: cut short, its sum of fewer
+    logprobs would rank it above whole ones."""
     if not finished:
         return []
-    ranked = sorted(comps, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
+    ranked = sorted(
+        comps, key=lambda c: (c.finish_reason == "error", -(c.cumulative_logprob or 0.0))
+    )[:n]
     return [
         replace(
             c,

@@ -696,6 +696,22 @@ inline void prefetch_heads(const void* cache, int elem, const int64_t* bt, int b
 }
 
 
+// A thread's side prefetch during decode attention (decode_layer's): its share of the weight
+// the next GEMM reads (the o projection, as gemm_pairs_impl splits its panels), fetched into L2
+// a few lines at each position the attention visits. At a few rows attention waits on its KV
+// reads position by position and leaves the memory idle, while the o projection after it,
+// started cold, streamed at about half the rate of the layer's other GEMMs (docs/SPEED.md,
+// "Zen 4, a fifteenth session").
+struct SidePrefetch {
+    const char* next = nullptr;
+    int64_t left = 0;  // bytes
+    int lines = 0;     // at each position
+    void step() {
+        for (int i = 0; i < lines && left > 0; ++i, next += 64, left -= 64) __builtin_prefetch(next, 0, 2);
+    }
+};
+thread_local SidePrefetch t_side;
+
 // Slot of position p in a sequence's block table, advanced one position at a time (no division
 // per position).
 struct SlotCursor {
@@ -770,6 +786,7 @@ void decode_task_bf16(const float* qd, const uint16_t* k_cache, const uint16_t* 
         SlotCursor cur(bt, block_size, begin), ahead(bt, block_size, begin);
         for (int a = 0; a < ahead_n && begin + a < end; ++a) ahead.next();
         for (int64_t p = begin; p < end; ++p) {
+            t_side.step();
             if (ahead_n > 0 && p + ahead_n < end) {
                 const char* pf = reinterpret_cast<const char*>(cache + ahead.slot() * row + static_cast<int64_t>(h0) * hd);
                 for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) prefetch_line(pf + off, to_l2);
@@ -896,6 +913,7 @@ void decode_task_avx2(const float* qd, const uint16_t* k_cache, const uint16_t* 
         SlotCursor cur(bt, block_size, begin), ahead(bt, block_size, begin);
         for (int a = 0; a < ahead_n && begin + a < end; ++a) ahead.next();
         for (int64_t p = begin; p < end; ++p) {
+            t_side.step();
             if (ahead_n > 0 && p + ahead_n < end) {
                 const char* pf = reinterpret_cast<const char*>(cache + ahead.slot() * row + static_cast<int64_t>(h0) * hd);
                 for (int64_t off = 0; off < static_cast<int64_t>(h1 - h0) * hd * 2; off += 64) prefetch_line(pf + off, to_l2);
@@ -2645,9 +2663,22 @@ void argmax_f32(const float* x, int rows, int n, int64_t* out) {
 // heads are adjacent in memory, so the task reads its cache rows as contiguous runs instead of
 // one head's 128-byte piece every 1.5 KB. Pass 1 computes every score, then a vectorised softmax
 // per query head, then pass 2 accumulates the V rows.
+static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
+                             const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts, void* out, int D, int H, int KvH,
+                             int hd, int block_size, int max_blocks, float scale, int ahead, const uint16_t* side_P, int side_N,
+                             int side_K);
 void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
                             const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts,
                             void* out, int D, int H, int KvH, int hd, int block_size, int max_blocks, float scale, int ahead) {
+    decode_attention(q, q_row_stride, io_f32, k_cache, v_cache, cache_f32, block_tables, ctx_lens, starts, out, D, H, KvH, hd, block_size,
+                     max_blocks, scale, ahead, nullptr, 0, 0);
+}
+// paged_decode_attention, and with side_P (a pair-packed weight [side_N, side_K], or null) each
+// thread prefetches its share of side_P into L2 over the positions it visits (SidePrefetch).
+static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
+                             const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts, void* out, int D, int H, int KvH,
+                             int hd, int block_size, int max_blocks, float scale, int ahead, const uint16_t* side_P, int side_N,
+                             int side_K) {
     const int G = H / KvH;
     const int dist = ahead < 0 ? -ahead : ahead;
     const int elem = cache_f32 ? 4 : 2;
@@ -2667,12 +2698,24 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
 #if defined(__AVX512F__) || defined(ITERSERVE_AVX2)
     const DecodeTask fast = cache_f32 ? nullptr : decode_task_for(hd);
 #endif
+    int64_t visits = 0;  // about how many positions a thread visits (both passes)
+    if (side_P != nullptr) {
+        for (int d = 0; d < D; ++d) visits += 2 * (ctx_lens[d] - starts[d]) * splits;
+        visits = visits / threads + 1;
+    }
 #pragma omp parallel
     {
         std::vector<float> scores, row(static_cast<size_t>(hd)), acc, qbuf;
 #if defined(__AVX512F__) || defined(ITERSERVE_AVX2)
         std::vector<float> vbuf;
 #endif
+        if (visits > 0) {  // the whole share, spread over the visits (at most 64 lines at one)
+            const auto [b, e] = thread_share((side_N + GP_COLS - 1) / GP_COLS);
+            const int64_t panel_bytes = static_cast<int64_t>(side_K / 2) * GP_COLS * 4;
+            t_side.next = reinterpret_cast<const char*>(side_P) + b * panel_bytes;
+            t_side.left = (e - b) * panel_bytes;
+            t_side.lines = static_cast<int>(std::min<int64_t>(64, (t_side.left / 64 + visits - 1) / visits));
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tasks; ++t) {
             const int d = t / splits;
@@ -2727,6 +2770,7 @@ void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, con
             });
             store_row(out, io_f32, od, nq * hd, acc.data());
         }
+        t_side = SidePrefetch{};
     }
 }
 
@@ -3439,8 +3483,11 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
     rope_bf16(qkv, w->n_qkv, s->cos, s->sin, qk, M, H + KvH, hd, w->qk_norm, w->eps);  // q and k together
     write_rows(qk + q_size, int64_t(nqk) * 2, k_cache, s->slots, M, int64_t(kv_size) * 2);
     write_rows(qkv + q_size + kv_size, int64_t(w->n_qkv) * 2, v_cache, s->slots, M, int64_t(kv_size) * 2);
-    paged_decode_attention(qk, nqk, 0, k_cache, v_cache, 0, s->block_tables, s->ctx_lens, s->starts, attn, M, H, KvH, hd, s->block_size,
-                           s->max_blocks, w->scale, s->ahead);
+    // the o projection's weight prefetched during attention where gemm_pairs runs it (its
+    // panels split as decode_attention splits them)
+    const bool pairs_o = !w->panels && !(w->amx >> 1 & 1);
+    decode_attention(qk, nqk, 0, k_cache, v_cache, 0, s->block_tables, s->ctx_lens, s->starts, attn, M, H, KvH, hd, s->block_size,
+                     s->max_blocks, w->scale, s->ahead, pairs_o ? w->o : nullptr, hid, q_size);
     gemm(1, w->o, attn, o, w->o_b, hid, q_size);
     rms_norm_bf16(h, o, w->post_norm, normed, M, hid, w->eps);
     // the same bits either way (gemm_amx_swiglu, gemm_pairs_swiglu)

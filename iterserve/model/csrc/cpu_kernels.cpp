@@ -702,6 +702,7 @@ inline void prefetch_heads(const void* cache, int elem, const int64_t* bt, int b
 // reads position by position and leaves the memory idle, while the o projection after it,
 // started cold, streamed at about half the rate of the layer's other GEMMs (docs/SPEED.md,
 // "Zen 4, a fifteenth session").
+constexpr int SIDE_PREFETCH_ROWS = 1;  // decode_layer's side prefetch at up to this many rows
 struct SidePrefetch {
     const char* next = nullptr;
     int64_t left = 0;  // bytes
@@ -3484,8 +3485,10 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
     write_rows(qk + q_size, int64_t(nqk) * 2, k_cache, s->slots, M, int64_t(kv_size) * 2);
     write_rows(qkv + q_size + kv_size, int64_t(w->n_qkv) * 2, v_cache, s->slots, M, int64_t(kv_size) * 2);
     // the o projection's weight prefetched during attention where gemm_pairs runs it (its
-    // panels split as decode_attention splits them)
-    const bool pairs_o = !w->panels && !(w->amx >> 1 & 1);
+    // panels split as decode_attention splits them), at one row: at 2, 4 and 8 the prefetches
+    // slowed attention by as much as they saved or more (docs/SPEED.md, "Zen 4, a fifteenth
+    // session")
+    const bool pairs_o = !w->panels && !(w->amx >> 1 & 1) && M <= SIDE_PREFETCH_ROWS;
     decode_attention(qk, nqk, 0, k_cache, v_cache, 0, s->block_tables, s->ctx_lens, s->starts, attn, M, H, KvH, hd, s->block_size,
                      s->max_blocks, w->scale, s->ahead, pairs_o ? w->o : nullptr, hid, q_size);
     gemm(1, w->o, attn, o, w->o_b, hid, q_size);

@@ -219,7 +219,10 @@ def test_the_queue_limit_counts_the_sequences_of_adds_the_engine_has_not_taken_y
                 fake.hold.set()
                 assert await asyncio.to_thread(fake.holding.wait, 10)
                 four = asyncio.create_task(c.post("/v1/completions", json={**body, "n": 4}))
-                await asyncio.sleep(0.3)  # admitted: it waits for the engine to take it
+                for _ in range(1000):  # until its 4 sequences fill the queue
+                    if engine.ready_error is not None:
+                        break
+                    await asyncio.sleep(0.01)
                 one = asyncio.create_task(c.post("/v1/completions", json=body))
                 await asyncio.sleep(0.3)
             finally:
@@ -235,6 +238,59 @@ def test_the_queue_limit_counts_the_sequences_of_adds_the_engine_has_not_taken_y
         wait_for(lambda: engine.snapshot.num_queued == 0, timeout=10, what="idle")
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=20)
         assert r.status_code == 200, r.text  # the four sequences left nothing counted behind
+
+
+def test_an_id_whose_cancelled_add_is_still_pending_is_refused_and_nothing_leaks() -> None:
+    """A request cancelled while the engine thread is inside a step leaves its add and its
+    abort queued; the same id sent again then was counted over the first one's entry, and
+    three of the queue's places stayed taken for good. It is refused until the first is gone."""
+    from iterserve.engine.async_engine import AsyncEngine
+
+    async def main() -> None:
+        fake = FakeEngine(max_num_seqs=1)
+        engine = AsyncEngine(fake, max_queued_requests=8)
+        engine.start()
+        fake.paused.set()
+        try:
+            running = asyncio.create_task(
+                engine.add_request("bg", "hello", SamplingParams(max_tokens=3))
+            )
+            while engine.snapshot.num_running != 1:
+                await asyncio.sleep(0.01)
+            fake.hold.set()
+            assert await asyncio.to_thread(fake.holding.wait, 10)
+            first = asyncio.create_task(
+                engine.add_request("x", "hello", SamplingParams(max_tokens=2, n=3))
+            )
+            for _ in range(1000):  # admitted: it waits for the engine to take it
+                if engine.ready_error is not None or engine.num_active == 2:
+                    break
+                await asyncio.sleep(0.01)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            with pytest.raises(ValueError, match="'x' is already in use"):
+                await asyncio.wait_for(
+                    engine.add_request("x", "hello", SamplingParams(max_tokens=2, n=2)), 5
+                )
+        finally:
+            fake.hold.clear()
+            fake.paused.clear()
+        stream = await running
+        async for _ in stream:
+            pass
+        for _ in range(1000):
+            if engine.snapshot.num_queued == 0 and engine._pending_seqs == 0:
+                break
+            await asyncio.sleep(0.01)
+        again = await engine.add_request("x", "hello", SamplingParams(max_tokens=2, n=2))
+        async for out in again:
+            last = out
+        assert last.finished and len(last.outputs) == 2
+        assert engine._pending_seqs == 0 and not engine._pending_adds  # nothing leaked
+        await engine.shutdown()
+
+    asyncio.run(main())
 
 
 def test_requests_waiting_for_a_grammar_count_against_the_queue_limit() -> None:

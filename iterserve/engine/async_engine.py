@@ -811,6 +811,10 @@ class AsyncEngine:
     # requests that have not produced their first token yet.
     def _admit(self, request_id: str, num_tokens: int, num_seqs: int) -> None:
         with self._adm_lock:
+            if request_id in self._pending_adds or request_id in self._queued_tok:
+                # an earlier request of this id (cancelled, say) is still on its way in or
+                # out: taking this one now would mix the two's counts
+                raise ValueError(f"request_id {request_id!r} is already in use")
             queued = self._pending_seqs + self.snapshot.num_queued
             if self.max_queued_requests is not None and queued >= self.max_queued_requests:
                 raise QueueFullError(

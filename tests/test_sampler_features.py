@@ -485,6 +485,20 @@ def test_min_p_comes_before_top_p_as_in_vllm(with_kernels: bool) -> None:
         assert abs(drawn.count(0) / n - 0.714) < 0.03, params
 
 
+def test_a_min_p_row_with_a_nan_logit_still_draws_from_its_other_tokens() -> None:
+    """With the race kernel a row's min-p floor is its max + log(min_p): a NaN logit made
+    the max NaN, the floor NaN, and every draw token 0 (no token passes a NaN floor). Such a
+    row has no min-p floor, as before min-p moved ahead of top-k / top-p."""
+    kern = kernels.load()
+    if kern is None or not kern.has_race:
+        pytest.skip("the race kernel is not built here (no compiler or no AVX-512)")
+    row = torch.tensor([[0.0, float("nan"), 2.0, 1.0, 3.0]])
+    params = SamplingParams(temperature=1.0, min_p=0.05)
+    torch.manual_seed(0)
+    drawn = sample(row.repeat(300, 1), [_row(params)] * 300, kern)[0]
+    assert 1 not in drawn and len(set(drawn)) >= 3 and drawn.count(4) > drawn.count(0)
+
+
 def test_filtered_rows_of_a_large_vocabulary_stay_in_torchs_cut() -> None:
     """With the race kernel, top-k, top-p and min-p are a floor on each row's logits: over an
     8,192-token vocabulary, a top-p row's draws stay in torch's nucleus and reach deep into

@@ -444,7 +444,9 @@ def _filtered_race(
     min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if min_p:
         logs = torch.tensor([math.log(params[i].min_p) for i in min_p], dtype=f32)
-        floors[min_p] = some(min_p).amax(-1) + logs
+        # a row with a NaN has no max to measure from: no min-p floor (as before the order
+        # changed), rather than a NaN one that no token passes
+        floors[min_p] = torch.nan_to_num(some(min_p).amax(-1) + logs, nan=-math.inf)
     mp_floor = floors.clone()  # -inf where a row has no min-p
     has_k = [0 < p.top_k < vocab for p in params]  # top_k 0 or the whole vocabulary: none
     topk = [i for i, k in enumerate(has_k) if k]
@@ -465,12 +467,16 @@ def _filtered_race(
         floors[topk] = floor.squeeze(1)
         ties[topk] = ((vals == floor) & ~cut).sum(-1).to(torch.int32)
     whole = [i for i, (p, k) in enumerate(zip(params, has_k)) if not k and p.top_p < 1.0]
-    if whole:
-        top_p = torch.tensor([params[i].top_p for i in whole], dtype=f32)
-        rows = some(whole)
-        if any(params[i].min_p > 0.0 for i in whole):  # the nucleus of what min-p left
-            rows = rows.masked_fill(rows < mp_floor[whole].unsqueeze(1), float("-inf"))
-        floors[whole], ties[whole] = kern.top_p_floor(rows, top_p)
+    # those with min-p take the nucleus of what it left: a copy of their rows alone, masked
+    for with_min_p in (False, True):
+        part = [i for i in whole if (params[i].min_p > 0.0) == with_min_p]
+        if not part:
+            continue
+        top_p = torch.tensor([params[i].top_p for i in part], dtype=f32)
+        rows = some(part)
+        if with_min_p:
+            rows = rows.masked_fill(rows < mp_floor[part].unsqueeze(1), float("-inf"))
+        floors[part], ties[part] = kern.top_p_floor(rows, top_p)
     if min_p:  # no other floor lies below min-p's (a row all -inf or NaN aside): keep it
         under = mp_floor > floors
         floors = torch.where(under, mp_floor, floors)

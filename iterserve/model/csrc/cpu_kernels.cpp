@@ -2717,7 +2717,9 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
             t_side.left = (e - b) * panel_bytes;
             t_side.lines = static_cast<int>(std::min<int64_t>(64, (t_side.left / 64 + visits - 1) / visits));
         }
-#pragma omp for schedule(dynamic, 1)
+        // nowait: a thread out of tasks fetches the rest of its share (all of it where it got
+        // none: fewer tasks than threads) while the others finish
+#pragma omp for schedule(dynamic, 1) nowait
         for (int t = 0; t < tasks; ++t) {
             const int d = t / splits;
             const int h0 = (t % splits) * per;
@@ -2770,6 +2772,10 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
                 axpy(scores[qh * ldn + i], row.data(), acc.data() + static_cast<int64_t>(qh) * hd, hd);
             });
             store_row(out, io_f32, od, nq * hd, acc.data());
+        }
+        if (t_side.left > 0) {
+            t_side.lines = static_cast<int>(t_side.left / 64 + 1);
+            t_side.step();
         }
         t_side = SidePrefetch{};
     }

@@ -1256,6 +1256,20 @@ def test_slo_counts_a_prompts_prefix_hits_out_of_its_work() -> None:
     assert [r.request_id for r in out.failed] == ["fresh"] and s.num_rejected == 1
 
 
+def test_slo_counts_only_an_admitted_prompts_uncached_tokens_ahead_of_the_next() -> None:
+    """After a 200-token prompt with 196 tokens from the prefix cache is admitted, the next
+    admission's prediction has its 4 tokens ahead of it, not 200 (on_admit counted the whole
+    prompt)."""
+    policy = SloPolicy(SchedulerConfig(max_num_batched_tokens=64, max_model_len=256))
+    cached = slo_req("cached", 200, 0.0, 1.0, seed=1)
+    cached.num_computed_tokens = 196  # what the scheduler sets from the hits before on_admit
+    policy.on_admit(cached, 4)
+    assert policy.prefill_ahead == 4
+    fresh = slo_req("fresh", 200, 0.0, 1.0, seed=2)
+    policy.on_admit(fresh, 64)
+    assert policy.prefill_ahead == 204
+
+
 def _slo_timed(s: Scheduler) -> tuple[Callable[[], SchedulerOutput], list[float]]:
     """A stepper for ``s`` on a clock of 5 ms + 0.1 ms a token (fed to the policy's fit)."""
     books = Books(s)

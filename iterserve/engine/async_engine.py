@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import queue
 import threading
 import time
@@ -300,7 +301,7 @@ class _Mailbox:
     logprobs so far, which made an unread stream's memory grow with the square of its tokens.
     Past ``max_tokens`` / ``max_bytes`` of unread deltas, ``on_overflow`` is called."""
 
-    def __init__(self, max_tokens: int, max_bytes: int, on_overflow: Callable[[], None]):
+    def __init__(self, max_tokens: float, max_bytes: float, on_overflow: Callable[[], None]):
         self._items: collections.deque[_Item] = collections.deque()
         self._owned = False  # the last item is a merge built here
         self._waiter: asyncio.Future[None] | None = None
@@ -381,10 +382,9 @@ class RequestStream:
         # Unbounded: the caller reads every output itself and keeps the whole answer anyway
         # (a non-streamed response), so outputs left unread while its loop was busy are not a
         # client that does not read; failing it then would lose finished work.
-        big = 1 << 62
         self.queue = _Mailbox(
-            engine.stream_buffer_tokens if bounded else big,
-            engine.stream_buffer_bytes if bounded else big,
+            engine.stream_buffer_tokens if bounded else math.inf,
+            engine.stream_buffer_bytes if bounded else math.inf,
             self._overflow,
         )
         self.finished = False
@@ -559,10 +559,9 @@ class AsyncEngine:
 
         # Admission control: requests admitted but not yet scheduled by the engine.
         self._adm_lock = threading.Lock()
-        # adds not yet handed to the engine -> their sequences (n / best_of candidates), and
-        # the sum: the queue limit counts sequences, as the engine's waiting queue does
+        # adds not yet handed to the engine -> their sequences (n / best_of candidates): the
+        # queue limit counts sequences, as the engine's waiting queue does
         self._pending_adds: dict[str, int] = {}
-        self._pending_seqs = 0
         self._queued_tok: dict[str, int] = {}
         self._queued_tokens = 0
 
@@ -809,6 +808,12 @@ class AsyncEngine:
     # Queued sequences = those of the adds not yet handed to the engine + the engine's own
     # waiting queue (as of the latest drain/step). Queued tokens = prompt tokens of admitted
     # requests that have not produced their first token yet.
+    @property
+    def _pending_seqs(self) -> int:
+        """The sequences of the adds not yet handed to the engine (call under _adm_lock; the
+        dict is drained every step, so summing it is cheap)."""
+        return sum(self._pending_adds.values())
+
     def _admit(self, request_id: str, num_tokens: int, num_seqs: int) -> None:
         with self._adm_lock:
             if request_id in self._pending_adds or request_id in self._queued_tok:
@@ -831,7 +836,6 @@ class AsyncEngine:
                     f"> --max-queued-tokens {self.max_queued_tokens}); retry later"
                 )
             self._pending_adds[request_id] = num_seqs
-            self._pending_seqs += num_seqs
             self._queued_tok[request_id] = num_tokens
             self._queued_tokens += num_tokens
 
@@ -839,12 +843,12 @@ class AsyncEngine:
         """The engine took these adds (call after publishing a snapshot that counts them)."""
         with self._adm_lock:
             for rid in request_ids:
-                self._pending_seqs -= self._pending_adds.pop(rid, 0)
+                self._pending_adds.pop(rid, None)
 
     def _release(self, request_id: str) -> None:
         """The request produced its first token, ended, or was never added."""
         with self._adm_lock:
-            self._pending_seqs -= self._pending_adds.pop(request_id, 0)
+            self._pending_adds.pop(request_id, None)
             n = self._queued_tok.pop(request_id, None)
             if n is not None:
                 self._queued_tokens -= n

@@ -2664,18 +2664,8 @@ void argmax_f32(const float* x, int rows, int n, int64_t* out) {
 // heads are adjacent in memory, so the task reads its cache rows as contiguous runs instead of
 // one head's 128-byte piece every 1.5 KB. Pass 1 computes every score, then a vectorised softmax
 // per query head, then pass 2 accumulates the V rows.
-static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
-                             const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts, void* out, int D, int H, int KvH,
-                             int hd, int block_size, int max_blocks, float scale, int ahead, const uint16_t* side_P, int side_N,
-                             int side_K);
-void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
-                            const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts,
-                            void* out, int D, int H, int KvH, int hd, int block_size, int max_blocks, float scale, int ahead) {
-    decode_attention(q, q_row_stride, io_f32, k_cache, v_cache, cache_f32, block_tables, ctx_lens, starts, out, D, H, KvH, hd, block_size,
-                     max_blocks, scale, ahead, nullptr, 0, 0);
-}
-// paged_decode_attention, and with side_P (a pair-packed weight [side_N, side_K], or null) each
-// thread prefetches its share of side_P into L2 over the positions it visits (SidePrefetch).
+// With side_P (a pair-packed weight [side_N, side_K], or null) each thread also prefetches its
+// share of side_P into L2 over the positions it visits (SidePrefetch; decode_layer's).
 static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
                              const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts, void* out, int D, int H, int KvH,
                              int hd, int block_size, int max_blocks, float scale, int ahead, const uint16_t* side_P, int side_N,
@@ -2779,6 +2769,13 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
         }
         t_side = SidePrefetch{};
     }
+}
+// The library's entry point: decode_attention without a side prefetch.
+void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
+                            const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts,
+                            void* out, int D, int H, int KvH, int hd, int block_size, int max_blocks, float scale, int ahead) {
+    decode_attention(q, q_row_stride, io_f32, k_cache, v_cache, cache_f32, block_tables, ctx_lens, starts, out, D, H, KvH, hd, block_size,
+                     max_blocks, scale, ahead, nullptr, 0, 0);
 }
 
 // 1 when the bf16 dot-product kernels (gemm_pairs, and paged_prefill_attention's bf16 form)

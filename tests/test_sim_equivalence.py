@@ -27,7 +27,11 @@ from iterserve.workload.replay import bench_params, replay
 engine_mod = pytest.importorskip("iterserve.engine")
 
 
-def _workload(seed: int, n: int, rate: float, shared_prefix: int = 0) -> list[RequestSpec]:
+def _workload(
+    seed: int, n: int, rate: float, shared_prefix: int = 0, labelled: bool = False
+) -> list[RequestSpec]:
+    """``labelled``: three tenants, and TTFT / TPOT targets on some requests (the fair and slo
+    policies' inputs)."""
     rng = np.random.default_rng(seed)
     prefix = rng.integers(100, 2000, size=shared_prefix).tolist()
     arrivals = synth_arrivals(n, rate, 1.0, np.random.default_rng([seed, 1]))
@@ -35,7 +39,13 @@ def _workload(seed: int, n: int, rate: float, shared_prefix: int = 0) -> list[Re
     for i in range(n):
         plen = int(rng.integers(5, 160))
         prompt = (prefix if i % 2 == 0 else []) + rng.integers(100, 2000, size=plen).tolist()
-        specs.append(RequestSpec(prompt, int(rng.integers(1, 40)), arrivals[i]))
+        spec = RequestSpec(prompt, int(rng.integers(1, 40)), arrivals[i])
+        if labelled:
+            spec.tenant = "abc"[i % 3]
+            if i % 4 != 3:  # the rest take the policy's defaults
+                spec.slo_ttft_s = float(rng.choice([0.002, 0.02, 0.2]))
+                spec.slo_tpot_s = float(rng.choice([0.001, 0.01]))
+        specs.append(spec)
     return specs
 
 
@@ -57,6 +67,7 @@ def _run_real(
         clock[0] += dt
 
     engine.step = timed_step
+    engine.scheduler.clock = lambda: clock[0]  # what time-aware policies (slo) call now
     res = replay(engine, specs, clock=lambda: clock[0], sleep=sleep)
     engine.record_steps(None)
     steps = [json.loads(line) for line in steps_file.read_text().splitlines()]
@@ -84,14 +95,28 @@ CASES = {
         max_num_batched_tokens=32,
         num_kv_blocks=30,
     ),
+    # the other policies; their inputs (tenants, targets) come with the workload
+    "fair": dict(policy="fair", max_num_seqs=6, max_num_batched_tokens=64, num_kv_blocks=40),
+    "priority": dict(
+        policy="priority", max_num_seqs=6, max_num_batched_tokens=64, num_kv_blocks=40
+    ),
+    "slo": dict(
+        policy="slo",
+        max_num_seqs=6,
+        max_num_batched_tokens=64,
+        num_kv_blocks=40,
+        slo_ttft_ms=50.0,
+        slo_tpot_ms=5.0,
+    ),
 }
+LABELLED = ("fair", "priority", "slo")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_same_decisions_as_engine(case: str, tmp_path: Path) -> None:
     args = EngineArgs(model="tiny-random", dtype="float32", block_size=8, num_threads=1, seed=0)
     args = args.replace(**CASES[case])
-    specs = _workload(seed=len(case), n=36, rate=150.0, shared_prefix=40)
+    specs = _workload(seed=len(case), n=36, rate=150.0, shared_prefix=40, labelled=case in LABELLED)
     real_steps, real = _run_real(args, specs, tmp_path / "real.jsonl")
     assert real.num_steps == len(real_steps) > 0
 
@@ -125,6 +150,8 @@ def test_same_decisions_as_engine(case: str, tmp_path: Path) -> None:
     if case == "continuous":  # the workload does exercise what it is meant to
         assert sum(s["num_preemptions"] for s in real_steps) > 0
         assert sum(s["prefix_hit_tokens"] for s in real_steps) > 0
+    if case == "slo":  # some requests cannot meet their TTFT targets and are rejected
+        assert any(t.error and "time-to-first-token" in t.error for t in real.timings)
 
     for r, s in zip(real.timings, sim.timings):
         assert (r.success, r.output_tokens, r.error is None) == (

@@ -862,3 +862,51 @@ def test_made_up_methods_and_dropped_uploads_keep_the_http_metrics_honest() -> N
         assert not any(
             'handler="/v1/completions"' in line and 'status="5xx"' in line for line in series()
         )
+
+
+def _unread_request(port: int, body: dict[str, Any]) -> Any:
+    """A connection that sends ``body`` to /v1/completions and then reads nothing (its
+    receive buffer as small as the kernel allows), left open."""
+    import json
+    import socket
+
+    raw = json.dumps(body).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(raw)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + raw)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_does_not_read_its_response_loses_its_connection(stream: bool) -> None:
+    """A response its client leaves unread (a non-streamed one too: its whole body waits in
+    the server's buffers) closes the connection after the write timeout, freeing the
+    buffered bytes and its place under --max-connections for the other clients. Before, the
+    connection stayed for as long as the client kept it open: every later client got 503s."""
+    from iterserve.server.limits import ServerLimits
+
+    fake = FakeEngine(max_model_len=8192, num_blocks=8192, block_size=4)
+    # a short keep-alive: an idle connection's place is not what this is about
+    limits = ServerLimits(stream_write_timeout=0.5, max_connections=2, keep_alive_timeout=0.2)
+    # ~30 MB of JSON: more than the loopback socket's buffers take
+    body = {"prompt": "x", "max_tokens": 4000, "n": 8, "logprobs": 20, "ignore_eos": True}
+    _, server = serve(fake, limits=limits)
+    with server:
+        sock = _unread_request(server.port, {**body, "stream": stream})
+        try:
+            wait_for(lambda: not fake.reqs and fake.steps > 0, 30, "the request to end")
+            codes: list[int] = []
+
+            def served() -> bool:  # while the first connection counts, this one gets a 503
+                codes.append(httpx.get(server.url + "/v1/models", timeout=10).status_code)
+                return codes[-1] == 200
+
+            wait_for(served, 20, "a place for another client")
+            assert set(codes) <= {200, 503}, codes
+        finally:
+            sock.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from iterserve.config import add_dataclass_args, cli_kwargs
 from iterserve.sampling_params import MAX_LOGPROBS
+
+logger = logging.getLogger("iterserve.server")
 
 if TYPE_CHECKING:  # imported when used: `iterserve serve --help` stays fast
     from iterserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -43,8 +46,9 @@ _HELPS = {
     "chat_template_timeout": "seconds a request's chat template may take to render",
     "chat_template_max_chars": "most characters a request's chat template may render",
     "chat_template_max_loop_iterations": "most loop iterations a request's chat template may run",
-    "stream_write_timeout": "seconds a streaming client may leave a chunk unread before its "
-    "request is aborted (its KV cache freed)",
+    "stream_write_timeout": "seconds a client may leave a response's bytes unread (a stream's "
+    "next chunk, a whole answer's rest) before its connection is closed (a stream's request "
+    "aborted, its KV cache freed)",
     "stream_buffer_tokens": "most generated tokens held for one stream its client has not read "
     "yet; past it the request is aborted",
     "stream_buffer_bytes": "most bytes of generated text held for one unread stream",
@@ -291,18 +295,29 @@ class ServerLimits:
 _REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
-def header_timeout_protocol(header_timeout: float) -> type:
-    """uvicorn's h11 protocol with a deadline for each request's headers. uvicorn has none:
-    a client that opens connections and sends its headers a byte at a time (slow-loris)
-    holds each one (and a file descriptor) for as long as it likes. The deadline runs from
-    the connection's start, or from the end of the previous response on a keep-alive one;
-    past it the connection gets a 408 and is closed."""
+def h11_protocol(header_timeout: float, write_timeout: float) -> type:
+    """uvicorn's h11 protocol with a deadline for each request's headers and one for a
+    client to take what the server writes. uvicorn has neither.
+
+    Headers: a client that opens connections and sends its headers a byte at a time
+    (slow-loris) holds each one (and a file descriptor) for as long as it likes. The deadline
+    runs from the connection's start, or from the end of the previous response on a
+    keep-alive one; past it the connection gets a 408 and is closed.
+
+    Writes: a client that stops reading leaves the server's transport paused (its buffer
+    past the high-water mark) with the response's bytes in it; an ASGI app that gives up
+    returns, but closing the transport waits for the buffer to drain, so the connection,
+    the bytes (a whole non-streamed body) and its place under ``limit_concurrency`` stayed
+    for as long as the client kept it open. Paused for ``write_timeout`` seconds, the
+    connection is aborted (its stream's request is then aborted too: the app sees the
+    disconnect)."""
     import asyncio
 
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class HeaderTimeoutH11Protocol(H11Protocol):
+    class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
@@ -320,6 +335,20 @@ def header_timeout_protocol(header_timeout: float) -> type:
                 self.transport.write(_REQUEST_TIMEOUT)
                 self.transport.close()
 
+        def _unpaused(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _not_read(self) -> None:
+            self._write_timer = None
+            logger.warning(
+                "a client left %.1f s of writes unread (--stream-write-timeout); closing its "
+                "connection",
+                write_timeout,
+            )
+            self.transport.abort()
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
@@ -334,11 +363,21 @@ def header_timeout_protocol(header_timeout: float) -> type:
             if not self.transport.is_closing():
                 self._arm()
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout, self._not_read)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._unpaused()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._unpaused()
             super().connection_lost(exc)
 
-    return HeaderTimeoutH11Protocol
+    return GuardedH11Protocol
 
 
 def uvicorn_config(app: Any, limits: ServerLimits, **kwargs: Any) -> Any:
@@ -349,7 +388,7 @@ def uvicorn_config(app: Any, limits: ServerLimits, **kwargs: Any) -> Any:
 
     return uvicorn.Config(
         app,
-        http=header_timeout_protocol(limits.header_timeout),
+        http=h11_protocol(limits.header_timeout, limits.stream_write_timeout),
         timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
         limit_concurrency=limits.max_connections,
         h11_max_incomplete_event_size=64 * 1024,  # request line + headers
@@ -357,4 +396,4 @@ def uvicorn_config(app: Any, limits: ServerLimits, **kwargs: Any) -> Any:
     )
 
 
-__all__ = ["ServerLimits", "header_timeout_protocol", "uvicorn_config"]
+__all__ = ["ServerLimits", "h11_protocol", "uvicorn_config"]

@@ -910,3 +910,40 @@ def test_a_client_that_does_not_read_its_response_loses_its_connection(stream: b
             assert set(codes) <= {200, 503}, codes
         finally:
             sock.close()
+
+
+def test_the_write_timeout_spares_a_client_that_reads_slowly() -> None:
+    """The write deadline is for a client that takes nothing: one that keeps taking bytes of a
+    long answer, however slowly, keeps its connection; once it stops, it loses it. (uvicorn's
+    protocol on a stand-in transport whose unsent bytes the test counts down.)"""
+    import asyncio
+    from unittest import mock
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from iterserve.server.limits import h11_protocol
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:  # never called
+        raise AssertionError
+
+    async def main() -> tuple[bool, bool]:
+        config = uvicorn.Config(app=app)
+        config.load()
+        proto = h11_protocol(10.0, 0.2)(config=config, server_state=ServerState(), app_state={})
+        transport = mock.MagicMock()
+        unsent = [10_000_000]
+        transport.get_write_buffer_size.side_effect = lambda: unsent[0]
+        transport.is_closing.return_value = False
+        transport.get_extra_info.return_value = None
+        proto.connection_made(transport)
+        proto.pause_writing()  # the buffer went past its high-water mark
+        for _ in range(8):  # 0.8 s, four write timeouts: the client takes a little each 0.1 s
+            await asyncio.sleep(0.1)
+            unsent[0] -= 1000
+        reading = transport.abort.called
+        await asyncio.sleep(0.6)  # it takes nothing more
+        return reading, transport.abort.called
+
+    reading, stopped = asyncio.run(main())
+    assert not reading and stopped

@@ -308,9 +308,10 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
     past the high-water mark) with the response's bytes in it; an ASGI app that gives up
     returns, but closing the transport waits for the buffer to drain, so the connection,
     the bytes (a whole non-streamed body) and its place under ``limit_concurrency`` stayed
-    for as long as the client kept it open. Paused for ``write_timeout`` seconds, the
-    connection is aborted (its stream's request is then aborted too: the app sees the
-    disconnect)."""
+    for as long as the client kept it open. When the client takes none of the buffered bytes
+    for ``write_timeout`` seconds while writing is paused, the connection is aborted (its
+    stream's request is then aborted too: the app sees the disconnect); a slow reader that
+    keeps taking bytes is not cut off, however long its answer takes."""
     import asyncio
 
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -335,6 +336,12 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
                 self.transport.write(_REQUEST_TIMEOUT)
                 self.transport.close()
 
+        _unread = 0  # the write buffer's size when the write timer was last armed
+
+        def _arm_write(self) -> None:
+            self._unread = self.transport.get_write_buffer_size()
+            self._write_timer = self.loop.call_later(write_timeout, self._not_read)
+
         def _unpaused(self) -> None:
             if self._write_timer is not None:
                 self._write_timer.cancel()
@@ -342,9 +349,12 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
 
         def _not_read(self) -> None:
             self._write_timer = None
+            if self.transport.get_write_buffer_size() < self._unread:
+                self._arm_write()  # the client took some: still reading, slowly
+                return
             logger.warning(
-                "a client left %.1f s of writes unread (--stream-write-timeout); closing its "
-                "connection",
+                "a client took none of its answer for %.1f s (--stream-write-timeout); "
+                "closing its connection",
                 write_timeout,
             )
             self.transport.abort()
@@ -366,7 +376,7 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
         def pause_writing(self) -> None:
             super().pause_writing()
             if self._write_timer is None:
-                self._write_timer = self.loop.call_later(write_timeout, self._not_read)
+                self._arm_write()
 
         def resume_writing(self) -> None:
             super().resume_writing()

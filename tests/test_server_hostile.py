@@ -947,3 +947,41 @@ def test_the_write_timeout_spares_a_client_that_reads_slowly() -> None:
 
     reading, stopped = asyncio.run(main())
     assert not reading and stopped
+
+
+def test_an_idle_keep_alive_connection_gets_no_408_and_a_slow_second_request_does() -> None:
+    """The header deadline runs from a request's first bytes (or the connection's start), not
+    from the end of the previous response: an idle keep-alive connection is the keep-alive
+    timeout's to close (a load balancer keeps its connections open past the 10 s header
+    deadline), while a next request whose headers trickle in still gets its 408."""
+    import socket
+
+    from iterserve.server.limits import ServerLimits
+
+    def response(s: socket.socket) -> bytes:  # one whole response (headers, then its body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(body) < length:
+            body += s.recv(65536)
+        return head
+
+    limits = ServerLimits(header_timeout=0.5, keep_alive_timeout=30.0)
+    _, server = serve(FakeEngine(), limits=limits)
+    get = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    with server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(5)
+        s.sendall(get)
+        assert response(s).startswith(b"HTTP/1.1 200")
+        s.settimeout(1.5)  # idle for 3x the header deadline: nothing may come
+        with pytest.raises(TimeoutError):
+            s.recv(65536)
+        s.settimeout(5)
+        s.sendall(get)  # the connection still serves
+        assert response(s).startswith(b"HTTP/1.1 200")
+        s.sendall(get[:10])  # a next request that stops half-way through its headers
+        t0 = time.monotonic()
+        assert response(s).startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - t0 < 3

@@ -301,8 +301,10 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
 
     Headers: a client that opens connections and sends its headers a byte at a time
     (slow-loris) holds each one (and a file descriptor) for as long as it likes. The deadline
-    runs from the connection's start, or from the end of the previous response on a
-    keep-alive one; past it the connection gets a 408 and is closed.
+    runs from the connection's start, or on a keep-alive one from the first bytes of its next
+    request (an idle keep-alive connection is the keep-alive timeout's: a deadline from the
+    end of the previous response wrote an unasked-for 408 to clients idle longer, and capped
+    the keep-alive timeout at it); past it the connection gets a 408 and is closed.
 
     Writes: a client that stops reading leaves the server's transport paused (its buffer
     past the high-water mark) with the response's bytes in it; an ASGI app that gives up
@@ -363,14 +365,24 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
             super().connection_made(transport)
             self._arm()
 
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and self._between_requests():
+                self._arm()  # a next request's first bytes
+            super().data_received(data)
+
         def handle_events(self) -> None:
             super().handle_events()
-            if self.cycle is not None and not self.cycle.response_complete:
+            if not self._between_requests():
                 self._disarm()  # the headers are in: the request is being served
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
+            # a next request that came in part with this one (pipelined) is timed from now
+            pending = self.conn.trailing_data[0]
+            if pending and self._between_requests() and not self.transport.is_closing():
                 self._arm()
 
         def pause_writing(self) -> None:

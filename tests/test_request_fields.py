@@ -578,6 +578,24 @@ def chat_template_kwargs(c: Ctx, ep: str) -> None:
     hello = c.post(ep, chat_template=tpl, chat_template_kwargs={"greeting": "Hello hello. "})
     assert hello["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
     c.refused(ep, "chat_template_kwargs", chat_template_kwargs={"chat_template": "x"})
+    # the request's kwargs win over its top-level flags, as vLLM merges them (a duplicate
+    # keyword was a TypeError in a 400)
+    base = c.greedy(ep)["usage"]["prompt_tokens"]
+    off = c.post(ep, chat_template_kwargs={"add_generation_prompt": False})["usage"]
+    assert off["prompt_tokens"] < base
+    cont = c.post(
+        ep,
+        messages=ASSISTANT_TAIL,
+        add_generation_prompt=False,
+        chat_template_kwargs={"continue_final_message": True},
+    )
+    closed = c.post(ep, messages=ASSISTANT_TAIL, add_generation_prompt=False)
+    assert cont["usage"]["prompt_tokens"] < closed["usage"]["prompt_tokens"]
+    for name in ("conversation", "messages", "tokenize"):
+        r = c.raw(ep, chat_template_kwargs={name: []})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
+        assert "TypeError" not in r.text, r.text
+    c.refused(ep, "chat_template_kwargs", chat_template_kwargs={"add_generation_prompt": "no"})
 
 
 def include_reasoning(c: Ctx, ep: str) -> None:

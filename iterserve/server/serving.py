@@ -65,6 +65,9 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 # alone: real vocabularies' tokens are shorter, so the head has more tokens than fit.
 _MAX_CHARS_PER_TOKEN = 16
 _BOUNDARY_TOKENS = 8  # the cut can change how the last few tokens of the head merge
+# apply_chat_template's own arguments that the server sets (a request's chat_template_kwargs
+# naming one made a TypeError); chat_template has its own refusal
+_RENDERER_ARGS = frozenset({"conversation", "messages", "tokenize"})
 
 
 # vLLM request extras that would change the output and that this server does not implement:
@@ -730,9 +733,26 @@ class Serving:
         the model's on the tokenizer thread, a request's in the template sandbox; cut by
         ``params``' truncate_prompt_tokens."""
         messages, chat_template = req.messages, req.chat_template
-        add_generation_prompt = req.add_generation_prompt
-        continue_final_message = req.continue_final_message
         kwargs = dict(req.chat_template_kwargs or {})
+        # As vLLM merges them: the request's chat_template_kwargs win over its top-level flags
+        # (and its tools); the names the renderer itself takes cannot be template variables.
+        if reserved := sorted(_RENDERER_ARGS & kwargs.keys()):
+            raise bad_request(
+                f"chat_template_kwargs must not contain {', '.join(reserved)}: the server "
+                "passes the messages itself and renders to text",
+                param="chat_template_kwargs",
+            )
+        add_generation_prompt = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", req.continue_final_message)
+        for name, flag in (
+            ("add_generation_prompt", add_generation_prompt),
+            ("continue_final_message", continue_final_message),
+        ):
+            if not isinstance(flag, bool):
+                raise bad_request(
+                    f"chat_template_kwargs.{name} must be true or false, got {flag!r}",
+                    param="chat_template_kwargs",
+                )
         tok = self.tokenizer
         if tok is None:
             raise APIError(500, "the server has no tokenizer", code="no_tokenizer")
@@ -772,7 +792,7 @@ class Serving:
             continue_final_message=continue_final_message,
         )
         tools = getattr(req, "tools", None)
-        if tools:  # also with tool_choice "none", as vLLM: the template decides
+        if tools and "tools" not in kwargs:  # also with tool_choice "none", as vLLM
             kwargs["tools"] = tools
         try:
             if chat_template is not None:

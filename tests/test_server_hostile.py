@@ -706,7 +706,7 @@ def test_json_depth_and_integer_digit_caps_are_server_limit_flags() -> None:
     ns = build_parser().parse_args(["--max-json-depth", "3", "--max-json-int-digits", "5"])
     limits = ServerLimits.from_cli_args(ns)
     assert (limits.max_json_depth, limits.max_json_int_digits) == (3, 5)
-    assert (ServerLimits().max_json_depth, ServerLimits().max_json_int_digits) == (32, 40)
+    assert (ServerLimits().max_json_depth, ServerLimits().max_json_int_digits) == (160, 40)
     with pytest.raises(ValueError, match="--max-json-depth must be > 0"):
         ServerLimits(max_json_depth=0)
     _, server = serve(FakeEngine(), limits=limits)
@@ -717,6 +717,7 @@ def test_json_depth_and_integer_digit_caps_are_server_limit_flags() -> None:
         assert "deeper than 3 levels" in str(err["message"]) and "--max-json-depth" in str(
             err["message"]
         )
+        assert err["param"] == "a"  # the top-level field it is in
         assert c.post("/v1/completions", json={**base, "seed": 12345}).status_code == 200
         err = _error(c.post("/v1/completions", json={**base, "seed": 123456}), 400)
         assert "6 digits" in str(err["message"]) and "--max-json-int-digits" in str(err["message"])

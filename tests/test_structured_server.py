@@ -88,6 +88,23 @@ def test_response_format_json_schema_and_object(server: ServerProcess) -> None:
     assert plain["finish_reason"] == "length"
 
 
+def test_a_schema_nested_ten_objects_deep_is_accepted(server: ServerProcess) -> None:
+    """Ten levels of objects in lists (what OpenAI's structured outputs allow) nest the body
+    ~35 JSON levels deep: the old body limit of 32 refused them before any grammar was built."""
+    schema: dict[str, Any] = {"type": "object", "properties": {"v": {"type": "integer"}}}
+    schema |= {"required": ["v"], "additionalProperties": False}
+    for _ in range(10):
+        schema = {
+            "type": "object",
+            "properties": {"c": {"type": "array", "items": schema, "maxItems": 1}},
+            "required": ["c"],
+            "additionalProperties": False,
+        }
+    rf = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema, "strict": True}}
+    out = chat(server, response_format=rf, temperature=0, max_tokens=60)["choices"][0]
+    assert out["message"]["content"].startswith('{"c"'), out  # constrained from the first token
+
+
 def test_completions_structured_outputs_and_guided_names(server: ServerProcess) -> None:
     cases: list[tuple[dict[str, Any], Any]] = [
         ({"structured_outputs": {"choice": ["red", "green", "blue"]}},

@@ -77,9 +77,10 @@ def _check_text(s: str, node: _Node) -> None:
         ) from None
 
 
-def _too_deep(max_depth: int, where: str = "") -> Exception:
+def _too_deep(max_depth: int, where: str = "", param: str | None = None) -> Exception:
     return bad_request(
         f"request body nests deeper than {max_depth} levels{where}; flatten it (--max-json-depth)",
+        param=param,
         code="invalid_json",
     )
 
@@ -103,8 +104,8 @@ def _walk(obj: Any, max_depth: int) -> None:
                 _check_text(k, node)
         if value and depth + 1 > max_depth:  # its members sit past the limit
             first = next(iter(value)) if isinstance(value, dict) else 0
-            head = _path(node).split(".")[:3] + [str(first)]
-            raise _too_deep(max_depth, f" (at {'.'.join(p for p in head if p)}...)")
+            head = [p for p in [*_path(node).split(".")[:3], str(first)] if p]
+            raise _too_deep(max_depth, f" (at {'.'.join(head)}...)", head[0])
         if isinstance(value, dict):
             for k, v in value.items():
                 if isinstance(v, _NESTED):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from iterserve.config import add_dataclass_args, cli_kwargs
 from iterserve.sampling_params import MAX_LOGPROBS
+from iterserve.structured.params import MAX_SCHEMA_DEPTH
 
 logger = logging.getLogger("iterserve.server")
 
@@ -103,9 +104,11 @@ class ServerLimits:
     max_connections: int = 2048
     max_stored_responses: int = 1000
     max_stored_response_bytes: int = 64 << 20
-    # The deepest real request (chat content parts) nests 4 levels; a 128-bit integer has 39
-    # digits, and seeds and token ids need far fewer.
-    max_json_depth: int = 32
+    # A JSON schema as deep as the structured-output limit accepts (MAX_SCHEMA_DEPTH schema
+    # levels, two JSON levels each through "properties") fits with its envelope; at 32, ten
+    # nested objects (a depth OpenAI's structured outputs allow) were refused. A 128-bit
+    # integer has 39 digits, and seeds and token ids need far fewer.
+    max_json_depth: int = 2 * MAX_SCHEMA_DEPTH + 32
     max_json_int_digits: int = 40
     # On AMD EPYC Zen 4 a schema's optional properties compiled in 0.31 s at 250 and 3.5 s at
     # 750 (docs/STRUCTURED.md); a 64 KiB enum or choice list compiles in well under a second.

@@ -93,7 +93,7 @@ MALFORMED: dict[str, tuple[str, bytes, str | None]] = {
         None,
     ),
     "very_deep_nesting": ("/v1/completions", b"[" * 200_000, None),
-    "deep_dicts": ("/v1/chat/completions", b'{"x": ' + b'{"a": ' * 100 + b"1" + b"}" * 101, None),
+    "deep_dicts": ("/v1/chat/completions", b'{"x": ' + b'{"a": ' * 200 + b"1" + b"}" * 201, "x"),
     "giant_int": ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None),
     "giant_seed": ("/v1/completions", b'{"prompt": "x", "seed": ' + b"1" * 50 + b"}", None),
     "nan": ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', None),

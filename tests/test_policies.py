@@ -1362,6 +1362,57 @@ def test_slo_sequences_follow_their_first_ones_admission_whatever_came_between()
     assert not policy.admitted_groups
 
 
+def test_slo_a_sequence_still_waiting_when_its_admitted_siblings_ended_runs_too() -> None:
+    """n = 2 with one slot (max_num_seqs 1): the second sequence waits until the first ended.
+    Its group was dropped when the admitted sequences had all ended, so it was judged afresh
+    against the request's old arrival and refused after the first had run (found by a
+    review's random runs, ~2% of them)."""
+    s = sched(num_blocks=64, policy="slo", max_num_seqs=1, max_num_batched_tokens=64)
+    step, clock = _slo_timed(s)
+    params = SamplingParams(n=2, max_tokens=8, temperature=1.0, ignore_eos=True)
+    t0 = clock[0]
+    seqs = [
+        Request(f"a#{i}", [7, 8, 9, 10, 11], params, 8, frozenset({EOS}), arrival_time=t0)
+        for i in range(2)
+    ]
+    for req in seqs:
+        req.slo_ttft_s = 0.03  # met by the first sequence, long past when the second starts
+        s.add_request(req)
+    while s.has_unfinished_requests():
+        assert not step().failed
+    assert s.num_rejected == 0 and clock[0] - t0 > 0.03
+    assert [r.num_output_tokens for r in seqs] == [8, 8]
+    assert not s.policy.admitted_groups  # dropped once both ended
+
+
+def test_slo_refuses_the_other_sequences_of_a_request_it_refused() -> None:
+    """A sequence judged after its sibling was refused was judged alone and could be admitted
+    (its prediction differs a little), running the request's compute for an answer that ends
+    in an error anyway: it now shares the sibling's refusal."""
+    from iterserve.core.policies import ADMIT
+
+    policy = SloPolicy(SchedulerConfig(max_num_batched_tokens=64, max_model_len=256))
+    params = SamplingParams(n=2, max_tokens=4, temperature=1.0)
+
+    def seq(rid: str) -> Request:
+        return Request(
+            rid, [7, 8, 9], params, 4, frozenset({EOS}), arrival_time=0.0, slo_ttft_s=0.01
+        )
+
+    first, second = seq("x#0"), seq("x#1")
+    refused = policy.admit(first, lambda: 1.0)  # past its deadline
+    assert refused is not ADMIT
+    on_time = lambda: 0.0  # noqa: E731  (alone, it would be admitted now)
+    alone = Request("alone", [7, 8, 9], SamplingParams(max_tokens=4), 4, frozenset({EOS}))
+    alone.slo_ttft_s = 0.01
+    assert policy.admit(alone, on_time) is ADMIT
+    again = policy.admit(second, on_time)
+    assert again is not ADMIT and again.reason == refused.reason
+    policy.on_finish(first)
+    policy.on_finish(second)
+    assert not policy.admitted_groups
+
+
 def test_slo_does_not_judge_a_preempted_request_again() -> None:
     """B (24 tokens, a 30 ms target) is admitted beside A's decode, computes 14 tokens and
     is preempted for A's blocks; back at the head of the queue it was judged again as if

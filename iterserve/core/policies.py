@@ -878,6 +878,17 @@ class StepTimeFit:
         return math.inf if b == 0.0 else (seconds - a) / b
 
 
+@dataclass
+class _SeqGroup:
+    """The sequences of one n / best_of request, as SloPolicy tracks them."""
+
+    params: object
+    prompt: list[int]
+    admitted: bool = False  # one of them was admitted: the others follow
+    refused: str | None = None  # one of them was refused (the message): so are the others
+    ended: int = 0  # how many of them ended (the group goes when all have)
+
+
 class SloPolicy(Policy):
     """Deadline-aware: earliest TTFT deadline first, admission that rejects a request which
     can no longer meet its TTFT target, and prefill work held back where it would push
@@ -896,7 +907,8 @@ class SloPolicy(Policy):
     prediction is ``now + k * (a + b * budget)``. Before the fit has a slope, ``now + k *``
     the running mean step. A request is rejected when that prediction is past its deadline;
     it is judged once: not again when it comes back after a preemption, and the further
-    sequences of an n / best_of request follow the first one's admission.
+    sequences of an n / best_of request follow the first one's admission or refusal (until
+    all of them ended).
     In long-prompt mode a long prompt ahead runs the threshold ``L`` a step beside it rather
     than all of it first: its ``L`` counts with the decodes (``d``) and not in ``W``, and a
     long prompt of its own needs at least ``ceil(own / L)`` steps.
@@ -936,10 +948,12 @@ class SloPolicy(Policy):
         self.long_share = 0
         self.waiting_behind = 0  # requests waiting behind the next admission
         self.queue: WaitingQueue | None = None
-        # n / best_of requests with a sequence admitted, by (id(params), arrival time): their
-        # params, prompt and how many of their sequences are admitted and not ended; the other
-        # sequences follow the first one's admission (see _admission). Dropped at 0.
-        self.admitted_groups: dict[tuple[int, float], tuple[object, list[int], list[int]]] = {}
+        # n / best_of requests with a sequence admitted or ended, by (id(params), arrival
+        # time); the other sequences follow the first one's admission (see _admission).
+        # Dropped when all n ended: dropped when its admitted ones had ended, a sibling still
+        # waiting (a slot or the budget short) was judged afresh against the old arrival and
+        # refused after the others had run.
+        self.admitted_groups: dict[tuple[int, float], _SeqGroup] = {}
 
     def ttft_target(self, req: Request) -> float | None:
         return req.slo_ttft_s if req.slo_ttft_s is not None else self.default_ttft_s
@@ -990,25 +1004,31 @@ class SloPolicy(Policy):
             self.long_share += self.long_thr
         else:
             self.prefill_ahead += left
-        if req.params.num_candidates > 1 and not req.num_preemptions:
-            key = (id(req.params), req.arrival_time)
-            group = self.admitted_groups.setdefault(key, (req.params, req.prompt_token_ids, [0]))
-            group[2][0] += 1
+        if (group := self._group(req, make=True)) is not None:
+            group.admitted = True
 
-    def _group(self, req: Request) -> tuple[object, list[int], list[int]] | None:
-        """The admitted group ``req`` is a sequence of, if any."""
+    def _group(self, req: Request, make: bool = False) -> _SeqGroup | None:
+        """The group of n / best_of sequences ``req`` is one of, if any (``make``: a new one
+        where there is none yet). A request with another prompt or params object under the
+        same key (one params object shared by prompts that arrived at the same instant)
+        gets none: its sequences are judged alone."""
         if req.params.num_candidates < 2:
             return None
-        group = self.admitted_groups.get((id(req.params), req.arrival_time))
-        if group is None or group[0] is not req.params or group[1] != req.prompt_token_ids:
+        key = (id(req.params), req.arrival_time)
+        group = self.admitted_groups.get(key)
+        if group is None:
+            if not make:
+                return None
+            group = self.admitted_groups[key] = _SeqGroup(req.params, req.prompt_token_ids)
+        if group.params is not req.params or group.prompt != req.prompt_token_ids:
             return None
         return group
 
     def on_finish(self, req: Request) -> None:
-        # only sequences admitted were counted (one refused before any admission was not)
-        if req.admit_seq >= 0 and (group := self._group(req)) is not None:
-            group[2][0] -= 1
-            if group[2][0] <= 0:
+        # every sequence ends here once, admitted or not (refused, aborted while waiting)
+        if (group := self._group(req, make=True)) is not None:
+            group.ended += 1
+            if group.ended >= req.params.num_candidates:
                 del self.admitted_groups[(id(req.params), req.arrival_time)]
 
     def _admission(self, req: Request, clock: Callable[[], float]) -> Admission:
@@ -1017,21 +1037,26 @@ class SloPolicy(Policy):
             return ADMIT  # no target, or its first token is already out
         if req.num_preemptions:
             return ADMIT  # admitted once already: a preemption does not reopen the question
-        if self._group(req) is not None:
+        group = self._group(req, make=True)
+        if group is not None and group.admitted:
             # Another sequence of a request already admitted: it finds that one's prompt in
             # the prefix cache, and one sequence alone must not be refused (the request
             # would end with an error after the other ran).
             return ADMIT
+        if group is not None and group.refused is not None:
+            return Admission(Verdict.REJECT, group.refused)  # nor run after one was refused
         now = clock()
         predicted = self.predicted_first_token(req, now)
         if predicted <= deadline:
             return ADMIT
-        return Admission(
-            Verdict.REJECT,
+        message = (
             f"{SLO_REJECTION} of {self.ttft_target(req) or 0:.3f} s: "
             f"the first token would come {predicted - req.arrival_time:.3f} s after arrival; "
-            "retry later, or raise the target",
+            "retry later, or raise the target"
         )
+        if group is not None:
+            group.refused = message
+        return Admission(Verdict.REJECT, message)
 
     def on_schedule(self, running: Sequence[Request], waiting: WaitingQueue) -> None:
         self.prefill_room = None

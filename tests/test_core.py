@@ -256,6 +256,43 @@ def test_request_that_cannot_fit_alone_fails_with_clear_error() -> None:
     assert steps < 100
 
 
+def test_a_request_that_fits_the_pool_exactly_runs_whatever_preempts_it() -> None:
+    """A 30-token prompt with max_tokens 2 needs 31 slots (its last token's KV is never
+    computed) and the pool has 31 (blocks of 1). Preempted after its first token, it came
+    back needing "32 blocks" by a flat one-more-slot rule and failed, losing the token; a
+    prompt the pool's exact size with max_tokens 1 was refused up front the same way (found
+    by a review's random runs)."""
+    from iterserve.core.books import Books
+
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_model_len=64, preemption_resume_headroom=0)
+    s = Scheduler(cfg, KVCacheManager(31, 1))
+    s.add_request(make_req("B", 1, 3, seed=1))
+    a = make_req("A", 30, 2, seed=2)
+    s.add_request(a)
+    preempted: list[str] = []
+    ended: list[Request] = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        preempted += [r.request_id for r in out.preempted]
+        sampled = {
+            r.request_id: 7
+            for r, n in zip(out.requests, out.num_tokens)
+            if r.num_computed_tokens + n == r.num_tokens
+        }
+        ended += s.update_from_output(out, sampled) + out.failed
+        s.check_integrity()
+    assert "A" in preempted  # the case this is about
+    assert {r.request_id: r.finish_reason for r in ended} == {
+        "A": FinishReason.LENGTH,
+        "B": FinishReason.LENGTH,
+    }
+    assert a.num_output_tokens == 2
+    books = Books(make_sched(num_blocks=31, block_size=1, max_model_len=64))
+    assert books.admit(31, 1) == 1  # its one token's KV is never needed
+    with pytest.raises(ValueError, match="needs 32 KV-cache blocks"):
+        books.admit(31, 2)
+
+
 def test_abort_frees_blocks_at_once() -> None:
     s = make_sched()
     s.add_request(make_req("a", 10, 10))

@@ -151,7 +151,10 @@ class Books:
                 param="prompt",
                 code="context_length_exceeded",
             )
-        needed = kv.blocks_for(n + 1)
+        room = max_len - n
+        runs = room if max_tokens is None else min(max_tokens, room)
+        # its first token's KV is computed only if another token comes after it
+        needed = kv.blocks_for(n + 1 if runs > 1 else n)
         if needed > kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt has {n} tokens and needs {needed} KV-cache blocks but the pool "
@@ -159,7 +162,6 @@ class Books:
                 "the prompt",
                 param="prompt",
             )
-        room = max_len - n
         if min_tokens > room:
             raise InvalidRequestError(
                 f"min_tokens is {min_tokens} but the context (max_model_len {max_len}) leaves "
@@ -176,7 +178,7 @@ class Books:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        return room if max_tokens is None else min(max_tokens, room)
+        return runs
 
     # ---- steps --------------------------------------------------------------------------
     def record_step(

@@ -339,7 +339,7 @@ class Scheduler:
             if room <= 0 and not beyond:
                 break
             req = self.waiting.peek()
-            if self.kv.blocks_for(req.num_tokens + 1) > self.kv.num_blocks:
+            if self.kv.blocks_for(self._slots_to_finish_a_step(req)) > self.kv.num_blocks:
                 self.waiting.pop()
                 self._fail(req, out, self._too_big_message(req, 1))
                 continue
@@ -494,11 +494,20 @@ class Scheduler:
             if self.kv.allocate_slots(req, num_new):
                 return True, given_back
 
+    def _slots_to_finish_a_step(self, req: Request) -> int:
+        """KV slots ``req`` needs to compute all its tokens and go on after the token that
+        computes: one more for that token unless it is the request's last (max_tokens or the
+        context reached), which is never computed. (A flat +1 failed a resumed request that
+        fits the pool exactly, and refused a prompt the pool's size with max_tokens 1.)"""
+        n = req.num_tokens
+        last = req.num_output_tokens + 1 >= req.max_tokens or n + 1 >= self.config.max_model_len
+        return n if last else n + 1
+
     def _too_big_message(self, req: Request, num_new: int) -> str:
         need = (
             self.kv.blocks_for(req.num_computed_tokens + num_new)
             if req.num_computed_tokens
-            else self.kv.blocks_for(req.num_tokens + 1)
+            else self.kv.blocks_for(self._slots_to_finish_a_step(req))
         )
         return (
             f"request {req.request_id!r} needs {need} KV-cache blocks ({req.num_tokens} tokens, "

@@ -650,3 +650,44 @@ def test_chat_content_parts_errors_name_the_part() -> None:
         assert e["code"] == "unsupported_content" and "'image_url'" in e["message"], e
         body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}
         assert c.post("/v1/chat/completions", json={**body, "max_tokens": 2}).status_code == 200
+
+
+def test_cors_answers_browser_preflights_before_the_api_key_as_vllm_does() -> None:
+    """vLLM's defaults (any origin, no credentials): a browser's preflight is answered
+    without the key it never carries, and answers (a 401 too) carry the origin header so the
+    page can read them; with no origins allowed, no CORS header at all. The flags parse as
+    vLLM's JSON lists."""
+    from iterserve.server.app import CORS
+    from iterserve.server.cli import build_parser
+
+    origin = {"Origin": "https://chat.example"}
+    preflight = {
+        **origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    _, server = serve(FakeEngine(), api_key="k")
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = c.get("/v1/models", headers=origin)
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+        r = c.get("/v1/models", headers={**origin, "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    only = CORS(allowed_origins=("https://chat.example",))
+    _, server = serve(FakeEngine(), cors=only)
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.get("/v1/models", headers=origin)
+        assert r.headers["access-control-allow-origin"] == "https://chat.example"
+        r = c.get("/v1/models", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+    _, server = serve(FakeEngine(), cors=CORS(allowed_origins=()))
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.options("/v1/chat/completions", headers=preflight).status_code == 405
+        assert "access-control-allow-origin" not in c.get("/v1/models", headers=origin).headers
+    ns = build_parser().parse_args(["--allowed-origins", '["https://a.example"]'])
+    assert ns.allowed_origins == ["https://a.example"] and ns.allowed_methods == ["*"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--allowed-origins", "https://a.example"])  # not JSON

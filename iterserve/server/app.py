@@ -16,10 +16,12 @@ import gc
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import State
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -480,6 +482,19 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.serving.close()
 
 
+@dataclass(frozen=True)
+class CORS:
+    """Cross-origin access for browser clients, vLLM's flags and defaults (any origin, no
+    credentials). No origins: no CORS headers at all, so browsers on other origins cannot
+    read the answers. Preflights (OPTIONS) are answered before the API key is checked: a
+    browser sends them without it."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 def create_app(
     engine: AsyncEngine,
     *,
@@ -492,11 +507,13 @@ def create_app(
     limits: ServerLimits | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    cors: CORS = CORS(),
 ) -> FastAPI:
     """``tool_call_parser``: how ``tool_choice: "auto"`` finds tool calls in the model's text
     (iterserve/server/tools.py: hermes, llama3_json; None refuses "auto").
     ``reasoning_parser``: how chat replies' reasoning is told from their content
-    (iterserve/server/reasoning.py: qwen3, deepseek_r1; None: not split)."""
+    (iterserve/server/reasoning.py: qwen3, deepseek_r1; None: not split).
+    ``cors``: which browser origins may call the server (``CORS``)."""
     names = list(served_model_names or [engine.model_name])
     metrics = metrics or ServerMetrics(names[0], max_model_len=engine.max_model_len)
     metrics.bind(engine)
@@ -534,6 +551,14 @@ def create_app(
         state=app.state,
         body_timeout=app.state.serving.limits.body_timeout,
     )
+    if cors.allowed_origins:  # outside the guard: its answers (401s too) carry the headers
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
     _instrument_http(app, metrics)
     app.add_middleware(MethodGuard)  # outside the HTTP metrics: see MethodGuard
     return app

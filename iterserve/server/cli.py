@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -30,6 +31,19 @@ DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a few MB: 413 beyond, before any tokenization
 
 logger = logging.getLogger("iterserve.server")
+
+
+def _json_strings(text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form: '["https://a.example"]')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"not JSON ({e.msg}): send a list like '[\"*\"]'"
+        ) from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError("must be a JSON list of strings, like '[\"*\"]'")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the chat template of /v1/chat/completions, /v1/responses and /tokenize in place "
         "of the model's: a file, or the template itself (vLLM's flag)",
+    )
+    for flag, what in (
+        ("--allowed-origins", "origins"),
+        ("--allowed-methods", "methods"),
+        ("--allowed-headers", "headers"),
+    ):
+        g.add_argument(
+            flag,
+            type=_json_strings,
+            default=["*"],
+            help=f"CORS: the {what} browsers may call from, a JSON list (vLLM's flag; default: "
+            '["*"], any)' + ("; [] sends no CORS headers" if what == "origins" else ""),
+        )
+    g.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: allow credentials (vLLM's flag)"
     )
     ServerLimits.add_cli_args(p.add_argument_group("per-request limits and timeouts"))
     EngineArgs.add_cli_args(p)
@@ -249,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from iterserve.engine.async_engine import AsyncEngine
     from iterserve.engine.llm_engine import LLMEngine
-    from iterserve.server.app import create_app
+    from iterserve.server.app import CORS, create_app
 
     try:
         llm_engine = LLMEngine(args)
@@ -282,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         limits=limits,
         tool_call_parser=ns.tool_call_parser,
         reasoning_parser=ns.reasoning_parser,
+        cors=CORS(
+            tuple(ns.allowed_origins),
+            tuple(ns.allowed_methods),
+            tuple(ns.allowed_headers),
+            ns.allow_credentials,
+        ),
     )
     config = uvicorn_config(
         app,

@@ -691,3 +691,55 @@ def test_cors_answers_browser_preflights_before_the_api_key_as_vllm_does() -> No
     assert ns.allowed_origins == ["https://a.example"] and ns.allowed_methods == ["*"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--allowed-origins", "https://a.example"])  # not JSON
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_answer_with_many_logprobs_is_built_off_the_loop_and_is_the_same(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past 256 positions with logprobs a non-streamed answer is built and serialized on the
+    tokenizer thread (its decoding and JSON held the event loop ~0.1 s at 2,040 prompt
+    positions x top 20, stalling every stream): the same body either way."""
+    from iterserve.server import serving
+
+    body: dict[str, Any] = {"max_tokens": 200, "n": 2, "ignore_eos": True, "seed": 3}
+    if path == "/v1/completions":
+        body |= {"prompt": "hello", "logprobs": 5}
+    else:
+        body |= {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+        body |= {"top_logprobs": 5}
+    import threading
+
+    threads: list[str] = []
+    real = serving.json_response
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(serving, "json_response", spy)
+    answers = []
+    for on_loop in (10**9, 256):  # 400 positions: on the loop, then off it
+        monkeypatch.setattr(serving, "_LOGPROBS_ON_THE_LOOP", on_loop)
+        _, server = serve(FakeEngine(max_model_len=4096, num_blocks=2048, block_size=4))
+        with server:
+            r = httpx.post(server.url + path, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        answer.pop("id"), answer.pop("created")
+        answers.append(answer)
+    assert answers[0] == answers[1]
+    assert sum(len(str(c["logprobs"])) for c in answers[0]["choices"]) > 10_000
+    assert len(threads) == 1 and threads[0].startswith("iterserve-tokenizer")  # the second
+
+
+def test_dumps_takes_what_orjson_refuses_the_json_modules_way() -> None:
+    from iterserve.server.errors import dumps
+
+    assert json.loads(dumps({"a": 1, 2: [1.5, None], "s": "é"})) == {
+        "a": 1,
+        "2": [1.5, None],
+        "s": "é",
+    }
+    assert dumps({"big": 10**30}) == '{"big":1000000000000000000000000000000}'  # past 64 bits
+    assert dumps({"s": "\ud800"}) == '{"s":"\\ud800"}'  # a lone surrogate, escaped

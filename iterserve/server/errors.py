@@ -9,6 +9,11 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from starlette.responses import Response
 
+try:
+    import orjson
+except ImportError:  # an image without it (the GPU one) encodes with the json module
+    orjson = None  # type: ignore[assignment]
+
 # status -> OpenAI error type (the openai client maps the HTTP status to its exception class)
 _TYPES = {
     400: "invalid_request_error",
@@ -59,6 +64,15 @@ def error_body(
 
 
 def dumps(obj: Any) -> str:
+    """``obj`` as compact JSON text. orjson first: the json module's C encoder holds the GIL
+    for all of a big body (53 ms for a 2,040-token prompt's top-20 prompt_logprobs, 3 MB,
+    stalling every stream), orjson 15x less. What it refuses (a lone surrogate, an integer
+    past 64 bits) goes the json module's way; a NaN it writes as null, not an error."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode()
+        except TypeError:  # orjson.JSONEncodeError is one
+            pass
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     if not text.isascii():
         try:

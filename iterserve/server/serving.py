@@ -8,6 +8,7 @@ import functools
 import hashlib
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -27,7 +28,7 @@ from iterserve.engine.async_engine import (
 )
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput, with_prompt_logprobs
 from iterserve.sampling_params import NO_TOKEN_ALLOWED, SamplingParams
-from iterserve.server.errors import APIError, bad_request, dumps, error_body
+from iterserve.server.errors import APIError, bad_request, dumps, error_body, json_response
 from iterserve.server.limits import ServerLimits
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
@@ -65,6 +66,17 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 # alone: real vocabularies' tokens are shorter, so the head has more tokens than fit.
 _MAX_CHARS_PER_TOKEN = 16
 _BOUNDARY_TOKENS = 8  # the cut can change how the last few tokens of the head merge
+# Positions with logprobs (prompt and generated, all sequences) a non-streamed answer may
+# have and still be built on the event loop: ~0.05 ms each at top 20 (2,040 prompt
+# positions held the loop ~100 ms); more go to the tokenizer thread.
+_LOGPROBS_ON_THE_LOOP = 256
+
+
+def _logprob_entries(out: RequestOutput) -> int:
+    n = len(out.prompt_logprobs) if out.prompt_logprobs is not None else 0
+    return n + sum(len(c.logprobs) for c in out.outputs if c.logprobs is not None)
+
+
 # apply_chat_template's own arguments that the server sets (a request's chat_template_kwargs
 # naming one made a TypeError); chat_template has its own refusal
 _RENDERER_ARGS = frozenset({"conversation", "messages", "tokenize"})
@@ -144,7 +156,10 @@ class Serving:
         # with a tokenizer of its own: never on the event loop (it would freeze every
         # stream) nor on the engine thread (it would stall every step).
         self._tok: Tokenizer = _private_copy(engine.tokenizer)
-        self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="iterserve-tokenizer")
+        self._tok_thread = 0  # the tokenizer thread's ident, once it started
+        self._tok_pool = ThreadPoolExecutor(
+            1, thread_name_prefix="iterserve-tokenizer", initializer=self._on_tok_thread_start
+        )
         self._templates: TemplateSandbox | None = None
         # The end of reasoning as one token (Qwen3's and DeepSeek-R1's "</think>" is an added
         # token): a grammar then starts after it. None: not one token, the grammar starts
@@ -528,6 +543,9 @@ class Serving:
             return bad_request(e.message, param="allowed_token_ids", code="no_token_allowed")
         return APIError(500, f"request failed: {e.message}", code="request_failed")
 
+    def _on_tok_thread_start(self) -> None:
+        self._tok_thread = threading.get_ident()
+
     def token_str(self, tid: int, lp: Logprob | None, as_ids: bool) -> str:
         if as_ids:
             return f"token_id:{tid}"
@@ -535,7 +553,11 @@ class Serving:
             return lp.decoded_token
         s = self._tok_cache.get(tid)
         if s is None:
-            s = str(self.tokenizer.decode([tid])) if self.tokenizer is not None else str(tid)
+            # each thread decodes with its own tokenizer: one object used from two threads
+            # at once can fail ("Already borrowed")
+            on_tok_thread = threading.get_ident() == self._tok_thread
+            tok = self._tok if on_tok_thread else self.tokenizer
+            s = str(tok.decode([tid])) if tok is not None else str(tid)
             if len(self._tok_cache) < 100_000:
                 self._tok_cache[tid] = s
         return s
@@ -919,7 +941,12 @@ class Serving:
                     code="aborted",
                     headers={"Retry-After": str(self.retry_after_s)},
                 )
-            return fmt.full_response(outs)
+            if sum(_logprob_entries(out) for out in outs) < _LOGPROBS_ON_THE_LOOP:
+                return fmt.full_response(outs)
+            # Many logprobs (a long prompt's, echoed, or n x max_tokens with top 20) take the
+            # loop for 0.1 s and more to decode and serialize, stalling every stream: built
+            # on the tokenizer thread instead, the body serialized there too.
+            return await self._on_tokenizer_thread(lambda: json_response(fmt.full_response(outs)))
         # Wait for the first output before answering, so a failure of the first step is a
         # real HTTP 500 rather than an error event inside a 200 stream.
         try:

@@ -209,6 +209,7 @@ def stream_options(c: Ctx, ep: str) -> None:
     events = parse_sse(c.raw(ep, stream=True, stream_options={"include_usage": True}).text)
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == MAX
     c.refused(ep, "stream_options", stream_options={"include_usage": True})
+    assert "usage" in c.post(ep, stream_options={})  # empty, as vLLM reads it: no options
     # continuous usage: every chunk counts the whole prompt, the first (chat's role chunk) too
     every = {"include_usage": True, "continuous_usage_stats": True}
     events = parse_sse(c.raw(ep, stream=True, stream_options=every).text)[:-1]

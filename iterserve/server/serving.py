@@ -231,7 +231,12 @@ class Serving:
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         """The request's SamplingParams, after refusing what this server cannot honour (the
         values themselves were checked, field by field, when the request was parsed)."""
-        if req.stream_options is not None and not req.stream:
+        # an empty object is no options (vLLM tests the raw field's truthiness)
+        if (
+            req.stream_options is not None
+            and req.stream_options.model_fields_set
+            and not req.stream
+        ):
             raise bad_request(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )

@@ -451,3 +451,15 @@ def test_the_tokenizers_eos_stops_too_beside_the_configs(tmp_path: Path) -> None
     p = SamplingParams(max_tokens=4, temperature=0.0, logit_bias={tok_eos: 100.0})
     out = llm.generate(["The quick brown fox"], p)[0].outputs[0]
     assert list(out.token_ids) == [tok_eos] and out.finish_reason == "stop"
+    assert out.stop_reason is None
+    # the config's id stops with itself as the stop_reason, as vLLM (which adds it to
+    # stop_token_ids) reports it; under ignore_eos it does not stop
+    p = SamplingParams(max_tokens=4, temperature=0.0, logit_bias={4: 100.0})
+    out = llm.generate(["The quick brown fox"], p)[0].outputs[0]
+    assert list(out.token_ids) == [4] and (out.finish_reason, out.stop_reason) == ("stop", 4)
+    p = SamplingParams(max_tokens=3, temperature=0.0, logit_bias={4: 100.0}, ignore_eos=True)
+    out = llm.generate(["The quick brown fox"], p)[0].outputs[0]
+    assert list(out.token_ids) == [4, 4, 4] and (out.finish_reason, out.stop_reason) == (
+        "length",
+        None,
+    )

@@ -66,6 +66,7 @@ class Request:
         "slo_ttft_s",
         "slo_tpot_s",
         "lost_if_preempted",
+        "eos_stop_reasons",
     )
 
     def __init__(
@@ -82,7 +83,11 @@ class Request:
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
         call: str = "",
+        eos_stop_reasons: frozenset[int] = frozenset(),
     ) -> None:
+        """``eos_stop_reasons``: the EOS ids that end a request with themselves as its
+        stop_reason (the generation config's beyond the tokenizer's own, which vLLM adds to
+        stop_token_ids)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -120,6 +125,7 @@ class Request:
         # The scheduler's estimate, set on each candidate before a loss-aware victim rule
         # picks: computed tokens a preemption now would make it recompute.
         self.lost_if_preempted = 0
+        self.eos_stop_reasons = eos_stop_reasons
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +152,8 @@ class Request:
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token_id in self.eos_token_ids:
                 self.finish_reason = FinishReason.STOP
+                if token_id in self.eos_stop_reasons:
+                    self.stop_reason = token_id
                 return True
             if token_id in self.stop_token_set:
                 self.finish_reason = FinishReason.STOP

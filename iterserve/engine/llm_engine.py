@@ -148,6 +148,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        # vLLM reports those beyond the tokenizer's own as the stop_reason (it adds them to
+        # stop_token_ids); the tokenizer's gives none
+        self.eos_stop_reasons = self.eos_token_ids - {self.tokenizer.eos_token_id}
         self.kv = KVCacheManager(
             self.runner.num_kv_blocks, self.runner.block_size, cache_config.enable_prefix_caching
         )
@@ -319,6 +322,7 @@ class LLMEngine:
                 slo_ttft_s=slo_ttft_s,
                 slo_tpot_s=slo_tpot_s,
                 call=call,
+                eos_stop_reasons=self.eos_stop_reasons,
             )
             seq = _Seq(req, parent, i, gen, [] if want_lps else None, token_lists=token_lists)
             parent.seqs.append(seq)

@@ -63,6 +63,9 @@ def test_bench_in_process_keeps_policy_out_of_the_result_config() -> None:
         ("--vocab-size", "0", "--vocab-size must be >= 2, got 0"),
         ("--vocab-size", "-5", "--vocab-size must be >= 2, got -5"),
         ("--max-concurrency", "-1", "--max-concurrency must be >= 0 (0: no limit), got -1"),
+        ("--request-timeout", "0", "--request-timeout must be a positive number of seconds"),
+        ("--request-timeout", "-3", "--request-timeout must be a positive number of seconds"),
+        ("--request-timeout", "nan", "--request-timeout must be a positive number of seconds"),
     ],
 )
 def test_bench_serve_refuses_bad_numbers(
@@ -199,6 +202,7 @@ def test_simulate_refuses_a_non_positive_tolerance(
     value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--workload", "random", "--num-prompts", "2", "--tolerance", value]
+    argv += ["--find-max-rate", "--slo", "ttft_p99:500"]
     assert sim_cli.main(argv) == 2
     assert "--tolerance must be a positive, finite relative width" in capsys.readouterr().err
 
@@ -232,6 +236,12 @@ SIM = [
         (["--burstiness", "0.2"], "burstiness shapes the arrivals of a request_rate"),
         (["--time-scale", "4"], "time_scale scales a trace's own arrival times"),
         (["--request-rate", "2", "--length-scale", "0.5"], "the random dataset's are random_input"),
+        # accepted and unused before
+        (["--request-rate", "2", "--tolerance", "0.5"], "--tolerance is the width at which"),
+        (
+            ["--hardware", "cpu:prof.json", "--gpu-memory-utilization", "0.5"],
+            "a cpu:PROFILE engine's is --kv-cache-memory",
+        ),
     ],
 )
 def test_simulate_refuses_what_it_would_ignore_or_crash_on(

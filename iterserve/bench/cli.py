@@ -310,6 +310,10 @@ def _check_serve_flags(ns: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be >= 2, got {value}")
     if ns.max_concurrency is not None and ns.max_concurrency < 0:
         raise ValueError(f"--max-concurrency must be >= 0 (0: no limit), got {ns.max_concurrency}")
+    if not 0 < ns.request_timeout < math.inf:
+        raise ValueError(
+            f"--request-timeout must be a positive number of seconds, got {ns.request_timeout}"
+        )
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

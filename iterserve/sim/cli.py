@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
-        help="fraction of GPU memory for weights + activations + KV cache (GPUs)",
+        default=None,
+        help="fraction of GPU memory for weights + activations + KV cache (GPUs; default 0.9)",
     )
     EngineArgs.add_cli_args(
         kv, only=("num_kv_blocks",), helps={"num_kv_blocks": "KV-cache blocks per replica"}
@@ -200,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--tolerance",
         type=float,
-        default=0.02,
-        help="relative width (> 0) at which the search stops",
+        default=None,
+        help="relative width (> 0) at which the search stops (default 0.02)",
     )
 
     o = p.add_argument_group("output")
@@ -484,9 +484,21 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         )
     if ns.at_capacity is not None and not ns.at_capacity > 0:
         raise ValueError(f"--at-capacity must be a positive multiple, got {ns.at_capacity}")
+    if ns.tolerance is not None and not searching:
+        raise ValueError(
+            "--tolerance is the width at which --find-max-rate (or --at-capacity) stops its "
+            "search; a single simulation has none: drop it, or add --find-max-rate"
+        )
+    if ns.tolerance is None:
+        ns.tolerance = 0.02
     if not 0 < ns.tolerance < math.inf:
         raise ValueError(
             f"--tolerance must be a positive, finite relative width, got {ns.tolerance}"
+        )
+    if ns.hardware.startswith("cpu:") and ns.gpu_memory_utilization is not None:
+        raise ValueError(
+            "--gpu-memory-utilization sizes a GPU's KV cache; a cpu:PROFILE engine's is "
+            "--kv-cache-memory (or --num-kv-blocks): use one of those"
         )
     if ns.find_max_rate and (ns.record_steps or ns.goodput):
         raise ValueError(
@@ -507,7 +519,9 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         block_size=ns.block_size,
         num_kv_blocks=ns.num_kv_blocks,
         kv_cache_memory=ns.kv_cache_memory,
-        gpu_memory_utilization=ns.gpu_memory_utilization,
+        gpu_memory_utilization=0.9
+        if ns.gpu_memory_utilization is None
+        else ns.gpu_memory_utilization,
         max_model_len=ns.max_model_len,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_num_seqs=ns.max_num_seqs,

@@ -184,7 +184,17 @@ def warmup(
 ) -> None:
     """Short requests through prefill and decode, alone and as a batch, so lazy
     initialisation is not timed. A single request was not enough: the first measured policy
-    of `bench offline` on tiny-random ran 8x slower than the same policy run again later."""
+    of `bench offline` on tiny-random ran 8x slower than the same policy run again later.
+    The prompt is cut to what the engine's context and KV pool hold (a 64-token warm-up
+    refused by a 32-token max_model_len failed the benchmark with "shorten the prompt")."""
+    room = [prompt_len]
+    if (max_len := getattr(engine, "max_model_len", None)) is not None:
+        room.append(max_len - output_len - 1)
+    if (kv := getattr(engine, "kv", None)) is not None:
+        room.append(kv.num_blocks * kv.block_size - output_len - 1)
+    prompt_len = min(room)
+    if prompt_len < 1:
+        return  # nothing fits beside the output: the workload's own requests will say why
     for n in (1, batch):
         for i in range(n):
             rid = f"warmup-{time.monotonic_ns()}-{i}"

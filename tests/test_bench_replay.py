@@ -299,3 +299,18 @@ def test_plot_rate_picks_by_the_printed_value(tmp_path: Path) -> None:
         plot.load_timelines([str(res)], rate=300.0)
     with pytest.raises(ValueError, match="names a steps_file"):
         plot.load_timelines([str(res)], rate=500.6)
+
+
+@pytest.mark.parametrize("small", [["--max-model-len", "32"], ["--num-kv-blocks", "4"]])
+def test_offline_runs_on_an_engine_too_small_for_the_usual_warm_up(
+    small: list[str], tmp_path: Path
+) -> None:
+    """The warm-up requests fit the engine's context and pool: a hidden 64-token warm-up
+    prompt failed the whole benchmark of 20-token requests ('shorten the prompt')."""
+    out = tmp_path / "r.json"
+    argv = ["offline", "--model", "tiny-random", "--dtype", "float32", "--num-prompts", "4"]
+    argv += ["--dataset", "random", "--random-input-len", "16", "--random-output-len", "4"]
+    argv += ["--random-range-ratio", "0", "--policies", "continuous", "--no-progress"]
+    assert cli.main([*argv, *small, "--result-file", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["summary"]["completed"], r["summary"]["failed"]) for r in runs] == [(4, 0)]

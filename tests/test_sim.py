@@ -750,3 +750,16 @@ def test_cli_whole_trace_with_skipped_rows(
     # a count asked for is still a count to reach
     assert simulate_main([*args, "--long-prompts", "skip", "--num-prompts", "5"]) == 2
     assert "gave only 3 usable requests of the 5" in capsys.readouterr().err
+
+
+def test_the_table_never_cuts_a_policy_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """With the goodput column the policy column was cut ('continuou…' for both continuous
+    and continuous-nochunk): the rows' key now keeps its width, the tenants table's too."""
+    argv = ["--workload", "random", "--num-prompts", "20", "--request-rate", "8"]
+    argv += ["--model", "llama-3-8b", "--hardware", "h100-sxm", "--goodput", "ttft:500"]
+    argv += ["--policy", "continuous,continuous-nochunk,static", "--tenants", "a=1,b=1"]
+    assert simulate_main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    for name in ("continuous", "continuous-nochunk", "static"):
+        assert sum(line.split("│")[1].strip() == name for line in rows) >= 2, out  # both tables

@@ -370,7 +370,10 @@ def print_table(runs: list[tuple[str, dict[str, Any]]]) -> None:
         "max KV",
         "wall s",
     ):
-        t.add_column(col, justify="left" if col == "policy" else "right")
+        if col == "policy":  # each row's key: never cut (two policies read alike cut)
+            t.add_column(col, no_wrap=True, min_width=max((len(lb) for lb, _ in runs), default=6))
+        else:
+            t.add_column(col, justify="right")
     goodput = any("request_goodput" in s for _, s in runs)
     if goodput:
         t.add_column("goodput req/s", justify="right")
@@ -406,7 +409,11 @@ def print_tenants(runs: list[tuple[str, dict[str, Any]]]) -> None:
 
     t = Table(title="tenants (Jain: served / asked output tokens by mid-run, 1.0 = fair)")
     for col in ("policy", "tenant", "ok/requests", "TTFT p50 ms", "TTFT p99 ms", "output tok/s"):
-        t.add_column(col, justify="left" if col in ("policy", "tenant") else "right")
+        if col == "policy":  # as in print_table
+            width = max((len(lb) for lb, _ in runs), default=6)
+            t.add_column(col, no_wrap=True, min_width=width)
+        else:
+            t.add_column(col, justify="left" if col == "tenant" else "right")
     t.add_column("Jain", justify="right")
 
     def f(v: float | None) -> str:

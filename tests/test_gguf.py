@@ -234,6 +234,13 @@ def test_unsupported_type_and_architecture_are_named(
         resolve_model(_retyped(base, str(tmp_path / "iq.gguf"), qtype="IQ4_NL"))
     with pytest.raises(ValueError, match="is not a .gguf file"):
         resolve_model(str(Path(checkpoints["llama", False]) / "config.json"))
+    # a download cut short: numpy's reshape error, now a message that says what it is
+    data = Path(base).read_bytes()
+    for cut in (len(data) // 2, 100):
+        short = tmp_path / f"cut{cut}.gguf"
+        short.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=r"truncated or damaged .*download it again"):
+            resolve_model(str(short))
 
 
 def test_rope_scaling_from_the_metadata(tmp_path: Path) -> None:

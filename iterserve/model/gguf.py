@@ -181,13 +181,27 @@ def hf_config(reader: Any, arch: str) -> dict[str, Any]:
     }
 
 
+def open_gguf(path: str, reader_cls: Any) -> Any:
+    """``reader_cls(path)`` (a ``gguf.GGUFReader``), or a ValueError that says the file is cut
+    short or damaged: the reader fails deep in numpy ("cannot reshape array of size 214336
+    into shape (49152,612)" for a download cut at 2 MB), which names neither."""
+    try:
+        return reader_cls(path)
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        size = os.path.getsize(path)
+        raise ValueError(
+            f"{path} ({size:,} bytes) cannot be read as a GGUF file: it is truncated or "
+            f"damaged (gguf: {type(e).__name__}: {e}); download it again"
+        ) from None
+
+
 def _convert_into(path: str, out: str) -> None:
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    reader = GGUFReader(path)
+    reader = open_gguf(path, GGUFReader)
     arch = _check_supported(reader, path)
     config = hf_config(reader, arch)
     with open(os.path.join(out, "config.json"), "w") as f:

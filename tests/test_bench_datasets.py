@@ -146,6 +146,12 @@ def test_trace_path_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("ITERSERVE_TRACES_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="ITERSERVE_TRACES_DIR"):
         trace_path("azure-code")
+    # a folder is named as one (it read "not found"), and the random dataset, which reads no
+    # file, refuses a path it would ignore
+    with pytest.raises(FileNotFoundError, match="is a folder; --dataset-path takes the trace"):
+        trace_path("azure-code", tmp_path)
+    with pytest.raises(ValueError, match="the 'random' dataset reads no file"):
+        WorkloadConfig(dataset="random", dataset_path=str(f))
 
 
 def test_random_lengths_and_arrivals() -> None:

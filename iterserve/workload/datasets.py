@@ -91,6 +91,11 @@ def trace_path(dataset: str, dataset_path: str | Path | None = None) -> Path:
             f"dataset {dataset!r} has no trace file; trace datasets: {sorted(TRACE_FILES)}"
         )
     path = Path(dataset_path) if dataset_path else traces_dir() / TRACE_FILES[dataset]
+    if path.is_dir():
+        raise FileNotFoundError(
+            f"{path} is a folder; --dataset-path takes the trace file itself (for dataset "
+            f"{dataset!r}: {TRACE_FILES[dataset]}), ITERSERVE_TRACES_DIR the folder"
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"trace file for dataset {dataset!r} not found at {path}; pass --dataset-path FILE "
@@ -213,6 +218,11 @@ class WorkloadConfig:
         if not self.length_scale > 0:
             raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
         # knobs that would change nothing here: refused rather than reported as applied
+        if self.dataset_path and self.dataset not in TRACE_FILES:
+            raise ValueError(
+                f"dataset_path is read in a trace dataset's format; the {self.dataset!r} "
+                f"dataset reads no file: drop it, or pick one of {sorted(TRACE_FILES)}"
+            )
         if self.dataset == "random" and self.length_scale != 1.0:
             raise ValueError(
                 "length_scale scales a trace's lengths; the random dataset's are "

@@ -427,6 +427,10 @@ def test_n_counts_each_sequence_as_vllm_does(served: Served) -> None:
     r, d = _measured(served, prompt="Three sequences", max_tokens=4, n=3)
     assert r.usage is not None and r.usage.completion_tokens == 12
     assert d("vllm:request_success_total", finished_reason="length") == 3
+    # every vLLM finish reason is a series from the start, repetition (never ours) too
+    success = scrape(served.url).samples["vllm:request_success_total"]
+    reasons = {dict(k)["finished_reason"] for k in success}
+    assert reasons == {"stop", "length", "abort", "error", "repetition"}, reasons
     for h in (
         "e2e_request_latency_seconds",
         "time_to_first_token_seconds",

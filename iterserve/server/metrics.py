@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 PREFIX = "iterserve:"
 VLLM_PREFIX = "vllm:"
 VLLM_ENGINE = "0"  # vLLM's ``engine`` label: the data-parallel engine index (one engine here)
-FINISH_REASONS = ("stop", "length", "abort", "error")
+# vLLM's FinishReason values, each a series from the start; iterserve ends no request for
+# "repetition" (vLLM's repetition detection), so that one stays at 0
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 # iterserve's buckets follow vLLM's choices (seconds / tokens), finer at the low end for a
 # CPU engine's range.

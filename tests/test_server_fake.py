@@ -743,3 +743,52 @@ def test_dumps_takes_what_orjson_refuses_the_json_modules_way() -> None:
     }
     assert dumps({"big": 10**30}) == '{"big":1000000000000000000000000000000}'  # past 64 bits
     assert dumps({"s": "\ud800"}) == '{"s":"\\ud800"}'  # a lone surrogate, escaped
+
+
+def test_a_stale_finish_for_an_ended_stream_leaves_a_request_reusing_its_id_alone() -> None:
+    """Request "x" is aborted while the output thread still holds the output that completes
+    its stop string; a new "x" is added. The output thread's finish for the old one (and its
+    abort, were processing to fail) went by id alone: it ended the new request's sequence
+    without an output, and the new stream never ended (found by a review, 3 of 3 runs)."""
+    import threading
+
+    from iterserve.sampling_params import SamplingParams
+
+    fake = FakeEngine(step_delay=0.005, max_model_len=512, num_blocks=1024)
+    fake.reply = "abcSTOPdefghijklmnopqrstuvwxyz" * 5
+    engine = AsyncEngine(fake)  # type: ignore[arg-type]
+    real = engine.processor.process
+    gate, held = threading.Event(), threading.Event()
+    seen = [0]
+
+    def process(cores: list[Any]) -> Any:
+        for c in cores:
+            if c.request_id == "x" and not gate.is_set():
+                seen[0] += 1
+                if seen[0] == 7:  # the output that completes "STOP": held until the new x
+                    held.set()
+                    gate.wait(10)
+        return real(cores)
+
+    engine.processor.process = process  # type: ignore[method-assign]
+
+    async def main() -> tuple[str | None, str]:
+        engine.start()
+        stop = SamplingParams(max_tokens=100, temperature=0, stop=["STOP"])
+        old = await engine.add_request("x", [10, 11, 12], stop)
+        await asyncio.to_thread(held.wait, 10)
+        await old.aclose()  # the client leaves: the old x is aborted
+        await asyncio.sleep(0.05)
+        new = await engine.add_request("x", [10, 11, 12], SamplingParams(max_tokens=20))
+        gate.set()  # the output thread goes on: its finish of the old x is posted now
+        last = None
+        async with asyncio.timeout(10):
+            async for out in new:
+                last = out
+        await engine.shutdown()
+        assert last is not None
+        return last.outputs[0].finish_reason, last.outputs[0].text
+
+    reason, text = asyncio.run(main())
+    assert reason == "length" and len(text) == 20, (reason, text)
+    assert fake.finished_seqs == [] and not fake.reqs and engine.num_active == 0

@@ -184,6 +184,10 @@ class _AddCmd:
 class _AbortCmd:
     request_id: str
     notify: bool  # post a final "abort" output to the stream (graceful shutdown)
+    # The stream it is meant for (None: whatever request has the id, the public abort): a
+    # command posted for a stream that ended meanwhile must not touch a later request that
+    # reuses its id.
+    stream: RequestStream | None = None
 
 
 class _StopCmd:
@@ -199,6 +203,7 @@ class _FinishSeqCmd:
     reason: str
     stop_reason: str | None
     error: str | None
+    stream: RequestStream  # as _AbortCmd.stream
 
 
 # Engine thread -> output thread (one FIFO, so a stream's items keep the engine's order).
@@ -441,12 +446,12 @@ class RequestStream:
         logger.warning("request %s: %s", self.request_id, msg)
         q.replace_all(_Failed(msg))
         # Not abort(): that would end the stream silently; the reader gets the failure.
-        self._engine._post(_AbortCmd(self.request_id, notify=False))
+        self._engine._post(_AbortCmd(self.request_id, notify=False, stream=self))
 
     def _abort(self) -> None:
         if not self.finished:
             self._done()
-            self._engine.abort(self.request_id)
+            self._engine._post(_AbortCmd(self.request_id, notify=False, stream=self))
 
     def _done(self) -> None:
         if not self.finished:
@@ -975,6 +980,8 @@ class AsyncEngine:
                     added.append(cmd.request_id)
                     changed = True
             elif isinstance(cmd, _AbortCmd):
+                if cmd.stream is not None and streams.get(cmd.request_id) is not cmd.stream:
+                    continue  # its stream ended already; the id may be another request's now
                 self._release(cmd.request_id)
                 if streams.pop(cmd.request_id, None) is None:
                     continue
@@ -985,8 +992,8 @@ class AsyncEngine:
                 changed = True
                 msgs.append(_OutEnd(cmd.request_id, "abort", _ABORTED if cmd.notify else None))
             elif isinstance(cmd, _FinishSeqCmd):
-                if cmd.request_id not in streams:
-                    continue  # ended in the engine meanwhile
+                if streams.get(cmd.request_id) is not cmd.stream:
+                    continue  # ended in the engine meanwhile (its id maybe reused since)
                 try:
                     done = engine.finish_sequence(
                         cmd.request_id, cmd.index, cmd.reason, cmd.stop_reason, cmd.error
@@ -1098,10 +1105,11 @@ class AsyncEngine:
                 del sides[rid]
                 self._notify_finished(rid, "error", side.last)
                 batch.append((side.stream, _Failed(msg)))
-                self._post(_AbortCmd(rid, notify=False))
+                self._post(_AbortCmd(rid, notify=False, stream=side.stream))
                 continue
             for f in finishes:
-                self._post(_FinishSeqCmd(rid, f.index, f.reason, f.stop_reason, f.error))
+                cmd = _FinishSeqCmd(rid, f.index, f.reason, f.stop_reason, f.error, side.stream)
+                self._post(cmd)
             for out in results:
                 first = side.num_outputs == 0
                 side.num_outputs += 1

@@ -366,6 +366,10 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            # writing pauses (and the write deadline runs) whenever bytes wait that the
+            # socket did not take: with the default 64 KiB mark, a response that ended with
+            # less waiting was never timed, and closing the connection waited for it forever
+            transport.set_write_buffer_limits(high=0)
             self._arm()
 
         def _between_requests(self) -> bool:

@@ -810,6 +810,10 @@ def test_ready_is_503_while_requests_would_be_refused_and_health_stays_200() -> 
         engine.stop_accepting()
         err = _error(c.get("/ready"), 503)
         assert "shutting down" in str(err["message"]) and c.get("/health").status_code == 200
+        # and draining, as SIGTERM leaves it (/health was 503 "shutting_down" then)
+        server.server.config.app.state.draining = True
+        assert _error(c.get("/ready"), 503)["code"] == "shutting_down"
+        assert c.get("/health").json() == {"status": "ok"}
     # A failed model step: neither alive nor ready.
     fake = FakeEngine()
     _, server = serve(fake)

@@ -330,8 +330,11 @@ async def model(request: Request, model_id: str) -> Response:
 
 
 # ---- vLLM-style utility routes ----------------------------------------------------------------
-def _probe(request: Request, err: str | None, code: str, ok: dict[str, Any]) -> Response:
-    if request.app.state.draining:
+def _probe(
+    request: Request, err: str | None, code: str, ok: dict[str, Any], readiness: bool
+) -> Response:
+    # a drain ends readiness, not liveness: /health stays 200 while in-flight requests finish
+    if readiness and request.app.state.draining:
         err, code = "server is shutting down", "shutting_down"
     if err is not None:
         return json_response(error_body(err, "server_error", None, code), 503)
@@ -341,7 +344,7 @@ def _probe(request: Request, err: str | None, code: str, ok: dict[str, Any]) -> 
 @router.get("/health")
 async def health(request: Request) -> Response:
     engine: AsyncEngine = request.app.state.engine
-    return _probe(request, engine.health_error, "engine_unhealthy", {"status": "ok"})
+    return _probe(request, engine.health_error, "engine_unhealthy", {"status": "ok"}, False)
 
 
 @router.get("/ready")
@@ -349,7 +352,7 @@ async def ready(request: Request) -> Response:
     """Readiness, apart from liveness (/health): 503 too while the server would refuse a new
     request (not started, draining, queue full), so a load balancer sends work elsewhere."""
     engine: AsyncEngine = request.app.state.engine
-    return _probe(request, engine.ready_error, "not_ready", {"status": "ready"})
+    return _probe(request, engine.ready_error, "not_ready", {"status": "ready"}, True)
 
 
 @router.get("/version")

@@ -442,3 +442,31 @@ def test_prefix_cache_counters_count_first_admissions_as_vllm() -> None:
     assert stats["num_preemptions"] > 0 and s.resumed_hit_tokens > 0
     assert stats["prefix_cache_query_tokens"] == sum(map(len, prompts))
     assert stats["prefix_cache_hit_tokens"] == 0  # no prompt shares a block with another
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "drop"),
+    [
+        # MistralConfig's default is 8 KV heads, not the attention heads
+        ("mistral", {"num_attention_heads": 16, "num_key_value_heads": 8}, "num_key_value_heads"),
+        # no architectures list: transformers' Auto classes go by model_type
+        ("llama", {}, "architectures"),
+    ],
+)
+def test_keys_a_config_leaves_out_take_transformers_defaults(
+    arch: str, overrides: dict[str, Any], drop: str, tmp_path: Path
+) -> None:
+    """Both were refused: a mistral config without num_key_value_heads read it as the
+    attention heads (the weights then 'filled 256 of 384 rows'), and one without architectures
+    was 'unsupported architecture llama' (found by a review)."""
+    import json
+
+    path = make_test_checkpoint(str(tmp_path / arch), arch=arch, hidden_size=128, **overrides)
+    cfg_file = Path(path) / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    del cfg[drop]
+    cfg_file.write_text(json.dumps(cfg))
+    prompts = _prompts(3, 3, cfg["vocab_size"])
+    llm = LLM(path, dtype="float32", seed=0)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert [list(t) for t in ours] == _hf_greedy(path, prompts, MAX_TOKENS)

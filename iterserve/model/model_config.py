@@ -24,6 +24,9 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' num_key_value_heads where config.json leaves it out (MistralConfig's and the
+# Qwen configs' defaults; LlamaConfig takes num_attention_heads, as the others here do)
+_DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
         archs = hf.get("architectures") or []
+        if not archs and hf.get("model_type") in ARCHITECTURES.values():
+            # no architectures list: the model type names the class, as transformers' Auto
+            # classes read it
+            archs = [next(a for a, f in ARCHITECTURES.items() if f == hf["model_type"])]
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -162,7 +169,7 @@ class ModelConfig:
             intermediate_size=int(hf["intermediate_size"]),
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            num_kv_heads=int(hf.get("num_key_value_heads") or _DEFAULT_KV_HEADS.get(family, heads)),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope=_parse_rope(hf, max_pos),

@@ -24,9 +24,16 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
-# transformers' num_key_value_heads where config.json leaves it out (MistralConfig's and the
-# Qwen configs' defaults; LlamaConfig takes num_attention_heads, as the others here do)
+# transformers' num_key_value_heads where config.json leaves it out: MistralConfig's and the
+# Qwen configs' defaults (LlamaConfig takes num_attention_heads)
 _DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}
+
+
+def _default_kv_heads(family: str, heads: int) -> int:
+    """transformers' default where it divides the attention heads; the heads otherwise (a
+    default that does not divide them could load no weights, in transformers either)."""
+    d = _DEFAULT_KV_HEADS.get(family)
+    return d if d is not None and heads % d == 0 else heads
 
 
 @dataclass(frozen=True)
@@ -169,7 +176,7 @@ class ModelConfig:
             intermediate_size=int(hf["intermediate_size"]),
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or _DEFAULT_KV_HEADS.get(family, heads)),
+            num_kv_heads=int(hf.get("num_key_value_heads") or _default_kv_heads(family, heads)),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope=_parse_rope(hf, max_pos),

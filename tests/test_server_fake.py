@@ -792,3 +792,28 @@ def test_a_stale_finish_for_an_ended_stream_leaves_a_request_reusing_its_id_alon
     reason, text = asyncio.run(main())
     assert reason == "length" and len(text) == 20, (reason, text)
     assert fake.finished_seqs == [] and not fake.reqs and engine.num_active == 0
+
+
+def test_an_answer_built_on_the_tokenizer_thread_decodes_with_that_threads_tokenizer() -> None:
+    """An echoed token-id prompt is decoded while the answer is built: on the tokenizer thread
+    (256+ logprob positions) it used the event loop's tokenizer, which the loop may be using
+    at the same moment ("Already borrowed") (found by a review)."""
+    import threading
+
+    engine, server = serve(FakeEngine(max_model_len=4096, num_blocks=2048, block_size=4))
+    loop_tok = engine.tokenizer
+    threads: list[str] = []
+    real = loop_tok.decode
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kw)
+
+    loop_tok.decode = spy  # type: ignore[method-assign]
+    body = {"prompt": [5 + i % 250 for i in range(300)], "echo": True, "logprobs": 1}
+    body |= {"max_tokens": 300, "ignore_eos": True}
+    with server:
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["tokens"]) >= 300  # built off the loop
+    assert not any(t.startswith("iterserve-tokenizer") for t in threads), threads

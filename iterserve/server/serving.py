@@ -551,6 +551,14 @@ class Serving:
     def _on_tok_thread_start(self) -> None:
         self._tok_thread = threading.get_ident()
 
+    @property
+    def thread_tokenizer(self) -> Any:
+        """The tokenizer this thread decodes with: the tokenizer thread its own copy, the
+        event loop the engine's (one object used from two threads at once can fail,
+        "Already borrowed"); what builds answers reads it, since a big one is built on the
+        tokenizer thread."""
+        return self._tok if threading.get_ident() == self._tok_thread else self.tokenizer
+
     def token_str(self, tid: int, lp: Logprob | None, as_ids: bool) -> str:
         if as_ids:
             return f"token_id:{tid}"
@@ -558,10 +566,7 @@ class Serving:
             return lp.decoded_token
         s = self._tok_cache.get(tid)
         if s is None:
-            # each thread decodes with its own tokenizer: one object used from two threads
-            # at once can fail ("Already borrowed")
-            on_tok_thread = threading.get_ident() == self._tok_thread
-            tok = self._tok if on_tok_thread else self.tokenizer
+            tok = self.thread_tokenizer
             s = str(tok.decode([tid])) if tok is not None else str(tid)
             if len(self._tok_cache) < 100_000:
                 self._tok_cache[tid] = s
@@ -1209,7 +1214,8 @@ class _CompletionFormat(_Format):
             return p
         # token prompts, and text prompts cut by truncate_prompt_tokens: what the model saw
         ids = out.prompt_token_ids or (p if isinstance(p, list) else [])
-        return str(self.s.tokenizer.decode(ids)) if self.s.tokenizer is not None else ""
+        tok = self.s.thread_tokenizer
+        return str(tok.decode(ids)) if tok is not None else ""
 
     def _logprobs(
         self,

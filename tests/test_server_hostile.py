@@ -990,3 +990,58 @@ def test_an_idle_keep_alive_connection_gets_no_408_and_a_slow_second_request_doe
         t0 = time.monotonic()
         assert response(s).startswith(b"HTTP/1.1 408")
         assert time.monotonic() - t0 < 3
+
+
+def test_the_write_deadline_sees_a_slow_reader_of_a_big_answer_reading(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A 20 MB answer read at 640 KiB/s: the transport's buffer shrinks only when the socket
+    has room for a good part of its MBs again, so a deadline judged by it alone cut this
+    reader off at 0.6 s (and one at 20 KiB/s at the default 30 s). The socket's send queue
+    (Linux) shows it reading; once it stops, the deadline closes the connection."""
+    import logging
+    import socket
+    import sys
+
+    import uvicorn
+    from server_helpers.servers import free_port
+
+    from iterserve.server.limits import h11_protocol
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the socket's send queue (TIOCOUTQ) is read on Linux only")
+    body = b"x" * (20 << 20)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await receive()
+        headers = [(b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    port = free_port()
+    cfg = uvicorn.Config(app, port=port, http=h11_protocol(10.0, 0.3), log_level="warning")
+    srv = uvicorn.Server(cfg)
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    while not srv.started:
+        time.sleep(0.05)
+    cut = "took none of its answer"
+    try:
+        with caplog.at_level(logging.WARNING, logger="iterserve.server"):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                got, t0 = 0, time.monotonic()
+                while time.monotonic() - t0 < 2.0:  # 64 KiB every 0.1 s
+                    got += len(s.recv(65536))
+                    time.sleep(0.1)
+                assert got > 1 << 19
+                assert not any(cut in r.getMessage() for r in caplog.records), "cut off"
+                wait_for(lambda: any(cut in r.getMessage() for r in caplog.records), 10, "cut")
+    finally:
+        srv.should_exit = True
+        th.join(10)

@@ -295,6 +295,14 @@ class ServerLimits:
 
 
 # ---- HTTP: uvicorn / h11 ----------------------------------------------------------------------
+try:  # Linux: a socket's unsent bytes (the write deadline's measure of a client's progress)
+    import fcntl
+    import struct
+    import termios
+
+    _TIOCOUTQ: int | None = termios.TIOCOUTQ
+except (ImportError, AttributeError):  # elsewhere the transport's buffer alone
+    _TIOCOUTQ = None
 _REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -341,10 +349,25 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
                 self.transport.write(_REQUEST_TIMEOUT)
                 self.transport.close()
 
-        _unread = 0  # the write buffer's size when the write timer was last armed
+        _unread = 0  # the bytes not yet taken when the write timer was last armed
+
+        def _unsent(self) -> int:
+            """Bytes the client has not taken: the transport's buffer and, where the OS tells
+            (Linux TIOCOUTQ), the socket's send queue. The buffer alone shrinks only when the
+            socket has room for a good part of its MBs again: a client reading 20 KiB/s of a
+            20 MB answer took 30 s to move it and was cut off."""
+            n = self.transport.get_write_buffer_size()
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None and _TIOCOUTQ is not None:
+                try:
+                    queued = fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0")
+                    n += struct.unpack("i", queued)[0]
+                except OSError:
+                    pass
+            return n
 
         def _arm_write(self) -> None:
-            self._unread = self.transport.get_write_buffer_size()
+            self._unread = self._unsent()
             self._write_timer = self.loop.call_later(write_timeout, self._not_read)
 
         def _unpaused(self) -> None:
@@ -354,7 +377,7 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
 
         def _not_read(self) -> None:
             self._write_timer = None
-            if self.transport.get_write_buffer_size() < self._unread:
+            if self._unsent() < self._unread:
                 self._arm_write()  # the client took some: still reading, slowly
                 return
             logger.warning(

@@ -449,6 +449,15 @@ def test_a_prompt_that_closed_the_reasoning_leaves_the_reply_all_answer() -> Non
         }
     )
     assert closed([1, 2, 3], cont)
+    # the same flag given in chat_template_kwargs, which render_chat takes over the top level
+    via_kwargs = ChatCompletionRequest.model_validate(
+        {
+            **cont.model_dump(exclude_unset=True),
+            "continue_final_message": False,
+            "chat_template_kwargs": {"continue_final_message": True},
+        }
+    )
+    assert closed([1, 2, 3], via_kwargs)
     # through the endpoint: a continued message past its </think>, the reply is all answer
     _, server = _server()
     with server, httpx.Client(base_url=server.url, timeout=10) as c:

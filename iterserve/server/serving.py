@@ -439,7 +439,11 @@ class Serving:
         told not to think writes an empty "<think></think>" there), or a continued assistant
         message is past its "</think>". The reply is then all answer (vLLM looks at the
         prompt likewise)."""
-        if req.continue_final_message and req.messages:
+        # the flag as render_chat took it: chat_template_kwargs win over the top-level one
+        cont = (req.chat_template_kwargs or {}).get(
+            "continue_final_message", req.continue_final_message
+        )
+        if cont is True and req.messages:
             last = req.messages[-1].content
             if isinstance(last, str) and last.rfind(THINK_END) > last.rfind(THINK_START):
                 return True

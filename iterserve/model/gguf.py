@@ -187,11 +187,11 @@ def open_gguf(path: str, reader_cls: Any) -> Any:
     into shape (49152,612)" for a download cut at 2 MB), which names neither."""
     try:
         return reader_cls(path)
-    except (ValueError, IndexError, KeyError, OSError) as e:
+    except (ValueError, IndexError, KeyError) as e:  # an OSError says what it is itself
         size = os.path.getsize(path)
         raise ValueError(
-            f"{path} ({size:,} bytes) cannot be read as a GGUF file: it is truncated or "
-            f"damaged (gguf: {type(e).__name__}: {e}); download it again"
+            f"{path} ({size:,} bytes) cannot be read as a GGUF file (gguf: {type(e).__name__}: "
+            f"{e}); a download cut short or damaged fails so: download it again"
         ) from None
 
 

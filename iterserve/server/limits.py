@@ -324,7 +324,9 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
     for as long as the client kept it open. When the client takes none of the buffered bytes
     for ``write_timeout`` seconds while writing is paused, the connection is aborted (its
     stream's request is then aborted too: the app sees the disconnect); a slow reader that
-    keeps taking bytes is not cut off, however long its answer takes."""
+    keeps taking bytes is not cut off, however long its answer takes (on Linux, where the
+    socket's send queue shows it; elsewhere only the transport's buffer does, which moves
+    after the socket drained a good part of its buffer)."""
     import asyncio
 
     from uvicorn.protocols.http.h11_impl import H11Protocol

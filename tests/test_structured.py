@@ -300,6 +300,27 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
             "$defs": {"N": {"type": "number"}},
             "properties": {"n": {"$ref": "#/$defs/N", "maximum": 3}},
         },
+        # a review's checks broke 5-8 of 8 sampled outputs of each of these
+        "properties beside anyOf": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "anyOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]}],
+        },
+        "maximum beside anyOf": {"type": "integer", "maximum": 5, "anyOf": [{"minimum": 3}]},
+        "properties beside allOf": {
+            "properties": {"a": {"type": "integer"}},
+            "allOf": [{"properties": {"b": {"type": "integer"}}}],
+        },
+        "required 'b' not in properties": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+        "maximum beside enum": {"type": "integer", "enum": [1, 5, 10], "maximum": 4},
+        "pattern beside enum": {"type": "string", "enum": ["abc", "x"], "pattern": "^a"},
+        "pattern beside const": {"type": "string", "const": "xyz", "pattern": "^a"},
+        "enum values outside its type": {"type": "string", "enum": ["a", 1]},
     }
     for what, schema in refused.items():
         with pytest.raises(ValueError, match=re.escape(what)) as e:
@@ -311,6 +332,12 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
     # properties are names, not keywords
     for schema in (
         {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+        # pydantic's Optional field and Literal / Enum, a discriminated union, a mixed enum
+        {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "X"},
+        {"enum": ["red", "green"], "title": "Color", "type": "string"},
+        {"oneOf": [{"type": "string"}], "discriminator": {"propertyName": "kind"}},
+        {"enum": ["a", 1, None]},
+        {"type": "number", "enum": [1, 2.5]},
         {"type": "string", "format": "password"},
         {"type": "string", "pattern": "^a+$"},
         {"type": "array", "uniqueItems": False},

@@ -144,6 +144,11 @@ _ANNOTATIONS = ("description", "title", "examples", "$comment", "default", "depr
 _WITH_REF = {"$ref", "$defs", "definitions", "$schema", "$id", "readOnly", "writeOnly",
              *_ANNOTATIONS}  # fmt: skip
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# what may sit beside anyOf / oneOf / allOf (xgrammar takes the branches and drops the rest:
+# properties, required or bounds beside them broke 5-8 of 8 outputs in a review's checks)
+_WITH_BRANCHES = {"anyOf", "oneOf", "allOf", "$defs", "definitions", "$schema", "$id",
+                  "discriminator", "readOnly", "writeOnly", *_ANNOTATIONS}  # fmt: skip
+_JSON_TYPES = {"string": str, "boolean": bool, "object": dict, "array": list, "null": type(None)}
 # Patterns whose lookahead xgrammar would ignore, each with the same language written without
 # one: pydantic's Decimal as a string ("not only signs and dots" is "at least one digit";
 # checked equal on every string of +-.01 up to 6 characters). Other lookarounds are refused.
@@ -223,6 +228,17 @@ def _types(node: dict[str, Any]) -> set[str]:
     return {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
 
 
+def _of_types(value: Any, types: set[str]) -> bool:
+    """Whether JSON ``value`` is of one of JSON Schema ``types``."""
+    if isinstance(value, bool):
+        return "boolean" in types
+    if isinstance(value, int):
+        return bool(types & {"integer", "number"})
+    if isinstance(value, float):
+        return "number" in types or ("integer" in types and value.is_integer())
+    return any(t in types and isinstance(value, _JSON_TYPES[t]) for t in _JSON_TYPES)
+
+
 def _length_dropped(node: dict[str, Any]) -> str | None:
     """Where length bounds sit beside a pattern or a format xgrammar builds, which drops them
     (a minLength the pattern or format implies anyway is fine)."""
@@ -267,6 +283,24 @@ def _ignored_keyword(node: dict[str, Any]) -> str | None:
     allof = node.get("allOf")
     if isinstance(allof, list) and len(allof) > 1:
         return "allOf with more than one branch (merge them into one schema)"
+    branches = [k for k in ("anyOf", "oneOf", "allOf") if k in node]
+    if branches:
+        beside = sorted(k for k in node if k not in _WITH_BRANCHES)
+        if beside:
+            return f"{beside[0]} beside {branches[0]} (move it into each branch)"
+    for key in ("enum", "const"):
+        if key in node:
+            beside = sorted(k for k in node if k not in _WITH_REF and k not in (key, "type"))
+            if beside:
+                return f"{beside[0]} beside {key} (list only the allowed values)"
+            values = node[key] if key == "enum" and isinstance(node[key], list) else [node[key]]
+            if types and any(not _of_types(v, types) for v in values):
+                return f"{key} values outside its type (drop them, or widen the type)"
+    required, props = node.get("required"), node.get("properties")
+    if isinstance(required, list) and isinstance(props, dict):
+        missing = [r for r in required if isinstance(r, str) and r not in props]
+        if missing:
+            return f"required {missing[0]!r} not in properties (add it to properties)"
     if "string" in types or not types:
         dropped = _length_dropped(node)
         if dropped is not None:

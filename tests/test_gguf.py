@@ -300,3 +300,46 @@ def test_smollm2_matches_transformers_and_knows_paris(monkeypatch: pytest.Monkey
     assert outs[0].outputs[0].text.startswith(" Paris")
     assert "Paris" in outs[1].outputs[0].text
     assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(smollm2_gguf(), prompts, 6)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"mlp_bias": True},
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+    ],
+    ids=["mlp_bias", "linear_rope"],
+)
+def test_write_gguf_keeps_what_the_checkpoint_has(
+    overrides: dict[str, Any], tmp_path: Path
+) -> None:
+    """A GGUF of a llama checkpoint with MLP biases or linear RoPE scaling gives the
+    checkpoint's greedy tokens (transformers' on the folder): write_gguf dropped the scaling
+    (another model, silently) and the conversion left out mlp_bias, so the converted folder
+    failed to load on its 'unexpected tensor' (found by a review)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    src = make_test_checkpoint(str(tmp_path / "src"), "llama", **overrides)
+    path = gg.write_gguf(src, str(tmp_path / "m.gguf"), "F32")
+    prompts = _prompts(7)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    greedy = GenerationConfig(
+        max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    with torch.no_grad():
+        want = [
+            model.generate(torch.tensor([ids]), generation_config=greedy)[0, len(ids) :].tolist()
+            for ids in prompts
+        ]
+    assert got == want
+    with pytest.raises(ValueError, match="not 'llama3'"):
+        llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+        llama3 |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        src3 = make_test_checkpoint(
+            str(tmp_path / "l3"),
+            "llama",
+            rope_parameters={**llama3, "original_max_position_embeddings": 64},
+        )
+        gg.write_gguf(src3, str(tmp_path / "l3.gguf"), "F32")

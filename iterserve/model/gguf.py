@@ -39,7 +39,9 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 _PERMUTED_ARCHS = ("llama",)  # llama.cpp's convert_hf_to_gguf.py permutes q/k for these only
-_VERSION = "v1"  # bump when the conversion's output changes, so stale caches are not reused
+# bump when the conversion's output changes, so stale caches are not reused (v2: llama
+# mlp_bias read from the tensors)
+_VERSION = "v2"
 
 # GGUF tensor name pieces -> Hugging Face ones (one table, read both ways).
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -175,6 +177,8 @@ def hf_config(reader: Any, arch: str) -> dict[str, Any]:
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
+        # llama's MLP biases (the Llama config's mlp_bias); the qwen families have none
+        **({"mlp_bias": "blk.0.ffn_down.bias" in names} if arch == "llama" else {}),
         "bos_token_id": token_ids["bos"],
         "eos_token_id": token_ids["eos"],
         "pad_token_id": token_ids["padding"],
@@ -276,6 +280,16 @@ def write_gguf(
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    # the scaling hf_config reads back (it was dropped: a different model, silently)
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+    elif rope_type != "default":
+        raise ValueError(
+            f"write_gguf writes RoPE scaling 'linear' or none, not {rope_type!r} (llama.cpp "
+            "keeps llama3's as a rope_freqs tensor, which this writer does not make)"
+        )
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(int(cfg["vocab_size"]))
     _add_tokenizer(w, checkpoint, cfg)

@@ -433,3 +433,29 @@ def test_a_lark_grammar_is_read_as_lark_as_vllm_reads_it(llm: LLM) -> None:
     with pytest.raises(ValueError, match="grammar must be a non-empty string"):
         SO(grammar="  \n ")
     SO(regex=" ")  # a regex of one space matches one space
+
+
+def test_a_special_tokens_text_in_a_choice_is_spelled_not_the_token_emitted(llm: LLM) -> None:
+    """xgrammar matched special tokens as their text: for the choice ["<|eos|>", "x"] the model
+    could emit the EOS token itself, whose text the detokenizer drops, so the answer was ''
+    (none of the choices) with finish 'stop' (found by a review). Now the text is spelled
+    out in ordinary tokens, and a stop token still ends the grammar."""
+    tok = llm.engine.tokenizer
+    special = set(tok.all_special_ids)
+    for choice in (["<|eos|>", "x"], ["<|im_start|>", "y"]):
+        for seed in range(4):
+            p = SamplingParams(
+                max_tokens=30,
+                temperature=1.0,
+                seed=seed,
+                logit_bias={2: 30.0, 1: 30.0, 3: 30.0},  # pull toward the special tokens
+                structured_outputs=SO(choice=choice),
+            )
+            out = llm.generate(["Pick one"], p)[0].outputs[0]
+            assert out.finish_reason == "stop" and out.text in choice, (choice, out)
+            body = (
+                out.token_ids[:-1]
+                if out.token_ids[-1] in llm.engine.eos_token_ids
+                else out.token_ids
+            )
+            assert not special & set(body), out.token_ids

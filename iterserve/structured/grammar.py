@@ -19,7 +19,7 @@ import copy
 import json
 import re
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -112,6 +112,7 @@ class GrammarCompiler:
                 vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids or None,
             )
+            info = _without_special_text(xgr, info, self._tokenizer, self.vocab_size)
             # One compile thread: the machine's cores belong to the model's forward.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
@@ -155,6 +156,24 @@ class GrammarCompiler:
 
 
 _EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=")
+
+
+def _without_special_text(xgr: Any, info: Any, tokenizer: Any, vocab_size: int) -> Any:
+    """``info`` with the special tokens' text made unmatchable (an empty string, which
+    xgrammar takes as a special token; the stop tokens still end a grammar). Read as their
+    text, a choice ["<|eos|>", "x"] let the model emit the EOS token itself, whose text the
+    detokenizer then drops: an empty answer that is none of the choices."""
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special |= {int(i) for i, tok in decoder.items() if getattr(tok, "special", False)}
+    special = {i for i in special if 0 <= i < vocab_size}
+    if not special:
+        return info
+    encoded = [""] * vocab_size
+    for text, i in tokenizer.get_vocab().items():
+        if 0 <= i < vocab_size and i not in special:
+            encoded[i] = text
+    return xgr.TokenizerInfo.from_vocab_and_metadata(encoded, info.dump_metadata())
 
 
 def _is_lark(grammar: str) -> bool:

@@ -77,6 +77,13 @@ def _logprob_entries(out: RequestOutput) -> int:
     return n + sum(len(c.logprobs) for c in out.outputs if c.logprobs is not None)
 
 
+def _chat_flag(req: ChatCompletionRequest | TokenizeChatRequest, name: str) -> Any:
+    """A chat request's add_generation_prompt / continue_final_message as the template gets
+    it: its chat_template_kwargs' value wins over the top-level field, as vLLM merges them
+    (render_chat checks it is a bool)."""
+    return (req.chat_template_kwargs or {}).get(name, getattr(req, name))
+
+
 # apply_chat_template's own arguments that the server sets (a request's chat_template_kwargs
 # naming one made a TypeError); chat_template has its own refusal
 _RENDERER_ARGS = frozenset({"conversation", "messages", "tokenize"})
@@ -439,11 +446,7 @@ class Serving:
         told not to think writes an empty "<think></think>" there), or a continued assistant
         message is past its "</think>". The reply is then all answer (vLLM looks at the
         prompt likewise)."""
-        # the flag as render_chat took it: chat_template_kwargs win over the top-level one
-        cont = (req.chat_template_kwargs or {}).get(
-            "continue_final_message", req.continue_final_message
-        )
-        if cont is True and req.messages:
+        if _chat_flag(req, "continue_final_message") is True and req.messages:
             last = req.messages[-1].content
             if isinstance(last, str) and last.rfind(THINK_END) > last.rfind(THINK_START):
                 return True
@@ -778,12 +781,13 @@ class Serving:
                 "passes the messages itself and renders to text",
                 param="chat_template_kwargs",
             )
-        add_generation_prompt = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
-        continue_final_message = kwargs.pop("continue_final_message", req.continue_final_message)
+        add_generation_prompt = _chat_flag(req, "add_generation_prompt")
+        continue_final_message = _chat_flag(req, "continue_final_message")
         for name, flag in (
             ("add_generation_prompt", add_generation_prompt),
             ("continue_final_message", continue_final_message),
         ):
+            kwargs.pop(name, None)  # passed as the flag itself
             if not isinstance(flag, bool):
                 raise bad_request(
                     f"chat_template_kwargs.{name} must be true or false, got {flag!r}",

@@ -65,9 +65,10 @@ def error_body(
 
 def dumps(obj: Any) -> str:
     """``obj`` as compact JSON text. orjson first: the json module's C encoder holds the GIL
-    for all of a big body (53 ms for a 2,040-token prompt's top-20 prompt_logprobs, 3 MB,
-    stalling every stream), orjson 15x less. What it refuses (a lone surrogate, an integer
-    past 64 bits) goes the json module's way; a NaN it writes as null, not an error."""
+    for all of a big body, stalling every stream, for many times orjson's time
+    (docs/RELIABILITY.md, "Answers with many logprobs"). What orjson refuses (a lone
+    surrogate, an integer past 64 bits) goes the json module's way; a NaN it writes as null,
+    not an error."""
     if orjson is not None:
         try:
             return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode()

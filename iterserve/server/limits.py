@@ -356,8 +356,8 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
         def _unsent(self) -> int:
             """Bytes the client has not taken: the transport's buffer and, where the OS tells
             (Linux TIOCOUTQ), the socket's send queue. The buffer alone shrinks only when the
-            socket has room for a good part of its MBs again: a client reading 20 KiB/s of a
-            20 MB answer took 30 s to move it and was cut off."""
+            socket has room for a good part of its MBs again, so a slow reader of a big answer
+            looked like one that reads nothing."""
             n = self.transport.get_write_buffer_size()
             sock = self.transport.get_extra_info("socket")
             if sock is not None and _TIOCOUTQ is not None:

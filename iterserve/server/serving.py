@@ -67,8 +67,8 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 _MAX_CHARS_PER_TOKEN = 16
 _BOUNDARY_TOKENS = 8  # the cut can change how the last few tokens of the head merge
 # Positions with logprobs (prompt and generated, all sequences) a non-streamed answer may
-# have and still be built on the event loop: ~0.05 ms each at top 20 (2,040 prompt
-# positions held the loop ~100 ms); more go to the tokenizer thread.
+# have and still be built on the event loop; a bigger one is built on the tokenizer thread,
+# as its decoding and JSON would hold the loop (docs/RELIABILITY.md).
 _LOGPROBS_ON_THE_LOOP = 256
 
 

@@ -144,8 +144,8 @@ _ANNOTATIONS = ("description", "title", "examples", "$comment", "default", "depr
 _WITH_REF = {"$ref", "$defs", "definitions", "$schema", "$id", "readOnly", "writeOnly",
              *_ANNOTATIONS}  # fmt: skip
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-# what may sit beside anyOf / oneOf / allOf (xgrammar takes the branches and drops the rest:
-# properties, required or bounds beside them broke 5-8 of 8 outputs in a review's checks)
+# what may sit beside anyOf / oneOf / allOf (xgrammar takes the branches and drops the rest,
+# so properties, required or bounds beside them would not hold)
 _WITH_BRANCHES = {"anyOf", "oneOf", "allOf", "$defs", "definitions", "$schema", "$id",
                   "discriminator", "readOnly", "writeOnly", *_ANNOTATIONS}  # fmt: skip
 _JSON_TYPES = {"string": str, "boolean": bool, "object": dict, "array": list, "null": type(None)}

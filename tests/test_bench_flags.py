@@ -348,6 +348,20 @@ def test_generate_prints_why_a_request_failed_and_exits_1(
     assert "needs 2 KV-cache blocks" in err and "raise kv_cache_memory or num_kv_blocks" in err
 
 
+def test_generate_names_what_a_request_asked_for_when_it_outgrew_the_pool(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A request admitted on its prompt and failed when its output filled the pool: the
+    message names prompt + max_tokens, not only the size it had reached."""
+    from iterserve import cli
+
+    argv = ["generate", "--model", "tiny-random", "--prompt", "Hi", "--max-tokens", "100"]
+    assert cli.main([*argv, "--num-kv-blocks", "4", "--block-size", "16"]) == 1
+    err = capsys.readouterr().err
+    assert "of up to 100 tokens" in err and "but the whole pool has 4 (64 tokens)" in err
+    assert "needs 5 KV-cache blocks (65 tokens" in err
+
+
 def test_the_summary_shows_a_whole_error_message() -> None:
     from iterserve.workload.metrics import format_summary
 

@@ -509,9 +509,18 @@ class Scheduler:
             if req.num_computed_tokens
             else self.kv.blocks_for(self._slots_to_finish_a_step(req))
         )
+        grown = ""
+        if req.num_output_tokens:
+            # Name what it asks for too, not only the size it reached when it ran out.
+            total = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
+            grown = (
+                f", having generated {req.num_output_tokens} of up to {req.max_tokens} tokens "
+                f"(prompt + max_tokens: {total} tokens, {self.kv.blocks_for(total - 1)} blocks)"
+            )
         return (
             f"request {req.request_id!r} needs {need} KV-cache blocks ({req.num_tokens} tokens, "
-            f"block_size {self.kv.block_size}) but the whole pool has {self.kv.num_blocks}; "
+            f"block_size {self.kv.block_size}){grown} but the whole pool has "
+            f"{self.kv.num_blocks} ({self.kv.num_blocks * self.kv.block_size} tokens); "
             "raise kv_cache_memory or num_kv_blocks, or shorten the prompt / max_tokens"
         )
 

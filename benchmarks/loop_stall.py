@@ -6,10 +6,9 @@
 
 Starts ``iterserve serve --model tiny-random`` on a free port. A probe client asks for
 ``/v1/models`` every 2 ms (the event loop answers it alone, so its latency is how long the loop
-was held); meanwhile another client sends ``--rounds`` non-streamed completions of a
-``--prompt-tokens``-token prompt, ``max_tokens`` 1, each case's way: no logprobs,
-``prompt_logprobs: 20``, and ``echo`` with ``logprobs: 20``. Prints the probe's max and p99
-latency per case.
+was held); meanwhile another client sends ``--rounds`` completions of a ``--prompt-tokens``-token
+prompt, ``max_tokens`` 1, each case's way: no logprobs, ``prompt_logprobs: 20``, ``echo`` with
+``logprobs: 20``, and that echo streamed. Prints the probe's max and p99 latency per case.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ CASES: dict[str, dict[str, Any]] = {
     "no logprobs": {},
     "prompt_logprobs 20": {"prompt_logprobs": 20},
     "echo + logprobs 20": {"echo": True, "logprobs": 20},
+    "streamed echo + lp 20": {"echo": True, "logprobs": 20, "stream": True},
 }
 
 

@@ -183,3 +183,45 @@ def test_a_streamed_echo_carries_the_prompt_logprobs_for_every_choice() -> None:
         lps = c["logprobs"]["token_logprobs"]
         assert lps[0] is None and len(lps) == len(c["prompt_token_ids"]) + 3
         assert streamed[c["index"]] == lps  # the echoed prompt's, then the generated ones
+
+
+def test_a_streamed_chunk_with_many_logprobs_is_built_off_the_loop_and_is_the_same(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streamed echo's first chunk carries the whole prompt's logprobs: past the limit
+    (256 positions; 5 here) it is built and serialized on the tokenizer thread, as a
+    non-streamed answer is (at 2,040 prompt positions x top 20 it held the event loop as
+    long); the same events either way, the later small chunks on the loop."""
+    import threading
+
+    from iterserve.server import serving
+
+    threads: list[str] = []
+    real = serving.dumps
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(serving, "dumps", spy)
+    streams, names = [], []
+    for on_loop in (10**9, 5):
+        monkeypatch.setattr(serving, "_LOGPROBS_ON_THE_LOOP", on_loop)
+        threads.clear()
+        r = client.raw("completions", echo=True, logprobs=3, stream=True, max_tokens=8)
+        choices = [c for e in parse_sse(r.text) if e != "[DONE]" for c in e["choices"]]
+        lps = [c["logprobs"] for c in choices if c["logprobs"]]
+        assert len(lps[0]["tokens"]) > len(client.prompt_ids("completions"))  # the echo
+        # how the steps' outputs are grouped into chunks depends on timing: compare it all
+        streams.append(
+            (
+                "".join(c["text"] for c in choices),
+                *([x for lp in lps for x in lp[k]] for k in ("tokens", "token_logprobs")),
+                [x for lp in lps for x in lp["top_logprobs"]],
+            )
+        )
+        names.append(list(threads))
+    assert streams[0] == streams[1]
+    assert not any(t.startswith("iterserve-tokenizer") for t in names[0])
+    off = [t for t in names[1] if t.startswith("iterserve-tokenizer")]
+    assert len(off) >= 1 and len(names[1]) > len(off)  # the echo's chunk, not every one

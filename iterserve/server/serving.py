@@ -72,9 +72,14 @@ _BOUNDARY_TOKENS = 8  # the cut can change how the last few tokens of the head m
 _LOGPROBS_ON_THE_LOOP = 256
 
 
-def _logprob_entries(out: RequestOutput) -> int:
+def _logprob_entries(out: RequestOutput, new_only: bool = False) -> int:
+    """Positions with logprobs in ``out``; ``new_only``: a stream's chunk, its outputs' new
+    positions only (the prompt's come in the first)."""
     n = len(out.prompt_logprobs) if out.prompt_logprobs is not None else 0
-    return n + sum(len(c.logprobs) for c in out.outputs if c.logprobs is not None)
+    for c in out.outputs:
+        lps = c.new_logprobs if new_only else c.logprobs
+        n += len(lps) if lps is not None else 0
+    return n
 
 
 def _chat_flag(req: ChatCompletionRequest | TokenizeChatRequest, name: str) -> Any:
@@ -1033,15 +1038,24 @@ async def sse_stream(
     first: tuple[int, RequestOutput] | None,
     rest: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[str]:
+    def events(i: int, out: RequestOutput) -> str:
+        return "".join(f"data: {dumps(chunk)}\n\n" for chunk in fmt.chunks(i, out))
+
+    async def events_off_the_loop(i: int, out: RequestOutput) -> str:
+        if _logprob_entries(out, new_only=True) < _LOGPROBS_ON_THE_LOOP:
+            return events(i, out)
+        # An echoed long prompt's logprobs: built on the tokenizer thread, as a non-streamed
+        # answer's (this generator, fmt's only user, waits meanwhile).
+        return await fmt.s._on_tokenizer_thread(events, i, out)
+
     try:
         for chunk in fmt.start_chunks(first):
             yield f"data: {dumps(chunk)}\n\n"
-        if first is not None:
-            for chunk in fmt.chunks(*first):
-                yield f"data: {dumps(chunk)}\n\n"
+        if first is not None and (text := await events_off_the_loop(*first)):
+            yield text
         async for i, out in rest:
-            for chunk in fmt.chunks(i, out):
-                yield f"data: {dumps(chunk)}\n\n"
+            if text := await events_off_the_loop(i, out):
+                yield text
         usage = fmt.final_usage_chunk()
         if usage is not None:
             yield f"data: {dumps(usage)}\n\n"

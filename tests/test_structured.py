@@ -328,6 +328,11 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
         assert "would not enforce" in str(e.value)
     with pytest.raises(ValueError, match="at /properties/n"):
         SO(json=refused["multipleOf"])
+    # an empty anyOf / oneOf / allOf is invalid JSON Schema, which xgrammar compiled as
+    # matching nothing: the value stopped where it began, `{"a": }` with a 200
+    for key in ("anyOf", "oneOf", "allOf"):
+        with pytest.raises(ValueError, match=f"at /properties/a, {key} is empty"):
+            SO(json={"type": "object", "properties": {"a": {key: []}}, "required": ["a"]})
     # what it enforces (or what JSON Schema leaves to annotation) passes, and keyword-named
     # properties are names, not keywords
     for schema in (

@@ -353,6 +353,14 @@ def check_schema(schema: dict[str, Any]) -> None:
             raise ValueError(
                 f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it"
             )
+        for key in ("anyOf", "oneOf", "allOf"):
+            if node.get(key) == []:
+                # invalid JSON Schema (it must list one schema at least); xgrammar compiles
+                # it as matching nothing and the output stopped mid-value (`{"a": }`)
+                raise ValueError(
+                    f"structured_outputs.json: at {path or '/'}, {key} is empty; JSON Schema "
+                    "requires at least one schema in it (nothing could match)"
+                )
         what = _ignored_keyword(node)
         if what is not None:
             raise ValueError(

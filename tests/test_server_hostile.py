@@ -114,6 +114,20 @@ MALFORMED: dict[str, tuple[str, bytes, str | None]] = {
         b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "x", "function": 5}]}]}',
         "messages.0.tool_calls",
     ),
+    # JSON inside an earlier tool call's arguments string gets the body's limits (was a 500)
+    **{
+        f"tool_call_arguments_{k}": (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+            b'"tool_calls": [{"function": {"name": "f", "arguments": "' + v + b'"}}]}]}',
+            "messages.1.tool_calls.0.function.arguments" + tail,
+        )
+        for k, v, tail in (
+            ("deep", b"[" * 5000 + b"]" * 5000, ""),
+            ("giant_int", b'{\\"a\\": ' + b"9" * 5000 + b"}", ""),
+            ("surrogate", b'{\\"a\\": \\"\\\\ud800\\"}', ".a"),
+        )
+    },
     "tool_call_arguments_number": (
         "/v1/chat/completions",
         b'{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", '
@@ -234,6 +248,8 @@ def test_trusted_request_templates_render_sandboxed_within_limits_off_the_loop()
         "output": ("{{ 'x' * 3000000 }}", "characters"),
         "attribute": ("{{ messages.__class__.__mro__ }}", "chat template failed"),
         "syntax": ("{% for", "TemplateSyntaxError"),
+        # text the tokenizer cannot encode (was a 500)
+        "surrogate": ("{{ messages[0].content }}{{ '\\ud800' }}", "lone UTF-16 surrogate"),
     }
     with server, httpx.Client(base_url=server.url, timeout=30) as c:
         ok = c.post("/tokenize", json={**CHAT, "chat_template": template})
@@ -251,6 +267,27 @@ def test_trusted_request_templates_render_sandboxed_within_limits_off_the_loop()
         # The worker was killed and restarted: templates still render.
         ok = c.post("/tokenize", json={**CHAT, "chat_template": template})
         assert ok.status_code == 200, ok.text
+
+
+def test_empty_or_missing_tool_call_arguments_reach_the_template_as_an_object() -> None:
+    """vLLM's rule: an earlier tool call's empty or missing arguments are {} (a template
+    writing them with tojson wrote `"arguments": }` for "", and failed on a missing one)."""
+    from iterserve.server.limits import ServerLimits
+
+    _, server = serve(FakeEngine(), limits=ServerLimits(trust_request_chat_template=True))
+    template = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.arguments | tojson }};{% endfor %}{% endfor %}"
+    )
+    fns = [{"name": "f", "arguments": a} for a in ("", " ", "{}", '{"a": 1}', "not json")]
+    calls = [{"id": f"c{i}", "type": "function", "function": fn} for i, fn in enumerate(fns)]
+    calls.append({"id": "c9", "type": "function", "function": {"name": "f"}})
+    body = {"messages": [{"role": "assistant", "tool_calls": calls}], "chat_template": template}
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        text = c.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+    assert text == '{};{};{};{"a": 1};"not json";{};', text
 
 
 def test_request_templates_render_as_transformers_renders_them() -> None:

@@ -89,11 +89,11 @@ _NESTED = (str, dict, list)
 _NESTED_TYPES = frozenset(_NESTED)  # json.loads makes exactly these types
 
 
-def _walk(obj: Any, max_depth: int) -> None:
+def _walk(obj: Any, max_depth: int, root: _Node = None) -> None:
     """Depth and text checks without recursion (the object may be deep). Numbers, booleans
     and nulls need neither check and are skipped: a body of a million token ids walked each
     with a path of its own took over a second of the event loop."""
-    stack: list[tuple[Any, int, _Node]] = [(obj, 0, None)]
+    stack: list[tuple[Any, int, _Node]] = [(obj, 0, root)]
     while stack:
         value, depth, node = stack.pop()
         if isinstance(value, str):
@@ -131,6 +131,32 @@ def decode_json_object(raw: bytes, max_depth: int, max_int_digits: int) -> dict[
             f"request body is not valid UTF-8 (byte {e.start}); send UTF-8 encoded JSON",
             code="invalid_json",
         ) from None
+    obj = _decode(text, max_depth, max_int_digits, "request body", None)
+    if not isinstance(obj, dict):
+        raise bad_request(
+            f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
+        )
+    return obj
+
+
+def decode_json_text(text: str, max_depth: int, max_int_digits: int, param: str) -> Any:
+    """JSON sent inside a string field (a tool call's ``arguments``), with the body's limits;
+    raises ``InvalidJSON`` where ``text`` is not JSON at all (the caller decides), an
+    ``APIError`` naming ``param`` where it is JSON the limits refuse."""
+    return _decode(text, max_depth, max_int_digits, param, param)
+
+
+def check_unicode(s: str, param: str) -> None:
+    """A 400 naming ``param`` where ``s`` has a lone surrogate (text made from the request,
+    such as a rendered chat template, which the tokenizer cannot encode)."""
+    _check_text(s, (None, param))
+
+
+class InvalidJSON(ValueError):
+    """The text is not JSON (``decode_json_text``)."""
+
+
+def _decode(text: str, max_depth: int, max_int_digits: int, what: str, param: str | None) -> Any:
     # Integers are checked one by one, a Python call each: a body of a million token ids took
     # ~0.5 s of the event loop that way, against ~0.1 s with the parser's own int. So a body
     # dense with commas (numbers, most likely) is first searched for a run of digits that long
@@ -146,21 +172,21 @@ def decode_json_object(raw: bytes, max_depth: int, max_int_digits: int) -> dict[
             parse_constant=_parse_constant,
         )
     except _Refused as e:
-        raise bad_request(f"request body is not accepted: {e}", code="invalid_json") from None
+        raise bad_request(
+            f"{what} is not accepted: {e}", param=param, code="invalid_json"
+        ) from None
     except json.JSONDecodeError as e:
+        if param is not None:
+            raise InvalidJSON(e.msg) from None
         # e.msg and the position only: the document itself is never echoed back.
         raise bad_request(
-            f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+            f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
             code="invalid_json",
         ) from None
     except RecursionError:
-        raise _too_deep(max_depth) from None
-    if not isinstance(obj, dict):
-        raise bad_request(
-            f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
-        )
-    _walk(obj, max_depth)
+        raise _too_deep(max_depth, f" (in {param})" if param else "", param) from None
+    _walk(obj, max_depth, None if param is None else (None, param))
     return obj
 
 
-__all__ = ["decode_json_object"]
+__all__ = ["InvalidJSON", "check_unicode", "decode_json_object", "decode_json_text"]

@@ -29,6 +29,7 @@ from iterserve.engine.async_engine import (
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput, with_prompt_logprobs
 from iterserve.sampling_params import NO_TOKEN_ALLOWED, SamplingParams
 from iterserve.server.errors import APIError, bad_request, dumps, error_body, json_response
+from iterserve.server.jsonbody import InvalidJSON, check_unicode, decode_json_text
 from iterserve.server.limits import ServerLimits
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
@@ -831,7 +832,7 @@ class Serving:
                 "add_generation_prompt and continue_final_message cannot both be true",
                 param="continue_final_message",
             )
-        conv = [_template_message(m, i) for i, m in enumerate(messages)]
+        conv = [_template_message(m, i, self.limits) for i, m in enumerate(messages)]
         flags: dict[str, Any] = dict(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -859,9 +860,11 @@ class Serving:
                 f"chat template failed to render the messages: {type(e).__name__}: {e}",
                 param="chat_template" if chat_template is not None else "messages",
             ) from None
+        text = str(text)
+        check_unicode(text, "chat_template" if chat_template is not None else "messages")
         room = 0 if isinstance(req, TokenizeChatRequest) else 1
         ids = await self.encode_prompt(
-            str(text),
+            text,
             param="messages",
             add_special_tokens=add_special_tokens,
             room=room,
@@ -1627,9 +1630,11 @@ def _completion_prompts(
     )
 
 
-def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
+def _template_message(m: ChatMessage, i: int, limits: ServerLimits) -> dict[str, Any]:
     """A message as chat templates read it; an assistant turn's tool-call arguments become
-    objects (templates write them with tojson), as vLLM passes them."""
+    objects (templates write them with tojson), as vLLM passes them, decoded with the body's
+    limits (they are JSON inside a string, which the body's checks never saw); empty or
+    missing arguments are {} (vLLM's rule)."""
     msg: dict[str, Any] = {"role": m.role, "content": _message_text(m, i)}
     if m.name is not None:
         msg["name"] = m.name
@@ -1643,12 +1648,18 @@ def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
         msg["reasoning"] = msg["reasoning_content"] = thought
     if m.tool_calls:
         calls = []
-        for tc in m.tool_calls:
+        for j, tc in enumerate(m.tool_calls):
             fn = dict(tc.get("function") or {})
-            if isinstance(fn.get("arguments"), str):
+            args = fn.get("arguments")
+            if args is None or (isinstance(args, str) and not args.strip()):
+                fn["arguments"] = {}
+            elif isinstance(args, str):
+                param = f"messages.{i}.tool_calls.{j}.function.arguments"
                 try:
-                    fn["arguments"] = json.loads(fn["arguments"])
-                except json.JSONDecodeError:
+                    fn["arguments"] = decode_json_text(
+                        args, limits.max_json_depth, limits.max_json_int_digits, param
+                    )
+                except InvalidJSON:
                     pass  # the template gets the string as sent
             calls.append({**tc, "function": fn})
         msg["tool_calls"] = calls

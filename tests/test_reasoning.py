@@ -458,6 +458,20 @@ def test_a_prompt_that_closed_the_reasoning_leaves_the_reply_all_answer() -> Non
         }
     )
     assert closed([1, 2, 3], via_kwargs)
+
+    def continued(last: dict[str, Any]) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate(
+            {**cont.model_dump(exclude_unset=True), "messages": [*CHAT["messages"], last]}
+        )
+
+    # the same message as content parts (was judged open: only a string was looked at)
+    parts = [{"type": "text", "text": "<think>a</think>"}, {"type": "text", "text": "b"}]
+    assert closed([1, 2, 3], continued({"role": "assistant", "content": parts}))
+    # its reasoning given apart, which the template writes closed before the content (was
+    # judged open, the continuation returned as reasoning)
+    for key in ("reasoning", "reasoning_content"):
+        assert closed([1, 2, 3], continued({"role": "assistant", key: "a", "content": "b"}))
+    assert not closed([1, 2, 3], continued({"role": "assistant", "content": "<think>a"}))
     # through the endpoint: a continued message past its </think>, the reply is all answer
     _, server = _server()
     with server, httpx.Client(base_url=server.url, timeout=10) as c:

@@ -451,10 +451,13 @@ class Serving:
         """Whether the prompt itself ends the reasoning: its last tokens close it (a template
         told not to think writes an empty "<think></think>" there), or a continued assistant
         message is past its "</think>". The reply is then all answer (vLLM looks at the
-        prompt likewise)."""
+        prompt likewise). A continued message that carries its reasoning apart (``reasoning``
+        / ``reasoning_content``, or a Responses reasoning item) is past it too: the
+        template writes that reasoning, closed, before the content."""
         if _chat_flag(req, "continue_final_message") is True and req.messages:
-            last = req.messages[-1].content
-            if isinstance(last, str) and last.rfind(THINK_END) > last.rfind(THINK_START):
+            m = req.messages[-1]
+            last = _message_text(m, len(req.messages) - 1)
+            if last.rfind(THINK_END) > last.rfind(THINK_START) or _reasoning_of(m) is not None:
                 return True
         end, start = self.think_end_id, self.think_start_id
         if end is None:
@@ -1640,11 +1643,9 @@ def _template_message(m: ChatMessage, i: int, limits: ServerLimits) -> dict[str,
         msg["name"] = m.name
     if m.tool_call_id is not None:
         msg["tool_call_id"] = m.tool_call_id
-    # An earlier reply's reasoning (vLLM's ``reasoning``, formerly ``reasoning_content``),
-    # under both names: Qwen3's template reads reasoning_content.
-    extra = m.model_extra or {}
-    thought = extra.get("reasoning", extra.get("reasoning_content"))
-    if isinstance(thought, str):
+    # under both names: Qwen3's template reads reasoning_content
+    thought = _reasoning_of(m)
+    if thought is not None:
         msg["reasoning"] = msg["reasoning_content"] = thought
     if m.tool_calls:
         calls = []
@@ -1664,6 +1665,13 @@ def _template_message(m: ChatMessage, i: int, limits: ServerLimits) -> dict[str,
             calls.append({**tc, "function": fn})
         msg["tool_calls"] = calls
     return msg
+
+
+def _reasoning_of(m: ChatMessage) -> str | None:
+    """An earlier reply's reasoning (vLLM's ``reasoning``, formerly ``reasoning_content``)."""
+    extra = m.model_extra or {}
+    thought = extra.get("reasoning", extra.get("reasoning_content"))
+    return thought if isinstance(thought, str) else None
 
 
 def _chat_echo_text(req: ChatCompletionRequest) -> str:

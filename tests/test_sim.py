@@ -388,6 +388,23 @@ def test_find_max_rate_brackets_the_boundary() -> None:
     assert not meets(_summary(above), slos)
 
 
+def test_find_max_rate_searches_past_the_old_window_and_says_when_unbracketed() -> None:
+    """A trace slowed 10,000x has the same capacity in req/s (12 doublings had stopped at
+    the scale 2^11 and reported its rate); an SLO met at no rate is a bound, not a value."""
+
+    def run(s: list[RequestSpec], stop: object) -> object:
+        return _sim().run(s, stop=stop)  # type: ignore[arg-type]
+
+    slos = parse_slos("ttft_p90:300")
+    specs = _specs(n=60, rate=10.0)
+    base = find_max_rate(specs, run, slos, tolerance=0.05)  # type: ignore[arg-type]
+    slow = find_max_rate(scaled(specs, 1e-4), run, slos, tolerance=0.05)  # type: ignore[arg-type]
+    assert base.bracketed and slow.bracketed and slow.max_scale > 2**11
+    assert abs(slow.max_rate / base.max_rate - 1) < 0.1
+    never = find_max_rate(specs, run, parse_slos("ttft_p90:0.001"), max_doublings=6)  # type: ignore[arg-type]
+    assert not never.bracketed and never.max_rate == 0 and len(never.probes) == 6
+
+
 class _LinearCost:
     """A step takes A + B x its tokens."""
 

@@ -152,6 +152,8 @@ class CapacityResult:
     max_scale: float  # 0.0: not even the lowest rate tried met the SLOs
     max_rate: float
     probes: list[Probe] = field(default_factory=list)
+    # False: the SLOs were met at every rate tried (max_rate is a lower bound) or at none
+    bracketed: bool = True
 
     @property
     def best(self) -> Probe | None:
@@ -177,10 +179,13 @@ def find_max_rate(
     slos: list[Slo],
     *,
     tolerance: float = 0.02,
-    max_doublings: int = 12,
+    max_doublings: int = 30,
     on_probe: Callable[[Probe], None] | None = None,
 ) -> CapacityResult:
-    """Binary search over the rate scale of ``specs``. ``run(specs, stop)`` simulates."""
+    """Binary search over the rate scale of ``specs``. ``run(specs, stop)`` simulates. The
+    scale doubles (halves) from 1 until a probe misses (meets), up to ``max_doublings``
+    times: 12 had reported the edge of its 2^+-11 window as the capacity of a trace slowed
+    10,000x. Unbracketed, the result says so (``bracketed``)."""
     base_rate = mean_rate(specs)
     if math.isinf(base_rate):
         raise ValueError(
@@ -217,6 +222,7 @@ def find_max_rate(
             s /= 2
     if lo == 0.0 or hi == math.inf:  # never met (or never missed) within the doublings
         res.max_scale = lo
+        res.bracketed = False
     else:
         while hi / lo > 1 + tolerance:
             mid = math.sqrt(lo * hi)

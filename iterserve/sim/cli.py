@@ -457,9 +457,12 @@ def print_capacity(rows: list[tuple[str, CapacityResult]], slos: list[Slo]) -> N
             v = s.get(k)
             return "n/a" if v is None else f"{v:.{digits}f}"
 
+        rate = f"{res.max_rate:.3g}"
+        if not res.bracketed:  # met at every rate tried, or at none: a bound
+            rate = f">= {rate}" if res.max_rate > 0 else f"< {min(p.rate for p in res.probes):.3g}"
         t.add_row(
             policy,
-            f"{res.max_rate:.3g}",
+            rate,
             f"{res.max_scale:.3g}",
             *(f(x.key) for x in slos),
             f("output_throughput"),
@@ -593,6 +596,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                     capacity={
                         "max_rate": cap.max_rate,
                         "max_scale": cap.max_scale,
+                        "bracketed": cap.bracketed,
                         "slos": ns.slo,
                         "probes": [
                             {
@@ -640,6 +644,12 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                     f"{policies[0]} met {', '.join(str(x) for x in slos)} at no rate tried "
                     f"(down to {lowest:.3g} req/s), so it has no capacity to run at: relax "
                     "--slo or change the deployment"
+                )
+            if not cap.bracketed:
+                raise ValueError(
+                    f"{policies[0]} met {', '.join(str(x) for x in slos)} at every rate tried "
+                    f"(up to {max_rate:.3g} req/s), so its capacity is past the search: "
+                    "tighten --slo"
                 )
         _err(
             f"{ns.capacity or 'attainment'} capacity of {policies[0]} ({what}): "

@@ -746,6 +746,15 @@ def test_cli_replicas_step_records_plot_per_replica(
     tls = load_timelines([str(out)])
     assert [t.label for t in tls] == ["continuous replica 0", "continuous replica 1"]
     assert sum(len(t.steps) for t in tls) == run["summary"]["num_steps"]
+    # both on the simulated clock from 0 (a clock_start of 0.0 was read as missing and each
+    # replica drawn from its own first step), with the configured slots (not the batch seen)
+    assert [t.t0 for t in tls] == [0.0, 0.0] and tls[1].steps[0]["start_time"] > 0
+    assert [t.max_num_seqs for t in tls] == [run["engine_args"]["max_num_seqs"]] * 2
+    # all at once is rate inf in the result, as bench serve writes it (was null)
+    once = tmp_path / "once.json"
+    args = ["--workload", "random", "--num-prompts", "5", "--model", "llama-3-8b"]
+    assert simulate_main([*args, "--result-file", str(once)]) == 0
+    assert json.loads(once.read_text())["runs"][0]["request_rate"] == "inf"
 
 
 def test_cli_whole_trace_with_skipped_rows(

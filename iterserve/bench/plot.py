@@ -323,7 +323,9 @@ def load_timelines(
                 if not sp.is_file():
                     sp = Path(p).parent / Path(sf).name
                 steps = read_steps(sp)
-                t0 = run.get("clock_start") or steps[0]["start_time"]
+                t0 = run.get("clock_start")  # the simulator's is 0.0
+                if t0 is None:
+                    t0 = steps[0]["start_time"]
                 name = f"{label} replica {i}" if len(files) > 1 else label
                 out.append(Timeline(name, steps, t0, arrivals, slots))
             found = True

@@ -690,15 +690,20 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     if ns.tenants:
         print_tenants([(pol, summary["tenants"]) for pol, summary, _, _ in results])
     if ns.result_file:
+        # all at once is rate inf, as bench serve writes it (plots select runs by rate)
+        run_rate = mean_rate(specs) if ns.at_capacity is not None else cfg.request_rate
+        if run_rate is None and math.isinf(mean_rate(specs)):
+            run_rate = math.inf
         runs = [
             make_run(
                 pol,
                 summary,
                 res.timings,
                 policy=pol,
-                request_rate=mean_rate(specs) if ns.at_capacity is not None else cfg.request_rate,
+                request_rate=run_rate,
                 steps_file=None if pol in replica_files else sp,
                 clock_start=0.0,
+                engine_args=dataclasses.asdict(variant_args(pol, base, dep.max_model_len)),
                 engine_stats=res.stats,
                 **({"steps_files": replica_files[pol]} if pol in replica_files else {}),
             )

@@ -757,6 +757,25 @@ def test_cli_replicas_step_records_plot_per_replica(
     assert json.loads(once.read_text())["runs"][0]["request_rate"] == "inf"
 
 
+def test_cli_step_files_go_where_asked_whatever_the_folder_names(tmp_path: Path) -> None:
+    """Per-policy and per-replica step files are tagged before the file's extension, not at
+    the last dot of the path (a folder named d.x got d.continuous.x/), and a folder that
+    does not exist yet is made (the check passed it, the write failed after the run)."""
+    from iterserve.workload.results import tagged_path
+
+    assert tagged_path("/a/d.x/steps.jsonl", "r0") == "/a/d.x/steps.r0.jsonl"
+    assert tagged_path("/a/d.x/steps", "static") == "/a/d.x/steps.static"
+    base = tmp_path / "d.x" / "new"
+    args = ["--workload", "random", "--num-prompts", "8", "--request-rate", "20"]
+    args += ["--model", "llama-3-8b", "--policy", "continuous,static"]
+    assert simulate_main([*args, "--record-steps", str(base / "s.jsonl")]) == 0
+    assert sorted(p.name for p in base.iterdir()) == ["s.continuous.jsonl", "s.static.jsonl"]
+    args += ["--replicas", "2", "--record-steps", str(tmp_path / "e.y" / "t")]
+    assert simulate_main(args) == 0
+    names = sorted(p.name for p in (tmp_path / "e.y").iterdir())
+    assert names == ["t.r0.continuous", "t.r0.static", "t.r1.continuous", "t.r1.static"]
+
+
 def test_cli_whole_trace_with_skipped_rows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -13,6 +13,7 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import IO, TypedDict
 
 from iterserve.core.request import InvalidRequestError
@@ -238,6 +239,8 @@ class Books:
             self.step_file.close()
             self.step_file = None
         if path:
+            # its folder too, as result files get theirs (check_output passed a new one)
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.step_file = open(path, "w", buffering=1 << 16)  # noqa: SIM115
 
     # ---- counters -----------------------------------------------------------------------

@@ -54,7 +54,7 @@ from iterserve.workload.datasets import (
     load_trace,
 )
 from iterserve.workload.metrics import format_summary, parse_goodput, summarize
-from iterserve.workload.results import check_output, make_run, write_result
+from iterserve.workload.results import check_output, make_run, tagged_path, write_result
 from iterserve.workload.tenants import assign_tenants, parse_tenant_shares, tenant_report
 
 DEFAULT_RANDOM_PROMPTS = 1000
@@ -330,8 +330,7 @@ def steps_path(base: str | None, policy: str, many: bool) -> str | None:
     base = str(Path(base).absolute())  # the result file names it, read later from wherever
     if not many:
         return base
-    stem, dot, ext = base.rpartition(".")
-    return f"{stem}.{policy}.{ext}" if dot else f"{base}.{policy}"
+    return tagged_path(base, policy)
 
 
 def print_extra(summary: dict[str, Any]) -> None:

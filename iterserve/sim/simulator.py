@@ -35,6 +35,7 @@ from iterserve.sim.cost_model import CostModel, step_shape
 from iterserve.workload.datasets import RequestSpec
 from iterserve.workload.metrics import RequestTiming, TokenClock
 from iterserve.workload.replay import bench_params
+from iterserve.workload.results import tagged_path
 
 __all__ = ["ROUTERS", "SimConfig", "SimResult", "Simulator", "StepLog"]
 
@@ -195,8 +196,7 @@ class Simulator:
             return None
         if self.cfg.replicas == 1:
             return self.record_steps
-        base, dot, ext = self.record_steps.rpartition(".")
-        return f"{base}.r{i}.{ext}" if dot else f"{self.record_steps}.r{i}"
+        return tagged_path(self.record_steps, f"r{i}")
 
     def run(
         self,

@@ -41,6 +41,14 @@ def check_output(path: str | Path | None, flag: str, folder: bool = False) -> No
         raise ValueError(f"{flag} {path}: {nearest} is not writable; choose another path")
 
 
+def tagged_path(path: str, tag: str) -> str:
+    """``path`` with ``tag`` before its file name's extension (``steps.jsonl`` ->
+    ``steps.TAG.jsonl``): one file per policy or replica. A dot in a folder's name is not
+    an extension (the split at the last dot had written into ``d.TAG.x/``)."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{tag}{p.suffix}" if p.suffix else f"{p.name}.{tag}"))
+
+
 def json_safe(x: Any) -> Any:
     """Replace inf/nan (not valid JSON) by "inf"/"-inf"/None, recursively."""
     if isinstance(x, float):

@@ -4,6 +4,7 @@ capacity search, the CPU-profile fit and the CLI (no torch needed)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -569,6 +570,16 @@ def test_cpu_profile_fit_recovers_known_coefficients(tmp_path: Path) -> None:
         model=None, hardware=where, max_num_seqs=4, max_model_len=64, kv_cache_memory="10"
     )
     assert small.num_kv_blocks == 10
+    # 0 blocks is refused as the GPU path and EngineArgs refuse it (it was taken as unset)
+    with pytest.raises(ValueError, match="num_kv_blocks must be >= 1"):
+        build_deployment(model=None, hardware=where, max_model_len=64, num_kv_blocks=0)
+    # a folder, no name, or a file that is not JSON: errors naming it, not tracebacks
+    for bad, msg in ((tmp_path, "is a folder"), ("", "is not named")):
+        with pytest.raises(ValueError, match=msg):
+            CpuProfile.load(bad)
+    (tmp_path / "empty.json").write_text("")
+    with pytest.raises(ValueError, match="empty.json is not an iterserve CPU profile"):
+        CpuProfile.load(tmp_path / "empty.json")
 
 
 def test_profile_measures_the_grid_on_a_given_engine() -> None:
@@ -755,6 +766,30 @@ def test_cli_replicas_step_records_plot_per_replica(
     args = ["--workload", "random", "--num-prompts", "5", "--model", "llama-3-8b"]
     assert simulate_main([*args, "--result-file", str(once)]) == 0
     assert json.loads(once.read_text())["runs"][0]["request_rate"] == "inf"
+
+
+def test_cli_refuses_an_empty_trace_and_infinite_knobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each was accepted: an empty trace read as "num_prompts must be >= 1" (none was
+    given; bench offline raised an IndexError), --time-scale inf made nan / inf arrivals
+    (every request failed; bench serve slept forever), --length-scale inf an
+    OverflowError, a step_s of inf failed every request."""
+    empty = tmp_path / "empty.csv"
+    empty.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    base = ["--model", "llama-3-8b", "--num-prompts", "5"]
+    cases = [
+        (["--workload", str(empty)], "holds no requests"),
+        (["--workload", "azure-conv", "--time-scale", "inf"], "time_scale must be > 0 and"),
+        (["--workload", "azure-conv", "--length-scale", "inf"], "length_scale must be > 0 and"),
+        (["--workload", "random", "--efficiency", "step_s=inf"], "step_s must be >= 0 and"),
+        (["--workload", "random", "--efficiency", "per_seq_s=nan"], "per_seq_s must be >= 0"),
+    ]
+    for args, msg in cases:
+        assert simulate_main([*base, *args]) == 2, args
+        assert msg in capsys.readouterr().err, args
+    with pytest.raises(ValueError, match="burstiness must be > 0 and finite"):
+        WorkloadConfig(request_rate=1.0, burstiness=math.inf)
 
 
 def test_cli_step_files_go_where_asked_whatever_the_folder_names(tmp_path: Path) -> None:

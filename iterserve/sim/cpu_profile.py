@@ -158,12 +158,21 @@ class CpuProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> CpuProfile:
+        p = Path(path)
+        if not str(path) or p.is_dir():
+            what = "is a folder" if str(path) else "is not named (cpu: without a file)"
+            raise ValueError(f"CPU profile {str(path)!r} {what}; give the profile's JSON file")
         try:
-            doc = json.loads(Path(path).read_text())
+            doc = json.loads(p.read_text())
         except FileNotFoundError:
             raise ValueError(
                 f"CPU profile {path} not found; make one with "
                 f"`iterserve profile --model M -o {path}`"
+            ) from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(
+                f"{path} is not an iterserve CPU profile (not JSON: {e}); make one with "
+                "`iterserve profile`"
             ) from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ValueError(

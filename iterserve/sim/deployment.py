@@ -219,6 +219,8 @@ def _cpu_deployment(
         )
     max_len = context_length(max_model_len, cfg)
     # the engine's rule on CPU: the memory budget, capped where blocks would never be used
+    if num_kv_blocks is not None and num_kv_blocks < 1:
+        raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
     blocks = num_kv_blocks or min(
         int(parse_size(kv_cache_memory or DEFAULT_CPU_KV_MEMORY) // prof.kv_bytes_per_block),
         kv_block_cap(max_num_seqs, max_len, block_size),

@@ -7,6 +7,7 @@ SIMULATOR.md shows how it was checked (against Vidur's published H100 operator p
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -60,8 +61,8 @@ class Efficiency:
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"efficiency {name} must be in (0, 1], got {v}")
         for name in ("net_latency_s", "kernel_s", "step_s", "per_seq_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < math.inf:  # nan too
+                raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

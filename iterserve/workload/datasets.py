@@ -170,13 +170,16 @@ def load_trace(dataset: str, dataset_path: str | Path | None = None) -> list[Tra
     kind = dataset if dataset in ("sharegpt", "mooncake") else "azure"
     load = {"sharegpt": load_sharegpt, "mooncake": load_mooncake, "azure": load_azure}[kind]
     try:
-        return load(path)
+        rows = load(path)
     except (KeyError, ValueError, TypeError, AttributeError) as e:  # a row not in the format
         what = f"no {e} field" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
         raise ValueError(
             f"{path} does not read as a {dataset} trace ({what}): --dataset {dataset} expects "
             f"{_FORMATS[kind]}; pick the --dataset of the file's format"
         ) from None
+    if not rows:
+        raise ValueError(f"{path} holds no requests (an empty {dataset} trace); give a trace file")
+    return rows
 
 
 # ---- workload construction --------------------------------------------------------------
@@ -211,12 +214,14 @@ class WorkloadConfig:
             raise ValueError(f"random_range_ratio must be in [0, 1), got {self.random_range_ratio}")
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
-        if not self.burstiness > 0:
-            raise ValueError(f"burstiness must be > 0 (1 = Poisson), got {self.burstiness}")
-        if not self.time_scale > 0:
-            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
-        if not self.length_scale > 0:
-            raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
+        if not 0 < self.burstiness < math.inf:
+            raise ValueError(
+                f"burstiness must be > 0 and finite (1 = Poisson), got {self.burstiness}"
+            )
+        if not 0 < self.time_scale < math.inf:
+            raise ValueError(f"time_scale must be > 0 and finite, got {self.time_scale}")
+        if not 0 < self.length_scale < math.inf:
+            raise ValueError(f"length_scale must be > 0 and finite, got {self.length_scale}")
         # knobs that would change nothing here: refused rather than reported as applied
         if self.dataset_path and self.dataset not in TRACE_FILES:
             raise ValueError(

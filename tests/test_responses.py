@@ -444,6 +444,8 @@ REFUSED: list[tuple[dict[str, Any], int, str]] = [
     ({"text": {"format": {"type": "grammar"}}}, 400, "text.format.type"),
     # the fake engine has no grammar compiler (tiny-random honours it: the tests at the end)
     ({"text": {"format": {"type": "json_object"}}}, 400, "text.format"),
+    # in the Responses API's own (flat) shape, not the chat API's nested one
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
     ({"stream_options": {"include_obfuscation": False}}, 400, "stream_options"),
     (
         {"stream": True, "stream_options": {"include_obfuscation": True}},

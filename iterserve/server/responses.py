@@ -169,6 +169,14 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            # said here in the Responses API's flat shape (the chat path's error names its own
+            # nested response_format.json_schema)
+            raise bad_request(
+                "text.format of type json_schema needs its schema as an object beside the "
+                'type: {"type": "json_schema", "name": "...", "schema": {...}}',
+                param="text.format.schema",
+            )
         keys = ("name", "schema", "strict", "description")
         return {"type": kind, "json_schema": {k: fmt[k] for k in keys if k in fmt}}
     raise bad_request(

@@ -243,6 +243,26 @@ def test_a_resumed_request_keeps_no_claim_on_blocks() -> None:
     assert s.num_preemptions and not s.kv.pool._kept
 
 
+def test_a_resumed_request_that_missed_its_kept_blocks_gives_them_back() -> None:
+    """Preempted mid-prefill, a request wanting prompt logprobs resumes with no prefix hit:
+    the blocks kept back for it were never touched and, when it finished, stayed in the
+    queue evicted last for a request that no longer existed, outliving a hot prefix cached
+    later (found by a review's random runs; n > 1 siblings hit it too)."""
+    cfg = SchedulerConfig(max_num_batched_tokens=4, max_model_len=64, preemption_resume_headroom=0)
+    s = Scheduler(cfg, KVCacheManager(7, 4, True))
+    s.add_request(make_req("old", 0, 6, prompt=list(range(40, 51))))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    v = Request("v", list(range(10, 26)), params, 2, frozenset({EOS}))
+    s.add_request(v)
+    run_all(s)
+    assert v.num_preemptions and not s.kv.pool._kept
+    hot = list(range(100, 108))  # a prefix cached now outlives the dead request's blocks
+    for rid, prompt in (("sys", [*hot, 1]), ("big", list(range(200, 220)))):
+        s.add_request(make_req(rid, 0, 1, prompt=prompt))
+        run_all(s)
+    assert s.kv.get_computed_blocks(make_req("probe", 0, 1, prompt=[*hot, 2]))[1] == 8
+
+
 def test_request_that_cannot_fit_alone_fails_with_clear_error() -> None:
     s = make_sched(num_blocks=4, block_size=4)
     s.add_request(make_req("huge", 40, 2))

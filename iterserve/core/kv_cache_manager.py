@@ -109,6 +109,7 @@ class KVCacheManager:
         total = req.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
         rid = req.request_id
         blocks = self.req_blocks.get(rid)
+        first = blocks is None
         if blocks is not None and not computed_blocks and total <= len(blocks) * bs:
             need: int | None = 0  # the table already covers the new tokens
         else:
@@ -120,6 +121,10 @@ class KVCacheManager:
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
+        if first and req.num_preemptions:
+            # resumed: what was kept back for it and not hit now (a broken chain, prompt
+            # logprobs) would stay kept for a request that no longer wants it
+            self.pool.unkeep(rid)
         if need:
             blocks.extend(self.pool.allocate(need))
         if self.enable_prefix_caching:

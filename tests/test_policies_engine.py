@@ -146,3 +146,57 @@ def test_a_bad_priority_or_tenant_is_refused_before_the_request_is_added(policy:
     import numpy as np  # numpy's integers are integers
 
     assert len(llm.generate(["a b", "c d"], sp, priorities=np.array([1, 0]))) == 2
+
+
+class _RaisesOnce:
+    """A module:Class policy whose on_step hook raises at its first step with a request."""
+
+    armed = True
+
+    @staticmethod
+    def make() -> Any:
+        from iterserve.core.policies import Policy
+
+        class Flaky(Policy):
+            def on_step(self, out: Any) -> None:
+                if _RaisesOnce.armed and out.requests:
+                    _RaisesOnce.armed = False
+                    raise RuntimeError("policy bug")
+
+        return Flaky
+
+
+def test_a_scheduling_step_that_raises_leaves_no_prefix_hits_on_unwritten_kv(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A policy hook raised after the step had registered the prompt's full blocks: the
+    engine's caller aborted every request, which kept their hashes, and the next request
+    with that prompt hit KV never written (wrong tokens; found by a review). The step now
+    fails its requests as a model failure does, forgetting the step's prefixes."""
+    import types
+
+    from iterserve.engine.llm_engine import LLMEngine
+
+    mod = types.ModuleType("flaky_policy_mod")
+    mod.Flaky = _RaisesOnce.make()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flaky_policy_mod", mod)
+    prompt = list(range(100, 140))  # 40 tokens: two full blocks of 16 registered
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(e: LLMEngine, rid: str) -> list[int]:
+        e.add_request(rid, prompt, sp)
+        out: list[int] = []
+        while e.has_unfinished_requests():
+            out += [
+                t for o in e.step_core() if o.request_id == rid for t in o.seqs[0].new_token_ids
+            ]
+        return out
+
+    want = run(LLMEngine(model="tiny-random", dtype="float32"), "r")
+    _RaisesOnce.armed = True
+    e = LLMEngine(model="tiny-random", dtype="float32", policy="flaky_policy_mod:Flaky")
+    e.add_request("a", prompt, sp)
+    (failed,) = e.step_core()
+    assert failed.finished and "scheduling step failed: RuntimeError" in str(failed.error)
+    assert not e.has_unfinished_requests() and e.kv.num_free_blocks == e.kv.num_blocks
+    assert run(e, "b") == want

@@ -132,9 +132,11 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        if req.status is RequestStatus.RUNNING:
+        # by list membership, not status alone: after a step that raised part way (a policy
+        # hook), a request can be in either
+        if req in self.running:
             self.running.remove(req)
-        else:
+        elif req in self.waiting:
             self.waiting.remove(req)
         req.finish_reason = reason
         req.stop_reason = stop_reason

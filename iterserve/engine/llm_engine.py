@@ -497,7 +497,11 @@ class LLMEngine:
         touched: dict[str, _Parent] = {}
         if self._grammar_wait:
             self._admit_compiled(touched)
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as exc:  # a policy hook raised: the blocks it registered this step
+            # hold no KV yet and must not be prefix hits (an abort would keep them cached)
+            return self._fail_all(exc, touched, "scheduling")
         t1 = time.monotonic()
         # Preemptions count before failures end their sequences: a policy's swap victim goes
         # back to the queue, where this step's admission can fail it (too big to resume).
@@ -757,9 +761,11 @@ class LLMEngine:
             prompt_logprobs=prompt_lps,
         )
 
-    def _fail_all(self, exc: BaseException, touched: dict[str, _Parent]) -> list[CoreOutput]:
-        msg = f"model step failed: {type(exc).__name__}: {exc}"
-        logger.exception("model step failed; failing %d in-flight requests", len(self._seqs))
+    def _fail_all(
+        self, exc: BaseException, touched: dict[str, _Parent], what: str = "model"
+    ) -> list[CoreOutput]:
+        msg = f"{what} step failed: {type(exc).__name__}: {exc}"
+        logger.exception("%s step failed; failing %d in-flight requests", what, len(self._seqs))
         self.healthy = False
         self.last_error = msg
         now = time.monotonic()

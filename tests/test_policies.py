@@ -593,6 +593,27 @@ def test_fair_admits_the_light_tenant_ahead_of_a_flood() -> None:
     assert ended["l0"] > 70  # FCFS: behind all 20
 
 
+def test_fair_lifts_a_tenant_arriving_into_an_idle_system_to_the_last_to_leave() -> None:
+    """A tenant served alone leaves; the system is idle a moment; a new tenant arrives and
+    then the first again. The newcomer kept a counter of 0 (nothing live to lift it to)
+    and had every slot until it caught up: the first tenant's next request waited for
+    nearly all of its 30 (found by a review). VTC lifts it to the last leaver's counter."""
+    s = sched(num_blocks=2000, policy="fair", max_num_seqs=4, max_num_batched_tokens=64)
+    for i in range(40):
+        s.add_request(tenant_req(f"a{i}", "A", 16, 16, seed=i))
+    drive(s, [])  # A alone, then idle
+    for i in range(30):
+        s.add_request(tenant_req(f"b{i}", "B", 16, 16, seed=100 + i))
+    for i in range(30):
+        s.add_request(tenant_req(f"a2_{i}", "A", 16, 16, seed=200 + i))
+    assert s.policy.counters["B"] == s.policy.counters["A"] > 0  # type: ignore[attr-defined]
+    steps = 0
+    while not any(r.request_id.startswith("a2_") for r in s.running):
+        step_once(s)
+        steps += 1
+    assert steps <= 2
+
+
 def test_fair_fails_a_deferred_request_that_can_never_fit_instead_of_waiting_for_ever() -> None:
     # 48 token slots; tenant b's request grows to 54 tokens. Once tenant a waits, b's decodes
     # are deferred until admission has had the step, and admission waits for blocks b holds:
@@ -734,11 +755,12 @@ def test_fair_books_stay_bounded_when_every_request_names_a_new_tenant() -> None
     assert policy.live == {}
     assert len(policy.counters) <= 2 * 1 + 64 + 4, len(policy.counters)  # last prune's bound
     # a dropped tenant (its counter no higher than the least live one's then) starts again
-    # from the largest dropped counter, not from 0
+    # from the largest dropped counter, not from 0 (into this idle system, from the last
+    # leaver's if that is higher)
     gone = next(f"t{i}" for i in range(600) if f"t{i}" not in policy.counters)
     assert policy.forgotten > 0
     s.add_request(tenant_req("back", gone, 6, 3, seed=1))
-    assert policy.counters[gone] == policy.forgotten
+    assert policy.counters[gone] == max(policy.forgotten, policy.last_left)
 
 
 def light_first_token(

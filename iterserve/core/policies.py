@@ -694,7 +694,8 @@ class FairPolicy(Policy):
 
     Each tenant has a counter of the tokens computed for it, divided by its weight
     (``SchedulerConfig.tenant_weights``). A tenant that arrives with nothing live is lifted
-    to the smallest counter among live tenants, so idle time earns no credit. Every
+    to the smallest counter among live tenants, or into an idle system to the counter of the
+    last tenant to leave (VTC's rule), so idle time earns no credit. Every
     scheduled token is charged, prompt, output or recomputed alike (VTC weighs output
     tokens more; one weight keeps the bound simple). Work-conserving: a lone tenant gets
     everything.
@@ -727,6 +728,10 @@ class FairPolicy(Policy):
         self.counters: dict[str, float] = {}
         self.live: dict[str, int] = {}  # tenant -> requests waiting or running
         self.forgotten = 0.0  # the largest counter dropped from the books (on_schedule)
+        # The counter of the last tenant whose last live request ended: one arriving into
+        # an idle system is lifted to it (without, a new tenant kept 0 after a momentary
+        # idle gap and had every slot until it caught up with one that had run alone).
+        self.last_left = 0.0
         self.slots: dict[str, int] = {}  # tenant -> requests running as this step began
         self.max_num_seqs = config.max_num_seqs if config is not None else 1 << 30
         self.budget = config.max_num_batched_tokens if config is not None else 512
@@ -806,7 +811,7 @@ class FairPolicy(Policy):
         if not live.get(t):
             others = [self.counters.get(u, 0.0) for u in live if u != t]
             mine = self.counters.get(t, self.forgotten)
-            self.counters[t] = max(mine, min(others)) if others else mine
+            self.counters[t] = max(mine, min(others) if others else self.last_left)
         live[t] = live.get(t, 0) + 1
         self._rerank(t)
 
@@ -833,6 +838,7 @@ class FairPolicy(Policy):
             self.live[t] -= 1
         else:
             del self.live[t]  # live holds tenants with a request waiting or running
+            self.last_left = self.counters.get(t, self.last_left)
 
 
 class StepTimeFit:

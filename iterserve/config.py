@@ -156,7 +156,8 @@ _ENGINE_HELP = {
     "num_threads": "CPU threads for the forward (default: the CPUs this process may run on)",
     "record_steps": "write every step's stats (JSON lines) to this file",
     "preemption_victim": "which running sequence gives its KV blocks up (default: the policy's)",
-    "preemption_protect_steps": "steps a sequence is safe from preemption after (re)admission",
+    "preemption_protect_steps": "steps a sequence resumed after preemption is safe from "
+    "preemption again (unless no other can go)",
     "preemption_resume_headroom": "free blocks a preempted sequence waits for before it resumes",
     "admission_reservation": "KV blocks held for a request's output at admission",
     "long_prefill_threshold": "prompts longer than this many tokens are long (0: none)",

@@ -326,6 +326,17 @@ def test_resumed_request_is_spared_within_its_window() -> None:
     # Once the window has passed, c is fair game again.
     s.num_schedules += 5
     assert s._pick_victim([b, c]) is c
+    # N steps means the N schedules after the one that readmitted it (nothing preempts it
+    # in that one): protect 1 spared it in none (found by a review)
+    one = sched(num_blocks=8, preemption_protect_steps=1)
+    for r in (a, b):
+        r.resumed_at, r.num_preemptions = -1, 0
+    one.num_schedules = 10
+    b.resumed_at, b.num_preemptions = 10, 1  # b readmitted in schedule 10
+    one.num_schedules = 11
+    assert one._pick_victim([a, b]) is a  # spared in the next one
+    one.num_schedules = 12
+    assert one._pick_victim([a, b]) is b
 
 
 @PROPERTY

@@ -173,8 +173,10 @@ class Scheduler:
         protect = self.config.preemption_protect_steps
         if protect:
             # Anti-thrash: spare recently resumed requests unless nobody else can go.
+            # resumed_at is the schedule that readmitted it, in which nothing preempts it: it
+            # is spared in the ``protect`` schedules after that one (>= spared N - 1)
             now = self.num_schedules
-            spare = [r for r in candidates if r.resumed_at < 0 or now - r.resumed_at >= protect]
+            spare = [r for r in candidates if r.resumed_at < 0 or now - r.resumed_at > protect]
             if spare:
                 candidates = spare
         return self.policy.pick_victim(candidates)

@@ -28,6 +28,7 @@ from iterserve.core.policies import (
     Policy,
     SloPolicy,
     make_policy,
+    parse_tenant_weights,
     policy_class,
 )
 from iterserve.core.request import FinishReason, RequestStatus
@@ -923,10 +924,14 @@ def test_fair_weights_share_service_while_both_are_backlogged() -> None:
 
 
 def test_tenant_weights_are_validated() -> None:
-    with pytest.raises(ValueError, match="NAME=WEIGHT pairs with positive weights"):
-        SchedulerConfig(tenant_weights="a=0")
+    for bad in ("a=0", "a=-1", "a=nan", "a=inf", "a=1e-320", "a=1e309"):
+        with pytest.raises(ValueError, match="NAME=WEIGHT pairs with weights from 1e-06 to"):
+            SchedulerConfig(tenant_weights=bad)
     with pytest.raises(ValueError, match="NAME=WEIGHT"):
         EngineArgs(tenant_weights="a")
+    with pytest.raises(ValueError, match="names 'a' twice"):  # last-one-wins was silent
+        SchedulerConfig(tenant_weights="a=1,b=2,a=2")
+    assert parse_tenant_weights("a=1e-6,b=1e6") == {"a": 1e-6, "b": 1e6}
 
 
 # ---- SLO-aware (EDF + admission by predicted TTFT) --------------------------------------

@@ -671,6 +671,9 @@ class FairWaitingQueue(WaitingQueue):
         return self._by_tenant.get(tenant, [])[:n]
 
 
+WEIGHT_MIN, WEIGHT_MAX = 1e-6, 1e6  # tenant weights
+
+
 def parse_tenant_weights(text: str) -> dict[str, float]:
     """'alice=2,bob=1' -> {'alice': 2.0, 'bob': 1.0} (unnamed tenants weigh 1)."""
     weights: dict[str, float] = {}
@@ -680,11 +683,15 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
             w = float(value) if eq else float("nan")
         except ValueError:
             w = float("nan")
-        if not name.strip() or not w > 0:
+        # bounded: a counter is tokens / weight, and an infinite one (a weight of 1e-320
+        # after a step, or of inf) no longer ranks, and was lifted into others on arrival
+        if not name.strip() or not WEIGHT_MIN <= w <= WEIGHT_MAX:
             raise ValueError(
-                f"tenant_weights takes NAME=WEIGHT pairs with positive weights, e.g. "
-                f"'alice=2,bob=1'; got {part!r}"
+                f"tenant_weights takes NAME=WEIGHT pairs with weights from {WEIGHT_MIN:g} to "
+                f"{WEIGHT_MAX:g}, e.g. 'alice=2,bob=1'; got {part!r}"
             )
+        if name.strip() in weights:
+            raise ValueError(f"tenant_weights names {name.strip()!r} twice; give it once")
         weights[name.strip()] = w
     return weights
 

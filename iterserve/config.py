@@ -286,8 +286,8 @@ class EngineArgs:
         if unused:
             knobs = "; ".join(f"{name} ({why})" for name, why in unused.items())
             raise ValueError(
-                f"policy {self.policy!r} would ignore {knobs}: drop them, or choose a policy "
-                "that reads them"
+                f"policy {self.policy!r} would ignore {knobs}: drop them, or give what each "
+                "needs (a policy that reads it, or the setting named)"
             )
 
     def without_unused_knobs(self) -> EngineArgs:
@@ -546,14 +546,16 @@ def check_variants(policies: list[str], base: EngineArgs) -> None:
     from iterserve.core.policies import policy_variant  # late: iterserve.core imports us
 
     unread: set[str] | None = None
+    why: dict[str, str] = {}
     for p in policies:
         args = base.replace(policy=policy_variant(p).policy)  # __post_init__ validates
-        names = set(args.unused_knobs())
-        unread = names if unread is None else unread & names
+        why |= args.unused_knobs()
+        unread = set(why) if unread is None else unread & set(args.unused_knobs())
     if unread:  # set for the run, read by none of its policies: a mistake, not a variant's
+        knobs = "; ".join(f"{name} ({why[name]})" for name in sorted(unread))
         raise ValueError(
-            f"no policy of {', '.join(policies)} reads {', '.join(sorted(unread))}: drop "
-            "it, or add a policy that reads it"
+            f"no policy of {', '.join(policies)} reads {knobs}: drop it, or give what it "
+            "needs (a policy that reads it, or the setting named)"
         )
 
 

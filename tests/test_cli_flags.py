@@ -233,6 +233,10 @@ def test_knobs_the_policy_would_ignore_are_refused_or_dropped_per_variant() -> N
     check_variants(["fair", "slo"], base.replace(max_long_partial_prefills=1))
     with pytest.raises(ValueError, match="no policy of continuous, slo reads tenant_weights"):
         check_variants(["continuous", "slo"], base.replace(max_long_partial_prefills=1))
+    # the reason is named: a policy reads max_long_partial_prefills only with a threshold
+    # (the message said "add a policy that reads it", which none does alone)
+    with pytest.raises(ValueError, match=r"max_long_partial_prefills \(only with long_prefill"):
+        check_variants(["fair", "slo"], base)
 
 
 def test_generate_and_simulate_say_what_is_wrong(capsys: pytest.CaptureFixture[str]) -> None:

@@ -321,6 +321,12 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
         "pattern beside enum": {"type": "string", "enum": ["abc", "x"], "pattern": "^a"},
         "pattern beside const": {"type": "string", "const": "xyz", "pattern": "^a"},
         "enum values outside its type": {"type": "string", "enum": ["a", 1]},
+        # characters a JSON string escapes, which xgrammar wrote raw: '{"q": "say "hi""}'
+        "the character '\"' in pattern": {"type": "string", "pattern": '^say "hi"$'},
+        "the character '\\\\' in pattern": {"type": "string", "pattern": "^a\\\\b$"},
+        "the character '\\n' in pattern": {"type": "string", "pattern": "^a\\nb$"},
+        "the character '\\x00' in pattern": {"type": "string", "pattern": "^[\\x00-\\x1f]$"},
+        "the character '\\x01' in pattern": {"patternProperties": {"^\\x01$": {}}},
     }
     for what, schema in refused.items():
         with pytest.raises(ValueError, match=re.escape(what)) as e:
@@ -345,6 +351,8 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
         {"type": "number", "enum": [1, 2.5]},
         {"type": "string", "format": "password"},
         {"type": "string", "pattern": "^a+$"},
+        {"type": "string", "pattern": "^[ -~]+$"},  # a class of several leaves " and \ out
+        {"type": "string", "pattern": '^[^"]+$'},
         {"type": "array", "uniqueItems": False},
         {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},
         {"allOf": [{"type": "string"}]},

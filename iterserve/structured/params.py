@@ -8,7 +8,9 @@ it from ``response_format`` / ``structured_outputs`` / ``tools``, and the engine
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -187,15 +189,69 @@ def _patterns(node: dict[str, Any]) -> list[str]:
     return out + [p] if isinstance(p := node.get("pattern"), str) else out
 
 
+# Python's own regex parser reads the pattern's structure (JSON Schema's ECMA-262 syntax is
+# close enough for literals and classes)
+sre_constants: Any = importlib.import_module("re._constants")
+sre_parser: Any = importlib.import_module("re._parser")
+
+_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT)
+
+
+def _needs_json_escape(code: int) -> bool:
+    return code in (0x22, 0x5C) or code < 0x20
+
+
+def _escaped_char(pattern: str) -> str | None:
+    """The first character ``pattern`` names outright that a JSON string must escape: ``"``,
+    ``\\`` or a control character as a literal, or a control character in a class that is
+    not negated. xgrammar writes such a character into the JSON string unescaped
+    (`{"s": "a"b"}`: invalid JSON; found by a review), where ``.``, negated classes,
+    categories and classes of several characters leave ``"`` and ``\\`` out. None also where
+    Python's parser cannot read the pattern (the backend then judges it)."""
+    try:
+        tree = sre_parser.parse(pattern)
+    except (re.error, RecursionError, OverflowError, ValueError):
+        return None
+    stack = [tree]
+    while stack:
+        for op, av in stack.pop():
+            if op is sre_constants.LITERAL and _needs_json_escape(av):
+                return chr(av)
+            if op is sre_constants.IN and (sre_constants.NEGATE, None) not in av:
+                # a class of several leaves " and \ out, and some control characters not
+                for cop, cav in av:
+                    if cop is sre_constants.LITERAL and _needs_json_escape(cav):
+                        if len(av) == 1 or cav < 0x20:
+                            return chr(cav)
+                    if cop is sre_constants.RANGE and cav[0] < 0x20:
+                        return chr(cav[0])
+            elif op is sre_constants.SUBPATTERN:
+                stack.append(av[-1])
+            elif op is sre_constants.BRANCH:
+                stack.extend(av[1])
+            elif op in _REPEATS:
+                stack.append(av[2])
+            elif op in (sre_constants.ASSERT, sre_constants.ASSERT_NOT):
+                stack.append(av[1])
+    return None
+
+
 def _pattern_dropped(node: dict[str, Any]) -> str | None:
     """A lookaround in the node's pattern or a patternProperties name, which xgrammar ignores
-    (or cannot compile), unless the pattern is one it is rewritten from."""
+    (or cannot compile), unless the pattern is one it is rewritten from; a character in one
+    that JSON must escape (``_escaped_char``)."""
     for p in _patterns(node):
         look = None if p in _PATTERN_REWRITES else _lookaround(p)
         if look is not None:
             return (
                 f"the lookaround {look}...) in pattern {p!r} (write it without one; pydantic's "
                 "condecimal with max_digits / decimal_places writes one: use Decimal or float)"
+            )
+        ch = _escaped_char(p)
+        if ch is not None:
+            return (
+                f"the character {ch!r} in pattern {p!r}, which a JSON string must escape "
+                "(the backend would write it unescaped: invalid JSON; leave it out)"
             )
     return None
 

@@ -472,3 +472,43 @@ def test_a_special_tokens_text_in_a_choice_is_spelled_not_the_token_emitted(llm:
                 else out.token_ids
             )
             assert not special & set(body), out.token_ids
+
+
+def test_a_fill_that_waits_without_computing_is_not_too_slow(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mask-fill limit counts the engine thread's CPU time: timed by the wall clock, a
+    0.03 ms fill that waited for the GIL (another thread's long json.loads) or for a core
+    failed 13 of 24 trivial requests as "too ambiguous" (found by a review). A fill that
+    sleeps 60 ms (past the 50 ms limit) without computing must pass; one that computes as
+    long must not."""
+    import time
+
+    real = llm.engine.grammar_compiler.matcher
+
+    class Slow:
+        def __init__(self, m: Any, busy: bool) -> None:
+            self.m, self.busy = m, busy
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.m, name)
+
+        def fill_next_token_bitmask(self, *args: Any) -> Any:
+            if self.busy:  # 60 ms of this thread's CPU time, however long that takes
+                t0 = time.thread_time()
+                while time.thread_time() - t0 < 0.06:
+                    pass
+            else:
+                time.sleep(0.06)
+            return self.m.fill_next_token_bitmask(*args)
+
+    spec = SO(choice=["yes", "no"])
+    sp = SamplingParams(max_tokens=4, temperature=0.0, structured_outputs=spec)
+    for busy, fails in ((False, False), (True, True)):
+        monkeypatch.setattr(
+            llm.engine.grammar_compiler, "matcher", lambda c, b=busy: Slow(real(c), b)
+        )
+        (out,) = llm.generate(["x"], sp)
+        assert (out.error is not None and "too ambiguous" in out.error) == fails, out.error
+        if not fails:
+            assert out.outputs[0].text in ("yes", "no")

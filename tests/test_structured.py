@@ -512,3 +512,19 @@ def test_a_fill_that_waits_without_computing_is_not_too_slow(
         assert (out.error is not None and "too ambiguous" in out.error) == fails, out.error
         if not fails:
             assert out.outputs[0].text in ("yes", "no")
+
+
+def test_the_compile_cache_keeps_property_order_and_sizes_count_characters() -> None:
+    """The cache key sorted a schema's keys, but xgrammar writes properties in their order:
+    whichever of {a, b} and {b, a} compiled first set the other's output order (found by a
+    review). And a size limit counted each non-ASCII character as its 6-character \\uXXXX
+    escape (a choice of 11,000 CJK characters read as 66,010)."""
+    from iterserve.structured.params import grammar_size
+
+    props = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+    ab = SO(json={"type": "object", "properties": props, "required": ["a", "b"]})
+    ba = SO(json={"type": "object", "properties": dict(reversed(props.items())),
+                  "required": ["a", "b"]})  # fmt: skip
+    assert ab.key != ba.key
+    assert grammar_size(SO(choice=["日" * 11_000, "no"])) < 11_100
+    assert grammar_size(SO(json={"type": "string", "enum": ["é" * 100]})) < 150

@@ -79,7 +79,9 @@ class StructuredOutputsParams:
             check_schema(schema)
             schema = _rewritten(schema)
             self.json = schema
-            text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            # in the schema's own key order: xgrammar writes properties in it, so two orders
+            # are two grammars (sorted, the first compiled set the other's output order)
+            text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         elif kind == "json_object":
             if self.json_object is not True:
                 raise ValueError("structured_outputs.json_object must be true or absent")
@@ -91,7 +93,7 @@ class StructuredOutputsParams:
                     f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                     f"got {c!r}"
                 )
-            text = json.dumps(c)
+            text = json.dumps(c, ensure_ascii=False)
         else:
             value = getattr(self, kind)
             # a regex of spaces matches spaces; a grammar of nothing but spaces is empty
@@ -438,4 +440,4 @@ def grammar_size(spec: StructuredOutputsParams) -> int:
     for node, _, _ in schema_nodes(bare):
         for key in _ANNOTATIONS:
             node.pop(key, None)
-    return len(json.dumps(bare, separators=(",", ":")))
+    return len(json.dumps(bare, separators=(",", ":"), ensure_ascii=False))

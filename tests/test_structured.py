@@ -322,6 +322,12 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
         "pattern beside const": {"type": "string", "const": "xyz", "pattern": "^a"},
         "enum values outside its type": {"type": "string", "enum": ["a", 1]},
         # characters a JSON string escapes, which xgrammar wrote raw: '{"q": "say "hi""}'
+        # a key may repeat there ({"b": 9, "b": 0}), and json.loads counts it once
+        "minProperties beside additionalProperties": {
+            "type": "object",
+            "additionalProperties": {"type": "integer"},
+            "minProperties": 2,
+        },
         "the character '\"' in pattern": {"type": "string", "pattern": '^say "hi"$'},
         "the character '\\\\' in pattern": {"type": "string", "pattern": "^a\\\\b$"},
         "the character '\\n' in pattern": {"type": "string", "pattern": "^a\\nb$"},
@@ -352,6 +358,7 @@ def test_schemas_with_keywords_the_backend_drops_are_refused_saying_where() -> N
         {"type": "string", "format": "password"},
         {"type": "string", "pattern": "^a+$"},
         {"type": "string", "pattern": "^[ -~]+$"},  # a class of several leaves " and \ out
+        {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1},
         {"type": "string", "pattern": '^[^"]+$'},
         {"type": "array", "uniqueItems": False},
         {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},

@@ -113,6 +113,11 @@ UNHONOURED_VLLM_EXTRAS: dict[str, tuple[object, ...]] = {
     "thinking_token_budget": (None,),
     "watermarking": (None, False),
     "stream_interval": (None, 1),  # 1: every token streamed as it comes, as here
+    # the legacy top-level names of structured-output options this server does not have
+    # (structured_outputs.whitespace_pattern and a structural_tag response_format are 400s)
+    "structural_tag": (None,),
+    "guided_whitespace_pattern": (None,),
+    "guided_decoding_backend": (None, "xgrammar", "auto"),
 }
 
 

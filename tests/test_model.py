@@ -294,6 +294,27 @@ def test_rope_scaling_replaces_rope_parameters_as_in_transformers() -> None:
         )
 
 
+def test_a_top_level_original_max_position_embeddings_wins_as_in_transformers() -> None:
+    """transformers gives a config's top-level original_max_position_embeddings priority over
+    the rope dict's (Phi-3 writes it there); read from the dict, llama3's frequencies and
+    every greedy token differed (found by a review)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
+    scaling |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    extra = {"rope_scaling": scaling, "original_max_position_embeddings": 256}
+    extra |= {"max_position_embeddings": 1024}
+    rope = _cfg("LlamaForCausalLM", **extra).rope
+    # the model built from the config reads it so (the config object alone still says 64)
+    small = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1}
+    small |= {"intermediate_size": 64, "vocab_size": 100}
+    theirs = LlamaForCausalLM(LlamaConfig(**small, **copy.deepcopy(extra))).config
+    assert theirs.rope_parameters["original_max_position_embeddings"] == 256
+    assert rope.original_max_position_embeddings == 256
+    del extra["original_max_position_embeddings"]
+    assert _cfg("LlamaForCausalLM", **extra).rope.original_max_position_embeddings == 64
+
+
 def test_qwen_sliding_layers_as_transformers_counts_them() -> None:
     """use_sliding_window without layer_types: transformers slides from max_window_layers
     on; every layer full is served, any sliding one refused."""

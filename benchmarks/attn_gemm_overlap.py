@@ -22,6 +22,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy default applies)
+
+# isort: split
 import torch
 
 from iterserve.model import kernels

@@ -54,6 +54,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy default applies)
+
+# isort: split
 import torch
 
 from iterserve.bench import vllm_cpu

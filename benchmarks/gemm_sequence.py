@@ -29,6 +29,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy default applies)
+
+# isort: split
 import torch
 
 from iterserve import LLM

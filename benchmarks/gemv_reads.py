@@ -21,6 +21,9 @@ import statistics
 import time
 from collections.abc import Callable
 
+import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy default applies)
+
+# isort: split
 import torch
 
 from iterserve.model import kernels

@@ -2,7 +2,7 @@
 # iterserve on one GPU, in one script (docs/GPU.md): writes $OUT/report.md (+ JSON per part).
 #
 #   OUT=/tmp/gpu_report bash benchmarks/gpu_check.sh                  # on the H200 (~8 min)
-#   OUT=/tmp/gpu_dry bash benchmarks/gpu_check.sh --device cpu --tiny # CPU dry run (~3 min)
+#   OUT=/tmp/gpu_dry bash benchmarks/gpu_check.sh --device cpu --tiny # CPU dry run (~1 min)
 #
 # Runs from the source tree (PYTHONPATH=.), downloads nothing (random-weight checkpoints are
 # written under $OUT/work, reused by later parts), and keeps going when a part fails: each

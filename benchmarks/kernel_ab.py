@@ -8,7 +8,8 @@ its output held in the tiles").
     python benchmarks/kernel_ab.py --base-rev c9c3bd5 --decode-steps --batches 1,8,32,128
     python benchmarks/kernel_ab.py --base-rev fe33d3d --elementwise 512,2048
 
-Each library is built from its source (cached by source hash, as the engine builds it). Both run
+Each library is built from its source (as the engine builds it) into a temporary folder,
+removed at exit. Both run
 under this tree's Python: a revision before 2d8109a takes gate_up as [gate; up] where this tree
 lays it out in blocks of 16 (layers.GLU_BLOCK), so its engine's values are wrong there though
 its kernels' timings hold (its SwiGLU epilogue reads the weight in its own pattern).
@@ -32,7 +33,9 @@ each is printed, and the two libraries' outputs must be equal (the script stops 
 from __future__ import annotations
 
 import argparse
+import atexit
 import random
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -40,6 +43,9 @@ import time
 from pathlib import Path
 from typing import Any, TypeVar
 
+import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy default applies)
+
+# isort: split
 import torch
 
 from iterserve.model import kernels
@@ -215,6 +221,7 @@ def main() -> None:
     here = kernels.SOURCE
     repo = here.parents[3]
     tmp = Path(tempfile.mkdtemp())
+    atexit.register(shutil.rmtree, tmp, True)  # the libraries stay loaded; the files can go
     old_src = tmp / "base.cpp"
     old_src.write_text(
         subprocess.run(

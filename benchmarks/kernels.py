@@ -52,6 +52,9 @@ import sys
 import time
 from collections.abc import Callable
 
+import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy default applies)
+
+# isort: split
 import torch
 import torch.nn.functional as F
 

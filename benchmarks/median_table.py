@@ -56,4 +56,6 @@ def main(paths: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if not sys.argv[1:] or sys.argv[1] in ("-h", "--help"):
+        raise SystemExit(__doc__)
     sys.exit(main(sys.argv[1:]))

@@ -13,6 +13,9 @@ import argparse
 import statistics
 import time
 
+import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy default applies)
+
+# isort: split
 import torch
 
 from iterserve.config import DTYPES, CacheConfig

@@ -7,7 +7,8 @@ docs/SCHEDULING.md, instrumented.
     PYTHONPATH=. python benchmarks/preemption_victims.py newest --preemption-resume-headroom 0
 
 Runs ``iterserve simulate --model llama-3-8b --hardware h100-sxm --workload azure-conv
---time-scale 0.5 --num-kv-blocks 1500 --preemption-victim RULE [FLAGS]`` with hooks on the
+--time-scale 0.5 --num-kv-blocks 1500 --preemption-victim RULE [FLAGS]`` (no --time-scale where
+FLAGS give --request-rate) with hooks on the
 scheduler and prints: preemptions and the recompute tax; how often the victim was the
 request asking for a block; how often a request already scheduled in that step had fewer
 computed tokens than the victim (the rule could not see it); the victims' computed tokens,
@@ -31,13 +32,16 @@ from iterserve.workload.datasets import build_workload
 from iterserve.workload.metrics import summarize
 
 BASE = ["--model", "llama-3-8b", "--hardware", "h100-sxm", "--workload", "azure-conv"]
-BASE += ["--time-scale", "0.5", "--num-kv-blocks", "1500"]
+BASE += ["--num-kv-blocks", "1500"]
 
 
 def main(argv: list[str]) -> None:
-    if not argv:
+    if not argv or argv[0] in ("-h", "--help"):
         raise SystemExit(__doc__)
-    ns = cli.build_parser().parse_args([*BASE, "--preemption-victim", argv[0], *argv[1:]])
+    # the trace's own times at half their gaps, unless a rate replaces them (the two
+    # together are refused)
+    timing = [] if "--request-rate" in argv else ["--time-scale", "0.5"]
+    ns = cli.build_parser().parse_args([*BASE, *timing, "--preemption-victim", argv[0], *argv[1:]])
     picks: list[dict[str, Any]] = []
     preempted_at: dict[str, tuple[int, int]] = {}  # id -> (step, computed tokens)
     resumes: list[tuple[int, int, int]] = []  # (steps waited, computed at preemption, hit)

@@ -18,6 +18,9 @@ import json
 import os
 from typing import Any
 
+import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy default applies)
+
+# isort: split
 import torch
 from safetensors.torch import save_file
 

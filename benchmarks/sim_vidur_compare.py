@@ -14,6 +14,8 @@ attn_post_proj,mlp_up_proj,mlp_down_proj}.median``, milliseconds per layer).
 
 from __future__ import annotations
 
+import sys
+
 from iterserve.sim.cost_model import RooflineCostModel
 from iterserve.sim.hardware import HARDWARE
 from iterserve.sim.models import load_model_config
@@ -60,4 +62,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:  # it takes no arguments (--help included): say what it does
+        raise SystemExit(__doc__)
     raise SystemExit(main())

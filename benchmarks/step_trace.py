@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy default applies)
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from compare import PEER_WORKLOADS, make_workload, warmup_prompt  # noqa: E402

@@ -437,6 +437,12 @@ def main() -> int:
     )
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "iterserve" / "vidur"))
     a = ap.parse_args()
+    if not os.access(a.vidur_python, os.X_OK):  # checked before the iterserve half runs
+        ap.error(
+            f"--vidur-python {a.vidur_python} is not an executable Python: make Vidur's "
+            "virtualenv as this script's docstring says, or point the flag (or VIDUR_PYTHON) "
+            "at it"
+        )
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
 

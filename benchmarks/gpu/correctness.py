@@ -141,14 +141,17 @@ def main() -> int:
             agree += sum(a == b for a, b in zip(pred, g))
             total += len(g)
     share = agree / total
+    # --tiny (the CPU dry run of the plumbing) has too few positions to judge: one near-tie
+    # of a random model's logits in 32 is already under 99%
+    verdict = "not judged (--tiny)" if ns.tiny else "PASS" if share >= 0.99 else "FAIL"
     rep.line()
     rep.line(
         f"bfloat16 ({backend} backend, graphs on CUDA): transformers' argmax equals "
         f"iterserve's greedy token at {agree}/{total} positions = {share:.2%} "
-        f"(target >= 99%): {'PASS' if share >= 0.99 else 'FAIL'}"
+        f"(target >= 99%): {verdict}"
     )
     rep.data["bf16_top1_agreement"] = share
-    failures += share < 0.99
+    failures += verdict == "FAIL"
     rep.line()
     rep.line(f"correctness: {'PASS' if failures == 0 else f'FAIL ({failures} checks)'}")
     rep.write()

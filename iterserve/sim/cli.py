@@ -343,7 +343,7 @@ def print_extra(summary: dict[str, Any]) -> None:
     print(f"{'Preemptions:':<40}{x['num_preemptions']:>12}")
     print(f"{'Recomputed tokens:':<40}{x['recomputed_tokens']:>12}")
     print(f"{'Recompute tax (recomputed / useful):':<40}{x['recompute_tax']:>12.1%}")
-    print(f"{'KV usage mean / max:':<40}{x['mean_kv_usage']:>6.1%} /{x['max_kv_usage']:>5.1%}")
+    print(f"{'KV usage mean / max:':<40}{x['mean_kv_usage']:>6.1%} / {x['max_kv_usage']:.1%}")
     print(f"{'Simulation wall time (s):':<40}{x['wall_s']:>12.2f}")
     print("=" * 52)
 

@@ -56,7 +56,9 @@ def test_engine_on_cuda_without_a_gpu_is_a_clear_error() -> None:
 
 
 def test_bf16_on_a_card_without_it_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    # torch's is_bf16_supported() counts emulation (True on a T4 since torch 2.3): the check
+    # goes by the capability alone (it never fired)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla T4")
     cuda = torch.device("cuda")
@@ -92,6 +94,10 @@ def test_kv_pool_gets_what_is_left_of_the_fraction() -> None:
 def test_kv_pool_errors_say_what_to_change() -> None:
     with pytest.raises(ValueError, match="only 40.00 GiB were free.*at most 0.40"):
         dv.kv_pool_from_memory(_mem(free_at_start=40 * GiB), 0.9, 1 << 20, 16)
+    # the suggestion is rounded down, so that it fits (0.796 was offered as 0.80, which failed)
+    with pytest.raises(ValueError, match=r"at most 0\.79$"):
+        dv.kv_pool_from_memory(_mem(free_at_start=int(79.6 * GiB)), 0.9, 1 << 20, 16)
+    dv.kv_pool_from_memory(_mem(free_at_start=int(79.6 * GiB)), 0.79, 1 << 20, 16)
     with pytest.raises(ValueError, match="no memory left for the KV cache.*Raise --gpu-memory"):
         dv.kv_pool_from_memory(_mem(weights=88 * GiB), 0.9, 1 << 20, 16)
 

@@ -5,6 +5,7 @@ it is tested on CPU with made-up numbers; only the measurements need a GPU (runn
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,8 +43,10 @@ def check_dtype(device: torch.device, dtype: torch.dtype) -> None:
     """A dtype the card cannot run is a ValueError (bfloat16 needs compute capability 8.0+)."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return
-    if not torch.cuda.is_bf16_supported():
-        major, minor = torch.cuda.get_device_capability(device)
+    # by the card's capability: is_bf16_supported() counts emulation (True on a T4 / V100
+    # since torch 2.3) and asks about the current device, not this one
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
         raise ValueError(
             f"dtype bfloat16 needs a GPU of compute capability 8.0 or newer (Ampere); "
             f"{torch.cuda.get_device_name(device)} is {major}.{minor}: use dtype float16 or "
@@ -82,7 +85,8 @@ def kv_pool_from_memory(
             f"gpu_memory_utilization={utilization} asks for {budget / GiB:.2f} GiB of the "
             f"{mem.total / GiB:.2f} GiB card, but only {mem.free_at_start / GiB:.2f} GiB were "
             f"free when iterserve started (another process holds the rest); lower "
-            f"--gpu-memory-utilization to at most {mem.free_at_start / mem.total:.2f}"
+            f"--gpu-memory-utilization to at most "
+            f"{math.floor(mem.free_at_start / mem.total * 100) / 100:.2f}"
         )
     available = budget - mem.weights - mem.peak_activation - mem.non_torch
     blocks = max(available, 0) // bytes_per_block

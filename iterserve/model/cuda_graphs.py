@@ -95,6 +95,10 @@ class DecodeGraphs:
         # Pinned only where there is a device to copy to (pinning needs CUDA).
         self.host = torch.zeros(numel, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._host_np = self.host.numpy()
+        # recorded after each step's copy of ``host``: the next step waits for it before
+        # rewriting ``host`` (a step that samples nothing, such as one of 1-token prefill
+        # chunks, has no sync after it, and its queued copy would read the next step's rows)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._arange = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -122,13 +126,22 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
+            out: torch.Tensor | None = None
             for b in reversed(self.sizes):
                 inputs = self.inputs(b)
-                self.forward(inputs)  # warm-up: Triton compiles, cuBLAS picks its kernels
+                warm = self.forward(inputs)  # warm-up: Triton compiles, cuBLAS its kernels
+                if out is None:
+                    # Every graph copies its logits into this one buffer: each graph's own
+                    # [b, vocab] output kept alive grew with the square of max_num_seqs
+                    # (~8 GiB at 512 with a 128k vocabulary), past the utilization margin.
+                    out = torch.empty((self.max_batch, *warm.shape[1:]), dtype=warm.dtype,
+                                      device=warm.device)  # fmt: skip
+                del warm
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[b] = self.forward(inputs)
+                    out[:b].copy_(self.forward(inputs))
+                self.outputs[b] = out[:b]
                 pool = graph.pool()
                 self.graphs[b] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -176,10 +189,13 @@ class DecodeGraphs:
         b = padded_size(self.sizes, rows)
         if b is None or rows == 0:
             raise ValueError(f"no captured size for {rows} decodes (max {self.max_batch})")
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has read the host mirror
         self._fill(input_ids, positions, slots, block_tables, b)
-        # One host-to-device copy per step. The host mirror is rewritten next step only after
-        # the engine has read this step's tokens (a sync), so the async copy has finished.
+        # One host-to-device copy per step.
         self.static.copy_(self.host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         if self.capture_graphs:
             self.graphs[b].replay()
             return self.outputs[b][:rows]

@@ -44,9 +44,10 @@ from iterserve.model.model_config import ModelConfig, RopeConfig
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (
-        rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    )
+    """On the CPU whatever the default device, as transformers computes it (a GPU's pow can
+    differ by an ulp, and near-tie argmaxes with it)."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (rope.theta ** (steps / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -70,9 +71,8 @@ class RotaryTable:
     """cos/sin for every position up to max_positions, gathered once per step by position."""
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int, dtype: torch.dtype):
-        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * rope_inv_freq(
-            head_dim, rope
-        )
+        inv_freq = rope_inv_freq(head_dim, rope).to(torch.get_default_device())
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         half = head_dim // 2
         sin = emb.sin()

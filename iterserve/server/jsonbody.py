@@ -136,6 +136,7 @@ def decode_json_object(raw: bytes, max_depth: int, max_int_digits: int) -> dict[
         raise bad_request(
             f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
         )
+    _walk(obj, max_depth)
     return obj
 
 
@@ -143,7 +144,10 @@ def decode_json_text(text: str, max_depth: int, max_int_digits: int, param: str)
     """JSON sent inside a string field (a tool call's ``arguments``), with the body's limits;
     raises ``InvalidJSON`` where ``text`` is not JSON at all (the caller decides), an
     ``APIError`` naming ``param`` where it is JSON the limits refuse."""
-    return _decode(text, max_depth, max_int_digits, param, param)
+    obj = _decode(text, max_depth, max_int_digits, param, param)
+    if isinstance(obj, _NESTED):  # a number, boolean or null needs no check
+        _walk(obj, max_depth, (None, param))
+    return obj
 
 
 def check_unicode(s: str, param: str) -> None:
@@ -185,7 +189,6 @@ def _decode(text: str, max_depth: int, max_int_digits: int, what: str, param: st
         ) from None
     except RecursionError:
         raise _too_deep(max_depth, f" (in {param})" if param else "", param) from None
-    _walk(obj, max_depth, None if param is None else (None, param))
     return obj
 
 

@@ -535,3 +535,30 @@ def test_the_compile_cache_keeps_property_order_and_sizes_count_characters() -> 
     assert ab.key != ba.key
     assert grammar_size(SO(choice=["日" * 11_000, "no"])) < 11_100
     assert grammar_size(SO(json={"type": "string", "enum": ["é" * 100]})) < 150
+
+
+def test_json_strings_take_no_utf16_surrogate_bytes(llm: LLM) -> None:
+    """xgrammar's JSON string characters took ED A0-BF xx, the UTF-8-like bytes of a UTF-16
+    surrogate, which no text has: the detokenizer wrote U+FFFD for them, past maxLength
+    (`{"s": "���ثP"}` for maxLength 3) and the schema (found by a review). Valid UTF-8 of
+    either side of the range still passes."""
+    gc = llm.engine.grammar_compiler
+    # the byte-level tokenizer's token of each single byte (GPT-2's byte-to-character map)
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    vocab = llm.tokenizer.get_vocab()
+
+    def takes(spec: SO, seq: list[int]) -> bool:
+        m = gc.matcher(gc.compile(spec))
+        return all(m.accept_token(vocab[char[b]]) for b in seq)
+
+    quoted = {"surrogate": [0xED, 0xA0, 0x80], "U+D7FF": [0xED, 0x9F, 0xBF]}
+    quoted |= {"U+E000": [0xEE, 0x80, 0x80], "é": [0xC3, 0xA9]}
+    for spec, pre, post in (
+        (SO(json={"type": "string"}), [0x22], [0x22]),
+        (SO(json={"type": "string", "maxLength": 3}), [0x22], [0x22]),
+        (SO(json_object=True), list(b'{"a": "'), list(b'"}')),
+    ):
+        got = {k: takes(spec, pre + v + post) for k, v in quoted.items()}
+        assert got == {"surrogate": False, "U+D7FF": True, "U+E000": True, "é": True}, spec

@@ -40,7 +40,12 @@ def _ebnf_string(s: str) -> str:
 # xgrammar 0.2.9 writes a string with maxLength/minLength as this character class, which
 # lets raw control characters (U+0000-U+001F) in: invalid JSON that json.loads refuses.
 _LENIENT_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
+# Its plain strings' character class, which takes the bytes of a UTF-16 surrogate (ED A0-BF
+# xx, not UTF-8): the detokenizer writes them as U+FFFD, past maxLength and any pattern
+# (found by a review); the surrogates are left out.
+_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+_STRING_CHAR_UTF8 = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"
 
 
 def _json_schema_ebnf(schema: object, whitespace: str) -> str:
@@ -56,7 +61,8 @@ def _json_schema_ebnf(schema: object, whitespace: str) -> str:
         separators=(",", ":") if whitespace == "none" else None,
         strict_mode=True,
     )
-    return str(grammar).replace(_LENIENT_STRING_CHAR, _JSON_STRING_CHAR)
+    ebnf = str(grammar).replace(_LENIENT_STRING_CHAR, _JSON_STRING_CHAR)
+    return ebnf.replace(_STRING_CHAR, _STRING_CHAR_UTF8)
 
 
 class GrammarCompiler:

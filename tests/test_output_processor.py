@@ -238,6 +238,25 @@ def test_best_of_ranks_a_candidate_that_ended_in_an_error_last() -> None:
 
     comps = [cand(0, -3.0, "length"), cand(1, -0.1, "error"), cand(2, -2.0, "stop")]
     best = _best_of(comps, 2, finished=True)
-    assert [(c.index, c.text) for c in best] == [(0, "c2"), (1, "c0")]
+    assert [(c.index, c.text) for c in best] == [(2, "c2"), (0, "c0")]  # the caller renumbers
     assert _best_of(comps, 3, finished=True)[2].text == "c1"
     assert _best_of(comps, 2, finished=False) == []
+
+
+def test_best_of_returns_its_sequences_per_sequence_metrics() -> None:
+    """best_of 3, n 1: the returned sequence is renumbered 0, and the request metrics' books
+    per sequence (cached prompt tokens, preemptions) go with it: read by the new index, the
+    server's metrics took candidate 0's (0 cached where the returned one had 16; found by a
+    review)."""
+    proc = OutputProcessor(FakeTokenizer())
+    params = SamplingParams(n=1, best_of=3, max_tokens=2, logprobs=0)
+    proc.add_request("r")
+    out = core("r", params, [ids("ab"), ids("cd"), ids("ef")], ["length"] * 3)
+    for seq, lp in zip(out.seqs, (-3.0, -2.0, -0.5)):  # candidate 2 ranks first
+        seq.new_logprobs = [(t, lp / 2, 1, [(t, lp / 2)]) for t in seq.new_token_ids]
+    out.metrics.seq_cached_tokens = {0: 0, 1: 16, 2: 12}
+    out.metrics.seq_preemptions = {0: 0, 1: 0, 2: 3}
+    (final,), _ = proc.process([out])
+    assert [(c.index, c.text) for c in final.outputs] == [(0, "ef")]
+    assert final.metrics.seq_cached_tokens == {0: 12}
+    assert final.metrics.seq_preemptions == {0: 3}

@@ -275,8 +275,24 @@ class OutputProcessor:
             )
             s.new_ids = []
             s.new_logprobs = []
+        metrics = out.metrics
         if len(comps) > out.params.n:
-            comps = _best_of(comps, out.params.n, finished)
+            picked = _best_of(comps, out.params.n, finished)
+            comps = [replace(c, index=i) for i, c in enumerate(picked)]
+            # the metrics' per-sequence books by the returned sequences' new indices (read by
+            # the old ones, candidate 0's cached tokens and preemptions were the first's)
+            m = metrics
+            metrics = replace(
+                m,
+                seq_preemptions={
+                    i: m.seq_preemptions.get(c.index, 0) for i, c in enumerate(picked)
+                },
+                seq_cached_tokens={
+                    i: m.seq_cached_tokens[c.index]
+                    for i, c in enumerate(picked)
+                    if c.index in m.seq_cached_tokens
+                },
+            )
         prompt = None
         raw = out.prompt_logprobs if out.prompt_logprobs is not None else st.prompt_logprobs
         if raw is not None:  # the engine sends them once, and so does this
@@ -287,7 +303,7 @@ class OutputProcessor:
             prompt_token_ids=out.prompt_token_ids,
             outputs=comps,
             finished=finished,
-            metrics=out.metrics,
+            metrics=metrics,
             error=st.error,
             prompt_logprobs=prompt,
         )
@@ -295,9 +311,10 @@ class OutputProcessor:
 
 def _best_of(comps: list[CompletionOutput], n: int, finished: bool) -> list[CompletionOutput]:
     """best_of > n: nothing until every candidate finished, then the ``n`` with the highest
-    cumulative logprob, renumbered 0..n-1, each whole (its deltas are all it generated). A
-    candidate that ended in an error ranks after every other: cut short, its sum of fewer
-    logprobs would rank it above whole ones."""
+    cumulative logprob, in rank order with their own indices (the caller renumbers them
+    0..n-1), each whole (its deltas are all it generated). A candidate that ended in an error
+    ranks after every other: cut short, its sum of fewer logprobs would rank it above whole
+    ones."""
     if not finished:
         return []
     ranked = sorted(
@@ -306,10 +323,9 @@ def _best_of(comps: list[CompletionOutput], n: int, finished: bool) -> list[Comp
     return [
         replace(
             c,
-            index=i,
             new_token_ids=list(c.token_ids),
             new_text=c.text,
             new_logprobs=list(c.logprobs) if c.logprobs is not None else None,
         )
-        for i, c in enumerate(ranked)
+        for c in ranked
     ]

@@ -263,7 +263,8 @@ class ServerMetrics:
         )
         self.num_rejected = counter_only(
             "num_rejected",
-            "Requests ended by the scheduling policy's admission filter (e.g. slo).",
+            "Sequences ended by the scheduling policy's admission filter (e.g. slo): each of "
+            "a request's n counts, where num_requests_rejected counts the request once.",
         )
         self.requests_rejected = Counter(
             PREFIX + "num_requests_rejected",

@@ -761,6 +761,7 @@ def test_cli_replicas_step_records_plot_per_replica(
     # replica drawn from its own first step), with the configured slots (not the batch seen)
     assert [t.t0 for t in tls] == [0.0, 0.0] and tls[1].steps[0]["start_time"] > 0
     assert [t.max_num_seqs for t in tls] == [run["engine_args"]["max_num_seqs"]] * 2
+    assert run["engine_args"]["num_kv_blocks"] == run["engine_stats"]["kv_blocks_total"] > 0
     # all at once is rate inf in the result, as bench serve writes it (was null)
     once = tmp_path / "once.json"
     args = ["--workload", "random", "--num-prompts", "5", "--model", "llama-3-8b"]

@@ -702,7 +702,9 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                 request_rate=run_rate,
                 steps_file=None if pol in replica_files else sp,
                 clock_start=0.0,
-                engine_args=dataclasses.asdict(variant_args(pol, base, dep.max_model_len)),
+                # the pool the deployment sized, as an engine's result file records it
+                engine_args=dataclasses.asdict(variant_args(pol, base, dep.max_model_len))
+                | {"num_kv_blocks": dep.num_kv_blocks, "block_size": dep.block_size},
                 engine_stats=res.stats,
                 **({"steps_files": replica_files[pol]} if pol in replica_files else {}),
             )

@@ -9,6 +9,7 @@ recorded by one reads field for field like a step recorded by the other
 from __future__ import annotations
 
 import json
+import time
 from array import array
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ from iterserve.outputs import StepStats
 # (prefill, decode) tokens of the latest steps an engine keeps for ``stats()``: bounded so a
 # long-lived server stays flat.
 TOKENS_PER_STEP_HISTORY = 100_000
+STEP_FILE_FLUSH_S = 1.0  # --record-steps: written through at least this often
 
 
 class StepCounters(TypedDict):
@@ -127,6 +129,7 @@ class Books:
         self.last_step_stats: StepStats | None = None
         self.tokens_per_step: deque[tuple[int, int]] = deque(maxlen=TOKENS_PER_STEP_HISTORY)
         self.step_file: IO[str] | None = None
+        self._flushed_at = 0.0  # time.monotonic() of the step file's last flush
 
     # ---- admission ----------------------------------------------------------------------
     def admit(
@@ -232,6 +235,12 @@ class Books:
                 for r, n, p in zip(sched.requests, sched.num_tokens, sched.is_prefill)
             ]
             self.step_file.write(json.dumps(asdict(st)) + "\n")
+            now = time.monotonic()
+            if now - self._flushed_at >= STEP_FILE_FLUSH_S:
+                # a live server's file is read while it runs (tail -f, a plot): it lagged by
+                # up to 64 KB of steps until shutdown
+                self.step_file.flush()
+                self._flushed_at = now
 
     def record_steps(self, path: str | None) -> None:
         """Writes every following step's StepStats as one JSON line to ``path`` (None: stop)."""

@@ -817,3 +817,30 @@ def test_an_answer_built_on_the_tokenizer_thread_decodes_with_that_threads_token
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["logprobs"]["tokens"]) >= 300  # built off the loop
     assert not any(t.startswith("iterserve-tokenizer") for t in threads), threads
+
+
+def test_a_response_without_a_client_id_carries_the_engine_requests_id() -> None:
+    """The engine's request id and the response's id were two unrelated uuids, so the
+    server's log lines about a request (a stream the client did not read, an abort) could not
+    be matched to the response the client holds (found by a review); with a client
+    request_id the response keeps vLLM's cmpl-<request_id>."""
+    fake = FakeEngine()
+    seen: list[str] = []
+    real = fake.add_request
+
+    def spy(request_id: str, *args: Any, **kw: Any) -> Any:
+        seen.append(request_id)
+        return real(request_id, *args, **kw)
+
+    fake.add_request = spy  # type: ignore[method-assign]
+    _, server = serve(fake)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with server, httpx.Client(base_url=server.url, timeout=30) as c:
+        one = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).json()["id"]
+        two = c.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2}).json()
+        three = c.post("/v1/chat/completions", json=chat).json()["id"]
+        own = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "request_id": "x"})
+    assert one in seen and one.startswith("cmpl-")
+    assert f"{two['id']}-0" in seen and f"{two['id']}-1" in seen
+    assert three in seen and three.startswith("chatcmpl-")
+    assert own.json()["id"] == "cmpl-x"

@@ -631,6 +631,7 @@ class Serving:
         )
         fmt = _CompletionFormat(self, req, params, prompts)
         fmt.constraint = constraint
+        fmt.name_after(streams)
         return await self._respond(streams, fmt, bool(req.stream))
 
     # ---- /v1/chat/completions -------------------------------------------------------------
@@ -699,11 +700,11 @@ class Serving:
             default_max_tokens=self.default_max_tokens_of(req),
             streamed=bool(req.stream),
         )
-        fmt = (
-            make_format(self, req, params)
-            if make_format is not None
-            else _ChatFormat(self, req, params, plan)
-        )
+        if make_format is not None:
+            fmt = make_format(self, req, params)
+        else:
+            fmt = _ChatFormat(self, req, params, plan)
+            fmt.name_after(streams)
         fmt.constraint = constraint
         return await self._respond(streams, fmt, bool(req.stream))
 
@@ -1112,6 +1113,14 @@ class _Format:
         so = req.stream_options
         self.include_usage = bool(so and so.include_usage)
         self.continuous_usage = bool(so and so.include_usage and so.continuous_usage_stats)
+
+    def name_after(self, streams: list[RequestStream]) -> None:
+        """Without a client request_id the response takes the engine's id (``cmpl-<hex>``,
+        with ``-<i>`` per prompt there), so the server's log lines about it name it (they
+        named a second, unrelated id)."""
+        if not self.req.request_id and streams:
+            rid = streams[0].request_id
+            self.id = rid.rsplit("-", 1)[0] if len(streams) > 1 else rid
 
     def usage(self) -> dict[str, Any]:
         p = sum(self.prompt_tokens.values())

@@ -3,8 +3,11 @@
     iterserve serve --model tiny-random --port 8000 [--api-key KEY] [engine flags]
     python -m iterserve.server.cli --model PATH ...
 
-SIGTERM / SIGINT: stop accepting (the listening socket closes, new POSTs on open
-connections get 503), let in-flight requests finish for up to ``--shutdown-timeout``
+SIGTERM / SIGINT: stop accepting (the listening socket closes; uvicorn closes idle
+keep-alive connections, and one with a response in flight after that response, so a client
+reconnects and is refused; a POST that still reaches the app during the drain gets a 503
+from ``GuardMiddleware``), let in-flight requests finish for up to
+``--shutdown-timeout``
 seconds, then abort the rest (their streams end with finish_reason "abort"), stop the
 engine thread and exit 0.
 """

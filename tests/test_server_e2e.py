@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import threading
@@ -649,6 +650,41 @@ def test_sigterm_stops_accepting_drains_and_exits_zero(launched: dict[str, Serve
     # The non-streamed request cut off by the deadline is a 503, not a truncated 200.
     assert plain[0].status_code == 503, plain[0].text[:300]
     assert plain[0].json()["error"]["code"] == "aborted"
+
+
+def test_a_drain_closes_a_stream_whose_client_stopped_reading() -> None:
+    """A streaming client that reads nothing when SIGTERM's deadline aborts its request: the
+    last writes waited out --stream-write-timeout (30 s), past uvicorn's grace (the deadline
+    + 3 s), which cancelled the task with an ERROR traceback and exited late (found by a
+    review). A second after the deadline the drain closes such connections itself."""
+    import socket
+
+    server = ServerProcess("--model", MODEL, "--shutdown-timeout", "1", "--num-kv-blocks", "512")
+    try:
+        server.wait_ready()
+        host, port = server.url.removeprefix("http://").split(":")
+        body = json.dumps(
+            {"prompt": "hi", "max_tokens": 1900, "ignore_eos": True, "stream": True,
+             "logprobs": 20, "n": 4}
+        ).encode()  # fmt: skip
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )  # and never reads: the socket's buffers fill within a second or two
+        time.sleep(3)
+        t0 = time.monotonic()
+        server.terminate()
+        rc = server.proc.wait(30)
+        elapsed = time.monotonic() - t0
+        sock.close()
+        log = server.log_text()
+        assert rc == 0, log[-3000:]
+        assert "Exception in ASGI application" not in log and "graceful shutdown" not in log, log
+        assert elapsed < 1 + 3, (elapsed, log[-2000:])
+    finally:
+        server.stop()
 
 
 # ---- model-step failure on the real engine -------------------------------------------------------

@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+DRAIN_WRITE_GRACE_S = 1.0  # after the drain's deadline, for an aborted answer's last writes
+
+
 def _make_server_class() -> type:
     import uvicorn
 
@@ -200,6 +203,16 @@ def _make_server_class() -> type:
             n = self._engine.abort_all()
             if n:
                 logger.warning("shutdown timeout: aborted %d in-flight request(s)", n)
+            assert self._loop is not None
+            self._loop.call_later(DRAIN_WRITE_GRACE_S, self._drop_unread)
+
+        def _drop_unread(self) -> None:
+            """Closes the connections whose client still takes none of its (now aborted)
+            answer: their last writes waited out --stream-write-timeout, past uvicorn's
+            grace, which then cancelled the task with an ERROR traceback and exited late."""
+            for conn in list(self.server_state.connections):
+                if getattr(conn, "_write_timer", None) is not None:
+                    conn.transport.abort()
 
     return Server
 

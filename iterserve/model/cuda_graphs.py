@@ -126,22 +126,13 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            out: torch.Tensor | None = None
             for b in reversed(self.sizes):
                 inputs = self.inputs(b)
-                warm = self.forward(inputs)  # warm-up: Triton compiles, cuBLAS its kernels
-                if out is None:
-                    # Every graph copies its logits into this one buffer: each graph's own
-                    # [b, vocab] output kept alive grew with the square of max_num_seqs
-                    # (~8 GiB at 512 with a 128k vocabulary), past the utilization margin.
-                    out = torch.empty((self.max_batch, *warm.shape[1:]), dtype=warm.dtype,
-                                      device=warm.device)  # fmt: skip
-                del warm
+                self.forward(inputs)  # warm-up: Triton compiles, cuBLAS picks its kernels
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out[:b].copy_(self.forward(inputs))
-                self.outputs[b] = out[:b]
+                    self.outputs[b] = self.forward(inputs)
                 pool = graph.pool()
                 self.graphs[b] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)

@@ -205,11 +205,10 @@ def _needs_json_escape(code: int) -> bool:
 
 def _escaped_char(pattern: str) -> str | None:
     """The first character ``pattern`` names outright that a JSON string must escape: ``"``,
-    ``\\`` or a control character as a literal, or a control character in a class that is
-    not negated. xgrammar writes such a character into the JSON string unescaped
-    (`{"s": "a"b"}`: invalid JSON; found by a review), where ``.``, negated classes,
-    categories and classes of several characters leave ``"`` and ``\\`` out. None also where
-    Python's parser cannot read the pattern (the backend then judges it)."""
+    ``\\`` or a control character as a literal, or a class of nothing else. xgrammar writes
+    such a character into the JSON string unescaped (`{"s": "a"b"}`: invalid JSON), where
+    ``.``, negated classes, categories and classes with other characters leave them out.
+    None also where Python's parser cannot read the pattern (the backend then judges it)."""
     try:
         tree = sre_parser.parse(pattern)
     except (re.error, RecursionError, OverflowError, ValueError):
@@ -220,13 +219,17 @@ def _escaped_char(pattern: str) -> str | None:
             if op is sre_constants.LITERAL and _needs_json_escape(av):
                 return chr(av)
             if op is sre_constants.IN and (sre_constants.NEGATE, None) not in av:
-                # a class of several leaves " and \ out, and some control characters not
-                for cop, cav in av:
-                    if cop is sre_constants.LITERAL and _needs_json_escape(cav):
-                        if len(av) == 1 or cav < 0x20:
-                            return chr(cav)
-                    if cop is sre_constants.RANGE and cav[0] < 0x20:
-                        return chr(cav[0])
+                # xgrammar leaves the characters JSON escapes out of a class that has others
+                # (the pattern then matches fewer strings, all valid), and writes them raw
+                # where the class has nothing else ([\t], [\x00-\x1f])
+                bad = [
+                    cav if cop is sre_constants.LITERAL else cav[0]
+                    for cop, cav in av
+                    if (cop is sre_constants.LITERAL and _needs_json_escape(cav))
+                    or (cop is sre_constants.RANGE and cav[1] < 0x20)
+                ]
+                if bad and len(bad) == len(av):
+                    return chr(bad[0])
             elif op is sre_constants.SUBPATTERN:
                 stack.append(av[-1])
             elif op is sre_constants.BRANCH:
@@ -388,7 +391,7 @@ def _ignored_keyword(node: dict[str, Any]) -> str | None:
         )
     ):
         # there a key may repeat, and json.loads counts a repeated key once: {"b": 9, "b": 0}
-        # for minProperties 2 (11 of 20 samples in a review's run)
+        # for minProperties 2
         return "minProperties beside additionalProperties, patternProperties or propertyNames"
     return None
 

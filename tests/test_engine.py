@@ -387,15 +387,13 @@ def test_step_stats_recorded(tmp_path: Path) -> None:
         sum(r["num_decode_tokens"] for r in rows) + 2 == 8
     )  # first token of each comes from prefill
     assert all(r["scheduled"] for r in rows)
-    # a live file is written through at least every STEP_FILE_FLUSH_S: a server's steps
-    # waited in a 64 KB buffer until shutdown (found by a review)
-    from iterserve.core import books
-
+    # a live file is written through at least every STEP_FILE_FLUSH_S and when the engine
+    # goes idle: a server's steps waited in a 64 KB buffer until shutdown (found by a review)
     live = tmp_path / "live.jsonl"
     llm.engine.record_steps(str(live))
-    llm.engine.books._flushed_at = -books.STEP_FILE_FLUSH_S  # as if the last was long ago
-    llm.generate(["x y"], SamplingParams(max_tokens=2, ignore_eos=True))
-    assert live.read_text().count("\n") >= 1  # before the file is closed
+    llm.generate(["x y"], SamplingParams(max_tokens=3, ignore_eos=True))
+    # all of it on disk before the file is closed: the engine idles after the last step
+    assert live.read_text().count("\n") == llm.stats()["num_steps"] - len(rows)
     llm.engine.record_steps(None)
 
 

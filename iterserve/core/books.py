@@ -24,7 +24,7 @@ from iterserve.outputs import StepStats
 # (prefill, decode) tokens of the latest steps an engine keeps for ``stats()``: bounded so a
 # long-lived server stays flat.
 TOKENS_PER_STEP_HISTORY = 100_000
-STEP_FILE_FLUSH_S = 1.0  # --record-steps: written through at least this often
+STEP_FILE_FLUSH_S = 1.0  # --record-steps: written through at least this often while busy
 
 
 class StepCounters(TypedDict):
@@ -236,9 +236,10 @@ class Books:
             ]
             self.step_file.write(json.dumps(asdict(st)) + "\n")
             now = time.monotonic()
-            if now - self._flushed_at >= STEP_FILE_FLUSH_S:
-                # a live server's file is read while it runs (tail -f, a plot): it lagged by
-                # up to 64 KB of steps until shutdown
+            # a live server's file is read while it runs (tail -f, a plot): written through
+            # every STEP_FILE_FLUSH_S, and when the step left nothing to do (no later step
+            # comes to flush it while the server idles)
+            if now - self._flushed_at >= STEP_FILE_FLUSH_S or not s.requests:
                 self.step_file.flush()
                 self._flushed_at = now
 

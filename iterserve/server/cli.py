@@ -211,7 +211,8 @@ def _make_server_class() -> type:
             answer: their last writes waited out --stream-write-timeout, past uvicorn's
             grace, which then cancelled the task with an ERROR traceback and exited late."""
             for conn in list(self.server_state.connections):
-                if getattr(conn, "_write_timer", None) is not None:
+                reads_nothing = getattr(conn, "reads_nothing", None)  # GuardedH11Protocol's
+                if reads_nothing is not None and reads_nothing():  # a slow reader finishes
                     conn.transport.abort()
 
     return Server

@@ -377,6 +377,11 @@ def h11_protocol(header_timeout: float, write_timeout: float) -> type:
                 self._write_timer.cancel()
                 self._write_timer = None
 
+        def reads_nothing(self) -> bool:
+            """Bytes wait and the client took none since the write timer was armed (the
+            drain's last look, before the timer's own)."""
+            return self._write_timer is not None and self._unsent() >= self._unread
+
         def _not_read(self) -> None:
             self._write_timer = None
             if self._unsent() < self._unread:

@@ -132,12 +132,12 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        # by list membership, not status alone: after a step that raised part way (a policy
-        # hook), a request can be in either
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        try:
+            (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
+        except ValueError:  # after a step that raised part way (a policy hook): in the other
+            for queue in (self.running, self.waiting):
+                if req in queue:
+                    queue.remove(req)
         req.finish_reason = reason
         req.stop_reason = stop_reason
         req.error = error

@@ -600,8 +600,8 @@ class LLMEngine:
             rid = sample_reqs[i].request_id
             matcher = self._seqs[rid].matcher
             assert matcher is not None
-            # this thread's CPU time: waiting for the GIL (another thread's long json.loads)
-            # or for a core had failed 0.03 ms fills as too slow (found by a review)
+            # this thread's CPU time: a fill that waited for the GIL (another thread's long
+            # json.loads) or for a core is not a slow grammar
             t0 = time.thread_time()
             matcher.fill_next_token_bitmask(bitmask, i)
             took = time.thread_time() - t0

@@ -279,8 +279,8 @@ class OutputProcessor:
         if len(comps) > out.params.n:
             picked = _best_of(comps, out.params.n, finished)
             comps = [replace(c, index=i) for i, c in enumerate(picked)]
-            # the metrics' per-sequence books by the returned sequences' new indices (read by
-            # the old ones, candidate 0's cached tokens and preemptions were the first's)
+            # the metrics' per-sequence books by the returned sequences' new indices, which
+            # the server reads them by
             m = metrics
             metrics = replace(
                 m,

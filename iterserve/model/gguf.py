@@ -268,8 +268,7 @@ def write_gguf(
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     max_pos = int(cfg.get("max_position_embeddings", 2048))
-    # read as the model reads it (rope_scaling, rope_parameters, a top-level theta): only
-    # rope_parameters was read, and a Hub config's rope_scaling was dropped, silently
+    # read as the loader reads it (rope_scaling over rope_parameters, a top-level theta)
     rope = _parse_rope(cfg, max_pos)
 
     w = gguf.GGUFWriter(out_path, arch)
@@ -347,11 +346,12 @@ def _add_tokenizer(w: Any, checkpoint: str, cfg: dict[str, Any]) -> None:
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    # whether the tokenizer adds a BOS to text (Llama's do; it was always written as not)
+    # whether the tokenizer adds a BOS to text (Llama's do)
     from transformers import AutoTokenizer
 
     hf_tok = AutoTokenizer.from_pretrained(checkpoint)
-    bos = cfg.get("bos_token_id")
+    bos = cfg.get("bos_token_id", hf_tok.bos_token_id)
+    bos = bos[0] if isinstance(bos, list) and bos else bos
     with_special = hf_tok("x", add_special_tokens=True)["input_ids"]
     w.add_add_bos_token(bool(with_special) and bos is not None and with_special[0] == bos)
     for key, add in (("bos", w.add_bos_token_id), ("pad", w.add_pad_token_id)):
@@ -359,8 +359,7 @@ def _add_tokenizer(w: Any, checkpoint: str, cfg: dict[str, Any]) -> None:
         if value is not None:
             add(int(value[0] if isinstance(value, list) else value))
     # every stop id the model stops at (generation_config.json's list wins, as the loader
-    # reads it), as llama.cpp's eos, eot and eom, which the reader gathers back; only the
-    # first eos was written, and the GGUF model ran past <|im_end|> / <|eot_id|>
+    # reads it), as llama.cpp's eos, eot and eom, which the reader gathers back
     gen_path = os.path.join(checkpoint, "generation_config.json")
     gen: dict[str, Any] = {}
     if os.path.isfile(gen_path):
@@ -370,7 +369,8 @@ def _add_tokenizer(w: Any, checkpoint: str, cfg: dict[str, Any]) -> None:
     if len(stops) > 3:
         raise ValueError(
             f"the checkpoint stops at {len(stops)} token ids {list(stops)}; a GGUF holds three "
-            "(eos, eot, eom)"
+            "(eos, eot, eom): keep the three that matter in generation_config.json's "
+            "eos_token_id"
         )
     for tid, add in zip(stops, (w.add_eos_token_id, w.add_eot_token_id, w.add_eom_token_id)):
         add(tid)

@@ -184,8 +184,8 @@ def find_max_rate(
 ) -> CapacityResult:
     """Binary search over the rate scale of ``specs``. ``run(specs, stop)`` simulates. The
     scale doubles (halves) from 1 until a probe misses (meets), up to ``max_doublings``
-    times: 12 had reported the edge of its 2^+-11 window as the capacity of a trace slowed
-    10,000x. Unbracketed, the result says so (``bracketed``)."""
+    times (a trace's own rate can be far from its capacity); unbracketed, the result says so
+    (``bracketed``)."""
     base_rate = mean_rate(specs)
     if math.isinf(base_rate):
         raise ValueError(

@@ -42,8 +42,8 @@ def _ebnf_string(s: str) -> str:
 _LENIENT_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 # Its plain strings' character class, which takes the bytes of a UTF-16 surrogate (ED A0-BF
-# xx, not UTF-8): the detokenizer writes them as U+FFFD, past maxLength and any pattern
-# (found by a review); the surrogates are left out.
+# xx, not UTF-8): the detokenizer writes them as U+FFFD, past maxLength and any pattern;
+# the surrogates are left out.
 _STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 _STRING_CHAR_UTF8 = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"
 

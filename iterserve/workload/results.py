@@ -44,7 +44,7 @@ def check_output(path: str | Path | None, flag: str, folder: bool = False) -> No
 def tagged_path(path: str, tag: str) -> str:
     """``path`` with ``tag`` before its file name's extension (``steps.jsonl`` ->
     ``steps.TAG.jsonl``): one file per policy or replica. A dot in a folder's name is not
-    an extension (the split at the last dot had written into ``d.TAG.x/``)."""
+    an extension."""
     p = Path(path)
     return str(p.with_name(f"{p.stem}.{tag}{p.suffix}" if p.suffix else f"{p.name}.{tag}"))
 

@@ -737,6 +737,7 @@ def _check_fault_handling(server: ThreadServer, fail: threading.Event) -> None:
     assert r.status_code == 500 and "injected runner fault" in r.json()["error"]["message"]
     h = httpx.get(server.url + "/health")
     assert h.status_code == 503 and "injected runner fault" in h.json()["error"]["message"]
+    assert h.json()["error"]["message"].count("step failed") == 1  # said once, not twice
     # The server is still up and serves new requests.
     ok = c.completions.create(
         model=MODEL, prompt="hello again", max_tokens=3, extra_body={"ignore_eos": True}

@@ -640,8 +640,8 @@ class AsyncEngine:
         if self._step_error is not None:
             return f"model step failed: {self._step_error}"
         snap = self.snapshot
-        if not snap.engine_healthy:
-            return f"model step failed: {snap.last_error or 'unknown error'}"
+        if not snap.engine_healthy:  # its error says which step failed ("model step ...")
+            return snap.last_error or "model step failed: unknown error"
         stalled = time.monotonic() - self._last_progress
         if self._active and stalled > self.stall_timeout_s:
             return (

@@ -207,7 +207,7 @@ class ServerMetrics:
         )
         self.engine_healthy = gauge(
             "engine_healthy",
-            "1 when the engine is healthy, 0 after a model-step failure.",
+            "1 when the engine is healthy, 0 after a model or scheduling step failed.",
             vllm=False,
         )
         self.recompute_tax = gauge(

@@ -519,7 +519,7 @@ class Scheduler:
             total = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
             grown = (
                 f", having generated {req.num_output_tokens} of up to {req.max_tokens} tokens "
-                f"(prompt + max_tokens: {total} tokens, {self.kv.blocks_for(total - 1)} blocks)"
+                f"(prompt + max_tokens: {total} tokens)"
             )
         return (
             f"request {req.request_id!r} needs {need} KV-cache blocks ({req.num_tokens} tokens, "

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from server_helpers.fake_engine import FakeEngine
-from server_helpers.servers import metric_values, parse_sse, serve, wait_for
+from server_helpers.servers import metric_values, parse_sse, record_threads, serve, wait_for
 
 from iterserve.engine.async_engine import (
     AsyncEngine,
@@ -708,16 +708,7 @@ def test_an_answer_with_many_logprobs_is_built_off_the_loop_and_is_the_same(
     else:
         body |= {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
         body |= {"top_logprobs": 5}
-    import threading
-
-    threads: list[str] = []
-    real = serving.json_response
-
-    def spy(*args: Any, **kw: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(serving, "json_response", spy)
+    threads = record_threads(monkeypatch, serving, "json_response")
     answers = []
     for on_loop in (10**9, 256):  # 400 positions: on the loop, then off it
         monkeypatch.setattr(serving, "_LOGPROBS_ON_THE_LOOP", on_loop)

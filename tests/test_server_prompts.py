@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers.servers import ThreadServer, parse_sse
+from server_helpers.servers import ThreadServer, parse_sse, record_threads
 
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.llm_engine import LLMEngine
@@ -192,18 +192,9 @@ def test_a_streamed_chunk_with_many_logprobs_is_built_off_the_loop_and_is_the_sa
     (256 positions; 5 here) it is built and serialized on the tokenizer thread, as a
     non-streamed answer is (at 2,040 prompt positions x top 20 it held the event loop as
     long); the same events either way, the later small chunks on the loop."""
-    import threading
-
     from iterserve.server import serving
 
-    threads: list[str] = []
-    real = serving.dumps
-
-    def spy(*args: Any, **kw: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(serving, "dumps", spy)
+    threads = record_threads(monkeypatch, serving, "dumps")
     streams, names = [], []
     for on_loop in (10**9, 5):
         monkeypatch.setattr(serving, "_LOGPROBS_ON_THE_LOOP", on_loop)

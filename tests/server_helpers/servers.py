@@ -186,3 +186,17 @@ def metric_values(text: str) -> dict[str, float]:
             )
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+def record_threads(monkeypatch: Any, module: Any, name: str) -> list[str]:
+    """Wraps ``module.name`` so each call appends its thread's name to the returned list (to
+    see whether work ran on the event loop or the tokenizer thread)."""
+    threads: list[str] = []
+    real = getattr(module, name)
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, spy)
+    return threads

@@ -261,6 +261,42 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request() -> None:
         wait_for(lambda: fake.aborted and not fake.reqs, what="the abort")
 
 
+def test_the_response_id_is_the_engine_requests_id_streamed_or_not() -> None:
+    """The engine ran a chatcmpl-<hex> request under a resp_<hex> response, so the server's
+    log lines, aborts and metrics about a response could not be matched to the id its client
+    holds; vLLM's request_id (default resp_<uuid>) is the response's id and the engine's."""
+    fake = FakeEngine(step_delay=0.01)
+    seen: list[str] = []
+    real = fake.add_request
+
+    def spy(request_id: str, *args: Any, **kw: Any) -> Any:
+        seen.append(request_id)
+        return real(request_id, *args, **kw)
+
+    fake.add_request = spy  # type: ignore[method-assign]
+    _, server = serve(fake)
+    url = server.url + "/v1/responses"
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 3}
+    with server, httpx.Client(timeout=30) as c:
+        plain = c.post(url, json=body)
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["id"].startswith("resp_") and seen == [plain.json()["id"]]
+        r = c.post(url, json={**body, "stream": True})
+        assert r.status_code == 200, r.text
+        ids = {d["response"]["id"] for _, d in _sse_events(r.text) if "response" in d}
+        assert len(ids) == 1 and seen[1:] == list(ids) and seen[1].startswith("resp_")
+        own = c.post(url, json={**body, "request_id": "resp_own", "store": False})
+        assert own.status_code == 200 and own.json()["id"] == "resp_own" == seen[2], own.text
+        # a stream left mid-way: the abort names the id the client was sent
+        with c.stream("POST", url, json={**body, "stream": True, "max_output_tokens": 400}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and "response.created" in line:
+                    left = json.loads(line[6:])["response"]["id"]
+                    break
+        wait_for(lambda: left in fake.aborted, what="the abort")
+    assert seen[3] == left
+
+
 # ---- the store ---------------------------------------------------------------------------------
 def test_store_retrieve_previous_response_id_delete(
     live: tuple[ThreadServer, FakeEngine], client: openai.OpenAI

@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from iterserve.engine.async_engine import RequestFailedError
+from iterserve.engine.async_engine import RequestFailedError, RequestStream
 from iterserve.outputs import CompletionOutput, RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, bad_request, dumps, validation_error
@@ -102,7 +102,8 @@ class ResponsesRequest(OpenAIModel):
     # vLLM's: with --reasoning-parser, false leaves the reasoning item out
     include_reasoning: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # vLLM's: the response's id (a stored one's is refused: ids name stored responses)
+    # vLLM's: the response's id and its engine request's (a stored one's is refused: ids name
+    # stored responses)
     request_id: str | None = None
     # refused unless unset (or the value that means "nothing")
     tools: Dicts | None = None
@@ -458,8 +459,13 @@ class ResponsesAPI:
         ) -> ResponsesFormat:
             return ResponsesFormat(serving, creq, params, req, self.store, history + turn)
 
+        # vLLM's: the request_id (default resp_<uuid>) is the response's id and the engine
+        # request's, so log lines, aborts and metrics name the id the client holds
+        rid = rid or f"resp_{uuid.uuid4().hex}"
         try:
-            return await self.serving.chat(chat, route, make_format, split_logprobs=False)
+            return await self.serving.chat(
+                chat, route, make_format, split_logprobs=False, request_id=rid
+            )
         except APIError as e:
             raise _renamed(e) from None
 
@@ -499,12 +505,15 @@ class ResponsesFormat(_ChatFormat):
         conversation: list[dict[str, str]],
     ) -> None:
         super().__init__(serving, req, params)
-        self.id = rreq.request_id or f"resp_{uuid.uuid4().hex}"
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.rs_id = f"rs_{uuid.uuid4().hex}"  # the reasoning item (--reasoning-parser)
         self.rreq = rreq
         self.store = store
         self.conversation = conversation  # before this answer, instructions aside
+
+    def name_after(self, streams: list[RequestStream]) -> None:
+        """The response is named by its one engine request (``create`` chose its id)."""
+        self.id = streams[0].request_id
 
     def _logprob_list(self, c: CompletionOutput, new: bool) -> list[dict[str, Any]]:
         ids, lps = (c.new_token_ids, c.new_logprobs) if new else (c.token_ids, c.logprobs)

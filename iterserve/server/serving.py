@@ -371,12 +371,15 @@ class Serving:
         *,
         default_max_tokens: int | None,
         streamed: bool,
+        request_id: str | None = None,
     ) -> list[RequestStream]:
         """Submits ``prompts``, already cut by ``params.truncate_prompt_tokens`` (where they
         were tokenized), to the engine, which is told not to cut them again; each with the
         max_tokens ``_max_tokens_for`` gives it (``default_max_tokens``: the endpoint's,
         ``default_max_tokens_of``). Only a ``streamed`` response's outputs count against the
-        stream buffer: a non-streamed one is read by this server, not by its client."""
+        stream buffer: a non-streamed one is read by this server, not by its client.
+        ``request_id``: the engine id in place of ``<prefix>-<hex>`` (the Responses API's
+        response id), with ``-<i>`` per prompt likewise."""
         # The queue counts each candidate sequence (prompts x n or best_of) and admits a
         # request's prompts one by one: a request with more than the queue and the running
         # slots hold together fills the queue with its own sequences even on an idle server,
@@ -405,7 +408,7 @@ class Serving:
                 param="prompt",
                 code="limit_exceeded",
             )
-        base = f"{prefix}-{uuid.uuid4().hex}"
+        base = request_id or f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         route = route or Routing()
         if params.truncate_prompt_tokens is not None:
@@ -642,10 +645,13 @@ class Serving:
         make_format: Callable[[Serving, ChatCompletionRequest, SamplingParams], _Format]
         | None = None,
         split_logprobs: bool = True,
+        request_id: str | None = None,
     ) -> Any:
         """``make_format`` lets another API over the chat path (``/v1/responses``) answer in
         its own wire format; ``split_logprobs`` False: that format cannot give logprobs where
-        the reasoning is split off (they cover it too), so they are refused there."""
+        the reasoning is split off (they cover it too), so they are refused there;
+        ``request_id``: the engine request's id (that API's response id), else
+        ``chatcmpl-<hex>``."""
         self.check_model(req.model)
         plan = tool_plan(req.tools, req.tool_choice, self.tool_call_parser, req.parallel_tool_calls)
         if req.echo and plan is not None and plan.mode != "none":
@@ -699,12 +705,13 @@ class Serving:
             route,
             default_max_tokens=self.default_max_tokens_of(req),
             streamed=bool(req.stream),
+            request_id=request_id,
         )
         if make_format is not None:
             fmt = make_format(self, req, params)
         else:
             fmt = _ChatFormat(self, req, params, plan)
-            fmt.name_after(streams)
+        fmt.name_after(streams)
         fmt.constraint = constraint
         return await self._respond(streams, fmt, bool(req.stream))
 

@@ -1348,6 +1348,7 @@ def test_slo_admits_every_sequence_of_an_admitted_n_request() -> None:
                 frozenset({EOS}),
                 arrival_time=t0,
                 slo_ttft_s=0.015,
+                parent_id="x",
                 call="x",
             )  # fmt: skip
         )
@@ -1373,7 +1374,10 @@ def test_slo_sequences_follow_their_first_ones_admission_whatever_came_between()
     prompt = [7 + i % 50 for i in range(40)]
 
     def seq(rid: str, ids: list[int]) -> Request:
-        return Request(rid, ids, params, 4, frozenset({EOS}), arrival_time=0.0, slo_ttft_s=0.01)
+        parent = rid.partition("#")[0]  # as the engine names an n request's sequences
+        return Request(
+            rid, ids, params, 4, frozenset({EOS}), 0.0, slo_ttft_s=0.01, parent_id=parent
+        )
 
     first, second = seq("x#0", prompt), seq("x#1", prompt)
     late = lambda: 1.0  # noqa: E731  (past every deadline here)
@@ -1384,8 +1388,13 @@ def test_slo_sequences_follow_their_first_ones_admission_whatever_came_between()
     assert policy.admit(second, late) is ADMIT
     second.admit_seq = 2
     policy.on_admit(second, 4)
-    # the same params object with another prompt (LLM.generate shares one) is judged alone
+    # another request with the same params object (LLM.generate shares one) and arrival is
+    # judged alone, with another prompt or the same one
     assert policy.admit(seq("y#0", prompt[:-1] + [99]), late) is not ADMIT
+    assert policy.admit(seq("w#0", prompt), late) is not ADMIT
+    assert set(policy.admitted_groups) == {"x", "y", "w"}
+    for rid in ("y#0", "y#1", "w#0", "w#1"):
+        policy.on_finish(seq(rid, prompt))  # refused: each of their sequences ends
     policy.on_finish(first)
     assert policy.admitted_groups  # its second sequence runs on
     policy.on_finish(second)
@@ -1410,7 +1419,7 @@ def test_slo_a_sequence_still_waiting_when_its_admitted_siblings_ended_runs_too(
     params = SamplingParams(n=2, max_tokens=8, temperature=1.0, ignore_eos=True)
     t0 = clock[0]
     seqs = [
-        Request(f"a#{i}", [7, 8, 9, 10, 11], params, 8, frozenset({EOS}), arrival_time=t0)
+        Request(f"a#{i}", [7, 8, 9, 10, 11], params, 8, frozenset({EOS}), t0, parent_id="a")
         for i in range(2)
     ]
     for req in seqs:
@@ -1434,7 +1443,7 @@ def test_slo_refuses_the_other_sequences_of_a_request_it_refused() -> None:
 
     def seq(rid: str) -> Request:
         return Request(
-            rid, [7, 8, 9], params, 4, frozenset({EOS}), arrival_time=0.0, slo_ttft_s=0.01
+            rid, [7, 8, 9], params, 4, frozenset({EOS}), 0.0, slo_ttft_s=0.01, parent_id="x"
         )
 
     first, second = seq("x#0"), seq("x#1")

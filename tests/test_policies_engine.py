@@ -200,3 +200,30 @@ def test_a_scheduling_step_that_raises_leaves_no_prefix_hits_on_unwritten_kv(
     assert failed.finished and "scheduling step failed: RuntimeError" in str(failed.error)
     assert not e.has_unfinished_requests() and e.kv.num_free_blocks == e.kv.num_blocks
     assert run(e, "b") == want
+
+
+def test_slo_judges_each_prompt_sharing_one_params_object_as_its_own_request() -> None:
+    """Two n = 2 prompts added with one SamplingParams object at one arrival time (as an
+    add_request loop or LLM.generate on a coarse clock does), 3 slots: a#0, a#1 and b#0 are
+    admitted on time, b#1 waits for a slot until past the deadline. b#1 must follow b#0's
+    admission; the groups were keyed by (id(params), arrival), so b's sequences had no group
+    of their own (a's held the key), b#1 was judged alone and refused, and b ended with an
+    error after b#0 ran."""
+    from iterserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model="tiny-random", dtype="float32", seed=0, policy="slo", max_num_seqs=3)
+    clock = [1000.0]
+    engine.scheduler.clock = lambda: clock[0]
+    params = SamplingParams(n=2, max_tokens=4, temperature=1.0, ignore_eos=True)
+    for rid, prompt in (("a", [11, 12, 13, 14, 15]), ("b", [21, 22, 23, 24, 25])):
+        engine.add_request(rid, prompt, params, arrival_time=clock[0], slo_ttft_s=10.0)
+    outs = {o.request_id: o for o in engine.step()}
+    assert sorted(r.request_id for r in engine.scheduler.running) == ["a#0", "a#1", "b#0"]
+    clock[0] += 100.0  # every deadline is long past when b#1 gets a slot
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert engine.scheduler.num_rejected == 0
+    for rid in ("a", "b"):
+        assert outs[rid].error is None, outs[rid].error
+        assert [len(c.token_ids) for c in outs[rid].outputs] == [4, 4]
+    assert not engine.scheduler.policy.admitted_groups  # type: ignore[attr-defined]

@@ -895,8 +895,6 @@ class StepTimeFit:
 class _SeqGroup:
     """The sequences of one n / best_of request, as SloPolicy tracks them."""
 
-    params: object
-    prompt: list[int]
     admitted: bool = False  # one of them was admitted: the others follow
     refused: str | None = None  # one of them was refused (the message): so are the others
     ended: int = 0  # how many of them ended (the group goes when all have)
@@ -961,12 +959,12 @@ class SloPolicy(Policy):
         self.long_share = 0
         self.waiting_behind = 0  # requests waiting behind the next admission
         self.queue: WaitingQueue | None = None
-        # n / best_of requests with a sequence admitted or ended, by (id(params), arrival
-        # time); the other sequences follow the first one's admission (see _admission).
-        # Dropped when all n ended: dropped when its admitted ones had ended, a sibling still
-        # waiting (a slot or the budget short) was judged afresh against the old arrival and
-        # refused after the others had run.
-        self.admitted_groups: dict[tuple[int, float], _SeqGroup] = {}
+        # n / best_of requests with a sequence judged or ended, by parent request id; the
+        # other sequences follow the first one's admission (see _admission). Dropped when all
+        # n ended: dropped when its admitted ones had ended, a sibling still waiting (a slot
+        # or the budget short) was judged afresh against the old arrival and refused after
+        # the others had run.
+        self.admitted_groups: dict[str, _SeqGroup] = {}
 
     def ttft_target(self, req: Request) -> float | None:
         return req.slo_ttft_s if req.slo_ttft_s is not None else self.default_ttft_s
@@ -1022,27 +1020,22 @@ class SloPolicy(Policy):
 
     def _group(self, req: Request, make: bool = False) -> _SeqGroup | None:
         """The group of n / best_of sequences ``req`` is one of, if any (``make``: a new one
-        where there is none yet). A request with another prompt or params object under the
-        same key (one params object shared by prompts that arrived at the same instant)
-        gets none: its sequences are judged alone."""
-        if req.params.num_candidates < 2:
+        where there is none yet). Keyed by the parent request's id: prompts sharing one
+        params object and arrival time are separate requests, each judged on its own."""
+        if req.parent_id is None or req.params.num_candidates < 2:
             return None
-        key = (id(req.params), req.arrival_time)
-        group = self.admitted_groups.get(key)
-        if group is None:
-            if not make:
-                return None
-            group = self.admitted_groups[key] = _SeqGroup(req.params, req.prompt_token_ids)
-        if group.params is not req.params or group.prompt != req.prompt_token_ids:
-            return None
+        group = self.admitted_groups.get(req.parent_id)
+        if group is None and make:
+            group = self.admitted_groups[req.parent_id] = _SeqGroup()
         return group
 
     def on_finish(self, req: Request) -> None:
         # every sequence ends here once, admitted or not (refused, aborted while waiting)
-        if (group := self._group(req, make=True)) is not None:
+        group = self._group(req, make=True)
+        if group is not None and req.parent_id is not None:
             group.ended += 1
             if group.ended >= req.params.num_candidates:
-                del self.admitted_groups[(id(req.params), req.arrival_time)]
+                del self.admitted_groups[req.parent_id]
 
     def _admission(self, req: Request, clock: Callable[[], float]) -> Admission:
         deadline = self.deadline(req)

@@ -67,6 +67,7 @@ class Request:
         "slo_tpot_s",
         "lost_if_preempted",
         "eos_stop_reasons",
+        "parent_id",
     )
 
     def __init__(
@@ -84,10 +85,12 @@ class Request:
         slo_tpot_s: float | None = None,
         call: str = "",
         eos_stop_reasons: frozenset[int] = frozenset(),
+        parent_id: str | None = None,
     ) -> None:
         """``eos_stop_reasons``: the EOS ids that end a request with themselves as its
         stop_reason (the generation config's beyond the tokenizer's own, which vLLM adds to
-        stop_token_ids)."""
+        stop_token_ids). ``parent_id``: the id of the n / best_of request this is one
+        sequence of (None: a request of its own)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -126,6 +129,9 @@ class Request:
         # picks: computed tokens a preemption now would make it recompute.
         self.lost_if_preempted = 0
         self.eos_stop_reasons = eos_stop_reasons
+        # What the slo policy groups sibling sequences by: neither the params object nor
+        # the arrival time tells two prompts of one call apart.
+        self.parent_id = parent_id
 
     @property
     def num_tokens(self) -> int:

@@ -323,6 +323,7 @@ class LLMEngine:
                 slo_tpot_s=slo_tpot_s,
                 call=call,
                 eos_stop_reasons=self.eos_stop_reasons,
+                parent_id=request_id if num_seqs > 1 else None,
             )
             seq = _Seq(req, parent, i, gen, [] if want_lps else None, token_lists=token_lists)
             parent.seqs.append(seq)

@@ -17,7 +17,8 @@ its kernels' timings hold (its SwiGLU epilogue reads the weight in its own patte
 dtype="bfloat16")``, bench-134m by default) on each library; ``--rounds`` rounds each time a
 fresh random N-token prompt (one output token) on every engine in turn, the order reversed
 every other round; the median ms of each and the median of the per-round ratios are printed.
-``--decode-steps``: per batch size B, B requests (128-token random prompts, ignore_eos) on one
+``--decode-steps``: per batch size B, B requests (``--prompt-len`` random tokens, 128 by
+default, ignore_eos) on one
 engine per library (the default budget), stepped until all B decode; then ``--rounds`` rounds of
 10 decode steps on each engine in turn, the order reversed every other round; the median of
 each round's median step (``StepStats.duration_s``) and their ratio. The requests are aborted
@@ -132,7 +133,11 @@ def ab_prefill(
 
 
 def ab_decode_steps(
-    libs: dict[str, kernels.Kernels], batches: list[int], rounds: int, model: str
+    libs: dict[str, kernels.Kernels],
+    batches: list[int],
+    rounds: int,
+    model: str,
+    prompt_len: int = 128,
 ) -> None:
     """Decode steps of B requests on engines on each library, per B, alternated."""
     from iterserve.sampling_params import SamplingParams  # noqa: PLC0415
@@ -142,7 +147,7 @@ def ab_decode_steps(
     vocab = next(iter(engines.values())).engine.vocab_size
     sp = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
     for batch in batches:
-        prompts = [[rng.randrange(100, vocab) for _ in range(128)] for _ in range(batch)]
+        prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(batch)]
         for llm in engines.values():  # the same prompts on each engine
             eng = llm.engine
             for i, prompt in enumerate(prompts):
@@ -216,6 +221,7 @@ def main() -> None:
     p.add_argument("--budgets", default="2048,512", help="--prefill: max_num_batched_tokens")
     p.add_argument("--model", default="bench-134m", help="--prefill: the engines' model")
     p.add_argument("--decode-steps", action="store_true", help="engine decode steps at --batches")
+    p.add_argument("--prompt-len", type=int, default=128, help="--decode-steps: prompt tokens")
     p.add_argument("--elementwise", help="comma list of rows: the row-wise kernels at each")
     ns = p.parse_args()
     here = kernels.SOURCE
@@ -238,7 +244,9 @@ def main() -> None:
         ab_elementwise(libs, [int(x) for x in ns.elementwise.split(",")], ns.rounds)
         return
     if ns.decode_steps:
-        ab_decode_steps(libs, [int(x) for x in ns.batches.split(",")], ns.rounds, ns.model)
+        ab_decode_steps(
+            libs, [int(x) for x in ns.batches.split(",")], ns.rounds, ns.model, ns.prompt_len
+        )
         return
     flush = torch.ones(64 * 1024 * 1024 // 4)
     torch.manual_seed(0)

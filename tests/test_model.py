@@ -613,6 +613,61 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: 
         close(out, ref.view(D, kvh * G, hd), atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["native", "avx2"])
+def test_decode_kernel_splits_the_keys_of_fewer_sequences_than_threads(
+    cache_dtype: torch.dtype, variant: str
+) -> None:
+    """With fewer sequences than threads the decode kernel splits each one's keys between the
+    threads and merges the parts' softmaxes: one sequence (or two on 4 threads) equals SDPA
+    over its window on 1-4 threads, with GQA, a window starting mid-block, parts ending
+    mid-block, and contexts too short to split (under 32 keys a part)."""
+    from iterserve.model import kernels
+    from tests.test_kernels import avx2_kernels
+
+    kern = kernels.load() if variant == "native" else avx2_kernels()
+    assert kern is not None, "the C++ kernels did not build (see the warning logged)"
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for hd, kvh, G, bs, ctx, start in (
+            (64, 12, 1, 16, 128, 0),
+            (64, 2, 3, 4, 150, 7),
+            (128, 2, 2, 32, 65, 0),
+            (64, 3, 2, 16, 63, 0),
+            (64, 1, 4, 16, 300, 250),
+        ):
+            nblocks = ctx // bs + 8
+            k_cache = (torch.randn(nblocks * bs, kvh, hd) * 2).to(cache_dtype)
+            v_cache = torch.randn(nblocks * bs, kvh, hd).to(cache_dtype)
+            for D in (1, 2):
+                tables = torch.stack([torch.randperm(nblocks)[: -(-ctx // bs)] for _ in range(D)])
+                q = torch.randn(D, kvh * G, hd)
+                ref = []
+                for d in range(D):
+                    kd, vd = (
+                        c.view(-1, bs, kvh, hd)[tables[d]].reshape(-1, kvh, hd)[start:ctx]
+                        for c in (k_cache, v_cache)
+                    )
+                    ref.append(
+                        torch.nn.functional.scaled_dot_product_attention(
+                            q[d].view(1, kvh * G, 1, hd),
+                            kd.float().transpose(0, 1)[None],
+                            vd.float().transpose(0, 1)[None],
+                            enable_gqa=True,
+                        ).view(kvh * G, hd)
+                    )
+                for nt in (1, 2, 3, 4):
+                    torch.set_num_threads(nt)
+                    out = kern.paged_decode_attention(
+                        q, k_cache, v_cache, tables, torch.tensor([ctx] * D),
+                        torch.tensor([start] * D), bs,
+                    )  # fmt: skip
+                    close(out, torch.stack(ref), atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_decode_mask_is_built_when_read_on_the_metadatas_device(window: int | None) -> None:
     """The SDPA decode mask is not built with the step's metadata (the kernel decodes never read

@@ -276,8 +276,9 @@ inline void narrow8(uint16_t* p, __m256 v) {  // f32 -> 8 bf16 (nearest even)
 }
 #endif
 
-// x[0:n] = softmax(x[0:n]); x[n:ld] hold -inf (padding to a multiple of 16).
-inline void softmax_inplace(float* x, int64_t n, int64_t ld) {
+// x[0:n] = softmax(x[0:n]); x[n:ld] hold -inf (padding to a multiple of 16). Returns
+// log(sum(exp(x))) of the input, which merges softmaxes taken over parts of one row.
+inline float softmax_inplace(float* x, int64_t n, int64_t ld) {
 #if defined(__AVX512F__)
     if (ld % 16 == 0) {
         __m512 m = _mm512_set1_ps(-INFINITY);
@@ -289,9 +290,10 @@ inline void softmax_inplace(float* x, int64_t n, int64_t ld) {
             _mm512_storeu_ps(x + i, e);
             s = _mm512_add_ps(s, e);
         }
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(s));
+        const float sum = _mm512_reduce_add_ps(s);
+        const __m512 inv = _mm512_set1_ps(1.f / sum);
         for (int64_t i = 0; i < ld; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
-        return;
+        return _mm512_cvtss_f32(mx) + std::log(sum);
     }
 #elif defined(ITERSERVE_AVX2)
     if (ld % 8 == 0) {
@@ -304,9 +306,10 @@ inline void softmax_inplace(float* x, int64_t n, int64_t ld) {
             _mm256_storeu_ps(x + i, e);
             s = _mm256_add_ps(s, e);
         }
-        const __m256 inv = _mm256_set1_ps(1.f / hsum8(s));
+        const float sum = hsum8(s);
+        const __m256 inv = _mm256_set1_ps(1.f / sum);
         for (int64_t i = 0; i < ld; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
-        return;
+        return _mm256_cvtss_f32(mx) + std::log(sum);
     }
 #endif
     float mx = -INFINITY;
@@ -317,6 +320,7 @@ inline void softmax_inplace(float* x, int64_t n, int64_t ld) {
         sum += x[i];
     }
     for (int64_t i = 0; i < n; ++i) x[i] /= sum;
+    return mx + std::log(sum);
 }
 
 
@@ -754,7 +758,7 @@ inline __m512 hsum16(const __m512* v) {
 template <int NC>
 void decode_task_bf16(const float* qd, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int block_size,
                       int64_t begin, int64_t end, int KvH, int G, int h0, int h1, float scale, int ahead_n, std::vector<float>& scores,
-                      std::vector<float>& buf, float* outd) {
+                      std::vector<float>& buf, float* outd, float* lse) {
     constexpr int hd = 32 * NC;
     const int nq = (h1 - h0) * G;
     const int64_t n = end - begin;
@@ -829,7 +833,10 @@ void decode_task_bf16(const float* qd, const uint16_t* k_cache, const uint16_t* 
                                       _mm512_mul_ps(hsum16(part + qh * 16), sc));
             }
         });
-    for (int qh = 0; qh < nq; ++qh) softmax_inplace(scores.data() + qh * ldn, n, ldn);
+    for (int qh = 0; qh < nq; ++qh) {
+        const float l = softmax_inplace(scores.data() + qh * ldn, n, ldn);
+        if (lse != nullptr) lse[qh] = l;
+    }
     // Pass 2: out_qh = sum_p scores[qh, p] * v_p.
     for (int j = 0; j < nq * 2 * NC; ++j) acc[j] = _mm512_setzero_ps();
     walk(
@@ -856,7 +863,7 @@ void decode_task_bf16(const float* qd, const uint16_t* k_cache, const uint16_t* 
 }
 
 using DecodeTask = void (*)(const float*, const uint16_t*, const uint16_t*, const int64_t*, int, int64_t, int64_t, int, int, int, int, float,
-                            int, std::vector<float>&, std::vector<float>&, float*);
+                            int, std::vector<float>&, std::vector<float>&, float*, float*);
 inline DecodeTask decode_task_for(int hd) {
     switch (hd) {
         case 32: return decode_task_bf16<1>;
@@ -884,7 +891,7 @@ inline __m256 hsum8x8(const __m256* v) {
 template <int NC>
 void decode_task_avx2(const float* qd, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int block_size,
                       int64_t begin, int64_t end, int KvH, int G, int h0, int h1, float scale, int ahead_n, std::vector<float>& scores,
-                      std::vector<float>& buf, float* outd) {
+                      std::vector<float>& buf, float* outd, float* lse) {
     constexpr int hd = 16 * NC;
     const int nq = (h1 - h0) * G;
     const int64_t n = end - begin;
@@ -957,7 +964,10 @@ void decode_task_avx2(const float* qd, const uint16_t* k_cache, const uint16_t* 
                 std::memcpy(scores.data() + qh * ldn + (i & ~int64_t(7)), r8, sizeof(float) * valid);
             }
         });
-    for (int qh = 0; qh < nq; ++qh) softmax_inplace(scores.data() + qh * ldn, n, ldn);
+    for (int qh = 0; qh < nq; ++qh) {
+        const float l = softmax_inplace(scores.data() + qh * ldn, n, ldn);
+        if (lse != nullptr) lse[qh] = l;
+    }
     // Pass 2: out_qh = sum_p scores[qh, p] * v_p.
     for (int j = 0; j < nq * 2 * NC; ++j) acc[j] = _mm256_setzero_ps();
     walk(
@@ -984,7 +994,7 @@ void decode_task_avx2(const float* qd, const uint16_t* k_cache, const uint16_t* 
 }
 
 using DecodeTask = void (*)(const float*, const uint16_t*, const uint16_t*, const int64_t*, int, int64_t, int64_t, int, int, int, int, float,
-                            int, std::vector<float>&, std::vector<float>&, float*);
+                            int, std::vector<float>&, std::vector<float>&, float*, float*);
 inline DecodeTask decode_task_for(int hd) {
     switch (hd) {
         case 16: return decode_task_avx2<1>;
@@ -2662,10 +2672,13 @@ void argmax_f32(const float* x, int rows, int n, int64_t* out) {
 // A task is one sequence and a range of its KV heads (the whole range unless there are too few
 // sequences to keep every thread busy): it walks the sequence's slots in order, and a slot's
 // heads are adjacent in memory, so the task reads its cache rows as contiguous runs instead of
-// one head's 128-byte piece every 1.5 KB. Pass 1 computes every score, then a vectorised softmax
+// one head's 128-byte piece every 1.5 KB. With fewer sequences than threads a task is instead
+// every head over a part of one sequence's keys (whole rows, read at about the memory's rate
+// where half rows were not: docs/SPEED.md, "Fewer sequences than threads split their keys"). Pass 1 computes every score, then a vectorised softmax
 // per query head, then pass 2 accumulates the V rows.
 // With side_P (a pair-packed weight [side_N, side_K], or null) each thread also prefetches its
 // share of side_P into L2 over the positions it visits (SidePrefetch; decode_layer's).
+constexpr int KSPLIT_MIN_KEYS = 32;  // keys a part at least, where decode_attention splits them
 static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
                              const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts, void* out, int D, int H, int KvH,
                              int hd, int block_size, int max_blocks, float scale, int ahead, const uint16_t* side_P, int side_N,
@@ -2684,14 +2697,35 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
     int splits = 1;
     while (splits < KvH && (D * splits < threads || (D * splits) % threads != 0) && D * splits < 4 * threads) splits *= 2;
     if (splits > KvH) splits = KvH;
+    // With fewer sequences than threads, split the keys instead: each task reads whole cache
+    // rows (every head) over its part of the positions, and the parts' softmaxes are merged by
+    // their log-sum-exps after the loop.
+    int ksplits = 1;
+    if (D < threads) {
+        int64_t shortest = INT64_MAX;
+        for (int d = 0; d < D; ++d) shortest = std::min<int64_t>(shortest, ctx_lens[d] - starts[d]);
+        const int want = threads / D;
+        if (want > 1 && shortest >= static_cast<int64_t>(want) * KSPLIT_MIN_KEYS) {
+            ksplits = want;
+            splits = 1;
+        }
+    }
     const int per = (KvH + splits - 1) / splits;
-    const int tasks = D * splits;
+    const int tasks = D * splits * ksplits;
+    // ksplits > 1: each task's output and log-sum-exps, merged into out after the loop
+    static thread_local std::vector<float> part_out_buf, part_lse_buf;  // the calling thread's
+    if (ksplits > 1) {
+        part_out_buf.resize(static_cast<size_t>(tasks) * H * hd);
+        part_lse_buf.resize(static_cast<size_t>(tasks) * H);
+    }
+    float* const part_out = part_out_buf.data();
+    float* const part_lse = part_lse_buf.data();
 #if defined(__AVX512F__) || defined(ITERSERVE_AVX2)
     const DecodeTask fast = cache_f32 ? nullptr : decode_task_for(hd);
 #endif
     int64_t visits = 0;  // about how many positions a thread visits (both passes)
     if (side_P != nullptr) {
-        for (int d = 0; d < D; ++d) visits += 2 * (ctx_lens[d] - starts[d]) * splits;
+        for (int d = 0; d < D; ++d) visits += 2 * (ctx_lens[d] - starts[d]) * splits;  // ksplits share the keys
         visits = visits / threads + 1;
     }
 #pragma omp parallel
@@ -2711,29 +2745,49 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
         // none: fewer tasks than threads) while the others finish
 #pragma omp for schedule(dynamic, 1) nowait
         for (int t = 0; t < tasks; ++t) {
-            const int d = t / splits;
-            const int h0 = (t % splits) * per;
+            const int d = t / (splits * ksplits);
+            const int ks = t % ksplits;
+            const int h0 = (t / ksplits % splits) * per;
             const int h1 = h0 + per < KvH ? h0 + per : KvH;
             if (h0 >= h1) continue;
             const int nq = (h1 - h0) * G;  // query heads in this task
-            const int64_t begin = starts[d], end = ctx_lens[d];
+            int64_t begin = starts[d], end = ctx_lens[d];
+            if (ksplits > 1) {  // part ks of the keys, its bounds on whole blocks where they fit
+                const int64_t len = end - begin, b0 = begin;
+                const auto bound = [&](int k) {
+                    int64_t at = b0 + len * k / ksplits;
+                    const int64_t rounded = at / block_size * block_size;
+                    return rounded > b0 ? rounded : at;
+                };
+                begin = ks == 0 ? b0 : bound(ks);
+                end = ks == ksplits - 1 ? b0 + len : bound(ks + 1);
+            }
             const int64_t n = end - begin;
             qbuf.resize(static_cast<size_t>(nq) * hd);
             load_row(q, io_f32, static_cast<int64_t>(d) * q_row_stride + static_cast<int64_t>(h0) * G * hd, nq * hd, qbuf.data());
             const float* qd = qbuf.data();
             const int64_t od = (static_cast<int64_t>(d) * H + static_cast<int64_t>(h0) * G) * hd;  // out offset
             const int64_t* bt = block_tables + static_cast<int64_t>(d) * max_blocks;
+            float* lse = ksplits > 1 ? part_lse + static_cast<int64_t>(t) * H : nullptr;
             if (n <= 0) {
                 acc.assign(static_cast<size_t>(nq) * hd, 0.f);
-                store_row(out, io_f32, od, nq * hd, acc.data());
+                if (lse != nullptr) {
+                    std::fill(lse, lse + nq, -INFINITY);
+                    std::copy(acc.begin(), acc.end(), part_out + static_cast<int64_t>(t) * H * hd);
+                } else {
+                    store_row(out, io_f32, od, nq * hd, acc.data());
+                }
                 continue;
             }
 #if defined(__AVX512F__) || defined(ITERSERVE_AVX2)
             if (fast) {
                 acc.resize(static_cast<size_t>(nq) * hd);
                 fast(qd, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache), bt, block_size, begin, end, KvH, G, h0, h1,
-                     scale, ahead, scores, vbuf, acc.data());
-                store_row(out, io_f32, od, nq * hd, acc.data());
+                     scale, ahead, scores, vbuf, acc.data(), lse);
+                if (lse != nullptr)
+                    std::copy(acc.begin(), acc.end(), part_out + static_cast<int64_t>(t) * H * hd);
+                else
+                    store_row(out, io_f32, od, nq * hd, acc.data());
                 continue;
             }
 #endif
@@ -2755,19 +2809,44 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
             walk(k_cache, [&](int64_t i, int qh) {
                 scores[qh * ldn + i] = dot(qd + static_cast<int64_t>(qh) * hd, row.data(), hd) * scale;
             });
-            for (int qh = 0; qh < nq; ++qh) softmax_inplace(scores.data() + qh * ldn, n, ldn);
+            for (int qh = 0; qh < nq; ++qh) {
+                const float l = softmax_inplace(scores.data() + qh * ldn, n, ldn);
+                if (lse != nullptr) lse[qh] = l;
+            }
             // Pass 2: out_qh = sum_p scores[qh, p] * v_p.
             acc.assign(static_cast<size_t>(nq) * hd, 0.f);
             walk(v_cache, [&](int64_t i, int qh) {
                 axpy(scores[qh * ldn + i], row.data(), acc.data() + static_cast<int64_t>(qh) * hd, hd);
             });
-            store_row(out, io_f32, od, nq * hd, acc.data());
+            if (lse != nullptr)
+                std::copy(acc.begin(), acc.end(), part_out + static_cast<int64_t>(t) * H * hd);
+            else
+                store_row(out, io_f32, od, nq * hd, acc.data());
         }
         if (t_side.left > 0) {
             t_side.lines = static_cast<int>(t_side.left / 64 + 1);
             t_side.step();
         }
         t_side = SidePrefetch{};
+    }
+    if (ksplits > 1) {  // out = sum over parts of exp(lse_part - lse_all) * out_part, per head
+        std::vector<float> merged(static_cast<size_t>(H) * hd);
+        for (int d = 0; d < D; ++d) {
+            const int64_t t0 = static_cast<int64_t>(d) * ksplits;
+            for (int qh = 0; qh < H; ++qh) {
+                float m = -INFINITY;
+                for (int k = 0; k < ksplits; ++k) m = std::fmax(m, part_lse[(t0 + k) * H + qh]);
+                float z = 0.f;
+                for (int k = 0; k < ksplits; ++k) z += std::exp(part_lse[(t0 + k) * H + qh] - m);
+                float* o = merged.data() + static_cast<int64_t>(qh) * hd;
+                std::fill(o, o + hd, 0.f);
+                for (int k = 0; k < ksplits; ++k) {
+                    const float w = std::exp(part_lse[(t0 + k) * H + qh] - m) / z;
+                    if (w > 0.f) axpy(w, part_out + ((t0 + k) * H + qh) * hd, o, hd);
+                }
+            }
+            store_row(out, io_f32, static_cast<int64_t>(d) * H * hd, H * hd, merged.data());
+        }
     }
 }
 // The library's entry point: decode_attention without a side prefetch.

@@ -215,6 +215,18 @@ def stream_options(c: Ctx, ep: str) -> None:
     events = parse_sse(c.raw(ep, stream=True, stream_options=every).text)[:-1]
     prompt = c.greedy(ep)["usage"]["prompt_tokens"]
     assert all(e["usage"]["prompt_tokens"] == prompt for e in events), events[0]
+    # continuous_usage_stats alone asks for usage (include_usage unset), as vLLM reads it
+    alone = parse_sse(
+        c.raw(ep, stream=True, stream_options={"continuous_usage_stats": True}).text
+    )[:-1]
+    assert all(e["usage"]["prompt_tokens"] == prompt for e in alone), alone[0]
+    assert alone[-1]["usage"]["completion_tokens"] == MAX
+    # an empty object or include_usage unset: no usage (OpenAI's default)
+    for so in ({}, {"continuous_usage_stats": False}):
+        quiet = parse_sse(c.raw(ep, stream=True, stream_options=so).text)[:-1]
+        assert all(e.get("usage") is None for e in quiet), (so, quiet[-1])
+    no = {"include_usage": False, "continuous_usage_stats": True}  # contradictory: refused
+    c.refused(ep, "stream_options", stream=True, stream_options=no)
 
 
 def stream_token_ids(c: Ctx, ep: str) -> None:

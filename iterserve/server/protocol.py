@@ -43,8 +43,16 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool | None = False
+    # unset: false (OpenAI's default), unless continuous_usage_stats asks for usage per chunk
+    include_usage: bool | None = None
     continuous_usage_stats: bool | None = False
+
+    @property
+    def usage(self) -> bool:
+        """Whether a usage chunk ends the stream."""
+        if self.include_usage is None:
+            return bool(self.continuous_usage_stats)
+        return self.include_usage
 
 
 def _or(value: Any, default: Any) -> Any:

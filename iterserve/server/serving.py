@@ -258,6 +258,13 @@ class Serving:
             raise bad_request(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
+        so = req.stream_options
+        if so is not None and so.include_usage is False and so.continuous_usage_stats:
+            raise bad_request(
+                "stream_options.continuous_usage_stats needs usage: drop include_usage: false "
+                "or continuous_usage_stats",
+                param="stream_options",
+            )
         if req.prompt_logprobs is not None and req.stream:
             raise bad_request(
                 "prompt_logprobs cannot be streamed (as in vLLM); drop stream or "
@@ -1118,8 +1125,8 @@ class _Format:
         self.completion_tokens: dict[int, int] = {}
         self.finished: set[int] = set()
         so = req.stream_options
-        self.include_usage = bool(so and so.include_usage)
-        self.continuous_usage = bool(so and so.include_usage and so.continuous_usage_stats)
+        self.include_usage = bool(so and so.usage)
+        self.continuous_usage = bool(so and so.usage and so.continuous_usage_stats)
 
     def name_after(self, streams: list[RequestStream]) -> None:
         """Without a client request_id the response takes the engine's id (``cmpl-<hex>``,

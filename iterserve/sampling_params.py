@@ -61,6 +61,8 @@ _INTEGERS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prom
 NO_TOKEN_ALLOWED = "sampling:"
 
 
+_F32_TINY = 1.1754943508222875e-38  # float32's smallest normal (torch.finfo)
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (field names follow vLLM / OpenAI).
@@ -114,6 +116,9 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = _token_bias(self.logit_bias)
         self._validate()
+        # The sampler compares top_p in float32, where one under its smallest normal is 0 and
+        # cut even the top token (token 0 came out); any top_p that small keeps just the top.
+        self.top_p = max(self.top_p, _F32_TINY)
 
     def _validate(self) -> None:
         def bad(name: str, rule: str) -> ValueError:

@@ -411,6 +411,23 @@ def test_sampled_tokens_follow_the_distribution(with_kernels: bool) -> None:
     assert picked[:2000] == [17] * 2000 and picked[2000:] == top
 
 
+@pytest.mark.parametrize("with_kernels", [True, False])
+def test_a_top_p_too_small_for_float32_keeps_the_top_token(with_kernels: bool) -> None:
+    """A top_p under float32's smallest normal (0 in the sampler's dtype, where it cut every
+    token and token 0 came out) keeps the top token alone, as any top_p that small does:
+    alone, after top-k and after min-p."""
+    kern = kernels.load() if with_kernels else None
+    if with_kernels and kern is None:
+        pytest.skip("no C++ compiler: the kernels' paths cannot be built here")
+    logits = _logits(6)
+    top = logits.argmax(-1).tolist()
+    assert 0 not in top  # so token 0 cannot pass for the top token
+    for extra in ({}, {"top_k": 5}, {"min_p": 0.1}):
+        for tp in (5e-324, 1e-300, 1e-46):
+            rows = [_row(SamplingParams(temperature=1.0, top_p=tp, **extra)) for _ in range(6)]
+            assert sample(logits.clone(), rows, kern)[0] == top, (extra, tp)
+
+
 def _reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The filtered distribution by torch's ops (``_filter``: temperature, then min-p, then
     top-k and top-p over the whole sorted row), the GPU path's, as probabilities [rows,

@@ -63,6 +63,7 @@ NO_TOKEN_ALLOWED = "sampling:"
 
 _F32_TINY = 1.1754943508222875e-38  # float32's smallest normal (torch.finfo)
 
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (field names follow vLLM / OpenAI).

@@ -216,9 +216,8 @@ def stream_options(c: Ctx, ep: str) -> None:
     prompt = c.greedy(ep)["usage"]["prompt_tokens"]
     assert all(e["usage"]["prompt_tokens"] == prompt for e in events), events[0]
     # continuous_usage_stats alone asks for usage (include_usage unset), as vLLM reads it
-    alone = parse_sse(
-        c.raw(ep, stream=True, stream_options={"continuous_usage_stats": True}).text
-    )[:-1]
+    so_alone = {"continuous_usage_stats": True}
+    alone = parse_sse(c.raw(ep, stream=True, stream_options=so_alone).text)[:-1]
     assert all(e["usage"]["prompt_tokens"] == prompt for e in alone), alone[0]
     assert alone[-1]["usage"]["completion_tokens"] == MAX
     # an empty object or include_usage unset: no usage (OpenAI's default)

@@ -615,13 +615,14 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["native", "avx2"])
-def test_decode_kernel_splits_the_keys_of_fewer_sequences_than_threads(
+def test_decode_kernel_splits_the_keys_where_threads_would_idle(
     cache_dtype: torch.dtype, variant: str
 ) -> None:
-    """With fewer sequences than threads the decode kernel splits each one's keys between the
-    threads and merges the parts' softmaxes: one sequence (or two on 4 threads) equals SDPA
-    over its window on 1-4 threads, with GQA, a window starting mid-block, parts ending
-    mid-block, and contexts too short to split (under 32 keys a part)."""
+    """Where the sequences alone would leave threads idle (fewer sequences than threads, or a
+    count the threads do not divide) the decode kernel splits each one's keys and merges the
+    parts' softmaxes: 1-3 sequences equal SDPA over their windows on 1-4 threads, with GQA, a
+    window starting mid-block, parts ending mid-block, and contexts too short to split (under
+    32 keys a part: the heads are split)."""
     from iterserve.model import kernels
     from tests.test_kernels import avx2_kernels
 
@@ -640,7 +641,7 @@ def test_decode_kernel_splits_the_keys_of_fewer_sequences_than_threads(
             nblocks = ctx // bs + 8
             k_cache = (torch.randn(nblocks * bs, kvh, hd) * 2).to(cache_dtype)
             v_cache = torch.randn(nblocks * bs, kvh, hd).to(cache_dtype)
-            for D in (1, 2):
+            for D in (1, 2, 3):
                 tables = torch.stack([torch.randperm(nblocks)[: -(-ctx // bs)] for _ in range(D)])
                 q = torch.randn(D, kvh * G, hd)
                 ref = []

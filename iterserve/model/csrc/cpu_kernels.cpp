@@ -2690,25 +2690,24 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
 #if defined(_OPENMP)
     threads = omp_get_max_threads();
 #endif
-    // Split the heads only until every thread gets as many tasks as the others (at most 4
-    // each): a task reads its heads' part of every cache row, and fewer, wider tasks read longer
-    // runs of it (one sequence of 12 heads at 150 keys, cold: 2 tasks of 6 heads took 21 us a
-    // layer, 6 tasks of 2 heads 30; docs/SPEED.md, "One call per layer for decode steps").
-    int splits = 1;
-    while (splits < KvH && (D * splits < threads || (D * splits) % threads != 0) && D * splits < 4 * threads) splits *= 2;
-    if (splits > KvH) splits = KvH;
-    // With fewer sequences than threads, split the keys instead: each task reads whole cache
-    // rows (every head) over its part of the positions, and the parts' softmaxes are merged by
-    // their log-sum-exps after the loop.
-    int ksplits = 1;
-    if (D < threads) {
+    // Split each sequence only until every thread gets as many tasks as the others (at most 4
+    // each), and then its keys where every part gets KSPLIT_MIN_KEYS: a task reads whole cache
+    // rows over its part of the keys, and the parts' softmaxes are merged by their log-sum-exps
+    // after the loop. Shorter sequences split their heads: a task reads its heads' part of every
+    // row, fewer, wider tasks reading longer runs of it (one sequence of 12 heads at 150 keys,
+    // cold: 2 tasks of 6 heads took 21 us a layer, 6 tasks of 2 heads 30; docs/SPEED.md, "One
+    // call per layer for decode steps"), whole rows longer still ("Fewer sequences than threads
+    // split their keys").
+    int parts = 1;
+    while ((D * parts < threads || (D * parts) % threads != 0) && D * parts < 4 * threads) parts *= 2;
+    int splits = 1, ksplits = 1;
+    if (parts > 1) {
         int64_t shortest = INT64_MAX;
         for (int d = 0; d < D; ++d) shortest = std::min<int64_t>(shortest, ctx_lens[d] - starts[d]);
-        const int want = threads / D;
-        if (want > 1 && shortest >= static_cast<int64_t>(want) * KSPLIT_MIN_KEYS) {
-            ksplits = want;
-            splits = 1;
-        }
+        if (shortest >= static_cast<int64_t>(parts) * KSPLIT_MIN_KEYS)
+            ksplits = parts;
+        else
+            splits = std::min(parts, KvH);
     }
     const int per = (KvH + splits - 1) / splits;
     const int tasks = D * splits * ksplits;

@@ -665,6 +665,23 @@ def test_decode_kernel_splits_the_keys_where_threads_would_idle(
                         torch.tensor([start] * D), bs,
                     )  # fmt: skip
                     close(out, torch.stack(ref), atol=1e-5)
+        # a NaN query head gives NaN on any thread count (the merge once turned it into 0s)
+        hd, kvh, bs, ctx = 64, 2, 16, 256
+        k_cache = torch.randn(ctx, kvh, hd).to(cache_dtype)
+        v_cache = torch.randn(ctx, kvh, hd).to(cache_dtype)
+        tables = torch.arange(ctx // bs).view(1, -1)
+        q = torch.randn(1, kvh, hd)
+        q[0, 0, 3] = float("nan")
+        for nt in (1, 2, 4):
+            torch.set_num_threads(nt)
+            args = (k_cache, v_cache, tables, torch.tensor([ctx]), torch.tensor([0]), bs)
+            out = kern.paged_decode_attention(q, *args)
+            assert bool(out[0, 0].isnan().all()) and not bool(out[0, 1].isnan().any()), nt
+            # no sequences at all: an empty answer (the split's loop once never ended)
+            none = kern.paged_decode_attention(q[:0], k_cache, v_cache, tables[:0],
+                                               torch.tensor([], dtype=torch.int64),
+                                               torch.tensor([], dtype=torch.int64), bs)  # fmt: skip
+            assert none.shape == (0, kvh, hd)
     finally:
         torch.set_num_threads(threads)
 

@@ -2699,7 +2699,7 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
     // call per layer for decode steps"), whole rows longer still ("Fewer sequences than threads
     // split their keys").
     int parts = 1;
-    while ((D * parts < threads || (D * parts) % threads != 0) && D * parts < 4 * threads) parts *= 2;
+    while (D > 0 && (D * parts < threads || (D * parts) % threads != 0) && D * parts < 4 * threads) parts *= 2;
     int splits = 1, ksplits = 1;
     if (parts > 1) {
         int64_t shortest = INT64_MAX;
@@ -2753,10 +2753,11 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
             int64_t begin = starts[d], end = ctx_lens[d];
             if (ksplits > 1) {  // part ks of the keys, its bounds on whole blocks where they fit
                 const int64_t len = end - begin, b0 = begin;
+                const bool whole = static_cast<int64_t>(block_size) * ksplits <= len;  // else uneven parts
                 const auto bound = [&](int k) {
                     int64_t at = b0 + len * k / ksplits;
                     const int64_t rounded = at / block_size * block_size;
-                    return rounded > b0 ? rounded : at;
+                    return whole && rounded > b0 ? rounded : at;
                 };
                 begin = ks == 0 ? b0 : bound(ks);
                 end = ks == ksplits - 1 ? b0 + len : bound(ks + 1);
@@ -2841,7 +2842,7 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
                 std::fill(o, o + hd, 0.f);
                 for (int k = 0; k < ksplits; ++k) {
                     const float w = std::exp(part_lse[(t0 + k) * H + qh] - m) / z;
-                    if (w > 0.f) axpy(w, part_out + ((t0 + k) * H + qh) * hd, o, hd);
+                    if (w != 0.f) axpy(w, part_out + ((t0 + k) * H + qh) * hd, o, hd);  // NaN stays NaN
                 }
             }
             store_row(out, io_f32, static_cast<int64_t>(d) * H * hd, H * hd, merged.data());

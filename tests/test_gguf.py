@@ -42,7 +42,9 @@ def _hf_greedy(gguf_path: str, prompts: list[list[int]], max_tokens: int) -> lis
 
     folder, name = os.path.split(gguf_path)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    # eos_token_id None: ignore_eos on our side, so HF must not stop at any EOS id either.
+    # ignore_eos on our side, so HF must not stop at any EOS id either: on the model's own
+    # generation config (generate merges it in, so None in the one passed was not enough).
+    model.generation_config.eos_token_id = None
     greedy = GenerationConfig(
         max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
     )

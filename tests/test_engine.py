@@ -284,6 +284,66 @@ def test_errors_are_clear(llm: LLM) -> None:
     assert llm.generate("ok", SamplingParams(max_tokens=2))[0].finished
 
 
+def test_generate_takes_vllms_forms_and_refuses_what_it_would_ignore(llm: LLM) -> None:
+    """vLLM scripts' calls: prompt dicts (one, or a list; a dict was once split into its keys
+    and each key generated as text), ``sampling_params=``, ``use_tqdm``, ``get_tokenizer()``,
+    ``llm_engine``, ``tensor_parallel_size=1``; priorities and SLO targets the policy would
+    not read are refused, as the server refuses them; a second thread's generate at once is
+    refused (it took the first one's outputs and failed its step)."""
+    import threading
+
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    ids = llm.tokenizer.encode("Hello there")
+    want = llm.generate("Hello there", sp)[0].outputs[0].token_ids
+    for prompt in ({"prompt": "Hello there"}, {"prompt_token_ids": ids}):
+        for form in (prompt, [prompt]):
+            outs = llm.generate(form, sampling_params=sp, use_tqdm=True)
+            assert len(outs) == 1 and outs[0].outputs[0].token_ids == want, form
+            assert outs[0].prompt_token_ids == ids
+    for bad in ({"prompt": "a", "prompt_token_ids": [1]}, {"prompt": "a", "multi_modal_data": {}}):
+        with pytest.raises(ValueError, match="exactly one of 'prompt'"):
+            llm.generate(bad, sp)
+    with pytest.raises(ValueError, match="not both"):
+        llm.generate("a", sp, sampling_params=sp)
+    assert llm.get_tokenizer() is llm.tokenizer and llm.llm_engine is llm.engine
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        LLM("tiny-random", tensor_parallel_size=2)
+    # the default policy reads neither priorities nor SLO targets
+    for kw, name in (
+        ({"priorities": [3]}, "priorities"),
+        ({"slo_ttft_s": 0.5}, "slo_ttft_s"),
+        ({"slo_tpot_s": [0.1]}, "slo_tpot_s"),
+    ):
+        with pytest.raises(ValueError, match=rf"{name} would change nothing.*'continuous'"):
+            llm.generate(["a"], sp, **kw)  # type: ignore[arg-type]
+    assert llm.generate(["a"], sp, priorities=[0])[0].finished  # 0 is every request's
+    prio = LLM("tiny-random", dtype="float32", policy="priority")
+    assert prio.generate(["a", "b"], sp, priorities=[5, -3])[1].finished
+    # one generate at a time: a second thread's call is refused, the first one's outputs kept
+    started, release = threading.Event(), threading.Event()
+    step = llm.engine.step
+
+    def slow_step() -> Any:
+        started.set()
+        release.wait(10)
+        return step()
+
+    llm.engine.step = slow_step  # type: ignore[method-assign]
+    got: list[Any] = []
+    first = threading.Thread(target=lambda: got.append(llm.generate(["a"] * 3, sp)))
+    first.start()
+    try:
+        assert started.wait(10)
+        with pytest.raises(RuntimeError, match="already running on this LLM"):
+            llm.generate(["b"], sp)
+    finally:
+        release.set()
+        first.join(30)
+        del llm.engine.step
+    assert [o.outputs[0].finish_reason for o in got[0]] == ["length"] * 3
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_prompt_that_can_never_fit_the_pool_is_rejected() -> None:
     small = LLM("tiny-random", block_size=4, num_kv_blocks=4)
     with pytest.raises(ValueError, match="KV-cache blocks"):

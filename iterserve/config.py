@@ -379,6 +379,12 @@ class EngineArgs:
         return cls(**cli_kwargs(cls, ns, **overrides))
 
     def replace(self, **changes: Any) -> EngineArgs:
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:  # a vLLM script's knobs (trust_remote_code, swap_space, ...) among them
+            raise ValueError(
+                f"unknown engine argument(s) {', '.join(unknown)}: iterserve's are the "
+                "EngineArgs fields (iterserve/config.py; `iterserve serve --help` lists them)"
+            )
         return dataclasses.replace(self, **changes)
 
 

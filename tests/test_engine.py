@@ -308,6 +308,8 @@ def test_generate_takes_vllms_forms_and_refuses_what_it_would_ignore(llm: LLM) -
     assert llm.get_tokenizer() is llm.tokenizer and llm.llm_engine is llm.engine
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
         LLM("tiny-random", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="unknown engine argument.*swap_space, trust_remote"):
+        LLM("tiny-random", trust_remote_code=True, swap_space=4)  # was a bare TypeError
     # the default policy reads neither priorities nor SLO targets
     for kw, name in (
         ({"priorities": [3]}, "priorities"),

@@ -438,7 +438,7 @@ def test_throughput_capacity_is_the_closed_form_rate_of_a_linear_cost(
     ]
     cap = find_throughput_capacity(specs, lambda s, stop: sim.run(s, stop=stop))
     assert cap.max_rate == pytest.approx(seqs / wave_s, rel=1e-9)
-    base_rate = (len(specs) - 1) / specs[-1].arrival_time
+    base_rate = (len(specs) - 1) / (specs[-1].arrival_time - specs[0].arrival_time)
     assert cap.max_scale == pytest.approx(cap.max_rate / base_rate)
     assert cap.completed % seqs == 0 and cap.completed > 0  # whole waves only
 

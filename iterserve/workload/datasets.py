@@ -340,22 +340,23 @@ def token_id_range(vocab_size: int) -> tuple[int, int]:
 
 
 def synth_arrivals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
-    """Arrival times (s) of ``n`` requests at ``rate`` req/s: gamma-distributed gaps with shape
-    ``burstiness`` (1 = Poisson; infinite: every gap 1/rate, as vLLM's), the first request at
-    0, rescaled so that the gaps' mean is exactly 1/rate, as vLLM's ``bench serve`` rescales
-    its schedule. Unscaled, one seeded draw's sum strayed from its mean by 5% at 200-300
-    requests and by 31-35% at 50-100, so a sweep offered its named rates that much faster."""
-    if math.isinf(rate) or n < 2:
+    """Arrival times (s) of ``n`` requests at ``rate`` req/s, as vLLM's ``bench serve`` draws
+    its schedule: n gamma-distributed gaps with shape ``burstiness`` (1 = Poisson; infinite:
+    every gap 1/rate), the first one before the first request, rescaled so that the last
+    request arrives at exactly n / rate. Unscaled, one seeded draw's sum strayed from its mean
+    by 5% at 200-300 requests and by 31-35% at 50-100, so a sweep offered its named rates that
+    much faster; with the first request at 0 and the last at (n - 1) / rate, a light load's
+    achieved rate read up to n / (n - 1) times vLLM's."""
+    if math.isinf(rate) or n < 1:
         return [0.0] * n
     if math.isinf(burstiness):
-        gaps = np.full(n - 1, 1.0 / rate)
+        gaps = np.full(n, 1.0 / rate)
     else:
-        # n draws, the last unused: the same stream as the unscaled schedule drew
-        gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)[:-1]
+        gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
         total = gaps.sum()
         if total > 0 and math.isfinite(total):  # a tiny burstiness can draw only zeros
-            gaps *= (n - 1) / rate / total
-    return [0.0, *(float(a) for a in np.cumsum(gaps))]
+            gaps *= n / rate / total
+    return [float(a) for a in np.cumsum(gaps)]
 
 
 class _MooncakePrompts:

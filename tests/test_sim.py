@@ -789,8 +789,14 @@ def test_cli_refuses_an_empty_trace_and_infinite_knobs(
     for args, msg in cases:
         assert simulate_main([*base, *args]) == 2, args
         assert msg in capsys.readouterr().err, args
-    with pytest.raises(ValueError, match="burstiness must be > 0 and finite"):
-        WorkloadConfig(request_rate=1.0, burstiness=math.inf)
+    # infinite burstiness is vLLM's constant rate (it once hung nothing: the gaps are 1 / rate)
+    steady = WorkloadConfig(request_rate=2.0, burstiness=math.inf, num_prompts=4)
+    assert steady.arrivals == "constant"
+    specs, _ = build_workload(steady, vocab_size=1000, max_model_len=2048)
+    assert [s.arrival_time for s in specs] == [0.5, 1.0, 1.5, 2.0]
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="burstiness must be > 0"):
+            WorkloadConfig(request_rate=1.0, burstiness=bad)
 
 
 def test_cli_step_files_go_where_asked_whatever_the_folder_names(tmp_path: Path) -> None:

@@ -214,9 +214,9 @@ class WorkloadConfig:
             raise ValueError(f"random_range_ratio must be in [0, 1), got {self.random_range_ratio}")
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
-        if not 0 < self.burstiness < math.inf:
+        if not self.burstiness > 0:  # inf: constant gaps of 1 / rate, as vLLM's
             raise ValueError(
-                f"burstiness must be > 0 and finite (1 = Poisson), got {self.burstiness}"
+                f"burstiness must be > 0 (1 = Poisson, inf = constant rate), got {self.burstiness}"
             )
         if not 0 < self.time_scale < math.inf:
             raise ValueError(f"time_scale must be > 0 and finite, got {self.time_scale}")
@@ -256,6 +256,8 @@ class WorkloadConfig:
             return "trace" if self.dataset in TIMED_DATASETS else "all-at-once"
         if math.isinf(self.request_rate):
             return "all-at-once"
+        if math.isinf(self.burstiness):
+            return "constant"
         return "poisson" if self.burstiness == 1.0 else "gamma"
 
     @classmethod
@@ -283,7 +285,7 @@ _FLAG_HELP = {
     "random_range_ratio": "random dataset: lengths uniform in [L*(1-r), L*(1+r)]",
     "request_rate": "requests/s with Poisson (or gamma) arrivals; 'inf' = all at once; "
     "default: the trace's own arrival times, or all at once for untimed datasets",
-    "burstiness": "gamma shape of inter-arrival times (1 = Poisson, <1 burstier)",
+    "burstiness": "gamma shape of inter-arrival times (1 = Poisson, <1 burstier, inf constant)",
     "time_scale": "multiply trace arrival times by this (2 = half the rate)",
     "length_scale": "multiply trace prompt and output lengths by this (fit a small model)",
     "seed": "seed of the workload (lengths, prompt tokens, arrival times)",

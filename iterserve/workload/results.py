@@ -3,9 +3,14 @@
     {"format": "iterserve-bench/1", "kind": "serve" | "offline" | "sweep" | ...,
      "created": ISO time, "config": {...}, "workload": {...},
      "runs": [{"label", "policy", "request_rate", "summary", "requests": [RequestTiming...],
-               "steps", "steps_file", ...}, ...]}
+               ...}, ...]}
 
 ``request_rate`` is a number, the string ``"inf"`` (all at once) or ``null`` (trace times).
+``summary`` holds the run's metrics (``num_steps`` among them). Beside those, a run of the
+engine in this process (offline, sweep) or of the simulator has ``engine_args``,
+``engine_stats``, ``clock_start`` (the step records' clock at its start: 0.0 simulated) and,
+with ``--record-steps``, ``steps_file`` (a simulated cluster's ``steps_files``, one a replica);
+a ``bench serve`` run has ``base_url`` and ``model``.
 """
 
 from __future__ import annotations

@@ -284,7 +284,9 @@ def test_errors_are_clear(llm: LLM) -> None:
     assert llm.generate("ok", SamplingParams(max_tokens=2))[0].finished
 
 
-def test_generate_takes_vllms_forms_and_refuses_what_it_would_ignore(llm: LLM) -> None:
+def test_generate_takes_vllms_forms_and_refuses_what_it_would_ignore(
+    llm: LLM, capfd: pytest.CaptureFixture[str]
+) -> None:
     """vLLM scripts' calls: prompt dicts (one, or a list; a dict was once split into its keys
     and each key generated as text), ``sampling_params=``, ``use_tqdm``, ``get_tokenizer()``,
     ``llm_engine``, ``tensor_parallel_size=1``; priorities and SLO targets the policy would
@@ -300,6 +302,8 @@ def test_generate_takes_vllms_forms_and_refuses_what_it_would_ignore(llm: LLM) -
             outs = llm.generate(form, sampling_params=sp, use_tqdm=True)
             assert len(outs) == 1 and outs[0].outputs[0].token_ids == want, form
             assert outs[0].prompt_token_ids == ids
+            out, err = capfd.readouterr()  # the bar goes to stderr: stdout stays the script's
+            assert "Processed prompts" not in out and "Processed prompts" in err
     for bad in ({"prompt": "a", "prompt_token_ids": [1]}, {"prompt": "a", "multi_modal_data": {}}):
         with pytest.raises(ValueError, match="exactly one of 'prompt'"):
             llm.generate(bad, sp)

@@ -142,10 +142,14 @@ def test_a_bad_priority_or_tenant_is_refused_before_the_request_is_added(policy:
     for name in ("slo_ttft_s", "slo_tpot_s"):
         with pytest.raises(ValueError, match=name):
             llm.engine.add_request("x", "a b", sp, **{name: "1"})
-    assert len(llm.generate(["a b", "c d"], sp, priorities=[1, 2], tenants=["a", "b"])) == 2
     import numpy as np  # numpy's integers are integers
 
-    assert len(llm.generate(["a b", "c d"], sp, priorities=np.array([1, 0]))) == 2
+    for prios in ([1, 2], np.array([1, 0])):
+        if llm.engine.scheduler.policy.reads_priority:
+            assert len(llm.generate(["a b", "c d"], sp, priorities=prios, tenants=["a", "b"])) == 2
+        else:  # well-formed, but this policy would not read them
+            with pytest.raises(ValueError, match="priorities would change nothing"):
+                llm.generate(["a b", "c d"], sp, priorities=prios)
 
 
 class _RaisesOnce:

@@ -22,6 +22,7 @@ from iterserve.sim.capacity import (
     EarlyStop,
     find_max_rate,
     find_throughput_capacity,
+    mean_rate,
     meets,
     parse_slos,
     scaled,
@@ -438,7 +439,8 @@ def test_throughput_capacity_is_the_closed_form_rate_of_a_linear_cost(
     ]
     cap = find_throughput_capacity(specs, lambda s, stop: sim.run(s, stop=stop))
     assert cap.max_rate == pytest.approx(seqs / wave_s, rel=1e-9)
-    base_rate = (len(specs) - 1) / (specs[-1].arrival_time - specs[0].arrival_time)
+    base_rate = len(specs) / specs[-1].arrival_time  # the named 3 req/s
+    assert base_rate == pytest.approx(3.0)
     assert cap.max_scale == pytest.approx(cap.max_rate / base_rate)
     assert cap.completed % seqs == 0 and cap.completed > 0  # whole waves only
 
@@ -714,6 +716,10 @@ def test_scaled_poisson_equals_regenerated_rate() -> None:
     b = synth_arrivals(50, 6.0, 1.0, np.random.default_rng([3, 2]))
     specs = [RequestSpec([1], 1, t) for t in a]
     assert [s.arrival_time for s in scaled(specs, 3.0)] == pytest.approx(b)
+    # the rate simulate reports is the named one, scaled with the times (it read (n - 1) /
+    # span, which no longer was once the first request came a gap after the start)
+    assert mean_rate(specs) == pytest.approx(2.0)
+    assert mean_rate(scaled(specs, 3.0)) == pytest.approx(6.0)
 
 
 def test_cli_refuses_what_it_would_not_honour(

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 from iterserve.config import EngineArgs
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.outputs import RequestOutput
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import SamplingParams, plain_int
 
 if TYPE_CHECKING:
     from iterserve.core.books import EngineStats
@@ -53,9 +53,10 @@ class _Progress:
     """``use_tqdm``'s bar, drawn by rich (a dependency already)."""
 
     def __init__(self, total: int) -> None:
-        from rich.progress import Progress  # noqa: PLC0415  (only when asked)
+        from rich.console import Console  # noqa: PLC0415  (only when asked)
+        from rich.progress import Progress  # noqa: PLC0415
 
-        self._bar = Progress()
+        self._bar = Progress(console=Console(stderr=True))  # stdout stays the script's
         self._task = self._bar.add_task("Processed prompts", total=total)
         self._bar.start()
 
@@ -163,6 +164,9 @@ class LLM:
         who = _per_prompt(tenants, n, "tenants") if tenants is not None else [""] * n
         ttft = _targets(slo_ttft_s, n, "slo_ttft_s")
         tpot = _targets(slo_tpot_s, n, "slo_tpot_s")
+        for p in prio:  # the engine's message, before the policy's
+            if plain_int(p) is None:
+                raise ValueError(f"priority must be an integer, got {p!r}")
         # Fields only some scheduling policies read: refused where this one reads none (as
         # the server refuses them, and vLLM a priority without priority scheduling).
         policy = self.engine.scheduler.policy
@@ -202,7 +206,7 @@ class LLM:
             raise
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
-        bar = _Progress(n) if use_tqdm else None
+        bar = _Progress(n) if use_tqdm and n else None
         try:
             while wanted - final.keys():
                 for out in self.engine.step():  # final outputs only (final_only above)

@@ -162,11 +162,11 @@ class CapacityResult:
 
 
 def mean_rate(specs: list[RequestSpec]) -> float:
-    """Requests per second over the workload's arrival span (n - 1 gaps)."""
-    if len(specs) < 2:
-        return math.inf
-    span = max(s.arrival_time for s in specs) - min(s.arrival_time for s in specs)
-    return (len(specs) - 1) / span if span > 0 else math.inf
+    """Requests per second offered: n over the last arrival, the times counted from the run's
+    start (vLLM's schedule, ``synth_arrivals``: exactly the named rate; scales with
+    ``scaled``)."""
+    last = max((s.arrival_time for s in specs), default=0.0)
+    return len(specs) / last if last > 0 else math.inf
 
 
 def scaled(specs: list[RequestSpec], scale: float) -> list[RequestSpec]:

@@ -348,6 +348,24 @@ def test_generate_takes_vllms_forms_and_refuses_what_it_would_ignore(
         del llm.engine.step
     assert [o.outputs[0].finish_reason for o in got[0]] == ["length"] * 3
     assert not llm.engine.has_unfinished_requests()
+    # interrupted (Ctrl-C in a step), the call's requests are aborted, not left running
+    calls = 0
+
+    def interrupted_step() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    llm.engine.step = interrupted_step  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a"] * 3, SamplingParams(max_tokens=20, ignore_eos=True))
+    finally:
+        del llm.engine.step
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate(["a"], sp)[0].outputs[0].finish_reason == "length"
 
 
 def test_prompt_that_can_never_fit_the_pool_is_rejected() -> None:

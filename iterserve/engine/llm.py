@@ -164,9 +164,9 @@ class LLM:
         who = _per_prompt(tenants, n, "tenants") if tenants is not None else [""] * n
         ttft = _targets(slo_ttft_s, n, "slo_ttft_s")
         tpot = _targets(slo_tpot_s, n, "slo_tpot_s")
-        for p in prio:  # the engine's message, before the policy's
-            if plain_int(p) is None:
-                raise ValueError(f"priority must be an integer, got {p!r}")
+        for pr in prio:  # the engine's message, before the policy's
+            if plain_int(pr) is None:
+                raise ValueError(f"priority must be an integer, got {pr!r}")
         # Fields only some scheduling policies read: refused where this one reads none (as
         # the server refuses them, and vLLM a priority without priority scheduling).
         policy = self.engine.scheduler.policy
@@ -214,6 +214,10 @@ class LLM:
                         final[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+        except BaseException:  # Ctrl-C or a failed step: this call's requests go with it
+            for rid in wanted - final.keys():
+                self.engine.abort_request(rid)
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -266,14 +266,7 @@ def test_the_response_id_is_the_engine_requests_id_streamed_or_not() -> None:
     log lines, aborts and metrics about a response could not be matched to the id its client
     holds; vLLM's request_id (default resp_<uuid>) is the response's id and the engine's."""
     fake = FakeEngine(step_delay=0.01)
-    seen: list[str] = []
-    real = fake.add_request
-
-    def spy(request_id: str, *args: Any, **kw: Any) -> Any:
-        seen.append(request_id)
-        return real(request_id, *args, **kw)
-
-    fake.add_request = spy  # type: ignore[method-assign]
+    seen = fake.request_ids
     _, server = serve(fake)
     url = server.url + "/v1/responses"
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 3}

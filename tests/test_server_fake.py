@@ -816,14 +816,7 @@ def test_a_response_without_a_client_id_carries_the_engine_requests_id() -> None
     be matched to the response the client holds (found by a review); with a client
     request_id the response keeps vLLM's cmpl-<request_id>."""
     fake = FakeEngine()
-    seen: list[str] = []
-    real = fake.add_request
-
-    def spy(request_id: str, *args: Any, **kw: Any) -> Any:
-        seen.append(request_id)
-        return real(request_id, *args, **kw)
-
-    fake.add_request = spy  # type: ignore[method-assign]
+    seen = fake.request_ids
     _, server = serve(fake)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with server, httpx.Client(base_url=server.url, timeout=30) as c:

@@ -117,6 +117,7 @@ class FakeEngine:
         self.routing: dict[str, tuple[str, float | None]] = {}  # id -> (tenant, slo_ttft_s)
         self.tpot_targets: dict[str, float | None] = {}  # id -> slo_tpot_s
         self.calls: dict[str, str] = {}  # id -> the API call it came with
+        self.request_ids: list[str] = []  # every add_request's id, in order, refused ones too
         # Every sequence's reply, one token a byte, then EOS (None: the letters)
         self.reply: str | None = None
         self.num_rejected = 0
@@ -136,6 +137,7 @@ class FakeEngine:
         slo_tpot_s: float | None = None,
         call: str = "",
     ) -> None:
+        self.request_ids.append(request_id)
         if request_id in self.reqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):

@@ -307,6 +307,10 @@ def test_generate_takes_vllms_forms_and_refuses_what_it_would_ignore(
     for bad in ({"prompt": "a", "prompt_token_ids": [1]}, {"prompt": "a", "multi_modal_data": {}}):
         with pytest.raises(ValueError, match="exactly one of 'prompt'"):
             llm.generate(bad, sp)
+    with pytest.raises(ValueError, match="'prompt' must be a string"):
+        llm.generate({"prompt": ids}, sp)  # not taken as ids under the text's key
+    with pytest.raises(ValueError, match="'prompt_token_ids' must be token ids"):
+        llm.generate({"prompt_token_ids": "Hello"}, sp)
     with pytest.raises(ValueError, match="not both"):
         llm.generate("a", sp, sampling_params=sp)
     assert llm.get_tokenizer() is llm.tokenizer and llm.llm_engine is llm.engine

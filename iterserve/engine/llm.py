@@ -32,6 +32,10 @@ def _prompt(p: object) -> str | list[int]:
             "a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids'; got keys "
             f"{sorted(map(str, keys))} (multimodal data and other vLLM fields are not supported)"
         )
+    if "prompt" in p and not isinstance(p["prompt"], str):
+        raise ValueError(f"a prompt dict's 'prompt' must be a string, got {p['prompt']!r}")
+    if "prompt_token_ids" in p and isinstance(p["prompt_token_ids"], str):
+        raise ValueError("a prompt dict's 'prompt_token_ids' must be token ids, not a string")
     return cast("str | list[int]", p["prompt"] if "prompt" in p else p["prompt_token_ids"])
 
 

@@ -1600,6 +1600,11 @@ def test_simulate_at_capacity_runs_every_policy_at_a_multiple_of_the_baselines(
     assert cap["baseline"] == "continuous" and cap["multiple"] == 1.5
     rates = [r["request_rate"] for r in res["runs"]]
     assert rates[0] == rates[1] == pytest.approx(1.5 * cap["max_rate"], rel=1e-6)
+    # the workload written is the one run: the scaled arrivals (it kept the unscaled span)
+    span = max(t["arrival_time"] for t in res["runs"][0]["requests"])
+    assert res["workload"]["arrival_span_s"] <= span + 1e-9
+    assert res["workload"]["rate_scale"] == pytest.approx(1.5 * cap["max_scale"])
+    assert 200 / span == pytest.approx(rates[0], rel=1e-6)
     fcfs, slo = (r["summary"] for r in res["runs"])
     assert fcfs["p99_ttft_ms"] > 300  # past capacity the baseline misses its SLO
     assert slo["request_goodput"] > fcfs["request_goodput"]

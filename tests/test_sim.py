@@ -768,6 +768,23 @@ def test_cli_replicas_step_records_plot_per_replica(
     assert [t.t0 for t in tls] == [0.0, 0.0] and tls[1].steps[0]["start_time"] > 0
     assert [t.max_num_seqs for t in tls] == [run["engine_args"]["max_num_seqs"]] * 2
     assert run["engine_args"]["num_kv_blocks"] == run["engine_stats"]["kv_blocks_total"] > 0
+    # the deployment's model, not EngineArgs' defaults (it said tiny-random, float32, None)
+    dep = json.loads(out.read_text())["config"]["deployment"]
+    ea = run["engine_args"]
+    assert (ea["model"], ea["dtype"], ea["max_model_len"]) == (
+        "llama-3-8b", dep["dtype"], dep["max_model_len"]
+    )
+    # a replica the router gave nothing has an empty file: the others are drawn (the plot
+    # refused the whole result)
+    idle, idle_steps = tmp_path / "i.json", tmp_path / "i.jsonl"
+    args = ["--workload", "random", "--num-prompts", "2", "--request-rate", "1", "--replicas"]
+    args += ["3", "--model", "llama-3-8b", "--result-file", str(idle)]
+    assert simulate_main([*args, "--record-steps", str(idle_steps)]) == 0
+    files = json.loads(idle.read_text())["runs"][0]["steps_files"]
+    assert [Path(f).stat().st_size == 0 for f in files] == [False, False, True]
+    assert [t.label for t in load_timelines([str(idle)])] == [
+        "continuous replica 0", "continuous replica 1"
+    ]  # fmt: skip
     # all at once is rate inf in the result, as bench serve writes it (was null)
     once = tmp_path / "once.json"
     args = ["--workload", "random", "--num-prompts", "5", "--model", "llama-3-8b"]

@@ -322,6 +322,8 @@ def load_timelines(
                 sp = Path(sf)
                 if not sp.is_file():
                     sp = Path(p).parent / Path(sf).name
+                if len(files) > 1 and sp.is_file() and sp.stat().st_size == 0:
+                    continue  # a replica the router gave no request: nothing to draw
                 steps = read_steps(sp)
                 t0 = run.get("clock_start")  # the simulator's is 0.0
                 if t0 is None:

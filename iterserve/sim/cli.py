@@ -656,6 +656,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
             f"policy at {ns.at_capacity:g}x: {max_rate * ns.at_capacity:.4g} req/s"
         )
         specs = scaled(specs, max_scale * ns.at_capacity)
+        # the result file's workload is the one the runs were given: the scaled arrivals
+        info.update(describe_workload(specs), rate_scale=max_scale * ns.at_capacity)
         config["capacity"] = {
             "kind": ns.capacity or "attainment",
             "baseline": policies[0],
@@ -702,9 +704,15 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                 request_rate=run_rate,
                 steps_file=None if pol in replica_files else sp,
                 clock_start=0.0,
-                # the pool the deployment sized, as an engine's result file records it
+                # the deployment's model and pool, as an engine's result file records its own
                 engine_args=dataclasses.asdict(variant_args(pol, base, dep.max_model_len))
-                | {"num_kv_blocks": dep.num_kv_blocks, "block_size": dep.block_size},
+                | {
+                    "model": dep.model_name,
+                    "dtype": dep.dtype,
+                    "max_model_len": dep.max_model_len,
+                    "num_kv_blocks": dep.num_kv_blocks,
+                    "block_size": dep.block_size,
+                },
                 engine_stats=res.stats,
                 **({"steps_files": replica_files[pol]} if pol in replica_files else {}),
             )

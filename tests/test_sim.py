@@ -772,7 +772,9 @@ def test_cli_replicas_step_records_plot_per_replica(
     dep = json.loads(out.read_text())["config"]["deployment"]
     ea = run["engine_args"]
     assert (ea["model"], ea["dtype"], ea["max_model_len"]) == (
-        "llama-3-8b", dep["dtype"], dep["max_model_len"]
+        "llama-3-8b",
+        dep["dtype"],
+        dep["max_model_len"],
     )
     # a replica the router gave nothing has an empty file: the others are drawn (the plot
     # refused the whole result)

@@ -2672,10 +2672,11 @@ void argmax_f32(const float* x, int rows, int n, int64_t* out) {
 // A task is one sequence and a range of its KV heads (the whole range unless there are too few
 // sequences to keep every thread busy): it walks the sequence's slots in order, and a slot's
 // heads are adjacent in memory, so the task reads its cache rows as contiguous runs instead of
-// one head's 128-byte piece every 1.5 KB. With fewer sequences than threads a task is instead
-// every head over a part of one sequence's keys (whole rows, read at about the memory's rate
-// where half rows were not: docs/SPEED.md, "Fewer sequences than threads split their keys"). Pass 1 computes every score, then a vectorised softmax
-// per query head, then pass 2 accumulates the V rows.
+// one head's 128-byte piece every 1.5 KB. Where the sequences alone would leave a thread idle
+// (and their keys are long enough) a task is instead every head over a part of one sequence's
+// keys: whole rows, read at about the memory's rate where half rows were not (docs/SPEED.md,
+// "Fewer sequences than threads split their keys"). Pass 1 computes every score, then a
+// vectorised softmax per query head, then pass 2 accumulates the V rows.
 // With side_P (a pair-packed weight [side_N, side_K], or null) each thread also prefetches its
 // share of side_P into L2 over the positions it visits (SidePrefetch; decode_layer's).
 constexpr int KSPLIT_MIN_KEYS = 32;  // keys a part at least, where decode_attention splits them

@@ -612,7 +612,7 @@ def plot_slots(
         ax.set_ylabel("batch slot")
         end = max((b.end for b in bars), default=0.0)
         ax.set_title(f"{label}: {len(steps)} steps, {len(bars)} requests, {end:.1f} s", fontsize=10)
-    axes[-1, 0].set_xlabel("time since the first arrival (s)")
+    axes[-1, 0].set_xlabel("time since the run's start (s)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#a63603", "#6baed6", IDLE_COLOR)]
     fig.legend(
         handles,

@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from iterserve.engine.async_engine import RequestFailedError, RequestStream
+from iterserve.engine.async_engine import RequestFailedError
 from iterserve.outputs import CompletionOutput, RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, bad_request, dumps, validation_error
@@ -511,9 +511,9 @@ class ResponsesFormat(_ChatFormat):
         self.store = store
         self.conversation = conversation  # before this answer, instructions aside
 
-    def name_after(self, streams: list[RequestStream]) -> None:
+    def name_after(self, base: str) -> None:
         """The response is named by its one engine request (``create`` chose its id)."""
-        self.id = streams[0].request_id
+        self.id = base
 
     def _logprob_list(self, c: CompletionOutput, new: bool) -> list[dict[str, Any]]:
         ids, lps = (c.new_token_ids, c.new_logprobs) if new else (c.token_ids, c.logprobs)

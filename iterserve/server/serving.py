@@ -370,7 +370,7 @@ class Serving:
 
     async def add_streams(
         self,
-        prefix: str,
+        base: str,
         prompts: Sequence[list[int]],
         params: SamplingParams,
         priority: int,
@@ -378,15 +378,14 @@ class Serving:
         *,
         default_max_tokens: int | None,
         streamed: bool,
-        request_id: str | None = None,
     ) -> list[RequestStream]:
         """Submits ``prompts``, already cut by ``params.truncate_prompt_tokens`` (where they
         were tokenized), to the engine, which is told not to cut them again; each with the
         max_tokens ``_max_tokens_for`` gives it (``default_max_tokens``: the endpoint's,
         ``default_max_tokens_of``). Only a ``streamed`` response's outputs count against the
         stream buffer: a non-streamed one is read by this server, not by its client.
-        ``request_id``: the engine id in place of ``<prefix>-<hex>`` (the Responses API's
-        response id), with ``-<i>`` per prompt likewise."""
+        ``base``: the call's engine request id, ``-<i>`` after it per prompt where there are
+        several."""
         # The queue counts each candidate sequence (prompts x n or best_of) and admits a
         # request's prompts one by one: a request with more than the queue and the running
         # slots hold together fills the queue with its own sequences even on an idle server,
@@ -415,7 +414,6 @@ class Serving:
                 param="prompt",
                 code="limit_exceeded",
             )
-        base = request_id or f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         route = route or Routing()
         if params.truncate_prompt_tokens is not None:
@@ -630,8 +628,9 @@ class Serving:
         params = self.sampling_params(req)
         constraint = await self.constrain(req, params)
         ids = await self.completion_prompt_ids(prompts, params, req.add_special_tokens)
+        base = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.add_streams(
-            "cmpl",
+            base,
             list(ids),
             params,
             req.priority,
@@ -641,7 +640,7 @@ class Serving:
         )
         fmt = _CompletionFormat(self, req, params, prompts)
         fmt.constraint = constraint
-        fmt.name_after(streams)
+        fmt.name_after(base)
         return await self._respond(streams, fmt, bool(req.stream))
 
     # ---- /v1/chat/completions -------------------------------------------------------------
@@ -704,21 +703,21 @@ class Serving:
                     param="logprobs",
                     code="unsupported_parameter",
                 )
+        base = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.add_streams(
-            "chatcmpl",
+            base,
             [ids],
             params,
             req.priority,
             route,
             default_max_tokens=self.default_max_tokens_of(req),
             streamed=bool(req.stream),
-            request_id=request_id,
         )
         if make_format is not None:
             fmt = make_format(self, req, params)
         else:
             fmt = _ChatFormat(self, req, params, plan)
-        fmt.name_after(streams)
+        fmt.name_after(base)
         fmt.constraint = constraint
         return await self._respond(streams, fmt, bool(req.stream))
 
@@ -1128,13 +1127,12 @@ class _Format:
         self.include_usage = bool(so and so.usage)
         self.continuous_usage = bool(so and so.usage and so.continuous_usage_stats)
 
-    def name_after(self, streams: list[RequestStream]) -> None:
-        """Without a client request_id the response takes the engine's id (``cmpl-<hex>``,
-        with ``-<i>`` per prompt there), so the server's log lines about it name it (they
-        named a second, unrelated id)."""
-        if not self.req.request_id and streams:
-            rid = streams[0].request_id
-            self.id = rid.rsplit("-", 1)[0] if len(streams) > 1 else rid
+    def name_after(self, base: str) -> None:
+        """Without a client request_id the response takes its engine requests' id (``base``,
+        ``cmpl-<hex>``), so the server's log lines about it name it (they named a second,
+        unrelated id)."""
+        if not self.req.request_id:
+            self.id = base
 
     def usage(self) -> dict[str, Any]:
         p = sum(self.prompt_tokens.values())

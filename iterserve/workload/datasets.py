@@ -345,10 +345,8 @@ def synth_arrivals(n: int, rate: float, burstiness: float, rng: np.random.Genera
     """Arrival times (s) of ``n`` requests at ``rate`` req/s, as vLLM's ``bench serve`` draws
     its schedule: n gamma-distributed gaps with shape ``burstiness`` (1 = Poisson; infinite:
     every gap 1/rate), the first one before the first request, rescaled so that the last
-    request arrives at exactly n / rate. Unscaled, one seeded draw's sum strayed from its mean
-    by 5% at 200-300 requests and by 31-35% at 50-100, so a sweep offered its named rates that
-    much faster; with the first request at 0 and the last at (n - 1) / rate, a light load's
-    achieved rate read up to n / (n - 1) times vLLM's."""
+    request arrives at exactly n / rate: the rate offered is the rate named (an unscaled draw
+    strays from it by a third at 50-100 requests; docs/SPEED.md has the history)."""
     if math.isinf(rate) or n < 1:
         return [0.0] * n
     if math.isinf(burstiness):

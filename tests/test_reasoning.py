@@ -14,6 +14,7 @@ from server_helpers.fake_engine import FakeEngine
 from server_helpers.servers import parse_sse, serve
 
 from iterserve.sampling_params import SamplingParams
+from iterserve.server.chat_prompt import template_message
 from iterserve.server.cli import build_parser
 from iterserve.server.limits import ServerLimits
 from iterserve.server.protocol import ChatCompletionRequest, ChatMessage
@@ -24,7 +25,7 @@ from iterserve.server.reasoning import (
     thinking,
 )
 from iterserve.server.responses import input_messages
-from iterserve.server.serving import Serving, _template_message
+from iterserve.server.serving import Serving
 from iterserve.server.tools import ToolCallStream, ToolPlan, final_message
 from iterserve.structured import StructuredOutputsParams
 
@@ -191,7 +192,7 @@ def test_reasoning_then_a_tool_call_under_auto() -> None:
 def test_an_earlier_replys_reasoning_reaches_the_template_under_both_names() -> None:
     for key in ("reasoning", "reasoning_content"):
         m = ChatMessage.model_validate({"role": "assistant", "content": "4", key: "summed"})
-        msg = _template_message(m, 0, ServerLimits())
+        msg = template_message(m, 0, ServerLimits())
         assert msg["reasoning"] == msg["reasoning_content"] == "summed"
 
 

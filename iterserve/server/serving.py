@@ -28,14 +28,21 @@ from iterserve.engine.async_engine import (
 )
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput, with_prompt_logprobs
 from iterserve.sampling_params import NO_TOKEN_ALLOWED, SamplingParams
+from iterserve.server.chat_prompt import (
+    ChatInputError,
+    message_text,
+    reasoning_of,
+    render_with_tokenizer,
+    template_args,
+    template_message,
+)
 from iterserve.server.errors import APIError, bad_request, dumps, error_body, json_response
-from iterserve.server.jsonbody import InvalidJSON, check_unicode, decode_json_text
+from iterserve.server.jsonbody import check_unicode
 from iterserve.server.limits import ServerLimits
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
     COMPLETIONS_MAX_TOKENS,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     SamplingExtras,
@@ -88,11 +95,6 @@ def _chat_flag(req: ChatCompletionRequest | TokenizeChatRequest, name: str) -> A
     it: its chat_template_kwargs' value wins over the top-level field, as vLLM merges them
     (render_chat checks it is a bool)."""
     return (req.chat_template_kwargs or {}).get(name, getattr(req, name))
-
-
-# apply_chat_template's own arguments that the server sets (a request's chat_template_kwargs
-# naming one made a TypeError); chat_template has its own refusal
-_RENDERER_ARGS = frozenset({"conversation", "messages", "tokenize"})
 
 
 # vLLM request extras that would change the output and that this server does not implement:
@@ -469,8 +471,8 @@ class Serving:
         template writes that reasoning, closed, before the content."""
         if _chat_flag(req, "continue_final_message") is True and req.messages:
             m = req.messages[-1]
-            last = _message_text(m, len(req.messages) - 1)
-            if last.rfind(THINK_END) > last.rfind(THINK_START) or _reasoning_of(m) is not None:
+            last = message_text(m, len(req.messages) - 1)
+            if last.rfind(THINK_END) > last.rfind(THINK_START) or reasoning_of(m) is not None:
                 return True
         end, start = self.think_end_id, self.think_start_id
         if end is None:
@@ -800,27 +802,15 @@ class Serving:
         the model's on the tokenizer thread, a request's in the template sandbox; cut by
         ``params``' truncate_prompt_tokens."""
         messages, chat_template = req.messages, req.chat_template
-        kwargs = dict(req.chat_template_kwargs or {})
-        # As vLLM merges them: the request's chat_template_kwargs win over its top-level flags
-        # (and its tools); the names the renderer itself takes cannot be template variables.
-        if reserved := sorted(_RENDERER_ARGS & kwargs.keys()):
-            raise bad_request(
-                f"chat_template_kwargs must not contain {', '.join(reserved)}: the server "
-                "passes the messages itself and renders to text",
-                param="chat_template_kwargs",
+        try:  # the request's chat_template_kwargs win over its top-level flags and tools
+            flags, kwargs = template_args(
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+                getattr(req, "tools", None),
             )
-        add_generation_prompt = _chat_flag(req, "add_generation_prompt")
-        continue_final_message = _chat_flag(req, "continue_final_message")
-        for name, flag in (
-            ("add_generation_prompt", add_generation_prompt),
-            ("continue_final_message", continue_final_message),
-        ):
-            kwargs.pop(name, None)  # passed as the flag itself
-            if not isinstance(flag, bool):
-                raise bad_request(
-                    f"chat_template_kwargs.{name} must be true or false, got {flag!r}",
-                    param="chat_template_kwargs",
-                )
+        except ChatInputError as e:
+            raise bad_request(str(e), param=e.param, code=e.code) from None
         tok = self.tokenizer
         if tok is None:
             raise APIError(500, "the server has no tokenizer", code="no_tokenizer")
@@ -849,19 +839,15 @@ class Serving:
             )
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
-        if add_generation_prompt and continue_final_message:
+        if flags["add_generation_prompt"] and flags["continue_final_message"]:
             raise bad_request(
                 "add_generation_prompt and continue_final_message cannot both be true",
                 param="continue_final_message",
             )
-        conv = [_template_message(m, i, self.limits) for i, m in enumerate(messages)]
-        flags: dict[str, Any] = dict(
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
-        tools = getattr(req, "tools", None)
-        if tools and "tools" not in kwargs:  # also with tool_choice "none", as vLLM
-            kwargs["tools"] = tools
+        try:
+            conv = [template_message(m, i, self.limits) for i, m in enumerate(messages)]
+        except ChatInputError as e:
+            raise bad_request(str(e), param=e.param, code=e.code) from None
         try:
             if chat_template is not None:
                 variables = {
@@ -875,7 +861,7 @@ class Serving:
                 )
             else:
                 text = await self._on_tokenizer_thread(
-                    self._tok.apply_chat_template, conv, tokenize=False, **flags, **kwargs
+                    render_with_tokenizer, self._tok, conv, flags, kwargs
                 )
         except Exception as e:  # noqa: BLE001 - jinja errors are the client's template/messages
             raise bad_request(
@@ -1659,47 +1645,6 @@ def _completion_prompts(
     )
 
 
-def _template_message(m: ChatMessage, i: int, limits: ServerLimits) -> dict[str, Any]:
-    """A message as chat templates read it; an assistant turn's tool-call arguments become
-    objects (templates write them with tojson), as vLLM passes them, decoded with the body's
-    limits (they are JSON inside a string, which the body's checks never saw); empty or
-    missing arguments are {} (vLLM's rule)."""
-    msg: dict[str, Any] = {"role": m.role, "content": _message_text(m, i)}
-    if m.name is not None:
-        msg["name"] = m.name
-    if m.tool_call_id is not None:
-        msg["tool_call_id"] = m.tool_call_id
-    # under both names: Qwen3's template reads reasoning_content
-    thought = _reasoning_of(m)
-    if thought is not None:
-        msg["reasoning"] = msg["reasoning_content"] = thought
-    if m.tool_calls:
-        calls = []
-        for j, tc in enumerate(m.tool_calls):
-            fn = dict(tc.get("function") or {})
-            args = fn.get("arguments")
-            if args is None or (isinstance(args, str) and not args.strip()):
-                fn["arguments"] = {}
-            elif isinstance(args, str):
-                param = f"messages.{i}.tool_calls.{j}.function.arguments"
-                try:
-                    fn["arguments"] = decode_json_text(
-                        args, limits.max_json_depth, limits.max_json_int_digits, param
-                    )
-                except InvalidJSON:
-                    pass  # the template gets the string as sent
-            calls.append({**tc, "function": fn})
-        msg["tool_calls"] = calls
-    return msg
-
-
-def _reasoning_of(m: ChatMessage) -> str | None:
-    """An earlier reply's reasoning (vLLM's ``reasoning``, formerly ``reasoning_content``)."""
-    extra = m.model_extra or {}
-    thought = extra.get("reasoning", extra.get("reasoning_content"))
-    return thought if isinstance(thought, str) else None
-
-
 def _chat_echo_text(req: ChatCompletionRequest) -> str:
     """vLLM's chat echo: the last message's content, when it has the reply's role (the
     assistant's with a generation prompt, else the last message's own)."""
@@ -1707,29 +1652,4 @@ def _chat_echo_text(req: ChatCompletionRequest) -> str:
         return ""
     last = req.messages[-1]
     role = "assistant" if req.add_generation_prompt else last.role
-    return _message_text(last, len(req.messages) - 1) if last.role == role else ""
-
-
-def _message_text(m: ChatMessage, i: int) -> str:
-    c = m.content
-    if c is None:
-        return ""
-    if isinstance(c, str):
-        return c
-    parts = []
-    for j, part in enumerate(c):
-        if part.get("type") != "text":
-            raise bad_request(
-                f"messages[{i}].content: only text content parts are supported, "
-                f"got type {part.get('type')!r}",
-                param=f"messages.{i}.content",
-                code="unsupported_content",
-            )
-        if not isinstance(part.get("text"), str):
-            raise bad_request(
-                f"messages[{i}].content[{j}].text must be a string, got "
-                f"{type(part.get('text')).__name__}",
-                param=f"messages.{i}.content.{j}.text",
-            )
-        parts.append(part["text"])
-    return "\n".join(parts)
+    return message_text(last, len(req.messages) - 1) if last.role == role else ""

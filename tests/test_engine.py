@@ -372,6 +372,155 @@ def test_generate_takes_vllms_forms_and_refuses_what_it_would_ignore(
     assert llm.generate(["a"], sp)[0].outputs[0].finish_reason == "length"
 
 
+# ---- LLM.chat: vLLM's offline chat, rendered as the server renders a chat request -------------
+CONV = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello! How are you?"},
+]
+
+
+def _hf_ids(llm: LLM, conv: list[dict[str, Any]], **kw: Any) -> list[int]:
+    """The prompt transformers' own ``apply_chat_template`` tokenizes for ``conv``."""
+    kw.setdefault("add_generation_prompt", True)
+    return list(llm.tokenizer.apply_chat_template(conv, return_dict=True, **kw)["input_ids"])
+
+
+def test_chat_is_generate_on_the_prompt_the_template_renders(
+    llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prompt is the chat template's (token for token what transformers gives), the
+    outputs are generate's on it; text content parts are joined by newlines, as the server
+    joins them; ``chat_template`` (text or file), ``chat_template_kwargs`` and ``tools``
+    reach the template; a template's BOS is not doubled by the tokenizer's own."""
+    from iterserve.model.builtin import CHAT_TEMPLATE
+
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    ids = _hf_ids(llm, CONV)
+    (out,) = llm.chat(CONV, sp)
+    (want,) = llm.generate({"prompt_token_ids": ids}, sp)
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert out.outputs[0].text == want.outputs[0].text and out.finished
+    parts = [{"type": "text", "text": "Hello!"}, {"type": "text", "text": "How are you?"}]
+    joined = [CONV[0], {"role": "user", "content": "Hello!\nHow are you?"}]
+    assert llm.chat([CONV[0], {"role": "user", "content": parts}], sp)[0].prompt_token_ids == (
+        _hf_ids(llm, joined)
+    )
+    # A template with a variable and the tools, given as text and as a file.
+    template = "{{ greeting }}{% if tools %}{{ tools | tojson }}{% endif %}" + CHAT_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    kw = {"greeting": "Once upon a time "}
+    want_ids = _hf_ids(llm, CONV, chat_template=template, tools=tools, **kw)
+    assert want_ids[: len(ids)] != ids  # the variable and the tools changed the prompt
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    for given in (template, str(path)):
+        got = llm.chat(CONV, sp, chat_template=given, chat_template_kwargs=kw, tools=tools)
+        assert got[0].prompt_token_ids == want_ids, given
+    # A template that writes the BOS itself, with a tokenizer that adds one too: one BOS.
+    from tokenizers import processors
+
+    tok = llm.tokenizer
+    bos = tok.bos_token_id
+    adds_bos = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
+    monkeypatch.setattr(tok.backend_tokenizer, "post_processor", adds_bos)
+    assert tok.encode("Hello") == [bos, *tok.encode("Hello", add_special_tokens=False)]
+    with_bos = "{{ bos_token }}" + CHAT_TEMPLATE
+    got_ids = llm.chat(CONV, sp, chat_template=with_bos)[0].prompt_token_ids
+    assert got_ids == _hf_ids(llm, CONV, chat_template=with_bos) == [bos, *ids]
+
+
+def test_chat_takes_one_conversation_or_several_with_params_each(
+    llm: LLM, capfd: pytest.CaptureFixture[str]
+) -> None:
+    other = [{"role": "user", "content": "Please tell me a story about a dragon."}]
+    short, long = SamplingParams(max_tokens=2, temperature=0.0), SamplingParams(max_tokens=5)
+    alone = [llm.chat(c, SamplingParams(max_tokens=5, temperature=0.0))[0] for c in (CONV, other)]
+    assert llm.chat([CONV], long)[0].prompt_token_ids == llm.chat(CONV, long)[0].prompt_token_ids
+    outs = llm.chat([other, CONV], [short, SamplingParams(max_tokens=5, temperature=0.0)])
+    assert [o.prompt_token_ids for o in outs] == [_hf_ids(llm, other), _hf_ids(llm, CONV)]
+    assert outs[0].outputs[0].token_ids == alone[1].outputs[0].token_ids[:2]
+    assert outs[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        llm.chat([CONV, other], [short])
+    # None: the model's defaults, as generate
+    default = llm.get_default_sampling_params().max_tokens
+    assert len(llm.chat(CONV)[0].outputs[0].token_ids) <= default
+    assert llm.chat([], short) == []  # no conversations, as vLLM (and generate([]))
+    # generate's own options apply: the progress bar, the policy's refusals
+    llm.chat([CONV, other], short, use_tqdm=True)
+    assert "Processed prompts" in capfd.readouterr().err
+    with pytest.raises(ValueError, match="priorities would change nothing"):
+        llm.chat(CONV, short, priorities=[3])
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_continues_the_final_message_or_leaves_the_turn_closed(llm: LLM) -> None:
+    sp = SamplingParams(max_tokens=3, temperature=0.0)
+    closed = _hf_ids(llm, CONV, add_generation_prompt=False)
+    assert closed != _hf_ids(llm, CONV)
+    assert llm.chat(CONV, sp, add_generation_prompt=False)[0].prompt_token_ids == closed
+    # the flag in chat_template_kwargs wins over the argument, as vLLM merges them
+    kw = {"add_generation_prompt": False}
+    assert llm.chat(CONV, sp, chat_template_kwargs=kw)[0].prompt_token_ids == closed
+    partial = [*CONV, {"role": "assistant", "content": "I am fine, thank"}]
+    want = _hf_ids(llm, partial, add_generation_prompt=False, continue_final_message=True)
+    (out,) = llm.chat(partial, sp, add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt_token_ids == want
+    assert llm.tokenizer.decode(want).endswith("I am fine, thank")  # the turn left open
+    with pytest.raises(ValueError, match="cannot both be true: pass add_generation_prompt=False"):
+        llm.chat(partial, sp, continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message must be true or false"):
+        llm.chat(partial, sp, chat_template_kwargs={"continue_final_message": "yes"})
+
+
+def test_chat_refuses_what_it_cannot_render_saying_what_to_change(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sp = SamplingParams(max_tokens=2)
+    user = {"role": "user", "content": "Hi"}
+    for messages, match in [
+        ("Hi", "messages must be a conversation .* got str"),
+        (["Hi"], r"messages\[0\] must be a message dict such as"),
+        ([{"role": "user"}], r"messages\[0\] has no 'content'"),
+        ([{"content": "Hi", "text": "x"}], r"messages\[0\] has no 'role'.*\['content', 'text'\]"),
+        ([{"role": 1, "content": "Hi"}], r"messages\[0\]: role: Input should be a valid string"),
+        ([[user], [user, {"role": "user"}]], r"messages\[1\]\[1\] has no 'content'"),
+        ([[user], []], r"messages\[1\] is an empty conversation"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            r"messages\[0\]\.content: only text content parts are supported, got type "
+            "'image_url'",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages, sp)  # type: ignore[arg-type]
+    for kw, match in [
+        ({"chat_template_content_format": "openai"}, "chat_template_content_format='openai'"),
+        ({"chat_template": "no-such-file.jinja"}, "chat_template: 'no-such-file.jinja' is not"),
+        ({"chat_template": "{{ raise_exception('no') }}"}, "failed to render.*no"),
+        ({"chat_template_kwargs": {"messages": []}}, "must not contain messages"),
+        ({"chat_template_kwargs": {"chat_template": "x"}}, "must not contain chat_template"),
+        ({"tools": {"name": "f"}}, "tools must be a list of tool dicts"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat([user], sp, **kw)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="lora_request"):  # not supported, so not taken
+        llm.chat([user], sp, lora_request=None)  # type: ignore[call-arg]
+    # an assistant turn that only calls tools needs no content (OpenAI's rule)
+    call = {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [user, {"role": "assistant", "tool_calls": [call]}, {"role": "user", "content": "?"}]
+    assert llm.chat(turns, sp)[0].finished
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="has no chat template.*pass chat_template="):
+        llm.chat([user], sp)
+    from iterserve.model.builtin import CHAT_TEMPLATE
+
+    assert llm.chat([user], sp, chat_template=CHAT_TEMPLATE)[0].finished
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_prompt_that_can_never_fit_the_pool_is_rejected() -> None:
     small = LLM("tiny-random", block_size=4, num_kv_blocks=4)
     with pytest.raises(ValueError, match="KV-cache blocks"):

@@ -30,36 +30,37 @@ class TemplateError(ValueError):
     """The template failed, or ran past a limit: the client's to fix (a 400)."""
 
 
-def load_chat_template(value: str) -> str:
+def load_chat_template(value: str, what: str = "--chat-template") -> str:
     """``--chat-template``'s template: the file ``value`` names, or ``value`` itself when it
-    holds Jinja (as vLLM's flag). Raises ValueError saying what to change when it is neither,
-    cannot be read, is empty or does not compile. The operator's own template, so it renders
-    as the model's does (transformers' sandboxed ``apply_chat_template``, in the server
-    process), not in the request sandbox."""
+    holds Jinja (as vLLM's flag). Raises ValueError, starting with ``what`` (the flag or
+    argument it came from), saying what to change when it is neither, cannot be read, is
+    empty or does not compile. The operator's own template, so it renders as the model's
+    does (transformers' sandboxed ``apply_chat_template``, in the server process), not in
+    the request sandbox."""
     import jinja2
 
     if os.path.isdir(value):
-        raise ValueError(f"--chat-template: {value!r} is a folder; give the template's file")
+        raise ValueError(f"{what}: {value!r} is a folder; give the template's file")
     if os.path.isfile(value):
         try:
             with open(value, encoding="utf-8") as f:
                 template = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--chat-template: cannot read {value!r}: {e}") from None
+            raise ValueError(f"{what}: cannot read {value!r}: {e}") from None
         where = value
     elif any(c in value for c in "{}\n"):
         template, where = value, "the template given"
     else:
         raise ValueError(
-            f"--chat-template: {value!r} is not a file, nor a template (no Jinja in it); give "
+            f"{what}: {value!r} is not a file, nor a template (no Jinja in it); give "
             "the path of a .jinja file or the template itself"
         )
     if not template.strip():
-        raise ValueError(f"--chat-template: {where} is empty; give a template")
+        raise ValueError(f"{what}: {where} is empty; give a template")
     try:
         _compile(template)
     except jinja2.TemplateSyntaxError as e:
-        msg = f"--chat-template: {where} does not compile: {e} (line {e.lineno})"
+        msg = f"{what}: {where} does not compile: {e} (line {e.lineno})"
         raise ValueError(msg) from None
     return template
 

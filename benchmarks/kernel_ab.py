@@ -4,6 +4,7 @@ with ``--prefill`` a whole prefill through two engines (docs/SPEED.md, "Prefill 
 its output held in the tiles").
 
     python benchmarks/kernel_ab.py --base-rev 41cf5e3 --batches 1,2,3,4,6 --ctx 150
+    python benchmarks/kernel_ab.py --base-rev HEAD --batches 2,4,8 --ctx 1024,64
     python benchmarks/kernel_ab.py --base-rev b12dff4 --prefill 2048 --budgets 2048,512
     python benchmarks/kernel_ab.py --base-rev c9c3bd5 --decode-steps --batches 1,8,32,128
     python benchmarks/kernel_ab.py --base-rev fe33d3d --elementwise 512,2048
@@ -18,7 +19,7 @@ dtype="bfloat16")``, bench-134m by default) on each library; ``--rounds`` rounds
 fresh random N-token prompt (one output token) on every engine in turn, the order reversed
 every other round; the median ms of each and the median of the per-round ratios are printed.
 ``--decode-steps``: per batch size B, B requests (``--prompt-len`` random tokens, 128 by
-default, ignore_eos) on one
+default; a comma list is cycled over the requests; ignore_eos) on one
 engine per library (the default budget), stepped until all B decode; then ``--rounds`` rounds of
 10 decode steps on each engine in turn, the order reversed every other round; the median of
 each round's median step (``StepStats.duration_s``) and their ratio. The requests are aborted
@@ -28,7 +29,8 @@ KV write) at each row count, each library in turn, ``--rounds`` rounds; medians,
 Decode attention, per batch size: 12 calls (a step's layers), each over blocks of its own
 scattered in a pool three times the size needed, after a 64 MB read that evicts the caches as
 a step's weights do; ``--rounds`` rounds alternate the two libraries' order; the median of
-each is printed, and the two libraries' outputs must be equal (the script stops otherwise).
+each is printed, and the two libraries' outputs must agree to bf16's rounding (the script stops
+otherwise; a different split of the work between the threads moves the sums).
 """
 
 from __future__ import annotations
@@ -59,18 +61,18 @@ Caches = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, tor
 K = TypeVar("K")  # alternated_prefills' engine keys
 
 
-def scattered_caches(batch: int, ctx: int, kv_heads: int, sets: int = 12) -> Caches:
+def scattered_caches(batch: int, ctx: list[int], kv_heads: int, sets: int = 12) -> Caches:
     """bf16 K and V pools (huge pages) three times the size ``sets`` layers' tables need, and per
-    set a block table of ``batch`` sequences of ``ctx`` keys over blocks scattered in them;
-    plus the context lengths and starts."""
-    per = -(-ctx // BLOCK)
+    set a block table of ``batch`` sequences over blocks scattered in them, sequence i of
+    ``ctx[i % len(ctx)]`` keys; plus the context lengths and starts."""
+    lens = torch.tensor([ctx[i % len(ctx)] for i in range(batch)], dtype=torch.int64)
+    per = -(-int(lens.max()) // BLOCK)
     nb = 3 * sets * batch * per
     shape = (nb * BLOCK, kv_heads, HEAD_DIM)
     k_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
     v_cache = empty_hugepages(shape, torch.bfloat16).copy_(torch.randn(shape))
     perm = torch.randperm(nb)[: sets * batch * per].view(sets, batch, per)
     tables = [perm[i].contiguous() for i in range(sets)]
-    lens = torch.full((batch,), ctx, dtype=torch.int64)
     return k_cache, v_cache, tables, lens, torch.zeros(batch, dtype=torch.int64)
 
 
@@ -137,7 +139,7 @@ def ab_decode_steps(
     batches: list[int],
     rounds: int,
     model: str,
-    prompt_len: int = 128,
+    prompt_lens: tuple[int, ...] = (128,),
 ) -> None:
     """Decode steps of B requests on engines on each library, per B, alternated."""
     from iterserve.sampling_params import SamplingParams  # noqa: PLC0415
@@ -147,7 +149,10 @@ def ab_decode_steps(
     vocab = next(iter(engines.values())).engine.vocab_size
     sp = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
     for batch in batches:
-        prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+        prompts = [
+            [rng.randrange(100, vocab) for _ in range(prompt_lens[i % len(prompt_lens)])]
+            for i in range(batch)
+        ]
         for llm in engines.values():  # the same prompts on each engine
             eng = llm.engine
             for i, prompt in enumerate(prompts):
@@ -214,14 +219,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-rev", required=True, help="git revision of the other source")
     p.add_argument("--batches", default="1,2,4,8")
-    p.add_argument("--ctx", type=int, default=150)
+    p.add_argument("--ctx", default="150", help="keys, or a comma list cycled over a batch")
     p.add_argument("--kv-heads", type=int, default=12)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--prefill", type=int, default=0, help="prompt tokens: engine prefill mode")
     p.add_argument("--budgets", default="2048,512", help="--prefill: max_num_batched_tokens")
     p.add_argument("--model", default="bench-134m", help="--prefill: the engines' model")
     p.add_argument("--decode-steps", action="store_true", help="engine decode steps at --batches")
-    p.add_argument("--prompt-len", type=int, default=128, help="--decode-steps: prompt tokens")
+    p.add_argument(
+        "--prompt-len", default="128", help="--decode-steps: prompt tokens (a list: cycled)"
+    )
     p.add_argument("--elementwise", help="comma list of rows: the row-wise kernels at each")
     ns = p.parse_args()
     here = kernels.SOURCE
@@ -245,17 +252,22 @@ def main() -> None:
         return
     if ns.decode_steps:
         ab_decode_steps(
-            libs, [int(x) for x in ns.batches.split(",")], ns.rounds, ns.model, ns.prompt_len
+            libs,
+            [int(x) for x in ns.batches.split(",")],
+            ns.rounds,
+            ns.model,
+            tuple(int(x) for x in ns.prompt_len.split(",")),
         )
         return
     flush = torch.ones(64 * 1024 * 1024 // 4)
     torch.manual_seed(0)
     for batch in (int(x) for x in ns.batches.split(",")):
-        k_cache, v_cache, tables, lens, starts = scattered_caches(batch, ns.ctx, ns.kv_heads)
+        ctx = [int(x) for x in ns.ctx.split(",")]
+        k_cache, v_cache, tables, lens, starts = scattered_caches(batch, ctx, ns.kv_heads)
         q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
         outs = [k.paged_decode_attention(q, k_cache, v_cache, tables[0], lens, starts, BLOCK)
                 for k in libs.values()]  # fmt: skip
-        if not torch.equal(outs[0], outs[1]):
+        if not torch.allclose(outs[0].float(), outs[1].float(), rtol=2e-2, atol=2e-2):
             raise SystemExit(f"B={batch}: the two libraries' outputs differ")
         res: dict[str, list[float]] = {name: [] for name in libs}
         for r in range(ns.rounds):
@@ -270,7 +282,7 @@ def main() -> None:
                         times.append((time.perf_counter() - t0) * 1e6)
                 res[name].append(statistics.median(times))
         print(
-            f"B={batch}, {ns.ctx} keys, {HEADS} heads over {ns.kv_heads}, cold: "
+            f"B={batch}, keys {ns.ctx}, {HEADS} heads over {ns.kv_heads}, cold: "
             + ", ".join(f"{n} {statistics.median(v):.1f} us a layer" for n, v in res.items())
         )
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from iterserve.config import CacheConfig
@@ -613,6 +615,23 @@ def test_decode_kernel_matches_sdpa(cache_dtype: torch.dtype, hd: int, variant: 
         close(out, ref.view(D, kvh * G, hd), atol=1e-5)
 
 
+def _sdpa_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+    ctx: int, start: int, bs: int,
+) -> torch.Tensor:  # fmt: skip
+    """SDPA of one decode query [H, hd] over its sequence's keys start .. ctx - 1."""
+    kvh, hd = k_cache.shape[1:]
+    kd, vd = (
+        c.view(-1, bs, kvh, hd)[table].reshape(-1, kvh, hd)[start:ctx] for c in (k_cache, v_cache)
+    )
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.view(1, -1, 1, hd),
+        kd.float().transpose(0, 1)[None],
+        vd.float().transpose(0, 1)[None],
+        enable_gqa=True,
+    ).view(-1, hd)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["native", "avx2"])
 def test_decode_kernel_splits_the_keys_where_threads_would_idle(
@@ -644,20 +663,10 @@ def test_decode_kernel_splits_the_keys_where_threads_would_idle(
             for D in (1, 2, 3):
                 tables = torch.stack([torch.randperm(nblocks)[: -(-ctx // bs)] for _ in range(D)])
                 q = torch.randn(D, kvh * G, hd)
-                ref = []
-                for d in range(D):
-                    kd, vd = (
-                        c.view(-1, bs, kvh, hd)[tables[d]].reshape(-1, kvh, hd)[start:ctx]
-                        for c in (k_cache, v_cache)
-                    )
-                    ref.append(
-                        torch.nn.functional.scaled_dot_product_attention(
-                            q[d].view(1, kvh * G, 1, hd),
-                            kd.float().transpose(0, 1)[None],
-                            vd.float().transpose(0, 1)[None],
-                            enable_gqa=True,
-                        ).view(kvh * G, hd)
-                    )
+                ref = [
+                    _sdpa_decode(q[d], k_cache, v_cache, tables[d], ctx, start, bs)
+                    for d in range(D)
+                ]
                 for nt in (1, 2, 3, 4):
                     torch.set_num_threads(nt)
                     out = kern.paged_decode_attention(
@@ -684,6 +693,149 @@ def test_decode_kernel_splits_the_keys_where_threads_would_idle(
             assert none.shape == (0, kvh, hd)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["native", "avx2"])
+def test_decode_kernel_splits_a_long_sequence_among_short_ones(
+    cache_dtype: torch.dtype, variant: str
+) -> None:
+    """Where one sequence holds most of a step's keys, its keys split into parts (merged by
+    their log-sum-exps) beside the short ones' whole or head-split tasks, and a short sequence
+    no longer makes the others split their heads: every output equals SDPA over its own window
+    on 1-4 threads."""
+    from iterserve.model import kernels
+    from tests.test_kernels import avx2_kernels
+
+    kern = kernels.load() if variant == "native" else avx2_kernels()
+    assert kern is not None, "the C++ kernels did not build (see the warning logged)"
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    hd, kvh, G, bs = 64, 2, 3, 16
+    try:
+        for seqs in (
+            [(1000, 0), (40, 0)],
+            [(600, 0), (20, 0), (150, 5), (17, 0)],
+            [(300, 250), (2000, 0), (64, 0)],
+            [(700, 0)] + [(30, 0)] * 5,
+            [(900, 0), (850, 3), (5, 0)],
+        ):
+            per = -(-max(c for c, _ in seqs) // bs)
+            nblocks = per * len(seqs) + 4
+            k_cache = (torch.randn(nblocks * bs, kvh, hd) * 2).to(cache_dtype)
+            v_cache = torch.randn(nblocks * bs, kvh, hd).to(cache_dtype)
+            order = torch.randperm(nblocks)
+            tables = torch.stack([order[d * per : (d + 1) * per] for d in range(len(seqs))])
+            q = torch.randn(len(seqs), kvh * G, hd)
+            ref = torch.stack(
+                [
+                    _sdpa_decode(q[d], k_cache, v_cache, tables[d], c, s, bs)
+                    for d, (c, s) in enumerate(seqs)
+                ]
+            )
+            lens = torch.tensor([c for c, _ in seqs])
+            starts = torch.tensor([s for _, s in seqs])
+            for nt in (1, 2, 3, 4):
+                torch.set_num_threads(nt)
+                out = kern.paged_decode_attention(q, k_cache, v_cache, tables, lens, starts, bs)
+                close(out, ref, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _plan_makespan(plan: list[tuple[int, int, int, int, int, int]], kvh: int, nt: int) -> float:
+    """The longest a thread works when the plan's tasks go in its order, each to the thread
+    with the least so far (keys times the share of the heads)."""
+    load = [0.0] * nt
+    for _, h0, h1, _, b, e in plan:
+        load[load.index(min(load))] += (e - b) * (h1 - h0) / kvh
+    return max(load)
+
+
+def test_decode_plan_evens_the_threads_where_lengths_differ() -> None:
+    """paged_decode_attention's plan: equal sequences a multiple of the threads keep one task
+    each; fewer sequences, or an odd count, split each one's keys (or, too short, its heads:
+    each sequence on its own); a long sequence among short ones splits its keys until the
+    threads' shares are within 10% of even while the short ones keep whole tasks; the plan
+    lists the longest tasks first."""
+    from iterserve.model import kernels
+
+    kern = kernels.load()
+    assert kern is not None, "the C++ kernels did not build (see the warning logged)"
+    plan = kern.decode_attention_plan
+    assert plan([200] * 4, [0] * 4, 12, 16, 2) == [(d, 0, 12, -1, 0, 200) for d in range(4)]
+    # parts end on whole blocks (16 keys), the longer first
+    assert plan([100], [0], 12, 16, 2) == [(0, 0, 12, 1, 48, 100), (0, 0, 12, 0, 0, 48)]
+    assert plan([50], [0], 12, 16, 2) == [(0, 0, 6, -1, 0, 50), (0, 6, 12, -1, 0, 50)]
+    # one sequence of 1,000 keys beside one of 40: the long one in two parts, the short one whole
+    p = plan([1000, 40], [0, 0], 12, 16, 2)
+    assert sorted(p) == [(0, 0, 12, 0, 0, 496), (0, 0, 12, 1, 496, 1000), (1, 0, 12, -1, 0, 40)]
+    assert p[-1][0] == 1  # the short task last
+    # 3 equal sequences on 2 threads: each in two parts
+    p = plan([1000] * 3, [0] * 3, 12, 16, 2)
+    assert sorted(t[0] for t in p) == [0, 0, 1, 1, 2, 2] and all(t[3] >= 0 for t in p)
+    # short sequences split their heads, the long one beside them its keys (a short one once
+    # made every sequence split its heads)
+    p = plan([300, 20, 20], [0] * 3, 12, 16, 2)
+    assert sorted(p) == [
+        (0, 0, 12, 0, 0, 144), (0, 0, 12, 1, 144, 300),
+        *((d, h, h + 6, -1, 0, 20) for d in (1, 2) for h in (0, 6)),
+    ]  # fmt: skip
+    # three sequences too short for key parts on 2 threads: they split their heads
+    p = plan([40] * 3, [0] * 3, 12, 16, 2)
+    assert sorted(p) == [(d, h, h + 6, -1, 0, 40) for d in range(3) for h in (0, 6)]
+    # ... and beside a long one, only they do (the long one's keys split)
+    p = plan([1000, 40, 1000], [0] * 3, 12, 16, 2)
+    assert {t[1:3] for t in p if t[0] == 1} == {(0, 6), (6, 12)}
+    assert all(t[1:4] == (0, 12, t[3]) and t[3] >= 0 for t in p if t[0] != 1)
+    # one long sequence among 7 short ones on 4 threads: within 10% of an even share
+    lens = [4000] + [100] * 7
+    p = plan(lens, [0] * 8, 8, 16, 4)
+    assert _plan_makespan(p, 8, 4) <= 1.1 * sum(lens) / 4
+    assert sum(1 for t in p if t[0] == 0) > 1 and all(t[3] == -1 for t in p if t[0] > 0)
+    work = [(e - b) * (h1 - h0) for _, h0, h1, _, b, e in p]
+    assert work == sorted(work, reverse=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 3000)), max_size=10),
+    kvh=st.sampled_from([1, 2, 3, 8, 12]),
+    bs=st.sampled_from([1, 4, 16, 32]),
+    nt=st.integers(1, 8),
+)
+def test_property_decode_plan_covers_every_key_once(
+    seqs: list[tuple[int, int]], kvh: int, bs: int, nt: int
+) -> None:
+    """Any lengths, windows, head counts, block sizes and thread counts: each sequence's
+    (head, key) pairs are covered exactly once, by whole-key tasks over head ranges or by
+    all-head parts of at least 32 keys with slots of their own, and the tasks come longest
+    first."""
+    from iterserve.model import kernels
+
+    kern = kernels.load()
+    assert kern is not None, "the C++ kernels did not build (see the warning logged)"
+    lens = [max(a, b) for a, b in seqs]
+    starts = [min(a, b) for a, b in seqs]
+    plan = kern.decode_attention_plan(lens, starts, kvh, bs, nt)
+    slots = [t[3] for t in plan if t[3] >= 0]
+    assert sorted(slots) == list(range(len(slots)))
+    for d, (ctx, start) in enumerate(zip(lens, starts, strict=True)):
+        mine = [t for t in plan if t[0] == d]
+        if any(t[3] >= 0 for t in mine):  # key parts: all heads, contiguous, >= 32 keys each
+            assert len(mine) >= 2 and all(t[3] >= 0 and t[1:3] == (0, kvh) for t in mine)
+            bounds = sorted(t[4:] for t in mine)
+            assert bounds[0][0] == start and bounds[-1][1] == ctx
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+            # (a part's bounds fall back to whole blocks: up to a block short)
+            assert all(e - b > min(32, (ctx - start) // len(mine)) - bs for b, e in bounds)
+        else:  # head ranges over every key
+            assert all(t[4:] == (start, ctx) for t in mine)
+            heads = sorted(t[1:3] for t in mine)
+            assert heads[0][0] == 0 and heads[-1][1] == kvh
+            assert all(a[1] == b[0] < b[1] for a, b in zip(heads, heads[1:], strict=False))
+    work = [(e - b) * (h1 - h0) for _, h0, h1, _, b, e in plan]
+    assert work == sorted(work, reverse=True)
 
 
 @pytest.mark.parametrize("window", [None, 3])

@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -590,6 +590,27 @@ class Kernels:
                 x.data_ptr(), n, rows.data_ptr(), m, ks.data_ptr(), kmax, out.data_ptr()
             )
         return out
+
+    def decode_attention_plan(
+        self, ctx_lens: list[int], starts: list[int], kv_heads: int, block_size: int, threads: int
+    ) -> list[tuple[int, int, int, int, int, int]]:
+        """How paged_decode_attention divides these sequences' work between ``threads``: its
+        tasks in the order the threads take them, each (sequence, first KV head, end KV head,
+        part slot or -1, first key, end key); a sequence split into parts by its keys has its
+        parts' outputs merged by their log-sum-exps."""
+        lens = torch.tensor(ctx_lens, dtype=torch.int64)
+        st = torch.tensor(starts, dtype=torch.int64)
+        if lens.shape != st.shape or lens.dim() != 1 or threads < 1 or kv_heads < 1:
+            raise ValueError("decode_attention_plan: one start per length, threads and heads >= 1")
+        cap = max(1, len(ctx_lens)) * max(kv_heads, 8 * threads)  # a sequence's most tasks
+        out = torch.empty(cap, 6, dtype=torch.int64)
+        fn = self.lib.decode_attention_plan  # typed here: benchmarks load libraries without it
+        fn.argtypes, fn.restype = [_P, _P, _I, _I, _I, _I, _P, _I], _I
+        n = fn(
+            lens.data_ptr(), st.data_ptr(), len(ctx_lens), kv_heads, block_size, threads,
+            out.data_ptr(), cap,
+        )  # fmt: skip
+        return [cast("tuple[int, int, int, int, int, int]", tuple(r)) for r in out[:n].tolist()]
 
     def paged_decode_attention(
         self,

@@ -2672,14 +2672,109 @@ void argmax_f32(const float* x, int rows, int n, int64_t* out) {
 // A task is one sequence and a range of its KV heads (the whole range unless there are too few
 // sequences to keep every thread busy): it walks the sequence's slots in order, and a slot's
 // heads are adjacent in memory, so the task reads its cache rows as contiguous runs instead of
-// one head's 128-byte piece every 1.5 KB. Where the sequences alone would leave a thread idle
-// (and their keys are long enough) a task is instead every head over a part of one sequence's
-// keys: whole rows, read at about the memory's rate where half rows were not (docs/SPEED.md,
-// "Fewer sequences than threads split their keys"). Pass 1 computes every score, then a
-// vectorised softmax per query head, then pass 2 accumulates the V rows.
+// one head's 128-byte piece every 1.5 KB. Where the sequences alone would leave a thread idle,
+// or one sequence's keys alone would keep a thread busy past the others (and its keys are long
+// enough), a task is instead every head over a part of one sequence's keys: whole rows, read at
+// about the memory's rate where half rows were not (docs/SPEED.md, "Fewer sequences than
+// threads split their keys", "A long sequence among short ones splits its keys").
+// plan_decode says which. Pass 1 computes every score, then a vectorised softmax per query
+// head, then pass 2 accumulates the V rows.
 // With side_P (a pair-packed weight [side_N, side_K], or null) each thread also prefetches its
 // share of side_P into L2 over the positions it visits (SidePrefetch; decode_layer's).
 constexpr int KSPLIT_MIN_KEYS = 32;  // keys a part at least, where decode_attention splits them
+
+// One task of decode_attention: KV heads [h0, h1) of sequence d over its keys [begin, end).
+// part >= 0: its slot in the parts' buffers (a sequence whose keys are split, merged after the
+// loop by the parts' log-sum-exps); -1: it writes its output directly.
+struct DecodeSpan {
+    int d, h0, h1, part;
+    int64_t begin, end;
+};
+
+// The longest a thread works when tasks of these sizes (in keys) go, the longest first, each to
+// the thread with the least so far: what decode_attention's dynamic schedule over the plan,
+// sorted so, comes to.
+static double lpt_makespan(std::vector<double>& sizes, int threads) {
+    std::sort(sizes.begin(), sizes.end(), std::greater<double>());
+    std::vector<double> load(static_cast<size_t>(threads), 0.0);
+    for (const double s : sizes) *std::min_element(load.begin(), load.end()) += s;
+    return *std::max_element(load.begin(), load.end());
+}
+
+// decode_attention's tasks for a step, the longest first; returns the number of part slots.
+// First each sequence is split only until every thread gets as many tasks as the others (up to
+// about 4 each; equal sequences then share the threads evenly, in parts small enough that
+// the dynamic schedule evens out a thread that runs slower): its keys where every part keeps
+// KSPLIT_MIN_KEYS (whole rows, read at about the memory's rate), else its heads (a task reads
+// its heads' part of every row: fewer, wider tasks read longer runs; one sequence of 12 heads
+// at 150 keys, cold, 2 tasks of 6 heads took 21 us a layer, 6 tasks of 2 heads 30;
+// docs/SPEED.md, "One call per layer for decode steps"). Then, while the threads would still
+// wait on the longest task (their work more than 10% past an even share, the tasks going
+// longest first to the thread with the least so far), its sequence splits once more: its keys
+// into one more part where each keeps KSPLIT_MIN_KEYS, else its heads in two.
+static int plan_decode(const int64_t* ctx_lens, const int64_t* starts, int D, int KvH, int block_size, int threads,
+                       std::vector<DecodeSpan>& plan) {
+    plan.clear();
+    if (D <= 0) return 0;
+    const int max_parts = 4 * threads;
+    const auto keys = [&](int d) { return std::max<int64_t>(ctx_lens[d] - starts[d], 0); };
+    int parts = 1;
+    while ((D * parts < threads || (D * parts) % threads != 0) && D * parts < max_parts) parts *= 2;
+    std::vector<int> ks(static_cast<size_t>(D), 1), hs(static_cast<size_t>(D), 1);  // key parts, head splits
+    double total = 0;
+    for (int d = 0; d < D; ++d) {
+        total += static_cast<double>(keys(d));
+        if (parts > 1 && keys(d) >= static_cast<int64_t>(parts) * KSPLIT_MIN_KEYS)
+            ks[d] = parts;
+        else if (parts > 1)
+            hs[d] = std::min(parts, KvH);
+    }
+    const auto task_keys = [&](int d) { return static_cast<double>(keys(d)) / ks[d] / hs[d]; };
+    if (threads > 1 && total > 0) {
+        const double share = total / threads;
+        std::vector<double> sizes;
+        for (int round = 0; round < D * (max_parts + KvH); ++round) {  // each round splits one sequence more
+            int longest = 0;
+            for (int d = 1; d < D; ++d)
+                if (task_keys(d) > task_keys(longest)) longest = d;
+            // dynamic scheduling ends within one task of an even share: no need to look closer
+            if (task_keys(longest) * (threads - 1) <= 0.1 * share * threads) break;
+            sizes.clear();
+            for (int d = 0; d < D; ++d) sizes.insert(sizes.end(), static_cast<size_t>(ks[d] * hs[d]), task_keys(d));
+            if (lpt_makespan(sizes, threads) <= 1.1 * share) break;
+            if (hs[longest] == 1 && ks[longest] < max_parts && keys(longest) >= static_cast<int64_t>(ks[longest] + 1) * KSPLIT_MIN_KEYS)
+                ++ks[longest];
+            else if (ks[longest] == 1 && hs[longest] < KvH)
+                hs[longest] = std::min(2 * hs[longest], KvH);
+            else
+                break;
+        }
+    }
+    int slots = 0;
+    for (int d = 0; d < D; ++d) {
+        const int64_t b0 = starts[d], len = ctx_lens[d] - starts[d];
+        if (ks[d] > 1) {  // part k of the keys, its bounds on whole blocks where they fit
+            const int k_n = ks[d];
+            const bool whole = static_cast<int64_t>(block_size) * k_n <= len;  // else uneven parts
+            const auto bound = [&](int k) {
+                const int64_t at = b0 + len * k / k_n;
+                const int64_t rounded = at / block_size * block_size;
+                return whole && rounded > b0 ? rounded : at;
+            };
+            for (int k = 0; k < k_n; ++k)
+                plan.push_back({d, 0, KvH, slots++, k == 0 ? b0 : bound(k), k == k_n - 1 ? b0 + len : bound(k + 1)});
+        } else {
+            const int per = (KvH + hs[d] - 1) / hs[d];
+            for (int h0 = 0; h0 < KvH; h0 += per) plan.push_back({d, h0, std::min(h0 + per, KvH), -1, b0, ctx_lens[d]});
+        }
+    }
+    // the longest first (the schedule's order); equal ones keep the sequences' order
+    std::stable_sort(plan.begin(), plan.end(), [&](const DecodeSpan& a, const DecodeSpan& b) {
+        return (a.end - a.begin) * (a.h1 - a.h0) > (b.end - b.begin) * (b.h1 - b.h0);
+    });
+    return slots;
+}
+
 static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
                              const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts, void* out, int D, int H, int KvH,
                              int hd, int block_size, int max_blocks, float scale, int ahead, const uint16_t* side_P, int side_N,
@@ -2691,32 +2786,15 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
 #if defined(_OPENMP)
     threads = omp_get_max_threads();
 #endif
-    // Split each sequence only until every thread gets as many tasks as the others (at most 4
-    // each), and then its keys where every part gets KSPLIT_MIN_KEYS: a task reads whole cache
-    // rows over its part of the keys, and the parts' softmaxes are merged by their log-sum-exps
-    // after the loop. Shorter sequences split their heads: a task reads its heads' part of every
-    // row, fewer, wider tasks reading longer runs of it (one sequence of 12 heads at 150 keys,
-    // cold: 2 tasks of 6 heads took 21 us a layer, 6 tasks of 2 heads 30; docs/SPEED.md, "One
-    // call per layer for decode steps"), whole rows longer still ("Fewer sequences than threads
-    // split their keys").
-    int parts = 1;
-    while (D > 0 && (D * parts < threads || (D * parts) % threads != 0) && D * parts < 4 * threads) parts *= 2;
-    int splits = 1, ksplits = 1;
-    if (parts > 1) {
-        int64_t shortest = INT64_MAX;
-        for (int d = 0; d < D; ++d) shortest = std::min<int64_t>(shortest, ctx_lens[d] - starts[d]);
-        if (shortest >= static_cast<int64_t>(parts) * KSPLIT_MIN_KEYS)
-            ksplits = parts;
-        else
-            splits = std::min(parts, KvH);
-    }
-    const int per = (KvH + splits - 1) / splits;
-    const int tasks = D * splits * ksplits;
-    // ksplits > 1: each task's output and log-sum-exps, merged into out after the loop
-    static thread_local std::vector<float> part_out_buf, part_lse_buf;  // the calling thread's
-    if (ksplits > 1) {
-        part_out_buf.resize(static_cast<size_t>(tasks) * H * hd);
-        part_lse_buf.resize(static_cast<size_t>(tasks) * H);
+    static thread_local std::vector<DecodeSpan> plan;  // the calling thread's: read through spans
+    const int slots = plan_decode(ctx_lens, starts, D, KvH, block_size, threads, plan);
+    const int tasks = static_cast<int>(plan.size());
+    const DecodeSpan* const spans = plan.data();
+    // the split sequences' parts: each one's output and log-sum-exps, merged into out after the loop
+    static thread_local std::vector<float> part_out_buf, part_lse_buf;
+    if (slots > 0) {
+        part_out_buf.resize(static_cast<size_t>(slots) * H * hd);
+        part_lse_buf.resize(static_cast<size_t>(slots) * H);
     }
     float* const part_out = part_out_buf.data();
     float* const part_lse = part_lse_buf.data();
@@ -2725,7 +2803,7 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
 #endif
     int64_t visits = 0;  // about how many positions a thread visits (both passes)
     if (side_P != nullptr) {
-        for (int d = 0; d < D; ++d) visits += 2 * (ctx_lens[d] - starts[d]) * splits;  // ksplits share the keys
+        for (const DecodeSpan& s : plan) visits += 2 * (s.end - s.begin);
         visits = visits / threads + 1;
     }
 #pragma omp parallel
@@ -2745,36 +2823,23 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
         // none: fewer tasks than threads) while the others finish
 #pragma omp for schedule(dynamic, 1) nowait
         for (int t = 0; t < tasks; ++t) {
-            const int d = t / (splits * ksplits);
-            const int ks = t % ksplits;
-            const int h0 = (t / ksplits % splits) * per;
-            const int h1 = h0 + per < KvH ? h0 + per : KvH;
-            if (h0 >= h1) continue;
+            const DecodeSpan& span = spans[t];
+            const int d = span.d, h0 = span.h0, h1 = span.h1;
+            const int64_t begin = span.begin, end = span.end;
             const int nq = (h1 - h0) * G;  // query heads in this task
-            int64_t begin = starts[d], end = ctx_lens[d];
-            if (ksplits > 1) {  // part ks of the keys, its bounds on whole blocks where they fit
-                const int64_t len = end - begin, b0 = begin;
-                const bool whole = static_cast<int64_t>(block_size) * ksplits <= len;  // else uneven parts
-                const auto bound = [&](int k) {
-                    int64_t at = b0 + len * k / ksplits;
-                    const int64_t rounded = at / block_size * block_size;
-                    return whole && rounded > b0 ? rounded : at;
-                };
-                begin = ks == 0 ? b0 : bound(ks);
-                end = ks == ksplits - 1 ? b0 + len : bound(ks + 1);
-            }
             const int64_t n = end - begin;
             qbuf.resize(static_cast<size_t>(nq) * hd);
             load_row(q, io_f32, static_cast<int64_t>(d) * q_row_stride + static_cast<int64_t>(h0) * G * hd, nq * hd, qbuf.data());
             const float* qd = qbuf.data();
             const int64_t od = (static_cast<int64_t>(d) * H + static_cast<int64_t>(h0) * G) * hd;  // out offset
             const int64_t* bt = block_tables + static_cast<int64_t>(d) * max_blocks;
-            float* lse = ksplits > 1 ? part_lse + static_cast<int64_t>(t) * H : nullptr;
+            float* lse = span.part >= 0 ? part_lse + static_cast<int64_t>(span.part) * H : nullptr;
+            float* const part_dst = span.part >= 0 ? part_out + static_cast<int64_t>(span.part) * H * hd : nullptr;
             if (n <= 0) {
                 acc.assign(static_cast<size_t>(nq) * hd, 0.f);
                 if (lse != nullptr) {
                     std::fill(lse, lse + nq, -INFINITY);
-                    std::copy(acc.begin(), acc.end(), part_out + static_cast<int64_t>(t) * H * hd);
+                    std::copy(acc.begin(), acc.end(), part_dst);
                 } else {
                     store_row(out, io_f32, od, nq * hd, acc.data());
                 }
@@ -2786,7 +2851,7 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
                 fast(qd, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache), bt, block_size, begin, end, KvH, G, h0, h1,
                      scale, ahead, scores, vbuf, acc.data(), lse);
                 if (lse != nullptr)
-                    std::copy(acc.begin(), acc.end(), part_out + static_cast<int64_t>(t) * H * hd);
+                    std::copy(acc.begin(), acc.end(), part_dst);
                 else
                     store_row(out, io_f32, od, nq * hd, acc.data());
                 continue;
@@ -2820,7 +2885,7 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
                 axpy(scores[qh * ldn + i], row.data(), acc.data() + static_cast<int64_t>(qh) * hd, hd);
             });
             if (lse != nullptr)
-                std::copy(acc.begin(), acc.end(), part_out + static_cast<int64_t>(t) * H * hd);
+                std::copy(acc.begin(), acc.end(), part_dst);
             else
                 store_row(out, io_f32, od, nq * hd, acc.data());
         }
@@ -2830,18 +2895,27 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
         }
         t_side = SidePrefetch{};
     }
-    if (ksplits > 1) {  // out = sum over parts of exp(lse_part - lse_all) * out_part, per head
+    if (slots > 0) {  // out = sum over parts of exp(lse_part - lse_all) * out_part, per head
+        // a split sequence's parts sit in consecutive slots, the first of them in its first span
+        std::vector<int> first(static_cast<size_t>(D), -1), count(static_cast<size_t>(D), 0);
+        for (const DecodeSpan& s : plan)
+            if (s.part >= 0) {
+                ++count[s.d];
+                if (first[s.d] < 0 || s.part < first[s.d]) first[s.d] = s.part;
+            }
         std::vector<float> merged(static_cast<size_t>(H) * hd);
         for (int d = 0; d < D; ++d) {
-            const int64_t t0 = static_cast<int64_t>(d) * ksplits;
+            if (first[d] < 0) continue;
+            const int64_t t0 = first[d];
+            const int kn = count[d];
             for (int qh = 0; qh < H; ++qh) {
                 float m = -INFINITY;
-                for (int k = 0; k < ksplits; ++k) m = std::fmax(m, part_lse[(t0 + k) * H + qh]);
+                for (int k = 0; k < kn; ++k) m = std::fmax(m, part_lse[(t0 + k) * H + qh]);
                 float z = 0.f;
-                for (int k = 0; k < ksplits; ++k) z += std::exp(part_lse[(t0 + k) * H + qh] - m);
+                for (int k = 0; k < kn; ++k) z += std::exp(part_lse[(t0 + k) * H + qh] - m);
                 float* o = merged.data() + static_cast<int64_t>(qh) * hd;
                 std::fill(o, o + hd, 0.f);
-                for (int k = 0; k < ksplits; ++k) {
+                for (int k = 0; k < kn; ++k) {
                     const float w = std::exp(part_lse[(t0 + k) * H + qh] - m) / z;
                     if (w != 0.f) axpy(w, part_out + ((t0 + k) * H + qh) * hd, o, hd);  // NaN stays NaN
                 }
@@ -2849,6 +2923,20 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
             store_row(out, io_f32, static_cast<int64_t>(d) * H * hd, H * hd, merged.data());
         }
     }
+}
+// decode_attention's plan for `threads` threads (tests and benchmarks read it): up to cap tasks
+// as rows of (sequence, first KV head, end KV head, part slot or -1, first key, end key), in
+// the schedule's order; returns the number of tasks.
+int decode_attention_plan(const int64_t* ctx_lens, const int64_t* starts, int D, int KvH, int block_size, int threads, int64_t* out,
+                          int cap) {
+    std::vector<DecodeSpan> plan;
+    plan_decode(ctx_lens, starts, D, KvH, block_size, threads, plan);
+    for (int t = 0; t < static_cast<int>(plan.size()) && t < cap; ++t) {
+        const DecodeSpan& s = plan[t];
+        const int64_t row[6] = {s.d, s.h0, s.h1, s.part, s.begin, s.end};
+        std::copy(row, row + 6, out + 6 * static_cast<int64_t>(t));
+    }
+    return static_cast<int>(plan.size());
 }
 // The library's entry point: decode_attention without a side prefetch.
 void paged_decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,

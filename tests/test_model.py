@@ -820,6 +820,9 @@ def test_property_decode_plan_covers_every_key_once(
     plan = kern.decode_attention_plan(lens, starts, kvh, bs, nt)
     slots = [t[3] for t in plan if t[3] >= 0]
     assert sorted(slots) == list(range(len(slots)))
+    for d in {t[0] for t in plan if t[3] >= 0}:  # the merge reads a sequence's parts in a row
+        mine = sorted((t[4], t[3]) for t in plan if t[0] == d)
+        assert [s for _, s in mine] == list(range(mine[0][1], mine[0][1] + len(mine)))
     for d, (ctx, start) in enumerate(zip(lens, starts, strict=True)):
         mine = [t for t in plan if t[0] == d]
         if any(t[3] >= 0 for t in mine):  # key parts: all heads, contiguous, >= 32 keys each

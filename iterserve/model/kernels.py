@@ -600,8 +600,10 @@ class Kernels:
         parts' outputs merged by their log-sum-exps."""
         lens = torch.tensor(ctx_lens, dtype=torch.int64)
         st = torch.tensor(starts, dtype=torch.int64)
-        if lens.shape != st.shape or lens.dim() != 1 or threads < 1 or kv_heads < 1:
-            raise ValueError("decode_attention_plan: one start per length, threads and heads >= 1")
+        if lens.shape != st.shape or lens.dim() != 1 or min(threads, kv_heads, block_size) < 1:
+            raise ValueError(
+                "decode_attention_plan: one start per length; threads, heads and block_size >= 1"
+            )
         cap = max(1, len(ctx_lens)) * max(kv_heads, 8 * threads)  # a sequence's most tasks
         out = torch.empty(cap, 6, dtype=torch.int64)
         fn = self.lib.decode_attention_plan  # typed here: benchmarks load libraries without it
@@ -610,6 +612,8 @@ class Kernels:
             lens.data_ptr(), st.data_ptr(), len(ctx_lens), kv_heads, block_size, threads,
             out.data_ptr(), cap,
         )  # fmt: skip
+        if n > cap:  # the bound above no longer holds: say so rather than cut the plan
+            raise RuntimeError(f"decode_attention_plan: {n} tasks, room for {cap}")
         return [cast("tuple[int, int, int, int, int, int]", tuple(r)) for r in out[:n].tolist()]
 
     def paged_decode_attention(

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <queue>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -2691,65 +2692,31 @@ struct DecodeSpan {
     int64_t begin, end;
 };
 
-// The longest a thread works when tasks of these sizes (in keys) go, the longest first, each to
-// the thread with the least so far: what decode_attention's dynamic schedule over the plan,
-// sorted so, comes to.
-static double lpt_makespan(std::vector<double>& sizes, int threads) {
-    std::sort(sizes.begin(), sizes.end(), std::greater<double>());
-    std::vector<double> load(static_cast<size_t>(threads), 0.0);
-    for (const double s : sizes) *std::min_element(load.begin(), load.end()) += s;
-    return *std::max_element(load.begin(), load.end());
+// Keys times the share of the heads: a task's work in keys.
+inline double span_work(const DecodeSpan& s, int KvH) {
+    return static_cast<double>(s.end - s.begin) * (s.h1 - s.h0) / KvH;
 }
 
-// decode_attention's tasks for a step, the longest first; returns the number of part slots.
-// First each sequence is split only until every thread gets as many tasks as the others (up to
-// about 4 each; equal sequences then share the threads evenly, in parts small enough that
-// the dynamic schedule evens out a thread that runs slower): its keys where every part keeps
-// KSPLIT_MIN_KEYS (whole rows, read at about the memory's rate), else its heads (a task reads
-// its heads' part of every row: fewer, wider tasks read longer runs; one sequence of 12 heads
-// at 150 keys, cold, 2 tasks of 6 heads took 21 us a layer, 6 tasks of 2 heads 30;
-// docs/SPEED.md, "One call per layer for decode steps"). Then, while the threads would still
-// wait on the longest task (their work more than 10% past an even share, the tasks going
-// longest first to the thread with the least so far), its sequence splits once more: its keys
-// into one more part where each keeps KSPLIT_MIN_KEYS, else its heads in two.
-static int plan_decode(const int64_t* ctx_lens, const int64_t* starts, int D, int KvH, int block_size, int threads,
-                       std::vector<DecodeSpan>& plan) {
+// The longest a thread works when the plan's tasks go in its order (the longest first) each to
+// the thread with the least so far: what decode_attention's dynamic schedule comes to.
+static double lpt_makespan(const std::vector<DecodeSpan>& plan, int KvH, int threads) {
+    std::priority_queue<double, std::vector<double>, std::greater<double>> load;  // the least on top
+    for (int t = 0; t < threads; ++t) load.push(0.0);
+    double most = 0;
+    for (const DecodeSpan& s : plan) {
+        const double l = load.top() + span_work(s, KvH);
+        load.pop();
+        load.push(l);
+        most = std::max(most, l);
+    }
+    return most;
+}
+
+// plan = the spans of each sequence in ks[d] key parts (slots in order) or hs[d] head ranges,
+// the longest first; returns the number of part slots.
+static int build_plan(const int64_t* ctx_lens, const int64_t* starts, int D, int KvH, int block_size, const std::vector<int>& ks,
+                      const std::vector<int>& hs, std::vector<DecodeSpan>& plan) {
     plan.clear();
-    if (D <= 0) return 0;
-    const int max_parts = 4 * threads;
-    const auto keys = [&](int d) { return std::max<int64_t>(ctx_lens[d] - starts[d], 0); };
-    int parts = 1;
-    while ((D * parts < threads || (D * parts) % threads != 0) && D * parts < max_parts) parts *= 2;
-    std::vector<int> ks(static_cast<size_t>(D), 1), hs(static_cast<size_t>(D), 1);  // key parts, head splits
-    double total = 0;
-    for (int d = 0; d < D; ++d) {
-        total += static_cast<double>(keys(d));
-        if (parts > 1 && keys(d) >= static_cast<int64_t>(parts) * KSPLIT_MIN_KEYS)
-            ks[d] = parts;
-        else if (parts > 1)
-            hs[d] = std::min(parts, KvH);
-    }
-    const auto task_keys = [&](int d) { return static_cast<double>(keys(d)) / ks[d] / hs[d]; };
-    if (threads > 1 && total > 0) {
-        const double share = total / threads;
-        std::vector<double> sizes;
-        for (int round = 0; round < D * (max_parts + KvH); ++round) {  // each round splits one sequence more
-            int longest = 0;
-            for (int d = 1; d < D; ++d)
-                if (task_keys(d) > task_keys(longest)) longest = d;
-            // dynamic scheduling ends within one task of an even share: no need to look closer
-            if (task_keys(longest) * (threads - 1) <= 0.1 * share * threads) break;
-            sizes.clear();
-            for (int d = 0; d < D; ++d) sizes.insert(sizes.end(), static_cast<size_t>(ks[d] * hs[d]), task_keys(d));
-            if (lpt_makespan(sizes, threads) <= 1.1 * share) break;
-            if (hs[longest] == 1 && ks[longest] < max_parts && keys(longest) >= static_cast<int64_t>(ks[longest] + 1) * KSPLIT_MIN_KEYS)
-                ++ks[longest];
-            else if (ks[longest] == 1 && hs[longest] < KvH)
-                hs[longest] = std::min(2 * hs[longest], KvH);
-            else
-                break;
-        }
-    }
     int slots = 0;
     for (int d = 0; d < D; ++d) {
         const int64_t b0 = starts[d], len = ctx_lens[d] - starts[d];
@@ -2769,11 +2736,88 @@ static int plan_decode(const int64_t* ctx_lens, const int64_t* starts, int D, in
         }
     }
     // the longest first (the schedule's order); equal ones keep the sequences' order
-    std::stable_sort(plan.begin(), plan.end(), [&](const DecodeSpan& a, const DecodeSpan& b) {
-        return (a.end - a.begin) * (a.h1 - a.h0) > (b.end - b.begin) * (b.h1 - b.h0);
-    });
+    std::stable_sort(plan.begin(), plan.end(),
+                     [&](const DecodeSpan& x, const DecodeSpan& y) { return span_work(x, KvH) > span_work(y, KvH); });
     return slots;
 }
+
+// decode_attention's tasks for a step, the longest first; returns the number of part slots.
+// First each sequence is split only until every thread gets as many tasks as the others (up to
+// about 4 each; equal sequences then share the threads evenly, in parts small enough that
+// the dynamic schedule evens out a thread that runs slower): its keys where every part keeps
+// KSPLIT_MIN_KEYS (whole rows, read at about the memory's rate), else its heads (a task reads
+// its heads' part of every row: fewer, wider tasks read longer runs; one sequence of 12 heads
+// at 150 keys, cold, 2 tasks of 6 heads took 21 us a layer, 6 tasks of 2 heads 30;
+// docs/SPEED.md, "One call per layer for decode steps"). Then, while the threads would still
+// wait on the longest tasks (their work more than 10% past an even share, the tasks going
+// longest first to the thread with the least so far), every task longer than a cap is split
+// down to it (keys where the parts keep KSPLIT_MIN_KEYS, at most 4 parts a thread, else
+// heads), the cap shrinking by 1.5x a round from the longest task.
+static int plan_decode(const int64_t* ctx_lens, const int64_t* starts, int D, int KvH, int block_size, int threads,
+                       std::vector<DecodeSpan>& plan) {
+    plan.clear();
+    if (D <= 0) return 0;
+    const int max_parts = 4 * threads;
+    const auto keys = [&](int d) { return std::max<int64_t>(ctx_lens[d] - starts[d], 0); };
+    int parts = 1;
+    while ((D * parts < threads || (D * parts) % threads != 0) && D * parts < max_parts) parts *= 2;
+    std::vector<int> ks(static_cast<size_t>(D), 1), hs(static_cast<size_t>(D), 1);  // key parts, head splits
+    double total = 0;
+    for (int d = 0; d < D; ++d) {
+        total += static_cast<double>(keys(d));
+        if (parts > 1 && keys(d) >= static_cast<int64_t>(parts) * KSPLIT_MIN_KEYS)
+            ks[d] = parts;
+        else if (parts > 1)
+            hs[d] = std::min(parts, KvH);
+    }
+    int slots = build_plan(ctx_lens, starts, D, KvH, block_size, ks, hs, plan);
+    if (threads == 1 || total <= 0) return slots;
+    const double share = total / threads;
+    double longest = span_work(plan.front(), KvH);
+    // dynamic scheduling ends within one task of an even share: no need to look closer
+    if (longest * (threads - 1) <= 0.1 * share * threads || lpt_makespan(plan, KvH, threads) <= 1.1 * share) return slots;
+    for (double cap = longest / 1.5; cap >= 1; cap /= 1.5) {
+        bool split = false;
+        for (int d = 0; d < D; ++d) {
+            const double work = static_cast<double>(keys(d)) / ks[d] / hs[d];
+            if (work <= cap) continue;
+            const int want = static_cast<int>(std::ceil(static_cast<double>(keys(d)) / cap));
+            const int fit = static_cast<int>(std::min<int64_t>(max_parts, keys(d) / KSPLIT_MIN_KEYS));
+            if (hs[d] == 1 && std::min(want, fit) > ks[d]) {
+                ks[d] = std::min(want, fit);
+                split = true;
+            } else if (ks[d] == 1 && hs[d] < KvH) {
+                hs[d] = std::min(std::max(want, 2 * hs[d]), KvH);
+                split = true;
+            }
+        }
+        if (!split) continue;
+        slots = build_plan(ctx_lens, starts, D, KvH, block_size, ks, hs, plan);
+        if (lpt_makespan(plan, KvH, threads) <= 1.1 * share) break;
+    }
+    return slots;
+}
+
+// plan_decode's answer for the calling thread, kept while the step's lengths, starts and
+// shapes stay the same: a decode step calls decode_attention once per layer with them.
+struct DecodePlanCache {
+    std::vector<int64_t> lens, starts;
+    int KvH = -1, block_size = -1, threads = -1, slots = 0;
+    std::vector<DecodeSpan> plan;
+    int get(const int64_t* ctx_lens, const int64_t* st, int D, int kvh, int bs, int nth) {
+        const size_t n = static_cast<size_t>(std::max(D, 0));
+        if (KvH != kvh || block_size != bs || threads != nth || lens.size() != n || !std::equal(lens.begin(), lens.end(), ctx_lens) ||
+            !std::equal(starts.begin(), starts.end(), st)) {
+            lens.assign(ctx_lens, ctx_lens + n);
+            starts.assign(st, st + n);
+            KvH = kvh;
+            block_size = bs;
+            threads = nth;
+            slots = plan_decode(ctx_lens, st, D, kvh, bs, nth, plan);
+        }
+        return slots;
+    }
+};
 
 static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
                              const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts, void* out, int D, int H, int KvH,
@@ -2786,8 +2830,9 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
 #if defined(_OPENMP)
     threads = omp_get_max_threads();
 #endif
-    static thread_local std::vector<DecodeSpan> plan;  // the calling thread's: read through spans
-    const int slots = plan_decode(ctx_lens, starts, D, KvH, block_size, threads, plan);
+    static thread_local DecodePlanCache cache;  // the calling thread's: read through spans
+    const int slots = cache.get(ctx_lens, starts, D, KvH, block_size, threads);
+    const std::vector<DecodeSpan>& plan = cache.plan;
     const int tasks = static_cast<int>(plan.size());
     const DecodeSpan* const spans = plan.data();
     // the split sequences' parts: each one's output and log-sum-exps, merged into out after the loop

@@ -261,6 +261,9 @@ def test_errors_are_clear(llm: LLM) -> None:
         llm.generate([too_long], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="empty"):
         llm.generate([""], SamplingParams(max_tokens=4))
+    # a lone surrogate (a Python str may hold one): named, not the tokenizer's bare TypeError
+    with pytest.raises(ValueError, match=r"prompt contains a lone UTF-16 surrogate \(\\ud800 at"):
+        llm.generate(["ok \ud800"], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="empty"):
         llm.engine.add_request("e", [], SamplingParams())
     with pytest.raises(ValueError, match=r"token ids must be in \[0,"):
@@ -369,6 +372,23 @@ def test_generate_takes_vllms_forms_and_refuses_what_it_would_ignore(
     finally:
         del llm.engine.step
     assert not llm.engine.has_unfinished_requests()
+    # ... and interrupted while adding them (the third add), the ones added go too
+    add, adds = llm.engine.add_request, 0
+
+    def interrupted_add(*args: Any, **kwargs: Any) -> Any:
+        nonlocal adds
+        adds += 1
+        if adds == 3:
+            raise KeyboardInterrupt
+        return add(*args, **kwargs)
+
+    llm.engine.add_request = interrupted_add  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a"] * 3, sp)
+    finally:
+        del llm.engine.add_request
+    assert adds == 3 and not llm.engine.has_unfinished_requests()
     assert llm.generate(["a"], sp)[0].outputs[0].finish_reason == "length"
 
 
@@ -484,6 +504,11 @@ def test_chat_refuses_what_it_cannot_render_saying_what_to_change(
         ("Hi", "messages must be a conversation .* got str"),
         (["Hi"], r"messages\[0\] must be a message dict such as"),
         ([{"role": "user"}], r"messages\[0\] has no 'content'"),
+        ([{"role": "user", "content": None}], r"messages\[0\] 'content' is None"),
+        (
+            [{"role": "user", "content": "a\ud800b"}],
+            r"messages \(as rendered by the chat template\) contains a lone UTF-16 surrogate",
+        ),
         ([{"content": "Hi", "text": "x"}], r"messages\[0\] has no 'role'.*\['content', 'text'\]"),
         ([{"role": 1, "content": "Hi"}], r"messages\[0\]: role: Input should be a valid string"),
         ([[user], [user, {"role": "user"}]], r"messages\[1\]\[1\] has no 'content'"),

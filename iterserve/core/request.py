@@ -17,6 +17,22 @@ class InvalidRequestError(ValueError):
         self.code = code
 
 
+def check_unicode_text(text: str, what: str, param: str | None) -> None:
+    """InvalidRequestError where ``text`` holds a lone UTF-16 surrogate (Python strings may;
+    no tokenizer encodes one, and the Hugging Face one fails with a bare TypeError)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{what} contains a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at character "
+            f"{e.start}), which is not valid Unicode; send well-formed text",
+            param=param,
+            code="invalid_unicode",
+        ) from None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from iterserve.config import EngineArgs
+from iterserve.core.request import check_unicode_text
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams, plain_int
@@ -77,8 +78,9 @@ def _chat_message(m: object, where: str) -> ChatMessage:
     # server takes a missing content as empty; here it is more likely a misspelt key)
     for key in ("role", "content"):
         if m.get(key) is None and (key == "role" or not m.get("tool_calls")):
+            what = f"{key!r} is None" if key in m else f"has no {key!r}"
             raise ValueError(
-                f"{where} has no {key!r}: give a dict such as {_MESSAGE_EXAMPLE} (got keys "
+                f"{where} {what}: give a dict such as {_MESSAGE_EXAMPLE} (got keys "
                 f"{sorted(map(str, m))})"
             )
     try:
@@ -334,7 +336,10 @@ class LLM:
             except ChatInputError as e:  # names the message by its place in its conversation
                 raise ValueError(f"conversation {k}: {e}" if nested else str(e)) from None
             except APIError as e:  # a tool call's arguments past the JSON limits
-                raise ValueError(f"{at}: {e.message}") from None
+                raise ValueError(
+                    f"{at}: a tool call's arguments are JSON the server's default limits "
+                    f"refuse (ServerLimits; read by chat as by the server): {e.message}"
+                ) from None
             try:
                 text = render_with_tokenizer(tok, rendered, flags, variables, template)
             except Exception as e:  # noqa: BLE001 - the template's or the messages' to fix
@@ -344,6 +349,7 @@ class LLM:
                 ) from e
             # the template writes the special tokens it wants (its BOS): the tokenizer adds
             # none of its own, or the prompt would start with two (vLLM does the same)
+            check_unicode_text(text, f"{at} (as rendered by the chat template)", None)
             ids = list(tok.encode(text, add_special_tokens=False))
             if not ids:
                 raise ValueError(f"{at}: the chat template rendered an empty prompt")
@@ -410,7 +416,7 @@ class LLM:
                     final_only=True,
                 )
                 ids.append(rid)
-        except Exception:
+        except BaseException:  # a bad prompt, or Ctrl-C while adding: none of them stays
             for rid in ids:
                 self.engine.abort_request(rid)
             raise

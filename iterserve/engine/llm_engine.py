@@ -22,7 +22,12 @@ import torch
 from iterserve.config import CacheConfig, EngineArgs
 from iterserve.core.books import Books, EngineStats
 from iterserve.core.kv_cache_manager import KVCacheManager, cdiv
-from iterserve.core.request import FinishReason, InvalidRequestError, Request
+from iterserve.core.request import (
+    FinishReason,
+    InvalidRequestError,
+    Request,
+    check_unicode_text,
+)
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
 from iterserve.model.runner import BatchItem
@@ -222,6 +227,7 @@ class LLMEngine:
                 raise InvalidRequestError(
                     "prompt is empty; send at least one character or token", param="prompt"
                 )
+            check_unicode_text(prompt, "prompt", "prompt")
             return prompt, list(self.tokenizer.encode(prompt))
         if not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt

@@ -16,6 +16,7 @@ import math
 import re
 from typing import Any
 
+from iterserve.core.request import InvalidRequestError, check_unicode_text
 from iterserve.server.errors import bad_request
 
 
@@ -66,15 +67,9 @@ def _check_text(s: str, node: _Node) -> None:
     if s.isascii():
         return
     try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        where = _path(node) or "the body"
-        raise bad_request(
-            f"{where}: contains a lone UTF-16 surrogate (\\u{ord(s[e.start]):04x} at character "
-            f"{e.start}), which is not valid Unicode; send well-formed text",
-            param=_path(node) or None,
-            code="invalid_unicode",
-        ) from None
+        check_unicode_text(s, _path(node) or "the body", _path(node) or None)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), param=e.param, code=e.code) from None
 
 
 def _too_deep(max_depth: int, where: str = "", param: str | None = None) -> Exception:

@@ -25,6 +25,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 # kv_cache_memory on CPU when neither it nor num_kv_blocks is given.
 DEFAULT_CPU_KV_MEMORY = "2GiB"
+# max_num_batched_tokens when none is given (without chunked prefill: max_model_len where more;
+# EngineArgs.token_budget).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 def policy_names() -> tuple[str, ...]:
@@ -107,7 +110,7 @@ class SchedulerConfig:
 
     policy: str = "continuous"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_chunked_prefill: bool = True
     max_model_len: int = 2048
     preemption_victim: str | None = None
@@ -130,11 +133,13 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # vLLM's start-up error: else prompts longer than the budget could never run
             raise ValueError(
                 "without chunked prefill, max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) so any prompt fits one step; raise it or lower "
-                "max_model_len"
+                f"({self.max_model_len}) so any prompt fits one step; raise it, lower "
+                "max_model_len, leave it unset (it is then max_model_len) or enable chunked "
+                "prefill"
             )
 
 
@@ -144,7 +149,9 @@ _ENGINE_HELP = {
     "file or a Hub id",
     "dtype": "weights and activations",
     "max_num_seqs": "sequences running at once (the batch's slots)",
-    "max_num_batched_tokens": "tokens one step may schedule (prefill chunks and decodes)",
+    "max_num_batched_tokens": "tokens one step may schedule (prefill chunks and decodes; "
+    f"default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}, without chunked prefill max_model_len where "
+    "more)",
     "enable_chunked_prefill": "split long prompts over steps within the token budget",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (instead of --kv-cache-memory)",
@@ -182,7 +189,9 @@ class EngineArgs:
     dtype: str = "float32"
     policy: str = "continuous"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    # None: DEFAULT_MAX_NUM_BATCHED_TOKENS, raised to max_model_len without chunked prefill
+    # (token_budget, vLLM's default); a given one is used as given.
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -290,11 +299,6 @@ class EngineArgs:
                 "needs (a policy that reads it, or the setting named)"
             )
 
-    def without_unused_knobs(self) -> EngineArgs:
-        """These args with the knobs ``unused_knobs`` names back at their defaults."""
-        defaults = type(self).__dataclass_fields__
-        return self.replace(**{n: defaults[n].default for n in self.unused_knobs()})
-
     def sampling_defaults(self, model_path: str) -> dict[str, int | float]:
         """The SamplingParams defaults of requests that leave a sampling field unset, for the
         model in ``model_path`` (``generation_config`` and ``override_generation_config``)."""
@@ -335,11 +339,27 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization if profile else None,
         )
 
+    def token_budget(self, max_model_len: int) -> int:
+        """The tokens one step may schedule with context ``max_model_len``: the given
+        budget, else the default, raised to ``max_model_len`` without chunked prefill so any
+        prompt fits one step (vLLM's rule). The one place it is derived: the engine, every
+        policy variant and the simulator take it from here (through ``scheduler_config``);
+        a given budget below the context without chunked prefill is SchedulerConfig's error,
+        as in vLLM."""
+        return token_budget(self.max_num_batched_tokens, self.enable_chunked_prefill, max_model_len)
+
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """Every SchedulerConfig field is an EngineArgs field of the same name, except the
-        context length, which the loaded model decides."""
+        context length, which the loaded model decides, and the token budget, which follows
+        from it where none is given."""
         knobs = {f.name: getattr(self, f.name) for f in fields(SchedulerConfig)}
-        return SchedulerConfig(**{**knobs, "max_model_len": max_model_len})
+        return SchedulerConfig(
+            **{
+                **knobs,
+                "max_model_len": max_model_len,
+                "max_num_batched_tokens": self.token_budget(max_model_len),
+            }
+        )
 
     # ---- CLI derivation -------------------------------------------------------------
     @classmethod
@@ -442,6 +462,16 @@ def _check_field_types(obj: object) -> None:
         setattr(obj, f.name, plain)
 
 
+def token_budget(given: int | None, enable_chunked_prefill: bool, max_model_len: int) -> int:
+    """``EngineArgs.token_budget``'s rule, for callers without EngineArgs (the simulator's
+    deployment sizes its activation memory by it)."""
+    if given is not None:
+        return given
+    if enable_chunked_prefill:
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+
+
 def kv_block_cap(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
     """The most blocks worth tracking: every sequence at full length at once, x2 to leave
     room for cached prefixes (a memory budget for a tiny model would otherwise mean millions
@@ -526,43 +556,67 @@ def _check_scheduler_knobs(c: SchedulerConfig | EngineArgs) -> None:
         )
 
 
-def variant_args(variant: str, base: EngineArgs, max_model_len: int | None) -> EngineArgs:
-    """``base`` set up as policy variant ``variant`` (``core.policies.POLICY_VARIANTS``).
-    A variant without chunked prefill needs ``max_model_len`` (None: unknown) to size its
-    token budget, which must hold a whole prompt."""
+def _variant_drops(variant: str, base: EngineArgs, max_model_len: int) -> dict[str, str]:
+    """The knobs set in ``base`` that ``variant`` runs without, each with why: those its
+    policy does not read (``EngineArgs.unused_knobs``) and, without chunked prefill, those
+    only chunked prefill can use (a budget below the context, the long-prompt knobs)."""
     from iterserve.core.policies import policy_variant  # late: iterserve.core imports us
 
     v = policy_variant(variant)
-    # a knob meant for another variant of the run (tenant weights for fair) is dropped here
-    args = base.replace(policy=v.policy, record_steps=None).without_unused_knobs()
-    if v.chunked_prefill:
-        return args
-    if max_model_len is None:
-        raise ValueError(f"{variant} needs max_model_len to size its token budget")
-    return args.replace(
-        enable_chunked_prefill=False,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max(base.max_num_batched_tokens, max_model_len),
-    )
+    drops: dict[str, str] = {}
+    if not (v.chunked_prefill and base.enable_chunked_prefill):
+        budget = base.max_num_batched_tokens
+        if budget is not None and budget < max_model_len:
+            drops["max_num_batched_tokens"] = (
+                f"{budget} is below max_model_len {max_model_len}: without chunked prefill one "
+                f"step must hold a whole prompt, so raise it to >= {max_model_len} or lower "
+                f"max_model_len to <= {budget}; unset, it is "
+                f"{token_budget(None, False, max_model_len)}"
+            )
+        if base.long_prefill_threshold:
+            drops["long_prefill_threshold"] = "long prompts need chunked prefill"
+    defaults = EngineArgs.__dataclass_fields__
+    args = base.replace(policy=v.policy, **{n: defaults[n].default for n in drops})
+    return drops | args.unused_knobs()
 
 
-def check_variants(policies: list[str], base: EngineArgs) -> None:
-    """Raises the ValueError ``base`` would raise under any of ``policies`` (e.g. fair with
-    no resume headroom) before a run starts, not when that policy's turn comes."""
+def variant_args(variant: str, base: EngineArgs, max_model_len: int) -> EngineArgs:
+    """``base`` set up as policy variant ``variant`` (``core.policies.POLICY_VARIANTS``) for
+    a run with context ``max_model_len``. A knob meant for other variants of the run
+    (``check_variants`` names them) is dropped: tenant weights for all but fair, a budget
+    below the context or a long-prompt threshold for a variant without chunked prefill. The
+    budget itself is left to ``EngineArgs.token_budget``."""
     from iterserve.core.policies import policy_variant  # late: iterserve.core imports us
 
-    unread: set[str] | None = None
-    why: dict[str, str] = {}
-    for p in policies:
-        args = base.replace(policy=policy_variant(p).policy)  # __post_init__ validates
-        why |= args.unused_knobs()
-        unread = set(why) if unread is None else unread & set(args.unused_knobs())
-    if unread:  # set for the run, read by none of its policies: a mistake, not a variant's
+    defaults = EngineArgs.__dataclass_fields__
+    changes = {n: defaults[n].default for n in _variant_drops(variant, base, max_model_len)}
+    changes |= {"policy": policy_variant(variant).policy, "record_steps": None}
+    if not policy_variant(variant).chunked_prefill:
+        changes["enable_chunked_prefill"] = False
+    return base.replace(**changes)
+
+
+def check_variants(
+    policies: list[str], base: EngineArgs, max_model_len: int
+) -> dict[str, dict[str, str]]:
+    """Raises the ValueError ``base`` would raise under any of ``policies`` with context
+    ``max_model_len`` (e.g. fair with no resume headroom, a budget too small for a variant
+    without chunked prefill), or for a knob no policy of the run can use, before a run
+    starts, not when that policy's turn comes. Returns, for each variant that runs without
+    some knob of ``base`` (``variant_args`` drops them), those knobs with why, for the
+    caller to say."""
+    drops = {p: _variant_drops(p, base, max_model_len) for p in policies}  # validates
+    unread = set.intersection(*(set(d) for d in drops.values())) if drops else set()
+    if unread:  # set for the run, used by none of its policies: a mistake, not a variant's
+        why = {k: w for d in drops.values() for k, w in d.items()}
         knobs = "; ".join(f"{name} ({why[name]})" for name in sorted(unread))
         raise ValueError(
-            f"no policy of {', '.join(policies)} reads {knobs}: drop it, or give what it "
+            f"no policy of {', '.join(policies)} can use {knobs}: drop it, or give what it "
             "needs (a policy that reads it, or the setting named)"
         )
+    for p in policies:  # SchedulerConfig's checks of the budget against the context
+        variant_args(p, base, max_model_len).scheduler_config(max_model_len)
+    return {p: d for p, d in drops.items() if d}
 
 
 def parse_policies(text: str, flag: str = "--policies") -> list[str]:

@@ -52,15 +52,18 @@ def test_policy_names_come_from_the_registry() -> None:
 def test_variants_are_engine_arg_overrides() -> None:
     base = EngineArgs(max_num_batched_tokens=512, record_steps="x.jsonl")
     for name in POLICY_CLASSES:
-        args = variant_args(name, base, None)
+        args = variant_args(name, base, 4096)
         assert args.policy == name and args.enable_chunked_prefill and args.record_steps is None
+        assert args.max_num_batched_tokens == 512
+    # the budget given is below the context: the chunked policies' (nochunk's is then unset,
+    # which EngineArgs.token_budget makes the context)
     nochunk = variant_args("continuous-nochunk", base, 4096)
     assert (nochunk.policy, nochunk.enable_chunked_prefill) == ("continuous", False)
-    assert (nochunk.max_model_len, nochunk.max_num_batched_tokens) == (4096, 4096)
-    with pytest.raises(ValueError, match="needs max_model_len"):
-        variant_args("continuous-nochunk", base, None)
+    assert nochunk.max_num_batched_tokens is None
+    assert nochunk.scheduler_config(4096).max_num_batched_tokens == 4096
+    assert variant_args("continuous-nochunk", base, 256).max_num_batched_tokens == 512
     with pytest.raises(ValueError, match="policy variant must be one of"):
-        variant_args("fifo", base, None)
+        variant_args("fifo", base, 4096)
 
 
 def test_parse_policies_names_the_flag() -> None:
@@ -230,13 +233,13 @@ def test_knobs_the_policy_would_ignore_are_refused_or_dropped_per_variant() -> N
     assert variant_args("slo", base, 2048).slo_tpot_ms == 5.0
     assert variant_args("continuous", base, 2048).unused_knobs() == {}
     # a knob no policy of the run reads is refused there too
-    check_variants(["fair", "slo"], base.replace(max_long_partial_prefills=1))
-    with pytest.raises(ValueError, match="no policy of continuous, slo reads tenant_weights"):
-        check_variants(["continuous", "slo"], base.replace(max_long_partial_prefills=1))
+    check_variants(["fair", "slo"], base.replace(max_long_partial_prefills=1), 2048)
+    with pytest.raises(ValueError, match="no policy of continuous, slo can use tenant_weights"):
+        check_variants(["continuous", "slo"], base.replace(max_long_partial_prefills=1), 2048)
     # the reason is named: a policy reads max_long_partial_prefills only with a threshold
     # (the message said "add a policy that reads it", which none does alone)
     with pytest.raises(ValueError, match=r"max_long_partial_prefills \(only with long_prefill"):
-        check_variants(["fair", "slo"], base)
+        check_variants(["fair", "slo"], base, 2048)
 
 
 def test_generate_and_simulate_say_what_is_wrong(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1644,9 +1644,9 @@ def test_a_policy_list_is_checked_before_any_policy_runs() -> None:
     from iterserve.config import check_variants
 
     base = EngineArgs(model="tiny-random", preemption_resume_headroom=0)
-    check_variants(["continuous", "priority"], base)
+    check_variants(["continuous", "priority"], base, 2048)
     with pytest.raises(ValueError, match="fair policy needs preemption_resume_headroom"):
-        check_variants(["continuous", "fair"], base)
+        check_variants(["continuous", "fair"], base, 2048)
 
 
 # ---- continuous: API calls share the sequence slots --------------------------------------

@@ -99,9 +99,13 @@ def test_problems_are_reported_together(capsys: pytest.CaptureFixture[str], no_l
         (["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
         (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be >= 1"),
         # tiny-random's context is longer than 512 tokens: no prompt would fit one step
-        (["--no-enable-chunked-prefill"], "without chunked prefill, max_num_batched_tokens"),
         (
-            ["--no-enable-chunked-prefill", "--max-model-len", "1024"],
+            ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"],
+            "without chunked prefill, max_num_batched_tokens",
+        ),
+        (
+            ["--no-enable-chunked-prefill", "--max-model-len", "1024"]
+            + ["--max-num-batched-tokens", "512"],
             "must be >= max_model_len (1024)",
         ),
     ],
@@ -137,6 +141,10 @@ def test_chunked_prefill_off_with_a_big_enough_budget_passes_the_check() -> None
         max_num_batched_tokens=256,
     )
     assert cli._engine_arg_problem(args) is None
+    # no budget given: it is the context (vLLM's default), as it was refused for 512
+    unset = EngineArgs(model="tiny-random", enable_chunked_prefill=False)
+    assert cli._engine_arg_problem(unset) is None
+    assert unset.scheduler_config(2048).max_num_batched_tokens == 2048
 
 
 def test_a_hub_model_is_not_looked_up_for_the_check(monkeypatch: pytest.MonkeyPatch) -> None:

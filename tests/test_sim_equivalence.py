@@ -167,9 +167,8 @@ def test_same_decisions_as_engine(case: str, tmp_path: Path) -> None:
 
 def test_variant_args_shared_with_bench() -> None:
     """The simulator's policy variants are bench's (static / continuous / continuous-nochunk)."""
-    base = EngineArgs(max_num_batched_tokens=512)
-    nochunk = variant_args("continuous-nochunk", base, 2048)
-    assert not nochunk.enable_chunked_prefill and nochunk.max_num_batched_tokens == 2048
+    nochunk = variant_args("continuous-nochunk", EngineArgs(), 2048)
+    assert not nochunk.enable_chunked_prefill and nochunk.token_budget(2048) == 2048
 
 
 def test_same_rejections_as_engine() -> None:

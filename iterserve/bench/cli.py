@@ -520,7 +520,7 @@ def cmd_offline(ns: argparse.Namespace) -> int:
     slos = parse_goodput(ns.goodput)
     _check_outputs(ns)
     work = _Workloads(ns)
-    opts = RunOptions(goodput_slos=slos, record_steps_dir=ns.record_steps)
+    opts = RunOptions(goodput_slos=slos, record_steps_dir=ns.record_steps, on_note=_err)
     with ExitStack() as bars:
 
         def on_run(variant: str, n: int) -> None:  # a fresh progress bar per policy
@@ -582,7 +582,7 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
     slos = parse_goodput(ns.goodput)
     _check_outputs(ns)
     work = _Workloads(ns)
-    opts = RunOptions(goodput_slos=slos, record_steps_dir=ns.record_steps)
+    opts = RunOptions(goodput_slos=slos, record_steps_dir=ns.record_steps, on_note=_err)
     with ExitStack() as bars:
 
         def on_run(policy: str, rate: float, n: int) -> None:  # a fresh progress bar per run

@@ -4,12 +4,14 @@ the engine set-up shared with ``bench sweep``.
 Policies are the variants of ``core.policies.POLICY_VARIANTS``: each policy by name, e.g.
 ``static`` (request-level batching) and ``continuous`` (iteration-level, with chunked
 prefill), plus ``continuous-nochunk`` (iteration-level, each prompt prefilled in one step:
-``enable_chunked_prefill=False``, ``max_num_batched_tokens >= max_model_len``).
+``enable_chunked_prefill=False``, so its token budget is ``EngineArgs.token_budget``'s,
+``max_model_len`` unless a larger one is given).
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -23,6 +25,8 @@ from iterserve.workload.metrics import RequestTiming, summarize
 from iterserve.workload.replay import ReplayResult, replay, warmup
 from iterserve.workload.results import make_run
 
+logger = logging.getLogger(__name__)
+
 
 def make_engine(args: EngineArgs) -> Any:
     from iterserve.engine import LLMEngine  # torch is imported only when an engine is built
@@ -30,19 +34,36 @@ def make_engine(args: EngineArgs) -> Any:
     return LLMEngine(args)
 
 
-def make_variant_engine(
-    variant: str, base: EngineArgs, max_model_len: int | None
-) -> tuple[Any, int]:
-    """A fresh engine for ``variant`` and the context length it runs with. Without a known
-    ``max_model_len``, ``continuous-nochunk`` (whose token budget must hold a whole prompt)
-    first learns the model's context from a plain engine."""
-    if max_model_len is None and variant == "continuous-nochunk":
-        probe = make_engine(variant_args("continuous", base, None))
-        max_model_len = int(probe.max_model_len)
-        del probe
-        gc.collect()
-    engine = make_engine(variant_args(variant, base, max_model_len))
-    return engine, max_model_len or int(engine.max_model_len)
+def model_context(base: EngineArgs) -> int:
+    """The context every engine of the run serves: ``max_model_len``, or the model's own (the
+    engine's rule, read from the model's config; no engine is built for it)."""
+    from iterserve.model.builtin import resolve_model
+    from iterserve.model.model_config import ModelConfig, context_length
+
+    config = ModelConfig.from_pretrained(resolve_model(base.model))
+    return context_length(base.max_model_len, config)
+
+
+def prepare_variants(
+    policies: list[str], base: EngineArgs, on_note: Callable[[str], None] | None = None
+) -> int:
+    """Checks ``policies`` against ``base`` before any engine is built (``check_variants``),
+    tells ``on_note`` (else the log) each knob a variant runs without, so none is ignored
+    unsaid, and returns the run's context."""
+    max_model_len = model_context(base)
+    for variant, drops in check_variants(policies, base, max_model_len).items():
+        for name, why in drops.items():
+            note = f"note: {variant} runs without {name} ({why})"
+            if on_note is not None:
+                on_note(note)
+            else:
+                logger.warning("%s", note)
+    return max_model_len
+
+
+def make_variant_engine(variant: str, base: EngineArgs, max_model_len: int) -> Any:
+    """A fresh engine for ``variant`` in a run with context ``max_model_len``."""
+    return make_engine(variant_args(variant, base, max_model_len))
 
 
 def engine_vocab_size(engine: Any) -> int:
@@ -68,6 +89,8 @@ class RunOptions:
     goodput_slos: dict[str, float] | None = None
     record_steps_dir: str | None = None
     on_done: Callable[[RequestTiming], None] | None = None
+    # told, before any run, each knob a policy variant runs without (prepare_variants)
+    on_note: Callable[[str], None] | None = None
 
 
 def run_on_engine(
@@ -103,11 +126,24 @@ def run_on_engine(
         res.timings,
         policy=policy,
         request_rate=request_rate,
-        engine_args=asdict(engine.args) if hasattr(engine, "args") else {},
+        engine_args=engine_record(engine),
         engine_stats=res.engine_stats,
         steps_file=steps_file,
         clock_start=res.start_time,
     )
+
+
+def engine_record(engine: Any) -> dict[str, Any]:
+    """The engine's args for a run record, with the context and token budget it runs with
+    (the args may leave them to the model and to ``EngineArgs.token_budget``)."""
+    if not hasattr(engine, "args"):
+        return {}
+    record = asdict(engine.args)
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is not None:
+        record["max_model_len"] = scheduler.config.max_model_len
+        record["max_num_batched_tokens"] = scheduler.config.max_num_batched_tokens
+    return record
 
 
 def run_offline(
@@ -123,12 +159,11 @@ def run_offline(
     the model's vocabulary and context; every variant then gets the same requests.
     ``on_run(variant, num_requests)`` is told before each run.
     """
-    check_variants(policies, base)
+    max_model_len = prepare_variants(policies, base, opts.on_note)
     runs = []
     specs: list[RequestSpec] | None = None
-    max_model_len = base.max_model_len
     for variant in policies:
-        engine, max_model_len = make_variant_engine(variant, base, max_model_len)
+        engine = make_variant_engine(variant, base, max_model_len)
         if specs is None:
             specs = build_specs(engine_vocab_size(engine), max_model_len)
         warmup(engine)

@@ -17,9 +17,10 @@ from iterserve.bench.offline import (
     RunOptions,
     engine_vocab_size,
     make_variant_engine,
+    prepare_variants,
     run_on_engine,
 )
-from iterserve.config import EngineArgs, check_variants
+from iterserve.config import EngineArgs
 from iterserve.workload.datasets import RequestSpec
 from iterserve.workload.replay import warmup
 
@@ -59,15 +60,14 @@ def run_sweep(
 
     One engine per policy serves all its rates (the prefix cache is reset between runs).
     """
-    check_variants(policies, base)
+    max_model_len = prepare_variants(policies, base, opts.on_note)
     order = list(policies)
     if rates is None and "continuous" in order:  # measure the capacity on continuous batching
         order.remove("continuous")
         order.insert(0, "continuous")
     runs: list[dict[str, Any]] = []
-    max_model_len = base.max_model_len
     for policy in order:
-        engine, max_model_len = make_variant_engine(policy, base, max_model_len)
+        engine = make_variant_engine(policy, base, max_model_len)
         warmup(engine)
         policy_runs = _sweep_engine(engine, policy, rates, max_model_len, build_specs, opts, on_run)
         if rates is None:

@@ -1120,7 +1120,7 @@ RESERVATIONS = ("optimistic", "estimate", "reserve-max")
 class PolicyVariant:
     """A named engine set-up that the benchmarks and the simulator compare: a policy, and
     whether prompts may be prefilled in chunks (without, the token budget must hold a whole
-    prompt; ``EngineArgs.for_policy`` sizes it)."""
+    prompt; ``EngineArgs.token_budget`` sizes it)."""
 
     policy: str
     chunked_prefill: bool = True

@@ -30,6 +30,7 @@ from iterserve.core.request import (
 )
 from iterserve.core.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.output_processor import CoreOutput, CoreSeqOutput, OutputProcessor
+from iterserve.model.model_config import ModelConfig, context_length
 from iterserve.model.runner import BatchItem
 from iterserve.model.sampler import (
     NO_TOKEN,
@@ -127,8 +128,12 @@ class LLMEngine:
                 else "; the OpenAI server limits every request's max_tokens to "
                 f"{self.max_tokens_cap}",
             )
+        # The context and the token budget that follows from it, before the weights load: a
+        # budget that cannot hold a prompt without chunked prefill is a start-up error (vLLM's).
+        model_config = ModelConfig.from_pretrained(self.model_path)
+        scheduler_config = a.scheduler_config(context_length(a.max_model_len, model_config))
         device = resolve_device(a.device)
-        cache_config = self._size_kv_pool(a, device.type)
+        cache_config = self._size_kv_pool(a, device.type, model_config)
         self.runner = ModelRunner(
             self.model_path,
             dtype=a.dtype,
@@ -139,7 +144,7 @@ class LLMEngine:
             attention_backend=a.attention_backend,
             device=device.type,
             max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             enforce_eager=a.enforce_eager,
         )
         self.tokenizer = load_tokenizer(self.model_path)
@@ -159,7 +164,7 @@ class LLMEngine:
         self.kv = KVCacheManager(
             self.runner.num_kv_blocks, self.runner.block_size, cache_config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(a.scheduler_config(self.max_model_len), self.kv)
+        self.scheduler = Scheduler(scheduler_config, self.kv)
         self.books = Books(self.scheduler)
         self._seqs: dict[str, _Seq] = {}
         self._parents: dict[str, _Parent] = {}
@@ -200,19 +205,17 @@ class LLMEngine:
                 )
             return self._grammar_compiler
 
-    def _size_kv_pool(self, a: EngineArgs, device_type: str) -> CacheConfig:
+    def _size_kv_pool(self, a: EngineArgs, device_type: str, cfg: ModelConfig) -> CacheConfig:
         """Blocks from kv_cache_memory, but never more than ``kv_block_cap`` (every sequence
         at full length at once, x2). On a GPU without either size the runner profiles
         (gpu_memory_utilization) and applies the same cap."""
         import dataclasses
 
         from iterserve.config import kv_block_cap
-        from iterserve.model.model_config import ModelConfig, context_length
 
         cc = a.cache_config(device_type)
         if cc.num_kv_blocks is not None or cc.gpu_memory_utilization is not None:
             return cc
-        cfg = ModelConfig.from_pretrained(self.model_path)
         elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
         per_block = 2 * cfg.num_layers * cc.block_size * cfg.num_kv_heads * cfg.head_dim * elem
         max_len = context_length(a.max_model_len, cfg)

@@ -282,6 +282,20 @@ def sim_config(
     )
 
 
+def run_engine_args(policy: str, base: EngineArgs, dep: Deployment) -> dict[str, Any]:
+    """A run record's engine args: the deployment's model and pool, and the token budget the
+    scheduler runs with, as an engine's result file records its own."""
+    args = variant_args(policy, base, dep.max_model_len)
+    return dataclasses.asdict(args) | {
+        "model": dep.model_name,
+        "dtype": dep.dtype,
+        "max_model_len": dep.max_model_len,
+        "max_num_batched_tokens": args.token_budget(dep.max_model_len),
+        "num_kv_blocks": dep.num_kv_blocks,
+        "block_size": dep.block_size,
+    }
+
+
 def kv_series(res: SimResult, points: int = KV_SERIES_POINTS) -> dict[str, list[float]]:
     """KV usage (fraction of blocks, max over replicas' latest steps) over simulated time,
     sampled at up to ``points`` evenly spaced times."""
@@ -534,6 +548,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         max_model_len=ns.max_model_len,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_num_seqs=ns.max_num_seqs,
+        enable_chunked_prefill=ns.enable_chunked_prefill,
         efficiency=parse_efficiency(ns.efficiency),
     )
     cfg = workload_config(ns)
@@ -563,7 +578,9 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         + report.describe()
     )
     base = engine_args(ns)
-    check_variants(policies, base)
+    for pol, drops in check_variants(policies, base, dep.max_model_len).items():
+        for name, why in drops.items():  # as bench says it: no knob ignored unsaid
+            _err(f"note: {pol} runs without {name} ({why})")
     config = {k: v for k, v in vars(ns).items() if k != "func"} | {"deployment": dep.to_dict()}
 
     if ns.find_max_rate:
@@ -704,15 +721,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                 request_rate=run_rate,
                 steps_file=None if pol in replica_files else sp,
                 clock_start=0.0,
-                # the deployment's model and pool, as an engine's result file records its own
-                engine_args=dataclasses.asdict(variant_args(pol, base, dep.max_model_len))
-                | {
-                    "model": dep.model_name,
-                    "dtype": dep.dtype,
-                    "max_model_len": dep.max_model_len,
-                    "num_kv_blocks": dep.num_kv_blocks,
-                    "block_size": dep.block_size,
-                },
+                engine_args=run_engine_args(pol, base, dep),
                 engine_stats=res.stats,
                 **({"steps_files": replica_files[pol]} if pol in replica_files else {}),
             )

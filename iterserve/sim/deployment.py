@@ -20,6 +20,7 @@ from iterserve.config import (
     check_block_size,
     kv_block_cap,
     parse_size,
+    token_budget,
 )
 from iterserve.model.model_config import ModelConfig, context_length
 from iterserve.sim.cost_model import CostModel, RooflineCostModel
@@ -100,8 +101,9 @@ def build_deployment(
     kv_cache_memory: str | None = None,
     gpu_memory_utilization: float = 0.9,
     max_model_len: int | None = None,
-    max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens,
+    max_num_batched_tokens: int | None = None,
     max_num_seqs: int = EngineArgs.max_num_seqs,
+    enable_chunked_prefill: bool = True,
     efficiency: dict[str, float] | None = None,
 ) -> Deployment:
     check_block_size(block_size)  # the engine's rule, before any division by it
@@ -144,7 +146,9 @@ def build_deployment(
     max_len = context_length(max_model_len, cfg)
     block_bytes = cost.kv_bytes_per_token * block_size
     weights = cost.weight_bytes_per_gpu
-    act = cost.activation_bytes(max_num_batched_tokens, max_num_seqs)
+    # the engine's budget (EngineArgs.token_budget), as its profiling forward runs on a GPU
+    budget = token_budget(max_num_batched_tokens, enable_chunked_prefill, max_len)
+    act = cost.activation_bytes(budget, max_num_seqs)
     memory: dict[str, Any] = {
         "weights_gib_per_gpu": weights / GIB,
         "activations_gib_per_gpu": act / GIB,

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from iterserve.config import EngineArgs
+from iterserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from iterserve.core.kv_cache_manager import KVCacheManager, cdiv
 from iterserve.sim.cost_model import StepShape, step_shape
 from iterserve.sim.cpu_profile import (
@@ -99,7 +99,10 @@ def measure(
         # The pool the engine would have (EngineArgs' KV size), not just what the grid needs:
         # decode attention gathers blocks from all over it, and a larger pool reads slower.
         grid_args = args.replace(
-            max_num_batched_tokens=max(budget, args.max_num_batched_tokens),
+            # the grid's biggest step, or the given (else the default) budget where more
+            max_num_batched_tokens=max(
+                budget, args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+            ),
             max_num_seqs=max(decode) + 2,
             enable_prefix_caching=True,
             record_steps=None,

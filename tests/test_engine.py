@@ -657,6 +657,10 @@ def test_step_stats_recorded(tmp_path: Path) -> None:
     # all of it on disk before the file is closed: the engine idles after the last step
     assert live.read_text().count("\n") == llm.stats()["num_steps"] - len(rows)
     llm.engine.record_steps(None)
+    # each file numbers its steps from 0, as a simulated run's file does
+    assert [r["step"] for r in rows] == list(range(len(rows)))
+    later = [json.loads(line)["step"] for line in live.read_text().splitlines()]
+    assert later == list(range(len(later))) and later
 
 
 def test_engines_implement_the_contract(llm: LLM) -> None:

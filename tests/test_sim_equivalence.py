@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from iterserve.bench.offline import variant_args
+from iterserve.bench.offline import reset_prefix_cache, variant_args
 from iterserve.config import EngineArgs
 from iterserve.sim.cost_model import ReplayCostModel
 from iterserve.sim.simulator import SimConfig, Simulator
 from iterserve.workload.datasets import RequestSpec, synth_arrivals
-from iterserve.workload.replay import bench_params, replay
+from iterserve.workload.replay import bench_params, replay, warmup
 
 engine_mod = pytest.importorskip("iterserve.engine")
 
@@ -50,9 +50,16 @@ def _workload(
 
 
 def _run_real(
-    args: EngineArgs, specs: list[RequestSpec], steps_file: Path
+    args: EngineArgs, specs: list[RequestSpec], steps_file: Path, warm: bool = False
 ) -> tuple[list[dict[str, Any]], Any]:
-    engine = engine_mod.LLMEngine(args.replace(record_steps=str(steps_file)))
+    """``warm``: as ``bench`` runs an engine: warmed up first, recording from the run on."""
+    if warm:
+        engine = engine_mod.LLMEngine(args)
+        warmup(engine)
+        reset_prefix_cache(engine)
+        engine.record_steps(str(steps_file))
+    else:
+        engine = engine_mod.LLMEngine(args.replace(record_steps=str(steps_file)))
     clock = [0.0]
     step = engine.step
 
@@ -163,6 +170,52 @@ def test_same_decisions_as_engine(case: str, tmp_path: Path) -> None:
         assert s.latency == pytest.approx(r.latency, abs=1e-9)
         assert s.itl == pytest.approx(r.itl, abs=1e-9)
     assert sim.duration_s == pytest.approx(real.duration_s, abs=1e-9)
+
+
+def _milestones(steps: list[dict[str, Any]]) -> dict[str, tuple[int, int, int]]:
+    """Per request, by the ``step`` numbers of a step file: the step that first scheduled it,
+    the one that gave its first token and its last step."""
+    first: dict[str, int] = {}
+    token: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for s in steps:
+        for rid, _n, is_prefill in s["scheduled"]:
+            first.setdefault(rid, s["step"])
+            if not is_prefill and rid not in token:
+                token[rid] = last[rid]  # its last prefill chunk, before its first decode
+            last[rid] = s["step"]
+    return {rid: (first[rid], token.get(rid, last[rid]), last[rid]) for rid in first}
+
+
+@pytest.mark.parametrize("policy", ["static", "continuous"])
+def test_step_numbers_match_after_a_warm_up(policy: str, tmp_path: Path) -> None:
+    """A warmed-up engine's step file (as bench records one) numbers its steps as the
+    simulator does, from 0, so each request's first, first-token and last step agree by step
+    number, not only by position (the warm-up's steps shifted every number)."""
+    args = EngineArgs(
+        model="tiny-random",
+        dtype="float32",
+        block_size=8,
+        num_threads=1,
+        seed=0,
+        policy=policy,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_kv_blocks=200,
+    )
+    specs = _workload(seed=3, n=12, rate=150.0)
+    real_steps, _ = _run_real(args, specs, tmp_path / "real.jsonl", warm=True)
+    cfg = SimConfig(scheduler=args.scheduler_config(2048), num_kv_blocks=200, block_size=8)
+    sim_file = tmp_path / "sim.jsonl"
+    cost = ReplayCostModel([s["duration_s"] for s in real_steps])
+    Simulator(cfg, cost, record_steps=str(sim_file)).run(specs)
+    sim_steps = [json.loads(line) for line in sim_file.read_text().splitlines()]
+    assert [s["scheduled"] for s in sim_steps] == [s["scheduled"] for s in real_steps]
+    assert [s["step"] for s in real_steps] == list(range(len(real_steps)))
+    assert [s["step"] for s in sim_steps] == list(range(len(sim_steps)))
+    real_m, sim_m = _milestones(real_steps), _milestones(sim_steps)
+    assert len(real_m) == len(specs)
+    assert sim_m == real_m
 
 
 def test_variant_args_shared_with_bench() -> None:

@@ -122,6 +122,9 @@ class Books:
         self.max_model_len = scheduler.config.max_model_len
         self.log = log
         self.num_steps = 0
+        # num_steps at the opening of the step file being written: StepStats.step counts
+        # from there (see record_steps)
+        self.step_origin = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.max_kv_usage = 0.0
@@ -199,7 +202,7 @@ class Books:
         schedule_s, forward_s, sample_s, output_s = phases or (0.0, duration_s, 0.0, 0.0)
         s = self.scheduler
         st = StepStats(
-            step=self.num_steps,
+            step=self.num_steps - self.step_origin,
             start_time=start_time,
             duration_s=duration_s,
             schedule_s=schedule_s,
@@ -244,11 +247,16 @@ class Books:
                 self._flushed_at = now
 
     def record_steps(self, path: str | None) -> None:
-        """Writes every following step's StepStats as one JSON line to ``path`` (None: stop)."""
+        """Writes every following step's StepStats as one JSON line to ``path`` (None: stop).
+
+        The file's steps are numbered from 0 (``StepStats.step``), as a simulated run's are:
+        an engine's warm-up and earlier runs would otherwise shift every step number, and a
+        comparison of the two files by step would be off by that many."""
         if self.step_file is not None:
             self.step_file.close()
             self.step_file = None
         if path:
+            self.step_origin = self.num_steps
             # its folder too, as result files get theirs (check_output passed a new one)
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.step_file = open(path, "w", buffering=1 << 16)  # noqa: SIM115

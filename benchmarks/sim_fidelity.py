@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from iterserve.bench.offline import make_engine, reset_prefix_cache
+from iterserve.bench.offline import fresh_run_state, make_engine
 from iterserve.config import EngineArgs
 from iterserve.sim.cost_model import StepShape, step_shape
 from iterserve.sim.cpu_profile import CpuProfile, CpuProfileCostModel
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             ref_before = reference_ratio(engine, args, prof, ns.clock)
             shapes.clear()
             durations.clear()
-            reset_prefix_cache(engine)
+            fresh_run_state(engine)
             scatter_free_blocks(engine.kv, rng)  # as in the profile: a pool that has been in use
             if (
                 ns.clock == "cpu"

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from iterserve.bench.offline import reset_prefix_cache, variant_args
+from iterserve.bench.offline import fresh_run_state, variant_args
 from iterserve.config import EngineArgs
 from iterserve.sim.cost_model import ReplayCostModel
 from iterserve.sim.simulator import SimConfig, Simulator
@@ -56,7 +56,7 @@ def _run_real(
     if warm:
         engine = engine_mod.LLMEngine(args)
         warmup(engine)
-        reset_prefix_cache(engine)
+        fresh_run_state(engine)
         engine.record_steps(str(steps_file))
     else:
         engine = engine_mod.LLMEngine(args.replace(record_steps=str(steps_file)))
@@ -187,35 +187,62 @@ def _milestones(steps: list[dict[str, Any]]) -> dict[str, tuple[int, int, int]]:
     return {rid: (first[rid], token.get(rid, last[rid]), last[rid]) for rid in first}
 
 
-@pytest.mark.parametrize("policy", ["static", "continuous"])
-def test_step_numbers_match_after_a_warm_up(policy: str, tmp_path: Path) -> None:
-    """A warmed-up engine's step file (as bench records one) numbers its steps as the
-    simulator does, from 0, so each request's first, first-token and last step agree by step
-    number, not only by position (the warm-up's steps shifted every number)."""
+# static and continuous keep no state between requests; slo learns the step time from every
+# step and the estimate reservation decays its ratio, so a warm-up's steps would carry over.
+WARM_CASES = {
+    "static": dict(policy="static"),
+    "continuous": dict(policy="continuous", num_kv_blocks=40),
+    "slo": dict(policy="slo", slo_ttft_ms=50.0, slo_tpot_ms=5.0, num_kv_blocks=40),
+    "estimate": dict(policy="continuous", admission_reservation="estimate", num_kv_blocks=40),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WARM_CASES))
+def test_same_steps_after_a_warm_up(case: str, tmp_path: Path) -> None:
+    """An engine warmed up and recording from the run on (as bench runs one) schedules as the
+    simulator does, and numbers its steps as the simulator does, from 0: each request's
+    first, first-token and last step agree by step number, not only by position (the
+    warm-up's steps shifted every number, and slo's step-time model learnt from them made
+    other decisions from the first step on)."""
     args = EngineArgs(
         model="tiny-random",
         dtype="float32",
         block_size=8,
         num_threads=1,
         seed=0,
-        policy=policy,
         max_num_seqs=4,
         max_num_batched_tokens=64,
         num_kv_blocks=200,
+    ).replace(**WARM_CASES[case])
+    specs = _workload(seed=3, n=24, rate=150.0, shared_prefix=40, labelled=case == "slo")
+    real_steps, real = _run_real(args, specs, tmp_path / "real.jsonl", warm=True)
+    cfg = SimConfig(
+        scheduler=args.scheduler_config(2048),
+        num_kv_blocks=args.num_kv_blocks or 0,
+        block_size=args.block_size,
     )
-    specs = _workload(seed=3, n=12, rate=150.0)
-    real_steps, _ = _run_real(args, specs, tmp_path / "real.jsonl", warm=True)
-    cfg = SimConfig(scheduler=args.scheduler_config(2048), num_kv_blocks=200, block_size=8)
     sim_file = tmp_path / "sim.jsonl"
     cost = ReplayCostModel([s["duration_s"] for s in real_steps])
-    Simulator(cfg, cost, record_steps=str(sim_file)).run(specs)
+    sim = Simulator(cfg, cost, record_steps=str(sim_file)).run(specs)
     sim_steps = [json.loads(line) for line in sim_file.read_text().splitlines()]
     assert [s["scheduled"] for s in sim_steps] == [s["scheduled"] for s in real_steps]
     assert [s["step"] for s in real_steps] == list(range(len(real_steps)))
     assert [s["step"] for s in sim_steps] == list(range(len(sim_steps)))
     real_m, sim_m = _milestones(real_steps), _milestones(sim_steps)
-    assert len(real_m) == len(specs)
+    served = [t.success for t in real.timings]
+    assert [t.success for t in sim.timings] == served
+    assert len(real_m) == sum(served) > len(specs) // 2  # slo rejects a few
     assert sim_m == real_m
+
+
+def test_reset_policy_state_needs_an_idle_scheduler() -> None:
+    engine = engine_mod.LLMEngine(EngineArgs(model="tiny-random", num_threads=1, policy="slo"))
+    before = engine.scheduler.policy
+    engine.scheduler.reset_policy_state()
+    assert engine.scheduler.policy is not before and type(engine.scheduler.policy) is type(before)
+    engine.add_request("r", [5, 6, 7], bench_params(2))
+    with pytest.raises(RuntimeError, match="1 live requests"):
+        engine.scheduler.reset_policy_state()
 
 
 def test_variant_args_shared_with_bench() -> None:

@@ -79,6 +79,16 @@ def reset_prefix_cache(engine: Any) -> None:
         kv.reset_prefix_cache()
 
 
+def fresh_run_state(engine: Any) -> None:
+    """What each run on a reused engine starts from, as a simulated run does: no cached
+    prefixes, and a policy that has learnt nothing from the warm-up or earlier runs (the slo
+    policy's step-time model otherwise made other decisions from the first step on)."""
+    reset_prefix_cache(engine)
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "reset_policy_state"):
+        scheduler.reset_policy_state()
+
+
 def file_stem(name: str) -> str:
     """`name` as a file name without commas, spaces or slashes (labels are free text)."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "run"
@@ -112,7 +122,7 @@ def run_on_engine(
             (Path(opts.record_steps_dir) / f"{file_stem(steps_name)}.jsonl").absolute()
         )
         engine.record_steps(steps_file)
-    reset_prefix_cache(engine)
+    fresh_run_state(engine)
     try:
         res: ReplayResult = replay(engine, specs, on_done=opts.on_done)
     finally:

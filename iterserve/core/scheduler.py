@@ -100,6 +100,25 @@ class Scheduler:
         # What time-aware policies call "now"; the simulator sets its virtual clock here.
         self.clock: Callable[[], float] = time.monotonic
 
+    def reset_policy_state(self) -> None:
+        """Starts the policy and the admission reservation afresh, as a new scheduler's:
+        what earlier requests taught them (the slo policy's step-time model, fair's
+        counters, the estimate reservation's ratio) is forgotten, so a run on a warmed-up
+        engine decides as one on a fresh engine (and as the simulator) does. Only while no
+        request is live."""
+        if self.requests:
+            raise RuntimeError(
+                f"reset_policy_state with {len(self.requests)} live requests; finish or abort "
+                "them first"
+            )
+        self.policy = type(self.policy)(self.config)
+        self.waiting = self.policy.make_waiting_queue()
+        if self.reservation is not None:
+            self.reservation = Reservation(
+                self.reservation.mode, self.kv, self.config.max_model_len
+            )
+        self.long_passed_over = False
+
     # ---- queue management ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:

@@ -23,8 +23,10 @@ few percent of step time into tens of percent of TTFT. So the benchmark also tim
 of reference steps (REFERENCE: a few decode batches and prefills, a second or two) right after
 each profile is fitted and right before and after each real run; the ratio of the run's
 reference time to the profile's is the machine's speed factor for that run, and the second
-table simulates with the profile scaled by it (``CpuProfile.scaled``). A simulator user does
-the same when the machine they plan for runs at a different speed from the one they profiled.
+table simulates with the profile scaled by it (``CpuProfile.scaled``) and ends with the factor
+(- 1) per workload; the result file keeps it apart from the tables' error columns
+(``speed_factor_minus_1``). A simulator user does the same when the machine they plan for runs
+at a different speed from the one they profiled.
 
 Workloads:
   trace    the first 100 requests of the Azure conversation trace, lengths and time scaled
@@ -60,11 +62,14 @@ from iterserve.workload.datasets import RequestSpec, WorkloadConfig, build_workl
 from iterserve.workload.metrics import summarize
 from iterserve.workload.replay import replay, warmup
 
-# Fields of each row of the fidelity tables in the result file.
+# Fields of each row of the fidelity tables in the result file. The error is sim / real - 1
+# per repeat; the row of the profile's error on the real run's own steps has no real or
+# simulated value (None).
 TABLE_COLUMNS = (
     "workload", "metric", "real_median", "real_min", "real_max", "sim_median",
     "error_median", "error_min", "error_max",
 )  # fmt: skip
+STEPS_ROW = "step time on real steps"
 METRICS = (
     ("median_ttft_ms", "median TTFT (ms)"),
     ("median_tpot_ms", "median TPOT (ms)"),
@@ -72,6 +77,76 @@ METRICS = (
     ("mean_e2el_ms", "mean E2E (ms)"),
     ("output_throughput", "throughput (tok/s)"),
 )
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def fidelity_rows(
+    runs: dict[str, list[dict[str, Any]]], sim_key: str, steps_key: str
+) -> list[dict[str, Any]]:
+    """One row (TABLE_COLUMNS) per workload and metric over the repeats in ``runs``, the
+    simulation taken from ``runs[w][i][sim_key]``, then the profile's error on the real steps
+    (``steps_key``)."""
+    rows: list[dict[str, Any]] = []
+    for name, recs in runs.items():
+        for key, label in (*METRICS, ("num_steps", "engine steps")):
+            pairs = [
+                (x["real"][key], x[sim_key][key])
+                for x in recs
+                if x["real"].get(key) is not None and x[sim_key].get(key) is not None
+            ]
+            if not pairs:
+                continue
+            real_v = [a for a, _ in pairs]
+            cells = (
+                *_spread(real_v),
+                statistics.median([b for _, b in pairs]),
+                *_spread([b / a - 1 for a, b in pairs]),
+            )
+            rows.append(dict(zip(TABLE_COLUMNS, (name, label, *cells))))
+        steps_err = [x[steps_key] for x in recs if steps_key in x]
+        if steps_err:
+            cells = (None, None, None, None, *_spread(steps_err))
+            rows.append(dict(zip(TABLE_COLUMNS, (name, STEPS_ROW, *cells))))
+    return rows
+
+
+def speed_factors(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per workload, the median, min and max over repeats of speed factor - 1 (the machine's
+    speed during the run against when the profile was fitted: not an error of the
+    simulator, so not a row of the tables' error columns)."""
+    out = {}
+    for name, recs in runs.items():
+        med, lo, hi = _spread([x["speed_factor"] - 1 for x in recs])
+        out[name] = {"median": med, "min": lo, "max": hi}
+    return out
+
+
+def format_rows(
+    rows: list[dict[str, Any]], speed: dict[str, dict[str, float]] | None = None
+) -> str:
+    """The table as printed: real median and range, simulated median, error median and range;
+    then speed factor - 1 per workload where given."""
+    lines = [
+        f"{'workload':9s}{'metric':24s}{'real':>10s}{'real range':>20s}{'sim':>10s}"
+        f"{'error':>9s}{'error range':>18s}"
+    ]
+
+    def line(name: str, label: str, real: str, med: float, lo: float, hi: float) -> str:
+        return f"{name:9s}{label:24s}{real:>40s}{med:+9.1%}{f'{lo:+.1%}..{hi:+.1%}':>18s}"
+
+    for r in rows:
+        real = ""
+        if r["real_median"] is not None:
+            real_range = f"{r['real_min']:.1f}..{r['real_max']:.1f}"
+            real = f"{r['real_median']:10.1f}{real_range:>20s}{r['sim_median']:10.1f}"
+        errs = r["error_median"], r["error_min"], r["error_max"]
+        lines.append(line(r["workload"], r["metric"], real, *errs))
+    for name, f in (speed or {}).items():
+        lines.append(line(name, "speed factor - 1", "", f["median"], f["min"], f["max"]))
+    return "\n".join(lines)
 
 
 def log(msg: str) -> None:
@@ -418,76 +493,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ref_after / ref_prof:.3f} after)"
             )
 
-    def table(sim_key: str, steps_key: str) -> list[tuple[Any, ...]]:
-        rows: list[tuple[Any, ...]] = []
-        for name, recs in runs.items():
-            for key, label in (*METRICS, ("num_steps", "engine steps")):
-                pairs = [
-                    (x["real"][key], x[sim_key][key])
-                    for x in recs
-                    if x["real"].get(key) is not None and x[sim_key].get(key) is not None
-                ]
-                if not pairs:
-                    continue
-                real_v = [a for a, _ in pairs]
-                sim_v = [b for _, b in pairs]
-                errs = [b / a - 1 for a, b in pairs]
-                rows.append(
-                    (
-                        name,
-                        label,
-                        statistics.median(real_v),
-                        min(real_v),
-                        max(real_v),
-                        statistics.median(sim_v),
-                        statistics.median(errs),
-                        min(errs),
-                        max(errs),
-                    )
-                )
-            steps_err = [x[steps_key] for x in recs if steps_key in x]
-            if steps_err:
-                rows.append(
-                    (
-                        name,
-                        "step time on real steps",
-                        math.nan,
-                        math.nan,
-                        math.nan,
-                        math.nan,
-                        statistics.median(steps_err),
-                        min(steps_err),
-                        max(steps_err),
-                    )
-                )
-            if sim_key == "sim_calibrated":
-                f = [x["speed_factor"] - 1 for x in recs]
-                rows.append(
-                    (
-                        name,
-                        "speed factor - 1",
-                        math.nan,
-                        math.nan,
-                        math.nan,
-                        math.nan,
-                        statistics.median(f),
-                        min(f),
-                        max(f),
-                    )
-                )
-        return rows
-
-    def show(rows: list[tuple[Any, ...]]) -> None:
-        print(
-            f"{'workload':9s}{'metric':24s}{'real':>10s}{'real range':>20s}{'sim':>10s}"
-            f"{'error':>9s}{'error range':>18s}"
-        )
-        for name, label, med, lo, hi, simv, err, elo, ehi in rows:
-            real_txt = (
-                "" if math.isnan(med) else f"{med:10.1f}{f'{lo:.1f}..{hi:.1f}':>20s}{simv:10.1f}"
-            )
-            print(f"{name:9s}{label:24s}{real_txt:>40s}{err:+9.1%}{f'{elo:+.1%}..{ehi:+.1%}':>18s}")
-
     how = f"profile {ns.profile}" if fixed else "a profile fitted before each repeat"
     print(
         f"\nfidelity: {ns.model} ({ns.dtype}, {ns.num_threads} thread(s)), {ns.clock} clock, "
@@ -495,21 +500,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("error = sim / real - 1 per repeat; the median (and range) over repeats")
     print("\n(a) the profile as fitted")
-    rows = table("sim", "profile_error_on_real_steps")
-    show(rows)
+    rows = fidelity_rows(runs, "sim", "profile_error_on_real_steps")
+    print(format_rows(rows))
     print(
         "\n(b) the profile scaled by the run's speed factor (reference steps before and after "
         "the run / right after the profile was fitted)"
     )
-    rows_cal = table("sim_calibrated", "calibrated_error_on_real_steps")
-    show(rows_cal)
+    rows_cal = fidelity_rows(runs, "sim_calibrated", "calibrated_error_on_real_steps")
+    speed = speed_factors(runs)
+    print(format_rows(rows_cal, speed))
     if ns.result_file:
         report = {
             "engine_args": asdict(args),
             "profile": ns.profile,
             "runs": runs,
-            "table": [dict(zip(TABLE_COLUMNS, r)) for r in rows],
-            "table_calibrated": [dict(zip(TABLE_COLUMNS, r)) for r in rows_cal],
+            "table": rows,
+            "table_calibrated": rows_cal,
+            "speed_factor_minus_1": speed,
         }
         Path(ns.result_file).write_text(json.dumps(report, indent=1, default=str) + "\n")
         log(f"wrote {ns.result_file}")

@@ -875,3 +875,60 @@ def test_the_table_never_cuts_a_policy_name(capsys: pytest.CaptureFixture[str]) 
     rows = [line for line in out.splitlines() if line.startswith("│")]
     for name in ("continuous", "continuous-nochunk", "static"):
         assert sum(line.split("│")[1].strip() == name for line in rows) >= 2, out  # both tables
+
+
+def _sim_fidelity() -> Any:
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sim_fidelity.py"
+    spec = importlib.util.spec_from_file_location("sim_fidelity", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["sim_fidelity"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sim_fidelity_result_columns() -> None:
+    """benchmarks/sim_fidelity.py's result tables: every row's error columns hold sim / real - 1
+    (the speed factor, not an error, is kept apart), a cell with no value is null (NaN is not
+    JSON), and the printed table reads the same rows."""
+    fid = _sim_fidelity()
+
+    def rec(real: float, sim: float, cal: float, speed: float, steps_err: float) -> dict:
+        return {
+            "real": {"median_ttft_ms": real, "num_steps": 10},
+            "sim": {"median_ttft_ms": sim, "num_steps": 11},
+            "sim_calibrated": {"median_ttft_ms": cal, "num_steps": 12},
+            "speed_factor": speed,
+            "profile_error_on_real_steps": steps_err,
+            "calibrated_error_on_real_steps": (1 + steps_err) * speed - 1,
+        }
+
+    runs = {"trace": [rec(100.0, 110.0, 99.0, 1.1, -0.1), rec(200.0, 180.0, 210.0, 1.3, 0.2)]}
+    rows = fid.fidelity_rows(runs, "sim_calibrated", "calibrated_error_on_real_steps")
+    assert all(tuple(r) == fid.TABLE_COLUMNS for r in rows)
+    by = {r["metric"]: r for r in rows}
+    assert set(by) == {"median TTFT (ms)", "engine steps", fid.STEPS_ROW}
+    ttft = by["median TTFT (ms)"]
+    assert (ttft["real_median"], ttft["real_min"], ttft["real_max"]) == (150.0, 100.0, 200.0)
+    assert ttft["sim_median"] == pytest.approx(154.5)
+    assert ttft["error_min"] == pytest.approx(-0.01) and ttft["error_max"] == pytest.approx(0.05)
+    assert ttft["error_median"] == pytest.approx(0.02)
+    assert by["engine steps"]["error_median"] == pytest.approx(0.2)
+    steps = by[fid.STEPS_ROW]
+    assert steps["real_median"] is None and steps["sim_median"] is None
+    assert steps["error_min"] == pytest.approx(1.1 * 0.9 - 1)
+    assert steps["error_max"] == pytest.approx(1.3 * 1.2 - 1)
+    speed = fid.speed_factors(runs)
+    assert speed["trace"]["median"] == pytest.approx(0.2)
+    assert (speed["trace"]["min"], speed["trace"]["max"]) == pytest.approx((0.1, 0.3))
+    json.dumps({"table_calibrated": rows, "speed_factor_minus_1": speed}, allow_nan=False)
+
+    text = fid.format_rows(rows, speed).splitlines()
+    assert (
+        text[1].split()
+        == "trace median TTFT (ms) 150.0 100.0..200.0 154.5 +2.0% -1.0%..+5.0%".split()
+    )
+    assert text[-1].split() == ["trace", "speed", "factor", "-", "1", "+20.0%", "+10.0%..+30.0%"]

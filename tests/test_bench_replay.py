@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from iterserve.bench import cli, plot
@@ -106,6 +107,25 @@ def test_replay_timings_on_a_virtual_clock() -> None:
     assert s["mean_ttft_ms"] == pytest.approx((10 + 15 + 10) / 3)
     assert s["mean_tpot_ms"] == pytest.approx(10.0)  # a and b; c has one token
     assert s["p99_itl_ms"] == pytest.approx(10.0) and s["median_e2el_ms"] == pytest.approx(25.0)
+
+
+def test_replay_reaches_each_arrival_on_a_virtual_clock() -> None:
+    """A virtual clock that does not start at 0 can land one rounding short of the arrival the
+    driver slept for (100.0 + (a - (t - 100.0)) - 100.0 < a), so sleep(0) again and again
+    never reached it: the driver must take the arrival it slept until as reached."""
+    clock = VirtualClock()
+    sleeps = [0]
+
+    def sleep(dt: float) -> None:
+        sleeps[0] += 1
+        assert sleeps[0] < 1000, "the driver sleeps without end"
+        clock.sleep(dt)
+
+    gaps = np.random.default_rng(0).uniform(0.05, 0.5, size=40)
+    specs = [RequestSpec([1] * 5, 1, float(t)) for t in np.cumsum(gaps)]
+    res = replay(FakeEngine(clock), specs, clock=clock, sleep=sleep)
+    assert all(t.success for t in res.timings) and res.num_steps == len(specs)
+    assert [t.send_time for t in res.timings] == pytest.approx([s.arrival_time for s in specs])
 
 
 def test_goodput_rules() -> None:

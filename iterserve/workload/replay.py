@@ -118,8 +118,11 @@ def replay(
 
     start = clock()
     end = 0.0
+    # The arrival the driver last slept until counts as reached: a virtual clock that does not
+    # start at 0 can land one rounding short of it, and sleep(0) would never get there.
+    woke_for = 0.0
     while pending or live:
-        now = clock() - start
+        now = max(clock() - start, woke_for)
         while pending and specs[pending[0]].arrival_time <= now:
             i = pending.popleft()
             t, spec = timings[i], specs[i]
@@ -140,7 +143,8 @@ def replay(
             live[t.request_id] = t
         if not live:
             if pending:
-                sleep(max(0.0, specs[pending[0]].arrival_time - (clock() - start)))
+                woke_for = specs[pending[0]].arrival_time
+                sleep(max(0.0, woke_for - (clock() - start)))
             continue
         if not engine.has_unfinished_requests():  # would otherwise spin forever
             for t in list(live.values()):

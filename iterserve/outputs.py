@@ -109,8 +109,8 @@ class StepStats:
     """One engine step, recorded for metrics, benchmarks, plots and the simulator.
 
     ``step`` numbers the steps that ran a batch from 0: from the engine's first step, or from
-    the first step after ``record_steps`` opened the file being written (so a step file
-    recorded after a warm-up starts at 0, like the simulator's). ``scheduled`` lists
+    the first step after ``record_steps`` last opened a file (so a step file recorded after a
+    warm-up starts at 0, like the simulator's). ``scheduled`` lists
     (request_id, num_tokens, is_prefill) for every sequence in the step. Times are
     ``time.monotonic()`` seconds.
     """

@@ -612,6 +612,24 @@ def test_profile_measures_the_grid_on_a_given_engine() -> None:
     assert uniform and all(s.decode_ctx_sum == s.num_decodes * s.decode_ctx_max for s in uniform)
 
 
+def test_profile_builds_its_engine_by_the_engines_budget_rule() -> None:
+    """Without chunked prefill and no budget given, the grid's engine takes the engine's own
+    budget (max(512, max_model_len), EngineArgs.token_budget): an explicit 512 below the
+    context was refused; a given budget is kept where it is more than the grid needs."""
+    from iterserve.config import EngineArgs
+    from iterserve.sim.profile import measure
+
+    args = EngineArgs(
+        model="tiny-random", dtype="float32", num_threads=1, enable_chunked_prefill=False
+    )
+    engine, samples = measure(args, prefill=[8], decode=[0, 1], context=[8], repeats=1)
+    assert engine.scheduler.config.max_num_batched_tokens == engine.max_model_len == 2048
+    assert samples and all(t > 0 for _, _, t in samples)
+    given = args.replace(enable_chunked_prefill=True, max_num_batched_tokens=300)
+    engine, _ = measure(given, prefill=[8], decode=[0, 1], context=[8], repeats=1)
+    assert engine.scheduler.config.max_num_batched_tokens == 300
+
+
 # ---- CLI ----------------------------------------------------------------------------------
 
 

@@ -5,7 +5,7 @@ Policies are the variants of ``core.policies.POLICY_VARIANTS``: each policy by n
 ``static`` (request-level batching) and ``continuous`` (iteration-level, with chunked
 prefill), plus ``continuous-nochunk`` (iteration-level, each prompt prefilled in one step:
 ``enable_chunked_prefill=False``, so its token budget is ``EngineArgs.token_budget``'s,
-``max_model_len`` unless a larger one is given).
+max(512, ``max_model_len``) unless a larger one is given).
 """
 
 from __future__ import annotations

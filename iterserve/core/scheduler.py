@@ -105,7 +105,8 @@ class Scheduler:
         what earlier requests taught them (the slo policy's step-time model, fair's
         counters, the estimate reservation's ratio) is forgotten, so a run on a warmed-up
         engine decides as one on a fresh engine (and as the simulator) does. Only while no
-        request is live."""
+        request is live. The policy is built again from the config alone, as every engine
+        builds one (``make_policy``)."""
         if self.requests:
             raise RuntimeError(
                 f"reset_policy_state with {len(self.requests)} live requests; finish or abort "

@@ -98,10 +98,14 @@ def measure(
     if engine is None:
         # The pool the engine would have (EngineArgs' KV size), not just what the grid needs:
         # decode attention gathers blocks from all over it, and a larger pool reads slower.
+        given = args.max_num_batched_tokens
         grid_args = args.replace(
-            # the grid's biggest step, or the given (else the default) budget where more
-            max_num_batched_tokens=max(
-                budget, args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+            # the grid's biggest step, or the given budget where more; unset and the grid
+            # within the default, the engine's own rule (EngineArgs.token_budget)
+            max_num_batched_tokens=(
+                None
+                if given is None and budget <= DEFAULT_MAX_NUM_BATCHED_TOKENS
+                else max(budget, given if given is not None else 0)
             ),
             max_num_seqs=max(decode) + 2,
             enable_prefix_caching=True,

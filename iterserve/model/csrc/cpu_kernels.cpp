@@ -2804,6 +2804,9 @@ struct DecodePlanCache {
     std::vector<int64_t> lens, starts;
     int KvH = -1, block_size = -1, threads = -1, slots = 0;
     std::vector<DecodeSpan> plan;
+    // per sequence split into parts: its first slot (-1: not split) and how many (the parts
+    // sit in consecutive slots); the merge after the loop reads them
+    std::vector<int> first_part, num_parts;
     int get(const int64_t* ctx_lens, const int64_t* st, int D, int kvh, int bs, int nth) {
         const size_t n = static_cast<size_t>(std::max(D, 0));
         if (KvH != kvh || block_size != bs || threads != nth || lens.size() != n || !std::equal(lens.begin(), lens.end(), ctx_lens) ||
@@ -2814,6 +2817,13 @@ struct DecodePlanCache {
             block_size = bs;
             threads = nth;
             slots = plan_decode(ctx_lens, st, D, kvh, bs, nth, plan);
+            first_part.assign(n, -1);
+            num_parts.assign(n, 0);
+            for (const DecodeSpan& s : plan)
+                if (s.part >= 0) {
+                    ++num_parts[s.d];
+                    if (first_part[s.d] < 0 || s.part < first_part[s.d]) first_part[s.d] = s.part;
+                }
         }
         return slots;
     }
@@ -2941,18 +2951,11 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
         t_side = SidePrefetch{};
     }
     if (slots > 0) {  // out = sum over parts of exp(lse_part - lse_all) * out_part, per head
-        // a split sequence's parts sit in consecutive slots, the first of them in its first span
-        std::vector<int> first(static_cast<size_t>(D), -1), count(static_cast<size_t>(D), 0);
-        for (const DecodeSpan& s : plan)
-            if (s.part >= 0) {
-                ++count[s.d];
-                if (first[s.d] < 0 || s.part < first[s.d]) first[s.d] = s.part;
-            }
         std::vector<float> merged(static_cast<size_t>(H) * hd);
         for (int d = 0; d < D; ++d) {
-            if (first[d] < 0) continue;
-            const int64_t t0 = first[d];
-            const int kn = count[d];
+            if (cache.first_part[d] < 0) continue;
+            const int64_t t0 = cache.first_part[d];
+            const int kn = cache.num_parts[d];
             for (int qh = 0; qh < H; ++qh) {
                 float m = -INFINITY;
                 for (int k = 0; k < kn; ++k) m = std::fmax(m, part_lse[(t0 + k) * H + qh]);

@@ -371,3 +371,20 @@ def test_the_summary_shows_a_whole_error_message() -> None:
     )
     text = format_summary({"failed": 3, "errors": {msg: 3}})
     assert "raise kv_cache_memory / num_kv_blocks" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("command", ["offline", "sweep"])
+def test_a_run_that_completes_nothing_exits_1(command: str, tmp_path: Path) -> None:
+    """Every prompt needs more KV blocks than the pool has: each request fails, and the
+    command says so by its exit code (sweep exited 0)."""
+    out = tmp_path / "r.json"
+    argv = [command, "--model", "tiny-random", "--dtype", "float32", "--dataset", "random",
+            "--num-prompts", "2", "--random-input-len", "40", "--random-output-len", "4",
+            "--policies", "continuous", "--num-kv-blocks", "1", "--block-size", "16",
+            "--result-file", str(out), "--no-progress"]  # fmt: skip
+    if command == "sweep":
+        argv += ["--request-rates", "inf"]
+    assert bench_cli.main(argv) == 1
+    runs = json.loads(out.read_text())["runs"]
+    assert runs and all(r["summary"]["completed"] == 0 for r in runs)
+    assert all(r["summary"]["failed"] == 2 for r in runs)

@@ -596,7 +596,9 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
     if ns.result_file:
         config = _config(ns) | {"request_rates_used": used}
         _err(f"wrote {write_result(ns.result_file, 'sweep', runs, config, work.info)}")
-    return 0
+    # as offline: a run that completed nothing fails the command (a script must not read an
+    # empty sweep point as a measurement)
+    return 0 if all(r["summary"]["completed"] for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -691,6 +691,107 @@ def test_gemm_argmax_is_the_argmax_of_its_f32_result() -> None:
         assert kern.gemm_argmax(torch.randn(2, 48).bfloat16(), w48, 9, amx=True) is None
 
 
+def test_gemm_screen_argmax_gives_gemm_argmax_tokens() -> None:
+    """The LM head's greedy argmax screened on an int8 copy (``gemm_screen_argmax``): the tokens
+    ``gemm_argmax`` gives, at 1 to 4 rows, over N not a multiple of 64, an odd K (x padded),
+    rows pointing along a weight row (near ties), duplicated weight rows (exact ties: the
+    first column, also across the threads' panel ranges), 1 to 3 threads, and through
+    ``linear_argmax`` with the screen attached; None (take gemm_argmax) with more rows, x all
+    zero or not finite; no screen for weights with a NaN or an infinity, or a biased head."""
+    from iterserve.model.kernels import LM_SCREEN_MAX_ROWS
+    from iterserve.model.layers import PairLinear, attach_lm_screen, linear_argmax
+
+    kern = _kern()
+    if not kern.has_lm_screen:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16 and VNNI")
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    checked = 0
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            for N, K in ((70, 7), (1000, 64), (4100, 96), (3000, 576)):
+                w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+                w[N - 3] = w[5]  # exact ties, across the threads' panel ranges
+                w[N // 2 + 1] = w[5]
+                P = kern.pack_pairs(w)
+                screen = kern.pack_lm_screen(w)
+                assert screen is not None
+                Kp = 2 * -(-K // 2)
+                for M in range(1, LM_SCREEN_MAX_ROWS + 1):
+                    for trial in range(6):
+                        if trial % 3 == 0:
+                            x = torch.randn(M, K, generator=g)
+                        else:  # along weight rows (the tied one in trial 2): near or exact ties
+                            rows = torch.randint(0, N, (M,), generator=g) if trial == 1 else 5
+                            x = w[rows].float().reshape(-1, K).expand(M, K) * 10
+                        xp = F.pad(x.bfloat16(), (0, Kp - K))
+                        want = kern.gemm_argmax(xp, P, N)
+                        got = kern.gemm_screen_argmax(xp, P, screen)
+                        assert got is not None and torch.equal(got, want), (nt, N, K, M, trial)
+                        checked += 1
+    finally:
+        torch.set_num_threads(threads)
+    assert checked == 3 * 4 * LM_SCREEN_MAX_ROWS * 6
+    # the bound itself: one large element a row makes the int8 step coarse for the others
+    # (the copy's argmax is another column in about one row of five), so only the bound keeps
+    # the right column among the candidates
+    for trial in range(10):
+        w = torch.randn(2000, 128, generator=g)
+        w[:, 0] = 60
+        x = torch.randn(LM_SCREEN_MAX_ROWS, 128, generator=g)
+        x[:, 0] = 0
+        P, screen = kern.pack_pairs(w.bfloat16()), kern.pack_lm_screen(w.bfloat16())
+        assert screen is not None
+        for M in range(1, LM_SCREEN_MAX_ROWS + 1):
+            xb = x[:M].bfloat16()
+            got = kern.gemm_screen_argmax(xb, P, screen)
+            assert got is not None and torch.equal(got, kern.gemm_argmax(xb, P, 2000)), trial
+    # the argmax compares bf16-rounded logits: column 3's 127.98 rounds to column 330's 128,
+    # and the first of the equal values wins, though its own logit is lower by more than the
+    # int8 copy's bound
+    w = torch.randn(2000, 128, generator=g) * 0.1
+    signs = torch.randint(0, 2, (128,), generator=g).float() * 2 - 1
+    w[330] = signs
+    w[3] = signs
+    w[3, 7] *= 0.984375  # bf16-exact, 1 / 64 lower: logit 128 - 1 / 64
+    P, screen = kern.pack_pairs(w.bfloat16()), kern.pack_lm_screen(w.bfloat16())
+    assert screen is not None
+    x = signs[None].bfloat16()
+    assert kern.gemm_argmax(x, P, 2000).tolist() == [3]
+    assert kern.gemm_screen_argmax(x, P, screen).tolist() == [3]  # type: ignore[union-attr]
+    w = torch.randn(300, 64).bfloat16()
+    P, screen = kern.pack_pairs(w), kern.pack_lm_screen(w)
+    assert screen is not None
+    assert (
+        kern.gemm_screen_argmax(torch.randn(LM_SCREEN_MAX_ROWS + 1, 64).bfloat16(), P, screen)
+        is None
+    )
+    assert kern.gemm_screen_argmax(torch.zeros(1, 64).bfloat16(), P, screen) is None
+    x = torch.randn(2, 64).bfloat16()
+    x[1, 3] = float("nan")
+    assert kern.gemm_screen_argmax(x, P, screen) is None
+    with pytest.raises(ValueError, match="columns"):
+        kern.gemm_screen_argmax(torch.randn(1, 32).bfloat16(), kern.pack_pairs(w[:, :32]), screen)
+    bad = w.clone()
+    bad[7, 9] = float("inf")
+    assert kern.pack_lm_screen(bad) is None
+    # linear_argmax takes the screen where it is attached: the same tokens, with it called
+    lin = PairLinear(kern, w, None)
+    assert attach_lm_screen(lin, w) and lin.screen is not None
+    calls = []
+    screen_fn = kern.gemm_screen_argmax
+    kern.gemm_screen_argmax = lambda *a: calls.append(1) or screen_fn(*a)  # type: ignore[method-assign]
+    try:
+        for M in (1, 3, 6):
+            x = torch.randn(M, 64).bfloat16()
+            assert torch.equal(linear_argmax(lin, x, kern), lin.f32(x).argmax(-1))
+    finally:
+        del kern.gemm_screen_argmax
+    assert len(calls) == 2  # 1 and 3 rows; 6 take gemm_argmax
+    assert not attach_lm_screen(PairLinear(kern, w, torch.randn(300).bfloat16()), w)
+
+
 def test_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:
     """``gemm_swiglu`` (gate_up and SwiGLU in one call, the product never stored) on a weight
     in GLU_BLOCK's layout, on the dot-product pair GEMM and on AMX tiles where the CPU has

@@ -1117,6 +1117,11 @@ def test_fused_decode_layers_give_the_same_bits(
     monkeypatch.setattr(
         kern, "gemm_argmax", lambda *a, **k: _record(fused_argmax, argmax_fn(*a, **k))
     )
+    screened: list[bool] = []
+    screen_fn = kern.gemm_screen_argmax
+    monkeypatch.setattr(
+        kern, "gemm_screen_argmax", lambda *a, **k: _record(screened, screen_fn(*a, **k))
+    )
 
     def both(items: list[BatchItem]) -> None:
         a, b = fused.execute(items), plain.execute(items)
@@ -1133,6 +1138,9 @@ def test_fused_decode_layers_give_the_same_bits(
             pos[i] += 1
     # the pair GEMMs' epilogue (on AMX from 17 rows: the 25-row steps)
     assert bool(fused_argmax) == (gemm != "panels")
+    # the 1-row step's LM head on its int8 screen, on the dot-product pair GEMM (no LM head
+    # bias in these families)
+    assert any(screened) == (gemm == "pairs" and kern.has_lm_screen)
     # gate_up and SwiGLU in one call on the pair GEMM where gate_up is in GLU_BLOCK's layout
     # (an intermediate size that is a multiple of 32): on AMX from 17 rows, on dot products at
     # any count (GateUpAct's rule); the layout needs bf16 dot products, whichever GEMM is forced

@@ -188,6 +188,22 @@ def _check_packed(
         )
 
 
+# gemm_screen_argmax's rows at most (SCREEN_MAX_ROWS of cpu_kernels.cpp): with more the screen's
+# arithmetic grows by the row and the bf16 GEMM's read no longer dominates
+LM_SCREEN_MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class LmScreen:
+    """``pack_lm_screen``'s int8 copy of an LM head weight [N, K] and its per-column scale and
+    bounds (coef [3, N] f32)."""
+
+    q: torch.Tensor
+    coef: torch.Tensor
+    N: int
+    K: int
+
+
 class DecodeLayerW(ctypes.Structure):
     """``DecodeLayerW`` of cpu_kernels.cpp: one layer's constant arguments to ``decode_layer``
     (its pair- or panel-packed weights, norms and shapes). The tensors behind the pointers must
@@ -282,6 +298,14 @@ class Kernels:
         for name in ("gemm_amx_argmax", "gemm_pairs_argmax"):
             getattr(self.lib, name).argtypes = [_P, _P, _P, _I, _I, _I, _P]
             getattr(self.lib, name).restype = _I
+        self.lib.pack_lm_screen.argtypes = [_P, _I, _I, _P, _P]
+        self.lib.pack_lm_screen.restype = _I
+        self.lib.gemm_screen_argmax.argtypes = [_P, _P, _P, _P, _I, _I, _I, _P]
+        self.lib.gemm_screen_argmax.restype = _I
+        self.lib.has_lm_screen.argtypes = []
+        self.lib.has_lm_screen.restype = _I
+        # the LM head's greedy argmax screened on an int8 copy: AVX512-BF16 and VNNI
+        self.has_lm_screen = bool(self.lib.has_lm_screen())
         self.lib.paged_prefill_attention.argtypes = [
             _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P,
         ]  # fmt: skip
@@ -841,6 +865,44 @@ class Kernels:
         rc = getattr(self.lib, name)(
             pairs.data_ptr(), x.data_ptr(), None if b is None else b.data_ptr(),
             x.shape[0], N, x.shape[1], out.data_ptr(),
+        )  # fmt: skip
+        return out if rc == 0 else None
+
+    def pack_lm_screen(self, w: torch.Tensor) -> LmScreen | None:
+        """The int8 screen of an LM head weight [N, K] bf16 for ``gemm_screen_argmax``; None
+        where it cannot run (``has_lm_screen`` False) or w holds a NaN or an infinity."""
+        if w.dtype != torch.bfloat16 or w.dim() != 2:
+            raise ValueError(
+                f"pack_lm_screen takes a 2-D bf16 weight, got {w.dtype} {tuple(w.shape)}"
+            )
+        if not self.has_lm_screen:
+            return None
+        N, K = w.shape
+        w = w.contiguous()
+        q = empty_hugepages((-(-N // 64) * -(-K // 2) * 128,), torch.int8)  # as the pairs
+        coef = torch.empty(3, N, dtype=torch.float32)
+        if self.lib.pack_lm_screen(w.data_ptr(), N, K, q.data_ptr(), coef.data_ptr()) != 0:
+            return None
+        return LmScreen(q, coef, N, K)
+
+    def gemm_screen_argmax(
+        self, x: torch.Tensor, pairs: torch.Tensor, screen: LmScreen
+    ) -> torch.Tensor | None:
+        """``self.gemm_argmax(x, pairs, screen.N)`` (no bias), the same int64 [M], reading the
+        bf16 weight only where the int8 screen says a column can win; None where it cannot
+        run (more than ``LM_SCREEN_MAX_ROWS`` rows, x all zero or not finite), for the
+        caller to take ``gemm_argmax``."""
+        x, _ = self._epilogue_operands("gemm_screen_argmax", x, pairs, screen.N, None, False)
+        if x.shape[1] != 2 * -(-screen.K // 2):
+            raise ValueError(
+                f"gemm_screen_argmax: x has {x.shape[1]} columns, the screen K={screen.K}"
+            )
+        if x.shape[0] > LM_SCREEN_MAX_ROWS:
+            return None
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        rc = self.lib.gemm_screen_argmax(
+            pairs.data_ptr(), screen.q.data_ptr(), screen.coef.data_ptr(), x.data_ptr(),
+            x.shape[0], screen.N, x.shape[1], out.data_ptr(),
         )  # fmt: skip
         return out if rc == 0 else None
 

@@ -179,6 +179,8 @@ class PairLinear:
     arithmetic runs at the bf16 rate, where the f32 panels run at the f32 one."""
 
     amx = False  # the dot-product kernel; AmxLinear: the same panels on AMX tiles
+    # the LM head's int8 screen for its greedy argmax at a few rows (attach_lm_screen)
+    screen: kernels.LmScreen | None = None
 
     def __init__(
         self,
@@ -260,10 +262,33 @@ def linear_argmax(lin: Linear, x: torch.Tensor, kern: kernels.Kernels | None) ->
     fn = epilogue_gemm(lin, x.shape[0])
     if fn is not None:
         xp = F.pad(x, (0, 1)) if fn.odd else x  # as PairLinear.__call__ pads
+        if fn.screen is not None and x.shape[0] <= kernels.LM_SCREEN_MAX_ROWS:
+            tokens = fn.kern.gemm_screen_argmax(xp, fn.pairs, fn.screen)
+            if tokens is not None:
+                return tokens
         tokens = fn.kern.gemm_argmax(xp, fn.pairs, fn.out_features, fn.bias, amx=fn.amx)
         if tokens is not None:
             return tokens
     return greedy_argmax(linear_f32(lin, x), kern)
+
+
+def attach_lm_screen(lin: Any, w: torch.Tensor) -> bool:
+    """Gives the LM head ``lin`` (weight ``w``), where a dot-product pair GEMM without a bias
+    runs it at 1 to ``LM_SCREEN_MAX_ROWS`` rows, the int8 screen of ``w`` for its greedy
+    argmax (``Kernels.gemm_screen_argmax``: the same tokens, about half the bytes read at one
+    row; docs/SPEED.md, "The LM head's greedy argmax on an int8 screen"). The screen takes
+    half the bf16 weight's memory again. True where it was attached."""
+    fns = {
+        id(f): f
+        for m in range(1, kernels.LM_SCREEN_MAX_ROWS + 1)
+        if type(f := for_rows(lin, m)) is PairLinear and f.bias is None
+    }
+    if not fns:
+        return False
+    screen = next(iter(fns.values())).kern.pack_lm_screen(w.detach())
+    for f in fns.values():
+        f.screen = screen
+    return screen is not None
 
 
 def choose_linear(

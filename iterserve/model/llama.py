@@ -32,6 +32,7 @@ from iterserve.model.layers import (
     HeadRMSNorm,
     Linear,
     Rotary,
+    attach_lm_screen,
     choose_act,
     choose_linear,
     choose_norm,
@@ -242,6 +243,8 @@ class DecoderModel(nn.Module):
         w = self.lm_head
         del self.lm_head
         self.lm_head = s.make_linear("lm_head", w, None)
+        if w.dtype == torch.bfloat16:
+            attach_lm_screen(self.lm_head, w)
         w = self.norm
         del self.norm
         self.norm = choose_norm(w, self.cfg.rms_norm_eps, s.fused)

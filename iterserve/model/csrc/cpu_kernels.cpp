@@ -3598,6 +3598,205 @@ int gemm_pairs_argmax(const uint16_t* P, const uint16_t* x, const uint16_t* bias
 #endif
 }
 
+// --- The LM head's greedy argmax, screened on an int8 copy of its weight ---------------------
+// At a few rows a greedy step's LM head is its largest single read (bench-134m: 49 of 219 MB)
+// for one token a row. An int8 copy of the weight (a scale a row: half the bytes) gives every
+// logit within a proven bound, and only the 64-column panels with a column whose upper bound
+// reaches the best lower bound run on the bf16 weight, through the tile code of
+// gemm_pairs_argmax: so the token is the one gemm_pairs_argmax gives, bit for bit.
+// The bound, for column n with w = s q + r (q int8) and x~ = round(x / t) (int16), the integer
+// sums exact (vpdpwssd):
+//   |x.w - t s (x~.q)| <= |x| |r| + |x - t x~| s |q|   (Cauchy-Schwarz, twice)
+// plus the bf16 GEMM's own rounding (at most K 2^-24 |x| |w| for its K / 2 two-product steps)
+// and the f32 scaling's; and since the argmax compares bf16-rounded values, a column within one
+// bf16 ulp below the best lower bound is a candidate too.
+constexpr int SCREEN_MAX_ROWS = 4;
+constexpr int SCREEN_COLS = 64;  // a pair panel's columns (GP_COLS)
+
+// W [N, K] bf16 -> Q: the int8 panels ([ceil(N / 64)][ceil(K / 2)][64][2], zero padded) and
+// coef [3][N] f32: each column's scale s, |r| + (K + 8) 2^-24 |w|, and s |q|, rounded up.
+// -1 (nothing usable) if W holds a NaN or an infinity.
+int pack_lm_screen(const uint16_t* W, int N, int K, int8_t* Q, float* coef) {
+    const int K2 = (K + 1) / 2, panels = (N + SCREEN_COLS - 1) / SCREEN_COLS;
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int p = 0; p < panels; ++p)
+        for (int col = 0; col < SCREEN_COLS; ++col) {
+            const int n = p * SCREEN_COLS + col;
+            int8_t* qc = Q + static_cast<int64_t>(p) * K2 * 2 * SCREEN_COLS + 2 * col;  // (j, u) at qc[j * 128 + u]
+            if (n >= N) {
+                for (int j = 0; j < K2; ++j) qc[j * 2 * SCREEN_COLS] = qc[j * 2 * SCREEN_COLS + 1] = 0;
+                continue;
+            }
+            const uint16_t* w = W + static_cast<int64_t>(n) * K;
+            double amax = 0;
+            for (int k = 0; k < K; ++k) {
+                const float v = bf16_to_f32(w[k]);
+                if (!std::isfinite(v)) bad = 1;
+                amax = std::fmax(amax, std::fabs(static_cast<double>(v)));
+            }
+            const float s = static_cast<float>(amax / 127.0);
+            double rr = 0, qq = 0, ww = 0;
+            for (int k = 0; k < 2 * K2; ++k) {
+                const double v = k < K ? static_cast<double>(bf16_to_f32(w[k])) : 0.0;
+                const int q = s > 0 ? static_cast<int>(std::fmax(-127.0, std::fmin(127.0, std::nearbyint(v / s)))) : 0;
+                qc[(k / 2) * 2 * SCREEN_COLS + k % 2] = static_cast<int8_t>(q);
+                const double r = v - static_cast<double>(s) * q;
+                rr += r * r;
+                qq += static_cast<double>(q) * q;
+                ww += v * v;
+            }
+            const double up = 1 + 1e-6;  // the f32 roundings of the bounds, upward
+            coef[n] = s;
+            coef[N + n] = static_cast<float>((std::sqrt(rr) + std::sqrt(ww) * (K + 8) * 0x1p-24) * up);
+            coef[2 * static_cast<int64_t>(N) + n] = static_cast<float>(static_cast<double>(s) * std::sqrt(qq) * up);
+        }
+    return bad ? -1 : 0;
+}
+
+// gemm_pairs_argmax(P, x, no bias, M, N, K, out) for M <= SCREEN_MAX_ROWS, K even (x padded as
+// for the pairs), with (Q, coef) = pack_lm_screen of the same weight; -1 where it cannot (more
+// rows, a build without AVX512-BF16 and VNNI, x all zero or not finite: take gemm_pairs_argmax).
+int gemm_screen_argmax(const uint16_t* P, const int8_t* Q, const float* coef, const uint16_t* x, int M, int N, int K, int64_t* out) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    if (M < 1 || M > SCREEN_MAX_ROWS || K < 2 || K % 2 || N < 1) return -1;
+    const int K2 = K / 2, panels = (N + SCREEN_COLS - 1) / SCREEN_COLS, NP = panels * SCREEN_COLS;
+    // |x~| <= xmax keeps every int32 lane's sum of K products with |q| <= 127 exact
+    const int64_t lim = static_cast<int64_t>(INT32_MAX) / (127 * static_cast<int64_t>(K));
+    const int xmax = static_cast<int>(std::min<int64_t>(32767, lim));
+    if (xmax < 64) return -1;
+    static thread_local std::vector<int32_t> xq;
+    // each panel's highest upper bound, per row ([M][panels]): a panel is run on the bf16
+    // weight where it reaches the row's best lower bound, known only once every panel is seen
+    static thread_local std::vector<float> panel_hi;
+    xq.resize(static_cast<size_t>(M) * K2);
+    panel_hi.resize(static_cast<size_t>(M) * panels);
+    float tr[SCREEN_MAX_ROWS], xn[SCREEN_MAX_ROWS], dxn[SCREEN_MAX_ROWS];
+    for (int r = 0; r < M; ++r) {
+        const uint16_t* xr = x + static_cast<int64_t>(r) * K;
+        float amax = 0;
+        for (int k = 0; k < K; ++k) {
+            const float v = bf16_to_f32(xr[k]);
+            if (!std::isfinite(v)) return -1;
+            amax = std::fmax(amax, std::fabs(v));
+        }
+        if (amax == 0) return -1;
+        const float t = amax / static_cast<float>(xmax);
+        double xx = 0, dd = 0;
+        for (int j = 0; j < K2; ++j) {
+            int32_t pair = 0;
+            for (int u = 0; u < 2; ++u) {
+                const double v = bf16_to_f32(xr[2 * j + u]);
+                const double a = std::fmax(-xmax, std::fmin(xmax, std::nearbyint(v / t)));
+                pair |= static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(a))) << (16 * u));
+                xx += v * v;
+                dd += (v - static_cast<double>(t) * a) * (v - static_cast<double>(t) * a);
+            }
+            xq[static_cast<size_t>(r) * K2 + j] = pair;
+        }
+        tr[r] = t;
+        xn[r] = static_cast<float>(std::sqrt(xx) * (1 + 1e-6));
+        dxn[r] = static_cast<float>(std::sqrt(dd) * (1 + 1e-6));
+    }
+    int threads = 1;
+#if defined(_OPENMP)
+    threads = omp_get_max_threads();
+#endif
+    std::vector<float> lows(static_cast<size_t>(threads) * SCREEN_MAX_ROWS, -INFINITY);
+    const int32_t* xqd = xq.data();
+    float* const ph = panel_hi.data();
+    return argmax_rows(M, out, [&](ArgRows* st) {
+#pragma omp parallel
+        {
+            int tid = 0, nth = 1;
+#if defined(_OPENMP)
+            tid = omp_get_thread_num();
+            nth = omp_get_num_threads();
+#endif
+            const auto [pb, pe] = thread_share(panels);
+            float lo[SCREEN_MAX_ROWS];
+            for (int r = 0; r < M; ++r) lo[r] = -INFINITY;
+            const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            for (int p = pb; p < pe; ++p) {
+                __m512i acc[SCREEN_MAX_ROWS][4];
+                for (int r = 0; r < M; ++r)
+                    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+                const int8_t* qp = Q + static_cast<int64_t>(p) * K2 * 2 * SCREEN_COLS;
+                for (int j = 0; j < K2; ++j, qp += 2 * SCREEN_COLS) {
+                    __m512i w[4];
+                    for (int c = 0; c < 4; ++c) w[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + 32 * c)));
+                    for (int r = 0; r < M; ++r) {
+                        const __m512i xb = _mm512_set1_epi32(xqd[static_cast<size_t>(r) * K2 + j]);
+                        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpwssd_epi32(acc[r][c], xb, w[c]);
+                    }
+                }
+                __m512 hi[SCREEN_MAX_ROWS], lw[SCREEN_MAX_ROWS];
+                for (int r = 0; r < M; ++r) hi[r] = lw[r] = ninf;
+                for (int c = 0; c < 4; ++c) {
+                    const int col = p * SCREEN_COLS + 16 * c;
+                    const __mmask16 mk = _mm512_cmplt_epi32_mask(_mm512_add_epi32(_mm512_set1_epi32(col), lanes), _mm512_set1_epi32(N));
+                    if (!mk) break;
+                    const __m512 s = _mm512_maskz_loadu_ps(mk, coef + col);
+                    const __m512 A = _mm512_maskz_loadu_ps(mk, coef + N + col);
+                    const __m512 B = _mm512_maskz_loadu_ps(mk, coef + 2 * static_cast<int64_t>(N) + col);
+                    for (int r = 0; r < M; ++r) {
+                        const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_mul_ps(s, _mm512_set1_ps(tr[r])));
+                        // + |a| 2^-20: the conversion's and the two products' roundings
+                        const __m512 e = _mm512_fmadd_ps(A, _mm512_set1_ps(xn[r]),
+                                                         _mm512_fmadd_ps(B, _mm512_set1_ps(dxn[r]), _mm512_mul_ps(_mm512_abs_ps(a), _mm512_set1_ps(0x1p-20f))));
+                        hi[r] = _mm512_mask_max_ps(hi[r], mk, hi[r], _mm512_add_ps(a, e));
+                        lw[r] = _mm512_mask_max_ps(lw[r], mk, lw[r], _mm512_sub_ps(a, e));
+                    }
+                }
+                for (int r = 0; r < M; ++r) {
+                    ph[static_cast<size_t>(r) * panels + p] = _mm512_reduce_max_ps(hi[r]);
+                    lo[r] = std::fmax(lo[r], _mm512_reduce_max_ps(lw[r]));
+                }
+            }
+            for (int r = 0; r < M; ++r) lows[static_cast<size_t>(tid) * SCREEN_MAX_ROWS + r] = lo[r];
+#pragma omp barrier
+            float floor_r[SCREEN_MAX_ROWS];
+            for (int r = 0; r < M; ++r) {
+                float L = -INFINITY;
+                for (int t = 0; t < nth; ++t) L = std::fmax(L, lows[static_cast<size_t>(t) * SCREEN_MAX_ROWS + r]);
+                // a column below L by less than one bf16 ulp of it may round to the same value
+                floor_r[r] = L - std::fabs(L) * 0x1p-7f - 0x1p-100f;
+            }
+            // the candidate panels, dealt out in turn, each thread's in increasing order (ArgRows
+            // keeps the first column of equal values)
+            int seen = 0;
+            for (int p = 0; p < panels; ++p) {
+                bool cand = false;
+                for (int r = 0; r < M; ++r) cand = cand || ph[static_cast<size_t>(r) * panels + p] >= floor_r[r];
+                if (!cand || seen++ % nth != tid) continue;
+                const uint16_t* Pp = P + static_cast<int64_t>(p) * K2 * GP_COLS * 2;
+                const int n0 = p * GP_COLS;
+                switch (M) {
+                    case 1: pair_tile<1, 0, false, false, true>(Pp, x, K, nullptr, &st[tid], 0, N, K2, n0, 0); break;
+                    case 2: pair_tile<2, 0, false, false, true>(Pp, x, K, nullptr, &st[tid], 0, N, K2, n0, 0); break;
+                    case 3: pair_tile<3, 0, false, false, true>(Pp, x, K, nullptr, &st[tid], 0, N, K2, n0, 0); break;
+                    default: pair_tile<4, 0, false, false, true>(Pp, x, K, nullptr, &st[tid], 0, N, K2, n0, 0); break;
+                }
+            }
+        }
+        return 0;
+    });
+#else
+    (void)P; (void)Q; (void)coef; (void)x; (void)M; (void)N; (void)K; (void)out;
+    return -1;
+#endif
+}
+
+// 1 where gemm_screen_argmax runs (AVX512-BF16 and VNNI).
+int has_lm_screen() {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 // 1 where gemm_amx runs on AMX tiles: compiled for them, and the kernel let this process use
 // them.
 int has_amx() {

@@ -307,6 +307,16 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     need = sorted(set(batches) | {a.overhead_batch} | {int(b) for b in a.profile.split(",") if b})
     llm = make_llm(a.model, max(need), a.threads)
+    from iterserve.model.kernels import LM_SCREEN_MAX_ROWS
+    from iterserve.model.layers import for_rows
+
+    screen = getattr(for_rows(llm.engine.runner.model.lm_head, 1), "screen", None)
+    if screen is not None:  # the bounds still count the bf16 LM head a step reads otherwise
+        print(
+            f"greedy steps of up to {LM_SCREEN_MAX_ROWS} rows read the LM head as its int8 screen "
+            f"({screen.q.numel() / 1e6:.1f} MB + {screen.coef.numel() * 4 / 1e6:.1f} MB of "
+            "bounds) and the bf16 panels that can win; the bounds count the bf16 LM head"
+        )
     results: dict[int, DecodeResult] = {}
     # Each batch's bound reads at the fastest rate probed just before, just after and at the
     # start: some hosts' read rate jumps (34 -> 62 GB/s on a Zen 4 VM) for minutes, and a

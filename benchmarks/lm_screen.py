@@ -1,0 +1,83 @@
+"""Greedy decode steps with and without the LM head's int8 screen (``Kernels.gemm_screen_argmax``,
+docs/SPEED.md, "The LM head's greedy argmax on an int8 screen"), in one process on one engine,
+alternated.
+
+    python benchmarks/lm_screen.py --batches 1,2,4 --rounds 9
+    python benchmarks/lm_screen.py --model smollm2-135m --batches 1
+
+B requests with 128-token random prompts decode greedily (ignore_eos) together; each round
+times ``--steps`` steps with the screen, then without (the order flips every round), and
+reports the median step of each round, the medians and the median of the rounds' ratios. The
+tokens are the same either way (tests/test_kernels.py), so both halves of a round decode the
+same requests; the context grows by one token a step. Prefix caching is off so that no
+request's prefill is served from another's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from iterserve import LLM, SamplingParams
+from iterserve.model import kernels, layers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="bench-134m")
+    ap.add_argument("--batches", default="1,2,4")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=20, help="steps a half round")
+    ap.add_argument("--threads", type=int, default=2)
+    ns = ap.parse_args()
+    batches = [int(b) for b in ns.batches.split(",") if b]
+    if any(not 1 <= b <= kernels.LM_SCREEN_MAX_ROWS for b in batches):
+        raise SystemExit(f"--batches: the screen runs at 1 to {kernels.LM_SCREEN_MAX_ROWS} rows")
+    steps_needed = 8 + 2 * ns.rounds * ns.steps
+    llm = LLM(
+        ns.model, dtype="bfloat16", num_threads=ns.threads, seed=0,
+        enable_prefix_caching=False, max_model_len=128 + steps_needed + 8,
+    )  # fmt: skip
+    lm_head = llm.engine.runner.model.lm_head
+    heads = {id(f): f for f in (layers.for_rows(lm_head, r) for r in batches)}.values()
+    screen = getattr(next(iter(heads)), "screen", None)
+    if screen is None or any(getattr(f, "screen", None) is not screen for f in heads):
+        raise SystemExit("no LM head screen on this machine / model (kernels.has_lm_screen)")
+    eng = llm.engine
+    rng = random.Random(0)
+    sp = SamplingParams(max_tokens=steps_needed, temperature=0, ignore_eos=True)
+    for b in batches:
+        ids = [f"b{b}-{i}" for i in range(b)]
+        for rid in ids:
+            eng.add_request(rid, [rng.randrange(5, eng.vocab_size) for _ in range(128)], sp)
+        for _ in range(8):  # prefills, then a few decode steps
+            eng.step()
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(ns.rounds):
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                for f in heads:
+                    f.screen = screen if on else None
+                ts = []
+                for _ in range(ns.steps):
+                    t = time.perf_counter()
+                    eng.step()
+                    ts.append(time.perf_counter() - t)
+                times[on].append(statistics.median(ts))
+        for f in heads:
+            f.screen = screen
+        for rid in ids:
+            eng.abort_request(rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+        ratios = [a / b for a, b in zip(times[True], times[False])]
+        print(
+            f"{ns.model} B={b}: screen {statistics.median(times[True]) * 1e3:.3f} ms, "
+            f"without {statistics.median(times[False]) * 1e3:.3f} ms a step; median ratio "
+            f"{statistics.median(ratios):.3f} (rounds: {' '.join(f'{x:.3f}' for x in ratios)})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,7 @@ alternated.
 
     python benchmarks/lm_screen.py --batches 1,2,4 --rounds 9
     python benchmarks/lm_screen.py --model smollm2-135m --batches 1
+    python benchmarks/lm_screen.py --kernel --batches 1,2,3,4   # the two kernels alone
 
 B requests with 128-token random prompts decode greedily (ignore_eos) together; each round
 times ``--steps`` steps with the screen, then without (the order flips every round), and
@@ -11,6 +12,11 @@ reports the median step of each round, the medians and the median of the rounds'
 tokens are the same either way (tests/test_kernels.py), so both halves of a round decode the
 same requests; the context grows by one token a step. Prefix caching is off so that no
 request's prefill is served from another's.
+
+``--kernel``: the two kernels alone at the model's LM head shape (random bf16 weights, N(0,
+0.05)), ``gemm_argmax`` against ``gemm_screen_argmax`` on random rows, cold: five copies of the
+weight cycled (more than the caches hold), each call's weight last used four calls ago; the
+median over ``--rounds`` rounds of the mean ms a call, alternated.
 """
 
 from __future__ import annotations
@@ -31,10 +37,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=20, help="steps a half round")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel", action="store_true", help="the two kernels alone")
     ns = ap.parse_args()
     batches = [int(b) for b in ns.batches.split(",") if b]
     if any(not 1 <= b <= kernels.LM_SCREEN_MAX_ROWS for b in batches):
         raise SystemExit(f"--batches: the screen runs at 1 to {kernels.LM_SCREEN_MAX_ROWS} rows")
+    if ns.kernel:
+        kernel_only(ns.model, batches, ns.rounds, ns.threads)
+        return
     steps_needed = 8 + 2 * ns.rounds * ns.steps
     llm = LLM(
         ns.model, dtype="bfloat16", num_threads=ns.threads, seed=0,
@@ -77,6 +87,42 @@ def main() -> None:
             f"without {statistics.median(times[False]) * 1e3:.3f} ms a step; median ratio "
             f"{statistics.median(ratios):.3f} (rounds: {' '.join(f'{x:.3f}' for x in ratios)})"
         )
+
+
+def kernel_only(model: str, batches: list[int], rounds: int, threads: int) -> None:
+    import torch
+
+    from iterserve.model.builtin import resolve_model
+    from iterserve.model.model_config import ModelConfig
+
+    torch.set_num_threads(threads)
+    kern = kernels.load()
+    if kern is None or not kern.has_lm_screen:
+        raise SystemExit("no LM head screen on this machine (kernels.has_lm_screen)")
+    cfg = ModelConfig.from_pretrained(resolve_model(model))
+    N, K = cfg.vocab_size, cfg.hidden_size
+    g = torch.Generator().manual_seed(0)
+    copies = []
+    for _ in range(5):
+        w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+        screen = kern.pack_lm_screen(w)
+        assert screen is not None
+        copies.append((kern.pack_pairs(w), screen))
+    print(f"{model} LM head {N} x {K}: ms a call, cold (5 copies cycled), median of {rounds}")
+    for b in batches:
+        x = torch.randn(b, K + K % 2, generator=g).bfloat16()
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(rounds):
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                t = time.perf_counter()
+                for pairs, screen in copies:
+                    if on:
+                        kern.gemm_screen_argmax(x, pairs, screen)
+                    else:
+                        kern.gemm_argmax(x, pairs, N)
+                times[on].append((time.perf_counter() - t) / len(copies) * 1e3)
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        print(f"  {b} row(s): gemm_argmax {off:.3f}, gemm_screen_argmax {on:.3f} ({on / off:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -760,6 +760,44 @@ def test_gemm_screen_argmax_gives_gemm_argmax_tokens() -> None:
     x = signs[None].bfloat16()
     assert kern.gemm_argmax(x, P, 2000).tolist() == [3]
     assert kern.gemm_screen_argmax(x, P, screen).tolist() == [3]  # type: ignore[union-attr]
+    # all logits negative, around one value (the margin below a negative L), and x scaled far
+    # from 1 either way
+    for scale in (2.0**-40, 2.0**-8, 1.0, 2.0**30):
+        w = -(torch.ones(2000, 128) + torch.randn(2000, 128, generator=g) * 0.01)
+        x = torch.ones(2, 128) * scale
+        P, screen = kern.pack_pairs(w.bfloat16()), kern.pack_lm_screen(w.bfloat16())
+        assert screen is not None
+        got = kern.gemm_screen_argmax(x.bfloat16(), P, screen)
+        assert got is not None and torch.equal(got, kern.gemm_argmax(x.bfloat16(), P, 2000))
+    # outside the range the bound covers (a review's cases): vdpbf16ps reads denormals as zero,
+    # so the screen does too; where |x| max|w| could overflow, it declines
+    cases = [  # (x, column 0, column 64, screened: the same token, else None)
+        ([2.0**100, 1.0], [0, 2.0**-111], [2.0**-130, 0], True),  # a denormal weight
+        ([2.0**-127, 2.0**-126], [0, 2.0**90], [2.0**100, 0], True),  # a denormal x
+        ([2.0**120, 2.0**-10], [2.0**-110, 0], [0, 2.0**31], False),  # s t would overflow
+        ([2.0**64, 0, 2.0**64, 0], [2.0**56, 0, 0, 0], [2.0**64, 0, -(2.0**64), 0], False),
+    ]
+    for xs, c0, c64, screened in cases:
+        w = torch.zeros(128, len(xs))
+        w[0], w[64] = torch.tensor(c0), torch.tensor(c64)
+        x = torch.tensor([xs]).bfloat16()
+        P, screen = kern.pack_pairs(w.bfloat16()), kern.pack_lm_screen(w.bfloat16())
+        assert screen is not None
+        got = kern.gemm_screen_argmax(x, P, screen)
+        if screened:
+            assert got is not None and torch.equal(got, kern.gemm_argmax(x, P, 128)), xs
+        else:
+            assert got is None, xs
+    # and it screens: at bench-134m's LM head shape a random row runs a few of the 500 panels
+    w = (torch.randn(32000, 768, generator=g) * 0.05).bfloat16()
+    P, screen = kern.pack_pairs(w), kern.pack_lm_screen(w)
+    assert screen is not None
+    ran: list[int] = []
+    for _ in range(10):
+        x = torch.randn(1, 768, generator=g).bfloat16()
+        got = kern.gemm_screen_argmax(x, P, screen, ran)
+        assert got is not None and torch.equal(got, kern.gemm_argmax(x, P, 32000))
+    assert len(ran) == 10 and max(ran) <= 40 and sorted(ran)[5] <= 12, ran
     w = torch.randn(300, 64).bfloat16()
     P, screen = kern.pack_pairs(w), kern.pack_lm_screen(w)
     assert screen is not None

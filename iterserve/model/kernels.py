@@ -196,7 +196,7 @@ LM_SCREEN_MAX_ROWS = 4
 @dataclass(frozen=True)
 class LmScreen:
     """``pack_lm_screen``'s int8 copy of an LM head weight [N, K] and its per-column scale and
-    bounds (coef [3, N] f32)."""
+    bounds, then the largest column norm (coef [3 N + 1] f32)."""
 
     q: torch.Tensor
     coef: torch.Tensor
@@ -880,18 +880,23 @@ class Kernels:
         N, K = w.shape
         w = w.contiguous()
         q = empty_hugepages((-(-N // 64) * -(-K // 2) * 128,), torch.int8)  # as the pairs
-        coef = torch.empty(3, N, dtype=torch.float32)
+        coef = torch.empty(3 * N + 1, dtype=torch.float32)
         if self.lib.pack_lm_screen(w.data_ptr(), N, K, q.data_ptr(), coef.data_ptr()) != 0:
             return None
         return LmScreen(q, coef, N, K)
 
     def gemm_screen_argmax(
-        self, x: torch.Tensor, pairs: torch.Tensor, screen: LmScreen
+        self,
+        x: torch.Tensor,
+        pairs: torch.Tensor,
+        screen: LmScreen,
+        panels_run: list[int] | None = None,
     ) -> torch.Tensor | None:
         """``self.gemm_argmax(x, pairs, screen.N)`` (no bias), the same int64 [M], reading the
         bf16 weight only where the int8 screen says a column can win; None where it cannot
-        run (more than ``LM_SCREEN_MAX_ROWS`` rows, x all zero or not finite), for the
-        caller to take ``gemm_argmax``."""
+        run (more than ``LM_SCREEN_MAX_ROWS`` rows; a row of x not finite, or with |x| max|w|
+        outside [2^-90, 2^120], as all zero), for the caller to take ``gemm_argmax``.
+        ``panels_run``: gets the number of 64-column panels it ran on the bf16 weight."""
         x, _ = self._epilogue_operands("gemm_screen_argmax", x, pairs, screen.N, None, False)
         if x.shape[1] != 2 * -(-screen.K // 2):
             raise ValueError(
@@ -904,7 +909,11 @@ class Kernels:
             pairs.data_ptr(), screen.q.data_ptr(), screen.coef.data_ptr(), x.data_ptr(),
             x.shape[0], screen.N, x.shape[1], out.data_ptr(),
         )  # fmt: skip
-        return out if rc == 0 else None
+        if rc < 0:
+            return None
+        if panels_run is not None:
+            panels_run.append(rc)
+        return out
 
     def write_rows(self, src: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         """``cache.index_copy_(0, slots, src)`` for src [T, ...] whose rows are contiguous (a

@@ -3607,19 +3607,28 @@ int gemm_pairs_argmax(const uint16_t* P, const uint16_t* x, const uint16_t* bias
 // The bound, for column n with w = s q + r (q int8) and x~ = round(x / t) (int16), the integer
 // sums exact (vpdpwssd):
 //   |x.w - t s (x~.q)| <= |x| |r| + |x - t x~| s |q|   (Cauchy-Schwarz, twice)
-// plus the bf16 GEMM's own rounding (at most K 2^-24 |x| |w| for its K / 2 two-product steps)
-// and the f32 scaling's; and since the argmax compares bf16-rounded values, a column within one
-// bf16 ulp below the best lower bound is a candidate too.
+// plus the bf16 GEMM's own rounding (at most K 2^-24 |x| |w| for its K / 2 two-product steps),
+// the f32 scaling's, and 2^-100 for the products and partial sums vdpbf16ps flushes to zero
+// (at most 2 K 2^-126); and since the argmax compares bf16-rounded values, a column within one
+// bf16 ulp below the best lower bound is a candidate too. vdpbf16ps also reads denormal inputs
+// as zero, so the screen quantizes what it multiplies (denormals as zero), and it runs only
+// where |x| max|w| lies in [2^-90, 2^120], so that nothing in it or in the GEMM overflows.
 constexpr int SCREEN_MAX_ROWS = 4;
 constexpr int SCREEN_COLS = 64;  // a pair panel's columns (GP_COLS)
 
+// A bf16 value as vdpbf16ps takes it: a denormal reads as zero (of its sign).
+inline float bf16_daz(uint16_t v) { return (v & 0x7f80) == 0 ? 0.f : bf16_to_f32(v); }
+// v as f32, rounded up (bounds).
+inline float f32_up(double v) { return std::nextafter(static_cast<float>(v), INFINITY); }
+
 // W [N, K] bf16 -> Q: the int8 panels ([ceil(N / 64)][ceil(K / 2)][64][2], zero padded) and
-// coef [3][N] f32: each column's scale s, |r| + (K + 8) 2^-24 |w|, and s |q|, rounded up.
-// -1 (nothing usable) if W holds a NaN or an infinity.
+// coef [3 N + 1] f32: each column's scale s, |r| + (K + 8) 2^-24 |w|, and s |q|, rounded up,
+// then the largest |w|. -1 (nothing usable) if W holds a NaN or an infinity.
 int pack_lm_screen(const uint16_t* W, int N, int K, int8_t* Q, float* coef) {
     const int K2 = (K + 1) / 2, panels = (N + SCREEN_COLS - 1) / SCREEN_COLS;
     int bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad)
+    double wmax = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad) reduction(max : wmax)
     for (int p = 0; p < panels; ++p)
         for (int col = 0; col < SCREEN_COLS; ++col) {
             const int n = p * SCREEN_COLS + col;
@@ -3631,14 +3640,14 @@ int pack_lm_screen(const uint16_t* W, int N, int K, int8_t* Q, float* coef) {
             const uint16_t* w = W + static_cast<int64_t>(n) * K;
             double amax = 0;
             for (int k = 0; k < K; ++k) {
-                const float v = bf16_to_f32(w[k]);
+                const float v = bf16_daz(w[k]);
                 if (!std::isfinite(v)) bad = 1;
                 amax = std::fmax(amax, std::fabs(static_cast<double>(v)));
             }
             const float s = static_cast<float>(amax / 127.0);
             double rr = 0, qq = 0, ww = 0;
             for (int k = 0; k < 2 * K2; ++k) {
-                const double v = k < K ? static_cast<double>(bf16_to_f32(w[k])) : 0.0;
+                const double v = k < K ? static_cast<double>(bf16_daz(w[k])) : 0.0;
                 const int q = s > 0 ? static_cast<int>(std::fmax(-127.0, std::fmin(127.0, std::nearbyint(v / s)))) : 0;
                 qc[(k / 2) * 2 * SCREEN_COLS + k % 2] = static_cast<int8_t>(q);
                 const double r = v - static_cast<double>(s) * q;
@@ -3646,17 +3655,21 @@ int pack_lm_screen(const uint16_t* W, int N, int K, int8_t* Q, float* coef) {
                 qq += static_cast<double>(q) * q;
                 ww += v * v;
             }
-            const double up = 1 + 1e-6;  // the f32 roundings of the bounds, upward
+            const double up = 1 + 1e-12;  // the double sums' roundings
             coef[n] = s;
-            coef[N + n] = static_cast<float>((std::sqrt(rr) + std::sqrt(ww) * (K + 8) * 0x1p-24) * up);
-            coef[2 * static_cast<int64_t>(N) + n] = static_cast<float>(static_cast<double>(s) * std::sqrt(qq) * up);
+            coef[N + n] = f32_up((std::sqrt(rr) + std::sqrt(ww) * (K + 8) * 0x1p-24) * up);
+            coef[2 * static_cast<int64_t>(N) + n] = f32_up(static_cast<double>(s) * std::sqrt(qq) * up);
+            wmax = std::fmax(wmax, std::sqrt(ww) * up);
         }
+    coef[3 * static_cast<int64_t>(N)] = f32_up(wmax);
     return bad ? -1 : 0;
 }
 
 // gemm_pairs_argmax(P, x, no bias, M, N, K, out) for M <= SCREEN_MAX_ROWS, K even (x padded as
-// for the pairs), with (Q, coef) = pack_lm_screen of the same weight; -1 where it cannot (more
-// rows, a build without AVX512-BF16 and VNNI, x all zero or not finite: take gemm_pairs_argmax).
+// for the pairs), with (Q, coef) = pack_lm_screen of the same weight. Returns the number of
+// panels run on the bf16 weight, or -1 where it cannot run (more rows, K odd or above ~264k, a
+// build without AVX512-BF16 and VNNI, a row of x not finite, or |x| max|w| outside [2^-90,
+// 2^120]: all zero, say): take gemm_pairs_argmax then.
 int gemm_screen_argmax(const uint16_t* P, const int8_t* Q, const float* coef, const uint16_t* x, int M, int N, int K, int64_t* out) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
     if (M < 1 || M > SCREEN_MAX_ROWS || K < 2 || K % 2 || N < 1) return -1;
@@ -3672,11 +3685,12 @@ int gemm_screen_argmax(const uint16_t* P, const int8_t* Q, const float* coef, co
     xq.resize(static_cast<size_t>(M) * K2);
     panel_hi.resize(static_cast<size_t>(M) * panels);
     float tr[SCREEN_MAX_ROWS], xn[SCREEN_MAX_ROWS], dxn[SCREEN_MAX_ROWS];
+    const double wmax = coef[3 * static_cast<int64_t>(N)];
     for (int r = 0; r < M; ++r) {
         const uint16_t* xr = x + static_cast<int64_t>(r) * K;
         float amax = 0;
         for (int k = 0; k < K; ++k) {
-            const float v = bf16_to_f32(xr[k]);
+            const float v = bf16_daz(xr[k]);
             if (!std::isfinite(v)) return -1;
             amax = std::fmax(amax, std::fabs(v));
         }
@@ -3686,7 +3700,7 @@ int gemm_screen_argmax(const uint16_t* P, const int8_t* Q, const float* coef, co
         for (int j = 0; j < K2; ++j) {
             int32_t pair = 0;
             for (int u = 0; u < 2; ++u) {
-                const double v = bf16_to_f32(xr[2 * j + u]);
+                const double v = bf16_daz(xr[2 * j + u]);
                 const double a = std::fmax(-xmax, std::fmin(xmax, std::nearbyint(v / t)));
                 pair |= static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(a))) << (16 * u));
                 xx += v * v;
@@ -3695,8 +3709,10 @@ int gemm_screen_argmax(const uint16_t* P, const int8_t* Q, const float* coef, co
             xq[static_cast<size_t>(r) * K2 + j] = pair;
         }
         tr[r] = t;
-        xn[r] = static_cast<float>(std::sqrt(xx) * (1 + 1e-6));
-        dxn[r] = static_cast<float>(std::sqrt(dd) * (1 + 1e-6));
+        const double norm = std::sqrt(xx) * (1 + 1e-12);
+        if (!(norm * wmax >= 0x1p-90 && norm * wmax <= 0x1p120)) return -1;
+        xn[r] = f32_up(norm);
+        dxn[r] = f32_up(std::sqrt(dd) * (1 + 1e-12));
     }
     int threads = 1;
 #if defined(_OPENMP)
@@ -3705,7 +3721,8 @@ int gemm_screen_argmax(const uint16_t* P, const int8_t* Q, const float* coef, co
     std::vector<float> lows(static_cast<size_t>(threads) * SCREEN_MAX_ROWS, -INFINITY);
     const int32_t* xqd = xq.data();
     float* const ph = panel_hi.data();
-    return argmax_rows(M, out, [&](ArgRows* st) {
+    int ran = 0;  // candidate panels (every thread counts them all)
+    const int rc = argmax_rows(M, out, [&](ArgRows* st) {
 #pragma omp parallel
         {
             int tid = 0, nth = 1;
@@ -3779,9 +3796,11 @@ int gemm_screen_argmax(const uint16_t* P, const int8_t* Q, const float* coef, co
                     default: pair_tile<4, 0, false, false, true>(Pp, x, K, nullptr, &st[tid], 0, N, K2, n0, 0); break;
                 }
             }
+            if (tid == 0) ran = seen;
         }
         return 0;
     });
+    return rc != 0 ? -1 : ran;
 #else
     (void)P; (void)Q; (void)coef; (void)x; (void)M; (void)N; (void)K; (void)out;
     return -1;

@@ -61,9 +61,11 @@ class FusedDecode:
         # (kept alive with them), or None
         self._plans: dict[int, tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None] = {}
         self._prefetch: dict[int, int] = {}  # per row count: DecodeStep.ahead
-        # the last KV caches run checked, and their layers' (K, V) data pointers
+        # per row count: the plan's structures in one array, as decode_layers takes them
+        self._arrays: dict[int, ctypes.Array[kernels.DecodeLayerW]] = {}
+        # the last KV caches run checked, and their layers' K and V data pointers as arrays
         self._kv_checked: attention.KVCaches | None = None
-        self._kv_ptrs: list[tuple[int, int]] = []
+        self._kv_ptrs: tuple[ctypes.Array[ctypes.c_void_p], ...] = ()
 
     def plan(self, rows: int) -> list[kernels.DecodeLayerW] | None:
         """One structure per layer, or None when some layer does not run every piece on the
@@ -183,7 +185,10 @@ class FusedDecode:
                 for c in kv
             ):
                 return None
-            self._kv_ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
+            n = len(kv_caches)
+            self._kv_ptrs = tuple(
+                (ctypes.c_void_p * n)(*(kv[i].data_ptr() for kv in kv_caches)) for i in (0, 1)
+            )
             self._kv_checked = kv_caches
         assert m.decode_block_ids is not None and m.decode_ctx_lens is not None
         assert m.decode_starts is not None
@@ -210,12 +215,12 @@ class FusedDecode:
         per_row = 2 * w0.hidden + w0.n_qkv + (q_size + kv_size) + q_size + 3 * w0.inter
         work = torch.empty(T * per_row, dtype=torch.bfloat16)
         out = torch.empty(T, w0.hidden, dtype=torch.bfloat16)
-        fn, sp = self.kern.lib.decode_layer, ctypes.byref(step)
-        h_p, work_p, out_p = h.data_ptr(), work.data_ptr(), out.data_ptr()
-        pending = None
-        for w, (k_p, v_p) in zip(plan, self._kv_ptrs):
-            rc = fn(ctypes.byref(w), sp, h_p, pending, k_p, v_p, work_p, out_p)
-            if rc != 0:  # only pairs in a library built without AVX512-BF16 (plan() excludes)
-                raise RuntimeError(f"decode_layer failed ({rc})")
-            pending = out_p
+        if T not in self._arrays:
+            self._arrays[T] = (kernels.DecodeLayerW * len(plan))(*plan)
+        rc = self.kern.lib.decode_layers(
+            self._arrays[T], len(plan), ctypes.byref(step), h.data_ptr(), *self._kv_ptrs,
+            work.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:  # only pairs in a library built without AVX512-BF16 (plan() excludes)
+            raise RuntimeError(f"decode_layers failed ({rc})")
         return out

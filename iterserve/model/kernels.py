@@ -316,6 +316,10 @@ class Kernels:
             ctypes.POINTER(DecodeLayerW), ctypes.POINTER(DecodeStep), _P, _P, _P, _P, _P, _P,
         ]  # fmt: skip
         self.lib.decode_layer.restype = _I
+        self.lib.decode_layers.argtypes = [
+            ctypes.POINTER(DecodeLayerW), _I, ctypes.POINTER(DecodeStep), _P, _P, _P, _P, _P,
+        ]  # fmt: skip
+        self.lib.decode_layers.restype = _I
         # The pair GEMM is compiled in only where the compiler targets AVX512-BF16 (vdpbf16ps);
         # the prefill attention there and, in f32 FMA, on AVX2 without AVX-512.
         self.has_bf16_dot = bool(self.lib.has_bf16_dot())

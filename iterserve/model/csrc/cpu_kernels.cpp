@@ -3941,4 +3941,15 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
     return 0;
 }
 
+// decode_layer over n layers in turn (each layer's MLP output the next one's pending, the first
+// with none): one call a step, not one a layer (a ctypes call costs microseconds of Python).
+int decode_layers(const DecodeLayerW* ws, int n, const DecodeStep* s, uint16_t* h, uint16_t* const* k_caches, uint16_t* const* v_caches,
+                  uint16_t* work, uint16_t* out) {
+    for (int i = 0; i < n; ++i) {
+        const int rc = decode_layer(ws + i, s, h, i == 0 ? nullptr : out, k_caches[i], v_caches[i], work, out);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}
+
 }  // extern "C"

@@ -592,8 +592,11 @@ def test_setting_parsing() -> None:
     assert parse_setting("ATTN=torch") == Setting(attn="torch")
     assert parse_setting("prefill=torch,attn=cpu_nopf") == Setting(attn="cpu_nopf", prefill="torch")
     assert parse_setting("glu=separate,gemm=amx") == Setting(gemm="amx", glu="separate")
+    assert parse_setting("lmhead=full") == Setting(lm_head="full")
+    assert parse_setting("gemm=pairs,lmhead=screen") == Setting(gemm="pairs", lm_head="screen")
     for bad in ("yes", "gemm=fast", "gemm=panels,gemm=torch", "attn", "gemm=torch;attn=cpu", "2",
-                "prefill=sdpa", "prefill=cpu,prefill=torch", "glu=fused"):  # fmt: skip
+                "prefill=sdpa", "prefill=cpu,prefill=torch", "glu=fused", "lmhead=int8",
+                "lmhead=full,lmhead=screen"):  # fmt: skip
         with pytest.raises(ValueError, match="ITERSERVE_KERNELS must be 0 .*gemm=<torch"):
             parse_setting(bad)
 

@@ -1341,3 +1341,36 @@ def test_fused_decode_follows_the_row_routing(
         empty.execute([BatchItem("a", [5, 6, 7], 0, [0], False)])
         logits = empty.execute([BatchItem("a", [8], 3, [0, 1], True)])
         assert logits.shape == (1, empty.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_the_lm_head_screen_follows_iterserve_kernels(
+    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 model whose LM head runs on the dot-product pair GEMM takes the int8 screen for
+    its greedy argmax (the same tokens as the logits' argmax), unless ITERSERVE_KERNELS says
+    lmhead=full; a float32 model never does."""
+    from iterserve.model import kernels
+    from iterserve.model.layers import for_rows
+
+    _needs_gemm("pairs")
+    k = kernels.load()
+    assert k is not None
+    if not k.has_lm_screen:
+        pytest.skip("the screen is compiled in only where the CPU has AVX512-BF16 and VNNI")
+    cc = CacheConfig(block_size=BLOCK, num_kv_blocks=64)
+    items = [BatchItem("a", prompt(20, seed=5), 0, list(range(8)), True)]
+    ran: list[bool] = []
+    screen_fn = k.gemm_screen_argmax
+    monkeypatch.setattr(k, "gemm_screen_argmax", lambda *a: _record(ran, screen_fn(*a)))
+    for form, want in (("screen", True), ("full", False)):
+        monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm=pairs,attn=cpu,prefill=torch,lmhead={form}")
+        runner = case("llama").runner(dtype="bfloat16", cache_config=cc)
+        head = for_rows(runner.model.lm_head, 1)
+        assert head.kern is k and (getattr(head, "screen", None) is not None) == want, form
+        ran.clear()
+        logits = runner.execute(items)
+        assert torch.equal(runner.execute(items, greedy=True), logits.argmax(-1))
+        assert ran == ([True] if want else []), form
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=torch,attn=cpu,prefill=torch")
+    runner = case("llama").runner(dtype="float32", cache_config=cc)
+    assert getattr(for_rows(runner.model.lm_head, 1), "screen", None) is None

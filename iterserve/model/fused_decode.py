@@ -72,7 +72,9 @@ class FusedDecode:
         kernels ``decode_layer`` calls at this row count. Built once per row count: the
         strategies are fixed at load (``select_strategies``), nothing swaps them later."""
         if rows not in self._plans:
-            self._plans[rows] = self._build(rows)
+            self._plans[rows] = built = self._build(rows)
+            if built is not None:  # decode_layers' array, made with the plan it copies
+                self._arrays[rows] = (kernels.DecodeLayerW * len(built[0]))(*built[0])
         built = self._plans[rows]
         return None if built is None else built[0]
 
@@ -215,8 +217,6 @@ class FusedDecode:
         per_row = 2 * w0.hidden + w0.n_qkv + (q_size + kv_size) + q_size + 3 * w0.inter
         work = torch.empty(T * per_row, dtype=torch.bfloat16)
         out = torch.empty(T, w0.hidden, dtype=torch.bfloat16)
-        if T not in self._arrays:
-            self._arrays[T] = (kernels.DecodeLayerW * len(plan))(*plan)
         rc = self.kern.lib.decode_layers(
             self._arrays[T], len(plan), ctypes.byref(step), h.data_ptr(), *self._kv_ptrs,
             work.data_ptr(), out.data_ptr(),

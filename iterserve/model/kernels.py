@@ -79,6 +79,9 @@ PREFILL_PATHS = ("cpu", "torch")
 # gate_up's SwiGLU on the pair GEMM (dot products or AMX): in the GEMM's epilogue, or a separate
 # pass (autotune.py).
 GLU_FORMS = ("epilogue", "separate")
+# The LM head's greedy argmax at 1 to LM_SCREEN_MAX_ROWS rows: through its int8 screen where it
+# can run (the same tokens), or always the full bf16 GEMM (half the head's memory less).
+LM_HEAD_FORMS = ("screen", "full")
 SETTING_FORMS = (
     "ITERSERVE_KERNELS must be 0 (torch's kernels only), 1 or measure (time the paths at first "
     "start, cached; the default), flags (the CPU-flag rules), or any of gemm=<"
@@ -89,6 +92,8 @@ SETTING_FORMS = (
     + "|".join(PREFILL_PATHS)
     + ">, glu=<"
     + "|".join(GLU_FORMS)
+    + ">, lmhead=<"
+    + "|".join(LM_HEAD_FORMS)
     + "> joined by a comma (e.g. gemm=panels,attn=cpu)"
 )
 
@@ -97,7 +102,8 @@ SETTING_FORMS = (
 class Setting:
     """``ITERSERVE_KERNELS``, parsed: ``enabled`` builds the C++ kernels; ``mode`` is measure or
     flags; ``gemm`` / ``attn`` / ``prefill`` fix that path, ``glu`` the SwiGLU's form on the
-    pair GEMM, dot products or AMX (None: measured)."""
+    pair GEMM, dot products or AMX (None: measured); ``lm_head`` "full" keeps the LM head's
+    greedy argmax off its int8 screen (None: the screen where it can run)."""
 
     enabled: bool = True
     mode: str = "measure"
@@ -105,6 +111,7 @@ class Setting:
     attn: str | None = None
     prefill: str | None = None
     glu: str | None = None
+    lm_head: str | None = None
 
 
 def parse_setting(value: str) -> Setting:
@@ -120,7 +127,8 @@ def parse_setting(value: str) -> Setting:
     for part in v.split(","):
         key, eq, path = (s.strip() for s in part.partition("="))
         allowed = {
-            "gemm": GEMM_PATHS, "attn": ATTN_PATHS, "prefill": PREFILL_PATHS, "glu": GLU_FORMS
+            "gemm": GEMM_PATHS, "attn": ATTN_PATHS, "prefill": PREFILL_PATHS, "glu": GLU_FORMS,
+            "lmhead": LM_HEAD_FORMS,
         }.get(key)  # fmt: skip
         if not eq or allowed is None or path not in allowed or key in fixed:
             raise ValueError(f"{SETTING_FORMS}; got {value!r}")
@@ -130,6 +138,7 @@ def parse_setting(value: str) -> Setting:
         attn=fixed.get("attn"),
         prefill=fixed.get("prefill"),
         glu=fixed.get("glu"),
+        lm_head=fixed.get("lmhead"),
     )
 
 

@@ -13,6 +13,7 @@ multiply; RoPE cos/sin come from float32 ``position * inv_freq``, then the dtype
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from iterserve.model.layers import (
     no_qk_norm,
 )
 from iterserve.model.model_config import ModelConfig, RopeConfig
+
+logger = logging.getLogger(__name__)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -243,8 +246,16 @@ class DecoderModel(nn.Module):
         w = self.lm_head
         del self.lm_head
         self.lm_head = s.make_linear("lm_head", w, None)
-        if w.dtype == torch.bfloat16:
-            attach_lm_screen(self.lm_head, w)
+        if (
+            w.dtype == torch.bfloat16
+            and kernels.setting().lm_head != "full"
+            and attach_lm_screen(self.lm_head, w)
+        ):
+            logger.info(
+                "LM head: greedy steps of 1-%d rows take its int8 screen (ITERSERVE_KERNELS="
+                "lmhead=full: the bf16 GEMM alone)",
+                kernels.LM_SCREEN_MAX_ROWS,
+            )
         w = self.norm
         del self.norm
         self.norm = choose_norm(w, self.cfg.rms_norm_eps, s.fused)

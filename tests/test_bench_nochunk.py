@@ -212,3 +212,20 @@ def test_the_budget_rule_is_one_method() -> None:
     assert list(drops["continuous-nochunk"]) == ["max_num_batched_tokens", "long_prefill_threshold"]
     nochunk = variant_args("continuous-nochunk", both, 128)
     assert (nochunk.max_num_batched_tokens, nochunk.long_prefill_threshold) == (None, 0)
+
+
+def test_two_policies_with_the_same_engine_settings_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """continuous and continuous-nochunk with --no-enable-chunked-prefill run one engine
+    setting twice: the run says so before it starts (their figures differ by noise only); with
+    chunked prefill on they differ, and nothing is said."""
+    rc, runs = _bench(
+        "offline", tmp_path, "--policies", "continuous,continuous-nochunk",
+        "--no-enable-chunked-prefill",
+    )  # fmt: skip
+    assert rc == 0 and len(runs) == 2
+    err = capsys.readouterr().err
+    assert "continuous-nochunk runs with the same engine settings as continuous" in err
+    rc, runs = _bench("offline", tmp_path, "--policies", "continuous,continuous-nochunk")
+    assert rc == 0 and "same engine settings" not in capsys.readouterr().err

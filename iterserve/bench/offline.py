@@ -51,13 +51,27 @@ def prepare_variants(
     tells ``on_note`` (else the log) each knob a variant runs without, so none is ignored
     unsaid, and returns the run's context."""
     max_model_len = model_context(base)
-    for variant, drops in check_variants(policies, base, max_model_len).items():
-        for name, why in drops.items():
-            note = f"note: {variant} runs without {name} ({why})"
-            if on_note is not None:
-                on_note(note)
-            else:
-                logger.warning("%s", note)
+    notes = [
+        f"note: {variant} runs without {name} ({why})"
+        for variant, drops in check_variants(policies, base, max_model_len).items()
+        for name, why in drops.items()
+    ]
+    # e.g. continuous and continuous-nochunk with --no-enable-chunked-prefill
+    seen: dict[str, EngineArgs] = {}
+    for variant in dict.fromkeys(policies):
+        args = variant_args(variant, base, max_model_len)
+        same = next((v for v, a in seen.items() if a == args), None)
+        if same is not None:
+            notes.append(
+                f"note: {variant} runs with the same engine settings as {same}: their runs "
+                "differ by noise only"
+            )
+        seen[variant] = args
+    for note in notes:
+        if on_note is not None:
+            on_note(note)
+        else:
+            logger.warning("%s", note)
     return max_model_len
 
 

@@ -121,8 +121,11 @@ def kernel_only(model: str, batches: list[int], rounds: int, threads: int) -> No
                     else:
                         kern.gemm_argmax(x, pairs, N)
                 times[on].append((time.perf_counter() - t) / len(copies) * 1e3)
-        on, off = statistics.median(times[True]), statistics.median(times[False])
-        print(f"  {b} row(s): gemm_argmax {off:.3f}, gemm_screen_argmax {on:.3f} ({on / off:.2f}x)")
+        screened, full = statistics.median(times[True]), statistics.median(times[False])
+        print(
+            f"  {b} row(s): gemm_argmax {full:.3f}, gemm_screen_argmax {screened:.3f} "
+            f"({screened / full:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

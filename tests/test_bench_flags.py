@@ -374,9 +374,11 @@ def test_the_summary_shows_a_whole_error_message() -> None:
 
 
 @pytest.mark.parametrize("command", ["offline", "sweep"])
-def test_a_run_that_completes_nothing_exits_1(command: str, tmp_path: Path) -> None:
+def test_a_run_that_completes_nothing_exits_1(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Every prompt needs more KV blocks than the pool has: each request fails, and the
-    command says so by its exit code (sweep exited 0)."""
+    command says so, on stderr and by its exit code."""
     out = tmp_path / "r.json"
     argv = [command, "--model", "tiny-random", "--dtype", "float32", "--dataset", "random",
             "--num-prompts", "2", "--random-input-len", "40", "--random-output-len", "4",
@@ -385,6 +387,7 @@ def test_a_run_that_completes_nothing_exits_1(command: str, tmp_path: Path) -> N
     if command == "sweep":
         argv += ["--request-rates", "inf"]
     assert bench_cli.main(argv) == 1
+    assert "error: no request completed in continuous" in capsys.readouterr().err
     runs = json.loads(out.read_text())["runs"]
     assert runs and all(r["summary"]["completed"] == 0 for r in runs)
     assert all(r["summary"]["failed"] == 2 for r in runs)

@@ -769,8 +769,8 @@ def test_gemm_screen_argmax_gives_gemm_argmax_tokens() -> None:
         assert screen is not None
         got = kern.gemm_screen_argmax(x.bfloat16(), P, screen)
         assert got is not None and torch.equal(got, kern.gemm_argmax(x.bfloat16(), P, 2000))
-    # outside the range the bound covers (a review's cases): vdpbf16ps reads denormals as zero,
-    # so the screen does too; where |x| max|w| could overflow, it declines
+    # outside the range the bound covers: vdpbf16ps reads denormals as zero, so the screen
+    # does too; where |x| max|w| could overflow, it declines
     cases = [  # (x, column 0, column 64, screened: the same token, else None)
         ([2.0**100, 1.0], [0, 2.0**-111], [2.0**-130, 0], True),  # a denormal weight
         ([2.0**-127, 2.0**-126], [0, 2.0**90], [2.0**100, 0], True),  # a denormal x

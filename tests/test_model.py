@@ -1374,3 +1374,44 @@ def test_the_lm_head_screen_follows_iterserve_kernels(
     monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=torch,attn=cpu,prefill=torch")
     runner = case("llama").runner(dtype="float32", cache_config=cc)
     assert getattr(for_rows(runner.model.lm_head, 1), "screen", None) is None
+
+
+def test_fused_decode_runs_its_plan_as_it_stands(
+    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_layers takes the plan's structures themselves (views into its array): a change
+    to a plan item reaches the next step (benchmarks/amx_epilogues.py flips the SwiGLU bit
+    that way), and the structures' copy it ran before did not. And a step on another tuple of
+    KV caches reads and writes those caches, not the first ones."""
+    _needs_gemm("pairs")
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=pairs,attn=cpu,prefill=torch")
+    c = case("llama")
+    cc = CacheConfig(block_size=BLOCK, num_kv_blocks=8 * 16)
+    fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
+    fd = fused.model.fused_decode
+    assert fd is not None
+    plain.model.fused_decode = None
+    plan = fd.plan(3)
+    assert plan is not None and all(w.amx >> 4 & 1 for w in plan)  # the SwiGLU epilogue
+    for w in plan:
+        w.amx &= ~(1 << 4)
+    built = fd._plans[3]
+    assert built is not None and not any(w.amx >> 4 & 1 for w in built[2])
+    prompts = [prompt(9 + i, seed=60 + i) for i in range(3)]
+    tables = [[16 * i + j for j in range(16)] for i in range(3)]
+    pre = [BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts)]
+    step = [BatchItem(f"s{i}", [p[-1]], len(p) - 1, tables[i], True) for i, p in enumerate(prompts)]
+    for r in (fused, plain):
+        r.execute(pre)
+    assert torch.equal(fused.execute(step), plain.execute(step))  # the same bits either way
+    # another tuple of caches: the step reads and writes those (the old ones, zeroed, neither
+    # give their zeros to the logits nor get the step's K and V)
+    old = fused.kv_caches
+    fused.kv_caches = tuple((k.clone(), v.clone()) for k, v in old)
+    for k, v in old:
+        k.zero_()
+        v.zero_()
+    assert torch.equal(fused.execute(step), plain.execute(step))
+    for (ka, va), (kb, vb) in zip(fused.kv_caches, plain.kv_caches):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert all(not k.any() and not v.any() for k, v in old)

@@ -537,7 +537,7 @@ def cmd_offline(ns: argparse.Namespace) -> int:
     print_offline_table(runs)
     if ns.result_file:
         _err(f"wrote {write_result(ns.result_file, 'offline', runs, _config(ns), work.info)}")
-    return 0 if all(r["summary"]["completed"] for r in runs) else 1
+    return _exit_code(runs)
 
 
 def print_sweep_table(runs: list[dict[str, Any]]) -> None:
@@ -596,9 +596,20 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
     if ns.result_file:
         config = _config(ns) | {"request_rates_used": used}
         _err(f"wrote {write_result(ns.result_file, 'sweep', runs, config, work.info)}")
-    # as offline: a run that completed nothing fails the command (a script must not read an
-    # empty sweep point as a measurement)
-    return 0 if all(r["summary"]["completed"] for r in runs) else 1
+    return _exit_code(runs)
+
+
+def _exit_code(runs: list[dict[str, Any]]) -> int:
+    """1 where a run completed no request (a script must not read it as a measurement), saying
+    which; else 0."""
+    empty = [r["label"] for r in runs if not r["summary"]["completed"]]
+    if not runs or empty:
+        _err(
+            f"error: no request completed in {', '.join(empty) or 'any run'} (the table's "
+            "failed column; each request's error is in --result-file)"
+        )
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

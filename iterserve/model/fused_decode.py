@@ -1,5 +1,5 @@
-"""Decode-only bf16 steps with one C++ call per decoder layer (``decode_layer`` in
-csrc/cpu_kernels.cpp).
+"""Decode-only bf16 steps with the decoder layers in one C++ call (``decode_layers``, which runs
+``decode_layer`` for each, in csrc/cpu_kernels.cpp).
 
 At 1-8 decodes a layer's ten kernels take about as long as the Python around them (wrappers,
 argument checks, module calls; docs/SPEED.md, "One call per layer for decode steps"). Where
@@ -35,6 +35,10 @@ from iterserve.model.layers import (
     no_qk_norm,
 )
 
+# decode_layers' structures for one row count (views into the array), the tensors behind their
+# pointers, and the array
+_Plan = tuple[list[kernels.DecodeLayerW], list[torch.Tensor], "ctypes.Array[kernels.DecodeLayerW]"]
+
 
 def _packed(lin: PairLinear | PanelLinear) -> torch.Tensor:
     return lin.panels if isinstance(lin, PanelLinear) else lin.pairs
@@ -57,12 +61,11 @@ class FusedDecode:
         self.kern = kern
         self.layers = layers
         self.attn = attn
-        # per row count: the layers' structures and the tensors their pointers point into
-        # (kept alive with them), or None
-        self._plans: dict[int, tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None] = {}
+        # per row count: the layers' structures (views into the array decode_layers takes,
+        # so a change to one reaches the call), the tensors their pointers point into (kept
+        # alive with them) and that array; or None
+        self._plans: dict[int, _Plan | None] = {}
         self._prefetch: dict[int, int] = {}  # per row count: DecodeStep.ahead
-        # per row count: the plan's structures in one array, as decode_layers takes them
-        self._arrays: dict[int, ctypes.Array[kernels.DecodeLayerW]] = {}
         # the last KV caches run checked, and their layers' K and V data pointers as arrays
         self._kv_checked: attention.KVCaches | None = None
         self._kv_ptrs: tuple[ctypes.Array[ctypes.c_void_p], ...] = ()
@@ -72,11 +75,14 @@ class FusedDecode:
         kernels ``decode_layer`` calls at this row count. Built once per row count: the
         strategies are fixed at load (``select_strategies``), nothing swaps them later."""
         if rows not in self._plans:
-            self._plans[rows] = built = self._build(rows)
-            if built is not None:  # decode_layers' array, made with the plan it copies
-                self._arrays[rows] = (kernels.DecodeLayerW * len(built[0]))(*built[0])
-        built = self._plans[rows]
-        return None if built is None else built[0]
+            built = self._build(rows)
+            if built is None:
+                self._plans[rows] = None
+            else:
+                array = (kernels.DecodeLayerW * len(built[0]))(*built[0])
+                self._plans[rows] = (list(array), built[1], array)
+        plan = self._plans[rows]
+        return None if plan is None else plan[0]
 
     def _build(self, rows: int) -> tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None:
         decodes = for_rows(self.attn.decodes, rows)
@@ -217,8 +223,11 @@ class FusedDecode:
         per_row = 2 * w0.hidden + w0.n_qkv + (q_size + kv_size) + q_size + 3 * w0.inter
         work = torch.empty(T * per_row, dtype=torch.bfloat16)
         out = torch.empty(T, w0.hidden, dtype=torch.bfloat16)
+        built = self._plans[T]  # plan(T) made it
+        assert built is not None
+        array = built[2]
         rc = self.kern.lib.decode_layers(
-            self._arrays[T], len(plan), ctypes.byref(step), h.data_ptr(), *self._kv_ptrs,
+            array, len(plan), ctypes.byref(step), h.data_ptr(), *self._kv_ptrs,
             work.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         if rc != 0:  # only pairs in a library built without AVX512-BF16 (plan() excludes)

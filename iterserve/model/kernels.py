@@ -11,7 +11,9 @@ is no compiler, or it fails, ``load()`` returns None and the model uses torch's 
 are chosen (autotune.py): ``1`` / ``measure`` (default) times them at first start on a machine
 and caches the choice; ``flags`` uses the fixed CPU-flag rules; ``gemm=<path>``,
 ``attn=<path>`` (decode attention) and ``prefill=<path>`` (comma-joined) fix a path for every
-row count; ``0``: torch's kernels only (the torch paths still measured).
+row count, ``glu=<form>`` gate_up's SwiGLU form on the pair GEMM, and ``lmhead=full`` keeps the
+LM head's greedy argmax off its int8 screen (``lmhead=screen``, the default: the screen where
+it can run); ``0``: torch's kernels only (the torch paths still measured).
 """
 
 from __future__ import annotations
@@ -321,10 +323,6 @@ class Kernels:
         self.lib.paged_prefill_attention.restype = _I
         self.lib.write_rows.argtypes = [_P, ctypes.c_int64, _P, _P, _I, ctypes.c_int64]
         self.lib.write_rows.restype = None
-        self.lib.decode_layer.argtypes = [
-            ctypes.POINTER(DecodeLayerW), ctypes.POINTER(DecodeStep), _P, _P, _P, _P, _P, _P,
-        ]  # fmt: skip
-        self.lib.decode_layer.restype = _I
         self.lib.decode_layers.argtypes = [
             ctypes.POINTER(DecodeLayerW), _I, ctypes.POINTER(DecodeStep), _P, _P, _P, _P, _P,
         ]  # fmt: skip

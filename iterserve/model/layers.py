@@ -272,7 +272,7 @@ def linear_argmax(lin: Linear, x: torch.Tensor, kern: kernels.Kernels | None) ->
     return greedy_argmax(linear_f32(lin, x), kern)
 
 
-def attach_lm_screen(lin: Any, w: torch.Tensor) -> bool:
+def attach_lm_screen(lin: Linear, w: torch.Tensor) -> bool:
     """Gives the LM head ``lin`` (weight ``w``), where a dot-product pair GEMM without a bias
     runs it at 1 to ``LM_SCREEN_MAX_ROWS`` rows, the int8 screen of ``w`` for its greedy
     argmax (``Kernels.gemm_screen_argmax``: the same tokens, about half the bytes read at one

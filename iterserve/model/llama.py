@@ -218,7 +218,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm: Any = _param(cfg.hidden_size, dtype=dtype)
-        # Set by select_strategies where decode steps may take one C++ call per layer.
+        # Set by select_strategies where decode steps may take one C++ call for the layers.
         self.fused_decode: FusedDecode | None = None
         # Tied: the LM head IS the embedding (one tensor, counted once).
         self.lm_head: Any = (

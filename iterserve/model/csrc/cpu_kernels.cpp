@@ -3600,7 +3600,7 @@ int gemm_pairs_argmax(const uint16_t* P, const uint16_t* x, const uint16_t* bias
 
 // --- The LM head's greedy argmax, screened on an int8 copy of its weight ---------------------
 // At a few rows a greedy step's LM head is its largest single read (bench-134m: 49 of 219 MB)
-// for one token a row. An int8 copy of the weight (a scale a row: half the bytes) gives every
+// for one token a row. An int8 copy of the weight (a scale a column: half the bytes) gives every
 // logit within a proven bound, and only the 64-column panels with a column whose upper bound
 // reaches the best lower bound run on the bf16 weight, through the tile code of
 // gemm_pairs_argmax: so the token is the one gemm_pairs_argmax gives, bit for bit.

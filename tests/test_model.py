@@ -1205,6 +1205,20 @@ def test_qwen3_qk_norm_in_the_rope_kernel_matches_torchs_ops(
         ]
 
 
+def _fused_and_plain(
+    c: Case, gemm: str, cc: CacheConfig, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, Any, Any]:
+    """Two bf16 runners of ``c`` on GEMM ``gemm`` (the kernels' attention, torch's prefill):
+    one with the one-call decode path, one without; and the first's FusedDecode."""
+    _needs_gemm(gemm)
+    monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm={gemm},attn=cpu,prefill=torch")
+    fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
+    fd = fused.model.fused_decode
+    assert fd is not None
+    plain.model.fused_decode = None
+    return fused, plain, fd
+
+
 @pytest.mark.parametrize("gemm", ["pairs", "amx"])
 def test_fused_decode_takes_the_swiglu_epilogue_where_gate_up_act_does(
     case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch, gemm: str
@@ -1213,14 +1227,9 @@ def test_fused_decode_takes_the_swiglu_epilogue_where_gate_up_act_does(
     exactly where the layer's GateUpAct would (its measured rule, autotune.epilogue_rule): with
     the rule saying no, the plan leaves it out and the step's logits stay those of the per-layer
     path."""
-    _needs_gemm(gemm)
-    monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm={gemm},attn=cpu,prefill=torch")
     c = case("llama")
     cc = CacheConfig(block_size=BLOCK, num_kv_blocks=26 * 16)
-    fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
-    fd = fused.model.fused_decode
-    assert fd is not None
-    plain.model.fused_decode = None
+    fused, plain, fd = _fused_and_plain(c, gemm, cc, monkeypatch)
     assert all(w.amx >> 4 & 1 for w in fd.plan(25) or [None])
     for r in (fused, plain):
         for layer in r.model.layers:
@@ -1383,14 +1392,8 @@ def test_fused_decode_runs_its_plan_as_it_stands(
     to a plan item reaches the next step (benchmarks/amx_epilogues.py flips the SwiGLU bit
     that way), and the structures' copy it ran before did not. And a step on another tuple of
     KV caches reads and writes those caches, not the first ones."""
-    _needs_gemm("pairs")
-    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=pairs,attn=cpu,prefill=torch")
-    c = case("llama")
     cc = CacheConfig(block_size=BLOCK, num_kv_blocks=8 * 16)
-    fused, plain = (c.runner(dtype="bfloat16", cache_config=cc) for _ in range(2))
-    fd = fused.model.fused_decode
-    assert fd is not None
-    plain.model.fused_decode = None
+    fused, plain, fd = _fused_and_plain(case("llama"), "pairs", cc, monkeypatch)
     plan = fd.plan(3)
     assert plan is not None and all(w.amx >> 4 & 1 for w in plan)  # the SwiGLU epilogue
     for w in plan:

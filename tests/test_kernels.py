@@ -816,7 +816,7 @@ def test_gemm_screen_argmax_gives_gemm_argmax_tokens() -> None:
     assert kern.pack_lm_screen(bad) is None
     # linear_argmax takes the screen where it is attached: the same tokens, with it called
     lin = PairLinear(kern, w, None)
-    assert attach_lm_screen(lin, w) and lin.screen is not None
+    assert attach_lm_screen(lin, w) == [1, 2, 3, 4] and lin.screen is not None
     calls = []
     screen_fn = kern.gemm_screen_argmax
     kern.gemm_screen_argmax = lambda *a: calls.append(1) or screen_fn(*a)  # type: ignore[method-assign]
@@ -827,7 +827,7 @@ def test_gemm_screen_argmax_gives_gemm_argmax_tokens() -> None:
     finally:
         del kern.gemm_screen_argmax
     assert len(calls) == 2  # 1 and 3 rows; 6 take gemm_argmax
-    assert not attach_lm_screen(PairLinear(kern, w, torch.randn(300).bfloat16()), w)
+    assert attach_lm_screen(PairLinear(kern, w, torch.randn(300).bfloat16()), w) == []
 
 
 def test_gemm_swiglu_gives_the_bits_of_the_gemm_then_silu_mul() -> None:

@@ -272,23 +272,23 @@ def linear_argmax(lin: Linear, x: torch.Tensor, kern: kernels.Kernels | None) ->
     return greedy_argmax(linear_f32(lin, x), kern)
 
 
-def attach_lm_screen(lin: Linear, w: torch.Tensor) -> bool:
+def attach_lm_screen(lin: Linear, w: torch.Tensor) -> list[int]:
     """Gives the LM head ``lin`` (weight ``w``), where a dot-product pair GEMM without a bias
     runs it at 1 to ``LM_SCREEN_MAX_ROWS`` rows, the int8 screen of ``w`` for its greedy
     argmax (``Kernels.gemm_screen_argmax``: the same tokens, about half the bytes read at one
     row; docs/SPEED.md, "The LM head's greedy argmax on an int8 screen"). The screen takes
-    half the bf16 weight's memory again. True where it was attached."""
-    fns = {
-        id(f): f
+    half the bf16 weight's memory again. Returns the row counts it serves ([]: none)."""
+    rows = {
+        m: f
         for m in range(1, kernels.LM_SCREEN_MAX_ROWS + 1)
         if type(f := for_rows(lin, m)) is PairLinear and f.bias is None
     }
-    if not fns:
-        return False
-    screen = next(iter(fns.values())).kern.pack_lm_screen(w.detach())
-    for f in fns.values():
+    if not rows:
+        return []
+    screen = next(iter(rows.values())).kern.pack_lm_screen(w.detach())
+    for f in rows.values():
         f.screen = screen
-    return screen is not None
+    return [] if screen is None else sorted(rows)
 
 
 def choose_linear(

@@ -246,16 +246,14 @@ class DecoderModel(nn.Module):
         w = self.lm_head
         del self.lm_head
         self.lm_head = s.make_linear("lm_head", w, None)
-        if (
-            w.dtype == torch.bfloat16
-            and kernels.setting().lm_head != "full"
-            and attach_lm_screen(self.lm_head, w)
-        ):
-            logger.info(
-                "LM head: greedy steps of 1-%d rows take its int8 screen (ITERSERVE_KERNELS="
-                "lmhead=full: the bf16 GEMM alone)",
-                kernels.LM_SCREEN_MAX_ROWS,
-            )
+        if w.dtype == torch.bfloat16 and kernels.setting().lm_head != "full":
+            screened = attach_lm_screen(self.lm_head, w)
+            if screened:
+                logger.info(
+                    "LM head: greedy steps of %s row(s) take its int8 screen "
+                    "(ITERSERVE_KERNELS=lmhead=full: the bf16 GEMM alone)",
+                    ", ".join(map(str, screened)),
+                )
         w = self.norm
         del self.norm
         self.norm = choose_norm(w, self.cfg.rms_norm_eps, s.fused)

@@ -3673,7 +3673,7 @@ int pack_lm_screen(const uint16_t* W, int N, int K, int8_t* Q, float* coef) {
 int gemm_screen_argmax(const uint16_t* P, const int8_t* Q, const float* coef, const uint16_t* x, int M, int N, int K, int64_t* out) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
     if (M < 1 || M > SCREEN_MAX_ROWS || K < 2 || K % 2 || N < 1) return -1;
-    const int K2 = K / 2, panels = (N + SCREEN_COLS - 1) / SCREEN_COLS, NP = panels * SCREEN_COLS;
+    const int K2 = K / 2, panels = (N + SCREEN_COLS - 1) / SCREEN_COLS;
     // |x~| <= xmax keeps every int32 lane's sum of K products with |q| <= 127 exact
     const int64_t lim = static_cast<int64_t>(INT32_MAX) / (127 * static_cast<int64_t>(K));
     const int xmax = static_cast<int>(std::min<int64_t>(32767, lim));

@@ -30,7 +30,10 @@ Decode attention, per batch size: 12 calls (a step's layers), each over blocks o
 scattered in a pool three times the size needed, after a 64 MB read that evicts the caches as
 a step's weights do; ``--rounds`` rounds alternate the two libraries' order; the median of
 each is printed, and the two libraries' outputs must agree to bf16's rounding (the script stops
-otherwise; a different split of the work between the threads moves the sums).
+otherwise; a different split of the work between the threads moves the sums). ``--attn-path``:
+the kernel's prefetch as that decode path runs it (autotune.DECODE_KERNEL_ARGS; default cpu, the
+kernel's own default, which the figures before it was added used; the engine runs the path the
+kernel choice measured, logged at start).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import iterserve  # noqa: F401  (before torch: the engine's OpenMP wait policy d
 # isort: split
 import torch
 
-from iterserve.model import kernels
+from iterserve.model import autotune, kernels
 from iterserve.model.cpu import empty_hugepages
 
 HEADS, HEAD_DIM, BLOCK = 12, 64, 16  # bench-134m
@@ -221,6 +224,12 @@ def main() -> None:
     p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--ctx", default="150", help="keys, or a comma list cycled over a batch")
     p.add_argument("--kv-heads", type=int, default=12)
+    p.add_argument(
+        "--attn-path",
+        default="cpu",
+        choices=sorted(autotune.DECODE_KERNEL_ARGS),
+        help="decode attention: the kernel path's prefetch (the kernel choice logs the engine's)",
+    )
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--prefill", type=int, default=0, help="prompt tokens: engine prefill mode")
     p.add_argument("--budgets", default="2048,512", help="--prefill: max_num_batched_tokens")
@@ -265,7 +274,9 @@ def main() -> None:
         ctx = [int(x) for x in ns.ctx.split(",")]
         k_cache, v_cache, tables, lens, starts = scattered_caches(batch, ctx, ns.kv_heads)
         q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
-        outs = [k.paged_decode_attention(q, k_cache, v_cache, tables[0], lens, starts, BLOCK)
+        path_args = autotune.DECODE_KERNEL_ARGS[ns.attn_path]
+        outs = [k.paged_decode_attention(q, k_cache, v_cache, tables[0], lens, starts, BLOCK,
+                                         **path_args)
                 for k in libs.values()]  # fmt: skip
         if not torch.allclose(outs[0].float(), outs[1].float(), rtol=2e-2, atol=2e-2):
             raise SystemExit(f"B={batch}: the two libraries' outputs differ")
@@ -278,11 +289,13 @@ def main() -> None:
                     flush.sum()
                     for t in tables:
                         t0 = time.perf_counter()
-                        kern.paged_decode_attention(q, k_cache, v_cache, t, lens, starts, BLOCK)
+                        kern.paged_decode_attention(
+                            q, k_cache, v_cache, t, lens, starts, BLOCK, **path_args
+                        )
                         times.append((time.perf_counter() - t0) * 1e6)
                 res[name].append(statistics.median(times))
         print(
-            f"B={batch}, keys {ns.ctx}, {HEADS} heads over {ns.kv_heads}, cold: "
+            f"B={batch}, keys {ns.ctx}, {HEADS} heads over {ns.kv_heads}, {ns.attn_path}, cold: "
             + ", ".join(f"{n} {statistics.median(v):.1f} us a layer" for n, v in res.items())
         )
 

@@ -96,3 +96,27 @@ def test_chat_and_tokenize_render_the_flags_template(tmp_path: Path) -> None:
             assert r.json()["usage"]["prompt_tokens"] == len(want)
     finally:
         server.stop()
+
+
+def test_the_fingerprint_names_the_token_budget_in_effect() -> None:
+    """An unset max_num_batched_tokens and the value it defaults to configure one engine: one
+    fingerprint (they differed); another budget, another one."""
+    from types import SimpleNamespace
+
+    from iterserve.config import EngineArgs
+    from iterserve.server.serving import system_fingerprint
+
+    def fp(budget: int | None, chunked: bool = True) -> str:
+        args = EngineArgs(
+            model="tiny-random", max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        )
+        core = SimpleNamespace(
+            args=args, scheduler=SimpleNamespace(config=args.scheduler_config(2048))
+        )
+        engine = SimpleNamespace(
+            engine=core, default_sampling={}, tokenizer=None, model_path="tiny-random"
+        )
+        return system_fingerprint(engine, ["m"])  # type: ignore[arg-type]
+
+    assert fp(None) == fp(512) != fp(1024)
+    assert fp(None, chunked=False) == fp(2048, chunked=False) != fp(None)

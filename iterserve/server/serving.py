@@ -1605,6 +1605,10 @@ def system_fingerprint(engine: AsyncEngine, served_model_names: Sequence[str]) -
     configuration (version, checkpoint, served names, engine arguments: dtype, seed, block
     size, threads...), different when any of them changes what the model may answer."""
     args = getattr(engine.engine, "args", None)  # LLMEngine's EngineArgs; a fake has none
+    config = getattr(getattr(engine.engine, "scheduler", None), "config", None)
+    if args is not None and config is not None:
+        # the budget in effect: an unset one and the value it defaults to are one configuration
+        args = args.replace(max_num_batched_tokens=config.max_num_batched_tokens)
     # the sampling defaults as read (a generation config's file can change under the same
     # args) and the chat template (--chat-template's or the model's)
     defaults = repr(sorted(engine.default_sampling.items()))

@@ -619,6 +619,16 @@ def check_variants(
     return {p: d for p, d in drops.items() if d}
 
 
+def variant_notes(policies: list[str], base: EngineArgs, max_model_len: int) -> list[str]:
+    """``check_variants``, with each knob a variant runs without as a note for the user, so
+    none is ignored unsaid."""
+    return [
+        f"note: {variant} runs without {name} ({why})"
+        for variant, drops in check_variants(policies, base, max_model_len).items()
+        for name, why in drops.items()
+    ]
+
+
 def parse_policies(text: str, flag: str = "--policies") -> list[str]:
     """A comma-separated list of policy variants (or user policies ``module:Class``);
     ``flag`` names the option in errors."""

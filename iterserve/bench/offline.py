@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from iterserve.config import EngineArgs, check_variants, variant_args
+from iterserve.config import EngineArgs, variant_args, variant_notes
 from iterserve.workload.datasets import RequestSpec
 from iterserve.workload.metrics import RequestTiming, summarize
 from iterserve.workload.replay import ReplayResult, replay, warmup
@@ -51,11 +51,7 @@ def prepare_variants(
     tells ``on_note`` (else the log) each knob a variant runs without, so none is ignored
     unsaid, and returns the run's context."""
     max_model_len = model_context(base)
-    notes = [
-        f"note: {variant} runs without {name} ({why})"
-        for variant, drops in check_variants(policies, base, max_model_len).items()
-        for name, why in drops.items()
-    ]
+    notes = variant_notes(policies, base, max_model_len)
     # e.g. continuous and continuous-nochunk with --no-enable-chunked-prefill
     seen: dict[str, EngineArgs] = {}
     for variant in dict.fromkeys(policies):

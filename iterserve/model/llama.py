@@ -110,6 +110,9 @@ class Strategies:
     # rows -> whether gate_up on the pair GEMM takes SwiGLU in its epilogue (the kernel
     # choice's measurement, autotune.epilogue_rule); None: wherever it can.
     glu_epilogue: Callable[[int], bool] | None = None
+    # the LM head's greedy argmax on its int8 screen where it can run (ITERSERVE_KERNELS'
+    # lmhead=full: never)
+    lm_screen: bool = True
 
     def make_linear(self, kind: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
         if self.linear is not None:
@@ -246,7 +249,7 @@ class DecoderModel(nn.Module):
         w = self.lm_head
         del self.lm_head
         self.lm_head = s.make_linear("lm_head", w, None)
-        if w.dtype == torch.bfloat16 and kernels.setting().lm_head != "full":
+        if w.dtype == torch.bfloat16 and s.lm_screen:
             screened = attach_lm_screen(self.lm_head, w)
             if screened:
                 logger.info(

@@ -46,7 +46,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -210,6 +210,7 @@ class ModelRunner:
             strategies = self._measured_strategies(
                 setting, kern, fused, cache_config.block_size, max_num_batched_tokens
             )
+        strategies = replace(strategies, lm_screen=setting.lm_head != "full")
         with torch.inference_mode():
             self.model.select_strategies(strategies)
         pf = getattr(self.attention, "prefill_kernel", False)  # after the kernel choice

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from iterserve.config import EngineArgs, check_variants, parse_policies, variant_args
+from iterserve.config import EngineArgs, parse_policies, variant_args, variant_notes
 from iterserve.core.policies import POLICY_VARIANTS
 from iterserve.sim.capacity import (
     CAPACITY_KINDS,
@@ -578,9 +578,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         + report.describe()
     )
     base = engine_args(ns)
-    for pol, drops in check_variants(policies, base, dep.max_model_len).items():
-        for name, why in drops.items():  # as bench says it: no knob ignored unsaid
-            _err(f"note: {pol} runs without {name} ({why})")
+    for note in variant_notes(policies, base, dep.max_model_len):  # as bench says them
+        _err(note)
     config = {k: v for k, v in vars(ns).items() if k != "func"} | {"deployment": dep.to_dict()}
 
     if ns.find_max_rate:

@@ -105,7 +105,7 @@ def measure(
             max_num_batched_tokens=(
                 None
                 if given is None and budget <= DEFAULT_MAX_NUM_BATCHED_TOKENS
-                else max(budget, given if given is not None else 0)
+                else max(budget, given or 0)
             ),
             max_num_seqs=max(decode) + 2,
             enable_prefix_caching=True,

@@ -11,7 +11,9 @@ Decode: B requests with ``--ctx``-token random prompts and ignore_eos go through
 reported beside the roofline bound max(bytes / bandwidth, FLOPs / peak) computed from the
 bandwidth and FLOP/s this script measures (``iterserve.sim.roofline``; the bandwidth per batch:
 the fastest of the first probe and two taken just before and after that batch), and beside
-``llama-batched-bench`` (``-npp 128 -ntg 128``) on the same weights as a BF16 GGUF.
+``llama-batched-bench`` (``-npp 128 -ntg 128``) on the same weights as a BF16 GGUF. "x bound"
+counts every weight in bf16; "x read" counts the bytes the step reads where steps of a few rows
+read fewer (the LM head's int8 screen under greedy sampling, the layers' 12-bit weights).
 
 The peak used for the bound is max(bf16, fp32) matmul FLOP/s measured here: on a CPU without
 native bf16 dot products (no AVX512-BF16/AMX) oneDNN emulates bf16 GEMMs far below fp32, and
@@ -307,16 +309,33 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     need = sorted(set(batches) | {a.overhead_batch} | {int(b) for b in a.profile.split(",") if b})
     llm = make_llm(a.model, max(need), a.threads)
-    from iterserve.model.kernels import LM_SCREEN_MAX_ROWS
+    from iterserve.model.kernels import LM_SCREEN_MAX_ROWS, PAIRS12_MAX_ROWS
     from iterserve.model.layers import for_rows
 
-    screen = getattr(for_rows(llm.engine.runner.model.lm_head, 1), "screen", None)
-    if screen is not None:  # the bounds still count the bf16 LM head a step reads otherwise
+    model = llm.engine.runner.model
+    screen = getattr(for_rows(model.lm_head, 1), "screen", None)
+    # bytes a step of up to PAIRS12_MAX_ROWS / LM_SCREEN_MAX_ROWS rows does not read: the
+    # bounds count the bf16 weights; "x read" counts what the step reads instead
+    saved: dict[int, float] = {b: 0.0 for b in range(1, PAIRS12_MAX_ROWS + 1)}
+    if screen is not None:
         print(
             f"greedy steps of up to {LM_SCREEN_MAX_ROWS} rows read the LM head as its int8 screen "
             f"({screen.q.numel() / 1e6:.1f} MB + {screen.coef.numel() * 4 / 1e6:.1f} MB of "
             "bounds) and the bf16 panels that can win; the bounds count the bf16 LM head"
         )
+        for b in range(1, LM_SCREEN_MAX_ROWS + 1):
+            saved[b] += shape.head_params * 2 - screen.q.numel() - screen.coef.numel() * 4
+    packed = [p for layer in model.layers for p in layer.packed12]
+    if packed:
+        p12_bytes = sum(p.nbytes for p in packed)
+        bf16_bytes = sum(p.N * p.K * 2 for p in packed)
+        print(
+            f"steps of up to {PAIRS12_MAX_ROWS} rows read {len(packed)} layer GEMMs' weights in "
+            f"12 bits ({p12_bytes / 1e6:.0f} MB for {bf16_bytes / 1e6:.0f} MB of bf16); the "
+            "bounds count the bf16 weights"
+        )
+        for b in range(1, PAIRS12_MAX_ROWS + 1):
+            saved[b] += bf16_bytes - p12_bytes
     results: dict[int, DecodeResult] = {}
     # Each batch's bound reads at the fastest rate probed just before, just after and at the
     # start: some hosts' read rate jumps (34 -> 62 GB/s on a Zen 4 VM) for minutes, and a
@@ -343,13 +362,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     hdr = (
         f"{'B':>4} {'iterserve ms':>12} {'forward ms':>10} {'tok/s':>8} {'bound ms':>9} "
-        f"{'mem ms':>7} {'comp ms':>8} {'x bound':>8} {'llama.cpp ms':>12} {'llama tok/s':>11} "
-        f"{'iters/llama':>11}"
+        f"{'mem ms':>7} {'comp ms':>8} {'x bound':>8} {'x read':>7} {'llama.cpp ms':>12} "
+        f"{'llama tok/s':>11} {'iters/llama':>11}"
     )
     print(hdr)
     for b in batches:
         r = results[b]
         bound, mem, comp = decode_step_bound(machines[b], shape, b, a.ctx)
+        read_bound = max(comp, mem - saved.get(b, 0.0) / (machines[b].read_gbps * 1e9))
         lr = llama_rows.get(b)
         lms = (
             f"{lr.decode_step_ms:12.2f} {lr.s_tg:11.0f} {lr.s_tg / (b / r.duration_ms * 1e3):11.2f}"
@@ -359,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{b:4d} {r.duration_ms:12.2f} {r.forward_ms:10.2f} {b / r.duration_ms * 1e3:8.0f} "
             f"{bound * 1e3:9.2f} {mem * 1e3:7.2f} {comp * 1e3:8.2f} "
-            f"{r.duration_ms / (bound * 1e3):8.2f} {lms}"
+            f"{r.duration_ms / (bound * 1e3):8.2f} {r.duration_ms / (read_bound * 1e3):7.2f} {lms}"
         )
     if llama_cmd:
         print(f"  llama.cpp: {llama_cmd}  (decode step = T_TG / ntg)")

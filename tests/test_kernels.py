@@ -945,3 +945,66 @@ def test_logits_in_f32_whatever_the_lm_head_path() -> None:
             x = torch.randn(rows, 32).bfloat16()
             y = linear_f32(lin, x)
             assert y.dtype == torch.float32 and torch.equal(y, lin(x).float()), (lin, rows)
+
+
+def test_gemm_pairs12_gives_gemm_pairs_bits() -> None:
+    """The pair GEMM on 12-bit weights (``pack_pairs12`` / ``gemm_pairs12``): gemm_pairs' bits
+    (and gemm_swiglu's) at 1 to 4 rows, 1 to 3 threads, N not a multiple of 64, with bias or
+    none, for weights holding values outside the window (zeros, denormals, large outliers, NaN,
+    infinities: the exceptions, patched back bit for bit); None with more rows. No 12-bit form
+    for an odd K or a weight that mostly lies outside any 8-value window."""
+    from iterserve.model.kernels import PAIRS12_MAX_ROWS
+
+    kern = _kern()
+    if not kern.has_pairs12:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16 and AVX512-BW")
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    checked = 0
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            for N, K in ((70, 64), (256, 64), (1000, 96), (192, 1536)):
+                w = (torch.randn(N, K, generator=g) * 0.02).bfloat16()
+                flat = w.view(-1)
+                for value, step, first in (
+                    (0.0, 903, 0), (-0.0, 1497, 3), (1e-39, 2103, 5), (40.0, 633, 7),
+                    (float("nan"), 2991, 11), (float("-inf"), 4497, 13), (-3e-8, 1167, 17),
+                ):  # fmt: skip
+                    flat[first::step] = value
+                p12 = kern.pack_pairs12(w)
+                assert p12 is not None and p12.exc_start[-1] > 0
+                high = (w.view(torch.int16) >> 8).int() & 127
+                outside = ((high < p12.base) | (high >= p12.base + 8)).sum()
+                assert int(p12.exc_start[-1]) == int(outside)
+                P = kern.pack_pairs(w)
+                for M in range(1, PAIRS12_MAX_ROWS + 2):
+                    x = torch.randn(M, K, generator=g).bfloat16()
+                    for b in (None, torch.randn(N, generator=g).bfloat16()):
+                        got = kern.gemm_pairs12(x, p12, b)
+                        if M > PAIRS12_MAX_ROWS:
+                            assert got is None
+                            continue
+                        want = kern.gemm_pairs(x, P, N, b)
+                        assert got is not None
+                        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+                            nt, N, K, M,
+                        )  # fmt: skip
+                        if N % 64 == 0:
+                            act = kern.gemm_swiglu12(x, p12, b)
+                            want_act = kern.gemm_swiglu(x, P, N // 2, b)
+                            assert act is not None and want_act is not None
+                            assert torch.equal(act.view(torch.int16), want_act.view(torch.int16))
+                        checked += 1
+    finally:
+        torch.set_num_threads(threads)
+    assert checked == 3 * 4 * PAIRS12_MAX_ROWS * 2
+    assert kern.pack_pairs12(torch.randn(64, 7).bfloat16()) is None  # odd K
+    wide = torch.randn(128, 64, generator=g) * 2.0 ** torch.randint(-30, 30, (128, 64), generator=g)
+    assert kern.pack_pairs12(wide.bfloat16()) is None  # exponents far wider than the window
+    with pytest.raises(ValueError, match="pack_pairs12 takes a 2-D bf16 weight"):
+        kern.pack_pairs12(torch.randn(64, 8))
+    p12 = kern.pack_pairs12(torch.randn(64, 8).bfloat16())
+    assert p12 is not None
+    with pytest.raises(ValueError, match=r"gemm_pairs12 takes bf16 x \[M, 8\]"):
+        kern.gemm_pairs12(torch.randn(1, 6).bfloat16(), p12)

@@ -1385,6 +1385,76 @@ def test_the_lm_head_screen_follows_iterserve_kernels(
     assert getattr(for_rows(runner.model.lm_head, 1), "screen", None) is None
 
 
+def test_the_12bit_weights_give_the_same_bits_and_follow_iterserve_kernels(
+    case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 model whose layer GEMMs run on the dot-product pair GEMM reads their 12-bit
+    copies at 1 to 4 rows (PairLinear.__call__ and GateUpAct on the per-layer path, the plan's
+    p12 pointers on the fused one) and gets the logits and KV caches of the bf16 weights
+    alone, bit for bit, step after step at 1 to 6 decodes; ITERSERVE_KERNELS' w12=off leaves
+    them out, and a float32 model never has them."""
+    from iterserve.model import kernels
+    from iterserve.model.layers import for_rows
+
+    _needs_gemm("pairs")
+    k = kernels.load()
+    assert k is not None
+    if not k.has_pairs12:
+        pytest.skip("compiled in only where the CPU has AVX512-BF16 and AVX512-BW")
+    cc = CacheConfig(block_size=BLOCK, num_kv_blocks=8 * 16)
+    runners = {}
+    for form in ("on", "off"):
+        monkeypatch.setenv("ITERSERVE_KERNELS", f"gemm=pairs,attn=cpu,prefill=torch,w12={form}")
+        for path in ("fused", "plain"):
+            r = case("llama-hd64").runner(dtype="bfloat16", cache_config=cc)
+            if path == "plain":
+                r.model.fused_decode = None
+            runners[form, path] = r
+
+    def p12_of(form: str, name: str, rows: int) -> Any:
+        return for_rows(getattr(runners[form, "plain"].model.layers[0], name), rows).p12
+
+    for name in ("qkv", "o", "gate_up", "down"):
+        for m in (1, 4, 5):
+            assert p12_of("on", name, m) is not None and p12_of("off", name, m) is None
+
+    def plan_p12(form: str, rows: int) -> list[bool]:
+        fd = runners[form, "fused"].model.fused_decode
+        plan = fd.plan(rows)
+        assert plan is not None
+        return [bool(w.p12[i]) for w in plan for i in range(4)]
+
+    assert all(plan_p12("on", 1)) and all(plan_p12("on", 4))
+    assert not any(plan_p12("on", 5)) and not any(plan_p12("off", 1))
+    calls: list[bool] = []
+    for fn_name in ("gemm_pairs12", "gemm_swiglu12"):
+        orig = getattr(k, fn_name)
+        monkeypatch.setattr(k, fn_name, lambda *a, _o=orig, **kw: _record(calls, _o(*a, **kw)))
+    prompts = [prompt(9 + 2 * i, seed=80 + i) for i in range(6)]
+    tables = [[16 * i + j for j in range(16)] for i in range(6)]
+    for n in range(1, 7):
+        pre = [BatchItem(f"s{i}", p[:-1], 0, tables[i], False) for i, p in enumerate(prompts[:n])]
+        step = [
+            BatchItem(f"s{i}", [p[-1]], len(p) - 1, tables[i], True)
+            for i, p in enumerate(prompts[:n])
+        ]
+        for r in runners.values():
+            r.execute(pre)
+        calls.clear()
+        got = {key: r.execute(step) for key, r in runners.items()}
+        # the per-layer path with 12-bit weights calls them at up to 4 rows (the fused one in C)
+        assert calls == ([True] * 4 * len(runners["on", "plain"].model.layers) if n <= 4 else [])
+        want = got["off", "plain"]
+        for key, logits in got.items():
+            assert torch.equal(logits, want), (key, n)
+        for key, r in runners.items():
+            for (ka, va), (kb, vb) in zip(r.kv_caches, runners["off", "plain"].kv_caches):
+                assert torch.equal(ka, kb) and torch.equal(va, vb), (key, n)
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=torch,attn=cpu,prefill=torch")
+    runner = case("llama").runner(dtype="float32", cache_config=cc)
+    assert getattr(for_rows(runner.model.layers[0].qkv, 1), "p12", None) is None
+
+
 def test_fused_decode_runs_its_plan_as_it_stands(
     case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -37,7 +37,7 @@ from iterserve.model.layers import (
 
 # decode_layers' structures for one row count (views into the array), the tensors behind their
 # pointers, and the array
-_Plan = tuple[list[kernels.DecodeLayerW], list[torch.Tensor], "ctypes.Array[kernels.DecodeLayerW]"]
+_Plan = tuple[list[kernels.DecodeLayerW], list[object], "ctypes.Array[kernels.DecodeLayerW]"]
 
 
 def _packed(lin: PairLinear | PanelLinear) -> torch.Tensor:
@@ -84,7 +84,7 @@ class FusedDecode:
         plan = self._plans[rows]
         return None if plan is None else plan[0]
 
-    def _build(self, rows: int) -> tuple[list[kernels.DecodeLayerW], list[torch.Tensor]] | None:
+    def _build(self, rows: int) -> tuple[list[kernels.DecodeLayerW], list[object]] | None:
         decodes = for_rows(self.attn.decodes, rows)
         if type(self.attn) is not CpuBackend or not (
             isinstance(decodes, functools.partial)
@@ -97,7 +97,8 @@ class FusedDecode:
             int(decodes.keywords.get("prefetch", kernels.DECODE_PREFETCH)),
             bool(decodes.keywords.get("prefetch_l2", False)),
         )
-        out, keep = [], []
+        out: list[kernels.DecodeLayerW] = []
+        keep: list[object] = []
         for layer in self.layers:
             lins = [for_rows(getattr(layer, n), rows) for n in ("qkv", "o", "gate_up", "down")]
             # exact types: a subclass could change what a piece computes
@@ -145,6 +146,11 @@ class FusedDecode:
             ):
                 return None
             qkv, o, gu, down = lins
+            # the 12-bit copies the dot-product GEMMs read at these rows (PairLinear.__call__'s)
+            p12 = [
+                x.p12 if type(x) is PairLinear and rows <= kernels.PAIRS12_MAX_ROWS else None
+                for x in lins
+            ]
             w = kernels.DecodeLayerW(
                 layer.input_norm.weight.data_ptr(),
                 layer.post_norm.weight.data_ptr(),
@@ -153,11 +159,15 @@ class FusedDecode:
                 layer.num_heads, layer.num_kv_heads, layer.head_dim,
                 layer.input_norm.eps, float(layer.head_dim**-0.5), int(panels), amx,
                 _ptr(None if norm is None else norm.weight), layer.act.block,
+                (ctypes.c_void_p * 4)(
+                    *(None if p is None else ctypes.addressof(p.struct) for p in p12)
+                ),
             )  # fmt: skip
             out.append(w)
             keep += [layer.input_norm.weight, layer.post_norm.weight]
             keep += [] if norm is None else [norm.weight]
             keep += [t for x in lins for t in (_packed(x), x.bias) if t is not None]
+            keep += [p for p in p12 if p is not None]
         return out, keep
 
     def run(

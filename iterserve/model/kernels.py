@@ -13,7 +13,9 @@ and caches the choice; ``flags`` uses the fixed CPU-flag rules; ``gemm=<path>``,
 ``attn=<path>`` (decode attention) and ``prefill=<path>`` (comma-joined) fix a path for every
 row count, ``glu=<form>`` gate_up's SwiGLU form on the pair GEMM, and ``lmhead=full`` keeps the
 LM head's greedy argmax off its int8 screen (``lmhead=screen``, the default: the screen where
-it can run); ``0``: torch's kernels only (the torch paths still measured).
+it can run), ``w12=off`` keeps the layers' GEMMs off their 12-bit copies (``w12=on``, the
+default: those copies at 1-4 rows where they run); ``0``: torch's kernels only (the torch paths
+still measured).
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ GLU_FORMS = ("epilogue", "separate")
 # The LM head's greedy argmax at 1 to LM_SCREEN_MAX_ROWS rows: through its int8 screen where it
 # can run (the same tokens), or always the full bf16 GEMM (half the head's memory less).
 LM_HEAD_FORMS = ("screen", "full")
+# The decoder layers' GEMMs at 1 to PAIRS12_MAX_ROWS rows: on their 12-bit copies where the
+# dot-product pair GEMM runs them (the same bits), or on the bf16 weights alone (3/4 of those
+# weights' memory less).
+W12_FORMS = ("on", "off")
 SETTING_FORMS = (
     "ITERSERVE_KERNELS must be 0 (torch's kernels only), 1 or measure (time the paths at first "
     "start, cached; the default), flags (the CPU-flag rules), or any of gemm=<"
@@ -96,6 +102,8 @@ SETTING_FORMS = (
     + "|".join(GLU_FORMS)
     + ">, lmhead=<"
     + "|".join(LM_HEAD_FORMS)
+    + ">, w12=<"
+    + "|".join(W12_FORMS)
     + "> joined by a comma (e.g. gemm=panels,attn=cpu)"
 )
 
@@ -105,7 +113,8 @@ class Setting:
     """``ITERSERVE_KERNELS``, parsed: ``enabled`` builds the C++ kernels; ``mode`` is measure or
     flags; ``gemm`` / ``attn`` / ``prefill`` fix that path, ``glu`` the SwiGLU's form on the
     pair GEMM, dot products or AMX (None: measured); ``lm_head`` "full" keeps the LM head's
-    greedy argmax off its int8 screen (None: the screen where it can run)."""
+    greedy argmax off its int8 screen (None: the screen where it can run); ``w12`` "off" keeps
+    the layers' GEMMs on their bf16 weights alone (None: 12-bit copies where they run)."""
 
     enabled: bool = True
     mode: str = "measure"
@@ -114,6 +123,7 @@ class Setting:
     prefill: str | None = None
     glu: str | None = None
     lm_head: str | None = None
+    w12: str | None = None
 
 
 def parse_setting(value: str) -> Setting:
@@ -130,7 +140,7 @@ def parse_setting(value: str) -> Setting:
         key, eq, path = (s.strip() for s in part.partition("="))
         allowed = {
             "gemm": GEMM_PATHS, "attn": ATTN_PATHS, "prefill": PREFILL_PATHS, "glu": GLU_FORMS,
-            "lmhead": LM_HEAD_FORMS,
+            "lmhead": LM_HEAD_FORMS, "w12": W12_FORMS,
         }.get(key)  # fmt: skip
         if not eq or allowed is None or path not in allowed or key in fixed:
             raise ValueError(f"{SETTING_FORMS}; got {value!r}")
@@ -141,6 +151,7 @@ def parse_setting(value: str) -> Setting:
         prefill=fixed.get("prefill"),
         glu=fixed.get("glu"),
         lm_head=fixed.get("lmhead"),
+        w12=fixed.get("w12"),
     )
 
 
@@ -215,6 +226,44 @@ class LmScreen:
     K: int
 
 
+# gemm_pairs12's rows at most (PAIRS12_MAX_ROWS of cpu_kernels.cpp): with more, decoding the
+# 12-bit weights costs more than the bytes it saves (at 8 rows the pair GEMM is bound by its
+# arithmetic already)
+PAIRS12_MAX_ROWS = 4
+# A weight takes the 12-bit form only where at most this share of it lies outside its window
+# (each such exception costs the kernel a patch; trained layers have ~10^-4, a Q4 GGUF's ~10^-3)
+PAIRS12_MAX_EXCEPTIONS = 1 / 128
+
+
+class Pairs12(ctypes.Structure):
+    """``Pairs12`` of cpu_kernels.cpp: a weight in 12 bits (``Kernels.pack_pairs12``)."""
+
+    _fields_ = [
+        *((n, _P) for n in ("blocks", "exc_off", "exc_val", "exc_start")),
+        ("base", ctypes.c_int32),
+    ]
+
+
+@dataclass(frozen=True)
+class PackedPairs12:
+    """``pack_pairs12``'s form of a bf16 weight [N, K]: per k pair of each pair panel its 128 low
+    bytes and 128 4-bit codes (sign and exponent within an 8-value window from ``base``), and
+    the weights outside the window with their exact bits; ``struct`` points at them."""
+
+    blocks: torch.Tensor  # uint8
+    exc_off: torch.Tensor  # int32, read as uint32
+    exc_val: torch.Tensor  # int16: the exceptions' bf16 bits
+    exc_start: torch.Tensor  # int32 [panels + 1]
+    base: int
+    N: int
+    K: int
+    struct: Pairs12
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.blocks, self.exc_off, self.exc_val))
+
+
 class DecodeLayerW(ctypes.Structure):
     """``DecodeLayerW`` of cpu_kernels.cpp: one layer's constant arguments to ``decode_layer``
     (its pair- or panel-packed weights, norms and shapes). The tensors behind the pointers must
@@ -232,6 +281,9 @@ class DecodeLayerW(ctypes.Structure):
         ("amx", _I),
         ("qk_norm", _P),  # None, or Qwen3's per-head q / k norm weight [heads + kv_heads, head_dim]
         ("glu_block", _I),  # gate_up's layout, silu_mul's ``block`` (layers.FusedSiluMul)
+        # per GEMM (qkv, o, gate_up, down): None, or a pointer to its Pairs12, which the
+        # dot-product pair GEMM reads at up to PAIRS12_MAX_ROWS rows
+        ("p12", _P * 4),
     ]  # fmt: skip
 
 
@@ -317,6 +369,17 @@ class Kernels:
         self.lib.has_lm_screen.restype = _I
         # the LM head's greedy argmax screened on an int8 copy: AVX512-BF16 and VNNI
         self.has_lm_screen = bool(self.lib.has_lm_screen())
+        self.lib.pairs12_count.argtypes = [_P, _I, _I, _I, _P]
+        self.lib.pairs12_count.restype = ctypes.c_int64
+        self.lib.pack_pairs12.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P]
+        self.lib.pack_pairs12.restype = None
+        for name in ("gemm_pairs12", "gemm_pairs12_swiglu"):
+            getattr(self.lib, name).argtypes = [ctypes.POINTER(Pairs12), _P, _P, _P, _I, _I, _I]
+            getattr(self.lib, name).restype = _I
+        self.lib.has_pairs12.argtypes = []
+        self.lib.has_pairs12.restype = _I
+        # the pair GEMM on 12-bit weights: AVX512-BF16 and AVX512-BW
+        self.has_pairs12 = bool(self.lib.has_pairs12())
         self.lib.paged_prefill_attention.argtypes = [
             _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P,
         ]  # fmt: skip
@@ -876,6 +939,78 @@ class Kernels:
         rc = getattr(self.lib, name)(
             pairs.data_ptr(), x.data_ptr(), None if b is None else b.data_ptr(),
             x.shape[0], N, x.shape[1], out.data_ptr(),
+        )  # fmt: skip
+        return out if rc == 0 else None
+
+    def pack_pairs12(self, w: torch.Tensor) -> PackedPairs12 | None:
+        """A bf16 weight [N, K] in 12 bits for ``gemm_pairs12`` (the window: the 8 consecutive
+        values of the high byte's exponent bits that most of w takes); None where it cannot run
+        (``has_pairs12`` False, K odd) or more than ``PAIRS12_MAX_EXCEPTIONS`` of w lies
+        outside the window."""
+        if w.dtype != torch.bfloat16 or w.dim() != 2:
+            raise ValueError(
+                f"pack_pairs12 takes a 2-D bf16 weight, got {w.dtype} {tuple(w.shape)}"
+            )
+        N, K = w.shape
+        if not self.has_pairs12 or K % 2 or N < 1:
+            return None
+        w = w.detach().contiguous()
+        high = (w.view(torch.int16) >> 8).to(torch.int32) & 127
+        windows = torch.bincount(high.flatten(), minlength=128).cumsum(0)
+        windows = windows[7:] - torch.cat([windows.new_zeros(1), windows[:-8]])
+        base = int(windows.argmax())
+        panels = -(-N // 64)
+        exc_start = torch.empty(panels + 1, dtype=torch.int32)
+        count = int(self.lib.pairs12_count(w.data_ptr(), N, K, base, exc_start.data_ptr()))
+        if count < 0 or count > PAIRS12_MAX_EXCEPTIONS * N * K:
+            return None
+        blocks = empty_hugepages((panels * (K // 2) * 192,), torch.uint8)
+        exc_off = torch.empty(max(count, 1), dtype=torch.int32)
+        exc_val = torch.empty(max(count, 1), dtype=torch.int16)
+        self.lib.pack_pairs12(
+            w.data_ptr(), N, K, base, exc_start.data_ptr(), blocks.data_ptr(),
+            exc_off.data_ptr(), exc_val.data_ptr(),
+        )  # fmt: skip
+        struct = Pairs12(
+            blocks.data_ptr(), exc_off.data_ptr(), exc_val.data_ptr(), exc_start.data_ptr(), base
+        )
+        return PackedPairs12(blocks, exc_off, exc_val, exc_start, base, N, K, struct)
+
+    def _pairs12_operands(
+        self, name: str, x: torch.Tensor, p12: PackedPairs12, b: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != p12.K:
+            raise ValueError(f"{name} takes bf16 x [M, {p12.K}], got {x.dtype} {tuple(x.shape)}")
+        if b is not None and (b.dtype != torch.bfloat16 or b.numel() != p12.N):
+            raise ValueError(f"{name}: bias {tuple(b.shape)} {b.dtype} for N={p12.N} bf16")
+        return x.contiguous(), None if b is None else b.contiguous()
+
+    def gemm_pairs12(
+        self, x: torch.Tensor, p12: PackedPairs12, b: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """``gemm_pairs(x, pack_pairs(w), N, b)``, the same bits, on ``p12 = pack_pairs12(w)``:
+        at 1 to ``PAIRS12_MAX_ROWS`` rows it reads 3/4 of the bytes. None at other row counts,
+        for the caller to take gemm_pairs."""
+        x, b = self._pairs12_operands("gemm_pairs12", x, p12, b)
+        y = torch.empty(x.shape[0], p12.N, dtype=torch.bfloat16)
+        rc = self.lib.gemm_pairs12(
+            ctypes.byref(p12.struct), x.data_ptr(), y.data_ptr(),
+            None if b is None else b.data_ptr(), x.shape[0], p12.N, p12.K,
+        )  # fmt: skip
+        return y if rc == 0 else None
+
+    def gemm_swiglu12(
+        self, x: torch.Tensor, p12: PackedPairs12, b: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """``gemm_swiglu`` (dot products) on ``p12 = pack_pairs12(w)`` of its gate and up weight
+        [2 * inter, K], the same bits; None where it cannot (rows outside 1 to
+        ``PAIRS12_MAX_ROWS``, inter not a multiple of 32)."""
+        x, b = self._pairs12_operands("gemm_swiglu12", x, p12, b)
+        inter = p12.N // 2
+        out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
+        rc = self.lib.gemm_pairs12_swiglu(
+            ctypes.byref(p12.struct), x.data_ptr(), out.data_ptr(),
+            None if b is None else b.data_ptr(), x.shape[0], inter, p12.K,
         )  # fmt: skip
         return out if rc == 0 else None
 

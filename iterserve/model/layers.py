@@ -181,6 +181,8 @@ class PairLinear:
     amx = False  # the dot-product kernel; AmxLinear: the same panels on AMX tiles
     # the LM head's int8 screen for its greedy argmax at a few rows (attach_lm_screen)
     screen: kernels.LmScreen | None = None
+    # the weight in 12 bits, read instead at 1 to PAIRS12_MAX_ROWS rows (attach_pairs12)
+    p12: kernels.PackedPairs12 | None = None
 
     def __init__(
         self,
@@ -198,6 +200,10 @@ class PairLinear:
     def __call__(self, x: torch.Tensor, out_f32: bool = False) -> torch.Tensor:
         if self.odd:
             x = F.pad(x, (0, 1))
+        if self.p12 is not None and not out_f32 and x.shape[0] <= kernels.PAIRS12_MAX_ROWS:
+            y = self.kern.gemm_pairs12(x, self.p12, self.bias)
+            if y is not None:
+                return y
         return self.kern.gemm_pairs(x, self.pairs, self.out_features, self.bias, out_f32, self.amx)
 
     def f32(self, x: torch.Tensor) -> torch.Tensor:
@@ -289,6 +295,25 @@ def attach_lm_screen(lin: Linear, w: torch.Tensor) -> list[int]:
     for f in rows.values():
         f.screen = screen
     return [] if screen is None else sorted(rows)
+
+
+def attach_pairs12(lin: Linear, w: torch.Tensor) -> kernels.PackedPairs12 | None:
+    """Gives ``lin`` (weight ``w``), where a dot-product pair GEMM runs it at some row count
+    from 1 to ``PAIRS12_MAX_ROWS``, its weight in 12 bits (``Kernels.pack_pairs12``), which
+    that GEMM then reads at those rows: the same bits from 3/4 of the bytes (docs/SPEED.md,
+    "Zen 4, a twenty-first session"). It takes 3/4 of the bf16 weight's memory again.
+    Returns that form, or None where it gave none."""
+    fns = {
+        id(f): f
+        for m in range(1, kernels.PAIRS12_MAX_ROWS + 1)
+        if type(f := for_rows(lin, m)) is PairLinear
+    }
+    if not fns:
+        return None
+    p12 = next(iter(fns.values())).kern.pack_pairs12(w)
+    for f in fns.values():
+        f.p12 = p12
+    return p12
 
 
 def choose_linear(
@@ -497,7 +522,11 @@ class GateUpAct:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         fn = self.epilogue_at(x.shape[0])
         if fn is not None:
-            out = fn.kern.gemm_swiglu(x, fn.pairs, fn.out_features // 2, fn.bias, amx=fn.amx)
+            out = None
+            if fn.p12 is not None and x.shape[0] <= kernels.PAIRS12_MAX_ROWS:
+                out = fn.kern.gemm_swiglu12(x, fn.p12, fn.bias)
+            if out is None:
+                out = fn.kern.gemm_swiglu(x, fn.pairs, fn.out_features // 2, fn.bias, amx=fn.amx)
             if out is not None:
                 return out
         return self.act(self.gate_up(x))

@@ -34,6 +34,7 @@ from iterserve.model.layers import (
     Linear,
     Rotary,
     attach_lm_screen,
+    attach_pairs12,
     choose_act,
     choose_linear,
     choose_norm,
@@ -113,6 +114,9 @@ class Strategies:
     # the LM head's greedy argmax on its int8 screen where it can run (ITERSERVE_KERNELS'
     # lmhead=full: never)
     lm_screen: bool = True
+    # the decoder layers' GEMMs also in 12 bits for 1-4-row steps where the dot-product pair
+    # GEMM runs them (ITERSERVE_KERNELS' w12=off: never)
+    pairs12: bool = True
 
     def make_linear(self, kind: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
         if self.linear is not None:
@@ -164,13 +168,19 @@ class DecoderLayer(nn.Module):
     def select_strategies(self, s: Strategies) -> None:
         """Swaps every parameter for the strategy module that runs it (once, after loading)."""
         self.act = choose_act(s.fused, self.intermediate)
+        self.packed12: list[kernels.PackedPairs12] = []  # attach_pairs12's, for the load log
         for name in self.LINEARS:
             w, b = getattr(self, f"{name}_proj"), getattr(self, f"{name}_bias")
             delattr(self, f"{name}_proj")
             delattr(self, f"{name}_bias")
             if name == "gate_up":  # in the layout the act takes
                 w, b = gate_up_layout(self.act, w, b)
-            setattr(self, name, s.make_linear(name, w, b))
+            lin = s.make_linear(name, w, b)
+            setattr(self, name, lin)
+            if s.pairs12 and w.dtype == torch.bfloat16:
+                p12 = attach_pairs12(lin, w)
+                if p12 is not None:
+                    self.packed12.append(p12)
         for name in ("input_norm", "post_norm"):
             w = getattr(self, name)
             delattr(self, name)
@@ -246,6 +256,14 @@ class DecoderModel(nn.Module):
         are freed unless a strategy keeps them. The embedding table stays (it is gathered)."""
         for layer in self.layers:
             cast(DecoderLayer, layer).select_strategies(s)
+        packed = [p for layer in self.layers for p in cast(DecoderLayer, layer).packed12]
+        if packed:
+            logger.info(
+                "%d of %d layer GEMMs read 12-bit weights at 1-%d rows (+%.0f MB; "
+                "ITERSERVE_KERNELS=w12=off: bf16 only)",
+                len(packed), len(self.layers) * len(DecoderLayer.LINEARS),
+                kernels.PAIRS12_MAX_ROWS, sum(p.nbytes for p in packed) / 1e6,
+            )  # fmt: skip
         w = self.lm_head
         del self.lm_head
         self.lm_head = s.make_linear("lm_head", w, None)

@@ -210,7 +210,9 @@ class ModelRunner:
             strategies = self._measured_strategies(
                 setting, kern, fused, cache_config.block_size, max_num_batched_tokens
             )
-        strategies = replace(strategies, lm_screen=setting.lm_head != "full")
+        strategies = replace(
+            strategies, lm_screen=setting.lm_head != "full", pairs12=setting.w12 != "off"
+        )
         with torch.inference_mode():
             self.model.select_strategies(strategies)
         pf = getattr(self.attention, "prefill_kernel", False)  # after the kernel choice

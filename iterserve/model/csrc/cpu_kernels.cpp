@@ -55,6 +55,25 @@ namespace {
 constexpr int64_t PAR_MIN_ELEMS = int64_t(1) << 15;
 constexpr int GP_COLS = 64;  // output columns per pair panel (gemm_pairs)
 
+// --- Pair panels in 12 bits a weight (gemm_pairs12) -----------------------------------------
+// A bf16 weight's high byte is its sign and the top 7 bits of its exponent; a layer's weights
+// mostly use 8 consecutive values of those 7 bits (bench-134m: all but ~7 in 10^5). So a k pair
+// of a pair panel (128 bf16, gemm_pairs' order) is stored as its 128 low bytes as they are and
+// 128 4-bit codes, sign << 3 | (high 7 bits - base): 192 bytes, not 256. The weights outside the
+// window (zeros, denormals, outliers, NaN) are exceptions, patched in with their exact bits; so
+// the tile multiplies exactly gemm_pairs' bf16 values in its order: the same output bits. At a
+// few rows a decode step's GEMMs are bound by the bytes they read (docs/SPEED.md, "Zen 4, a
+// twenty-first session").
+constexpr int P12_BLOCK = 192;     // bytes a k pair: low bytes [128], then the codes [64]
+constexpr int PAIRS12_MAX_ROWS = 4;  // gemm_pairs12 runs 1 to this many rows
+struct Pairs12 {
+    const uint8_t* blocks;     // panels of K / 2 blocks
+    const uint32_t* exc_off;   // exceptions in order: (panel * K / 2 + k pair) * 128 + word
+    const uint16_t* exc_val;   // their bf16 bits
+    const int32_t* exc_start;  // [panels + 1]: each panel's first exception
+    int32_t base;              // the window's first high-7-bit value
+};
+
 // The calling OpenMP thread's contiguous share [begin, end) of n items (all of them outside a
 // parallel region).
 inline std::pair<int, int> thread_share(int n) {
@@ -1821,6 +1840,22 @@ inline void argmax_cols(const ArgRows& st, const uint16_t* bias, int N, int col,
     }
 }
 
+// A pair tile's accumulators [R rows][4 x 16 columns] out as F32 / GLU / ARG say (pair_tile's).
+template <int R, bool F32, bool GLU, bool ARG>
+inline void pair_tile_out(const __m512 (&acc)[R][4], const uint16_t* bias, void* y, int64_t ldy, int N, int n0, int m0) {
+    if constexpr (ARG) {
+        for (int c = 0; c < 4 && n0 + 16 * c < N; ++c)
+            argmax_cols(*static_cast<const ArgRows*>(y), bias, N, n0 + 16 * c, m0, R, [&](int r) { return acc[r][c]; });
+    } else if constexpr (GLU) {
+        for (int c = 0; c < 4; c += 2)
+            glu_store(static_cast<uint16_t*>(y), static_cast<int>(ldy), bias, n0 / 2 + 8 * c, m0, R, [&](int r) { return acc[r][c]; },
+                      [&](int r) { return acc[r][c + 1]; });
+    } else {
+        for (int c = 0; c < 4 && n0 + 16 * c < N; ++c)
+            store_cols<F32>(y, ldy, bias, N, n0 + 16 * c, m0, R, [&](int r) { return acc[r][c]; });
+    }
+}
+
 // Q > 0: also prefetches Q lines a k pair from pf on, K2 Q lines in all (its share of the next
 // panel, see gemm_pairs).
 // F32: y is f32 and gets the bf16-rounded values widened (what .float() of the bf16 result
@@ -1848,18 +1883,99 @@ void pair_tile(const uint16_t* P, const uint16_t* x, int64_t ldx, const uint16_t
             for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
         }
     }
-    if constexpr (ARG) {
-        for (int c = 0; c < 4 && n0 + 16 * c < N; ++c)
-            argmax_cols(*static_cast<const ArgRows*>(y), bias, N, n0 + 16 * c, m0, R, [&](int r) { return acc[r][c]; });
-    } else if constexpr (GLU) {
-        for (int c = 0; c < 4; c += 2)
-            glu_store(static_cast<uint16_t*>(y), static_cast<int>(ldy), bias, n0 / 2 + 8 * c, m0, R, [&](int r) { return acc[r][c]; },
-                      [&](int r) { return acc[r][c + 1]; });
-    } else {
-        for (int c = 0; c < 4 && n0 + 16 * c < N; ++c)
-            store_cols<F32>(y, ldy, bias, N, n0 + 16 * c, m0, R, [&](int r) { return acc[r][c]; });
-    }
+    pair_tile_out<R, F32, GLU, ARG>(acc, bias, y, ldy, N, n0, m0);
 }
+
+#if defined(__AVX512BW__)
+// The 4 bf16 vectors of k pair j of a Pairs12 panel (load_bh's, the same bits): low bytes widened
+// to words, each code's high byte from the table (vpermw reads 5 index bits: T holds its 16
+// entries twice, so a code byte's other nibble in bit 4 does not matter), and the panel's
+// exceptions at j written over them (ei: its next one; nj: that one's k pair).
+struct P12Reader {
+    const uint8_t* blk;
+    const uint32_t* eo;
+    const uint16_t* ev;
+    int ei, ee;
+    int64_t first;  // the panel's first k pair, as exc_off counts them
+    int64_t nj;
+    __m512i T;
+    P12Reader(const Pairs12& w, int p, int K2, __m512i table)
+        : blk(w.blocks + static_cast<int64_t>(p) * K2 * P12_BLOCK), eo(w.exc_off), ev(w.exc_val), ei(w.exc_start[p]),
+          ee(w.exc_start[p + 1]), first(static_cast<int64_t>(p) * K2), T(table) {
+        next();
+    }
+    void next() { nj = ei < ee ? (static_cast<int64_t>(eo[ei]) >> 7) - first : INT64_MAX; }
+    inline void load(int j, __m512bh (&w)[4]) {
+        const uint8_t* b = blk + static_cast<int64_t>(j) * P12_BLOCK;
+        const __m512i e01 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128)));
+        const __m512i e23 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 160)));
+        __m512i v[4];
+        v[0] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))), _mm512_permutexvar_epi16(e01, T));
+        v[1] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32))),
+                               _mm512_permutexvar_epi16(_mm512_srli_epi16(e01, 4), T));
+        v[2] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64))), _mm512_permutexvar_epi16(e23, T));
+        v[3] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 96))),
+                               _mm512_permutexvar_epi16(_mm512_srli_epi16(e23, 4), T));
+        if (__builtin_expect(j == nj, 0)) {
+            alignas(64) uint16_t buf[128];
+            for (int c = 0; c < 4; ++c) _mm512_store_si512(buf + 32 * c, v[c]);
+            for (; ei < ee && (static_cast<int64_t>(eo[ei]) >> 7) - first == j; ++ei) buf[eo[ei] & 127] = ev[ei];
+            next();
+            for (int c = 0; c < 4; ++c) v[c] = _mm512_load_si512(buf + 32 * c);
+        }
+        for (int c = 0; c < 4; ++c) w[c] = reinterpret_cast<__m512bh>(v[c]);
+    }
+};
+
+// The table P12Reader widens a code with: sign << 15 | (base + low 3 bits) << 8, twice over.
+inline __m512i p12_table(int base) {
+    alignas(64) uint16_t t[32];
+    for (int i = 0; i < 32; ++i) t[i] = static_cast<uint16_t>((((i >> 3) & 1) << 15) | ((base + (i & 7)) << 8));
+    return _mm512_load_si512(t);
+}
+
+// pair_tile (without a prefetch) on panel p of a Pairs12 weight.
+template <int R, bool GLU>
+void pair12_tile(const Pairs12& wt, int p, __m512i T, const uint16_t* x, int64_t ldx, const uint16_t* bias, void* y, int64_t ldy,
+                 int N, int K2) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    P12Reader rd(wt, p, K2, T);
+    for (int j = 0; j < K2; ++j) {
+        __m512bh w[4];
+        rd.load(j, w);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh xb = pair_bcast(x + static_cast<int64_t>(r) * ldx + 2 * j);
+            for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
+        }
+    }
+    pair_tile_out<R, false, GLU, false>(acc, bias, y, ldy, N, p * GP_COLS, 0);
+}
+
+// gemm_pairs_impl<false, GLU> for 1 to PAIRS12_MAX_ROWS rows on a Pairs12 weight (K even):
+// the same bits.
+template <bool GLU>
+int gemm_pairs12_impl(const Pairs12* w, const uint16_t* x, void* y, const uint16_t* bias, int M, int N, int K) {
+    if (M < 1 || M > PAIRS12_MAX_ROWS || K % 2) return -1;
+    const int K2 = K / 2, panels = (N + GP_COLS - 1) / GP_COLS;
+    const int64_t ldy = GLU ? N / 2 : N;
+    const __m512i T = p12_table(w->base);
+#pragma omp parallel
+    {
+        const auto [p_begin, p_end] = thread_share(panels);
+        for (int p = p_begin; p < p_end; ++p) {
+            switch (M) {
+                case 1: pair12_tile<1, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
+                case 2: pair12_tile<2, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
+                case 3: pair12_tile<3, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
+                default: pair12_tile<4, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
+            }
+        }
+    }
+    return 0;
+}
+#endif
 #endif
 
 }  // namespace
@@ -2680,8 +2796,9 @@ void argmax_f32(const float* x, int rows, int n, int64_t* out) {
 // threads split their keys", "A long sequence among short ones splits its keys").
 // plan_decode says which. Pass 1 computes every score, then a vectorised softmax per query
 // head, then pass 2 accumulates the V rows.
-// With side_P (a pair-packed weight [side_N, side_K], or null) each thread also prefetches its
-// share of side_P into L2 over the positions it visits (SidePrefetch; decode_layer's).
+// With side_P (a weight [side_N, K] in pair panels or Pairs12 blocks, side_panel_bytes a panel,
+// or null) each thread also prefetches its share of side_P into L2 over the positions it visits
+// (SidePrefetch; decode_layer's).
 constexpr int KSPLIT_MIN_KEYS = 32;  // keys a part at least, where decode_attention splits them
 
 // One task of decode_attention: KV heads [h0, h1) of sequence d over its keys [begin, end).
@@ -2831,8 +2948,8 @@ struct DecodePlanCache {
 
 static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, const void* k_cache, const void* v_cache, int cache_f32,
                              const int64_t* block_tables, const int64_t* ctx_lens, const int64_t* starts, void* out, int D, int H, int KvH,
-                             int hd, int block_size, int max_blocks, float scale, int ahead, const uint16_t* side_P, int side_N,
-                             int side_K) {
+                             int hd, int block_size, int max_blocks, float scale, int ahead, const void* side_P, int side_N,
+                             int64_t side_panel_bytes) {
     const int G = H / KvH;
     const int dist = ahead < 0 ? -ahead : ahead;
     const int elem = cache_f32 ? 4 : 2;
@@ -2869,9 +2986,8 @@ static void decode_attention(const void* q, int64_t q_row_stride, int io_f32, co
 #endif
         if (visits > 0) {  // the whole share, spread over the visits (at most 64 lines at one)
             const auto [b, e] = thread_share((side_N + GP_COLS - 1) / GP_COLS);
-            const int64_t panel_bytes = static_cast<int64_t>(side_K / 2) * GP_COLS * 4;
-            t_side.next = reinterpret_cast<const char*>(side_P) + b * panel_bytes;
-            t_side.left = (e - b) * panel_bytes;
+            t_side.next = static_cast<const char*>(side_P) + b * side_panel_bytes;
+            t_side.left = (e - b) * side_panel_bytes;
             t_side.lines = static_cast<int>(std::min<int64_t>(64, (t_side.left / 64 + visits - 1) / visits));
         }
         // nowait: a thread out of tasks fetches the rest of its share (all of it where it got
@@ -3586,6 +3702,93 @@ int gemm_pairs_swiglu(const uint16_t* P, const uint16_t* x, uint16_t* act, const
     return gemm_pairs_impl<false, true>(P, x, act, bias, M, 2 * I, K);
 }
 
+// Pairs12 of W [N, K] (bf16, row-major; K even) in gemm_pairs' panel order. pairs12_count:
+// exc_start[panels + 1] gets each panel's first exception and the count (returned) for the
+// window from base; pack_pairs12 then fills blocks [panels * K / 2 * 192] and the exceptions
+// (exc_start as pairs12_count left it). The columns past N are zero codes, never read out.
+int64_t pairs12_count(const uint16_t* W, int N, int K, int base, int32_t* exc_start) {
+    if (K % 2 || N < 1) return -1;
+    const int panels = (N + GP_COLS - 1) / GP_COLS;
+    std::vector<int64_t> per(panels);
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+        int64_t n = 0;
+        for (int col = 0; col < GP_COLS && p * GP_COLS + col < N; ++col) {
+            const uint16_t* row = W + static_cast<int64_t>(p * GP_COLS + col) * K;
+            for (int k = 0; k < K; ++k) n += static_cast<unsigned>(((row[k] >> 8) & 127) - base) >= 8u;
+        }
+        per[p] = n;
+    }
+    int64_t total = 0;
+    for (int p = 0; p < panels; ++p) {
+        if (total > INT32_MAX) return -1;
+        exc_start[p] = static_cast<int32_t>(total);
+        total += per[p];
+    }
+    if (total > INT32_MAX || static_cast<int64_t>(panels) * (K / 2) * 128 > UINT32_MAX) return -1;
+    exc_start[panels] = static_cast<int32_t>(total);
+    return total;
+}
+void pack_pairs12(const uint16_t* W, int N, int K, int base, const int32_t* exc_start, uint8_t* blocks, uint32_t* exc_off, uint16_t* exc_val) {
+    const int K2 = K / 2, panels = (N + GP_COLS - 1) / GP_COLS;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+        int64_t e = exc_start[p];
+        for (int j = 0; j < K2; ++j) {
+            const int64_t at = static_cast<int64_t>(p) * K2 + j;
+            uint8_t* b = blocks + at * P12_BLOCK;
+            std::memset(b + 128, 0, 64);
+            for (int wd = 0; wd < 128; ++wd) {  // the word's place in gemm_pairs' k pair: column * 2 + k
+                const int n = p * GP_COLS + wd / 2;
+                const uint16_t v = n < N ? W[static_cast<int64_t>(n) * K + 2 * j + wd % 2] : 0;
+                const unsigned d = static_cast<unsigned>(((v >> 8) & 127) - base);
+                uint8_t code = 0;
+                if (n < N && d >= 8u) {
+                    exc_off[e] = static_cast<uint32_t>(at * 128 + wd);
+                    exc_val[e++] = v;
+                } else if (n < N) {
+                    code = static_cast<uint8_t>((v >> 15) << 3 | d);
+                }
+                b[wd] = static_cast<uint8_t>(v & 0xFF);
+                // vector c = wd / 32 of the four: codes of 0 and 1 in bytes 128-159, of 2 and 3
+                // in 160-191, the even vector's in the low nibble (P12Reader::load)
+                const int c = wd / 32;
+                b[128 + 32 * (c / 2) + wd % 32] |= static_cast<uint8_t>(code << (4 * (c % 2)));
+            }
+        }
+    }
+}
+
+// 1 where gemm_pairs12 runs (AVX512-BF16 and AVX512-BW).
+int has_pairs12() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+// gemm_pairs' output, the same bits, for 1 to PAIRS12_MAX_ROWS rows on w = pack_pairs12(W):
+// -1 for other row counts, an odd K, or where it cannot run (has_pairs12).
+int gemm_pairs12(const Pairs12* w, const uint16_t* x, uint16_t* y, const uint16_t* bias, int M, int N, int K) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return gemm_pairs12_impl<false>(w, x, y, bias, M, N, K);
+#else
+    (void)w; (void)x; (void)y; (void)bias; (void)M; (void)N; (void)K;
+    return -1;
+#endif
+}
+// gemm_pairs_swiglu's output, the same bits, on w = pack_pairs12(W [2I, K]); -1 as gemm_pairs12
+// or where I is not a multiple of 32.
+int gemm_pairs12_swiglu(const Pairs12* w, const uint16_t* x, uint16_t* act, const uint16_t* bias, int M, int I, int K) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (I % 32) return -1;
+    return gemm_pairs12_impl<true>(w, x, act, bias, M, 2 * I, K);
+#else
+    (void)w; (void)x; (void)act; (void)bias; (void)M; (void)I; (void)K;
+    return -1;
+#endif
+}
+
 // gemm_amx_argmax's answer on vdpbf16ps: out[M] = the argmax over columns of what gemm_pairs_f32
 // would store, without storing it. -1 where it cannot (no AVX512-BF16): take gemm_pairs_f32 and
 // argmax_f32 then.
@@ -3876,6 +4079,9 @@ struct DecodeLayerW {
                  // else gemm_pairs_swiglu (fused_decode.py)
     const uint16_t* qk_norm;  // null, or Qwen3's per-head q / k RMSNorm weight [heads + kv_heads, head_dim]
     int glu_block;            // gate_up's layout: silu_mul_bf16's block (16 for the SwiGLU epilogues)
+    // per GEMM (qkv, o, gate_up, down): null, or its weight in 12 bits, which the dot-product
+    // pair GEMM reads instead at up to PAIRS12_MAX_ROWS rows (the same bits)
+    const Pairs12* p12[4];
 };
 struct DecodeStep {
     const uint16_t *cos, *sin;  // [M, hd]
@@ -3903,7 +4109,7 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
 #if defined(__AVX512BF16__)
         if (w->amx >> i & 1)
             gemm_amx(W, x, y, b, M, N, K);
-        else
+        else if (!w->p12[i] || gemm_pairs12(w->p12[i], x, y, b, M, N, K) != 0)
             gemm_pairs(W, x, y, b, M, N, K);
 #else
         (void)i;
@@ -3926,14 +4132,19 @@ int decode_layer(const DecodeLayerW* w, const DecodeStep* s, uint16_t* h, const 
     // slowed attention by as much as they saved or more (docs/SPEED.md, "Zen 4, a fifteenth
     // session")
     const bool pairs_o = !w->panels && !(w->amx >> 1 & 1) && M <= SIDE_PREFETCH_ROWS;
+    const bool o12 = w->p12[1] && M <= PAIRS12_MAX_ROWS && q_size % 2 == 0 && has_pairs12();
+    const void* side = !pairs_o ? nullptr : o12 ? static_cast<const void*>(w->p12[1]->blocks) : w->o;
+    const int64_t side_bytes = static_cast<int64_t>(q_size / 2) * (o12 ? P12_BLOCK : GP_COLS * 4);
     decode_attention(qk, nqk, 0, k_cache, v_cache, 0, s->block_tables, s->ctx_lens, s->starts, attn, M, H, KvH, hd, s->block_size,
-                     s->max_blocks, w->scale, s->ahead, pairs_o ? w->o : nullptr, hid, q_size);
+                     s->max_blocks, w->scale, s->ahead, side, hid, side_bytes);
     gemm(1, w->o, attn, o, w->o_b, hid, q_size);
     rms_norm_bf16(h, o, w->post_norm, normed, M, hid, w->eps);
     // the same bits either way (gemm_amx_swiglu, gemm_pairs_swiglu)
     if (!(w->amx >> 4 & 1) ||
         (w->amx >> 2 & 1 ? gemm_amx_swiglu(w->gate_up, normed, act, w->gate_up_b, M, w->inter, hid)
-                         : gemm_pairs_swiglu(w->gate_up, normed, act, w->gate_up_b, M, w->inter, hid)) != 0) {
+         : w->p12[2] && gemm_pairs12_swiglu(w->p12[2], normed, act, w->gate_up_b, M, w->inter, hid) == 0
+             ? 0
+             : gemm_pairs_swiglu(w->gate_up, normed, act, w->gate_up_b, M, w->inter, hid)) != 0) {
         gemm(2, w->gate_up, normed, gu, w->gate_up_b, 2 * w->inter, hid);
         silu_mul_bf16(gu, act, M, w->inter, w->glu_block);
     }

@@ -1453,6 +1453,11 @@ def test_the_12bit_weights_give_the_same_bits_and_follow_iterserve_kernels(
     monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=torch,attn=cpu,prefill=torch")
     runner = case("llama").runner(dtype="float32", cache_config=cc)
     assert getattr(for_rows(runner.model.layers[0].qkv, 1), "p12", None) is None
+    # nor where the copies would take more than half the free memory
+    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=pairs,attn=cpu,prefill=torch")
+    monkeypatch.setattr("iterserve.model.runner._available_memory", lambda: 4096)
+    runner = case("llama").runner(dtype="bfloat16", cache_config=cc)
+    assert for_rows(runner.model.layers[0].qkv, 1).p12 is None
 
 
 def test_fused_decode_runs_its_plan_as_it_stands(

@@ -211,7 +211,9 @@ class ModelRunner:
                 setting, kern, fused, cache_config.block_size, max_num_batched_tokens
             )
         strategies = replace(
-            strategies, lm_screen=setting.lm_head != "full", pairs12=setting.w12 != "off"
+            strategies,
+            lm_screen=setting.lm_head != "full",
+            pairs12=setting.w12 != "off" and self._pairs12_fit(),
         )
         with torch.inference_mode():
             self.model.select_strategies(strategies)
@@ -448,6 +450,19 @@ class ModelRunner:
         if free is not None and need > free // 2:
             logger.info(
                 "not packing weights: their f32 copy (%d MB) exceeds half the free memory",
+                need >> 20,
+            )
+            return False
+        return True
+
+    def _pairs12_fit(self) -> bool:
+        """Whether the layers' 12-bit weight copies (3/4 of their bf16 bytes, which the model's
+        f32 size over-counts by 8/3) take at most half the free memory."""
+        need = self.model.linear_weight_bytes() * 3 // 8
+        free = _available_memory()
+        if free is not None and need > free // 2:
+            logger.info(
+                "no 12-bit weight copies: they (%d MB) would exceed half the free memory",
                 need >> 20,
             )
             return False

@@ -1,0 +1,142 @@
+"""Decode steps with and without the layers' 12-bit weight copies (``Kernels.gemm_pairs12``,
+docs/SPEED.md, "Zen 4, a twenty-first session"), in one process on one engine, alternated.
+
+    python benchmarks/pairs12.py --batches 1,2,4 --rounds 9
+    python benchmarks/pairs12.py --model smollm2-135m --batches 1
+    python benchmarks/pairs12.py --kernel --batches 1,2,3,4   # the layers' GEMMs alone
+
+B requests with 128-token random prompts decode greedily (ignore_eos) together; each round
+times ``--steps`` steps with the copies, then without (the order flips every round: the fused
+decode plan's pointers and the layers' own ``p12`` set or cleared), and reports the median step
+of each round, the medians and the median of the rounds' ratios. The outputs are the same bits
+either way (tests/test_model.py), so both halves of a round decode the same requests. Prefix
+caching is off so that no request's prefill is served from another's.
+
+``--kernel``: the model's own layer GEMMs (qkv, o, gate_up without its SwiGLU, down; every
+layer's, more bytes than the caches hold) on random rows, ``gemm_pairs`` against
+``gemm_pairs12``: the median over ``--rounds`` rounds of the ms for all of them, alternated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from iterserve import LLM, SamplingParams
+from iterserve.model import kernels, layers
+
+
+def _packed_linears(llm: LLM, rows: list[int]) -> list[Any]:
+    """The layer GEMMs' PairLinear objects that hold a 12-bit copy at these rows."""
+    found = {}
+    for layer in llm.engine.runner.model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            for r in rows:
+                f = layers.for_rows(getattr(layer, name), r)
+                if getattr(f, "p12", None) is not None:
+                    found[id(f)] = f
+    return list(found.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="bench-134m")
+    ap.add_argument("--batches", default="1,2,4")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=20, help="steps a half round")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel", action="store_true", help="the layers' GEMMs alone")
+    ns = ap.parse_args()
+    batches = [int(b) for b in ns.batches.split(",") if b]
+    if any(not 1 <= b <= kernels.PAIRS12_MAX_ROWS for b in batches):
+        raise SystemExit(f"--batches: 12-bit copies run at 1 to {kernels.PAIRS12_MAX_ROWS} rows")
+    steps_needed = 8 + 2 * ns.rounds * ns.steps
+    llm = LLM(
+        ns.model, dtype="bfloat16", num_threads=ns.threads, seed=0,
+        enable_prefix_caching=False, max_model_len=128 + steps_needed + 8,
+    )  # fmt: skip
+    fns = _packed_linears(llm, batches)
+    if not fns:
+        raise SystemExit("no 12-bit weight copies on this machine / model (kernels.has_pairs12)")
+    copies = {id(f): f.p12 for f in fns}
+    if ns.kernel:
+        kernel_only(ns.model, fns, batches, ns.rounds)
+        return
+    eng = llm.engine
+    fd = eng.runner.model.fused_decode
+    rng = random.Random(0)
+    sp = SamplingParams(max_tokens=steps_needed, temperature=0, ignore_eos=True)
+    for b in batches:
+        ids = [f"b{b}-{i}" for i in range(b)]
+        for rid in ids:
+            eng.add_request(rid, [rng.randrange(5, eng.vocab_size) for _ in range(128)], sp)
+        for _ in range(8):  # prefills, then a few decode steps
+            eng.step()
+        plan = None if fd is None else fd.plan(b)
+        saved = [] if plan is None else [[w.p12[i] for i in range(4)] for w in plan]
+
+        def use(on: bool, plan: Any = plan, saved: list[list[Any]] = saved) -> None:
+            for f in fns:
+                f.p12 = copies[id(f)] if on else None
+            for w, ptrs in zip(plan or [], saved):
+                for i in range(4):
+                    w.p12[i] = ptrs[i] if on else None
+
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(ns.rounds):
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                use(on)
+                ts = []
+                for _ in range(ns.steps):
+                    t = time.perf_counter()
+                    eng.step()
+                    ts.append(time.perf_counter() - t)
+                times[on].append(statistics.median(ts))
+        use(True)
+        for rid in ids:
+            eng.abort_request(rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+        ratios = [a / b for a, b in zip(times[True], times[False])]
+        print(
+            f"{ns.model} B={b}: 12-bit {statistics.median(times[True]) * 1e3:.3f} ms, "
+            f"bf16 {statistics.median(times[False]) * 1e3:.3f} ms a step; median ratio "
+            f"{statistics.median(ratios):.3f} (rounds: {' '.join(f'{x:.3f}' for x in ratios)})"
+        )
+
+
+def kernel_only(model: str, fns: list[Any], batches: list[int], rounds: int) -> None:
+    import torch
+
+    kern = fns[0].kern
+    g = torch.Generator().manual_seed(0)
+    bf16_mb = sum(f.p12.N * f.p12.K * 2 for f in fns) / 1e6
+    p12_mb = sum(f.p12.nbytes for f in fns) / 1e6
+    print(
+        f"{model}: {len(fns)} layer GEMMs, {bf16_mb:.0f} MB in bf16 panels, {p12_mb:.0f} MB in "
+        f"12 bits; ms for all of them, median of {rounds}"
+    )
+    for b in batches:
+        xs = {f.p12.K: torch.randn(b, f.p12.K, generator=g).bfloat16() for f in fns}
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(rounds):
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                t = time.perf_counter()
+                for f in fns:
+                    if on:
+                        kern.gemm_pairs12(xs[f.p12.K], f.p12, f.bias)
+                    else:
+                        kern.gemm_pairs(xs[f.p12.K], f.pairs, f.out_features, f.bias)
+                times[on].append((time.perf_counter() - t) * 1e3)
+        p12, full = statistics.median(times[True]), statistics.median(times[False])
+        print(
+            f"  {b} row(s): gemm_pairs {full:.3f} ({bf16_mb / full:.1f} GB/s), gemm_pairs12 "
+            f"{p12:.3f} ({p12_mb / p12:.1f} GB/s read; {p12 / full:.2f}x)"
+        )
+
+
+if __name__ == "__main__":
+    main()

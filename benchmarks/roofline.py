@@ -316,7 +316,9 @@ def main(argv: list[str] | None = None) -> None:
     screen = getattr(for_rows(model.lm_head, 1), "screen", None)
     # bytes a step of up to PAIRS12_MAX_ROWS / LM_SCREEN_MAX_ROWS rows does not read: the
     # bounds count the bf16 weights; "x read" counts what the step reads instead
-    saved: dict[int, float] = {b: 0.0 for b in range(1, PAIRS12_MAX_ROWS + 1)}
+    saved: dict[int, float] = {
+        b: 0.0 for b in range(1, max(LM_SCREEN_MAX_ROWS, PAIRS12_MAX_ROWS) + 1)
+    }
     if screen is not None:
         print(
             f"greedy steps of up to {LM_SCREEN_MAX_ROWS} rows read the LM head as its int8 screen "
@@ -324,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
             "bounds) and the bf16 panels that can win; the bounds count the bf16 LM head"
         )
         for b in range(1, LM_SCREEN_MAX_ROWS + 1):
-            saved[b] += shape.head_params * 2 - screen.q.numel() - screen.coef.numel() * 4
+            if getattr(for_rows(model.lm_head, b), "screen", None) is not None:
+                saved[b] += shape.head_params * 2 - screen.q.numel() - screen.coef.numel() * 4
     packed = [p for layer in model.layers for p in layer.packed12]
     if packed:
         p12_bytes = sum(p.nbytes for p in packed)
@@ -334,8 +337,12 @@ def main(argv: list[str] | None = None) -> None:
             f"12 bits ({p12_bytes / 1e6:.0f} MB for {bf16_bytes / 1e6:.0f} MB of bf16); the "
             "bounds count the bf16 weights"
         )
-        for b in range(1, PAIRS12_MAX_ROWS + 1):
-            saved[b] += bf16_bytes - p12_bytes
+        for b in range(1, PAIRS12_MAX_ROWS + 1):  # the GEMMs that run the copies at b rows
+            for layer in model.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    p12 = getattr(for_rows(getattr(layer, name), b), "p12", None)
+                    if p12 is not None:
+                        saved[b] += p12.N * p12.K * 2 - p12.nbytes
     results: dict[int, DecodeResult] = {}
     # Each batch's bound reads at the fastest rate probed just before, just after and at the
     # start: some hosts' read rate jumps (34 -> 62 GB/s on a Zen 4 VM) for minutes, and a

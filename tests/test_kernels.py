@@ -999,6 +999,29 @@ def test_gemm_pairs12_gives_gemm_pairs_bits() -> None:
     finally:
         torch.set_num_threads(threads)
     assert checked == 3 * 4 * PAIRS12_MAX_ROWS * 2
+    # windows at either end (zeros, denormals, infinities and NaN as codes, not exceptions), and
+    # exceptions in the last k pair of the last, padded panel
+    for scale, base, specials in (
+        (2.0**-118, 0, (0.0, -0.0, 1e-39, -3e-39)),
+        (2.0**126, 120, (float("inf"), float("-inf"), float("nan"))),
+        (0.02, None, ()),
+    ):
+        w = torch.randn(100, 96, generator=g)
+        if base == 120:  # all in [2^126, 2^127) but the specials: 120 the only window for both
+            w = w.sign() * (1 + torch.rand(100, 96, generator=g) * 0.99)
+        w = (w * scale).bfloat16()
+        for i, v in enumerate(specials):
+            w[7 * i + 3, 5 * i + 1] = v
+        if base is None:
+            w[99, 94:] = torch.tensor([300.0, -1e-30])  # outside the window: exceptions
+        p12 = kern.pack_pairs12(w)
+        assert p12 is not None and (base is None or p12.base == base), p12
+        assert (int(p12.exc_start[-1]) == 2) == (base is None)
+        P = kern.pack_pairs(w)
+        for M in range(1, PAIRS12_MAX_ROWS + 1):
+            x = torch.randn(M, 96, generator=g).bfloat16()
+            got, want = kern.gemm_pairs12(x, p12), kern.gemm_pairs(x, P, 100)
+            assert got is not None and torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert kern.pack_pairs12(torch.randn(64, 7).bfloat16()) is None  # odd K
     wide = torch.randn(128, 64, generator=g) * 2.0 ** torch.randint(-30, 30, (128, 64), generator=g)
     assert kern.pack_pairs12(wide.bfloat16()) is None  # exponents far wider than the window

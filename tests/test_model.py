@@ -1450,9 +1450,26 @@ def test_the_12bit_weights_give_the_same_bits_and_follow_iterserve_kernels(
         for key, r in runners.items():
             for (ka, va), (kb, vb) in zip(r.kv_caches, runners["off", "plain"].kv_caches):
                 assert torch.equal(ka, kb) and torch.equal(va, vb), (key, n)
-    monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=torch,attn=cpu,prefill=torch")
-    runner = case("llama").runner(dtype="float32", cache_config=cc)
-    assert getattr(for_rows(runner.model.layers[0].qkv, 1), "p12", None) is None
+    # the fused step reads the copies themselves: one code changed, another qkv weight value
+    qkv12 = for_rows(runners["on", "fused"].model.layers[0].qkv, 1).p12
+    assert qkv12 is not None
+    last = [BatchItem("s0", [prompts[0][-1]], len(prompts[0]) - 1, tables[0], True)]
+    before = runners["on", "fused"].execute(last)
+    with torch.inference_mode():  # the copies were made under it
+        qkv12.blocks[128] ^= 1
+        try:
+            assert not torch.equal(runners["on", "fused"].execute(last), before)
+        finally:
+            qkv12.blocks[128] ^= 1
+    assert torch.equal(runners["on", "fused"].execute(last), before)
+    # a float32 model packs none
+    packed: list[bool] = []
+    pack_fn = k.pack_pairs12
+    monkeypatch.setattr(k, "pack_pairs12", lambda *a: _record(packed, pack_fn(*a)))
+    for dtype, kernel_setting in (("float32", "flags"), ("bfloat16", "gemm=pairs")):
+        monkeypatch.setenv("ITERSERVE_KERNELS", kernel_setting)
+        case("llama").runner(dtype=dtype, cache_config=cc)
+        assert (packed == []) == (dtype == "float32") and all(packed)
     # nor where the copies would take more than half the free memory
     monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=pairs,attn=cpu,prefill=torch")
     monkeypatch.setattr("iterserve.model.runner._available_memory", lambda: 4096)

@@ -244,7 +244,7 @@ class Pairs12(ctypes.Structure):
     ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors and a ctypes structure: identity, not values
 class PackedPairs12:
     """``pack_pairs12``'s form of a bf16 weight [N, K]: per k pair of each pair panel its 128 low
     bytes and 128 4-bit codes (sign and exponent within an 8-value window from ``base``), and
@@ -369,6 +369,8 @@ class Kernels:
         self.lib.has_lm_screen.restype = _I
         # the LM head's greedy argmax screened on an int8 copy: AVX512-BF16 and VNNI
         self.has_lm_screen = bool(self.lib.has_lm_screen())
+        self.lib.pairs12_window.argtypes = [_P, _I, _I]
+        self.lib.pairs12_window.restype = _I
         self.lib.pairs12_count.argtypes = [_P, _I, _I, _I, _P]
         self.lib.pairs12_count.restype = ctypes.c_int64
         self.lib.pack_pairs12.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P]
@@ -942,11 +944,13 @@ class Kernels:
         )  # fmt: skip
         return out if rc == 0 else None
 
-    def pack_pairs12(self, w: torch.Tensor) -> PackedPairs12 | None:
+    def pack_pairs12(
+        self, w: torch.Tensor, pairs: torch.Tensor | None = None
+    ) -> PackedPairs12 | None:
         """A bf16 weight [N, K] in 12 bits for ``gemm_pairs12`` (the window: the 8 consecutive
-        values of the high byte's exponent bits that most of w takes); None where it cannot run
-        (``has_pairs12`` False, K odd) or more than ``PAIRS12_MAX_EXCEPTIONS`` of w lies
-        outside the window."""
+        values of the high byte's exponent bits that most of w takes), built from ``pairs`` =
+        ``pack_pairs(w)`` (made here if None); None where it cannot run (``has_pairs12``
+        False, K odd) or more than ``PAIRS12_MAX_EXCEPTIONS`` of w lies outside the window."""
         if w.dtype != torch.bfloat16 or w.dim() != 2:
             raise ValueError(
                 f"pack_pairs12 takes a 2-D bf16 weight, got {w.dtype} {tuple(w.shape)}"
@@ -954,21 +958,21 @@ class Kernels:
         N, K = w.shape
         if not self.has_pairs12 or K % 2 or N < 1:
             return None
-        w = w.detach().contiguous()
-        high = (w.view(torch.int16) >> 8).to(torch.int32) & 127
-        windows = torch.bincount(high.flatten(), minlength=128).cumsum(0)
-        windows = windows[7:] - torch.cat([windows.new_zeros(1), windows[:-8]])
-        base = int(windows.argmax())
         panels = -(-N // 64)
+        if pairs is None:
+            pairs = self.pack_pairs(w)
+        if pairs.dtype != torch.bfloat16 or pairs.numel() != panels * K * 64:
+            raise ValueError(f"pack_pairs12: pairs of {pairs.numel()} elements for w [{N}, {K}]")
+        base = int(self.lib.pairs12_window(pairs.data_ptr(), N, K))
         exc_start = torch.empty(panels + 1, dtype=torch.int32)
-        count = int(self.lib.pairs12_count(w.data_ptr(), N, K, base, exc_start.data_ptr()))
+        count = int(self.lib.pairs12_count(pairs.data_ptr(), N, K, base, exc_start.data_ptr()))
         if count < 0 or count > PAIRS12_MAX_EXCEPTIONS * N * K:
             return None
         blocks = empty_hugepages((panels * (K // 2) * 192,), torch.uint8)
         exc_off = torch.empty(max(count, 1), dtype=torch.int32)
         exc_val = torch.empty(max(count, 1), dtype=torch.int16)
         self.lib.pack_pairs12(
-            w.data_ptr(), N, K, base, exc_start.data_ptr(), blocks.data_ptr(),
+            pairs.data_ptr(), N, K, base, exc_start.data_ptr(), blocks.data_ptr(),
             exc_off.data_ptr(), exc_val.data_ptr(),
         )  # fmt: skip
         struct = Pairs12(

@@ -310,7 +310,8 @@ def attach_pairs12(lin: Linear, w: torch.Tensor) -> kernels.PackedPairs12 | None
     }
     if not fns:
         return None
-    p12 = next(iter(fns.values())).kern.pack_pairs12(w)
+    first = next(iter(fns.values()))
+    p12 = first.kern.pack_pairs12(w, None if first.odd else first.pairs)
     for f in fns.values():
         f.p12 = p12
     return p12

@@ -240,15 +240,15 @@ class DecoderModel(nn.Module):
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         )
 
-    def linear_weight_bytes(self) -> int:
-        """Elements of every GEMM weight (projections and LM head) times 4: their f32 size
-        (before ``select_strategies``)."""
+    def linear_weight_bytes(self, lm_head: bool = True) -> int:
+        """Elements of every GEMM weight (projections and, with ``lm_head``, the LM head) times
+        4: their f32 size (before ``select_strategies``)."""
         n = sum(
             getattr(layer, f"{name}_proj").numel()
             for layer in self.layers
             for name in DecoderLayer.LINEARS
         )
-        return 4 * (n + self.lm_head.numel())
+        return 4 * (n + (self.lm_head.numel() if lm_head else 0))
 
     def select_strategies(self, s: Strategies) -> None:
         """Decides, once, how every GEMM, norm, rotary, activation and attention runs, by

@@ -3702,54 +3702,91 @@ int gemm_pairs_swiglu(const uint16_t* P, const uint16_t* x, uint16_t* act, const
     return gemm_pairs_impl<false, true>(P, x, act, bias, M, 2 * I, K);
 }
 
-// Pairs12 of W [N, K] (bf16, row-major; K even) in gemm_pairs' panel order. pairs12_count:
-// exc_start[panels + 1] gets each panel's first exception and the count (returned) for the
-// window from base; pack_pairs12 then fills blocks [panels * K / 2 * 192] and the exceptions
-// (exc_start as pairs12_count left it). The columns past N are zero codes, never read out.
-int64_t pairs12_count(const uint16_t* W, int N, int K, int base, int32_t* exc_start) {
-    if (K % 2 || N < 1) return -1;
-    const int panels = (N + GP_COLS - 1) / GP_COLS;
+// Pairs12 from P = pack_bf16_pairs(W [N, K]) (K even), read in its order. pairs12_window: the
+// base whose 8 high-7-bit values hold the most of W's values (the first such); pairs12_count:
+// exc_start[panels + 1] gets each panel's first exception and the count (returned; -1 where
+// offsets or counts would not fit) for that base; pack_pairs12 then fills blocks [panels * K / 2
+// * 192] and the exceptions (exc_start as pairs12_count left it). The columns past N (zero in
+// P) are zero codes, never read out.
+int pairs12_window(const uint16_t* P, int N, int K) {
+    const int K2 = K / 2, panels = (N + GP_COLS - 1) / GP_COLS;
+    int threads = 1;
+#if defined(_OPENMP)
+    threads = omp_get_max_threads();
+#endif
+    std::vector<int64_t> hist(static_cast<size_t>(threads) * 128, 0);
+#pragma omp parallel
+    {
+        int tid = 0;
+#if defined(_OPENMP)
+        tid = omp_get_thread_num();
+#endif
+        int64_t* h = hist.data() + static_cast<size_t>(tid) * 128;
+        const auto [b, e] = thread_share(panels);
+        for (int p = b; p < e; ++p) {
+            const int words = 2 * std::min(GP_COLS, N - p * GP_COLS);  // a k pair's real columns
+            for (int j = 0; j < K2; ++j) {
+                const uint16_t* v = P + (static_cast<int64_t>(p) * K2 + j) * 2 * GP_COLS;
+                for (int wd = 0; wd < words; ++wd) ++h[(v[wd] >> 8) & 127];
+            }
+        }
+    }
+    for (int t = 1; t < threads; ++t)
+        for (int i = 0; i < 128; ++i) hist[i] += hist[static_cast<size_t>(t) * 128 + i];
+    int best = 0;
+    int64_t most = -1;
+    for (int b = 0; b + 8 <= 128; ++b) {
+        int64_t n = 0;
+        for (int i = 0; i < 8; ++i) n += hist[b + i];
+        if (n > most) most = n, best = b;
+    }
+    return best;
+}
+int64_t pairs12_count(const uint16_t* P, int N, int K, int base, int32_t* exc_start) {
+    if (K % 2 || N < 1 || K < 2) return -1;
+    const int K2 = K / 2, panels = (N + GP_COLS - 1) / GP_COLS;
     std::vector<int64_t> per(panels);
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; ++p) {
+        const int words = 2 * std::min(GP_COLS, N - p * GP_COLS);
         int64_t n = 0;
-        for (int col = 0; col < GP_COLS && p * GP_COLS + col < N; ++col) {
-            const uint16_t* row = W + static_cast<int64_t>(p * GP_COLS + col) * K;
-            for (int k = 0; k < K; ++k) n += static_cast<unsigned>(((row[k] >> 8) & 127) - base) >= 8u;
+        for (int j = 0; j < K2; ++j) {
+            const uint16_t* v = P + (static_cast<int64_t>(p) * K2 + j) * 2 * GP_COLS;
+            for (int wd = 0; wd < words; ++wd) n += static_cast<unsigned>(((v[wd] >> 8) & 127) - base) >= 8u;
         }
         per[p] = n;
     }
     int64_t total = 0;
     for (int p = 0; p < panels; ++p) {
-        if (total > INT32_MAX) return -1;
-        exc_start[p] = static_cast<int32_t>(total);
+        exc_start[p] = static_cast<int32_t>(std::min<int64_t>(total, INT32_MAX));
         total += per[p];
     }
-    if (total > INT32_MAX || static_cast<int64_t>(panels) * (K / 2) * 128 > UINT32_MAX) return -1;
+    if (total > INT32_MAX || static_cast<int64_t>(panels) * K2 * 128 > UINT32_MAX) return -1;
     exc_start[panels] = static_cast<int32_t>(total);
     return total;
 }
-void pack_pairs12(const uint16_t* W, int N, int K, int base, const int32_t* exc_start, uint8_t* blocks, uint32_t* exc_off, uint16_t* exc_val) {
+void pack_pairs12(const uint16_t* P, int N, int K, int base, const int32_t* exc_start, uint8_t* blocks, uint32_t* exc_off,
+                  uint16_t* exc_val) {
     const int K2 = K / 2, panels = (N + GP_COLS - 1) / GP_COLS;
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; ++p) {
+        const int words = 2 * std::min(GP_COLS, N - p * GP_COLS);
         int64_t e = exc_start[p];
         for (int j = 0; j < K2; ++j) {
             const int64_t at = static_cast<int64_t>(p) * K2 + j;
+            const uint16_t* v = P + at * 2 * GP_COLS;
             uint8_t* b = blocks + at * P12_BLOCK;
             std::memset(b + 128, 0, 64);
-            for (int wd = 0; wd < 128; ++wd) {  // the word's place in gemm_pairs' k pair: column * 2 + k
-                const int n = p * GP_COLS + wd / 2;
-                const uint16_t v = n < N ? W[static_cast<int64_t>(n) * K + 2 * j + wd % 2] : 0;
-                const unsigned d = static_cast<unsigned>(((v >> 8) & 127) - base);
+            for (int wd = 0; wd < 2 * GP_COLS; ++wd) {  // column wd / 2, k value 2 j + wd % 2
+                const unsigned d = static_cast<unsigned>(((v[wd] >> 8) & 127) - base);
                 uint8_t code = 0;
-                if (n < N && d >= 8u) {
+                if (wd < words && d >= 8u) {
                     exc_off[e] = static_cast<uint32_t>(at * 128 + wd);
-                    exc_val[e++] = v;
-                } else if (n < N) {
-                    code = static_cast<uint8_t>((v >> 15) << 3 | d);
+                    exc_val[e++] = v[wd];
+                } else if (wd < words) {
+                    code = static_cast<uint8_t>((v[wd] >> 15) << 3 | d);
                 }
-                b[wd] = static_cast<uint8_t>(v & 0xFF);
+                b[wd] = static_cast<uint8_t>(v[wd] & 0xFF);
                 // vector c = wd / 32 of the four: codes of 0 and 1 in bytes 128-159, of 2 and 3
                 // in 160-191, the even vector's in the low nibble (P12Reader::load)
                 const int c = wd / 32;

@@ -1,16 +1,18 @@
-"""Decode steps with and without the layers' 12-bit weight copies (``Kernels.gemm_pairs12``,
+"""Decode steps with and without the 12-bit weight copies (``Kernels.gemm_pairs12``,
 docs/SPEED.md, "Zen 4, a twenty-first session"), in one process on one engine, alternated.
 
     python benchmarks/pairs12.py --batches 1,2,4 --rounds 9
     python benchmarks/pairs12.py --model smollm2-135m --batches 1
+    python benchmarks/pairs12.py --temperature 1 --batches 1   # the LM head's logits too
     python benchmarks/pairs12.py --kernel --batches 1,2,3,4   # the layers' GEMMs alone
 
-B requests with 128-token random prompts decode greedily (ignore_eos) together; each round
-times ``--steps`` steps with the copies, then without (the order flips every round: the fused
-decode plan's pointers and the layers' own ``p12`` set or cleared), and reports the median step
-of each round, the medians and the median of the rounds' ratios. The outputs are the same bits
-either way (tests/test_model.py), so both halves of a round decode the same requests. Prefix
-caching is off so that no request's prefill is served from another's.
+B requests with 128-token random prompts decode together (greedily unless ``--temperature``;
+ignore_eos); each round times ``--steps`` steps with the copies, then without (the order flips
+every round: the fused decode plan's pointers and the GEMMs' own ``p12`` set or cleared), and
+reports the median step of each round, the medians and the median of the rounds' ratios. The
+outputs are the same bits either way (tests/test_model.py), so both halves of a round decode
+the same requests. Greedy steps of up to 4 rows take the LM head's int8 screen, not its 12-bit
+copy. Prefix caching is off so that no request's prefill is served from another's.
 
 ``--kernel``: the model's own layer GEMMs (qkv, o, gate_up without its SwiGLU, down; every
 layer's, more bytes than the caches hold) on random rows, ``gemm_pairs`` against
@@ -29,15 +31,17 @@ from iterserve import LLM, SamplingParams
 from iterserve.model import kernels, layers
 
 
-def _packed_linears(llm: LLM, rows: list[int]) -> list[Any]:
-    """The layer GEMMs' PairLinear objects that hold a 12-bit copy at these rows."""
+def _packed_linears(llm: LLM, rows: list[int], head: bool) -> list[Any]:
+    """The layer GEMMs' PairLinear objects (and with ``head`` the LM head's) that hold a 12-bit
+    copy at these rows."""
+    model = llm.engine.runner.model
+    lins = [getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up", "down")]
     found = {}
-    for layer in llm.engine.runner.model.layers:
-        for name in ("qkv", "o", "gate_up", "down"):
-            for r in rows:
-                f = layers.for_rows(getattr(layer, name), r)
-                if getattr(f, "p12", None) is not None:
-                    found[id(f)] = f
+    for lin in lins + ([model.lm_head] if head else []):
+        for r in rows:
+            f = layers.for_rows(lin, r)
+            if getattr(f, "p12", None) is not None:
+                found[id(f)] = f
     return list(found.values())
 
 
@@ -49,6 +53,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="steps a half round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernel", action="store_true", help="the layers' GEMMs alone")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="sampled steps (> 0) compute the LM head's logits, on its 12-bit copy too",
+    )  # fmt: skip
     ns = ap.parse_args()
     batches = [int(b) for b in ns.batches.split(",") if b]
     if any(not 1 <= b <= kernels.PAIRS12_MAX_ROWS for b in batches):
@@ -58,7 +66,7 @@ def main() -> None:
         ns.model, dtype="bfloat16", num_threads=ns.threads, seed=0,
         enable_prefix_caching=False, max_model_len=128 + steps_needed + 8,
     )  # fmt: skip
-    fns = _packed_linears(llm, batches)
+    fns = _packed_linears(llm, batches, head=not ns.kernel)
     if not fns:
         raise SystemExit("no 12-bit weight copies on this machine / model (kernels.has_pairs12)")
     copies = {id(f): f.p12 for f in fns}
@@ -68,7 +76,9 @@ def main() -> None:
     eng = llm.engine
     fd = eng.runner.model.fused_decode
     rng = random.Random(0)
-    sp = SamplingParams(max_tokens=steps_needed, temperature=0, ignore_eos=True)
+    sp = SamplingParams(
+        max_tokens=steps_needed, temperature=ns.temperature, ignore_eos=True, seed=0
+    )
     for b in batches:
         ids = [f"b{b}-{i}" for i in range(b)]
         for rid in ids:

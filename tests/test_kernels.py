@@ -949,10 +949,11 @@ def test_logits_in_f32_whatever_the_lm_head_path() -> None:
 
 def test_gemm_pairs12_gives_gemm_pairs_bits() -> None:
     """The pair GEMM on 12-bit weights (``pack_pairs12`` / ``gemm_pairs12``): gemm_pairs' bits
-    (and gemm_swiglu's) at 1 to 4 rows, 1 to 3 threads, N not a multiple of 64, with bias or
-    none, for weights holding values outside the window (zeros, denormals, large outliers, NaN,
-    infinities: the exceptions, patched back bit for bit); None with more rows. No 12-bit form
-    for an odd K or a weight that mostly lies outside any 8-value window."""
+    (bf16 and f32 out, and gemm_swiglu's) at 1 to 4 rows, 1 to 3 threads, N not a multiple of
+    64, with bias or none, for weights holding values outside the window (zeros, denormals,
+    large outliers, NaN, infinities: the exceptions, patched back bit for bit); None with more
+    rows. No 12-bit form for an odd K or a weight that mostly lies outside any 8-value
+    window."""
     from iterserve.model.kernels import PAIRS12_MAX_ROWS
 
     kern = _kern()
@@ -990,6 +991,10 @@ def test_gemm_pairs12_gives_gemm_pairs_bits() -> None:
                         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
                             nt, N, K, M,
                         )  # fmt: skip
+                        got32 = kern.gemm_pairs12(x, p12, b, out_f32=True)
+                        want32 = kern.gemm_pairs(x, P, N, b, out_f32=True)
+                        assert got32 is not None and got32.dtype == torch.float32
+                        assert torch.equal(got32.view(torch.int32), want32.view(torch.int32))
                         if N % 64 == 0:
                             act = kern.gemm_swiglu12(x, p12, b)
                             want_act = kern.gemm_swiglu(x, P, N // 2, b)

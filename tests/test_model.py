@@ -1388,11 +1388,11 @@ def test_the_lm_head_screen_follows_iterserve_kernels(
 def test_the_12bit_weights_give_the_same_bits_and_follow_iterserve_kernels(
     case: Callable[[str], Case], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bf16 model whose layer GEMMs run on the dot-product pair GEMM reads their 12-bit
-    copies at 1 to 4 rows (PairLinear.__call__ and GateUpAct on the per-layer path, the plan's
-    p12 pointers on the fused one) and gets the logits and KV caches of the bf16 weights
-    alone, bit for bit, step after step at 1 to 6 decodes; ITERSERVE_KERNELS' w12=off leaves
-    them out, and a float32 model never has them."""
+    """A bf16 model whose GEMMs run on the dot-product pair GEMM reads their 12-bit copies at
+    1 to 4 rows (PairLinear.__call__ and GateUpAct on the per-layer path, the plan's p12
+    pointers on the fused one; the LM head's logits on both) and gets the logits and KV caches
+    of the bf16 weights alone, bit for bit, step after step at 1 to 6 decodes; ITERSERVE_KERNELS'
+    w12=off leaves them out, and a float32 model never has them."""
     from iterserve.model import kernels
     from iterserve.model.layers import for_rows
 
@@ -1417,6 +1417,9 @@ def test_the_12bit_weights_give_the_same_bits_and_follow_iterserve_kernels(
     for name in ("qkv", "o", "gate_up", "down"):
         for m in (1, 4, 5):
             assert p12_of("on", name, m) is not None and p12_of("off", name, m) is None
+    # the LM head's too (its logits; greedy steps take its screen)
+    assert for_rows(runners["on", "plain"].model.lm_head, 1).p12 is not None
+    assert for_rows(runners["off", "plain"].model.lm_head, 1).p12 is None
 
     def plan_p12(form: str, rows: int) -> list[bool]:
         fd = runners[form, "fused"].model.fused_decode
@@ -1442,8 +1445,10 @@ def test_the_12bit_weights_give_the_same_bits_and_follow_iterserve_kernels(
             r.execute(pre)
         calls.clear()
         got = {key: r.execute(step) for key, r in runners.items()}
-        # the per-layer path with 12-bit weights calls them at up to 4 rows (the fused one in C)
-        assert calls == ([True] * 4 * len(runners["on", "plain"].model.layers) if n <= 4 else [])
+        # the per-layer path with 12-bit weights calls them at up to 4 rows (the fused one in C;
+        # both for the LM head's logits)
+        layer_calls = 4 * len(runners["on", "plain"].model.layers)
+        assert calls == ([True] * (layer_calls + 2) if n <= 4 else [])
         want = got["off", "plain"]
         for key, logits in got.items():
             assert torch.equal(logits, want), (key, n)

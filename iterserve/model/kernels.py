@@ -375,7 +375,7 @@ class Kernels:
         self.lib.pairs12_count.restype = ctypes.c_int64
         self.lib.pack_pairs12.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P]
         self.lib.pack_pairs12.restype = None
-        for name in ("gemm_pairs12", "gemm_pairs12_swiglu"):
+        for name in ("gemm_pairs12", "gemm_pairs12_f32", "gemm_pairs12_swiglu"):
             getattr(self.lib, name).argtypes = [ctypes.POINTER(Pairs12), _P, _P, _P, _I, _I, _I]
             getattr(self.lib, name).restype = _I
         self.lib.has_pairs12.argtypes = []
@@ -990,14 +990,18 @@ class Kernels:
         return x.contiguous(), None if b is None else b.contiguous()
 
     def gemm_pairs12(
-        self, x: torch.Tensor, p12: PackedPairs12, b: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        p12: PackedPairs12,
+        b: torch.Tensor | None = None,
+        out_f32: bool = False,
     ) -> torch.Tensor | None:
-        """``gemm_pairs(x, pack_pairs(w), N, b)``, the same bits, on ``p12 = pack_pairs12(w)``:
-        at 1 to ``PAIRS12_MAX_ROWS`` rows it reads 3/4 of the bytes. None at other row counts,
-        for the caller to take gemm_pairs."""
+        """``gemm_pairs(x, pack_pairs(w), N, b, out_f32)``, the same bits, on ``p12 =
+        pack_pairs12(w)``: at 1 to ``PAIRS12_MAX_ROWS`` rows it reads 3/4 of the bytes. None
+        at other row counts, for the caller to take gemm_pairs."""
         x, b = self._pairs12_operands("gemm_pairs12", x, p12, b)
-        y = torch.empty(x.shape[0], p12.N, dtype=torch.bfloat16)
-        rc = self.lib.gemm_pairs12(
+        y = torch.empty(x.shape[0], p12.N, dtype=torch.float32 if out_f32 else torch.bfloat16)
+        rc = (self.lib.gemm_pairs12_f32 if out_f32 else self.lib.gemm_pairs12)(
             ctypes.byref(p12.struct), x.data_ptr(), y.data_ptr(),
             None if b is None else b.data_ptr(), x.shape[0], p12.N, p12.K,
         )  # fmt: skip

@@ -200,8 +200,8 @@ class PairLinear:
     def __call__(self, x: torch.Tensor, out_f32: bool = False) -> torch.Tensor:
         if self.odd:
             x = F.pad(x, (0, 1))
-        if self.p12 is not None and not out_f32 and x.shape[0] <= kernels.PAIRS12_MAX_ROWS:
-            y = self.kern.gemm_pairs12(x, self.p12, self.bias)
+        if self.p12 is not None and x.shape[0] <= kernels.PAIRS12_MAX_ROWS:
+            y = self.kern.gemm_pairs12(x, self.p12, self.bias, out_f32)
             if y is not None:
                 return y
         return self.kern.gemm_pairs(x, self.pairs, self.out_features, self.bias, out_f32, self.amx)

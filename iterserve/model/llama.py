@@ -114,8 +114,8 @@ class Strategies:
     # the LM head's greedy argmax on its int8 screen where it can run (ITERSERVE_KERNELS'
     # lmhead=full: never)
     lm_screen: bool = True
-    # the decoder layers' GEMMs also in 12 bits for 1-4-row steps where the dot-product pair
-    # GEMM runs them (ITERSERVE_KERNELS' w12=off: never)
+    # the GEMMs (layers' and LM head's) also in 12 bits for 1-4-row steps where the
+    # dot-product pair GEMM runs them (ITERSERVE_KERNELS' w12=off: never)
     pairs12: bool = True
 
     def make_linear(self, kind: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
@@ -240,15 +240,15 @@ class DecoderModel(nn.Module):
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         )
 
-    def linear_weight_bytes(self, lm_head: bool = True) -> int:
-        """Elements of every GEMM weight (projections and, with ``lm_head``, the LM head) times
-        4: their f32 size (before ``select_strategies``)."""
+    def linear_weight_bytes(self) -> int:
+        """Elements of every GEMM weight (projections and LM head) times 4: their f32 size
+        (before ``select_strategies``)."""
         n = sum(
             getattr(layer, f"{name}_proj").numel()
             for layer in self.layers
             for name in DecoderLayer.LINEARS
         )
-        return 4 * (n + (self.lm_head.numel() if lm_head else 0))
+        return 4 * (n + self.lm_head.numel())
 
     def select_strategies(self, s: Strategies) -> None:
         """Decides, once, how every GEMM, norm, rotary, activation and attention runs, by
@@ -257,16 +257,21 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             cast(DecoderLayer, layer).select_strategies(s)
         packed = [p for layer in self.layers for p in cast(DecoderLayer, layer).packed12]
-        if packed:
-            logger.info(
-                "%d of %d layer GEMMs read 12-bit weights at 1-%d rows (+%.0f MB; "
-                "ITERSERVE_KERNELS=w12=off: bf16 only)",
-                len(packed), len(self.layers) * len(DecoderLayer.LINEARS),
-                kernels.PAIRS12_MAX_ROWS, sum(p.nbytes for p in packed) / 1e6,
-            )  # fmt: skip
         w = self.lm_head
         del self.lm_head
         self.lm_head = s.make_linear("lm_head", w, None)
+        # the LM head's too, for its logits (greedy steps take the int8 screen below first)
+        head12 = (
+            attach_pairs12(self.lm_head, w) if s.pairs12 and w.dtype == torch.bfloat16 else None
+        )
+        if packed or head12 is not None:
+            logger.info(
+                "%d of %d layer GEMMs%s read 12-bit weights at 1-%d rows (+%.0f MB; "
+                "ITERSERVE_KERNELS=w12=off: bf16 only)",
+                len(packed), len(self.layers) * len(DecoderLayer.LINEARS),
+                "" if head12 is None else " and the LM head", kernels.PAIRS12_MAX_ROWS,
+                sum(p.nbytes for p in packed + ([] if head12 is None else [head12])) / 1e6,
+            )  # fmt: skip
         if w.dtype == torch.bfloat16 and s.lm_screen:
             screened = attach_lm_screen(self.lm_head, w)
             if screened:

@@ -456,9 +456,9 @@ class ModelRunner:
         return True
 
     def _pairs12_fit(self) -> bool:
-        """Whether the layers' 12-bit weight copies (3/4 of their bf16 bytes: 3/8 of their f32
-        size) take at most half the free memory."""
-        need = self.model.linear_weight_bytes(lm_head=False) * 3 // 8
+        """Whether the 12-bit weight copies (3/4 of the GEMM weights' bf16 bytes: 3/8 of their
+        f32 size) take at most half the free memory."""
+        need = self.model.linear_weight_bytes() * 3 // 8
         free = _available_memory()
         if free is not None and need > free // 2:
             logger.info(

@@ -1935,7 +1935,7 @@ inline __m512i p12_table(int base) {
 }
 
 // pair_tile (without a prefetch) on panel p of a Pairs12 weight.
-template <int R, bool GLU>
+template <int R, bool F32, bool GLU>
 void pair12_tile(const Pairs12& wt, int p, __m512i T, const uint16_t* x, int64_t ldx, const uint16_t* bias, void* y, int64_t ldy,
                  int N, int K2) {
     __m512 acc[R][4];
@@ -1950,12 +1950,12 @@ void pair12_tile(const Pairs12& wt, int p, __m512i T, const uint16_t* x, int64_t
             for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
         }
     }
-    pair_tile_out<R, false, GLU, false>(acc, bias, y, ldy, N, p * GP_COLS, 0);
+    pair_tile_out<R, F32, GLU, false>(acc, bias, y, ldy, N, p * GP_COLS, 0);
 }
 
-// gemm_pairs_impl<false, GLU> for 1 to PAIRS12_MAX_ROWS rows on a Pairs12 weight (K even):
-// the same bits.
-template <bool GLU>
+// gemm_pairs_impl<F32, GLU> for 1 to PAIRS12_MAX_ROWS rows on a Pairs12 weight (K even): the
+// same bits.
+template <bool F32, bool GLU>
 int gemm_pairs12_impl(const Pairs12* w, const uint16_t* x, void* y, const uint16_t* bias, int M, int N, int K) {
     if (M < 1 || M > PAIRS12_MAX_ROWS || K % 2) return -1;
     const int K2 = K / 2, panels = (N + GP_COLS - 1) / GP_COLS;
@@ -1966,10 +1966,10 @@ int gemm_pairs12_impl(const Pairs12* w, const uint16_t* x, void* y, const uint16
         const auto [p_begin, p_end] = thread_share(panels);
         for (int p = p_begin; p < p_end; ++p) {
             switch (M) {
-                case 1: pair12_tile<1, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
-                case 2: pair12_tile<2, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
-                case 3: pair12_tile<3, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
-                default: pair12_tile<4, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
+                case 1: pair12_tile<1, F32, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
+                case 2: pair12_tile<2, F32, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
+                case 3: pair12_tile<3, F32, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
+                default: pair12_tile<4, F32, GLU>(*w, p, T, x, K, bias, y, ldy, N, K2); break;
             }
         }
     }
@@ -3808,7 +3808,16 @@ int has_pairs12() {
 // -1 for other row counts, an odd K, or where it cannot run (has_pairs12).
 int gemm_pairs12(const Pairs12* w, const uint16_t* x, uint16_t* y, const uint16_t* bias, int M, int N, int K) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    return gemm_pairs12_impl<false>(w, x, y, bias, M, N, K);
+    return gemm_pairs12_impl<false, false>(w, x, y, bias, M, N, K);
+#else
+    (void)w; (void)x; (void)y; (void)bias; (void)M; (void)N; (void)K;
+    return -1;
+#endif
+}
+// gemm_pairs_f32's output (the LM head's logits), the same bits; -1 as gemm_pairs12.
+int gemm_pairs12_f32(const Pairs12* w, const uint16_t* x, float* y, const uint16_t* bias, int M, int N, int K) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return gemm_pairs12_impl<true, false>(w, x, y, bias, M, N, K);
 #else
     (void)w; (void)x; (void)y; (void)bias; (void)M; (void)N; (void)K;
     return -1;
@@ -3819,7 +3828,7 @@ int gemm_pairs12(const Pairs12* w, const uint16_t* x, uint16_t* y, const uint16_
 int gemm_pairs12_swiglu(const Pairs12* w, const uint16_t* x, uint16_t* act, const uint16_t* bias, int M, int I, int K) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (I % 32) return -1;
-    return gemm_pairs12_impl<true>(w, x, act, bias, M, 2 * I, K);
+    return gemm_pairs12_impl<false, true>(w, x, act, bias, M, 2 * I, K);
 #else
     (void)w; (void)x; (void)act; (void)bias; (void)M; (void)I; (void)K;
     return -1;

@@ -25,6 +25,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 from iterserve import LLM, SamplingParams
 from iterserve.model import kernels, layers
@@ -55,38 +56,75 @@ def main() -> None:
     screen = getattr(next(iter(heads)), "screen", None)
     if screen is None or any(getattr(f, "screen", None) is not screen for f in heads):
         raise SystemExit("no LM head screen on this machine / model (kernels.has_lm_screen)")
-    eng = llm.engine
     rng = random.Random(0)
     sp = SamplingParams(max_tokens=steps_needed, temperature=0, ignore_eos=True)
-    for b in batches:
-        ids = [f"b{b}-{i}" for i in range(b)]
-        for rid in ids:
-            eng.add_request(rid, [rng.randrange(5, eng.vocab_size) for _ in range(128)], sp)
-        for _ in range(8):  # prefills, then a few decode steps
-            eng.step()
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(ns.rounds):
-            for on in (True, False) if r % 2 == 0 else (False, True):
-                for f in heads:
-                    f.screen = screen if on else None
-                ts = []
-                for _ in range(ns.steps):
-                    t = time.perf_counter()
-                    eng.step()
-                    ts.append(time.perf_counter() - t)
-                times[on].append(statistics.median(ts))
+
+    def use(on: bool) -> None:
         for f in heads:
-            f.screen = screen
-        for rid in ids:
-            eng.abort_request(rid)
-        while eng.has_unfinished_requests():
-            eng.step()
-        ratios = [a / b for a, b in zip(times[True], times[False])]
-        print(
-            f"{ns.model} B={b}: screen {statistics.median(times[True]) * 1e3:.3f} ms, "
-            f"without {statistics.median(times[False]) * 1e3:.3f} ms a step; median ratio "
-            f"{statistics.median(ratios):.3f} (rounds: {' '.join(f'{x:.3f}' for x in ratios)})"
-        )
+            f.screen = screen if on else None
+
+    for b in batches:
+        times = alternated_decode_steps(llm, b, ns.rounds, ns.steps, use, sp, rng)
+        report(f"{ns.model} B={b}", ("screen", "without"), times)
+
+
+def alternated_decode_steps(
+    llm: LLM,
+    b: int,
+    rounds: int,
+    steps: int,
+    use: Callable[[bool], None],
+    sp: SamplingParams,
+    rng: random.Random,
+) -> dict[bool, list[float]]:
+    """``b`` requests with 128-token random prompts decoding together under ``sp``; each round
+    times ``steps`` steps after ``use(True)``, then after ``use(False)`` (the order flips every
+    round). The rounds' median step times in seconds, per setting; ``use(True)`` last, and the
+    requests aborted."""
+    eng = llm.engine
+    ids = [f"b{b}-{i}" for i in range(b)]
+    for rid in ids:
+        eng.add_request(rid, [rng.randrange(5, eng.vocab_size) for _ in range(128)], sp)
+    for _ in range(8):  # prefills, then a few decode steps
+        eng.step()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            use(on)
+            ts = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                eng.step()
+                ts.append(time.perf_counter() - t)
+            times[on].append(statistics.median(ts))
+    use(True)
+    for rid in ids:
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return times
+
+
+def alternated_ms(rounds: int, run: Callable[[bool], None]) -> tuple[float, float]:
+    """The median ms of ``run(True)`` and of ``run(False)`` over ``rounds`` rounds, the two
+    alternated (the order flips every round)."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            t = time.perf_counter()
+            run(on)
+            times[on].append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
+def report(label: str, names: tuple[str, str], times: dict[bool, list[float]]) -> None:
+    """One line: each setting's median step and the median of the rounds' ratios."""
+    ratios = [a / b for a, b in zip(times[True], times[False])]
+    print(
+        f"{label}: {names[0]} {statistics.median(times[True]) * 1e3:.3f} ms, {names[1]} "
+        f"{statistics.median(times[False]) * 1e3:.3f} ms a step; median ratio "
+        f"{statistics.median(ratios):.3f} (rounds: {' '.join(f'{x:.3f}' for x in ratios)})"
+    )
 
 
 def kernel_only(model: str, batches: list[int], rounds: int, threads: int) -> None:
@@ -111,17 +149,15 @@ def kernel_only(model: str, batches: list[int], rounds: int, threads: int) -> No
     print(f"{model} LM head {N} x {K}: ms a call, cold (5 copies cycled), median of {rounds}")
     for b in batches:
         x = torch.randn(b, K + K % 2, generator=g).bfloat16()
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(rounds):
-            for on in (True, False) if r % 2 == 0 else (False, True):
-                t = time.perf_counter()
-                for pairs, screen in copies:
-                    if on:
-                        kern.gemm_screen_argmax(x, pairs, screen)
-                    else:
-                        kern.gemm_argmax(x, pairs, N)
-                times[on].append((time.perf_counter() - t) / len(copies) * 1e3)
-        screened, full = statistics.median(times[True]), statistics.median(times[False])
+
+        def run(on: bool, x: torch.Tensor = x) -> None:
+            for pairs, screen in copies:
+                if on:
+                    kern.gemm_screen_argmax(x, pairs, screen)
+                else:
+                    kern.gemm_argmax(x, pairs, N)
+
+        screened, full = (ms / len(copies) for ms in alternated_ms(rounds, run))
         print(
             f"  {b} row(s): gemm_argmax {full:.3f}, gemm_screen_argmax {screened:.3f} "
             f"({screened / full:.2f}x)"

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Any
 
 from iterserve import LLM, SamplingParams
 from iterserve.model import kernels, layers
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from lm_screen import alternated_decode_steps, alternated_ms, report  # noqa: E402
 
 
 def _packed_linears(llm: LLM, rows: list[int], head: bool) -> list[Any]:
@@ -73,18 +77,12 @@ def main() -> None:
     if ns.kernel:
         kernel_only(ns.model, fns, batches, ns.rounds)
         return
-    eng = llm.engine
-    fd = eng.runner.model.fused_decode
+    fd = llm.engine.runner.model.fused_decode
     rng = random.Random(0)
     sp = SamplingParams(
         max_tokens=steps_needed, temperature=ns.temperature, ignore_eos=True, seed=0
     )
     for b in batches:
-        ids = [f"b{b}-{i}" for i in range(b)]
-        for rid in ids:
-            eng.add_request(rid, [rng.randrange(5, eng.vocab_size) for _ in range(128)], sp)
-        for _ in range(8):  # prefills, then a few decode steps
-            eng.step()
         plan = None if fd is None else fd.plan(b)
         saved = [] if plan is None else [[w.p12[i] for i in range(4)] for w in plan]
 
@@ -95,27 +93,8 @@ def main() -> None:
                 for i in range(4):
                     w.p12[i] = ptrs[i] if on else None
 
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(ns.rounds):
-            for on in (True, False) if r % 2 == 0 else (False, True):
-                use(on)
-                ts = []
-                for _ in range(ns.steps):
-                    t = time.perf_counter()
-                    eng.step()
-                    ts.append(time.perf_counter() - t)
-                times[on].append(statistics.median(ts))
-        use(True)
-        for rid in ids:
-            eng.abort_request(rid)
-        while eng.has_unfinished_requests():
-            eng.step()
-        ratios = [a / b for a, b in zip(times[True], times[False])]
-        print(
-            f"{ns.model} B={b}: 12-bit {statistics.median(times[True]) * 1e3:.3f} ms, "
-            f"bf16 {statistics.median(times[False]) * 1e3:.3f} ms a step; median ratio "
-            f"{statistics.median(ratios):.3f} (rounds: {' '.join(f'{x:.3f}' for x in ratios)})"
-        )
+        times = alternated_decode_steps(llm, b, ns.rounds, ns.steps, use, sp, rng)
+        report(f"{ns.model} B={b}", ("12-bit", "bf16"), times)
 
 
 def kernel_only(model: str, fns: list[Any], batches: list[int], rounds: int) -> None:
@@ -131,17 +110,15 @@ def kernel_only(model: str, fns: list[Any], batches: list[int], rounds: int) -> 
     )
     for b in batches:
         xs = {f.p12.K: torch.randn(b, f.p12.K, generator=g).bfloat16() for f in fns}
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(rounds):
-            for on in (True, False) if r % 2 == 0 else (False, True):
-                t = time.perf_counter()
-                for f in fns:
-                    if on:
-                        kern.gemm_pairs12(xs[f.p12.K], f.p12, f.bias)
-                    else:
-                        kern.gemm_pairs(xs[f.p12.K], f.pairs, f.out_features, f.bias)
-                times[on].append((time.perf_counter() - t) * 1e3)
-        p12, full = statistics.median(times[True]), statistics.median(times[False])
+
+        def run(on: bool, xs: dict[int, torch.Tensor] = xs) -> None:
+            for f in fns:
+                if on:
+                    kern.gemm_pairs12(xs[f.p12.K], f.p12, f.bias)
+                else:
+                    kern.gemm_pairs(xs[f.p12.K], f.pairs, f.out_features, f.bias)
+
+        p12, full = alternated_ms(rounds, run)
         print(
             f"  {b} row(s): gemm_pairs {full:.3f} ({bf16_mb / full:.1f} GB/s), gemm_pairs12 "
             f"{p12:.3f} ({p12_mb / p12:.1f} GB/s read; {p12 / full:.2f}x)"

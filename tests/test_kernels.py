@@ -5,6 +5,7 @@ SDPA in test_model.py, and end to end by every token-exact engine test."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,17 @@ def _kern() -> kernels.Kernels:
     kern = kernels.load()
     assert kern is not None, "the C++ kernels did not build (see the warning logged)"
     return kern
+
+
+def _each_thread_count(counts: tuple[int, ...]) -> Iterator[int]:
+    """Sets torch's (and so the kernels') thread count to each of ``counts`` in turn, then back."""
+    threads = torch.get_num_threads()
+    try:
+        for nt in counts:
+            torch.set_num_threads(nt)
+            yield nt
+    finally:
+        torch.set_num_threads(threads)
 
 
 def avx2_kernels() -> kernels.Kernels:
@@ -705,33 +717,28 @@ def test_gemm_screen_argmax_gives_gemm_argmax_tokens() -> None:
     if not kern.has_lm_screen:
         pytest.skip("compiled in only where the CPU has AVX512-BF16 and VNNI")
     g = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
     checked = 0
-    try:
-        for nt in (1, 2, 3):
-            torch.set_num_threads(nt)
-            for N, K in ((70, 7), (1000, 64), (4100, 96), (3000, 576)):
-                w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
-                w[N - 3] = w[5]  # exact ties, across the threads' panel ranges
-                w[N // 2 + 1] = w[5]
-                P = kern.pack_pairs(w)
-                screen = kern.pack_lm_screen(w)
-                assert screen is not None
-                Kp = 2 * -(-K // 2)
-                for M in range(1, LM_SCREEN_MAX_ROWS + 1):
-                    for trial in range(6):
-                        if trial % 3 == 0:
-                            x = torch.randn(M, K, generator=g)
-                        else:  # along weight rows (the tied one in trial 2): near or exact ties
-                            rows = torch.randint(0, N, (M,), generator=g) if trial == 1 else 5
-                            x = w[rows].float().reshape(-1, K).expand(M, K) * 10
-                        xp = F.pad(x.bfloat16(), (0, Kp - K))
-                        want = kern.gemm_argmax(xp, P, N)
-                        got = kern.gemm_screen_argmax(xp, P, screen)
-                        assert got is not None and torch.equal(got, want), (nt, N, K, M, trial)
-                        checked += 1
-    finally:
-        torch.set_num_threads(threads)
+    for nt in _each_thread_count((1, 2, 3)):
+        for N, K in ((70, 7), (1000, 64), (4100, 96), (3000, 576)):
+            w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+            w[N - 3] = w[5]  # exact ties, across the threads' panel ranges
+            w[N // 2 + 1] = w[5]
+            P = kern.pack_pairs(w)
+            screen = kern.pack_lm_screen(w)
+            assert screen is not None
+            Kp = 2 * -(-K // 2)
+            for M in range(1, LM_SCREEN_MAX_ROWS + 1):
+                for trial in range(6):
+                    if trial % 3 == 0:
+                        x = torch.randn(M, K, generator=g)
+                    else:  # along weight rows (the tied one in trial 2): near or exact ties
+                        rows = torch.randint(0, N, (M,), generator=g) if trial == 1 else 5
+                        x = w[rows].float().reshape(-1, K).expand(M, K) * 10
+                    xp = F.pad(x.bfloat16(), (0, Kp - K))
+                    want = kern.gemm_argmax(xp, P, N)
+                    got = kern.gemm_screen_argmax(xp, P, screen)
+                    assert got is not None and torch.equal(got, want), (nt, N, K, M, trial)
+                    checked += 1
     assert checked == 3 * 4 * LM_SCREEN_MAX_ROWS * 6
     # the bound itself: one large element a row makes the int8 step coarse for the others
     # (the copy's argmax is another column in about one row of five), so only the bound keeps
@@ -960,49 +967,44 @@ def test_gemm_pairs12_gives_gemm_pairs_bits() -> None:
     if not kern.has_pairs12:
         pytest.skip("compiled in only where the CPU has AVX512-BF16 and AVX512-BW")
     g = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
     checked = 0
-    try:
-        for nt in (1, 2, 3):
-            torch.set_num_threads(nt)
-            for N, K in ((70, 64), (256, 64), (1000, 96), (192, 1536)):
-                w = (torch.randn(N, K, generator=g) * 0.02).bfloat16()
-                flat = w.view(-1)
-                for value, step, first in (
-                    (0.0, 903, 0), (-0.0, 1497, 3), (1e-39, 2103, 5), (40.0, 633, 7),
-                    (float("nan"), 2991, 11), (float("-inf"), 4497, 13), (-3e-8, 1167, 17),
-                ):  # fmt: skip
-                    flat[first::step] = value
-                p12 = kern.pack_pairs12(w)
-                assert p12 is not None and p12.exc_start[-1] > 0
-                high = (w.view(torch.int16) >> 8).int() & 127
-                outside = ((high < p12.base) | (high >= p12.base + 8)).sum()
-                assert int(p12.exc_start[-1]) == int(outside)
-                P = kern.pack_pairs(w)
-                for M in range(1, PAIRS12_MAX_ROWS + 2):
-                    x = torch.randn(M, K, generator=g).bfloat16()
-                    for b in (None, torch.randn(N, generator=g).bfloat16()):
-                        got = kern.gemm_pairs12(x, p12, b)
-                        if M > PAIRS12_MAX_ROWS:
-                            assert got is None
-                            continue
-                        want = kern.gemm_pairs(x, P, N, b)
-                        assert got is not None
-                        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
-                            nt, N, K, M,
-                        )  # fmt: skip
-                        got32 = kern.gemm_pairs12(x, p12, b, out_f32=True)
-                        want32 = kern.gemm_pairs(x, P, N, b, out_f32=True)
-                        assert got32 is not None and got32.dtype == torch.float32
-                        assert torch.equal(got32.view(torch.int32), want32.view(torch.int32))
-                        if N % 64 == 0:
-                            act = kern.gemm_swiglu12(x, p12, b)
-                            want_act = kern.gemm_swiglu(x, P, N // 2, b)
-                            assert act is not None and want_act is not None
-                            assert torch.equal(act.view(torch.int16), want_act.view(torch.int16))
-                        checked += 1
-    finally:
-        torch.set_num_threads(threads)
+    for nt in _each_thread_count((1, 2, 3)):
+        for N, K in ((70, 64), (256, 64), (1000, 96), (192, 1536)):
+            w = (torch.randn(N, K, generator=g) * 0.02).bfloat16()
+            flat = w.view(-1)
+            for value, step, first in (
+                (0.0, 903, 0), (-0.0, 1497, 3), (1e-39, 2103, 5), (40.0, 633, 7),
+                (float("nan"), 2991, 11), (float("-inf"), 4497, 13), (-3e-8, 1167, 17),
+            ):  # fmt: skip
+                flat[first::step] = value
+            p12 = kern.pack_pairs12(w)
+            assert p12 is not None and p12.exc_start[-1] > 0
+            high = (w.view(torch.int16) >> 8).int() & 127
+            outside = ((high < p12.base) | (high >= p12.base + 8)).sum()
+            assert int(p12.exc_start[-1]) == int(outside)
+            P = kern.pack_pairs(w)
+            for M in range(1, PAIRS12_MAX_ROWS + 2):
+                x = torch.randn(M, K, generator=g).bfloat16()
+                for b in (None, torch.randn(N, generator=g).bfloat16()):
+                    got = kern.gemm_pairs12(x, p12, b)
+                    if M > PAIRS12_MAX_ROWS:
+                        assert got is None
+                        continue
+                    want = kern.gemm_pairs(x, P, N, b)
+                    assert got is not None
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+                        nt, N, K, M,
+                    )  # fmt: skip
+                    got32 = kern.gemm_pairs12(x, p12, b, out_f32=True)
+                    want32 = kern.gemm_pairs(x, P, N, b, out_f32=True)
+                    assert got32 is not None and got32.dtype == torch.float32
+                    assert torch.equal(got32.view(torch.int32), want32.view(torch.int32))
+                    if N % 64 == 0:
+                        act = kern.gemm_swiglu12(x, p12, b)
+                        want_act = kern.gemm_swiglu(x, P, N // 2, b)
+                        assert act is not None and want_act is not None
+                        assert torch.equal(act.view(torch.int16), want_act.view(torch.int16))
+                    checked += 1
     assert checked == 3 * 4 * PAIRS12_MAX_ROWS * 2
     # windows at either end (zeros, denormals, infinities and NaN as codes, not exceptions), and
     # exceptions in the last k pair of the last, padded panel

@@ -106,6 +106,16 @@ def _available_memory() -> int | None:
     return None
 
 
+def _within_half_free(need: int, refusal: str) -> bool:
+    """Whether a weight copy of ``need`` bytes takes at most half the free memory (else it logs
+    ``refusal`` with the copy's MB); True where the free memory is unknown."""
+    free = _available_memory()
+    if free is not None and need > free // 2:
+        logger.info(refusal, need >> 20)
+        return False
+    return True
+
+
 # The names live in one place (iterserve.config); each is also torch's attribute name.
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config.DTYPES}
 
@@ -445,28 +455,18 @@ class ModelRunner:
             return True
         if flags and not needs_upcast(self.dtype):
             return False
-        need = self.model.linear_weight_bytes()
-        free = _available_memory()
-        if free is not None and need > free // 2:
-            logger.info(
-                "not packing weights: their f32 copy (%d MB) exceeds half the free memory",
-                need >> 20,
-            )
-            return False
-        return True
+        return _within_half_free(
+            self.model.linear_weight_bytes(),
+            "not packing weights: their f32 copy (%d MB) exceeds half the free memory",
+        )
 
     def _pairs12_fit(self) -> bool:
         """Whether the 12-bit weight copies (3/4 of the GEMM weights' bf16 bytes: 3/8 of their
         f32 size) take at most half the free memory."""
-        need = self.model.linear_weight_bytes() * 3 // 8
-        free = _available_memory()
-        if free is not None and need > free // 2:
-            logger.info(
-                "no 12-bit weight copies: they (%d MB) would exceed half the free memory",
-                need >> 20,
-            )
-            return False
-        return True
+        return _within_half_free(
+            self.model.linear_weight_bytes() * 3 // 8,
+            "no 12-bit weight copies: they (%d MB) would exceed half the free memory",
+        )
 
     def reset_kv_cache(self) -> None:
         """Zero every slot (after a failed step, whose partial writes must not leak)."""

@@ -90,8 +90,6 @@ LM_HEAD_FORMS = ("screen", "full")
 # dot-product pair GEMM runs them (the same bits), or on the bf16 weights alone (3/4 of those
 # weights' memory less).
 W12_FORMS = ("on", "off")
-# the keys ``flags`` takes beside it (the others fix a path, which the flag rules choose)
-FLAGS_KEYS = ("lmhead", "w12")
 SETTING_FORMS = (
     "ITERSERVE_KERNELS must be 0 (torch's kernels only), 1 or measure (time the paths at first "
     "start, cached; the default), flags (the CPU-flag rules), or any of gemm=<"
@@ -106,8 +104,7 @@ SETTING_FORMS = (
     + "|".join(LM_HEAD_FORMS)
     + ">, w12=<"
     + "|".join(W12_FORMS)
-    + "> joined by a comma (e.g. gemm=panels,attn=cpu), or flags with lmhead and w12 (e.g. "
-    "flags,w12=off)"
+    + "> joined by a comma (e.g. gemm=panels,attn=cpu)"
 )
 
 
@@ -139,14 +136,8 @@ def parse_setting(value: str) -> Setting:
     if v == "flags":
         return Setting(mode="flags")
     fixed: dict[str, str] = {}
-    parts = [p.strip() for p in v.split(",")]
-    flags = "flags" in parts
-    if flags:  # the CPU-flag rules, with the keys that are not a path choice
-        parts.remove("flags")
-    for part in parts:
+    for part in v.split(","):
         key, eq, path = (s.strip() for s in part.partition("="))
-        if flags and key not in FLAGS_KEYS:
-            raise ValueError(f"{SETTING_FORMS}; got {value!r}")
         allowed = {
             "gemm": GEMM_PATHS, "attn": ATTN_PATHS, "prefill": PREFILL_PATHS, "glu": GLU_FORMS,
             "lmhead": LM_HEAD_FORMS, "w12": W12_FORMS,
@@ -155,7 +146,6 @@ def parse_setting(value: str) -> Setting:
             raise ValueError(f"{SETTING_FORMS}; got {value!r}")
         fixed[key] = path
     return Setting(
-        mode="flags" if flags else "measure",
         gemm=fixed.get("gemm"),
         attn=fixed.get("attn"),
         prefill=fixed.get("prefill"),

@@ -989,6 +989,7 @@ def test_gemm_pairs12_gives_gemm_pairs_bits() -> None:
                     got = kern.gemm_pairs12(x, p12, b)
                     if M > PAIRS12_MAX_ROWS:
                         assert got is None
+                        assert kern.gemm_pairs12(x, p12, b, out_f32=True) is None
                         continue
                     want = kern.gemm_pairs(x, P, N, b)
                     assert got is not None

@@ -1455,6 +1455,11 @@ def test_the_12bit_weights_give_the_same_bits_and_follow_iterserve_kernels(
         for key, r in runners.items():
             for (ka, va), (kb, vb) in zip(r.kv_caches, runners["off", "plain"].kv_caches):
                 assert torch.equal(ka, kb) and torch.equal(va, vb), (key, n)
+        # a greedy step's LM head takes its int8 screen, not its 12-bit copy (the same tokens)
+        calls.clear()
+        tokens = runners["on", "plain"].execute(step, greedy=True)
+        assert torch.equal(tokens, want.argmax(-1))
+        assert calls == ([True] * layer_calls if n <= 4 else [])
     # the fused step reads the copies themselves: one code changed, another qkv weight value
     qkv12 = for_rows(runners["on", "fused"].model.layers[0].qkv, 1).p12
     assert qkv12 is not None
@@ -1477,9 +1482,23 @@ def test_the_12bit_weights_give_the_same_bits_and_follow_iterserve_kernels(
         assert (packed == []) == (dtype == "float32") and all(packed)
     # nor where the copies would take more than half the free memory
     monkeypatch.setenv("ITERSERVE_KERNELS", "gemm=pairs,attn=cpu,prefill=torch")
+    model = case("llama").runner(dtype="bfloat16", cache_config=cc).model
     monkeypatch.setattr("iterserve.model.runner._available_memory", lambda: 4096)
     runner = case("llama").runner(dtype="bfloat16", cache_config=cc)
     assert for_rows(runner.model.layers[0].qkv, 1).p12 is None
+    assert for_rows(runner.model.lm_head, 1).p12 is None
+    # room for the layers' copies (3/8 of their f32 bytes) but not the LM head's as well: the
+    # layers keep theirs
+    layers12 = [
+        getattr(layer, n).p12 for layer in model.layers for n in ("qkv", "o", "gate_up", "down")
+    ]
+    head12 = for_rows(model.lm_head, 1).p12
+    need = sum(p.N * p.K * 3 // 2 for p in layers12)
+    free = 2 * need + head12.N * head12.K * 3 // 2
+    monkeypatch.setattr("iterserve.model.runner._available_memory", lambda: free)
+    runner = case("llama").runner(dtype="bfloat16", cache_config=cc)
+    assert for_rows(runner.model.layers[0].qkv, 1).p12 is not None
+    assert for_rows(runner.model.lm_head, 1).p12 is None
 
 
 def test_fused_decode_runs_its_plan_as_it_stands(

@@ -13,8 +13,8 @@ and caches the choice; ``flags`` uses the fixed CPU-flag rules; ``gemm=<path>``,
 ``attn=<path>`` (decode attention) and ``prefill=<path>`` (comma-joined) fix a path for every
 row count, ``glu=<form>`` gate_up's SwiGLU form on the pair GEMM, and ``lmhead=full`` keeps the
 LM head's greedy argmax off its int8 screen (``lmhead=screen``, the default: the screen where
-it can run), ``w12=off`` keeps the layers' GEMMs off their 12-bit copies (``w12=on``, the
-default: those copies at 1-4 rows where they run); ``0``: torch's kernels only (the torch paths
+it can run), ``w12=off`` keeps the GEMMs off their 12-bit copies (``w12=on``, the default:
+those copies at 1-4 rows where they run); ``0``: torch's kernels only (the torch paths
 still measured).
 """
 
@@ -86,9 +86,10 @@ GLU_FORMS = ("epilogue", "separate")
 # The LM head's greedy argmax at 1 to LM_SCREEN_MAX_ROWS rows: through its int8 screen where it
 # can run (the same tokens), or always the full bf16 GEMM (half the head's memory less).
 LM_HEAD_FORMS = ("screen", "full")
-# The decoder layers' GEMMs at 1 to PAIRS12_MAX_ROWS rows: on their 12-bit copies where the
-# dot-product pair GEMM runs them (the same bits), or on the bf16 weights alone (3/4 of those
-# weights' memory less).
+# The GEMMs at 1 to PAIRS12_MAX_ROWS rows (the layers', and the LM head's logits): on their
+# 12-bit copies where the dot-product pair GEMM runs them (the same bits), or on the bf16
+# weights alone (3/4 of those weights' memory less). Never under flags, which builds no pair
+# GEMM.
 W12_FORMS = ("on", "off")
 SETTING_FORMS = (
     "ITERSERVE_KERNELS must be 0 (torch's kernels only), 1 or measure (time the paths at first "
@@ -114,7 +115,7 @@ class Setting:
     flags; ``gemm`` / ``attn`` / ``prefill`` fix that path, ``glu`` the SwiGLU's form on the
     pair GEMM, dot products or AMX (None: measured); ``lm_head`` "full" keeps the LM head's
     greedy argmax off its int8 screen (None: the screen where it can run); ``w12`` "off" keeps
-    the layers' GEMMs on their bf16 weights alone (None: 12-bit copies where they run)."""
+    the GEMMs on their bf16 weights alone (None: 12-bit copies where they run)."""
 
     enabled: bool = True
     mode: str = "measure"

@@ -114,9 +114,10 @@ class Strategies:
     # the LM head's greedy argmax on its int8 screen where it can run (ITERSERVE_KERNELS'
     # lmhead=full: never)
     lm_screen: bool = True
-    # the GEMMs (layers' and LM head's) also in 12 bits for 1-4-row steps where the
-    # dot-product pair GEMM runs them (ITERSERVE_KERNELS' w12=off: never)
+    # the layers' GEMMs, and the LM head's (for its logits), also in 12 bits for 1-4-row
+    # steps where the dot-product pair GEMM runs them (ITERSERVE_KERNELS' w12=off: never)
     pairs12: bool = True
+    pairs12_head: bool = True
 
     def make_linear(self, kind: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
         if self.linear is not None:
@@ -240,15 +241,15 @@ class DecoderModel(nn.Module):
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         )
 
-    def linear_weight_bytes(self) -> int:
-        """Elements of every GEMM weight (projections and LM head) times 4: their f32 size
-        (before ``select_strategies``)."""
+    def linear_weight_bytes(self, lm_head: bool = True) -> int:
+        """Elements of every GEMM weight (projections and, with ``lm_head``, the LM head)
+        times 4: their f32 size (before ``select_strategies``)."""
         n = sum(
             getattr(layer, f"{name}_proj").numel()
             for layer in self.layers
             for name in DecoderLayer.LINEARS
         )
-        return 4 * (n + self.lm_head.numel())
+        return 4 * (n + (self.lm_head.numel() if lm_head else 0))
 
     def select_strategies(self, s: Strategies) -> None:
         """Decides, once, how every GEMM, norm, rotary, activation and attention runs, by
@@ -262,7 +263,9 @@ class DecoderModel(nn.Module):
         self.lm_head = s.make_linear("lm_head", w, None)
         # the LM head's too, for its logits (greedy steps take the int8 screen below first)
         head12 = (
-            attach_pairs12(self.lm_head, w) if s.pairs12 and w.dtype == torch.bfloat16 else None
+            attach_pairs12(self.lm_head, w)
+            if s.pairs12_head and w.dtype == torch.bfloat16
+            else None
         )
         if packed or head12 is not None:
             logger.info(

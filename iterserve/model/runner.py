@@ -220,10 +220,20 @@ class ModelRunner:
             strategies = self._measured_strategies(
                 setting, kern, fused, cache_config.block_size, max_num_batched_tokens
             )
+        # 12-bit copies only where a pair GEMM can read them (flags' rules build none)
+        want12 = (
+            setting.w12 != "off"
+            and setting.mode != "flags"
+            and self.dtype == torch.bfloat16
+            and kern is not None
+            and kern.has_pairs12
+        )
+        layers12 = want12 and self._pairs12_fit(lm_head=False)
         strategies = replace(
             strategies,
             lm_screen=setting.lm_head != "full",
-            pairs12=setting.w12 != "off" and self.dtype == torch.bfloat16 and self._pairs12_fit(),
+            pairs12=layers12,
+            pairs12_head=layers12 and self._pairs12_fit(lm_head=True),
         )
         with torch.inference_mode():
             self.model.select_strategies(strategies)
@@ -460,12 +470,13 @@ class ModelRunner:
             "not packing weights: their f32 copy (%d MB) exceeds half the free memory",
         )
 
-    def _pairs12_fit(self) -> bool:
-        """Whether the 12-bit weight copies (3/4 of the GEMM weights' bf16 bytes: 3/8 of their
-        f32 size) take at most half the free memory."""
+    def _pairs12_fit(self, lm_head: bool) -> bool:
+        """Whether the layers' 12-bit weight copies (3/4 of their bf16 bytes: 3/8 of their f32
+        size), with ``lm_head`` the LM head's too, take at most half the free memory."""
         return _within_half_free(
-            self.model.linear_weight_bytes() * 3 // 8,
-            "no 12-bit weight copies: they (%d MB) would exceed half the free memory",
+            self.model.linear_weight_bytes(lm_head) * 3 // 8,
+            "no 12-bit copies of the layers' GEMM weights%s: they (%%d MB) would exceed half "
+            "the free memory" % (" and the LM head" if lm_head else ""),
         )
 
     def reset_kv_cache(self) -> None:

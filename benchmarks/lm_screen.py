@@ -31,26 +31,44 @@ from iterserve import LLM, SamplingParams
 from iterserve.model import kernels, layers
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def ab_parser(doc: str | None, kernel_help: str) -> argparse.ArgumentParser:
+    """The options of an on / off decode-step comparison (this script's, pairs12.py's)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="bench-134m")
     ap.add_argument("--batches", default="1,2,4")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=20, help="steps a half round")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kernel", action="store_true", help="the two kernels alone")
-    ns = ap.parse_args()
+    ap.add_argument("--kernel", action="store_true", help=kernel_help)
+    return ap
+
+
+def ab_batches(ns: argparse.Namespace, max_rows: int, what: str) -> list[int]:
+    """``--batches``, each from 1 to ``max_rows`` (else exits saying so)."""
     batches = [int(b) for b in ns.batches.split(",") if b]
-    if any(not 1 <= b <= kernels.LM_SCREEN_MAX_ROWS for b in batches):
-        raise SystemExit(f"--batches: the screen runs at 1 to {kernels.LM_SCREEN_MAX_ROWS} rows")
-    if ns.kernel:
-        kernel_only(ns.model, batches, ns.rounds, ns.threads)
-        return
+    if any(not 1 <= b <= max_rows for b in batches):
+        raise SystemExit(f"--batches: {what} at 1 to {max_rows} rows")
+    return batches
+
+
+def ab_llm(ns: argparse.Namespace) -> tuple[LLM, int]:
+    """A bf16 engine whose requests live through all of ``ns``' rounds, and the tokens they
+    need (prefix caching off: no request's prefill served from another's)."""
     steps_needed = 8 + 2 * ns.rounds * ns.steps
     llm = LLM(
         ns.model, dtype="bfloat16", num_threads=ns.threads, seed=0,
         enable_prefix_caching=False, max_model_len=128 + steps_needed + 8,
     )  # fmt: skip
+    return llm, steps_needed
+
+
+def main() -> None:
+    ns = ab_parser(__doc__, "the two kernels alone").parse_args()
+    batches = ab_batches(ns, kernels.LM_SCREEN_MAX_ROWS, "the screen runs")
+    if ns.kernel:
+        kernel_only(ns.model, batches, ns.rounds, ns.threads)
+        return
+    llm, steps_needed = ab_llm(ns)
     lm_head = llm.engine.runner.model.lm_head
     heads = {id(f): f for f in (layers.for_rows(lm_head, r) for r in batches)}.values()
     screen = getattr(next(iter(heads)), "screen", None)

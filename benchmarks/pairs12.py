@@ -21,7 +21,6 @@ layer's, more bytes than the caches hold) on random rows, ``gemm_pairs`` against
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -32,7 +31,14 @@ from iterserve.model import kernels, layers
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from lm_screen import alternated_decode_steps, alternated_ms, report  # noqa: E402
+from lm_screen import (  # noqa: E402
+    ab_batches,
+    ab_llm,
+    ab_parser,
+    alternated_decode_steps,
+    alternated_ms,
+    report,
+)
 
 
 def _packed_linears(llm: LLM, rows: list[int], head: bool) -> list[Any]:
@@ -50,26 +56,14 @@ def _packed_linears(llm: LLM, rows: list[int], head: bool) -> list[Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="bench-134m")
-    ap.add_argument("--batches", default="1,2,4")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--steps", type=int, default=20, help="steps a half round")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kernel", action="store_true", help="the layers' GEMMs alone")
+    ap = ab_parser(__doc__, "the layers' GEMMs alone")
     ap.add_argument(
         "--temperature", type=float, default=0.0,
         help="sampled steps (> 0) compute the LM head's logits, on its 12-bit copy too",
     )  # fmt: skip
     ns = ap.parse_args()
-    batches = [int(b) for b in ns.batches.split(",") if b]
-    if any(not 1 <= b <= kernels.PAIRS12_MAX_ROWS for b in batches):
-        raise SystemExit(f"--batches: 12-bit copies run at 1 to {kernels.PAIRS12_MAX_ROWS} rows")
-    steps_needed = 8 + 2 * ns.rounds * ns.steps
-    llm = LLM(
-        ns.model, dtype="bfloat16", num_threads=ns.threads, seed=0,
-        enable_prefix_caching=False, max_model_len=128 + steps_needed + 8,
-    )  # fmt: skip
+    batches = ab_batches(ns, kernels.PAIRS12_MAX_ROWS, "12-bit copies run")
+    llm, steps_needed = ab_llm(ns)
     fns = _packed_linears(llm, batches, head=not ns.kernel)
     if not fns:
         raise SystemExit("no 12-bit weight copies on this machine / model (kernels.has_pairs12)")
